@@ -1,0 +1,130 @@
+# Test, example and benchmark targets. Every source file is picked up by a CONFIGURE_DEPENDS glob,
+# so adding a file needs no CMake edit (the next build re-runs the configure step).
+#
+# Naming (one executable and one ctest per file):
+#   tests/unit/test_foo.cpp        target unit_test_foo         ctest unit.test_foo
+#                                  binary <build>/tests/unit/test_foo          label unit
+#   tests/integration/test_bar.cpp target integration_test_bar  ctest integration.test_bar
+#                                  binary <build>/tests/integration/test_bar   label integration
+#   tests/gpu/baz.{cpp,cu}         target gpu_baz               ctest gpu.baz (CUDA builds only)
+#                                  binary <build>/tests/gpu/baz     label gpu, exit 77 = skipped
+#   examples/demo.cpp              target demo                  binary <build>/examples/demo
+#   bench/bench_x.cpp              target bench_x               binary <build>/bench/bench_x
+#   (install test)                 ctest install.find_package   labels unit;install
+
+# tests/support/*.cpp (except catch_main.cpp) -> shadowsync_testkit: the fake engine, the oracle and
+# other helpers shared by tests, examples and benchmarks. It must not depend on Catch2 (the demo
+# links it). White-box tests may include private headers from plugin/ through it.
+function(shadowsync_add_testkit)
+  file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/tests/support/*.cpp")
+  list(FILTER sources EXCLUDE REGEX "/catch_main\\.cpp$")
+  if(sources)
+    add_library(shadowsync_testkit STATIC ${sources})
+    set(scope PUBLIC)
+  else()
+    add_library(shadowsync_testkit INTERFACE)
+    set(scope INTERFACE)
+  endif()
+  target_include_directories(shadowsync_testkit ${scope}
+    "${PROJECT_SOURCE_DIR}/tests/support"
+    "${PROJECT_SOURCE_DIR}/plugin")
+  target_include_directories(shadowsync_testkit SYSTEM ${scope}
+    "${SHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR}")
+  target_link_libraries(shadowsync_testkit ${scope} shadowsync::shadowsync)
+endfunction()
+
+# tests/support/catch_main.cpp -> object libraries holding Catch2's main(), compiled once and
+# linked into every test (Catch's main is the slowest file to compile). The GPU variant returns 77
+# (ctest: skipped) when no CUDA device is usable.
+function(shadowsync_add_catch_main)
+  set(source "${PROJECT_SOURCE_DIR}/tests/support/catch_main.cpp")
+  add_library(shadowsync_catch_main OBJECT "${source}")
+  target_link_libraries(shadowsync_catch_main PUBLIC Catch2::Catch2)
+  target_compile_features(shadowsync_catch_main PUBLIC cxx_std_20)
+  if(SHADOWSYNC_CUDA_ENABLED)
+    add_library(shadowsync_catch_main_gpu OBJECT "${source}")
+    target_compile_definitions(shadowsync_catch_main_gpu PRIVATE SHADOWSYNC_GPU_TEST_MAIN=1)
+    target_link_libraries(shadowsync_catch_main_gpu PUBLIC Catch2::Catch2 CUDA::cudart)
+    target_compile_features(shadowsync_catch_main_gpu PUBLIC cxx_std_20)
+  endif()
+endfunction()
+
+# One executable + one ctest per file of tests/<kind>/.
+function(shadowsync_add_tests kind timeout)
+  if(kind STREQUAL "gpu")
+    file(GLOB sources CONFIGURE_DEPENDS
+      "${PROJECT_SOURCE_DIR}/tests/gpu/*.cpp" "${PROJECT_SOURCE_DIR}/tests/gpu/*.cu")
+  else()
+    file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/tests/${kind}/test_*.cpp")
+  endif()
+  foreach(source IN LISTS sources)
+    get_filename_component(stem "${source}" NAME_WLE)
+    set(target "${kind}_${stem}")
+    add_executable(${target} "${source}")
+    target_link_libraries(${target} PRIVATE shadowsync_testkit Catch2::Catch2)
+    set_target_properties(${target} PROPERTIES
+      OUTPUT_NAME "${stem}"
+      RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/tests/${kind}")
+    set(main shadowsync_catch_main)
+    if(kind STREQUAL "gpu")
+      set(main shadowsync_catch_main_gpu)
+      set_target_properties(${target} PROPERTIES
+        CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
+    endif()
+    # A GPU test may bring its own main() (CATCH_CONFIG_RUNNER) to decide itself when to skip.
+    file(STRINGS "${source}" own_main
+      REGEX "CATCH_CONFIG_RUNNER|CATCH_CONFIG_MAIN|^[ \t]*int[ \t]+main[ \t]*\\(")
+    if(NOT own_main)
+      target_link_libraries(${target} PRIVATE ${main})
+    endif()
+    add_test(NAME "${kind}.${stem}" COMMAND ${target})
+    set_tests_properties("${kind}.${stem}" PROPERTIES LABELS "${kind}" TIMEOUT ${timeout})
+    if(kind STREQUAL "gpu")
+      set_tests_properties("${kind}.${stem}" PROPERTIES SKIP_RETURN_CODE 77)
+    endif()
+  endforeach()
+endfunction()
+
+# One executable per <dir>/*.cpp, named after the file, in <build>/<dir>/.
+function(shadowsync_add_programs dir)
+  file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${dir}/*.cpp")
+  foreach(source IN LISTS sources)
+    get_filename_component(stem "${source}" NAME_WLE)
+    if(TARGET ${stem})
+      message(FATAL_ERROR "shadowsync: ${dir}/${stem}.cpp: a target named '${stem}' already "
+        "exists; rename the file")
+    endif()
+    add_executable(${stem} "${source}")
+    target_link_libraries(${stem} PRIVATE shadowsync_testkit)
+    set_target_properties(${stem} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/${dir}")
+  endforeach()
+endfunction()
+
+# Installs the build into a scratch prefix and builds tests/install_consumer against it through
+# find_package(shadowsync): checks the exported targets, the config and the installed headers.
+function(shadowsync_add_install_test)
+  # Hand the consumer the exact dependencies this build used (lists joined with '|' to survive
+  # add_test's argument handling).
+  string(REPLACE ";" "|" prefix_path "${CMAKE_PREFIX_PATH}")
+  set(hints "fmt_DIR=${fmt_DIR}")
+  if(SHADOWSYNC_CUDA_ENABLED)
+    get_filename_component(cuda_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)
+    list(APPEND hints
+      "CUDAToolkit_ROOT=${cuda_root}"
+      "NCCL_INCLUDE_DIR=${NCCL_INCLUDE_DIR}"
+      "NCCL_LIBRARY=${NCCL_LIBRARY}")
+  endif()
+  string(REPLACE ";" "|" hints "${hints}")
+  add_test(NAME install.find_package
+    COMMAND "${CMAKE_COMMAND}"
+      "-DSHADOWSYNC_BUILD_DIR=${PROJECT_BINARY_DIR}"
+      "-DCONSUMER_SOURCE_DIR=${PROJECT_SOURCE_DIR}/tests/install_consumer"
+      "-DWORK_DIR=${PROJECT_BINARY_DIR}/install_consumer"
+      "-DCONFIG=$<CONFIG>"
+      "-DGENERATOR=${CMAKE_GENERATOR}"
+      "-DCXX_COMPILER=${CMAKE_CXX_COMPILER}"
+      "-DPREFIX_PATH=${prefix_path}"
+      "-DHINTS=${hints}"
+      -P "${PROJECT_SOURCE_DIR}/cmake/RunInstallConsumerTest.cmake")
+  set_tests_properties(install.find_package PROPERTIES LABELS "unit;install" TIMEOUT 300)
+endfunction()

@@ -1,0 +1,97 @@
+// The device backend: memory, streams, events and asynchronous copies. The receiver, sender and
+// step hook are written once against this interface. CudaBackend is the real one; HostBackend
+// gives the same asynchronous semantics on the CPU so that ordering bugs show up in CPU tests.
+//
+// Semantics every backend honours (those of CUDA):
+// * work enqueued on one stream runs in order; enqueueing returns at once;
+// * event_record captures all work enqueued on the stream so far; an event never recorded counts
+//   as complete; recording again replaces what the event captures;
+// * stream_wait_event makes later work on the stream wait for what the event captured at the
+//   time of the call (a later re-record does not change it).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string_view>
+
+namespace shadowsync {
+
+class Stream {
+ public:
+  virtual ~Stream() = default;
+};
+
+class Event {
+ public:
+  virtual ~Event() = default;
+};
+
+enum class StreamPriority {
+  kNormal,
+  kLow,  // the receiver's stream: weight transfers yield to the engine's decode kernels
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string_view name() const = 0;  // "host", "cuda"
+
+  // Device memory, zero-filled. Throws Error(kBackend) naming the size on failure. Thread-safe.
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void deallocate(void* ptr) noexcept = 0;  // Thread-safe.
+  virtual std::size_t bytes_allocated() const = 0;  // Live bytes from allocate(). Thread-safe.
+
+  virtual std::unique_ptr<Stream> create_stream(StreamPriority priority) = 0;
+  virtual std::unique_ptr<Event> create_event() = 0;
+
+  // Enqueue on `stream`; return at once. An event or stream is used by one thread at a time.
+  virtual void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) = 0;
+  virtual void event_record(Event& event, Stream& stream) = 0;
+  virtual void stream_wait_event(Stream& stream, Event& event) = 0;
+
+  // Host side.
+  virtual bool event_query(Event& event) = 0;  // true once the captured work completed
+  // Blocks until the event completes or `timeout` passes; returns event_query().
+  virtual bool event_wait_for(Event& event, std::chrono::nanoseconds timeout) = 0;
+  virtual void stream_synchronize(Stream& stream) = 0;
+};
+
+// RAII owner of a backend allocation.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend& backend, std::size_t bytes)
+      : backend_(&backend), ptr_(backend.allocate(bytes)), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      backend_ = other.backend_;
+      ptr_ = other.ptr_;
+      bytes_ = other.bytes_;
+      other.ptr_ = nullptr;
+      other.bytes_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { reset(); }
+
+  void reset() noexcept {
+    if (ptr_ != nullptr) backend_->deallocate(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  std::byte* data() const { return static_cast<std::byte*>(ptr_); }
+  std::size_t size() const { return bytes_; }
+
+ private:
+  Backend* backend_ = nullptr;
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace shadowsync

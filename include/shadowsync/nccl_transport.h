@@ -1,0 +1,138 @@
+// NcclTransport: the Transport interface on a nonblocking NCCL communicator.
+//
+// Nonblocking (ncclConfig_t::blocking = 0) because no NCCL call may trap the receiver thread:
+// every call returns at once, possibly with ncclInProgress, and this class polls the
+// communicator's state against a deadline. When a deadline passes or NCCL reports an error, the
+// communicator is aborted (ncclCommAbort) and the call throws; the transport is dead afterwards,
+// and the next rendezvous needs a new one (a new NcclUniqueId).
+//
+// This header does not include nccl.h or cuda_runtime.h.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "shadowsync/transport.h"
+
+struct ncclComm;  // NCCL's opaque communicator: ncclComm_t is ncclComm*.
+
+namespace shadowsync {
+
+// The rendezvous token of one communicator (ncclUniqueId's 128 bytes). Rank 0's side makes it
+// with generate() and sends it to every rank over the control plane; it is plain bytes.
+struct NcclUniqueId {
+  static constexpr std::size_t kSize = 128;  // NCCL_UNIQUE_ID_BYTES; checked in the .cpp
+  std::array<std::byte, kSize> bytes{};
+
+  // ncclGetUniqueId. Opens a listening socket for the bootstrap in this process, so call it on
+  // the side that will take part as a rank. Throws Error(kTransport). Thread-safe.
+  static NcclUniqueId generate();
+
+  friend bool operator==(const NcclUniqueId&, const NcclUniqueId&) = default;
+};
+
+struct NcclTransportConfig {
+  // Bounds on the CTAs (thread blocks, one per SM) each NCCL kernel uses; 0 leaves NCCL's default.
+  // A low max_ctas leaves SMs to the engine's decode kernels while a transfer runs, at some cost
+  // in bandwidth (NVLink broadcast reaches ~360 GB/s with NCCL's default channel count on H200).
+  int max_ctas = 0;
+  int min_ctas = 0;
+  // Thread-block cluster size of NCCL kernels on sm_90+; 0 leaves NCCL's default. (NCCL itself
+  // reads 0 as "no clusters"; to get that, set NCCL_CGA_CLUSTER_SIZE=0 in the environment.)
+  int cga_cluster_size = 0;
+
+  // How long create() waits for every rank to join. Generous: ranks start at different times
+  // (a trainer loading its checkpoint, an engine compiling CUDA graphs).
+  std::chrono::milliseconds init_timeout{std::chrono::minutes(5)};
+  // How long a broadcast or group_end waits for NCCL to finish enqueueing (ncclInProgress). The
+  // first collective connects the ranks' peers lazily, which needs every rank to make that call,
+  // so this is a bound on how far apart ranks start a transfer, not on the transfer itself (a
+  // transfer is bounded by the caller's wait on its event).
+  std::chrono::milliseconds enqueue_timeout{std::chrono::minutes(2)};
+  // How long the destructor lets ncclCommFinalize flush outstanding work before it aborts instead.
+  std::chrono::milliseconds finalize_timeout{std::chrono::seconds(30)};
+};
+
+class NcclTransport final : public Transport {
+ public:
+  // Joins communicator `id` as `rank` of `world_size` on CUDA device `device`: every rank calls
+  // this with the same id and world_size. Blocks until all ranks joined or config.init_timeout
+  // passed (then aborts and throws Error(kTimeout)). NCCL failures throw Error(kTransport), bad
+  // arguments Error(kInvalidArgument). Sets NCCL_NVLS_ENABLE=0 unless the environment sets it.
+  // Makes `device` current on the calling thread.
+  static std::unique_ptr<NcclTransport> create(const NcclUniqueId& id, int rank, int world_size,
+                                               int device, NcclTransportConfig config = {});
+
+  // ncclCommFinalize (bounded by finalize_timeout) then ncclCommDestroy; ncclCommAbort instead
+  // when finalizing fails or times out; nothing more after abort(). No other call may be running.
+  ~NcclTransport() override;
+
+  NcclTransport(const NcclTransport&) = delete;
+  NcclTransport& operator=(const NcclTransport&) = delete;
+
+  std::string_view name() const override { return "nccl"; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  int device() const noexcept { return device_; }
+
+  // ncclBroadcast in place (sendbuff == recvbuff) of `bytes` bytes on `stream`, which must come
+  // from a CudaBackend of this transport's device. Outside a group, returns once NCCL has
+  // enqueued the work (polling ncclInProgress against enqueue_timeout); inside a group, once
+  // NCCL has queued it for group_end(). Throws Error(kInvalidArgument) for a bad root or stream,
+  // Error(kTransport) for an NCCL failure or an aborted transport, Error(kTimeout) when
+  // enqueueing passed its deadline (the transport is aborted then). Owner thread only.
+  void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override;
+
+  // ncclGroupStart / ncclGroupEnd. group_end() polls ncclInProgress like broadcast_async and
+  // throws like it. group_end() must follow group_begin() even when a broadcast in between threw
+  // (NCCL's group state is per thread). Owner thread only.
+  void group_begin() override;
+  void group_end() override;
+
+  // ncclCommGetAsyncError: nullopt while the communicator is healthy (ncclSuccess or
+  // ncclInProgress), else NCCL's error string and last-error detail; after abort() a message
+  // saying so (with the failure that led to it, if any). Thread-safe.
+  std::optional<std::string> async_error() override;
+
+  // ncclCommAbort, once: kernels of this communicator still running on the GPU exit, so every
+  // enqueued collective completes (with undefined bytes in its buffer). When called while the
+  // owner thread is between group_begin() and group_end(), the abort happens at group_end()
+  // (aborting under an open group would leave NCCL's per-thread group state pointing at a freed
+  // communicator); until then async_error() already reports it. Blocks while NCCL tears down.
+  // Thread-safe, idempotent.
+  void abort() noexcept override;
+
+ private:
+  NcclTransport(::ncclComm* comm, int rank, int world_size, int device,
+                NcclTransportConfig config) noexcept;
+
+  // Polls the communicator until it leaves ncclInProgress; throws (after aborting) on error or
+  // when `timeout` passes. `what` names the operation in messages.
+  void wait_until_ready(const char* what, std::chrono::milliseconds timeout);
+  void abort_locked(const std::string& reason) noexcept;  // requires mutex_
+  std::string describe() const;                           // "rank 1 of 2, device 1"
+
+  const int rank_;
+  const int world_size_;
+  const int device_;
+  const NcclTransportConfig config_;
+
+  // Guards comm_'s lifetime and serializes every NCCL call on it: NCCL allows one thread at a time
+  // per communicator, and abort() must not free it under another thread's call. Never held while
+  // sleeping between polls, so abort() gets in promptly.
+  mutable std::mutex mutex_;
+  ::ncclComm* comm_;                  // nullptr once aborted or destroyed
+  int group_depth_ = 0;               // open group_begin()s of the owner thread
+  bool abort_pending_ = false;        // abort() came while a group was open
+  std::string abort_reason_;          // why the communicator was (or will be) aborted
+  std::atomic<bool> aborted_{false};  // abort requested: checked without the lock in poll loops
+};
+
+}  // namespace shadowsync

@@ -1,0 +1,81 @@
+// The sender (trainer side): packs a group's scattered tensors into the arena byte image bucket
+// by bucket, through two staging buffers so that packing bucket k+1 overlaps broadcasting bucket
+// k, one broadcast per bucket. publish() returns at once; a worker thread drives the update.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shadowsync/backend.h"
+#include "shadowsync/layout.h"
+#include "shadowsync/transport.h"
+#include "shadowsync/update_header.h"
+
+namespace shadowsync {
+
+struct SenderConfig {
+  int root_rank = 0;  // this process's rank in the transport
+  std::chrono::milliseconds update_deadline{60'000};
+  std::chrono::microseconds poll_interval{200};
+};
+
+// One tensor as the trainer holds it: memory of the sender's backend, contiguous.
+struct SourceTensor {
+  std::string name;
+  const void* data = nullptr;
+  DType dtype = DType::kBFloat16;
+  std::vector<std::int64_t> shape;
+};
+
+// Tracks one publish. Copyable; all copies see the same update. Thread-safe.
+class PublishHandle {
+ public:
+  const UpdateHeader& header() const;  // what the receivers must be given (begin_update)
+  bool done() const;                   // finished, successfully or not
+  // Blocks until done; throws the update's Error if it failed.
+  void wait() const;
+  // As wait(), but returns false if `timeout` passes first.
+  bool wait_for(std::chrono::nanoseconds timeout) const;
+
+  struct State;
+  explicit PublishHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+class Sender {
+ public:
+  Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
+         SenderConfig config = {});
+  ~Sender();
+  Sender(const Sender&) = delete;
+  Sender& operator=(const Sender&) = delete;
+
+  // Publishes `groups` at `version` from the trainer's tensors. Every tensor of those groups must
+  // be in `tensors` with its spec's dtype and shape; tensors of other known groups are ignored.
+  // Checks everything first and throws Error naming the tensor and both values (nothing is
+  // sent). The tensors must stay unchanged until the handle is done. Thread-safe.
+  PublishHandle publish(std::uint64_t version, const std::vector<std::string>& groups,
+                        const std::vector<SourceTensor>& tensors);
+
+  // Publishes from arenas that already have the layout's byte image (one per group, in the
+  // order of `groups`): broadcast straight from them, no packing. Thread-safe.
+  PublishHandle publish_arenas(std::uint64_t version, const std::vector<std::string>& groups,
+                               const std::vector<const void*>& arenas);
+
+  // Installs a new transport after a failure aborted the old one. Thread-safe.
+  void replace_transport(std::unique_ptr<Transport> transport);
+
+  const Layout& layout() const { return layout_; }
+
+ private:
+  struct Impl;
+  Layout layout_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shadowsync

@@ -1,0 +1,99 @@
+// The engine side of a receiver: called by the engine thread between two decode steps. With
+// nothing pending, before_step is one atomic load. With an update pending, it makes every group
+// of the update live at once (rebind: the live pointer table flips) and records, on the engine
+// stream, the release event of each slot that stopped being live.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "shadowsync/backend.h"
+
+namespace shadowsync {
+
+class Layout;
+class SlotTable;
+struct PendingUpdate;
+
+// One group made live by a swap.
+struct GroupSwap {
+  std::size_t group = 0;             // index into Layout::groups()
+  int slot = 0;                      // the slot that is live now (0 or 1)
+  std::uint64_t content_version = 0; // version of the update whose bytes the slot holds
+};
+
+// What a swap made live. Views into the receiver's records: valid during the callback only.
+struct AppliedUpdate {
+  std::uint64_t version = 0;
+  const std::vector<GroupSwap>* swaps = nullptr;
+};
+
+class StepHook {
+ public:
+  StepHook(const Layout& layout, SlotTable& slots);
+  StepHook(const StepHook&) = delete;
+  StepHook& operator=(const StepHook&) = delete;
+
+  // Call before each engine step. Returns the version it made live, or nothing when no update
+  // was pending (the fast path: one acquire load, no stores, no backend calls).
+  // Engine thread only; `engine_stream` is the stream the engine's steps run on.
+  std::optional<std::uint64_t> before_step(Stream& engine_stream) {
+#if defined(SHADOWSYNC_MUTATION) && SHADOWSYNC_MUTATION == 4
+    return apply_pending(engine_stream);  // mutation check only: no fast path
+#else
+    if (pending_.load(std::memory_order_acquire) == nullptr) return std::nullopt;
+    return apply_pending(engine_stream);
+#endif
+  }
+
+  // Applies a pending update now, if there is one (an idle engine). Engine thread only.
+  std::optional<std::uint64_t> apply_pending_now(Stream& engine_stream) {
+    return apply_pending(engine_stream);
+  }
+
+  // Applies pending updates as they become ready until the applied version is at least
+  // `version`. Returns false if `deadline` passes first. Engine thread only (it swaps).
+  bool wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
+                    Stream& engine_stream);
+
+  // Last version made live; 0 before the first. Thread-safe.
+  std::uint64_t applied_version() const { return applied_version_.load(std::memory_order_acquire); }
+
+  // The live pointer table. Engine thread only; valid until the next swap.
+  std::byte* live_arena(std::size_t group) const;
+  void* live_tensor(std::size_t group, std::size_t tensor) const;
+  // Version of the update whose bytes the group's live slot holds (0: never updated).
+  std::uint64_t live_content_version(std::size_t group) const;
+
+  // Called on the engine thread after each swap, before before_step returns: where an adapter
+  // rebinds its engine's tensors to the new live pointers. Set before the first update.
+  void set_swap_callback(std::function<void(const AppliedUpdate&)> callback);
+
+ private:
+  friend class Receiver;
+
+  std::optional<std::uint64_t> apply_pending(Stream& engine_stream);
+  // Receiver thread: offer a completed update / take it back if the engine has not.
+  void publish(const PendingUpdate* update);
+  const PendingUpdate* retract();
+  // Receiver thread: block until the engine finished the swap of `version` it has taken.
+  void wait_swap_finished(std::uint64_t version) const;
+
+  const Layout& layout_;
+  SlotTable& slots_;
+  std::atomic<const PendingUpdate*> pending_{nullptr};
+  std::atomic<std::uint64_t> applied_version_{0};
+  std::function<void(const AppliedUpdate&)> swap_callback_;
+  // Wakes wait_applied() when the receiver offers an update; never touched by before_step().
+  std::mutex publish_mutex_;
+  std::condition_variable publish_cv_;
+};
+
+}  // namespace shadowsync

@@ -1,0 +1,40 @@
+// The transport moves bucket bytes from the sender's rank to every receiver rank. NcclTransport
+// is the real one; LoopbackTransport runs ranks as threads in one process.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "shadowsync/backend.h"
+
+namespace shadowsync {
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string_view name() const = 0;  // "loopback", "nccl"
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // Enqueues one collective broadcast of `bytes` bytes on `stream`: rank `root` sends from
+  // `buffer`, every other rank receives into `buffer`. Collective: every rank must make the same
+  // calls in the same order, and each rank's stream blocks in it until all ranks have joined.
+  // Returns once enqueued. One thread at a time.
+  virtual void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) = 0;
+
+  // Brackets several broadcasts that are launched as one (ncclGroupStart/End). Optional.
+  virtual void group_begin() {}
+  virtual void group_end() {}
+
+  // An asynchronous failure (peer lost, aborted, mismatched collective), if any. Thread-safe.
+  virtual std::optional<std::string> async_error() = 0;
+
+  // Tears the communicator down: every enqueued or blocked collective returns, the transport is
+  // unusable afterwards (a new one is needed, as with ncclCommAbort). Thread-safe, idempotent.
+  virtual void abort() noexcept = 0;
+};
+
+}  // namespace shadowsync

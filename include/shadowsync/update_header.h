@@ -1,0 +1,37 @@
+// The update header: what the trainer announces before a byte of an update moves. The control
+// plane carries it; the receiver checks it against its layout before it posts a receive.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shadowsync/layout.h"
+
+namespace shadowsync {
+
+inline constexpr std::uint32_t kHeaderMagic = 0x59534853;  // "SHSY" little-endian
+
+struct UpdateHeader {
+  std::uint32_t magic = kHeaderMagic;
+  std::uint32_t protocol_version = kProtocolVersion;
+  std::uint64_t version = 0;             // strictly increasing per sender
+  std::uint64_t layout_fingerprint = 0;  // Layout::fingerprint() of the sender
+  std::vector<std::uint32_t> groups;     // group indices, strictly increasing, at least one
+  std::uint64_t bucket_count = 0;        // sum of the groups' bucket counts: the broadcasts to expect
+};
+
+// Builds the header of an update of `group_names` at `version`. Throws Error(kInvalidArgument)
+// for an empty list, an unknown or repeated group.
+UpdateHeader make_update_header(const Layout& layout, std::uint64_t version,
+                                const std::vector<std::string>& group_names);
+
+// Checks a received header against the local layout and the last version accepted. Throws
+// Error (kBadHeader, kLayoutMismatch, kStaleVersion) naming the field and both values.
+void validate_update_header(const UpdateHeader& header, const Layout& layout,
+                            std::uint64_t last_version);
+
+// "base+lora_a": for logs.
+std::string describe_groups(const UpdateHeader& header, const Layout& layout);
+
+}  // namespace shadowsync

@@ -1,0 +1,344 @@
+#include "shadowsync/receiver.h"
+
+#include <blockingconcurrentqueue.h>
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstdio>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "core/mutation.h"
+#include "core/slot_planner.h"
+#include "core/slot_table.h"
+#include "shadowsync/error.h"
+
+namespace shadowsync {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long the receiver waits for its stream to drain after aborting the transport. An aborted
+// collective returns at once on both transports; if it does not, the slots can no longer be
+// trusted and the receiver stops taking updates rather than race with a stuck kernel.
+constexpr std::chrono::seconds kAbortDrainLimit{10};
+
+struct Command {
+  enum class Kind { kBegin, kReplaceTransport, kDrain, kShutdown };
+  Kind kind = Kind::kBegin;
+  UpdateHeader header;
+  std::unique_ptr<Transport> transport;
+  std::shared_ptr<std::promise<void>> drained;
+};
+
+}  // namespace
+
+struct Receiver::Impl {
+  Impl(Receiver& owner, Backend& backend, std::unique_ptr<Transport> transport,
+       ReceiverConfig config)
+      : owner(owner),
+        backend(backend),
+        config(config),
+        transport(std::move(transport)),
+        planner(owner.layout_.groups().size()),
+        stream(backend.create_stream(StreamPriority::kLow)),
+        done_event(backend.create_event()) {
+    std::size_t max_buckets = 0;
+    for (const auto& g : owner.layout_.groups()) max_buckets += g.bucket_count();
+    for (std::size_t i = 0; i < max_buckets; ++i) bucket_events.push_back(backend.create_event());
+  }
+
+  void run();
+  void receive(const UpdateHeader& header);
+  void resolve_offer();
+  // Empty string: the receive completed. Otherwise why it failed.
+  std::string wait_for_buckets(std::size_t bucket_count, Clock::time_point start);
+  void discard_after_failure(const UpdateHeader& header, const std::string& why);
+  void report(UpdateReport report);
+
+  Receiver& owner;
+  Backend& backend;
+  const ReceiverConfig config;
+  std::unique_ptr<Transport> transport;  // receiver thread only
+  SlotPlanner planner;                   // receiver thread only
+  std::unique_ptr<Stream> stream;
+  std::unique_ptr<Event> done_event;
+  std::vector<std::unique_ptr<Event>> bucket_events;
+
+  moodycamel::BlockingConcurrentQueue<Command> commands;
+  std::atomic<bool> abort_requested{false};
+  std::atomic<bool> stopping{false};
+  std::thread thread;
+
+  std::mutex accept_mutex;  // begin_update callers
+  std::uint64_t last_accepted_version = 0;
+
+  mutable std::mutex stats_mutex;
+  ReceiverStats stats;
+  std::function<void(const UpdateReport&)> observer;
+};
+
+Receiver::Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
+                   ReceiverConfig config)
+    : layout_(std::move(layout)),
+      slots_(std::make_unique<SlotTable>(layout_, backend)),
+      hook_(std::make_unique<StepHook>(layout_, *slots_)),
+      impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
+  impl_->thread = std::thread([this] { impl_->run(); });
+}
+
+Receiver::~Receiver() { shutdown(); }
+
+void Receiver::begin_update(const UpdateHeader& header) {
+  if (impl_->stopping.load()) {
+    throw Error(ErrorCode::kShutdown,
+                fmt::format("update {}: the receiver is shut down", header.version));
+  }
+  std::lock_guard lock(impl_->accept_mutex);
+  validate_update_header(header, layout_, impl_->last_accepted_version);
+  impl_->last_accepted_version = header.version;
+  {
+    std::lock_guard stats_lock(impl_->stats_mutex);
+    impl_->stats.last_accepted_version = header.version;
+  }
+  Command command;
+  command.kind = Command::Kind::kBegin;
+  command.header = header;
+  impl_->commands.enqueue(std::move(command));
+}
+
+void Receiver::abort_update() { impl_->abort_requested.store(true); }
+
+void Receiver::replace_transport(std::unique_ptr<Transport> transport) {
+  if (!transport) throw Error(ErrorCode::kInvalidArgument, "replace_transport: transport is null");
+  Command command;
+  command.kind = Command::Kind::kReplaceTransport;
+  command.transport = std::move(transport);
+  impl_->commands.enqueue(std::move(command));
+}
+
+void Receiver::set_observer(std::function<void(const UpdateReport&)> observer) {
+  std::lock_guard lock(impl_->stats_mutex);
+  impl_->observer = std::move(observer);
+}
+
+ReceiverStats Receiver::stats() const {
+  std::lock_guard lock(impl_->stats_mutex);
+  return impl_->stats;
+}
+
+void Receiver::drain() {
+  if (!impl_->thread.joinable()) return;
+  Command command;
+  command.kind = Command::Kind::kDrain;
+  command.drained = std::make_shared<std::promise<void>>();
+  auto done = command.drained->get_future();
+  impl_->commands.enqueue(std::move(command));
+  done.wait();
+}
+
+void Receiver::shutdown() {
+  if (impl_->stopping.exchange(true)) {
+    if (impl_->thread.joinable()) impl_->thread.join();
+    return;
+  }
+  Command command;
+  command.kind = Command::Kind::kShutdown;
+  impl_->commands.enqueue(std::move(command));
+  if (impl_->thread.joinable()) impl_->thread.join();
+  // Nothing may still write the slots when they are freed.
+  impl_->backend.stream_synchronize(*impl_->stream);
+}
+
+void Receiver::Impl::run() {
+  for (;;) {
+    Command command;
+    commands.wait_dequeue(command);  // blocks while idle: no busy loop
+    switch (command.kind) {
+      case Command::Kind::kBegin:
+        abort_requested.store(false);  // an abort only targets an update already in flight
+        if (stopping.load()) break;
+        receive(command.header);
+        break;
+      case Command::Kind::kReplaceTransport:
+        transport = std::move(command.transport);
+        {
+          std::lock_guard lock(stats_mutex);
+          stats.needs_transport = false;
+        }
+        break;
+      case Command::Kind::kDrain:
+        command.drained->set_value();
+        break;
+      case Command::Kind::kShutdown:
+        return;
+    }
+  }
+}
+
+void Receiver::Impl::resolve_offer() {
+  const PendingUpdate* offered = planner.offer();
+  if (offered == nullptr) return;
+  if (owner.hook_->retract() != nullptr) {
+    planner.on_retracted();  // latest wins; its groups stay pending
+  } else {
+    owner.hook_->wait_swap_finished(offered->version);
+    planner.on_applied();
+  }
+}
+
+void Receiver::Impl::receive(const UpdateHeader& header) {
+  const Layout& layout = owner.layout_;
+  if (!transport) {
+    UpdateReport failed;
+    failed.version = header.version;
+    failed.outcome = UpdateOutcome::kFailed;
+    failed.error = fmt::format(
+        "update {}: no transport (the last one was aborted after a failure; call "
+        "replace_transport with a new communicator)",
+        header.version);
+    report(std::move(failed));
+    return;
+  }
+
+  resolve_offer();
+  const std::vector<ReceiveTarget> targets = planner.begin(header.version, header.groups);
+  const auto start = Clock::now();
+
+  // Invariant 2: no byte lands in a slot before the engine stream passed its last read of it.
+  for (const ReceiveTarget& target : targets) {
+    if constexpr (mutation::kActive != mutation::kSkipReleaseWait) {
+      backend.stream_wait_event(*stream, *owner.slots_->group(target.group).release[target.slot]);
+    }
+  }
+  // Straight into the shadow arena: one broadcast per bucket, no staging, no per-tensor work.
+  std::size_t posted = 0;
+  std::size_t bytes = 0;
+  for (const ReceiveTarget& target : targets) {
+    const GroupLayout& group = layout.groups()[target.group];
+    std::byte* arena = owner.slots_->group(target.group).arena[target.slot].data();
+    for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+      const Bucket bucket = group.bucket(k);
+      transport->broadcast_async(arena + bucket.offset, bucket.bytes, config.root_rank, *stream);
+      backend.event_record(*bucket_events[posted++], *stream);
+      bytes += bucket.bytes;
+    }
+  }
+
+  std::string failure;
+  if constexpr (mutation::kActive != mutation::kPublishBeforeComplete) {
+    failure = wait_for_buckets(posted, start);
+  }
+  if constexpr (mutation::kActive == mutation::kOfferFailedUpdate) failure.clear();
+  if (!failure.empty()) {
+    discard_after_failure(header, failure);
+    return;
+  }
+
+  // Invariant 3: only a completed receive is offered.
+  const std::uint64_t superseded = planner.retracted_version();
+  const PendingUpdate& offer = planner.complete();
+  owner.hook_->publish(&offer);
+
+  if (superseded != 0) {
+    UpdateReport report_superseded;
+    report_superseded.version = superseded;
+    report_superseded.outcome = UpdateOutcome::kSuperseded;
+    report(std::move(report_superseded));
+  }
+  UpdateReport ready;
+  ready.version = header.version;
+  ready.outcome = UpdateOutcome::kReady;
+  for (const ReceiveTarget& target : targets) ready.groups.push_back(target.group);
+  ready.bytes = bytes;
+  ready.transfer = Clock::now() - start;
+  report(std::move(ready));
+}
+
+std::string Receiver::Impl::wait_for_buckets(std::size_t bucket_count, Clock::time_point start) {
+  std::size_t completed = 0;
+  auto bucket_start = start;
+  while (completed < bucket_count) {
+    if (backend.event_wait_for(*bucket_events[completed], config.poll_interval)) {
+      ++completed;
+      bucket_start = Clock::now();
+      continue;
+    }
+    const auto now = Clock::now();
+    if (stopping.load()) return "the receiver is shutting down";
+    if (abort_requested.exchange(false)) return "aborted by request";
+    if (auto error = transport->async_error()) return fmt::format("transport failed: {}", *error);
+    if (now - start > config.update_deadline) {
+      return fmt::format("deadline of {} ms for the whole update passed with {} of {} buckets done",
+                         config.update_deadline.count(), completed, bucket_count);
+    }
+    if (now - bucket_start > config.bucket_deadline) {
+      return fmt::format("bucket {} of {} did not complete within its deadline of {} ms",
+                         completed, bucket_count, config.bucket_deadline.count());
+    }
+  }
+  // An aborted collective also completes, with garbage: completion alone proves nothing.
+  if (auto error = transport->async_error()) return fmt::format("transport failed: {}", *error);
+  return {};
+}
+
+void Receiver::Impl::discard_after_failure(const UpdateHeader& header, const std::string& why) {
+  // Invariant 6: nothing of this update is offered; the live slots were never written.
+  transport->abort();
+  transport.reset();
+  backend.event_record(*done_event, *stream);
+  if (!backend.event_wait_for(*done_event, kAbortDrainLimit)) {
+    std::fprintf(stderr,
+                 "shadowsync: receiver stream still busy %lld s after aborting update %llu; "
+                 "the receiver stops taking updates\n",
+                 static_cast<long long>(kAbortDrainLimit.count()),
+                 static_cast<unsigned long long>(header.version));
+    stopping.store(true);
+  }
+
+  const std::uint64_t retracted = planner.retracted_version();
+  const PendingUpdate* restored = planner.fail();
+  if (restored != nullptr) owner.hook_->publish(restored);
+
+  UpdateReport failed;
+  failed.version = header.version;
+  failed.outcome = UpdateOutcome::kFailed;
+  failed.error = fmt::format("update {} ({}) discarded: {}", header.version,
+                             describe_groups(header, owner.layout_), why);
+  report(std::move(failed));
+  if (retracted != 0 && restored == nullptr) {
+    UpdateReport lost;
+    lost.version = retracted;
+    lost.outcome = UpdateOutcome::kSuperseded;
+    lost.error = fmt::format("update {} was taken back for update {}, which failed after "
+                             "overwriting part of it; send a new update",
+                             retracted, header.version);
+    report(std::move(lost));
+  }
+}
+
+void Receiver::Impl::report(UpdateReport update_report) {
+  std::function<void(const UpdateReport&)> callback;
+  {
+    std::lock_guard lock(stats_mutex);
+    switch (update_report.outcome) {
+      case UpdateOutcome::kReady:
+        ++stats.updates_ready;
+        stats.bytes_received += update_report.bytes;
+        break;
+      case UpdateOutcome::kFailed:
+        ++stats.updates_failed;
+        stats.last_error = update_report.error;
+        stats.needs_transport = !transport;
+        break;
+      case UpdateOutcome::kSuperseded:
+        ++stats.updates_superseded;
+        break;
+    }
+    callback = observer;
+  }
+  if (callback) callback(update_report);
+}
+
+}  // namespace shadowsync

@@ -1,0 +1,70 @@
+// The slot state machine, as the receiver thread sees it: which slot of each group is live, and
+// what each group's shadow slot holds. Pure bookkeeping, no threads and no memory: it decides,
+// the receiver acts. Receiver thread only.
+//
+// Per group the shadow slot is
+//   free       nothing worth keeping (initially, after a swap made it the old live, after a failure)
+//   receiving  the update in flight is being written into it
+//   pending    holds complete bytes of some version, offered to the engine or about to be
+//
+// The offer (the update in the step hook's mailbox) is resolved before each new receive: the
+// engine either applied it (its groups flip) or it was taken back (its groups stay pending and
+// join the next offer, so a LoRA-only update never lands on a stale base).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "core/pending_update.h"
+
+namespace shadowsync {
+
+struct ReceiveTarget {
+  std::size_t group = 0;
+  int slot = 0;
+};
+
+class SlotPlanner {
+ public:
+  explicit SlotPlanner(std::size_t group_count);
+
+  int live_slot(std::size_t g) const { return groups_[g].live; }
+
+  // The record currently offered to the engine, or nullptr.
+  const PendingUpdate* offer() const;
+  // The engine applied the offer: its groups' shadows become live.
+  void on_applied();
+  // The offer was taken back before the engine saw it: its groups stay pending.
+  void on_retracted();
+  // Version of the offer taken back during the current receive (0: none).
+  std::uint64_t retracted_version() const;
+
+  // Starts receiving `version` into the shadow slot of each of `groups`. The offer must have been
+  // resolved first. Returns where to write.
+  std::vector<ReceiveTarget> begin(std::uint64_t version, const std::vector<std::uint32_t>& groups);
+  // The receive completed: returns the record to offer (received and carried-over groups).
+  const PendingUpdate& complete();
+  // The receive failed: its groups' shadows are garbage. Returns the update taken back during
+  // this receive if it is still intact (offer it again), else nullptr (it is lost).
+  const PendingUpdate* fail();
+
+ private:
+  enum class Shadow { kFree, kReceiving, kPending };
+  struct GroupState {
+    int live = 0;
+    Shadow shadow = Shadow::kFree;
+    std::uint64_t content_version = 0;  // of the shadow's bytes, when pending or receiving
+  };
+
+  std::vector<GroupState> groups_;
+  // Two records alternate: the engine may still read the previous offer while the next is built.
+  std::array<PendingUpdate, 2> records_;
+  int last_written_ = 1;
+  int offered_ = -1;    // index of the record in the mailbox (or taken, not yet resolved)
+  int retracted_ = -1;  // index of the record taken back during the current receive
+  bool receiving_ = false;
+  std::uint64_t receiving_version_ = 0;
+};
+
+}  // namespace shadowsync

@@ -1,0 +1,108 @@
+#include "shadowsync/step_hook.h"
+
+#include <fmt/format.h>
+
+#include "core/mutation.h"
+#include "core/pending_update.h"
+#include "core/slot_table.h"
+#include "shadowsync/error.h"
+#include "shadowsync/layout.h"
+
+namespace shadowsync {
+
+StepHook::StepHook(const Layout& layout, SlotTable& slots) : layout_(layout), slots_(slots) {}
+
+std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
+  if constexpr (mutation::kActive == mutation::kWorkOnFastPath) {
+    // A backend call where there should be none: what the fast-path test must catch.
+    slots_.backend().event_query(*slots_.group(0).release[0]);
+  }
+  // exchange, not load: the receiver may take the update back at the same moment; exactly one of
+  // the two gets it.
+  const PendingUpdate* update = pending_.exchange(nullptr, std::memory_order_acq_rel);
+  if (update == nullptr) return std::nullopt;
+
+  if constexpr (mutation::kActive == mutation::kSwapOneGroupPerStep) {
+    // Swaps one group now and leaves the rest for later steps: steps see a mix of versions.
+    static thread_local std::vector<GroupSwap> rest;
+    static thread_local PendingUpdate partial;
+    if (update->swaps.size() > 1) {
+      const GroupSwap& first = update->swaps.front();
+      SlotTable::Group& group = slots_.group(first.group);
+      slots_.backend().event_record(*group.release[group.live], engine_stream);
+      group.live = first.slot;
+      group.live_content_version = first.content_version;
+      partial.version = update->version;
+      partial.swaps.assign(update->swaps.begin() + 1, update->swaps.end());
+      pending_.store(&partial, std::memory_order_release);
+      return update->version;
+    }
+  }
+
+  for (const GroupSwap& swap : update->swaps) {
+    SlotTable::Group& group = slots_.group(swap.group);
+    // Everything the engine enqueued so far read the old live slot; once this event passes the
+    // receiver may overwrite it (invariant 2).
+    slots_.backend().event_record(*group.release[group.live], engine_stream);
+    group.live = swap.slot;
+    group.live_content_version = swap.content_version;
+  }
+  if (swap_callback_) swap_callback_(AppliedUpdate{update->version, &update->swaps});
+
+  applied_version_.store(update->version, std::memory_order_release);
+  applied_version_.notify_all();  // the receiver may be waiting for this swap to finish
+  return update->version;
+}
+
+bool StepHook::wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
+                            Stream& engine_stream) {
+  for (;;) {
+    if constexpr (mutation::kActive != mutation::kWaitAppliedNeverApplies) {
+      apply_pending(engine_stream);
+    }
+    if (applied_version() >= version) return true;
+    std::unique_lock lock(publish_mutex_);
+    const bool offered = publish_cv_.wait_until(lock, deadline, [&] {
+      return pending_.load(std::memory_order_acquire) != nullptr;
+    });
+    if (!offered) return applied_version() >= version;
+  }
+}
+
+void StepHook::publish(const PendingUpdate* update) {
+  pending_.store(update, std::memory_order_release);
+  // Lock then notify: a waiter that checked the predicate under the lock cannot miss it.
+  { std::lock_guard lock(publish_mutex_); }
+  publish_cv_.notify_all();
+}
+
+const PendingUpdate* StepHook::retract() {
+  return pending_.exchange(nullptr, std::memory_order_acq_rel);
+}
+
+void StepHook::wait_swap_finished(std::uint64_t version) const {
+  // The engine took the update and is flipping pointers: a few microseconds of straight-line code.
+  for (std::uint64_t seen = applied_version_.load(std::memory_order_acquire); seen < version;
+       seen = applied_version_.load(std::memory_order_acquire)) {
+    applied_version_.wait(seen, std::memory_order_acquire);
+  }
+}
+
+std::byte* StepHook::live_arena(std::size_t group) const {
+  const SlotTable::Group& g = slots_.group(group);
+  return g.arena[g.live].data();
+}
+
+void* StepHook::live_tensor(std::size_t group, std::size_t tensor) const {
+  return live_arena(group) + layout_.groups()[group].tensors()[tensor].offset;
+}
+
+std::uint64_t StepHook::live_content_version(std::size_t group) const {
+  return slots_.group(group).live_content_version;
+}
+
+void StepHook::set_swap_callback(std::function<void(const AppliedUpdate&)> callback) {
+  swap_callback_ = std::move(callback);
+}
+
+}  // namespace shadowsync

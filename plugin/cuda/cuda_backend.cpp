@@ -1,0 +1,386 @@
+// CudaBackend: the Backend interface on CUDA streams, events and device memory. See
+// cuda_backend.h for the contract of each call.
+#include "shadowsync/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <typeinfo>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "cuda/cuda_check.h"
+#include "shadowsync/error.h"
+
+#if defined(__GNUG__)
+#include <cxxabi.h>
+#endif
+
+namespace shadowsync {
+
+namespace {
+
+std::string type_name(const std::type_info& type) {
+#if defined(__GNUG__)
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(type.name(), nullptr, nullptr, &status);
+  if (status == 0 && demangled != nullptr) {
+    std::string name(demangled);
+    std::free(demangled);
+    return name;
+  }
+  std::free(demangled);
+#endif
+  return type.name();
+}
+
+// Makes `device` current for the lifetime of the guard and restores the caller's device after.
+// For destructors, which may run on any thread and must not leave it on another device. Errors
+// are swallowed: there is nobody to report them to.
+class ScopedDeviceNoThrow {
+ public:
+  explicit ScopedDeviceNoThrow(int device) noexcept {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) (void)cudaSetDevice(device);
+    cuda_detail::clear_last_error();
+  }
+  ~ScopedDeviceNoThrow() {
+    if (previous_ >= 0) (void)cudaSetDevice(previous_);
+    cuda_detail::clear_last_error();
+  }
+  ScopedDeviceNoThrow(const ScopedDeviceNoThrow&) = delete;
+  ScopedDeviceNoThrow& operator=(const ScopedDeviceNoThrow&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(cudaStream_t handle, int device, bool owned) noexcept
+      : handle_(handle), device_(device), owned_(owned) {}
+  ~CudaStream() override {
+    if (!owned_) return;
+    ScopedDeviceNoThrow device(device_);
+    // Returns at once; CUDA releases the stream once its queued work completes.
+    (void)cudaStreamDestroy(handle_);
+    cuda_detail::clear_last_error();
+  }
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+
+  cudaStream_t handle() const noexcept { return handle_; }
+  int device() const noexcept { return device_; }
+
+ private:
+  cudaStream_t handle_;
+  int device_;
+  bool owned_;
+};
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(cudaEvent_t handle, int device) noexcept : handle_(handle), device_(device) {}
+  ~CudaEvent() override {
+    ScopedDeviceNoThrow device(device_);
+    (void)cudaEventDestroy(handle_);
+    cuda_detail::clear_last_error();
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+
+  cudaEvent_t handle() const noexcept { return handle_; }
+  int device() const noexcept { return device_; }
+
+ private:
+  cudaEvent_t handle_;
+  int device_;
+};
+
+CudaStream& cuda_stream_or_throw(Stream& stream, const char* operation) {
+  auto* cuda_stream = dynamic_cast<CudaStream*>(&stream);
+  if (cuda_stream == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("CudaBackend::{}: the stream must come from a CudaBackend, got a {}",
+                            operation, type_name(typeid(stream))));
+  }
+  return *cuda_stream;
+}
+
+CudaEvent& cuda_event_or_throw(Event& event, const char* operation) {
+  auto* cuda_event = dynamic_cast<CudaEvent*>(&event);
+  if (cuda_event == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("CudaBackend::{}: the event must come from a CudaBackend, got a {}",
+                            operation, type_name(typeid(event))));
+  }
+  return *cuda_event;
+}
+
+// The special stream handles that name no stream object of their own.
+bool is_special_stream(cudaStream_t stream) noexcept {
+  return stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
+}
+
+// event_wait_for's back-off. The receiver waits for transfers of milliseconds and the engine for
+// an update to land, so a few hundred microseconds of added latency is noise, while a hot spin
+// would take a CPU core from the engine's own host threads for the whole transfer.
+constexpr std::chrono::microseconds kSpinPhase{50};  // yield only, for short waits
+constexpr std::chrono::microseconds kFirstSleep{20};
+constexpr std::chrono::microseconds kLongestSleep{500};
+
+}  // namespace
+
+struct CudaBackend::State {
+  int least_priority = 0;              // the lowest priority: numerically greatest
+  int greatest_priority = 0;           // the highest priority: numerically least
+  cudaStream_t zero_stream = nullptr;  // private, non-blocking: zero-fills new allocations
+
+  mutable std::mutex allocations_mutex;
+  std::unordered_map<void*, std::size_t> allocations;  // ptr -> requested bytes
+  std::atomic<std::size_t> bytes_allocated{0};
+  std::atomic<bool> warned_unknown_pointer{false};
+};
+
+CudaBackend::CudaBackend(int device) : device_(device), state_(std::make_unique<State>()) {
+  int count = 0;
+  SHADOWSYNC_CUDA_CHECK(cudaGetDeviceCount(&count), "CudaBackend(device={})", device);
+  if (device < 0 || device >= count) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("CudaBackend: device {} does not exist; this process sees {} CUDA "
+                            "device(s)",
+                            device, count));
+  }
+  make_current();
+  SHADOWSYNC_CUDA_CHECK(
+      cudaDeviceGetStreamPriorityRange(&state_->least_priority, &state_->greatest_priority),
+      "device={}", device_);
+  SHADOWSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&state_->zero_stream, cudaStreamNonBlocking),
+                        "device={}", device_);
+}
+
+CudaBackend::~CudaBackend() {
+  ScopedDeviceNoThrow device(device_);
+  for (auto& [ptr, bytes] : state_->allocations) (void)cudaFree(ptr);
+  if (state_->zero_stream != nullptr) (void)cudaStreamDestroy(state_->zero_stream);
+  cuda_detail::clear_last_error();
+}
+
+void CudaBackend::make_current() const {
+  SHADOWSYNC_CUDA_CHECK(cudaSetDevice(device_), "device={}", device_);
+}
+
+void* CudaBackend::allocate(std::size_t bytes) {
+  if (bytes == 0) {
+    throw Error(ErrorCode::kInvalidArgument, "CudaBackend::allocate: size must be > 0, got 0");
+  }
+  make_current();
+  void* ptr = nullptr;
+  SHADOWSYNC_CUDA_CHECK(cudaMalloc(&ptr, bytes), "bytes={} device={} live_bytes={}", bytes, device_,
+                        bytes_allocated());
+  try {
+    // Waiting on the private stream only: a device-wide sync would also wait for a posted NCCL
+    // receive, which may spin until its sender arrives.
+    SHADOWSYNC_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, state_->zero_stream),
+                          "ptr={} bytes={} device={}", ptr, bytes, device_);
+    SHADOWSYNC_CUDA_CHECK(cudaStreamSynchronize(state_->zero_stream), "device={}", device_);
+    std::lock_guard lock(state_->allocations_mutex);
+    state_->allocations.emplace(ptr, bytes);
+  } catch (...) {
+    (void)cudaFree(ptr);
+    cuda_detail::clear_last_error();
+    throw;
+  }
+  state_->bytes_allocated.fetch_add(bytes, std::memory_order_relaxed);
+  return ptr;
+}
+
+void CudaBackend::deallocate(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  std::size_t bytes = 0;
+  {
+    std::lock_guard lock(state_->allocations_mutex);
+    auto it = state_->allocations.find(ptr);
+    if (it != state_->allocations.end()) {
+      bytes = it->second;
+      state_->allocations.erase(it);
+    }
+  }
+  if (bytes == 0) {
+    // Freeing memory we do not own would free someone else's tensor; leaking it is safe.
+    if (!state_->warned_unknown_pointer.exchange(true)) {
+      std::fprintf(stderr,
+                   "shadowsync: CudaBackend::deallocate: %p was not allocated by this backend "
+                   "(or was freed twice); ignored. Further such calls are ignored silently.\n",
+                   ptr);
+    }
+    return;
+  }
+  {
+    ScopedDeviceNoThrow device(device_);
+    const cudaError_t status = cudaFree(ptr);
+    if (status != cudaSuccess) {
+      std::fprintf(stderr, "shadowsync: CudaBackend::deallocate: cudaFree(%p) on device %d: %s\n",
+                   ptr, device_, cudaGetErrorString(status));
+    }
+  }
+  state_->bytes_allocated.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+std::size_t CudaBackend::bytes_allocated() const {
+  return state_->bytes_allocated.load(std::memory_order_relaxed);
+}
+
+std::unique_ptr<Stream> CudaBackend::create_stream(StreamPriority priority) {
+  make_current();
+  // cudaDeviceGetStreamPriorityRange's "least" priority is the numerically greatest value.
+  const int value = priority == StreamPriority::kLow ? state_->least_priority : 0;
+  cudaStream_t handle = nullptr;
+  SHADOWSYNC_CUDA_CHECK(cudaStreamCreateWithPriority(&handle, cudaStreamNonBlocking, value),
+                        "priority={} device={}", value, device_);
+  try {
+    return std::make_unique<CudaStream>(handle, device_, /*owned=*/true);
+  } catch (...) {
+    (void)cudaStreamDestroy(handle);
+    throw;
+  }
+}
+
+std::unique_ptr<Event> CudaBackend::create_event() {
+  make_current();
+  cudaEvent_t handle = nullptr;
+  SHADOWSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&handle, cudaEventDisableTiming), "device={}",
+                        device_);
+  try {
+    return std::make_unique<CudaEvent>(handle, device_);
+  } catch (...) {
+    (void)cudaEventDestroy(handle);
+    throw;
+  }
+}
+
+std::unique_ptr<Stream> CudaBackend::wrap_stream(CudaStreamHandle stream) {
+  make_current();
+#if CUDART_VERSION >= 12080
+  if (!is_special_stream(stream)) {
+    int stream_device = -1;
+    SHADOWSYNC_CUDA_CHECK(cudaStreamGetDevice(stream, &stream_device), "stream={} device={}",
+                          static_cast<void*>(stream), device_);
+    if (stream_device != device_) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("CudaBackend::wrap_stream: stream {} belongs to device {}, this "
+                              "backend to device {}",
+                              static_cast<void*>(stream), stream_device, device_));
+    }
+  }
+#else
+  (void)is_special_stream;
+#endif
+  return std::make_unique<CudaStream>(stream, device_, /*owned=*/false);
+}
+
+void CudaBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) {
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "memcpy_async");
+  if (bytes == 0) return;
+  if (dst == nullptr || src == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("CudaBackend::memcpy_async: null {} pointer for a {}-byte copy",
+                            dst == nullptr ? "destination" : "source", bytes));
+  }
+  make_current();
+  SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda_stream.handle()),
+                        "dst={} src={} bytes={} stream={} device={}", dst, src, bytes,
+                        static_cast<void*>(cuda_stream.handle()), device_);
+}
+
+void CudaBackend::event_record(Event& event, Stream& stream) {
+  CudaEvent& cuda_event = cuda_event_or_throw(event, "event_record");
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "event_record");
+  if (cuda_event.device() != cuda_stream.device()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("CudaBackend::event_record: the event belongs to device {} and the "
+                            "stream to device {}; CUDA records an event only on its own device",
+                            cuda_event.device(), cuda_stream.device()));
+  }
+  make_current();
+  SHADOWSYNC_CUDA_CHECK(cudaEventRecord(cuda_event.handle(), cuda_stream.handle()),
+                        "event={} stream={} device={}", static_cast<void*>(cuda_event.handle()),
+                        static_cast<void*>(cuda_stream.handle()), device_);
+}
+
+void CudaBackend::stream_wait_event(Stream& stream, Event& event) {
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "stream_wait_event");
+  CudaEvent& cuda_event = cuda_event_or_throw(event, "stream_wait_event");
+  make_current();
+  // Waiting on another device's event is allowed; the wait captures the event as recorded now.
+  SHADOWSYNC_CUDA_CHECK(cudaStreamWaitEvent(cuda_stream.handle(), cuda_event.handle(), 0),
+                        "stream={} event={} device={}", static_cast<void*>(cuda_stream.handle()),
+                        static_cast<void*>(cuda_event.handle()), device_);
+}
+
+bool CudaBackend::event_query(Event& event) {
+  CudaEvent& cuda_event = cuda_event_or_throw(event, "event_query");
+  make_current();
+  const cudaError_t status = cudaEventQuery(cuda_event.handle());
+  if (status == cudaSuccess) return true;
+  if (status == cudaErrorNotReady) {
+    // Not an error, but the runtime may still have recorded it as the thread's last error.
+    cuda_detail::clear_last_error();
+    return false;
+  }
+  cuda_detail::throw_cuda_error(
+      status, "cudaEventQuery(event)",
+      fmt::format("event={} device={}", static_cast<void*>(cuda_event.handle()), device_), __FILE__,
+      __LINE__);
+}
+
+bool CudaBackend::event_wait_for(Event& event, std::chrono::nanoseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  if (event_query(event)) return true;
+  if (timeout <= std::chrono::nanoseconds::zero()) return false;
+  const Clock::time_point start = Clock::now();
+  // start + timeout would overflow for "forever" timeouts such as nanoseconds::max().
+  const Clock::time_point deadline =
+      timeout >= Clock::time_point::max() - start ? Clock::time_point::max() : start + timeout;
+  std::chrono::microseconds sleep = kFirstSleep;
+  for (;;) {
+    if (event_query(event)) return true;
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) return false;
+    if (now - start < kSpinPhase) {
+      std::this_thread::yield();
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
+    std::this_thread::sleep_for(std::min(sleep, std::max(left, std::chrono::microseconds(1))));
+    sleep = std::min(sleep * 2, kLongestSleep);
+  }
+}
+
+void CudaBackend::stream_synchronize(Stream& stream) {
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "stream_synchronize");
+  make_current();
+  SHADOWSYNC_CUDA_CHECK(cudaStreamSynchronize(cuda_stream.handle()), "stream={} device={}",
+                        static_cast<void*>(cuda_stream.handle()), device_);
+}
+
+CudaStreamHandle CudaBackend::native(Stream& stream) {
+  return cuda_stream_or_throw(stream, "native").handle();
+}
+
+CudaEventHandle CudaBackend::native(Event& event) {
+  return cuda_event_or_throw(event, "native").handle();
+}
+
+int CudaBackend::device_of(Stream& stream) {
+  return cuda_stream_or_throw(stream, "device_of").device();
+}
+
+}  // namespace shadowsync

@@ -1,0 +1,345 @@
+// HostBackend: CUDA's stream and event semantics on CPU threads. See host_backend.h and
+// host_stream.h.
+#include "shadowsync/host_backend.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <unordered_map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "host_stream.h"
+#include "shadowsync/error.h"
+
+#if defined(__GNUG__)
+#include <cxxabi.h>
+#endif
+
+namespace shadowsync {
+
+namespace host {
+
+std::string type_name(const std::type_info& type) {
+#if defined(__GNUG__)
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(type.name(), nullptr, nullptr, &status);
+  if (status == 0 && demangled != nullptr) {
+    std::string name(demangled);
+    std::free(demangled);
+    return name;
+  }
+  std::free(demangled);
+#endif
+  return type.name();
+}
+
+HostStream::HostStream(std::chrono::microseconds max_jitter, std::uint64_t jitter_seed)
+    : max_jitter_(max_jitter), rng_(jitter_seed), thread_([this] { run(); }) {}
+
+HostStream::~HostStream() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  // A task that owns its own stream would otherwise join itself (std::terminate).
+  if (thread_.get_id() == std::this_thread::get_id()) {
+    thread_.detach();
+  } else {
+    thread_.join();
+  }
+}
+
+void HostStream::enqueue(std::function<void()> task) {
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back(std::move(task));
+  }
+  wake_.notify_one();
+}
+
+bool HostStream::on_stream_thread() const noexcept {
+  return thread_.get_id() == std::this_thread::get_id();
+}
+
+std::optional<std::string> HostStream::first_error() const {
+  std::lock_guard lock(mutex_);
+  return first_error_;
+}
+
+void HostStream::run() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (max_jitter_.count() > 0) {
+      std::uniform_int_distribution<std::int64_t> jitter(0, max_jitter_.count());
+      std::this_thread::sleep_for(std::chrono::microseconds(jitter(rng_)));
+    }
+    std::string failure;
+    try {
+      task();
+    } catch (const std::exception& e) {
+      failure = e.what();
+      if (failure.empty()) failure = host::type_name(typeid(e));
+    } catch (...) {
+      failure = "unknown exception";
+    }
+    if (!failure.empty()) {
+      std::fprintf(stderr, "shadowsync: host stream task threw: %s\n", failure.c_str());
+      std::lock_guard lock(mutex_);
+      if (!first_error_) first_error_ = std::move(failure);
+    }
+  }
+}
+
+}  // namespace host
+
+namespace {
+
+using host::HostStream;
+
+// One recorded point in a stream: completed when the stream's thread reaches it.
+struct Marker {
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  bool done = false;
+
+  void complete() {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+    }
+    done_cv.notify_all();
+  }
+  bool is_done() {
+    std::lock_guard lock(mutex);
+    return done;
+  }
+  void wait() {
+    std::unique_lock lock(mutex);
+    done_cv.wait(lock, [this] { return done; });
+  }
+  bool wait_for(std::chrono::nanoseconds timeout) {
+    std::unique_lock lock(mutex);
+    if (timeout <= std::chrono::nanoseconds::zero()) return done;
+    const auto now = std::chrono::steady_clock::now();
+    // now + timeout would overflow for "forever" timeouts such as nanoseconds::max().
+    if (timeout >= std::chrono::steady_clock::time_point::max() - now) {
+      done_cv.wait(lock, [this] { return done; });
+      return true;
+    }
+    return done_cv.wait_until(lock, now + timeout, [this] { return done; });
+  }
+};
+
+class HostEvent final : public Event {
+ public:
+  // The marker of the last record, or nullptr when never recorded (counts as complete).
+  std::shared_ptr<Marker> marker() const {
+    std::lock_guard lock(mutex_);
+    return marker_;
+  }
+  void set_marker(std::shared_ptr<Marker> marker) {
+    std::lock_guard lock(mutex_);
+    marker_ = std::move(marker);
+  }
+
+ private:
+  // The contract is one thread at a time per event; the lock keeps a caller who hands an event
+  // between threads without its own synchronization from racing on the pointer.
+  mutable std::mutex mutex_;
+  std::shared_ptr<Marker> marker_;
+};
+
+// Every marker a stream records is completed by a task on that stream.
+std::shared_ptr<Marker> record_marker(HostStream& stream) {
+  auto marker = std::make_shared<Marker>();
+  stream.enqueue([marker] { marker->complete(); });
+  return marker;
+}
+
+HostStream& host_stream_or_throw(Stream& stream, const char* operation) {
+  HostStream* host_stream = host::as_host_stream(stream);
+  if (host_stream == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("HostBackend::{}: the stream must come from a HostBackend, got a {}",
+                            operation, host::type_name(typeid(stream))));
+  }
+  return *host_stream;
+}
+
+HostEvent& host_event_or_throw(Event& event, const char* operation) {
+  auto* host_event = dynamic_cast<HostEvent*>(&event);
+  if (host_event == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("HostBackend::{}: the event must come from a HostBackend, got a {}",
+                            operation, host::type_name(typeid(event))));
+  }
+  return *host_event;
+}
+
+// Alignment of every allocation: what cudaMalloc guarantees and what layouts assume.
+constexpr std::size_t kAllocationAlignment = 256;
+
+}  // namespace
+
+struct HostBackend::State {
+  HostBackendOptions options;
+  std::atomic<std::uint64_t> streams_created{0};  // distinct jitter seed per stream
+
+  mutable std::mutex allocations_mutex;
+  std::unordered_map<void*, std::size_t> allocations;  // ptr -> requested bytes
+  std::atomic<std::size_t> bytes_allocated{0};
+  std::atomic<bool> warned_unknown_pointer{false};
+};
+
+HostBackend::HostBackend(HostBackendOptions options) : state_(std::make_unique<State>()) {
+  if (options.max_task_jitter.count() < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("HostBackend: max_task_jitter must be >= 0 us, got {} us",
+                            options.max_task_jitter.count()));
+  }
+  state_->options = options;
+}
+
+// Frees what callers leaked, as destroying a CUDA context does. Streams created by this backend
+// may outlive it: they hold nothing of it.
+HostBackend::~HostBackend() {
+  for (auto& [ptr, bytes] : state_->allocations) std::free(ptr);
+}
+
+void* HostBackend::allocate(std::size_t bytes) {
+  if (bytes == 0) {
+    throw Error(ErrorCode::kInvalidArgument, "HostBackend::allocate: size must be > 0, got 0");
+  }
+  if (bytes > std::numeric_limits<std::size_t>::max() - (kAllocationAlignment - 1)) {
+    throw Error(ErrorCode::kBackend,
+                fmt::format("HostBackend::allocate: {} bytes is too large", bytes));
+  }
+  // aligned_alloc wants a size that is a multiple of the alignment.
+  const std::size_t rounded = (bytes + kAllocationAlignment - 1) / kAllocationAlignment *
+                              kAllocationAlignment;
+  void* ptr = std::aligned_alloc(kAllocationAlignment, rounded);
+  if (ptr == nullptr) {
+    throw Error(ErrorCode::kBackend,
+                fmt::format("HostBackend::allocate: out of host memory allocating {} bytes "
+                            "({} with alignment padding, {} bytes live)",
+                            bytes, rounded, bytes_allocated()));
+  }
+  std::memset(ptr, 0, rounded);
+  try {
+    std::lock_guard lock(state_->allocations_mutex);
+    state_->allocations.emplace(ptr, bytes);
+  } catch (...) {
+    std::free(ptr);
+    throw Error(ErrorCode::kBackend,
+                fmt::format("HostBackend::allocate: out of host memory tracking {} bytes", bytes));
+  }
+  state_->bytes_allocated.fetch_add(bytes, std::memory_order_relaxed);
+  return ptr;
+}
+
+void HostBackend::deallocate(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  std::size_t bytes = 0;
+  {
+    std::lock_guard lock(state_->allocations_mutex);
+    auto it = state_->allocations.find(ptr);
+    if (it != state_->allocations.end()) {
+      bytes = it->second;
+      state_->allocations.erase(it);
+    }
+  }
+  if (bytes == 0) {
+    // Freeing memory we do not own would corrupt someone else's heap; leaking it is safe.
+    if (!state_->warned_unknown_pointer.exchange(true)) {
+      std::fprintf(stderr,
+                   "shadowsync: HostBackend::deallocate: %p was not allocated by this backend "
+                   "(or was freed twice); ignored. Further such calls are ignored silently.\n",
+                   ptr);
+    }
+    return;
+  }
+  std::free(ptr);
+  state_->bytes_allocated.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+std::size_t HostBackend::bytes_allocated() const {
+  return state_->bytes_allocated.load(std::memory_order_relaxed);
+}
+
+std::unique_ptr<Stream> HostBackend::create_stream(StreamPriority /*priority*/) {
+  // Priority only matters against a GPU's scheduler; host threads are not ranked.
+  const std::uint64_t index = state_->streams_created.fetch_add(1, std::memory_order_relaxed);
+  return std::make_unique<HostStream>(state_->options.max_task_jitter,
+                                      state_->options.jitter_seed + index);
+}
+
+std::unique_ptr<Event> HostBackend::create_event() { return std::make_unique<HostEvent>(); }
+
+void HostBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) {
+  HostStream& host_stream = host_stream_or_throw(stream, "memcpy_async");
+  if (bytes == 0) return;
+  if (dst == nullptr || src == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("HostBackend::memcpy_async: null {} pointer for a {}-byte copy",
+                            dst == nullptr ? "destination" : "source", bytes));
+  }
+  host_stream.enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); });
+}
+
+void HostBackend::event_record(Event& event, Stream& stream) {
+  HostEvent& host_event = host_event_or_throw(event, "event_record");
+  HostStream& host_stream = host_stream_or_throw(stream, "event_record");
+  host_event.set_marker(record_marker(host_stream));
+}
+
+void HostBackend::stream_wait_event(Stream& stream, Event& event) {
+  HostStream& host_stream = host_stream_or_throw(stream, "stream_wait_event");
+  HostEvent& host_event = host_event_or_throw(event, "stream_wait_event");
+  // The marker captured now: a later re-record installs a new marker and does not affect this.
+  std::shared_ptr<Marker> marker = host_event.marker();
+  if (marker == nullptr) return;  // never recorded: complete
+  host_stream.enqueue([marker = std::move(marker)] { marker->wait(); });
+}
+
+bool HostBackend::event_query(Event& event) {
+  std::shared_ptr<Marker> marker = host_event_or_throw(event, "event_query").marker();
+  return marker == nullptr || marker->is_done();
+}
+
+bool HostBackend::event_wait_for(Event& event, std::chrono::nanoseconds timeout) {
+  std::shared_ptr<Marker> marker = host_event_or_throw(event, "event_wait_for").marker();
+  return marker == nullptr || marker->wait_for(timeout);
+}
+
+void HostBackend::stream_synchronize(Stream& stream) {
+  HostStream& host_stream = host_stream_or_throw(stream, "stream_synchronize");
+  if (host_stream.on_stream_thread()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "HostBackend::stream_synchronize: called from a task of the same stream, "
+                "which would wait for itself forever");
+  }
+  record_marker(host_stream)->wait();
+}
+
+void HostBackend::launch_async(Stream& stream, std::function<void()> task) {
+  HostStream& host_stream = host_stream_or_throw(stream, "launch_async");
+  if (!task) {
+    throw Error(ErrorCode::kInvalidArgument, "HostBackend::launch_async: the task is empty");
+  }
+  host_stream.enqueue(std::move(task));
+}
+
+}  // namespace shadowsync

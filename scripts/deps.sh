@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Installs what building and testing shadowsync needs on Debian/Ubuntu, if it is missing:
+# cmake, g++, ninja (or make), pkg-config, catch2 (v2), libfmt-dev, libconcurrentqueue-dev.
+# Idempotent: when everything is present it only checks, and returns in well under a second.
+# (nvcc and NCCL are not installed here: the CUDA backend is built when CMake finds them.)
+#
+# Machines without network (the GPU machines): on a machine with apt, run
+#   scripts/deps.sh --download      # apt-get download the library .debs into .deps/
+# and carry .deps/ along. There, when a library package is missing, deps.sh unpacks those .debs
+# into .deps/root (no root, no network), and test.sh / demo.sh add .deps/root/usr to
+# CMAKE_PREFIX_PATH.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+readonly DEPS_DIR=.deps
+readonly LIB_PACKAGES=(catch2 libfmt-dev libconcurrentqueue-dev)
+# Everything dpkg -x needs for the library packages (libfmt-dev's shared library is in libfmt9).
+readonly DOWNLOAD_PACKAGES=(catch2 libfmt-dev libfmt9 libconcurrentqueue-dev)
+
+log() { echo "[deps] $*" >&2; }
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+if [[ "${1:-}" == "--download" ]]; then
+  mkdir -p "$DEPS_DIR"
+  log "downloading ${DOWNLOAD_PACKAGES[*]} into $DEPS_DIR/"
+  (cd "$DEPS_DIR" && apt-get download "${DOWNLOAD_PACKAGES[@]}")
+  exit 0
+fi
+
+missing=()
+# Tools count as present when they are on PATH, however they were installed (pip cmake, say).
+command -v cmake >/dev/null || installed cmake || missing+=(cmake)
+command -v g++ >/dev/null || installed g++ || missing+=(g++)
+command -v ninja >/dev/null || command -v make >/dev/null || missing+=(ninja-build)
+command -v pkg-config >/dev/null || installed pkg-config || missing+=(pkg-config)
+
+missing_libs=()
+for pkg in "${LIB_PACKAGES[@]}"; do
+  installed "$pkg" || missing_libs+=("$pkg")
+done
+
+# Offline fallback: library packages from .deps/*.deb, unpacked under .deps/root.
+shopt -s nullglob
+debs=("$DEPS_DIR"/*.deb)
+shopt -u nullglob
+if ((${#missing_libs[@]})) && ((${#debs[@]})); then
+  log "unpacking ${#debs[@]} .deb file(s) from $DEPS_DIR/ into $DEPS_DIR/root (missing: ${missing_libs[*]})"
+  for deb in "${debs[@]}"; do
+    dpkg -x "$deb" "$DEPS_DIR/root"
+  done
+  [[ -f "$DEPS_DIR/root/usr/include/catch2/catch.hpp" ]] || log "warning: no catch2 in $DEPS_DIR/"
+  missing_libs=()
+fi
+
+missing+=("${missing_libs[@]}")
+if ((${#missing[@]} == 0)); then
+  log "all build dependencies present"
+  exit 0
+fi
+
+log "installing: ${missing[*]}"
+sudo=()
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { log "error: not root and no sudo; install ${missing[*]}"; exit 1; }
+  sudo=(sudo)
+fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -qq
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+log "done"

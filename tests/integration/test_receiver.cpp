@@ -1,0 +1,204 @@
+// The receiver, sender and step hook together on the host backend and loopback transport.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+
+#include "deadline.h"
+#include "loopback_rig.h"
+#include <fmt/format.h>
+
+#include "shadowsync/error.h"
+
+using namespace shadowsync;
+using namespace shadowsync::testing;
+
+namespace {
+
+Layout model_layout() {
+  // A tiny model: a base of odd-sized tensors spanning several buckets, two LoRA adapters.
+  return Layout::build({{"embed", DType::kBFloat16, {300, 16}, "base"},
+                        {"layer0.w", DType::kFloat32, {513}, "base"},
+                        {"layer0.norm", DType::kFloat16, {7}, "base"},
+                        {"head", DType::kInt8, {1001}, "base"},
+                        {"lora_a.A", DType::kBFloat16, {8, 16}, "lora_a"},
+                        {"lora_a.B", DType::kBFloat16, {16, 8}, "lora_a"},
+                        {"lora_b.A", DType::kFloat32, {33}, "lora_b"}},
+                       {.bucket_bytes = 2048});
+}
+
+std::uint64_t live_hash(Receiver& receiver) {
+  // What the engine would compute from: every live byte of every group.
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t g = 0; g < receiver.layout().groups().size(); ++g) {
+    const std::byte* arena = receiver.step_hook().live_arena(g);
+    for (std::size_t i = 0; i < receiver.layout().groups()[g].arena_bytes(); ++i) {
+      h = (h ^ static_cast<std::uint8_t>(arena[i])) * 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("an update lands in the shadow and becomes live at the next step, all groups at once") {
+  const Layout layout = model_layout();
+  LoopbackRig rig(layout);
+  HostFakeEngine engine(rig.backend(), rig.receiver());
+  StepHook& hook = rig.receiver().step_hook();
+  std::byte* before = hook.live_arena(0);
+
+  rig.publish(1, {"base", "lora_a", "lora_b"}).wait();
+  CHECK(hook.applied_version() == 0);  // nothing swaps behind the engine's back
+  wait_until([&] { return rig.receiver().stats().updates_ready == 1; }, "update 1 ready");
+  REQUIRE(engine.step() == std::optional<std::uint64_t>{1});
+  CHECK(hook.live_arena(0) != before);  // rebind: the pointer table flipped
+  for (std::size_t g = 0; g < 3; ++g) CHECK(hook.live_content_version(g) == 1);
+  CHECK_FALSE(engine.step().has_value());  // fast path afterwards
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+  CHECK(rig.history().check(engine.records()).empty());
+}
+
+TEST_CASE("a LoRA-only update moves only adapter bytes and keeps the base") {
+  const Layout layout = model_layout();
+  LoopbackRig rig(layout);
+  HostFakeEngine engine(rig.backend(), rig.receiver());
+  rig.publish(1, {"base", "lora_a", "lora_b"}).wait();
+  REQUIRE(rig.receiver().step_hook().wait_applied(1, deadline_from_now(), engine.stream()));
+  const std::byte* base = rig.receiver().step_hook().live_arena(0);
+
+  rig.publish(2, {"lora_a"}).wait();
+  wait_until([&] { return rig.receiver().stats().updates_ready == 2; }, "update 2 ready");
+  const auto reports = rig.reports();
+  REQUIRE(reports.back().version == 2);
+  CHECK(reports.back().bytes == layout.groups()[1].arena_bytes());
+  REQUIRE(engine.step() == std::optional<std::uint64_t>{2});
+  CHECK(rig.receiver().step_hook().live_arena(0) == base);
+  CHECK(rig.receiver().step_hook().live_content_version(0) == 1);
+  CHECK(rig.receiver().step_hook().live_content_version(1) == 2);
+  CHECK(rig.receiver().step_hook().live_content_version(2) == 1);
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+  CHECK(rig.history().check(engine.records()).empty());
+}
+
+TEST_CASE("publishing straight from an arena gives the same bytes as packing tensors") {
+  const Layout layout = model_layout();
+  LoopbackRig rig(layout);
+  HostFakeEngine engine(rig.backend(), rig.receiver());
+  DeviceBuffer arena(rig.backend(), layout.groups()[0].arena_bytes());
+  fill_arena(layout, 0, 3, arena.data());
+  PublishHandle handle = rig.sender().publish_arenas(3, {"base"}, {arena.data()});
+  rig.receiver().begin_update(handle.header());
+  handle.wait();
+  REQUIRE(rig.receiver().step_hook().wait_applied(3, deadline_from_now(), engine.stream()));
+  engine.step();
+  engine.step();
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+  CHECK(std::memcmp(rig.receiver().step_hook().live_arena(0), arena.data(),
+                    layout.groups()[0].arena_bytes()) == 0);
+}
+
+TEST_CASE("bad input is refused before a byte moves, and the engine keeps stepping") {
+  const Layout layout = model_layout();
+  LoopbackRig rig(layout);
+  HostFakeEngine engine(rig.backend(), rig.receiver());
+  rig.publish(1, {"base", "lora_a", "lora_b"}).wait();
+  REQUIRE(rig.receiver().step_hook().wait_applied(1, deadline_from_now(), engine.stream()));
+  engine.step();
+  engine.synchronize();
+  const std::uint64_t hash = live_hash(rig.receiver());
+  Sender& sender = rig.sender();
+  Receiver& receiver = rig.receiver();
+
+  SECTION("layout fingerprint mismatch between sender and receiver") {
+    const Layout other = Layout::build({{"embed", DType::kBFloat16, {300, 16}, "base"}});
+    UpdateHeader header = make_update_header(other, 2, {"base"});
+    CHECK_THROWS_WITH(receiver.begin_update(header),
+                      Catch::Contains("layout fingerprint") &&
+                          Catch::Contains(fmt::format("{:#018x}", other.fingerprint())) &&
+                          Catch::Contains(fmt::format("{:#018x}", layout.fingerprint())));
+  }
+  SECTION("a header with a wrong magic or protocol version") {
+    UpdateHeader header = make_update_header(layout, 2, {"base"});
+    header.magic = 0xdeadbeef;
+    CHECK_THROWS_WITH(receiver.begin_update(header), Catch::Contains("magic 0xdeadbeef"));
+    header.magic = kHeaderMagic;
+    header.protocol_version = 2;
+    CHECK_THROWS_WITH(receiver.begin_update(header), Catch::Contains("protocol version 2"));
+  }
+  SECTION("a version not greater than the last one") {
+    CHECK_THROWS_WITH(receiver.begin_update(make_update_header(layout, 1, {"base"})),
+                      Catch::Contains("update 1: version must be greater than the last one, 1"));
+    HostTensors tensors(layout, {"base"}, 1);
+    CHECK_THROWS_WITH(sender.publish(1, {"base"}, tensors.sources()),
+                      Catch::Contains("update 1: version must be greater than the last one, 1"));
+  }
+  SECTION("a tensor whose size differs from its spec") {
+    HostTensors tensors(layout, {"base"}, 2);
+    auto sources = tensors.sources();
+    sources[1].shape = {512};
+    CHECK_THROWS_WITH(sender.publish(2, {"base"}, sources),
+                      "tensor 'layer0.w': shape [512] does not match layout [513]");
+    sources = tensors.sources();
+    sources[2].dtype = DType::kBFloat16;
+    CHECK_THROWS_WITH(sender.publish(2, {"base"}, sources),
+                      "tensor 'layer0.norm': dtype bf16 does not match layout fp16");
+  }
+  SECTION("duplicate, unknown and missing tensor names") {
+    HostTensors tensors(layout, {"base"}, 2);
+    auto sources = tensors.sources();
+    sources.push_back(sources[0]);
+    CHECK_THROWS_WITH(sender.publish(2, {"base"}, sources),
+                      "update 2: tensor 'embed' given twice");
+    sources = tensors.sources();
+    sources.push_back(SourceTensor{"ghost", sources[0].data, DType::kInt8, {1}});
+    CHECK_THROWS_WITH(sender.publish(2, {"base"}, sources),
+                      "update 2: tensor 'ghost' is not in the layout");
+    sources = tensors.sources();
+    sources.pop_back();
+    CHECK_THROWS_WITH(sender.publish(2, {"base"}, sources),
+                      "update 2: tensor 'head' of group 'base' is missing");
+  }
+  SECTION("unknown group and empty group list") {
+    HostTensors tensors(layout, {"base"}, 2);
+    CHECK_THROWS_WITH(sender.publish(2, {"lora_z"}, tensors.sources()),
+                      Catch::Contains("unknown group 'lora_z'"));
+    CHECK_THROWS_WITH(sender.publish(2, {}, tensors.sources()),
+                      Catch::Contains("update 2: names no group"));
+    UpdateHeader header = make_update_header(layout, 2, {"base"});
+    header.groups.clear();
+    header.bucket_count = 0;
+    CHECK_THROWS_WITH(receiver.begin_update(header), Catch::Contains("names no group"));
+  }
+
+  // Nothing changed and the engine keeps stepping on version 1.
+  for (int i = 0; i < 5; ++i) CHECK_FALSE(engine.step().has_value());
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+  CHECK(receiver.step_hook().applied_version() == 1);
+  CHECK(live_hash(receiver) == hash);
+  CHECK(receiver.stats().updates_ready == 1);
+  CHECK(receiver.stats().last_accepted_version == 1);
+  // A good update still applies after all that.
+  rig.publish(2, {"lora_b"}).wait();
+  CHECK(receiver.step_hook().wait_applied(2, deadline_from_now(), engine.stream()));
+}
+
+TEST_CASE("several receivers take the same update from one sender") {
+  const Layout layout = model_layout();
+  LoopbackRig rig(layout, {.receivers = 3});
+  std::vector<std::unique_ptr<HostFakeEngine>> engines;
+  for (int r = 0; r < 3; ++r) {
+    engines.push_back(std::make_unique<HostFakeEngine>(rig.backend(), rig.receiver(r)));
+  }
+  for (std::uint64_t v = 1; v <= 5; ++v) rig.publish(v, {v % 2 ? "base" : "lora_a"});
+  for (int r = 0; r < 3; ++r) {
+    REQUIRE(rig.receiver(r).step_hook().wait_applied(5, deadline_from_now(), engines[r]->stream()));
+    engines[r]->step();
+    engines[r]->synchronize();
+    CHECK(engines[r]->torn_steps() == 0);
+    CHECK(rig.history().check(engines[r]->records()).empty());
+  }
+}

@@ -1,0 +1,63 @@
+// A sender and N receivers wired through one LoopbackCommunicator on one HostBackend: the
+// standard test set-up. Publishes pattern tensors, announces each update to every receiver, and
+// keeps the update history (failures included) for the oracle.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fake_engine.h"
+#include "pattern.h"
+#include "shadowsync/host_backend.h"
+#include "shadowsync/loopback_transport.h"
+#include "shadowsync/receiver.h"
+#include "shadowsync/sender.h"
+
+namespace shadowsync::testing {
+
+struct RigOptions {
+  HostBackendOptions backend;
+  ReceiverConfig receiver;
+  SenderConfig sender;
+  int receivers = 1;
+};
+
+class LoopbackRig {
+ public:
+  explicit LoopbackRig(const Layout& layout, RigOptions options = {});
+  ~LoopbackRig();
+
+  HostBackend& backend() { return backend_; }
+  LoopbackCommunicator& communicator() { return *communicator_; }
+  Sender& sender() { return *sender_; }
+  Receiver& receiver(int i = 0) { return *receivers_[i]; }
+
+  // Publishes pattern tensors of `groups` at `version` and begins the update on every receiver.
+  PublishHandle publish(std::uint64_t version, const std::vector<std::string>& groups);
+  // A fresh communicator for every rank (after a failure aborted the old one).
+  void reconnect();
+
+  UpdateHistory history() const;
+  std::vector<UpdateReport> reports(int receiver = 0) const;
+
+ private:
+  struct Published {
+    PublishHandle handle;
+    std::unique_ptr<HostTensors> tensors;
+  };
+  const Layout& layout_;
+  RigOptions options_;
+  HostBackend backend_;
+  std::unique_ptr<LoopbackCommunicator> communicator_;
+  std::unique_ptr<Sender> sender_;
+  std::vector<std::unique_ptr<Receiver>> receivers_;
+  mutable std::mutex mutex_;
+  UpdateHistory history_;
+  std::vector<std::vector<UpdateReport>> reports_;
+  std::deque<Published> in_flight_;  // tensors must outlive their publish
+};
+
+}  // namespace shadowsync::testing
