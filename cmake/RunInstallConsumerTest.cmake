@@ -29,25 +29,28 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 run_step("cmake --install" "${CMAKE_COMMAND}" --install "${SHADOWSYNC_BUILD_DIR}"
   --prefix "${prefix}" --config "${CONFIG}")
 
+# Settings for the consumer go through an initial-cache file: lists (the prefix path) survive
+# intact there, unlike on a command line.
 string(REPLACE "|" ";" prefix_path "${PREFIX_PATH}")
 list(PREPEND prefix_path "${prefix}")
-string(REPLACE ";" "\\;" prefix_path_arg "${prefix_path}")
+set(init_cache "${WORK_DIR}/consumer-init.cmake")
+file(WRITE "${init_cache}" "set(CMAKE_PREFIX_PATH \"${prefix_path}\" CACHE STRING \"\")\n")
+string(REPLACE "|" ";" hints "${HINTS}")
+foreach(hint IN LISTS hints)
+  if(hint MATCHES "^([^=]+)=(.*)$")
+    file(APPEND "${init_cache}" "set(${CMAKE_MATCH_1} \"${CMAKE_MATCH_2}\" CACHE STRING \"\")\n")
+  endif()
+endforeach()
 set(configure_args
+  -C "${init_cache}"
   -S "${CONSUMER_SOURCE_DIR}" -B "${consumer_build}" -G "${GENERATOR}"
   "-DCMAKE_BUILD_TYPE=${CONFIG}"
-  "-DCMAKE_PREFIX_PATH=${prefix_path_arg}"
   # Only the scratch prefix may provide shadowsync: no user/system package registry.
   -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
   -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
 if(CXX_COMPILER)
   list(APPEND configure_args "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
 endif()
-string(REPLACE "|" ";" hints "${HINTS}")
-foreach(hint IN LISTS hints)
-  if(hint)
-    list(APPEND configure_args "-D${hint}")
-  endif()
-endforeach()
 
 run_step("configuring the consumer" "${CMAKE_COMMAND}" ${configure_args})
 run_step("building the consumer" "${CMAKE_COMMAND}" --build "${consumer_build}" --config "${CONFIG}")

@@ -12,14 +12,21 @@
 #   bench/bench_x.cpp              target bench_x               binary <build>/bench/bench_x
 #   (install test)                 ctest install.find_package   labels unit;install
 
-# tests/support/*.cpp (except catch_main.cpp) -> shadowsync_testkit: the fake engine, the oracle and
-# other helpers shared by tests, examples and benchmarks. It must not depend on Catch2 (the demo
-# links it). White-box tests may include private headers from plugin/ through it.
+# tests/support/*.cpp (except catch_main.cpp), plus tests/support/*.cu in CUDA builds ->
+# shadowsync_testkit: the fake engines, the oracle and other helpers shared by tests, examples and
+# benchmarks. It must not depend on Catch2 (the demo links it). White-box tests may include private
+# headers from plugin/ through it; it passes fmt on to whoever links it.
 function(shadowsync_add_testkit)
   file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/tests/support/*.cpp")
   list(FILTER sources EXCLUDE REGEX "/catch_main\\.cpp$")
+  if(SHADOWSYNC_CUDA_ENABLED)
+    file(GLOB cuda_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/tests/support/*.cu")
+    list(APPEND sources ${cuda_sources})
+  endif()
   if(sources)
     add_library(shadowsync_testkit STATIC ${sources})
+    set_target_properties(shadowsync_testkit PROPERTIES
+      CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
     set(scope PUBLIC)
   else()
     add_library(shadowsync_testkit INTERFACE)
@@ -30,7 +37,7 @@ function(shadowsync_add_testkit)
     "${PROJECT_SOURCE_DIR}/plugin")
   target_include_directories(shadowsync_testkit SYSTEM ${scope}
     "${SHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR}")
-  target_link_libraries(shadowsync_testkit ${scope} shadowsync::shadowsync)
+  target_link_libraries(shadowsync_testkit ${scope} shadowsync::shadowsync fmt::fmt)
 endfunction()
 
 # tests/support/catch_main.cpp -> object libraries holding Catch2's main(), compiled once and

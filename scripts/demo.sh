@@ -13,8 +13,8 @@ log "dependencies"
 # Reuse build/ (shared with scripts/test.sh) as configured; configure it only the first time.
 if [[ ! -f build/CMakeCache.txt ]]; then
   args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHADOWSYNC_WITH_CUDA=AUTO)
-  if [[ -d .deps/root/usr ]]; then
-    args+=("-DCMAKE_PREFIX_PATH=$PWD/.deps/root/usr")
+  if [[ -d .deps/prefix/usr ]]; then
+    args+=("-DCMAKE_PREFIX_PATH=$PWD/.deps/prefix/usr")
   fi
   if command -v ninja >/dev/null; then
     args+=(-G Ninja)

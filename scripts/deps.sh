@@ -4,29 +4,20 @@
 # Idempotent: when everything is present it only checks, and returns in well under a second.
 # (nvcc and NCCL are not installed here: the CUDA backend is built when CMake finds them.)
 #
-# Machines without network (the GPU machines): on a machine with apt, run
-#   scripts/deps.sh --download      # apt-get download the library .debs into .deps/
-# and carry .deps/ along. There, when a library package is missing, deps.sh unpacks those .debs
-# into .deps/root (no root, no network), and test.sh / demo.sh add .deps/root/usr to
-# CMAKE_PREFIX_PATH.
+# Machines without network (the GPU machines): scripts/gpu_collect_debs.sh downloads the library
+# .debs into .deps/ on a machine with apt; carry .deps/ along. There, when a library package is not
+# installed, deps.sh unpacks those .debs into .deps/prefix (dpkg -x: no root, no network, the same
+# place scripts/gpu_run.sh uses), and test.sh / demo.sh add .deps/prefix/usr to CMAKE_PREFIX_PATH.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 readonly DEPS_DIR=.deps
+readonly DEPS_PREFIX="$DEPS_DIR/prefix"
 readonly LIB_PACKAGES=(catch2 libfmt-dev libconcurrentqueue-dev)
-# Everything dpkg -x needs for the library packages (libfmt-dev's shared library is in libfmt9).
-readonly DOWNLOAD_PACKAGES=(catch2 libfmt-dev libfmt9 libconcurrentqueue-dev)
 
 log() { echo "[deps] $*" >&2; }
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-
-if [[ "${1:-}" == "--download" ]]; then
-  mkdir -p "$DEPS_DIR"
-  log "downloading ${DOWNLOAD_PACKAGES[*]} into $DEPS_DIR/"
-  (cd "$DEPS_DIR" && apt-get download "${DOWNLOAD_PACKAGES[@]}")
-  exit 0
-fi
 
 missing=()
 # Tools count as present when they are on PATH, however they were installed (pip cmake, say).
@@ -40,16 +31,16 @@ for pkg in "${LIB_PACKAGES[@]}"; do
   installed "$pkg" || missing_libs+=("$pkg")
 done
 
-# Offline fallback: library packages from .deps/*.deb, unpacked under .deps/root.
+# Offline fallback: library packages from .deps/*.deb, unpacked under .deps/prefix.
 shopt -s nullglob
 debs=("$DEPS_DIR"/*.deb)
 shopt -u nullglob
 if ((${#missing_libs[@]})) && ((${#debs[@]})); then
-  log "unpacking ${#debs[@]} .deb file(s) from $DEPS_DIR/ into $DEPS_DIR/root (missing: ${missing_libs[*]})"
+  log "unpacking ${#debs[@]} .deb file(s) from $DEPS_DIR/ into $DEPS_PREFIX (missing: ${missing_libs[*]})"
   for deb in "${debs[@]}"; do
-    dpkg -x "$deb" "$DEPS_DIR/root"
+    dpkg -x "$deb" "$DEPS_PREFIX"
   done
-  [[ -f "$DEPS_DIR/root/usr/include/catch2/catch.hpp" ]] || log "warning: no catch2 in $DEPS_DIR/"
+  [[ -f "$DEPS_PREFIX/usr/include/catch2/catch.hpp" ]] || log "warning: no catch2 in $DEPS_DIR/"
   missing_libs=()
 fi
 

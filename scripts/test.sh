@@ -20,8 +20,8 @@ log "dependencies"
 ./scripts/deps.sh
 
 common_args=()
-if [[ -d .deps/root/usr ]]; then  # libraries unpacked by deps.sh on an offline machine
-  common_args+=("-DCMAKE_PREFIX_PATH=$ROOT/.deps/root/usr")
+if [[ -d .deps/prefix/usr ]]; then  # libraries unpacked by deps.sh on an offline machine
+  common_args+=("-DCMAKE_PREFIX_PATH=$ROOT/.deps/prefix/usr")
 fi
 if command -v ccache >/dev/null; then
   common_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)

@@ -61,6 +61,7 @@ bool StepHook::wait_applied(std::uint64_t version, std::chrono::steady_clock::ti
       apply_pending(engine_stream);
     }
     if (applied_version() >= version) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
     std::unique_lock lock(publish_mutex_);
     const bool offered = publish_cv_.wait_until(lock, deadline, [&] {
       return pending_.load(std::memory_order_acquire) != nullptr;

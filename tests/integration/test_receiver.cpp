@@ -188,7 +188,9 @@ TEST_CASE("bad input is refused before a byte moves, and the engine keeps steppi
 
 TEST_CASE("several receivers take the same update from one sender") {
   const Layout layout = model_layout();
-  LoopbackRig rig(layout, {.receivers = 3});
+  RigOptions options;
+  options.receivers = 3;
+  LoopbackRig rig(layout, options);
   std::vector<std::unique_ptr<HostFakeEngine>> engines;
   for (int r = 0; r < 3; ++r) {
     engines.push_back(std::make_unique<HostFakeEngine>(rig.backend(), rig.receiver(r)));

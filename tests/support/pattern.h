@@ -9,39 +9,15 @@
 #include <string>
 #include <vector>
 
+#include "pattern_word.h"  // mix64, pattern_key, pattern_word, decode_version, kGarbageVersion
 #include "shadowsync/layout.h"
 #include "shadowsync/sender.h"
 
 namespace shadowsync::testing {
 
-inline std::uint64_t mix64(std::uint64_t x) {
-  // splitmix64 finalizer: every input bit affects every output bit.
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-inline std::uint64_t pattern_key(std::size_t group, std::size_t tensor, std::size_t word) {
-  return mix64(mix64(mix64(group) ^ tensor) ^ word) | 1;  // never 0, so version 0 differs from zeros
-}
-
-inline std::uint64_t pattern_word(std::size_t group, std::size_t tensor, std::size_t word,
-                                  std::uint64_t version) {
-  return version == 0 ? 0 : pattern_key(group, tensor, word) ^ version;
-}
-
-// The version a word was written at (0 for a zero word); garbage decodes to a huge number.
-inline std::uint64_t decode_version(std::size_t group, std::size_t tensor, std::size_t word,
-                                    std::uint64_t value) {
-  return value == 0 ? 0 : pattern_key(group, tensor, word) ^ value;
-}
-
 // Writes the pattern of (group, tensor, version) into `bytes` bytes at `dst` (host memory).
 void fill_pattern(void* dst, std::size_t bytes, std::size_t group, std::size_t tensor,
                   std::uint64_t version);
-
-inline constexpr std::uint64_t kGarbageVersion = ~std::uint64_t{0};
 
 // The version word `word` of a tensor was written at. A partial tail word is too short to decode:
 // it yields `expected` if it matches that version's pattern, else kGarbageVersion.

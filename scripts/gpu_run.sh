@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# Builds and runs the GPU tests on a GPU machine (no network, no apt), in one command, from the
+# repository root, with the .deb files of scripts/gpu_collect_debs.sh in .deps/ (carried there with
+# the device tool: carry [".deps"]). See docs/gpu.md.
+#
+#   bash scripts/gpu_run.sh [--sanitize] [--receivers R] [--all] [--budget SECONDS]
+#
+#   (always)       unpack .deps/*.deb into .deps/prefix (dpkg -x), print the GPUs and their
+#                  topology, configure build-gpu/ with CUDA on, build the GPU tests, and run
+#                  `ctest --output-on-failure -L gpu` (test_cuda_transport_smoke, test_gpu_updates
+#                  with its defaults: 1 receiver, 1000 updates, both engine modes, medium layout).
+#   --sanitize     also run test_gpu_updates --layout small --updates 50 under compute-sanitizer,
+#                  --tool memcheck and --tool racecheck (NCCL's own kernels excluded).
+#   --receivers R  also run test_gpu_updates --receivers R (needs R+1 GPUs; skipped otherwise).
+#   --all          build every target (CPU tests too), not only the GPU tests.
+#   --budget S     stop starting new steps once S seconds have passed (default 540: the device
+#                  tool allows 600 per command).
+#
+# Logs go to ${OUT:-./gpu-out} (at most 8 files: the device tool brings back 8): env.log,
+# build.log, ctest.log, memcheck.log, racecheck.log, receivers.log, summary.txt.
+# Exit status: 0 if every step that ran passed (a test that skips for lack of GPUs passes), else 1.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+readonly ROOT=$PWD
+
+SANITIZE=0
+RECEIVERS=""
+BUILD_ALL=0
+BUDGET=540
+while (($#)); do
+  case "$1" in
+    --sanitize) SANITIZE=1 ;;
+    --receivers) RECEIVERS="${2:?--receivers needs a number}"; shift ;;
+    --all) BUILD_ALL=1 ;;
+    --budget) BUDGET="${2:?--budget needs seconds}"; shift ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "gpu_run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [[ -n "$RECEIVERS" && ! "$RECEIVERS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "gpu_run.sh: --receivers needs a positive number, got '$RECEIVERS'" >&2
+  exit 2
+fi
+
+OUT_DIR="${OUT:-$ROOT/gpu-out}"
+mkdir -p "$OUT_DIR"
+readonly SUMMARY="$OUT_DIR/summary.txt"
+: >"$SUMMARY"
+FAILED=0
+SECONDS=0
+
+log() { echo "[gpu_run $(printf '%3d' "$SECONDS")s] $*"; }
+note() { log "$*"; echo "$*" >>"$SUMMARY"; }
+left() { echo $((BUDGET - SECONDS)); }
+# step_timeout WANT: WANT seconds, or what is left of the budget (minus a margin) if less.
+step_timeout() {
+  local want=$1 rest
+  rest=$(($(left) - 15))
+  ((rest < want)) && want=$rest
+  echo "$want"
+}
+
+# NVLink multicast (NVLS) off: see .library/device KINDS.md and docs/gpu.md.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# --- 1. dependencies from .deps/*.deb ------------------------------------------------------------
+readonly PREFIX="$ROOT/.deps/prefix"
+shopt -s nullglob
+debs=("$ROOT"/.deps/*.deb)
+shopt -u nullglob
+if ((${#debs[@]} == 0)); then
+  note "FAIL deps: no .deb files in .deps/ (run scripts/gpu_collect_debs.sh on the dev machine and carry .deps)"
+  exit 1
+fi
+mkdir -p "$PREFIX"
+for deb in "${debs[@]}"; do
+  dpkg -x "$deb" "$PREFIX" || { note "FAIL deps: dpkg -x $deb"; exit 1; }
+done
+readonly FMT_DIR="$PREFIX/usr/lib/x86_64-linux-gnu/cmake/fmt"
+readonly CATCH2_DIR="$PREFIX/usr/lib/cmake/Catch2"
+readonly CQ_DIR="$PREFIX/usr/include/concurrentqueue"
+for need in "$FMT_DIR/fmt-config.cmake" "$CATCH2_DIR/Catch2Config.cmake" "$CQ_DIR/blockingconcurrentqueue.h"; do
+  [[ -f "$need" ]] || { note "FAIL deps: $need missing after unpacking ${#debs[@]} .deb(s)"; exit 1; }
+done
+# Test support sources include <fmt/format.h> without linking fmt::fmt themselves, and the tests
+# load libfmt.so.9 from the prefix: make both findable whatever the CMake files say.
+export CPLUS_INCLUDE_PATH="$PREFIX/usr/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+note "ok   deps: ${#debs[@]} .deb(s) unpacked into .deps/prefix"
+
+# --- 2. the machine ------------------------------------------------------------------------------
+{
+  echo "== date"; date -u
+  echo "== nvidia-smi -L"; nvidia-smi -L
+  echo "== nvidia-smi topo -m"; nvidia-smi topo -m
+  echo "== nvidia-smi"; nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm --format=csv
+  echo "== tools"; command -v nvcc && nvcc --version | tail -2; cmake --version | head -1; g++ --version | head -1
+  echo "== nccl.h"; grep -E '^#define NCCL_(MAJOR|MINOR|PATCH)' /usr/include/nccl.h 2>/dev/null
+  echo "== env"; env | grep -E '^(NCCL_|TORCH_SYMM|NVSHMEM_|CUDA_VISIBLE)' | sort
+} >"$OUT_DIR/env.log" 2>&1
+cat "$OUT_DIR/env.log"
+GPU_COUNT=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+note "info gpus: $GPU_COUNT"
+
+# --- 3. configure and build ----------------------------------------------------------------------
+readonly BUILD="$ROOT/build-gpu"
+generator=()
+if [[ ! -f "$BUILD/CMakeCache.txt" ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
+JOBS=$(nproc)
+log "configuring $BUILD"
+if ! timeout "$(step_timeout 180)" cmake -S "$ROOT" -B "$BUILD" "${generator[@]}" \
+    -DSHADOWSYNC_WITH_CUDA=ON \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_PREFIX_PATH="$PREFIX/usr" \
+    -Dfmt_DIR="$FMT_DIR" \
+    -DCatch2_DIR="$CATCH2_DIR" \
+    -DSHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR="$CQ_DIR" \
+    -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    >"$OUT_DIR/build.log" 2>&1; then
+  tail -40 "$OUT_DIR/build.log"
+  note "FAIL configure (see build.log)"
+  exit 1
+fi
+grep -E 'shadowsync: CUDA' "$OUT_DIR/build.log" | tee -a "$SUMMARY"
+
+build_failed=()
+if ((BUILD_ALL)); then
+  log "building all targets with -j$JOBS"
+  if ! timeout "$(step_timeout 360)" cmake --build "$BUILD" -j "$JOBS" >>"$OUT_DIR/build.log" 2>&1; then
+    build_failed+=(all)
+  fi
+else
+  # The library and the test kit first, then one target per tests/gpu file (gpu_<stem>, see
+  # cmake/ShadowsyncTesting.cmake), each on its own so that one that does not compile (work in
+  # progress elsewhere) does not keep the others from running.
+  log "building shadowsync_testkit with -j$JOBS"
+  if ! timeout "$(step_timeout 300)" cmake --build "$BUILD" -j "$JOBS" --target shadowsync_testkit \
+      >>"$OUT_DIR/build.log" 2>&1; then
+    build_failed+=(shadowsync_testkit)
+  else
+    for f in "$ROOT"/tests/gpu/*.cpp "$ROOT"/tests/gpu/*.cu; do
+      [[ -e "$f" ]] || continue
+      stem=$(basename "$f"); stem=${stem%.*}
+      log "building gpu_$stem"
+      if ! timeout "$(step_timeout 300)" cmake --build "$BUILD" -j "$JOBS" --target "gpu_$stem" \
+          >>"$OUT_DIR/build.log" 2>&1; then
+        build_failed+=("gpu_$stem")
+      fi
+    done
+  fi
+fi
+if ((${#build_failed[@]})); then
+  grep -E 'error|Error' "$OUT_DIR/build.log" | head -40
+  note "FAIL build: ${build_failed[*]} (see build.log)"
+  FAILED=1
+  [[ -x "$BUILD/tests/gpu/test_gpu_updates" ]] || exit 1
+else
+  note "ok   build ($SECONDS s so far)"
+fi
+
+# --- 4. ctest -L gpu -----------------------------------------------------------------------------
+t=$(step_timeout 300)
+if ((t < 60)); then
+  note "SKIP ctest -L gpu: only $(left) s of the budget left"
+  FAILED=1
+else
+  log "ctest -L gpu (timeout $t s)"
+  (cd "$BUILD" && timeout "$t" ctest --output-on-failure -L gpu --timeout "$t") >"$OUT_DIR/ctest.log" 2>&1
+  rc=$?
+  cat "$OUT_DIR/ctest.log"
+  # ctest keeps a passing test's output in LastTest.log only.
+  grep -hE '^gpu_updates: (receivers|transfer)|^receiver ' "$OUT_DIR/ctest.log" \
+    "$BUILD/Testing/Temporary/LastTest.log" 2>/dev/null | sort -u >>"$SUMMARY"
+  if ((rc == 0)); then note "ok   ctest -L gpu"; else note "FAIL ctest -L gpu (rc $rc, see ctest.log)"; FAILED=1; fi
+fi
+
+readonly TEST_BIN="$BUILD/tests/gpu/test_gpu_updates"
+
+# run_step NAME LOG WANT_SECONDS COMMAND...: runs with a timeout; 77 counts as skipped.
+run_step() {
+  local name=$1 logfile=$2 want=$3 t rc
+  shift 3
+  t=$(step_timeout "$want")
+  if ((t < 30)); then
+    note "SKIP $name: only $(left) s of the budget left"
+    return
+  fi
+  log "$name (timeout $t s): $*"
+  timeout "$t" "$@" >"$logfile" 2>&1
+  rc=$?
+  tail -25 "$logfile"
+  case $rc in
+    0) note "ok   $name" ;;
+    77) note "skip $name: $(grep -m1 '^SKIP' "$logfile")" ;;
+    124) note "FAIL $name: timed out after $t s (see $(basename "$logfile"))"; FAILED=1 ;;
+    *) note "FAIL $name (rc $rc, see $(basename "$logfile"))"; FAILED=1 ;;
+  esac
+}
+
+# --- 5. optional: more receivers -----------------------------------------------------------------
+if [[ -n "$RECEIVERS" ]]; then
+  run_step "test_gpu_updates --receivers $RECEIVERS" "$OUT_DIR/receivers.log" 240 \
+    "$TEST_BIN" --receivers "$RECEIVERS"
+  grep -E '^gpu_updates: (receivers|transfer)|^receiver ' "$OUT_DIR/receivers.log" >>"$SUMMARY" 2>/dev/null
+fi
+
+# --- 6. optional: compute-sanitizer --------------------------------------------------------------
+if ((SANITIZE)); then
+  SANITIZER=$(command -v compute-sanitizer || true)
+  for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+    [[ -z "$SANITIZER" && -x "$candidate" ]] && SANITIZER=$candidate
+  done
+  if [[ -z "$SANITIZER" ]]; then
+    note "FAIL sanitize: compute-sanitizer not found"
+    FAILED=1
+  else
+    # NCCL's kernels are excluded: they are not ours, and they spin on peers, which is slow there.
+    # API errors are not reported: NCCL probes (cudaFuncGetAttributes on kernels it has no sm_90
+    # image of, enabling peer access that is already enabled) and each probe would count as an
+    # error; memory errors in kernels and racecheck hazards are what these runs are for.
+    for tool in memcheck racecheck; do
+      run_step "compute-sanitizer --tool $tool" "$OUT_DIR/$tool.log" 180 \
+        "$SANITIZER" --tool "$tool" --error-exitcode 1 --kernel-name-exclude kns=nccl \
+        --report-api-errors no \
+        "$TEST_BIN" --layout small --updates 50
+      grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^gpu_updates: receivers' "$OUT_DIR/$tool.log" >>"$SUMMARY" 2>/dev/null
+    done
+  fi
+fi
+
+log "summary ($SECONDS s):"
+cat "$SUMMARY"
+exit "$FAILED"
