@@ -47,11 +47,13 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
     group.live = swap.slot;
     group.live_content_version = swap.content_version;
   }
-  if (swap_callback_) swap_callback_(AppliedUpdate{update->version, &update->swaps});
+  const std::uint64_t version = update->version;
+  if (swap_callback_) swap_callback_(AppliedUpdate{version, &update->swaps});
 
-  applied_version_.store(update->version, std::memory_order_release);
+  // The record belongs to the receiver again once this store is seen: touch it no more.
+  applied_version_.store(version, std::memory_order_release);
   applied_version_.notify_all();  // the receiver may be waiting for this swap to finish
-  return update->version;
+  return version;
 }
 
 bool StepHook::wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
