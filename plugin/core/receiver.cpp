@@ -55,7 +55,9 @@ struct Receiver::Impl {
   // Empty string: the receive completed. Otherwise why it failed.
   std::string wait_for_buckets(std::size_t bucket_count, Clock::time_point start);
   void discard_after_failure(const UpdateHeader& header, const std::string& why);
-  void report(UpdateReport report);
+  void report(const UpdateReport& report);  // count + notify
+  void count(const UpdateReport& report);   // stats only
+  void notify(const UpdateReport& report);  // the observer only
 
   Receiver& owner;
   Backend& backend;
@@ -198,7 +200,7 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
         "update {}: no transport (the last one was aborted after a failure; call "
         "replace_transport with a new communicator)",
         header.version);
-    report(std::move(failed));
+    report(failed);
     return;
   }
 
@@ -237,15 +239,12 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   }
 
   // Invariant 3: only a completed receive is offered.
-  const std::uint64_t superseded = planner.retracted_version();
-  const PendingUpdate& offer = planner.complete();
-  owner.hook_->publish(&offer);
-
-  if (superseded != 0) {
+  std::vector<UpdateReport> reports;
+  if (const std::uint64_t superseded = planner.retracted_version(); superseded != 0) {
     UpdateReport report_superseded;
     report_superseded.version = superseded;
     report_superseded.outcome = UpdateOutcome::kSuperseded;
-    report(std::move(report_superseded));
+    reports.push_back(std::move(report_superseded));
   }
   UpdateReport ready;
   ready.version = header.version;
@@ -253,7 +252,12 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   for (const ReceiveTarget& target : targets) ready.groups.push_back(target.group);
   ready.bytes = bytes;
   ready.transfer = Clock::now() - start;
-  report(std::move(ready));
+  reports.push_back(std::move(ready));
+
+  // Counted before the offer is visible, so that stats never lag behind what the engine applied.
+  for (const UpdateReport& r : reports) count(r);
+  owner.hook_->publish(&planner.complete());
+  for (const UpdateReport& r : reports) notify(r);
 }
 
 std::string Receiver::Impl::wait_for_buckets(std::size_t bucket_count, Clock::time_point start) {
@@ -306,7 +310,7 @@ void Receiver::Impl::discard_after_failure(const UpdateHeader& header, const std
   failed.outcome = UpdateOutcome::kFailed;
   failed.error = fmt::format("update {} ({}) discarded: {}", header.version,
                              describe_groups(header, owner.layout_), why);
-  report(std::move(failed));
+  report(failed);
   if (retracted != 0 && restored == nullptr) {
     UpdateReport lost;
     lost.version = retracted;
@@ -314,28 +318,37 @@ void Receiver::Impl::discard_after_failure(const UpdateHeader& header, const std
     lost.error = fmt::format("update {} was taken back for update {}, which failed after "
                              "overwriting part of it; send a new update",
                              retracted, header.version);
-    report(std::move(lost));
+    report(lost);
   }
 }
 
-void Receiver::Impl::report(UpdateReport update_report) {
+void Receiver::Impl::report(const UpdateReport& update_report) {
+  count(update_report);
+  notify(update_report);
+}
+
+void Receiver::Impl::count(const UpdateReport& update_report) {
+  std::lock_guard lock(stats_mutex);
+  switch (update_report.outcome) {
+    case UpdateOutcome::kReady:
+      ++stats.updates_ready;
+      stats.bytes_received += update_report.bytes;
+      break;
+    case UpdateOutcome::kFailed:
+      ++stats.updates_failed;
+      stats.last_error = update_report.error;
+      stats.needs_transport = !transport;
+      break;
+    case UpdateOutcome::kSuperseded:
+      ++stats.updates_superseded;
+      break;
+  }
+}
+
+void Receiver::Impl::notify(const UpdateReport& update_report) {
   std::function<void(const UpdateReport&)> callback;
   {
     std::lock_guard lock(stats_mutex);
-    switch (update_report.outcome) {
-      case UpdateOutcome::kReady:
-        ++stats.updates_ready;
-        stats.bytes_received += update_report.bytes;
-        break;
-      case UpdateOutcome::kFailed:
-        ++stats.updates_failed;
-        stats.last_error = update_report.error;
-        stats.needs_transport = !transport;
-        break;
-      case UpdateOutcome::kSuperseded:
-        ++stats.updates_superseded;
-        break;
-    }
     callback = observer;
   }
   if (callback) callback(update_report);
