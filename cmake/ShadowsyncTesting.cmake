@@ -10,6 +10,8 @@
 #                                  binary <build>/tests/gpu/baz     label gpu, exit 77 = skipped
 #   examples/demo.cpp              target demo                  binary <build>/examples/demo
 #   bench/bench_x.cpp              target bench_x               binary <build>/bench/bench_x
+#   bench/bench_y.cu               target bench_y (CUDA builds only)
+#   (bench smoke test)             ctest bench.bench_updates_cpu: bench_updates --cpu, label bench
 #   (install test)                 ctest install.find_package   labels unit;install
 
 # tests/support/*.cpp (except catch_main.cpp), plus tests/support/*.cu in CUDA builds ->
@@ -92,9 +94,14 @@ function(shadowsync_add_tests kind timeout)
   endforeach()
 endfunction()
 
-# One executable per <dir>/*.cpp, named after the file, in <build>/<dir>/.
+# One executable per <dir>/*.cpp (and <dir>/*.cu in CUDA builds), named after the file, in
+# <build>/<dir>/.
 function(shadowsync_add_programs dir)
   file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${dir}/*.cpp")
+  if(SHADOWSYNC_CUDA_ENABLED)
+    file(GLOB cuda_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${dir}/*.cu")
+    list(APPEND sources ${cuda_sources})
+  endif()
   foreach(source IN LISTS sources)
     get_filename_component(stem "${source}" NAME_WLE)
     if(TARGET ${stem})
@@ -103,8 +110,15 @@ function(shadowsync_add_programs dir)
     endif()
     add_executable(${stem} "${source}")
     target_link_libraries(${stem} PRIVATE shadowsync_testkit)
-    set_target_properties(${stem} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/${dir}")
+    set_target_properties(${stem} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/${dir}"
+      CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
   endforeach()
+  # The update benchmark's CPU smoke mode runs in CI (its figures say "CPU smoke, not GPU figures").
+  if(dir STREQUAL "bench" AND TARGET bench_updates AND SHADOWSYNC_BUILD_TESTS)
+    add_test(NAME bench.bench_updates_cpu
+      COMMAND bench_updates --cpu --out "${PROJECT_BINARY_DIR}/bench-out")
+    set_tests_properties(bench.bench_updates_cpu PROPERTIES LABELS bench TIMEOUT 300)
+  endif()
 endfunction()
 
 # Installs the build into a scratch prefix and builds tests/install_consumer against it through

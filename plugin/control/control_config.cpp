@@ -1,0 +1,34 @@
+#include "shadowsync/control_config.h"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+
+#include "shadowsync/error.h"
+
+namespace shadowsync {
+
+std::string resolve_control_token(const std::string& configured) {
+  std::string token = configured;
+  const char* source = "ControlConfig::token";
+  if (token.empty()) {
+    const char* env = std::getenv(kControlTokenEnv);  // NOLINT(concurrency-mt-unsafe): read once
+    if (env != nullptr) token = env;
+    source = kControlTokenEnv;
+  }
+  if (token.empty()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("control channel: no token (set ControlConfig::token or {}); every "
+                            "connection must prove it holds the shared token",
+                            kControlTokenEnv));
+  }
+  if (token.size() < kMinControlTokenBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("control channel: the token from {} has {} bytes, fewer than the {} "
+                            "required (use e.g. 32 random bytes, hex-encoded)",
+                            source, token.size(), kMinControlTokenBytes));
+  }
+  return token;
+}
+
+}  // namespace shadowsync
