@@ -467,11 +467,14 @@ inline std::vector<Recommendation> recommend(const Results& r) {
       const bool better = lost(*raised) < lost(*normal);
       out.push_back({"engine stream priority", better ? "raised (greatest)" : "default",
                      strf("decode during transfer %.3f ms (raised) vs %.3f ms (default); lost per "
-                          "update %.2f vs %.2f ms; the receiver's stream is always the lowest "
-                          "priority (%d), which is CUDA's default (%s)",
+                          "update %.2f vs %.2f ms; %s",
                           raised->decode->during_ms.median, normal->decode->during_ms.median,
-                          lost(*raised), lost(*normal), r.priorities.least,
-                          r.priorities.least == 0 ? "so low = normal on this device" : "not the default here")});
+                          lost(*raised), lost(*normal),
+                          r.mode == "cpu" ? "host streams have no priority (CPU smoke)"
+                          : r.priorities.least == 0
+                              ? "the receiver's stream has the lowest priority, 0, which is CUDA's default: "
+                                "on this device a low-priority receiver yields only to a raised engine stream"
+                              : "the receiver's stream has the lowest priority")});
     }
   }
   return out;

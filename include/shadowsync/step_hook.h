@@ -63,6 +63,9 @@ class StepHook {
   bool wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
                     Stream& engine_stream);
 
+  // True while a received update waits for the next step. Thread-safe.
+  bool has_pending() const { return pending_.load(std::memory_order_acquire) != nullptr; }
+
   // Last version made live; 0 before the first. Thread-safe.
   std::uint64_t applied_version() const { return applied_version_.load(std::memory_order_acquire); }
 

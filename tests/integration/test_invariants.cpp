@@ -71,7 +71,7 @@ TEST_CASE("invariant 1: no torn step, every step sees each group at its last app
   HostFakeEngine engine(rig.backend(), rig.receiver(), {.full_check_every = 1});
   for (std::uint64_t v = 1; v <= 40; ++v) {
     rig.publish(v, {"base", "lora_a"}).wait();
-    wait_until([&] { return rig.receiver().stats().updates_ready == v; }, "update ready");
+    rig.wait_offered(v);
     for (int i = 0; i < 3; ++i) engine.step();
   }
   engine.synchronize();
@@ -98,7 +98,7 @@ TEST_CASE("invariant 2: the receiver never writes a slot the engine stream still
   for (int i = 0; i < 4; ++i) CHECK_FALSE(engine.step().has_value());
 
   rig.publish(2, {"base", "lora_a"}).wait();  // lands in the other slot
-  wait_until([&] { return rig.receiver().stats().updates_ready == 2; }, "update 2 ready");
+  rig.wait_offered(2);
   // The swap records the release of version 1's slot after the four held steps.
   REQUIRE(engine.step() == std::optional<std::uint64_t>{2});
 
@@ -159,7 +159,7 @@ TEST_CASE("invariant 5: latest wins, and a superseded update's groups stay in th
   rig.publish(1, {"base", "lora_a"}).wait();
   rig.publish(2, {"base"}).wait();
   rig.publish(3, {"lora_a"}).wait();
-  wait_until([&] { return rig.receiver().stats().updates_ready == 3; }, "three updates ready");
+  rig.wait_offered(3);
   REQUIRE(engine.step() == std::optional<std::uint64_t>{3});  // only the latest is applied
   CHECK(rig.receiver().step_hook().live_content_version(0) == 2);  // base of 2, not of 1 or 0
   CHECK(rig.receiver().step_hook().live_content_version(1) == 3);

@@ -49,7 +49,7 @@ TEST_CASE("an update lands in the shadow and becomes live at the next step, all 
 
   rig.publish(1, {"base", "lora_a", "lora_b"}).wait();
   CHECK(hook.applied_version() == 0);  // nothing swaps behind the engine's back
-  wait_until([&] { return rig.receiver().stats().updates_ready == 1; }, "update 1 ready");
+  rig.wait_offered(1);
   REQUIRE(engine.step() == std::optional<std::uint64_t>{1});
   CHECK(hook.live_arena(0) != before);  // rebind: the pointer table flipped
   for (std::size_t g = 0; g < 3; ++g) CHECK(hook.live_content_version(g) == 1);
@@ -68,7 +68,7 @@ TEST_CASE("a LoRA-only update moves only adapter bytes and keeps the base") {
   const std::byte* base = rig.receiver().step_hook().live_arena(0);
 
   rig.publish(2, {"lora_a"}).wait();
-  wait_until([&] { return rig.receiver().stats().updates_ready == 2; }, "update 2 ready");
+  rig.wait_offered(2);
   const auto reports = rig.reports();
   REQUIRE(reports.back().version == 2);
   CHECK(reports.back().bytes == layout.groups()[1].arena_bytes());

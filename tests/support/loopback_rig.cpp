@@ -1,5 +1,9 @@
 #include "loopback_rig.h"
 
+#include <string>
+
+#include "deadline.h"
+
 namespace shadowsync::testing {
 
 LoopbackRig::LoopbackRig(const Layout& layout, RigOptions options)
@@ -53,6 +57,13 @@ void LoopbackRig::reconnect() {
   for (int r = 0; r < options_.receivers; ++r) {
     receivers_[r]->replace_transport(communicator_->transport(r + 1));
   }
+}
+
+void LoopbackRig::wait_offered(std::uint64_t version, int receiver) {
+  Receiver& r = *receivers_[receiver];
+  wait_until(
+      [&] { return r.stats().updates_ready >= version && r.step_hook().has_pending(); },
+      "update " + std::to_string(version) + " offered to the engine");
 }
 
 UpdateHistory LoopbackRig::history() const {

@@ -40,6 +40,10 @@ class LoopbackRig {
   // A fresh communicator for every rank (after a failure aborted the old one).
   void reconnect();
 
+  // Waits until `version` is received and offered to the engine of `receiver` (the stats count an
+  // update just before it is offered, so both conditions are needed). Throws at the deadline.
+  void wait_offered(std::uint64_t version, int receiver = 0);
+
   UpdateHistory history() const;
   std::vector<UpdateReport> reports(int receiver = 0) const;
 
