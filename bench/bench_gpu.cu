@@ -68,26 +68,33 @@ __device__ __forceinline__ float sum_bf16x8(uint4 v) {
 }
 
 constexpr int kDecodeThreads = 512;
-constexpr int kDecodeBlocksPerSm = 4;  // 2048 threads per SM
-constexpr int kDecodeUnroll = 4;       // 16-byte loads in flight per thread
+constexpr int kDecodeWordsPerThread = 16;  // 16-byte words: 128 KiB per block
+constexpr int kDecodeUnroll = 8;           // 16-byte loads in flight per thread
+constexpr std::size_t kDecodeBlockBytes = std::size_t{kDecodeThreads} * kDecodeWordsPerThread * 16;
+static_assert(kDecodeWordsPerThread % kDecodeUnroll == 0);
 
-// The fake decode step: memory-bound like a batch-1 decode's weight reads. Sums `n` 16-byte words
-// of bf16 weights (coalesced 16-byte loads, kDecodeUnroll in flight per thread); one partial per
-// block, so nothing is optimized away.
+// The fake decode step: memory-bound like a batch-1 decode's weight reads (a GEMV kernel: many
+// short blocks, each streaming its own slice of the weights once). Block b sums the bf16 values of
+// 16-byte words [b * W, (b + 1) * W) of `data` (W = kDecodeBlockBytes / 16): coalesced 16-byte
+// loads, kDecodeUnroll in flight per thread; one partial per block, so nothing is optimized away.
+// Many blocks (32768 for 4 GiB) let the block scheduler fit them around an NCCL kernel's CTAs as
+// a real decode step's kernels would.
 __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const uint4* __restrict__ data,
                                                                 std::size_t n,
                                                                 float* __restrict__ partials) {
+  const std::size_t base = static_cast<std::size_t>(blockIdx.x) * (kDecodeBlockBytes / 16) + threadIdx.x;
   float acc = 0.f;
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + (kDecodeUnroll - 1) * stride < n; i += kDecodeUnroll * stride) {
+#pragma unroll
+  for (int batch = 0; batch < kDecodeWordsPerThread; batch += kDecodeUnroll) {
     uint4 v[kDecodeUnroll];
 #pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) v[u] = data[i + u * stride];
+    for (int u = 0; u < kDecodeUnroll; ++u) {
+      const std::size_t i = base + static_cast<std::size_t>(batch + u) * kDecodeThreads;
+      v[u] = i < n ? data[i] : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
     for (int u = 0; u < kDecodeUnroll; ++u) acc += sum_bf16x8(v[u]);
   }
-  for (; i < n; i += stride) acc += sum_bf16x8(data[i]);
 
   __shared__ float warp_sums[kDecodeThreads / 32];
 #pragma unroll
@@ -183,8 +190,9 @@ class CudaPlatform final : public Platform {
     }
     BENCH_CUDA(cudaSetDevice(1));
     BENCH_CUDA(cudaDeviceGetStreamPriorityRange(&priorities_.least, &priorities_.greatest));
-    decode_grid_ = props_[1].multiProcessorCount * kDecodeBlocksPerSm;
-    BENCH_CUDA(cudaMalloc(&partials_, sizeof(float) * static_cast<std::size_t>(decode_grid_)));
+    // One partial per block of any buffer the device can hold.
+    partials_capacity_ = props_[1].totalGlobalMem / kDecodeBlockBytes + 1;
+    BENCH_CUDA(cudaMalloc(&partials_, sizeof(float) * partials_capacity_));
   }
   ~CudaPlatform() override {
     for (cudaStream_t s : engine_streams_) {
@@ -235,7 +243,8 @@ class CudaPlatform final : public Platform {
         .set("devices", devices)
         .set("cuda_driver", driver)
         .set("cuda_runtime", runtime)
-        .set("decode_grid", decode_grid_)
+        .set("decode_block_bytes", kDecodeBlockBytes)
+        .set("decode_threads_per_block", kDecodeThreads)
         .set("env", env);
   }
   Backend& backend(int rank) override { return rank == 0 ? static_cast<Backend&>(backend0_) : backend1_; }
@@ -292,9 +301,13 @@ class CudaPlatform final : public Platform {
   }
 
   void decode(Stream& stream, const std::byte* data, std::size_t bytes) override {
+    const std::size_t blocks = (bytes + kDecodeBlockBytes - 1) / kDecodeBlockBytes;
+    if (blocks == 0 || blocks > partials_capacity_) {
+      throw BenchError(cat("decode of ", bytes, " bytes: ", blocks, " blocks (capacity ", partials_capacity_, ")"));
+    }
     BENCH_CUDA(cudaSetDevice(1));
     clear_last_error();
-    decode_kernel<<<decode_grid_, kDecodeThreads, 0, CudaBackend::native(stream)>>>(
+    decode_kernel<<<static_cast<unsigned>(blocks), kDecodeThreads, 0, CudaBackend::native(stream)>>>(
         reinterpret_cast<const uint4*>(data), bytes / 16, partials_);
     check_launch("decode_kernel");
   }
@@ -329,7 +342,7 @@ class CudaPlatform final : public Platform {
   cudaStream_t fill_streams_[2] = {};
   cudaEvent_t fill_events_[2] = {};
   PriorityRange priorities_;
-  int decode_grid_ = 0;
+  std::size_t partials_capacity_ = 0;
   float* partials_ = nullptr;
   std::vector<cudaStream_t> engine_streams_;
 };

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "watchdog.h"
 #include "shadowsync/backend.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
@@ -259,26 +260,7 @@ int main() {
   }
 
   // Ends the process if anything hangs past the overall deadline, NCCL calls included.
-  std::mutex watchdog_mutex;
-  std::condition_variable watchdog_cv;
-  bool finished = false;
-  std::thread watchdog([&] {
-    std::unique_lock lock(watchdog_mutex);
-    if (!watchdog_cv.wait_for(lock, kWatchdogTimeout, [&] { return finished; })) {
-      std::fprintf(stderr, "FAIL: the test did not finish within %lld s (watchdog)\n",
-                   static_cast<long long>(std::chrono::seconds(kWatchdogTimeout).count()));
-      std::fflush(stderr);
-      std::_Exit(1);
-    }
-  });
-  auto stop_watchdog = [&] {
-    {
-      std::lock_guard lock(watchdog_mutex);
-      finished = true;
-    }
-    watchdog_cv.notify_all();
-    watchdog.join();
-  };
+  shadowsync::testing::Watchdog watchdog(kWatchdogTimeout);
 
   std::array<std::string, kWorldSize> failures;
   try {
@@ -298,11 +280,11 @@ int main() {
     }
     for (std::thread& t : ranks) t.join();
   } catch (const std::exception& e) {
-    stop_watchdog();
+    watchdog.stop();
     std::fprintf(stderr, "FAIL: %s\n", e.what());
     return 1;
   }
-  stop_watchdog();
+  watchdog.stop();
 
   bool ok = true;
   for (int rank = 0; rank < kWorldSize; ++rank) {

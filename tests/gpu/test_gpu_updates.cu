@@ -38,6 +38,7 @@
 
 #include "fake_engine.h"
 #include "gpu_fake_engine.cuh"
+#include "watchdog.h"
 #include "shadowsync/backend.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
@@ -587,31 +588,12 @@ int main(int argc, char** argv) {
   const std::uint64_t total_updates = options.updates * phases.size();
 
   // Ends the process if anything hangs past the overall deadline, NCCL calls included.
-  std::mutex watchdog_mutex;
-  std::condition_variable watchdog_cv;
-  bool finished = false;
-  std::thread watchdog([&] {
-    std::unique_lock lock(watchdog_mutex);
-    if (!watchdog_cv.wait_for(lock, kWatchdogTimeout, [&] { return finished; })) {
-      std::fprintf(stderr, "FAIL: the test did not finish within %lld s (watchdog)\n",
-                   static_cast<long long>(kWatchdogTimeout.count()));
-      std::printf("gpu_updates: receivers=%d updates=%llu mode=%s torn_steps=? final_version=? "
-                  "result=FAIL (watchdog)\n",
-                  options.receivers, static_cast<unsigned long long>(options.updates),
-                  options.mode.c_str());
-      std::fflush(stdout);
-      std::fflush(stderr);
-      std::_Exit(1);
-    }
+  shadowsync::testing::Watchdog watchdog(kWatchdogTimeout, [&] {
+    std::printf("gpu_updates: receivers=%d updates=%llu mode=%s torn_steps=? final_version=? "
+                "result=FAIL (watchdog)\n",
+                options.receivers, static_cast<unsigned long long>(options.updates),
+                options.mode.c_str());
   });
-  auto stop_watchdog = [&] {
-    {
-      std::lock_guard lock(watchdog_mutex);
-      finished = true;
-    }
-    watchdog_cv.notify_all();
-    watchdog.join();
-  };
 
   const Layout layout = options.layout == "small" ? small_layout() : medium_layout();
   std::printf("gpu_updates: layout=%s groups=%zu tensors=%zu bytes=%zu (%.1f MiB) bucket=%zu KiB "
@@ -633,7 +615,7 @@ int main(int argc, char** argv) {
   try {
     shared.id = NcclUniqueId::generate();
   } catch (const std::exception& e) {
-    stop_watchdog();
+    watchdog.stop();
     std::fprintf(stderr, "FAIL: NcclUniqueId::generate: %s\n", e.what());
     return 1;
   }
@@ -661,7 +643,7 @@ int main(int argc, char** argv) {
     });
   }
   for (std::thread& t : threads) t.join();
-  stop_watchdog();
+  watchdog.stop();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
 
   bool pass = !shared.failed();

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "transport_conformance.h"
+#include "watchdog.h"
 
 #if defined(SHADOWSYNC_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -129,34 +130,6 @@ class NcclFixture final : public TransportFixture {
   std::vector<std::unique_ptr<Transport>> transports_;
 };
 
-class Watchdog {
- public:
-  Watchdog() : thread_([this] { run(); }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard lock(mutex_);
-      finished_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
- private:
-  void run() {
-    std::unique_lock lock(mutex_);
-    if (!cv_.wait_for(lock, kWatchdogTimeout, [this] { return finished_; })) {
-      std::fprintf(stderr, "FAIL: the test did not finish within %lld s (watchdog)\n",
-                   static_cast<long long>(std::chrono::seconds(kWatchdogTimeout).count()));
-      std::fflush(stderr);
-      std::_Exit(1);
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool finished_ = false;
-  std::thread thread_;  // last: starts once the members above exist
-};
 
 int run() {
   int device_count = 0;
@@ -171,7 +144,7 @@ int run() {
   }
   const int world_size = std::min(kMaxWorldSize, device_count);
 
-  Watchdog watchdog;
+  shadowsync::testing::Watchdog watchdog(kWatchdogTimeout);
   std::unique_ptr<NcclFixture> fixture;
   try {
     fixture = std::make_unique<NcclFixture>(world_size);
