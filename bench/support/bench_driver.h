@@ -220,6 +220,7 @@ struct ModelResult {
   std::optional<double> fast_path_ns;
   std::optional<Summary> transfer_gbps, transfer_ms;
   std::optional<double> transfer_aggregate_gbps;
+  std::optional<Summary> transfer_arena_gbps;  // Sender::publish_arenas: no packing
   std::optional<RawResult> raw;
   std::optional<BaselineResult> baseline;
   std::optional<CopyResult> copy;
@@ -526,6 +527,7 @@ inline Json results_json(const Results& r, const Options& o) {
                           .set("gbps", optional_json(m.transfer_gbps, [](const Summary& s) { return to_json(s); }))
                           .set("ms", optional_json(m.transfer_ms, [](const Summary& s) { return to_json(s); }))
                           .set("aggregate_gbps", m.transfer_aggregate_gbps)
+                          .set("from_arena_gbps", optional_json(m.transfer_arena_gbps, [](const Summary& s) { return to_json(s); }))
                           .set("raw", optional_json(m.raw, [](const RawResult& x) { return to_json(x); })));
     j.set("baseline", optional_json(m.baseline, [](const BaselineResult& b) {
       return Json::object().set("stall_ms", to_json(b.stall_ms)).set("gbps", b.gbps).set("tensors", b.tensors);
@@ -640,13 +642,14 @@ inline std::string results_markdown(const Results& r, const Options& o) {
 
   md += "\n## Transfer bandwidth (" + label + ")\n\n";
   md += "Shadowsync: bytes / `UpdateReport.transfer` (first bucket posted to update ready), engine "
-        "idle. Raw: broadcast of the same bytes on a communicator of its own, in chunks of at most " +
+        "idle, the trainer's tensors packed by `Sender::publish`; from arena: `Sender::publish_arenas` "
+        "(no packing). Raw: broadcast of the same bytes on a communicator of its own, in chunks of at most " +
         mib_text(o.raw_chunk) +
         ", timed on the receiver's stream (the link) and by the host from a common start to "
         "completion observed.\n\n";
-  md += "| model | bytes | bucket | shadowsync GB/s median (min–max) | aggregate | raw GB/s stream / host | "
-        "shadowsync / raw | baseline GB/s | copy-at-boundary background receive GB/s |\n"
-        "|---|---|---|---|---|---|---|---|---|\n";
+  md += "| model | bytes | bucket | shadowsync GB/s median (min–max) | aggregate | from arena GB/s | "
+        "raw GB/s stream / host | shadowsync / raw | baseline GB/s | copy-at-boundary background receive GB/s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n";
   for (const ModelResult& m : r.models) {
     std::string shadow = "—", raw = "—", ratio = "—";
     if (m.transfer_gbps) {
@@ -658,10 +661,11 @@ inline std::string results_markdown(const Results& r, const Options& o) {
         ratio = strf("%.0f%%", 100 * m.transfer_gbps->median / m.raw->stream_gbps.median);
       }
     }
-    md += strf("| %s | %s | %s (%zu) | %s | %s | %s | %s | %s | %s |\n", m.name.c_str(),
+    md += strf("| %s | %s | %s (%zu) | %s | %s | %s | %s | %s | %s | %s |\n", m.name.c_str(),
                bytes_text(static_cast<double>(m.bytes)).c_str(), mib_text(m.bucket_bytes).c_str(), m.buckets,
                shadow.c_str(),
                m.transfer_aggregate_gbps ? strf("%.1f", *m.transfer_aggregate_gbps).c_str() : "—",
+               m.transfer_arena_gbps ? strf("%.1f", m.transfer_arena_gbps->median).c_str() : "—",
                raw.c_str(), ratio.c_str(), m.baseline ? strf("%.1f", m.baseline->gbps).c_str() : "—",
                m.copy ? strf("%.1f", m.copy->receive_gbps).c_str() : "—");
   }
@@ -917,6 +921,12 @@ class Bench {
         const Summary host = summarize(run.host_us), gbps = summarize(run.gbps);
         progress(strf("%s: swap stall host median %.1f us p99 %.1f us; transfer median %.1f GB/s (%.2f ms)",
                       config.name.c_str(), host.median, host.p99, gbps.median, summarize(run.transfer_ms).median));
+        const int arena_updates = std::max(5, o_.swaps / 4);
+        const UpdatesRun arena_run = run_updates(p_, session, weights, *engine_stream, arena_updates, true);
+        const Summary arena_gbps = summarize(arena_run.gbps);
+        update([&](ModelResult& m) { m.transfer_arena_gbps = arena_gbps; });
+        progress(strf("%s: %d updates straight from the trainer's arena (no packing): %.1f GB/s median",
+                      config.name.c_str(), arena_updates, arena_gbps.median));
         if (with_interference) {
           progress(strf("%s: decode interference (%s per step): %zu steps alone, %.1f s with updates streaming",
                         config.name.c_str(), bytes_text(static_cast<double>(decode_bytes_for(bytes))).c_str(),

@@ -155,10 +155,14 @@ class Session {
   StepHook& hook() { return receiver_->step_hook(); }
   std::size_t bytes() const { return bytes_; }
 
-  // Publishes the next version from the trainer's weights and announces it to the receiver.
-  PublishHandle publish(const TrainerWeights& weights) {
+  // Publishes the next version from the trainer's weights and announces it to the receiver:
+  // as scattered tensors (Sender::publish packs them through its staging buffers), or with
+  // `from_arena`, straight from the trainer's arena (Sender::publish_arenas, no packing).
+  PublishHandle publish(const TrainerWeights& weights, bool from_arena = false) {
     const std::uint64_t v = version_.fetch_add(1) + 1;
-    PublishHandle handle = sender_->publish(v, {std::string(kBaseGroup)}, weights.sources);
+    const std::vector<std::string> groups = {std::string(kBaseGroup)};
+    PublishHandle handle = from_arena ? sender_->publish_arenas(v, groups, {weights.arena.data()})
+                                      : sender_->publish(v, groups, weights.sources);
     receiver_->begin_update(handle.header());
     return handle;
   }
@@ -235,12 +239,12 @@ struct UpdatesRun {
 };
 
 inline UpdatesRun run_updates(Platform& p, Session& s, const TrainerWeights& weights,
-                              Stream& engine_stream, int count) {
+                              Stream& engine_stream, int count, bool from_arena = false) {
   UpdatesRun run;
   auto before = p.make_stamp(1);
   auto after = p.make_stamp(1);
   for (int i = 0; i < count; ++i) {
-    PublishHandle handle = s.publish(weights);
+    PublishHandle handle = s.publish(weights, from_arena);
     const std::uint64_t v = handle.header().version;
     s.wait_resolved(v, cat("update ", v, " to be received"));
 

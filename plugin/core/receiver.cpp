@@ -9,6 +9,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/check_root_rank.h"
 #include "core/mutation.h"
 #include "core/slot_planner.h"
 #include "core/slot_table.h"
@@ -23,6 +24,19 @@ using Clock = std::chrono::steady_clock;
 // collective returns at once on both transports; if it does not, the slots can no longer be
 // trusted and the receiver stops taking updates rather than race with a stuck kernel.
 constexpr std::chrono::seconds kAbortDrainLimit{10};
+
+void check_config(const ReceiverConfig& config, const Transport* transport) {
+  const auto positive = [](auto value, const char* name) {
+    if (value.count() <= 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("ReceiverConfig::{} must be positive, got {}", name, value.count()));
+    }
+  };
+  positive(config.update_deadline, "update_deadline (ms)");
+  positive(config.bucket_deadline, "bucket_deadline (ms)");
+  positive(config.poll_interval, "poll_interval (us)");
+  check_root_rank(config.root_rank, transport, "ReceiverConfig::root_rank");
+}
 
 struct Command {
   enum class Kind { kBegin, kReplaceTransport, kDrain, kShutdown };
@@ -83,7 +97,8 @@ struct Receiver::Impl {
 
 Receiver::Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
                    ReceiverConfig config)
-    : layout_(std::move(layout)),
+    // The config is checked first, before the slots are allocated.
+    : layout_((check_config(config, transport.get()), std::move(layout))),
       slots_(std::make_unique<SlotTable>(layout_, backend)),
       hook_(std::make_unique<StepHook>(layout_, *slots_)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
@@ -114,6 +129,7 @@ void Receiver::abort_update() { impl_->abort_requested.store(true); }
 
 void Receiver::replace_transport(std::unique_ptr<Transport> transport) {
   if (!transport) throw Error(ErrorCode::kInvalidArgument, "replace_transport: transport is null");
+  check_root_rank(impl_->config.root_rank, transport.get(), "ReceiverConfig::root_rank");
   Command command;
   command.kind = Command::Kind::kReplaceTransport;
   command.transport = std::move(transport);

@@ -10,6 +10,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "core/check_root_rank.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
@@ -126,8 +127,21 @@ struct Sender::Impl {
 
 Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
                SenderConfig config)
-    : layout_(std::move(layout)),
-      impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
+    : layout_(std::move(layout)) {
+  if (config.update_deadline.count() <= 0 || config.poll_interval.count() <= 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("SenderConfig: update_deadline ({} ms) and poll_interval ({} us) must "
+                            "be positive",
+                            config.update_deadline.count(), config.poll_interval.count()));
+  }
+  check_root_rank(config.root_rank, transport.get(), "SenderConfig::root_rank");
+  if (transport && transport->rank() != config.root_rank) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("Sender: the sender must be the broadcast root, but its transport is "
+                            "rank {} and SenderConfig::root_rank is {}",
+                            transport->rank(), config.root_rank));
+  }
+  impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config);
   impl_->thread = std::thread([this] { impl_->run(); });
 }
 
@@ -222,6 +236,7 @@ PublishHandle Sender::publish_arenas(std::uint64_t version, const std::vector<st
 
 void Sender::replace_transport(std::unique_ptr<Transport> transport) {
   if (!transport) throw Error(ErrorCode::kInvalidArgument, "replace_transport: transport is null");
+  check_root_rank(impl_->config.root_rank, transport.get(), "SenderConfig::root_rank");
   Job job;
   job.new_transport = std::move(transport);
   impl_->jobs.enqueue(std::move(job));

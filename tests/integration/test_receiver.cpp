@@ -220,3 +220,24 @@ TEST_CASE("the oracle notices a corrupted byte: a torn-step count of zero means 
   CHECK_THAT(engine.first_torn(), Catch::Contains("group base expected version 1"));
   CHECK(rig.history().check(engine.records()) != "");
 }
+
+TEST_CASE("bad configs are refused with the field and its value named") {
+  const Layout layout = model_layout();
+  HostBackend backend;
+  LoopbackCommunicator communicator(2);
+  ReceiverConfig config;
+  config.poll_interval = std::chrono::microseconds(0);
+  CHECK_THROWS_WITH(Receiver(layout, backend, communicator.transport(1), config),
+                    "ReceiverConfig::poll_interval (us) must be positive, got 0");
+  config = ReceiverConfig{};
+  config.root_rank = 2;
+  LoopbackCommunicator second(2);
+  CHECK_THROWS_WITH(Receiver(layout, backend, second.transport(1), config),
+                    "ReceiverConfig::root_rank is 2, outside the transport's ranks 0..1");
+  CHECK(backend.bytes_allocated() == 0);  // refused before any slot was allocated
+  SenderConfig sender_config;
+  sender_config.root_rank = 1;
+  LoopbackCommunicator other(2);
+  CHECK_THROWS_WITH(Sender(layout, backend, other.transport(0), sender_config),
+                    Catch::Contains("transport is rank 0 and SenderConfig::root_rank is 1"));
+}

@@ -1,0 +1,488 @@
+#include "shadowsync/trainer_channel.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <variant>
+#include <vector>
+
+#include "control/control_auth.h"
+#include "control/control_connection.h"
+
+namespace shadowsync {
+
+using control::Clock;
+using control::Connection;
+using control::Fd;
+
+namespace {
+
+// Errors kept per engine, so that waiting for an older version still finds its error after a
+// newer one failed too.
+constexpr std::size_t kErrorsKept = 64;
+
+std::string describe(const EngineStatus& status) {
+  return fmt::format("engine rank {} ({}:{})", status.rank, status.address.host,
+                     status.address.port);
+}
+
+Fd connect_to(const EngineAddress& address, Clock::time_point deadline) {
+  sockaddr_in target{};
+  target.sin_family = AF_INET;
+  target.sin_addr = control::parse_ipv4(address.host, "engine address");
+  target.sin_port = htons(address.port);
+  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("control channel: socket failed: {}", std::strerror(errno)));
+  }
+  const std::string where = fmt::format("{}:{}", address.host, address.port);
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&target), sizeof target) != 0) {
+    if (errno != EINPROGRESS) {
+      throw Error(ErrorCode::kTransport, fmt::format("control channel: connecting to engine {} "
+                                                     "failed: {}",
+                                                     where, std::strerror(errno)));
+    }
+    if (!control::wait_fd(fd.get(), POLLOUT, deadline)) {
+      throw Error(ErrorCode::kTimeout,
+                  fmt::format("control channel: connecting to engine {} timed out", where));
+    }
+    int error = 0;
+    socklen_t length = sizeof error;
+    ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &length);
+    if (error != 0) {
+      throw Error(ErrorCode::kTransport, fmt::format("control channel: connecting to engine {} "
+                                                     "failed: {}",
+                                                     where, std::strerror(error)));
+    }
+  }
+  control::tune_socket(fd.get());
+  return fd;
+}
+
+template <typename Message>
+Message expect(Connection& connection, Clock::time_point deadline, const char* stage) {
+  ControlMessage message;
+  try {
+    message = connection.receive(deadline);
+  } catch (const Error& e) {
+    throw Error(e.code(), fmt::format("control channel: handshake with engine {} failed at {}: {} "
+                                      "(a wrong token makes the engine close the connection; "
+                                      "the engine logs why)",
+                                      connection.peer(), stage, e.what()));
+  }
+  if (auto* goodbye = std::get_if<GoodbyeMessage>(&message)) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("control channel: engine {} closed the connection at {}: {}",
+                            connection.peer(), stage, goodbye->reason));
+  }
+  auto* typed = std::get_if<Message>(&message);
+  if (typed == nullptr) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("control channel: engine {} sent a {} frame at {}", connection.peer(),
+                            to_string(frame_type_of(message)), stage));
+  }
+  return std::move(*typed);
+}
+
+}  // namespace
+
+struct TrainerChannel::Impl {
+  struct Engine {
+    EngineStatus status;  // state_mutex
+    std::unique_ptr<Connection> connection;
+    std::mutex send_mutex;  // one writer at a time (sequence numbers)
+    // state_mutex:
+    std::uint64_t rendezvous_answered = 0;  // id of the last rendezvous the engine answered
+    std::string rendezvous_error;
+    std::map<std::uint64_t, std::pair<ErrorCode, std::string>> errors;
+  };
+
+  TrainerChannelConfig config;
+  std::string token;
+  TrainerHelloMessage hello;
+  std::vector<std::unique_ptr<Engine>> engines;
+
+  mutable std::mutex state_mutex;
+  std::condition_variable state_cv;
+  std::uint64_t rendezvous_id = 0;  // state_mutex
+
+  Fd wake_read;
+  Fd wake_write;
+  std::atomic<bool> stopping{false};
+  std::thread io_thread;
+
+  void log(const std::string& line) const {
+    if (config.control.log) {
+      config.control.log(line);
+    } else {
+      std::fprintf(stderr, "shadowsync control: %s\n", line.c_str());
+    }
+  }
+
+  void handshake(Engine& engine, const Layout& layout);
+  void io_loop();
+  void on_message(Engine& engine, ControlMessage& message);
+  // state_mutex held.
+  void disconnect_locked(Engine& engine, const std::string& why);
+  void disconnect(Engine& engine, const std::string& why) {
+    std::lock_guard lock(state_mutex);
+    disconnect_locked(engine, why);
+  }
+  // Sends to one engine; on failure marks it disconnected and returns the reason.
+  std::optional<std::string> send(Engine& engine, const ControlMessage& message);
+  // Sends `make(i)` to every engine; throws naming those it could not reach.
+  template <typename Make>
+  void send_all(const char* what, Make&& make);
+};
+
+TrainerChannel::TrainerChannel(const Layout& layout, TrainerChannelConfig config)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& impl = *impl_;
+  impl.config = std::move(config);
+  if (impl.config.engines.empty()) {
+    throw Error(ErrorCode::kInvalidArgument, "trainer channel: no engine addresses");
+  }
+  impl.token = resolve_control_token(impl.config.control.token);
+  impl.hello.layout_fingerprint = layout.fingerprint();
+  for (const GroupLayout& group : layout.groups()) {
+    impl.hello.groups.push_back({group.name(), group.bucket_count()});
+  }
+  for (const EngineAddress& address : impl.config.engines) {
+    auto engine = std::make_unique<Impl::Engine>();
+    engine->status.address = address;
+    impl.handshake(*engine, layout);
+    impl.engines.push_back(std::move(engine));
+  }
+  control::make_wake_pipe(impl.wake_read, impl.wake_write);
+  impl.io_thread = std::thread([&impl] { impl.io_loop(); });
+}
+
+void TrainerChannel::Impl::handshake(Engine& engine, const Layout& layout) {
+  const auto deadline = Clock::now() + config.connect_timeout;
+  const EngineAddress& address = engine.status.address;
+  engine.connection = std::make_unique<Connection>(
+      connect_to(address, deadline), fmt::format("{}:{}", address.host, address.port),
+      control::Role::kTrainer);
+  Connection& connection = *engine.connection;
+
+  const auto challenge = expect<ChallengeMessage>(connection, deadline, "the challenge");
+  const ControlNonce trainer_nonce = control::make_nonce();
+  connection.send(ClientProofMessage{trainer_nonce, control::trainer_proof(
+                                                        token, challenge.engine_nonce,
+                                                        trainer_nonce)},
+                  deadline);
+  const auto proof = expect<ServerProofMessage>(connection, deadline, "the engine's proof");
+  const ControlMac expected = control::engine_proof(token, challenge.engine_nonce, trainer_nonce);
+  if (!control::macs_equal(expected, proof.proof)) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("control channel: engine {} failed to prove it holds the token "
+                            "(different tokens, or not a shadowsync engine)",
+                            connection.peer()));
+  }
+  connection.start_session(
+      control::derive_session_keys(token, challenge.engine_nonce, trainer_nonce));
+  const auto engine_hello = expect<EngineHelloMessage>(connection, deadline, "the hello");
+  if (engine_hello.protocol_version != kProtocolVersion ||
+      engine_hello.layout_fingerprint != layout.fingerprint() ||
+      engine_hello.groups != hello.groups) {
+    throw Error(ErrorCode::kLayoutMismatch,
+                fmt::format("control channel: engine {} (rank {}) has protocol {} and layout "
+                            "fingerprint {:#018x} with {} groups; this trainer has protocol {} "
+                            "and {:#018x} with {} groups (tensor names, dtypes, shapes, order or "
+                            "bucket size differ)",
+                            connection.peer(), engine_hello.rank, engine_hello.protocol_version,
+                            engine_hello.layout_fingerprint, engine_hello.groups.size(),
+                            kProtocolVersion, layout.fingerprint(), layout.groups().size()));
+  }
+  connection.send(hello, deadline);
+  EngineStatus& status = engine.status;
+  status.rank = engine_hello.rank;
+  status.connected = true;
+  status.last_accepted_version = engine_hello.last_accepted_version;
+  status.applied_version = engine_hello.applied_version;
+  status.applied_step = engine_hello.applied_step;
+}
+
+TrainerChannel::~TrainerChannel() {
+  Impl& impl = *impl_;
+  for (auto& engine : impl.engines) {
+    bool connected;
+    {
+      std::lock_guard lock(impl.state_mutex);
+      connected = engine->status.connected;
+    }
+    if (connected) impl.send(*engine, GoodbyeMessage{"trainer shutting down"});
+  }
+  impl.stopping.store(true);
+  if (impl.wake_write) {
+    const char byte = 1;
+    [[maybe_unused]] const ssize_t n = ::write(impl.wake_write.get(), &byte, 1);
+  }
+  if (impl.io_thread.joinable()) impl.io_thread.join();
+}
+
+void TrainerChannel::Impl::io_loop() {
+  std::vector<pollfd> fds;
+  std::vector<Engine*> polled;
+  while (!stopping.load()) {
+    fds.clear();
+    polled.clear();
+    fds.push_back({wake_read.get(), POLLIN, 0});
+    Clock::time_point next = Clock::now() + std::chrono::seconds(60);
+    {
+      std::lock_guard lock(state_mutex);
+      for (auto& engine : engines) {
+        if (!engine->status.connected) continue;
+        fds.push_back({engine->connection->fd(), POLLIN, 0});
+        polled.push_back(engine.get());
+        if (engine->connection->has_partial()) {
+          next = std::min(next, engine->connection->partial_since() + config.control.frame_timeout);
+        }
+      }
+    }
+    const auto wait = std::chrono::ceil<std::chrono::milliseconds>(next - Clock::now());
+    const int timeout = static_cast<int>(std::clamp<long long>(wait.count(), 0, 60'000));
+    const int ready = ::poll(fds.data(), fds.size(), timeout);
+    if (ready < 0 && errno != EINTR) {
+      log(fmt::format("poll failed: {}; the trainer channel stops reading", std::strerror(errno)));
+      break;
+    }
+    if (fds[0].revents != 0) {
+      char buffer[64];
+      while (::read(wake_read.get(), buffer, sizeof buffer) > 0) {
+      }
+    }
+    for (std::size_t i = 0; i < polled.size(); ++i) {
+      Engine& engine = *polled[i];
+      Connection& connection = *engine.connection;
+      if (fds[i + 1].revents != 0) {
+        std::string why;
+        if (!connection.read_available(why)) {
+          disconnect(engine, why);
+          continue;
+        }
+        for (;;) {
+          ControlMessage message;
+          const auto status = connection.next(message, why);
+          if (status == Connection::Next::kNeedMore) break;
+          if (status == Connection::Next::kBad) {
+            disconnect(engine, why);
+            break;
+          }
+          on_message(engine, message);
+        }
+      }
+      if (connection.has_partial() &&
+          Clock::now() >= connection.partial_since() + config.control.frame_timeout) {
+        disconnect(engine, fmt::format("a frame was not completed within {} ms",
+                                       config.control.frame_timeout.count()));
+      }
+    }
+  }
+}
+
+void TrainerChannel::Impl::on_message(Engine& engine, ControlMessage& message) {
+  std::lock_guard lock(state_mutex);
+  if (!engine.status.connected) return;
+  EngineStatus& status = engine.status;
+  if (auto* ack = std::get_if<AckMessage>(&message)) {
+    if (ack->version >= status.applied_version) {
+      status.applied_version = ack->version;
+      status.applied_step = ack->engine_step;
+    }
+  } else if (auto* error = std::get_if<UpdateErrorMessage>(&message)) {
+    const auto code = static_cast<ErrorCode>(error->code);  // range-checked by the decoder
+    status.error_version = error->version;
+    status.error_code = code;
+    status.error = error->message;
+    engine.errors[error->version] = {code, error->message};
+    if (engine.errors.size() > kErrorsKept) engine.errors.erase(engine.errors.begin());
+  } else if (auto* result = std::get_if<RendezvousResultMessage>(&message)) {
+    if (result->rendezvous_id == rendezvous_id) {
+      engine.rendezvous_answered = result->rendezvous_id;
+      engine.rendezvous_error = result->error;
+    }
+  } else if (auto* goodbye = std::get_if<GoodbyeMessage>(&message)) {
+    disconnect_locked(engine, fmt::format("the engine said goodbye: {}", goodbye->reason));
+    return;
+  } else {
+    disconnect_locked(engine, fmt::format("unexpected {} frame after the handshake",
+                                          to_string(frame_type_of(message))));
+    return;
+  }
+  state_cv.notify_all();
+}
+
+void TrainerChannel::Impl::disconnect_locked(Engine& engine, const std::string& why) {
+  if (!engine.status.connected) return;
+  engine.status.connected = false;
+  engine.status.disconnect_reason = why;
+  engine.connection->shutdown();
+  log(fmt::format("{} disconnected: {}", describe(engine.status), why));
+  state_cv.notify_all();
+}
+
+std::optional<std::string> TrainerChannel::Impl::send(Engine& engine,
+                                                      const ControlMessage& message) {
+  std::lock_guard send_lock(engine.send_mutex);
+  {
+    std::lock_guard lock(state_mutex);
+    if (!engine.status.connected) {
+      return fmt::format("{} is disconnected ({})", describe(engine.status),
+                         engine.status.disconnect_reason);
+    }
+  }
+  try {
+    engine.connection->send(message, Clock::now() + config.control.send_timeout);
+    return std::nullopt;
+  } catch (const Error& e) {
+    disconnect(engine, e.what());
+    return fmt::format("{}: {}", describe(engine.status), e.what());
+  }
+}
+
+template <typename Make>
+void TrainerChannel::Impl::send_all(const char* what, Make&& make) {
+  std::string failures;
+  for (std::size_t i = 0; i < engines.size(); ++i) {
+    if (auto failure = send(*engines[i], make(i))) {
+      failures += failures.empty() ? "" : "; ";
+      failures += *failure;
+    }
+  }
+  if (!failures.empty()) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("trainer channel: {} not delivered: {}", what, failures));
+  }
+}
+
+std::size_t TrainerChannel::engine_count() const { return impl_->engines.size(); }
+
+std::vector<EngineStatus> TrainerChannel::engines() const {
+  std::lock_guard lock(impl_->state_mutex);
+  std::vector<EngineStatus> out;
+  for (const auto& engine : impl_->engines) out.push_back(engine->status);
+  return out;
+}
+
+std::uint64_t TrainerChannel::highest_accepted_version() const {
+  std::lock_guard lock(impl_->state_mutex);
+  std::uint64_t highest = 0;
+  for (const auto& engine : impl_->engines) {
+    highest = std::max({highest, engine->status.last_accepted_version,
+                        engine->status.applied_version});
+  }
+  return highest;
+}
+
+void TrainerChannel::send_rendezvous(const NcclUniqueId& id, int world_size, int first_rank) {
+  Impl& impl = *impl_;
+  const auto engines = static_cast<long long>(impl.engines.size());
+  if (world_size == 0) world_size = static_cast<int>(engines + 1);
+  if (first_rank < 0 || world_size < 2 || world_size > static_cast<int>(kMaxControlWorldSize) ||
+      first_rank + engines > world_size) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("send_rendezvous: ranks {}..{} of {} engines do not fit a world of "
+                            "size {} (2..{})",
+                            first_rank, first_rank + engines - 1, engines, world_size,
+                            kMaxControlWorldSize));
+  }
+  std::uint64_t rendezvous_id;
+  {
+    std::lock_guard lock(impl.state_mutex);
+    rendezvous_id = ++impl.rendezvous_id;
+  }
+  impl.send_all("rendezvous", [&](std::size_t i) {
+    RendezvousMessage message;
+    message.rendezvous_id = rendezvous_id;
+    message.rank = static_cast<std::uint32_t>(first_rank + static_cast<int>(i));
+    message.world_size = static_cast<std::uint32_t>(world_size);
+    std::memcpy(message.unique_id.data(), id.bytes.data(), NcclUniqueId::kSize);
+    return ControlMessage(message);
+  });
+}
+
+bool TrainerChannel::wait_rendezvous(std::chrono::steady_clock::time_point deadline) {
+  Impl& impl = *impl_;
+  std::unique_lock lock(impl.state_mutex);
+  for (;;) {
+    bool all = true;
+    std::string failures;
+    for (const auto& engine : impl.engines) {
+      const EngineStatus& status = engine->status;
+      if (engine->rendezvous_answered == impl.rendezvous_id) {
+        if (!engine->rendezvous_error.empty()) {
+          failures += fmt::format("{}{}: {}", failures.empty() ? "" : "; ", describe(status),
+                                  engine->rendezvous_error);
+        }
+      } else if (!status.connected) {
+        failures += fmt::format("{}{} disconnected: {}", failures.empty() ? "" : "; ",
+                                describe(status), status.disconnect_reason);
+      } else {
+        all = false;
+      }
+    }
+    if (!failures.empty()) {
+      throw Error(ErrorCode::kTransport, fmt::format("rendezvous failed: {}", failures));
+    }
+    if (all) return true;
+    if (Clock::now() >= deadline) return false;
+    impl.state_cv.wait_until(lock, deadline);
+  }
+}
+
+void TrainerChannel::send_update_header(const UpdateHeader& header) {
+  const UpdateHeaderMessage message{header};
+  impl_->send_all("update header", [&](std::size_t) { return ControlMessage(message); });
+}
+
+bool TrainerChannel::wait_until_all_applied(std::uint64_t version,
+                                            std::chrono::steady_clock::time_point deadline) {
+  Impl& impl = *impl_;
+  std::unique_lock lock(impl.state_mutex);
+  for (;;) {
+    bool all = true;
+    for (const auto& engine : impl.engines) {
+      const EngineStatus& status = engine->status;
+      if (status.applied_version >= version) continue;
+      if (auto it = engine->errors.find(version); it != engine->errors.end()) {
+        throw Error(it->second.first, fmt::format("{}: update {}: {}", describe(status), version,
+                                                  it->second.second));
+      }
+      if (!status.connected) {
+        throw Error(ErrorCode::kTransport,
+                    fmt::format("{} disconnected before applying update {} (live: {}): {}",
+                                describe(status), version, status.applied_version,
+                                status.disconnect_reason));
+      }
+      all = false;
+    }
+    if (all) return true;
+    if (Clock::now() >= deadline) return false;
+    impl.state_cv.wait_until(lock, deadline);
+  }
+}
+
+void TrainerChannel::abort_update(std::uint64_t version, const std::string& reason) {
+  std::string clipped = reason.substr(0, kMaxControlTextBytes);
+  impl_->send_all("abort", [&](std::size_t) {
+    return ControlMessage(AbortMessage{version, clipped});
+  });
+}
+
+}  // namespace shadowsync
