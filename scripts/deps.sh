@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing shadowsync needs on Debian/Ubuntu, if it is missing:
-# cmake, g++, ninja (or make), pkg-config, catch2 (v2), libfmt-dev, libconcurrentqueue-dev.
+# cmake, g++, ninja (or make), pkg-config, catch2 (v2), libfmt-dev, libconcurrentqueue-dev,
+# libssl-dev (the control channel's HMAC), and for scripts/fuzz.sh clang with its libFuzzer runtime.
 # Idempotent: when everything is present it only checks, and returns in well under a second.
 # (nvcc and NCCL are not installed here: the CUDA backend is built when CMake finds them.)
 #
@@ -13,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 readonly DEPS_DIR=.deps
 readonly DEPS_PREFIX="$DEPS_DIR/prefix"
-readonly LIB_PACKAGES=(catch2 libfmt-dev libconcurrentqueue-dev)
+readonly LIB_PACKAGES=(catch2 libfmt-dev libconcurrentqueue-dev libssl-dev)
 
 log() { echo "[deps] $*" >&2; }
 
@@ -25,6 +26,18 @@ command -v cmake >/dev/null || installed cmake || missing+=(cmake)
 command -v g++ >/dev/null || installed g++ || missing+=(g++)
 command -v ninja >/dev/null || command -v make >/dev/null || missing+=(ninja-build)
 command -v pkg-config >/dev/null || installed pkg-config || missing+=(pkg-config)
+command -v clang++ >/dev/null || installed clang || missing+=(clang)
+
+# libFuzzer's runtime (scripts/fuzz.sh) ships apart from clang on Debian 12: libclang-rt-<N>-dev.
+fuzzer_runtime_present() {
+  command -v clang++ >/dev/null &&
+    [[ -f "$(clang++ -print-resource-dir)/lib/linux/libclang_rt.fuzzer-$(uname -m).a" ]]
+}
+fuzzer_runtime_package() {
+  local major
+  major=$(clang++ -dumpversion 2>/dev/null | cut -d. -f1)
+  [[ -n "$major" ]] && echo "libclang-rt-${major}-dev"
+}
 
 missing_libs=()
 for pkg in "${LIB_PACKAGES[@]}"; do
@@ -45,6 +58,9 @@ if ((${#missing_libs[@]})) && ((${#debs[@]})); then
 fi
 
 missing+=("${missing_libs[@]}")
+if command -v clang++ >/dev/null && ! fuzzer_runtime_present; then
+  missing+=("$(fuzzer_runtime_package)")
+fi
 if ((${#missing[@]} == 0)); then
   log "all build dependencies present"
   exit 0
@@ -60,4 +76,10 @@ export DEBIAN_FRONTEND=noninteractive
 "${sudo[@]}" apt-get update -qq
 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# clang was just installed: its libFuzzer runtime is a package of its own.
+if ! fuzzer_runtime_present && [[ -n "$(fuzzer_runtime_package)" ]]; then
+  log "installing $(fuzzer_runtime_package) (libFuzzer runtime)"
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends "$(fuzzer_runtime_package)"
+fi
 log "done"

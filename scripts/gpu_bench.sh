@@ -90,23 +90,23 @@ export CPLUS_INCLUDE_PATH="$PREFIX/usr/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCL
 export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 : >"$OUT_DIR/build.log"
-if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
-  generator=()
-  command -v ninja >/dev/null && generator=(-G Ninja)
-  log "configuring $BUILD"
-  if ! timeout 180 cmake -S "$ROOT" -B "$BUILD" "${generator[@]}" \
-      -DSHADOWSYNC_WITH_CUDA=ON \
-      -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DCMAKE_PREFIX_PATH="$PREFIX/usr" \
-      -Dfmt_DIR="$FMT_DIR" \
-      -DCatch2_DIR="$CATCH2_DIR" \
-      -DSHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR="$CQ_DIR" \
-      -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
-      >>"$OUT_DIR/build.log" 2>&1; then
-    tail -30 "$OUT_DIR/build.log"
-    log "FAIL: configure (see build.log)"
-    exit 1
-  fi
+# Configured every time (seconds when build-gpu/ exists): a build-gpu/ configured before
+# bench/bench_gpu.cu existed would not know the target yet.
+generator=()
+if [[ ! -f "$BUILD/CMakeCache.txt" ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
+log "configuring $BUILD"
+if ! timeout 180 cmake -S "$ROOT" -B "$BUILD" "${generator[@]}" \
+    -DSHADOWSYNC_WITH_CUDA=ON \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_PREFIX_PATH="$PREFIX/usr" \
+    -Dfmt_DIR="$FMT_DIR" \
+    -DCatch2_DIR="$CATCH2_DIR" \
+    -DSHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR="$CQ_DIR" \
+    -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    >>"$OUT_DIR/build.log" 2>&1; then
+  tail -30 "$OUT_DIR/build.log"
+  log "FAIL: configure (see build.log)"
+  exit 1
 fi
 log "building bench_gpu with -j$(nproc)"
 if ! timeout 300 cmake --build "$BUILD" -j "$(nproc)" --target bench_gpu >>"$OUT_DIR/build.log" 2>&1; then

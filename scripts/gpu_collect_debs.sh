@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run on the development machine (it has apt and a network; the GPU machines have neither).
 # Downloads the .deb files of the build dependencies the GPU machines lack (Catch2 v2, fmt and its
-# shared library, moodycamel concurrentqueue) into .deps/, which .gitignore ignores. Carry that
-# folder to the GPU machine with the device tool (carry: [".deps"]); scripts/gpu_run.sh unpacks it
-# there with dpkg -x. Nothing is installed here.
+# shared library, moodycamel concurrentqueue, OpenSSL's libcrypto for the control channel) into
+# .deps/, which .gitignore ignores. Carry that folder to the GPU machine with the device tool
+# (carry: [".deps"]); scripts/gpu_run.sh unpacks it there with dpkg -x. Nothing is installed here.
 #
 # Idempotent: a package whose .deb is already in .deps/ is not downloaded again. apt-get update
 # runs only when a download fails (stale package lists), then the download is retried once.
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 readonly DEPS_DIR=.deps
-readonly PACKAGES=(catch2 libfmt-dev libfmt9 libconcurrentqueue-dev)
+readonly PACKAGES=(catch2 libfmt-dev libfmt9 libconcurrentqueue-dev libssl-dev libssl3)
 
 log() { echo "[gpu_collect_debs] $*" >&2; }
 

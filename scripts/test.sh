@@ -4,10 +4,13 @@
 #                warnings are errors; then the gpu-labelled tests, which must skip without a GPU
 #   build-asan/  address,undefined sanitizers, -O1, CUDA OFF
 #   build-tsan/  thread sanitizer, -O1, CUDA OFF
+#   build-fuzz/  the control channel's frame parser under libFuzzer (clang, ASan+UBSan), 30 s:
+#                scripts/fuzz.sh; runs on every run, any crash fails
 # Environment:
 #   SHADOWSYNC_TEST_SKIP_SANITIZERS=1   only the default build (quick local iterations)
 #   SHADOWSYNC_JOBS=N                   build and ctest parallelism (default 2)
 #   SHADOWSYNC_WERROR=OFF               do not turn warnings into errors
+#   SHADOWSYNC_FUZZ_SECONDS=N           how long the fuzz target runs (default 30)
 # Exits non-zero if any build or test failed; ends with each build's ctest result line.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -110,6 +113,15 @@ fi
 run_ctest gpu build build/ctest-gpu.log -L '^gpu$' --no-tests=ignore
 if ((!has_gpu)) && grep -E "Test +#[0-9]+: .*Passed" build/ctest-gpu.log; then
   summary+=("gpu: FAILED: a gpu test passed on a machine without a GPU (it must exit 77)")
+  failed=1
+fi
+
+# --- fuzzing: the control channel's frame parser ----------------------------------------------
+log "[fuzz] scripts/fuzz.sh"
+if ./scripts/fuzz.sh 2>&1 | tee build/fuzz.log; then
+  summary+=("fuzz: $(grep -E '^fuzz: ' build/fuzz.log | tail -n 1 | sed 's/^fuzz: //')")
+else
+  summary+=("fuzz: FAILED (see build/fuzz.log and build-fuzz/)")
   failed=1
 fi
 

@@ -247,6 +247,7 @@ inline UpdatesRun run_updates(Platform& p, Session& s, const TrainerWeights& wei
     PublishHandle handle = s.publish(weights, from_arena);
     const std::uint64_t v = handle.header().version;
     s.wait_resolved(v, cat("update ", v, " to be received"));
+    wait_until([&] { return s.hook().has_pending(); }, cat("update ", v, " to be offered"));
 
     p.hold(engine_stream, kHold);
     before->record(engine_stream);

@@ -64,7 +64,7 @@ enum class FrameType : std::uint16_t {
 std::string_view to_string(FrameType type) noexcept;
 // True for every frame after the handshake: its body ends with a kControlMacBytes tag.
 bool is_tagged(FrameType type) noexcept;
-// True for the frames an engine may receive (sent by a trainer).
+// True for the frames an engine may receive (sent by a trainer). kGoodbye goes both ways.
 bool is_trainer_to_engine(FrameType type) noexcept;
 
 // One group as a hello describes it; checked against the receiving side's layout.

@@ -62,6 +62,7 @@ struct EngineChannelStats {
   std::uint64_t headers_refused = 0;         // begin_update threw; an error went back
   std::uint64_t acks_sent = 0;
   std::uint64_t reports_dropped = 0;         // report_applied found the queue full
+  std::uint64_t connections_open = 0;        // in the handshake or the trainer's
   bool trainer_connected = false;
 };
 

@@ -159,8 +159,9 @@ Connection::Next Connection::next(ControlMessage& out, std::string& why) {
   partial_since_ = Clock::now();
   const FrameType type = assembler_.header().type;
   const std::span<const std::byte> frame = assembler_.frame();
+  // A goodbye goes either way; every other frame has one direction.
   const bool for_engine = is_trainer_to_engine(type);
-  if (for_engine != (role_ == Role::kEngine)) {
+  if (type != FrameType::kGoodbye && for_engine != (role_ == Role::kEngine)) {
     why = fmt::format("{} frame is never sent to {}", to_string(type),
                       role_ == Role::kEngine ? "an engine" : "a trainer");
     return Next::kBad;

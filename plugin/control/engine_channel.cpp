@@ -314,6 +314,7 @@ void EngineChannel::Impl::io_loop() {
     drain_outbound();
     check_deadlines();
     std::erase_if(peers, [](const auto& peer) { return peer->closed; });
+    count([&](EngineChannelStats& s) { s.connections_open = peers.size(); });
   }
   // Orderly shutdown: the trainer learns why, then every connection closes.
   if (active != nullptr) {
@@ -322,7 +323,10 @@ void EngineChannel::Impl::io_loop() {
   active = nullptr;
   active_generation.store(0);
   peers.clear();
-  count([](EngineChannelStats& s) { s.trainer_connected = false; });
+  count([](EngineChannelStats& s) {
+    s.trainer_connected = false;
+    s.connections_open = 0;
+  });
 }
 
 void EngineChannel::Impl::accept_all() {
