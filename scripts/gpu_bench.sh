@@ -43,20 +43,13 @@ mkdir -p "$OUT_DIR"
 SECONDS=0
 log() { echo "[gpu_bench $(printf '%3d' "$SECONDS")s] $*"; }
 
-# NVLink multicast (NVLS) off: see .library/device KINDS.md and docs/gpu.md.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=scripts/gpu_common.sh
+source "$ROOT/scripts/gpu_common.sh"
 
 # --- the machine ---------------------------------------------------------------------------------
 {
-  echo "== date"; date -u
   echo "== command"; echo "bash scripts/gpu_bench.sh --commit $COMMIT ${BENCH_ARGS[*]:+-- ${BENCH_ARGS[*]}}"
-  echo "== nvidia-smi -L"; nvidia-smi -L
-  echo "== nvidia-smi topo -m"; nvidia-smi topo -m
-  echo "== nvidia-smi"
-  nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version,clocks.max.sm,clocks.sm,power.limit,temperature.gpu --format=csv
-  echo "== tools"; command -v nvcc && nvcc --version | tail -2; cmake --version | head -1; g++ --version | head -1
-  echo "== nccl.h"; grep -E '^#define NCCL_(MAJOR|MINOR|PATCH)' /usr/include/nccl.h 2>/dev/null
-  echo "== env"; env | grep -E '^(NCCL_|TORCH_SYMM|NVSHMEM_|CUDA_VISIBLE)' | sort
+  gpu_machine_report
 } >"$OUT_DIR/env.log" 2>&1
 GPU_COUNT=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 log "gpus: $GPU_COUNT; commit $COMMIT"
@@ -71,39 +64,17 @@ fi
 
 # --- build bench_gpu (as scripts/gpu_run.sh configures build-gpu/) -------------------------------
 readonly BUILD="$ROOT/build-gpu"
-readonly PREFIX="$ROOT/.deps/prefix"
-readonly FMT_DIR="$PREFIX/usr/lib/x86_64-linux-gnu/cmake/fmt"
-readonly CATCH2_DIR="$PREFIX/usr/lib/cmake/Catch2"
-readonly CQ_DIR="$PREFIX/usr/include/concurrentqueue"
-if [[ ! -f "$FMT_DIR/fmt-config.cmake" || ! -f "$CQ_DIR/blockingconcurrentqueue.h" ]]; then
-  shopt -s nullglob
-  debs=("$ROOT"/.deps/*.deb)
-  shopt -u nullglob
-  if ((${#debs[@]} == 0)); then
-    log "FAIL: no .deb files in .deps/ (run scripts/gpu_collect_debs.sh on the dev machine and carry .deps)"
-    exit 1
-  fi
-  mkdir -p "$PREFIX"
-  for deb in "${debs[@]}"; do dpkg -x "$deb" "$PREFIX" || { log "FAIL: dpkg -x $deb"; exit 1; }; done
+if ! gpu_unpack_deps "$ROOT"; then
+  log "FAIL: $DEPS_MESSAGE"
+  exit 1
 fi
-export CPLUS_INCLUDE_PATH="$PREFIX/usr/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
-export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+log "$DEPS_MESSAGE"
 
 : >"$OUT_DIR/build.log"
 # Configured every time (seconds when build-gpu/ exists): a build-gpu/ configured before
 # bench/bench_gpu.cu existed would not know the target yet.
-generator=()
-if [[ ! -f "$BUILD/CMakeCache.txt" ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
 log "configuring $BUILD"
-if ! timeout 180 cmake -S "$ROOT" -B "$BUILD" "${generator[@]}" \
-    -DSHADOWSYNC_WITH_CUDA=ON \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_PREFIX_PATH="$PREFIX/usr" \
-    -Dfmt_DIR="$FMT_DIR" \
-    -DCatch2_DIR="$CATCH2_DIR" \
-    -DSHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR="$CQ_DIR" \
-    -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
-    >>"$OUT_DIR/build.log" 2>&1; then
+if ! gpu_configure "$ROOT" "$BUILD" "$OUT_DIR/build.log" 180; then
   tail -30 "$OUT_DIR/build.log"
   log "FAIL: configure (see build.log)"
   exit 1

@@ -61,63 +61,29 @@ step_timeout() {
   echo "$want"
 }
 
-# NVLink multicast (NVLS) off: see .library/device KINDS.md and docs/gpu.md.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=scripts/gpu_common.sh
+source "$ROOT/scripts/gpu_common.sh"
 
 # --- 1. dependencies from .deps/*.deb ------------------------------------------------------------
-readonly PREFIX="$ROOT/.deps/prefix"
-shopt -s nullglob
-debs=("$ROOT"/.deps/*.deb)
-shopt -u nullglob
-if ((${#debs[@]} == 0)); then
-  note "FAIL deps: no .deb files in .deps/ (run scripts/gpu_collect_debs.sh on the dev machine and carry .deps)"
+if gpu_unpack_deps "$ROOT"; then
+  note "ok   deps: $DEPS_MESSAGE"
+else
+  note "FAIL deps: $DEPS_MESSAGE"
   exit 1
 fi
-mkdir -p "$PREFIX"
-for deb in "${debs[@]}"; do
-  dpkg -x "$deb" "$PREFIX" || { note "FAIL deps: dpkg -x $deb"; exit 1; }
-done
-readonly FMT_DIR="$PREFIX/usr/lib/x86_64-linux-gnu/cmake/fmt"
-readonly CATCH2_DIR="$PREFIX/usr/lib/cmake/Catch2"
-readonly CQ_DIR="$PREFIX/usr/include/concurrentqueue"
-for need in "$FMT_DIR/fmt-config.cmake" "$CATCH2_DIR/Catch2Config.cmake" "$CQ_DIR/blockingconcurrentqueue.h"; do
-  [[ -f "$need" ]] || { note "FAIL deps: $need missing after unpacking ${#debs[@]} .deb(s)"; exit 1; }
-done
-# Test support sources include <fmt/format.h> without linking fmt::fmt themselves, and the tests
-# load libfmt.so.9 from the prefix: make both findable whatever the CMake files say.
-export CPLUS_INCLUDE_PATH="$PREFIX/usr/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
-export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-note "ok   deps: ${#debs[@]} .deb(s) unpacked into .deps/prefix"
 
 # --- 2. the machine ------------------------------------------------------------------------------
-{
-  echo "== date"; date -u
-  echo "== nvidia-smi -L"; nvidia-smi -L
-  echo "== nvidia-smi topo -m"; nvidia-smi topo -m
-  echo "== nvidia-smi"; nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm --format=csv
-  echo "== tools"; command -v nvcc && nvcc --version | tail -2; cmake --version | head -1; g++ --version | head -1
-  echo "== nccl.h"; grep -E '^#define NCCL_(MAJOR|MINOR|PATCH)' /usr/include/nccl.h 2>/dev/null
-  echo "== env"; env | grep -E '^(NCCL_|TORCH_SYMM|NVSHMEM_|CUDA_VISIBLE)' | sort
-} >"$OUT_DIR/env.log" 2>&1
+gpu_machine_report >"$OUT_DIR/env.log" 2>&1
 cat "$OUT_DIR/env.log"
 GPU_COUNT=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 note "info gpus: $GPU_COUNT"
 
 # --- 3. configure and build ----------------------------------------------------------------------
 readonly BUILD="$ROOT/build-gpu"
-generator=()
-if [[ ! -f "$BUILD/CMakeCache.txt" ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
 JOBS=$(nproc)
 log "configuring $BUILD"
-if ! timeout "$(step_timeout 180)" cmake -S "$ROOT" -B "$BUILD" "${generator[@]}" \
-    -DSHADOWSYNC_WITH_CUDA=ON \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_PREFIX_PATH="$PREFIX/usr" \
-    -Dfmt_DIR="$FMT_DIR" \
-    -DCatch2_DIR="$CATCH2_DIR" \
-    -DSHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR="$CQ_DIR" \
-    -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
-    >"$OUT_DIR/build.log" 2>&1; then
+: >"$OUT_DIR/build.log"
+if ! gpu_configure "$ROOT" "$BUILD" "$OUT_DIR/build.log" "$(step_timeout 180)"; then
   tail -40 "$OUT_DIR/build.log"
   note "FAIL configure (see build.log)"
   exit 1
