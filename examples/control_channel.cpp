@@ -66,9 +66,8 @@ int run_engine(std::uint16_t port) {
   const Layout layout = example_layout();
   HostBackend backend;
   Receiver receiver(layout, backend, nullptr);  // the transport comes with the first rendezvous
-  testing::HostFakeEngine engine(backend, receiver,
-                                 {.compute_time = std::chrono::microseconds(50),
-                                  .record_steps = false});
+  testing::HostFakeEngine engine(
+      backend, receiver, {.compute_time = std::chrono::microseconds(50), .record_steps = false});
   EngineChannelConfig config;
   config.port = port;
   EngineChannel channel(
@@ -105,18 +104,19 @@ int run_engine(std::uint16_t port) {
   channel.shutdown();
   receiver.shutdown();
   engine.synchronize();
-  std::printf("engine summary: applied=%llu last=%llu failed=%llu torn=%llu trainers=%llu "
-              "rendezvous=%llu headers=%llu refused=%llu auth_failures=%llu protocol_errors=%llu\n",
-              static_cast<unsigned long long>(applied),
-              static_cast<unsigned long long>(receiver.step_hook().applied_version()),
-              static_cast<unsigned long long>(failed.load()),
-              static_cast<unsigned long long>(engine.torn_steps()),
-              static_cast<unsigned long long>(stats.trainers_authenticated),
-              static_cast<unsigned long long>(stats.rendezvous_done),
-              static_cast<unsigned long long>(stats.headers_accepted),
-              static_cast<unsigned long long>(stats.headers_refused),
-              static_cast<unsigned long long>(stats.authentication_failures),
-              static_cast<unsigned long long>(stats.protocol_errors));
+  std::printf(
+      "engine summary: applied=%llu last=%llu failed=%llu torn=%llu trainers=%llu "
+      "rendezvous=%llu headers=%llu refused=%llu auth_failures=%llu protocol_errors=%llu\n",
+      static_cast<unsigned long long>(applied),
+      static_cast<unsigned long long>(receiver.step_hook().applied_version()),
+      static_cast<unsigned long long>(failed.load()),
+      static_cast<unsigned long long>(engine.torn_steps()),
+      static_cast<unsigned long long>(stats.trainers_authenticated),
+      static_cast<unsigned long long>(stats.rendezvous_done),
+      static_cast<unsigned long long>(stats.headers_accepted),
+      static_cast<unsigned long long>(stats.headers_refused),
+      static_cast<unsigned long long>(stats.authentication_failures),
+      static_cast<unsigned long long>(stats.protocol_errors));
   if (engine.torn_steps() != 0) std::printf("first torn step: %s\n", engine.first_torn().c_str());
   std::fflush(stdout);
   return engine.torn_steps() == 0 ? 0 : 1;

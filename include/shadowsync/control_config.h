@@ -31,7 +31,8 @@ struct ControlConfig {
   // reading cannot stall the writer).
   std::chrono::milliseconds send_timeout{5'000};
   // Receives one line per event worth a human's attention (a peer refused, a trainer replaced).
-  // Empty: "shadowsync control: ..." on stderr. Called from the endpoint's threads.
+  // Empty: "shadowsync control: ..." on stderr. Called from the endpoint's threads, possibly
+  // concurrently: it must be thread-safe.
   std::function<void(std::string_view)> log;
 };
 

@@ -33,7 +33,7 @@ inline constexpr std::size_t kFrameHeaderBytes = 12;
 // what one peer can make an endpoint buffer. 64 KiB holds 256 groups of 128-byte names.
 inline constexpr std::size_t kMaxFrameBodyBytes = 64 * 1024;
 inline constexpr std::size_t kControlNonceBytes = 32;
-inline constexpr std::size_t kControlMacBytes = 32;  // HMAC-SHA256
+inline constexpr std::size_t kControlMacBytes = 32;     // HMAC-SHA256
 inline constexpr std::size_t kRendezvousIdBytes = 128;  // ncclUniqueId
 inline constexpr std::size_t kMaxControlGroups = 256;
 inline constexpr std::size_t kMaxGroupNameBytes = 128;
@@ -49,15 +49,15 @@ enum class FrameType : std::uint16_t {
   kClientProof = 2,  // trainer -> engine: the trainer's nonce and its proof
   kServerProof = 3,  // engine -> trainer: the engine's proof
   // Tagged (HMAC over sequence number, frame header and payload).
-  kEngineHello = 4,        // engine -> trainer
-  kTrainerHello = 5,       // trainer -> engine
-  kRendezvous = 6,         // trainer -> engine
-  kRendezvousResult = 7,   // engine -> trainer
-  kUpdateHeader = 8,       // trainer -> engine
-  kAck = 9,                // engine -> trainer: applied version v at engine step s
-  kUpdateError = 10,       // engine -> trainer: update v was refused or failed
-  kAbort = 11,             // trainer -> engine
-  kGoodbye = 12,           // either way, then the sender closes
+  kEngineHello = 4,       // engine -> trainer
+  kTrainerHello = 5,      // trainer -> engine
+  kRendezvous = 6,        // trainer -> engine
+  kRendezvousResult = 7,  // engine -> trainer
+  kUpdateHeader = 8,      // trainer -> engine
+  kAck = 9,               // engine -> trainer: applied version v at engine step s
+  kUpdateError = 10,      // engine -> trainer: update v was refused or failed
+  kAbort = 11,            // trainer -> engine
+  kGoodbye = 12,          // either way, then the sender closes
 };
 
 // "update_header": for log lines.
@@ -132,8 +132,7 @@ struct GoodbyeMessage {
 using ControlMessage =
     std::variant<ChallengeMessage, ClientProofMessage, ServerProofMessage, EngineHelloMessage,
                  TrainerHelloMessage, RendezvousMessage, RendezvousResultMessage,
-                 UpdateHeaderMessage, AckMessage, UpdateErrorMessage, AbortMessage,
-                 GoodbyeMessage>;
+                 UpdateHeaderMessage, AckMessage, UpdateErrorMessage, AbortMessage, GoodbyeMessage>;
 
 FrameType frame_type_of(const ControlMessage& message) noexcept;
 

@@ -52,17 +52,17 @@ struct EngineChannelConfig {
 
 struct EngineChannelStats {
   std::uint64_t connections_accepted = 0;
-  std::uint64_t connections_refused = 0;     // over max_pending_connections
-  std::uint64_t authentication_failures = 0; // wrong token, replayed handshake
-  std::uint64_t protocol_errors = 0;         // malformed or unexpected frames, timeouts
-  std::uint64_t trainers_authenticated = 0;  // trainers that completed the hello
-  std::uint64_t rendezvous_done = 0;         // transports installed
+  std::uint64_t connections_refused = 0;      // over max_pending_connections
+  std::uint64_t authentication_failures = 0;  // wrong token, replayed handshake
+  std::uint64_t protocol_errors = 0;          // malformed or unexpected frames, timeouts
+  std::uint64_t trainers_authenticated = 0;   // trainers that completed the hello
+  std::uint64_t rendezvous_done = 0;          // transports installed
   std::uint64_t rendezvous_failed = 0;
-  std::uint64_t headers_accepted = 0;        // passed to Receiver::begin_update
-  std::uint64_t headers_refused = 0;         // begin_update threw; an error went back
+  std::uint64_t headers_accepted = 0;  // passed to Receiver::begin_update
+  std::uint64_t headers_refused = 0;   // begin_update threw; an error went back
   std::uint64_t acks_sent = 0;
-  std::uint64_t reports_dropped = 0;         // report_applied found the queue full
-  std::uint64_t connections_open = 0;        // in the handshake or the trainer's
+  std::uint64_t reports_dropped = 0;   // report_applied found the queue full
+  std::uint64_t connections_open = 0;  // in the handshake or the trainer's
   bool trainer_connected = false;
 };
 

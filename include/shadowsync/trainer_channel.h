@@ -36,7 +36,7 @@ struct TrainerChannelConfig {
 // What the trainer knows about one engine.
 struct EngineStatus {
   EngineAddress address;
-  std::uint32_t rank = 0;                   // from its hello
+  std::uint32_t rank = 0;  // from its hello
   bool connected = false;
   std::string disconnect_reason;            // when not connected
   std::uint64_t last_accepted_version = 0;  // at hello time: a new trainer continues above it

@@ -44,9 +44,9 @@ std::string format_address(const sockaddr_in& address) {
 in_addr parse_ipv4(const std::string& address, const char* what) {
   in_addr out{};
   if (::inet_pton(AF_INET, address.c_str(), &out) != 1) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("control channel: {} '{}' is not a numeric IPv4 address", what,
-                            address));
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("control channel: {} '{}' is not a numeric IPv4 address", what, address));
   }
   return out;
 }
@@ -91,9 +91,8 @@ void Connection::send(const ControlMessage& message, Clock::time_point deadline)
   std::vector<std::byte> frame = encode_frame(message);
   const FrameType type = frame_type_of(message);
   if (is_tagged(type) != in_session_) {
-    throw Error(ErrorCode::kInternal,
-                fmt::format("control channel: {} frame sent {} the session", to_string(type),
-                            in_session_ ? "in" : "outside"));
+    throw Error(ErrorCode::kInternal, fmt::format("control channel: {} frame sent {} the session",
+                                                  to_string(type), in_session_ ? "in" : "outside"));
   }
   if (in_session_) {
     const ControlMac& key =
@@ -119,8 +118,8 @@ void Connection::send(const ControlMessage& message, Clock::time_point deadline)
       continue;
     }
     throw Error(ErrorCode::kTransport,
-                fmt::format("control peer {}: sending {} frame failed: {}", peer_,
-                            to_string(type), n < 0 ? std::strerror(errno) : "wrote nothing"));
+                fmt::format("control peer {}: sending {} frame failed: {}", peer_, to_string(type),
+                            n < 0 ? std::strerror(errno) : "wrote nothing"));
   }
 }
 
@@ -179,9 +178,10 @@ Connection::Next Connection::next(ControlMessage& out, std::string& why) {
         role_ == Role::kEngine ? keys_.trainer_to_engine : keys_.engine_to_trainer;
     const ControlMac expected = frame_tag(key, receive_sequence_, body);
     if (!macs_equal(expected, frame.last(kControlMacBytes))) {
-      why = fmt::format("{} frame #{} fails its authentication tag (forged, replayed or "
-                        "reordered)",
-                        to_string(type), receive_sequence_);
+      why = fmt::format(
+          "{} frame #{} fails its authentication tag (forged, replayed or "
+          "reordered)",
+          to_string(type), receive_sequence_);
       return Next::kBad;
     }
     ++receive_sequence_;

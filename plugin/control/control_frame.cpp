@@ -210,8 +210,8 @@ std::vector<ControlGroupInfo> read_groups(Reader& r) {
     group.bucket_count = r.u64("bucket count");
     if (!r.ok()) break;
     if (group.name.empty() || !printable(group.name)) {
-      r.fail(fmt::format("group {}: name must be 1..{} printable ASCII bytes", i,
-                         kMaxGroupNameBytes));
+      r.fail(
+          fmt::format("group {}: name must be 1..{} printable ASCII bytes", i, kMaxGroupNameBytes));
       break;
     }
     groups.push_back(std::move(group));
@@ -356,18 +356,30 @@ std::uint32_t read_le(std::span<const std::byte> bytes, std::size_t offset, int 
 
 std::string_view to_string(FrameType type) noexcept {
   switch (type) {
-    case FrameType::kChallenge: return "challenge";
-    case FrameType::kClientProof: return "client_proof";
-    case FrameType::kServerProof: return "server_proof";
-    case FrameType::kEngineHello: return "engine_hello";
-    case FrameType::kTrainerHello: return "trainer_hello";
-    case FrameType::kRendezvous: return "rendezvous";
-    case FrameType::kRendezvousResult: return "rendezvous_result";
-    case FrameType::kUpdateHeader: return "update_header";
-    case FrameType::kAck: return "ack";
-    case FrameType::kUpdateError: return "update_error";
-    case FrameType::kAbort: return "abort";
-    case FrameType::kGoodbye: return "goodbye";
+    case FrameType::kChallenge:
+      return "challenge";
+    case FrameType::kClientProof:
+      return "client_proof";
+    case FrameType::kServerProof:
+      return "server_proof";
+    case FrameType::kEngineHello:
+      return "engine_hello";
+    case FrameType::kTrainerHello:
+      return "trainer_hello";
+    case FrameType::kRendezvous:
+      return "rendezvous";
+    case FrameType::kRendezvousResult:
+      return "rendezvous_result";
+    case FrameType::kUpdateHeader:
+      return "update_header";
+    case FrameType::kAck:
+      return "ack";
+    case FrameType::kUpdateError:
+      return "update_error";
+    case FrameType::kAbort:
+      return "abort";
+    case FrameType::kGoodbye:
+      return "goodbye";
   }
   return "unknown";
 }
@@ -393,8 +405,7 @@ bool is_trainer_to_engine(FrameType type) noexcept {
 // The variant's alternatives are in FrameType order, starting at 1.
 static_assert(std::is_same_v<std::variant_alternative_t<0, ControlMessage>, ChallengeMessage>);
 static_assert(std::is_same_v<std::variant_alternative_t<7, ControlMessage>, UpdateHeaderMessage>);
-static_assert(std::variant_size_v<ControlMessage> ==
-              static_cast<std::size_t>(FrameType::kGoodbye));
+static_assert(std::variant_size_v<ControlMessage> == static_cast<std::size_t>(FrameType::kGoodbye));
 
 FrameType frame_type_of(const ControlMessage& message) noexcept {
   return static_cast<FrameType>(message.index() + 1);
@@ -446,10 +457,17 @@ std::optional<std::string> parse_frame_header(std::span<const std::byte> bytes, 
   const auto frame_type = static_cast<FrameType>(type);
   std::size_t exact = 0;
   switch (frame_type) {
-    case FrameType::kChallenge: exact = kChallengeBytes; break;
-    case FrameType::kClientProof: exact = kClientProofBytes; break;
-    case FrameType::kServerProof: exact = kServerProofBytes; break;
-    default: break;
+    case FrameType::kChallenge:
+      exact = kChallengeBytes;
+      break;
+    case FrameType::kClientProof:
+      exact = kClientProofBytes;
+      break;
+    case FrameType::kServerProof:
+      exact = kServerProofBytes;
+      break;
+    default:
+      break;
   }
   if (exact != 0 && body != exact) {
     return fmt::format("{} frame: body length {} is not {}", to_string(frame_type), body, exact);
@@ -470,18 +488,30 @@ std::optional<std::string> decode_payload(FrameType type, std::span<const std::b
                        kMaxFrameBodyBytes);
   }
   switch (type) {
-    case FrameType::kChallenge: return decode_as<ChallengeMessage>(payload, out);
-    case FrameType::kClientProof: return decode_as<ClientProofMessage>(payload, out);
-    case FrameType::kServerProof: return decode_as<ServerProofMessage>(payload, out);
-    case FrameType::kEngineHello: return decode_as<EngineHelloMessage>(payload, out);
-    case FrameType::kTrainerHello: return decode_as<TrainerHelloMessage>(payload, out);
-    case FrameType::kRendezvous: return decode_as<RendezvousMessage>(payload, out);
-    case FrameType::kRendezvousResult: return decode_as<RendezvousResultMessage>(payload, out);
-    case FrameType::kUpdateHeader: return decode_as<UpdateHeaderMessage>(payload, out);
-    case FrameType::kAck: return decode_as<AckMessage>(payload, out);
-    case FrameType::kUpdateError: return decode_as<UpdateErrorMessage>(payload, out);
-    case FrameType::kAbort: return decode_as<AbortMessage>(payload, out);
-    case FrameType::kGoodbye: return decode_as<GoodbyeMessage>(payload, out);
+    case FrameType::kChallenge:
+      return decode_as<ChallengeMessage>(payload, out);
+    case FrameType::kClientProof:
+      return decode_as<ClientProofMessage>(payload, out);
+    case FrameType::kServerProof:
+      return decode_as<ServerProofMessage>(payload, out);
+    case FrameType::kEngineHello:
+      return decode_as<EngineHelloMessage>(payload, out);
+    case FrameType::kTrainerHello:
+      return decode_as<TrainerHelloMessage>(payload, out);
+    case FrameType::kRendezvous:
+      return decode_as<RendezvousMessage>(payload, out);
+    case FrameType::kRendezvousResult:
+      return decode_as<RendezvousResultMessage>(payload, out);
+    case FrameType::kUpdateHeader:
+      return decode_as<UpdateHeaderMessage>(payload, out);
+    case FrameType::kAck:
+      return decode_as<AckMessage>(payload, out);
+    case FrameType::kUpdateError:
+      return decode_as<UpdateErrorMessage>(payload, out);
+    case FrameType::kAbort:
+      return decode_as<AbortMessage>(payload, out);
+    case FrameType::kGoodbye:
+      return decode_as<GoodbyeMessage>(payload, out);
   }
   return fmt::format("unknown frame type {}", static_cast<unsigned>(type));
 }

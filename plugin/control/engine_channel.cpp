@@ -69,7 +69,8 @@ std::string layout_mismatch(const TrainerHelloMessage& hello, const Layout& layo
   }
   for (std::size_t g = 0; g < hello.groups.size(); ++g) {
     const GroupLayout& mine = layout.groups()[g];
-    if (hello.groups[g].name != mine.name() || hello.groups[g].bucket_count != mine.bucket_count()) {
+    if (hello.groups[g].name != mine.name() ||
+        hello.groups[g].bucket_count != mine.bucket_count()) {
       return fmt::format("group {} is '{}' with {} buckets, the engine's is '{}' with {}", g,
                          hello.groups[g].name, hello.groups[g].bucket_count, mine.name(),
                          mine.bucket_count());
@@ -104,6 +105,7 @@ struct EngineChannel::Impl {
 
   Impl(Receiver& r, TransportFactory f, EngineChannelConfig c)
       : receiver(r), factory(std::move(f)), config(std::move(c)) {}
+  ~Impl() { stop(); }  // also when start() threw after a thread had started
 
   Receiver& receiver;
   TransportFactory factory;
@@ -128,6 +130,8 @@ struct EngineChannel::Impl {
   std::uint64_t applied_version = 0;
   std::uint64_t applied_step = 0;
   Clock::time_point accept_resume{};
+  Clock::time_point refusal_log_resume{};
+  std::uint64_t refusals_unlogged = 0;
   std::vector<std::byte> wake_tail;  // a partial record (never expected; kept for safety)
 
   // The generation of the authenticated trainer (0: none): work of a trainer that is gone is
@@ -155,6 +159,7 @@ struct EngineChannel::Impl {
   }
 
   void start();
+  void stop();
   void wake() noexcept;
   void post(std::uint64_t generation, ControlMessage message);
 
@@ -211,8 +216,8 @@ void EngineChannel::Impl::start() {
   ::setsockopt(listener.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (::bind(listener.get(), reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0 ||
       ::listen(listener.get(), 64) != 0) {
-    throw Error(ErrorCode::kTransport, fmt::format("engine channel: cannot listen on {}: {}",
-                                                   where, std::strerror(errno)));
+    throw Error(ErrorCode::kTransport, fmt::format("engine channel: cannot listen on {}: {}", where,
+                                                   std::strerror(errno)));
   }
   socklen_t length = sizeof address;
   ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&address), &length);
@@ -232,8 +237,7 @@ void EngineChannel::report_applied(std::uint64_t version, std::uint64_t engine_s
   }
 }
 
-void EngineChannel::report_failed(std::uint64_t version, ErrorCode code,
-                                  std::string_view message) {
+void EngineChannel::report_failed(std::uint64_t version, ErrorCode code, std::string_view message) {
   UpdateErrorMessage error;
   error.version = version;
   error.code = static_cast<std::uint32_t>(code);
@@ -248,17 +252,18 @@ EngineChannelStats EngineChannel::stats() const {
   return copy;
 }
 
-void EngineChannel::shutdown() {
-  Impl& impl = *impl_;
-  impl.stopping.store(true);
-  impl.wake();
-  if (impl.io_thread.joinable()) impl.io_thread.join();
+void EngineChannel::shutdown() { impl_->stop(); }
+
+void EngineChannel::Impl::stop() {
+  stopping.store(true);
+  if (wake_write) wake();
+  if (io_thread.joinable()) io_thread.join();
   {
-    std::lock_guard lock(impl.work_mutex);
-    impl.work.clear();
+    std::lock_guard lock(work_mutex);
+    work.clear();
   }
-  impl.work_cv.notify_all();
-  if (impl.worker_thread.joinable()) impl.worker_thread.join();
+  work_cv.notify_all();
+  if (worker_thread.joinable()) worker_thread.join();
 }
 
 void EngineChannel::Impl::wake() noexcept {
@@ -350,14 +355,23 @@ void EngineChannel::Impl::accept_all() {
         ++s.connections_accepted;
         ++s.connections_refused;
       });
-      log(fmt::format("peer {}: refused, {} connections are already in their handshake",
-                      peer_name, config.max_pending_connections));
+      // A flood of connections must not flood the log: one line per second at most.
+      ++refusals_unlogged;
+      if (Clock::now() >= refusal_log_resume) {
+        log(
+            fmt::format("peer {}: refused, {} connections are already in their handshake ({} "
+                        "refused since the last such line)",
+                        peer_name, config.max_pending_connections, refusals_unlogged));
+        refusals_unlogged = 0;
+        refusal_log_resume = Clock::now() + std::chrono::seconds(1);
+      }
       continue;  // fd closes here
     }
     count([](EngineChannelStats& s) { ++s.connections_accepted; });
     control::tune_socket(fd.get());
     auto peer = std::make_unique<Peer>();
-    peer->connection = std::make_unique<Connection>(std::move(fd), peer_name, control::Role::kEngine);
+    peer->connection =
+        std::make_unique<Connection>(std::move(fd), peer_name, control::Role::kEngine);
     peer->handshake_deadline = Clock::now() + config.control.handshake_timeout;
     try {
       peer->engine_nonce = control::make_nonce();
@@ -459,16 +473,17 @@ void EngineChannel::Impl::on_message(Peer& peer, ControlMessage& message) {
       break;
   }
   count([](EngineChannelStats& s) { ++s.protocol_errors; });
-  close_peer(peer, fmt::format("unexpected {} frame at this point of the protocol",
-                               to_string(type)));
+  close_peer(peer,
+             fmt::format("unexpected {} frame at this point of the protocol", to_string(type)));
 }
 
 void EngineChannel::Impl::on_proof(Peer& peer, const ClientProofMessage& proof) {
   const ControlMac expected = control::trainer_proof(token, peer.engine_nonce, proof.trainer_nonce);
   if (!control::macs_equal(expected, proof.proof)) {
     count([](EngineChannelStats& s) { ++s.authentication_failures; });
-    close_peer(peer, "authentication failed (wrong token, or a replayed handshake); nothing it "
-                     "sent was used");
+    close_peer(peer,
+               "authentication failed (wrong token, or a replayed handshake); nothing it "
+               "sent was used");
     return;
   }
   const ServerProofMessage reply{
@@ -550,7 +565,8 @@ void EngineChannel::Impl::close_peer(Peer& peer, const std::string& why) {
     active = nullptr;
     active_generation.store(0);
     count([](EngineChannelStats& s) { s.trainer_connected = false; });
-    log(fmt::format("trainer {} disconnected: {}; the engine keeps serving version {} and waits "
+    log(
+        fmt::format("trainer {} disconnected: {}; the engine keeps serving version {} and waits "
                     "for a trainer",
                     peer.connection->peer(), why, applied_version));
   } else {
@@ -609,8 +625,7 @@ void EngineChannel::Impl::worker_loop() {
 void EngineChannel::Impl::run(Work& item) {
   if (auto* rendezvous = std::get_if<RendezvousMessage>(&item.request)) {
     RendezvousRequest request;
-    std::memcpy(request.unique_id.bytes.data(), rendezvous->unique_id.data(),
-                NcclUniqueId::kSize);
+    std::memcpy(request.unique_id.bytes.data(), rendezvous->unique_id.data(), NcclUniqueId::kSize);
     request.rank = static_cast<int>(rendezvous->rank);  // < world_size <= 2^16: checked
     request.world_size = static_cast<int>(rendezvous->world_size);
     RendezvousResultMessage result;

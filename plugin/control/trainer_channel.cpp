@@ -175,17 +175,17 @@ TrainerChannel::TrainerChannel(const Layout& layout, TrainerChannelConfig config
 void TrainerChannel::Impl::handshake(Engine& engine, const Layout& layout) {
   const auto deadline = Clock::now() + config.connect_timeout;
   const EngineAddress& address = engine.status.address;
-  engine.connection = std::make_unique<Connection>(
-      connect_to(address, deadline), fmt::format("{}:{}", address.host, address.port),
-      control::Role::kTrainer);
+  engine.connection = std::make_unique<Connection>(connect_to(address, deadline),
+                                                   fmt::format("{}:{}", address.host, address.port),
+                                                   control::Role::kTrainer);
   Connection& connection = *engine.connection;
 
   const auto challenge = expect<ChallengeMessage>(connection, deadline, "the challenge");
   const ControlNonce trainer_nonce = control::make_nonce();
-  connection.send(ClientProofMessage{trainer_nonce, control::trainer_proof(
-                                                        token, challenge.engine_nonce,
-                                                        trainer_nonce)},
-                  deadline);
+  connection.send(
+      ClientProofMessage{trainer_nonce,
+                         control::trainer_proof(token, challenge.engine_nonce, trainer_nonce)},
+      deadline);
   const auto proof = expect<ServerProofMessage>(connection, deadline, "the engine's proof");
   const ControlMac expected = control::engine_proof(token, challenge.engine_nonce, trainer_nonce);
   if (!control::macs_equal(expected, proof.proof)) {
@@ -226,7 +226,13 @@ TrainerChannel::~TrainerChannel() {
       std::lock_guard lock(impl.state_mutex);
       connected = engine->status.connected;
     }
-    if (connected) impl.send(*engine, GoodbyeMessage{"trainer shutting down"});
+    if (!connected) continue;
+    impl.send(*engine, GoodbyeMessage{"trainer shutting down"});
+    // The engine closes in answer: that is no news worth a log line.
+    std::lock_guard lock(impl.state_mutex);
+    engine->status.connected = false;
+    engine->status.disconnect_reason = "said goodbye";
+    engine->connection->shutdown();
   }
   impl.stopping.store(true);
   if (impl.wake_write) {
@@ -384,8 +390,8 @@ std::uint64_t TrainerChannel::highest_accepted_version() const {
   std::lock_guard lock(impl_->state_mutex);
   std::uint64_t highest = 0;
   for (const auto& engine : impl_->engines) {
-    highest = std::max({highest, engine->status.last_accepted_version,
-                        engine->status.applied_version});
+    highest =
+        std::max({highest, engine->status.last_accepted_version, engine->status.applied_version});
   }
   return highest;
 }
@@ -461,8 +467,8 @@ bool TrainerChannel::wait_until_all_applied(std::uint64_t version,
       const EngineStatus& status = engine->status;
       if (status.applied_version >= version) continue;
       if (auto it = engine->errors.find(version); it != engine->errors.end()) {
-        throw Error(it->second.first, fmt::format("{}: update {}: {}", describe(status), version,
-                                                  it->second.second));
+        throw Error(it->second.first,
+                    fmt::format("{}: update {}: {}", describe(status), version, it->second.second));
       }
       if (!status.connected) {
         throw Error(ErrorCode::kTransport,

@@ -72,7 +72,8 @@ template <typename Done>
 bool read_until(Child& child, Done&& done, Clock::time_point deadline) {
   char buffer[4096];
   while (!done(child.output)) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return false;
     pollfd p{child.out, POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
@@ -85,10 +86,12 @@ bool read_until(Child& child, Done&& done, Clock::time_point deadline) {
 
 // Waits for the child to exit (its stdout is read to EOF on the way); kills it at the deadline.
 int wait_exit(Child& child, Clock::time_point deadline) {
-  read_until(child, [](const std::string&) { return false; }, deadline);
+  read_until(
+      child, [](const std::string&) { return false; }, deadline);
   const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, child.pid, 0));
   if (pidfd >= 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     pollfd p{pidfd, POLLIN, 0};
     ::poll(&p, 1, static_cast<int>(std::max<long long>(left.count(), 0)));
     ::close(pidfd);
@@ -112,22 +115,25 @@ std::string field(const std::string& text, const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("engine and trainer processes: hello, rendezvous, 100 acked updates, a trainer "
-          "killed mid-update, and a reconnect") {
+TEST_CASE(
+    "engine and trainer processes: hello, rendezvous, 100 acked updates, a trainer "
+    "killed mid-update, and a reconnect") {
   const auto binary = example_binary();
   if (!std::filesystem::exists(binary)) {
-    FAIL("missing " << binary << ": build the 'control_channel' example (SHADOWSYNC_BUILD_EXAMPLES)");
+    FAIL("missing " << binary
+                    << ": build the 'control_channel' example (SHADOWSYNC_BUILD_EXAMPLES)");
   }
   const auto deadline = Clock::now() + kProcessDeadline;
 
   Child engine = spawn({binary.string(), "engine"});
-  REQUIRE(read_until(engine, [](const std::string& out) { return out.find('\n') != std::string::npos; },
-                     deadline));
+  REQUIRE(read_until(
+      engine, [](const std::string& out) { return out.find('\n') != std::string::npos; },
+      deadline));
   REQUIRE(engine.output.starts_with("listening "));
   const std::string port = engine.output.substr(10, engine.output.find('\n') - 10);
 
-  Child first = spawn({binary.string(), "trainer", "--port", port, "--rounds", "50",
-                       "--die-after-header"});
+  Child first =
+      spawn({binary.string(), "trainer", "--port", port, "--rounds", "50", "--die-after-header"});
   const int first_status = wait_exit(first, deadline);
   INFO("first trainer:\n" << first.output);
   CHECK(WIFSIGNALED(first_status));

@@ -74,7 +74,8 @@ bool read_all(int fd, std::byte* data, std::size_t bytes) {
 
 bool wait_readable(int fd, Clock::time_point deadline) {
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return false;
     pollfd p{fd, POLLIN, 0};
     const int n = ::poll(&p, 1, static_cast<int>(std::min<long long>(left.count(), 1000)));
@@ -125,8 +126,8 @@ void SocketTransport::accept_peers(Clock::time_point deadline) {
   for (int joined = 1; joined < s.world_size;) {
     if (!wait_readable(s.listener, deadline)) {
       throw Error(ErrorCode::kTimeout,
-                  fmt::format("socket transport: {} of {} ranks joined before the deadline",
-                              joined, s.world_size));
+                  fmt::format("socket transport: {} of {} ranks joined before the deadline", joined,
+                              s.world_size));
     }
     const int fd = ::accept4(s.listener, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
@@ -177,9 +178,9 @@ std::unique_ptr<SocketTransport> SocketTransport::connect(HostBackend& backend,
     }
     if (fd >= 0) ::close(fd);
     if (Clock::now() >= deadline) {
-      throw Error(ErrorCode::kTimeout,
-                  fmt::format("socket transport: rank {} could not reach the root on port {}",
-                              rank, port));
+      throw Error(
+          ErrorCode::kTimeout,
+          fmt::format("socket transport: rank {} could not reach the root on port {}", rank, port));
     }
     // The root listens before it sends the id, so this only retries a refused connection
     // under load; poll() with no descriptors is a bounded wait.
@@ -201,9 +202,10 @@ void SocketTransport::broadcast_async(void* buffer, std::size_t bytes, int root,
     for (const int fd : state->peers) {
       const bool ok = state->rank == 0 ? write_all(fd, data, bytes) : read_all(fd, data, bytes);
       if (!ok) {
-        state->fail(fmt::format("socket transport rank {}: peer lost during a broadcast of {} "
-                                "bytes",
-                                state->rank, bytes));
+        state->fail(
+            fmt::format("socket transport rank {}: peer lost during a broadcast of {} "
+                        "bytes",
+                        state->rank, bytes));
         return;
       }
     }

@@ -105,8 +105,8 @@ TEST_CASE("a frame header is refused for a bad magic, version, type or body leng
     const FrameType type = frame_type_of(message);
     INFO(to_string(type));
     const std::vector<std::byte> good = encode_frame(message);
-    const std::uint32_t body = static_cast<std::uint32_t>(
-        good.size() - kFrameHeaderBytes + (is_tagged(type) ? kControlMacBytes : 0));
+    const std::uint32_t body = static_cast<std::uint32_t>(good.size() - kFrameHeaderBytes +
+                                                          (is_tagged(type) ? kControlMacBytes : 0));
     FrameHeader header;
     auto refused = [&](std::size_t offset, std::uint64_t value, int width) {
       std::vector<std::byte> frame(good.begin(), good.begin() + kFrameHeaderBytes);
