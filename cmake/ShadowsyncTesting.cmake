@@ -13,6 +13,9 @@
 #   bench/bench_y.cu               target bench_y (CUDA builds only)
 #   (bench smoke test)             ctest bench.bench_updates_cpu: bench_updates --cpu, label bench
 #   (install test)                 ctest install.find_package   labels unit;install
+#   tests/c_abi/foo.c              target c_abi_foo             ctest c_abi.foo     label unit
+#                                  binary <build>/tests/c_abi/foo: C11, -pedantic -Werror, linked
+#                                  against libshadowsync_c (the header must stay plain C)
 
 # tests/support/*.cpp (except catch_main.cpp), plus tests/support/*.cu in CUDA builds ->
 # shadowsync_testkit: the fake engines, the oracle and other helpers shared by tests, examples and
@@ -148,4 +151,23 @@ function(shadowsync_add_install_test)
       "-DHINTS=${hints}"
       -P "${PROJECT_SOURCE_DIR}/cmake/RunInstallConsumerTest.cmake")
   set_tests_properties(install.find_package PROPERTIES LABELS "unit;install" TIMEOUT 300)
+endfunction()
+
+# tests/c_abi/*.c: C programs against the C ABI, compiled as strict C11 (-std=c11 -Wall -Wextra
+# -Werror -pedantic) and linked against the shared libshadowsync_c, as a C user would.
+function(shadowsync_add_c_abi_tests)
+  file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/tests/c_abi/*.c")
+  foreach(source IN LISTS sources)
+    get_filename_component(stem "${source}" NAME_WLE)
+    set(target "c_abi_${stem}")
+    add_executable(${target} "${source}")
+    target_link_libraries(${target} PRIVATE shadowsync_c)
+    target_compile_options(${target} PRIVATE -Wall -Wextra -Werror -pedantic)
+    set_target_properties(${target} PROPERTIES
+      C_STANDARD 11 C_STANDARD_REQUIRED ON C_EXTENSIONS OFF
+      OUTPUT_NAME "${stem}"
+      RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/tests/c_abi")
+    add_test(NAME "c_abi.${stem}" COMMAND ${target})
+    set_tests_properties("c_abi.${stem}" PROPERTIES LABELS unit TIMEOUT 60)
+  endforeach()
 endfunction()

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shadowsync/backend.h"
@@ -47,6 +48,47 @@ class PublishHandle {
   std::shared_ptr<State> state_;
 };
 
+// A publish whose tensors the caller supplies while it runs, in layout order: ZeRO-3 style
+// trainers gather each bucket's parameters just in time and free them again, instead of holding
+// the whole gathered model until the update is done. Made by Sender::publish_streamed. Move-only:
+// destroying it (or cancel()) before every tensor was supplied fails the update (the receivers
+// discard it). Its handle() outlives it.
+class StreamedPublish {
+ public:
+  struct State;
+  StreamedPublish(PublishHandle handle, std::shared_ptr<State> state);
+  StreamedPublish(StreamedPublish&&) noexcept;
+  StreamedPublish& operator=(StreamedPublish&&) noexcept;
+  StreamedPublish(const StreamedPublish&) = delete;
+  StreamedPublish& operator=(const StreamedPublish&) = delete;
+  ~StreamedPublish();  // cancel() unless complete
+
+  const PublishHandle& handle() const { return handle_; }
+  const UpdateHeader& header() const { return handle_.header(); }
+
+  // The order tensors must be supplied in: the update's groups in layout order, each group's
+  // tensors in spec order, as (group index, tensor index). Thread-safe.
+  const std::vector<std::pair<std::size_t, std::size_t>>& order() const;
+  std::size_t supplied() const;  // tensors supplied so far. Thread-safe.
+
+  // Supplies the next tensors of order() (any number, across groups and buckets). Checks each
+  // like publish() (name in order, dtype, shape, non-null data) and throws Error(kInvalidArgument)
+  // naming the tensor and both values, consuming nothing. Then blocks until their bytes have been
+  // copied out into the sender's staging buffers: when it returns the caller may free them. A
+  // staging buffer is reused only once its bucket was broadcast, so this also waits for the
+  // receivers to keep up (the update's deadline bounds it). Throws the update's Error if the update
+  // failed; nothing more can be supplied then. One caller thread at a time.
+  void supply(const std::vector<SourceTensor>& tensors);
+
+  // Gives up on an incomplete update: it fails with Error(kInvalidArgument), the transport is
+  // aborted (the receivers discard it). Nothing once every tensor was supplied. Thread-safe.
+  void cancel() noexcept;
+
+ private:
+  PublishHandle handle_;
+  std::shared_ptr<State> state_;
+};
+
 class Sender {
  public:
   Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
@@ -66,6 +108,12 @@ class Sender {
   // order of `groups`): broadcast straight from them, no packing. Thread-safe.
   PublishHandle publish_arenas(std::uint64_t version, const std::vector<std::string>& groups,
                                const std::vector<const void*>& arenas);
+
+  // Starts publishing `groups` at `version` with no tensor yet: the header is ready at once (send
+  // it to the receivers), the caller supplies the tensors through the returned object in layout
+  // order while buckets are broadcast. The update's deadline (SenderConfig::update_deadline)
+  // covers the whole of it, gathering included. Thread-safe.
+  StreamedPublish publish_streamed(std::uint64_t version, const std::vector<std::string>& groups);
 
   // Installs a new transport after a failure aborted the old one. Thread-safe.
   void replace_transport(std::unique_ptr<Transport> transport);

@@ -2,7 +2,9 @@
 // plane carries it; the receiver checks it against its layout before it posts a receive.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,21 @@ UpdateHeader make_update_header(const Layout& layout, std::uint64_t version,
 // Error (kBadHeader, kLayoutMismatch, kStaleVersion) naming the field and both values.
 void validate_update_header(const UpdateHeader& header, const Layout& layout,
                             std::uint64_t last_version);
+
+// The header as bytes, for control planes that carry opaque bytes (vLLM's collective_rpc, the C
+// ABI, Python). Little-endian: magic u32, protocol version u32, version u64, fingerprint u64,
+// group count u32, the group indices u32 each, bucket count u64 (the field order of the control
+// channel's update_header frame). At most kMaxHeaderGroups groups.
+inline constexpr std::size_t kMaxHeaderGroups = 256;
+inline constexpr std::size_t kMaxHeaderBytes = 4 + 4 + 8 + 8 + 4 + 4 * kMaxHeaderGroups + 8;
+
+// Throws Error(kInvalidArgument) for no group or more than kMaxHeaderGroups. Thread-safe.
+std::vector<std::byte> serialize_update_header(const UpdateHeader& header);
+
+// Checks the structure only (length, group count, magic): throws Error(kBadHeader) naming the
+// field and both values. The fields are checked against a layout by validate_update_header.
+// Thread-safe.
+UpdateHeader parse_update_header(std::span<const std::byte> bytes);
 
 // "base+lora_a": for logs.
 std::string describe_groups(const UpdateHeader& header, const Layout& layout);

@@ -4,7 +4,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -18,19 +20,64 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Where one group's bytes come from: an arena with the layout's byte image, or one pointer per
-// tensor (packed through the staging buffers).
+// Where one group's bytes come from: an arena with the layout's byte image, one pointer per
+// tensor (packed through the staging buffers), or, with neither, tensors the caller supplies
+// while the update runs (StreamedPublish).
 struct GroupSource {
   std::size_t group = 0;
   const std::byte* arena = nullptr;
   std::vector<const std::byte*> tensors;
 };
 
+}  // namespace
+
+// Shared by a StreamedPublish (the caller's thread) and the sender's worker.
+struct StreamedPublish::State {
+  std::uint64_t version = 0;
+  const Layout* layout = nullptr;  // the sender's; outlives the job
+  std::vector<std::pair<std::size_t, std::size_t>> order;  // (group, tensor), fixed
+
+  mutable std::mutex mutex;
+  std::condition_variable cv;
+  std::size_t supplied = 0;                          // caller: tensors accepted so far
+  std::deque<std::vector<const std::byte*>> queued;  // caller -> worker, one entry per supply()
+  std::uint64_t batches_pushed = 0;
+  std::uint64_t batches_copied = 0;  // worker: supplies whose bytes are in staging
+  bool cancelled = false;
+  bool finished = false;  // worker: done with the job (see failure)
+  std::optional<Error> failure;
+
+  // Worker only: the batch being packed.
+  std::vector<const std::byte*> batch;
+  std::size_t batch_position = 0;
+  bool batch_open = false;
+
+  void finish(const std::optional<Error>& error) {
+    {
+      std::lock_guard lock(mutex);
+      if (error && !failure) failure = error;
+      finished = true;
+    }
+    cv.notify_all();
+  }
+};
+
+namespace {
+
 struct Job {
   std::shared_ptr<PublishHandle::State> handle;
   std::vector<GroupSource> sources;
+  std::shared_ptr<StreamedPublish::State> streamed;  // tensors come through supply()
   std::unique_ptr<Transport> new_transport;  // a transport replacement instead of an update
   bool stop = false;
+};
+
+// The staging buffer being filled and how many buckets of the group have been broadcast.
+struct BucketCursor {
+  bool open = false;
+  std::size_t bucket = 0;  // open bucket
+  int staging = 0;         // its staging buffer
+  std::size_t flushed = 0; // buckets of the group broadcast so far
 };
 
 }  // namespace
@@ -80,7 +127,8 @@ struct Sender::Impl {
         transport(std::move(transport)),
         pack_stream(backend.create_stream(StreamPriority::kNormal)),
         comm_stream(backend.create_stream(StreamPriority::kNormal)),
-        done_event(backend.create_event()) {
+        done_event(backend.create_event()),
+        copied_event(backend.create_event()) {
     for (int s = 0; s < 2; ++s) {
       packed[s] = backend.create_event();
       sent[s] = backend.create_event();
@@ -103,8 +151,22 @@ struct Sender::Impl {
     return handle;
   }
   void run();
-  void send(const Job& job);
-  std::optional<Error> wait_done(std::uint64_t version);
+  void send(const Job& job, Clock::time_point start);
+  std::optional<Error> wait_done(std::uint64_t version, Clock::time_point start);
+
+  // Packing, shared by publish() and publish_streamed(): copies one tensor into the staging
+  // buffers of the buckets it overlaps, broadcasting each bucket once it is complete.
+  void pack_tensor(const GroupLayout& group, const TensorPlacement& tensor, const std::byte* src,
+                   BucketCursor& cursor, std::size_t& staged);
+  void flush_bucket(const GroupLayout& group, BucketCursor& cursor);
+  // Streamed jobs: the next supplied tensor (waits for the caller), and the end of a supply.
+  const std::byte* next_streamed(const Job& job, Clock::time_point start);
+  void complete_batch(const Job& job, Clock::time_point start);
+  // Throws the streamed update's failure if the caller gave up, the sender stops, the transport
+  // failed or the deadline passed.
+  void check_streamed(const Job& job, Clock::time_point start, bool caller_side_too);
+  // After a failure mid-update: the receivers are inside collectives; end them.
+  void abort_transport() noexcept;
 
   Sender& owner;
   Backend& backend;
@@ -119,7 +181,10 @@ struct Sender::Impl {
   std::unique_ptr<Event> sent[2];
   std::unique_ptr<Event> done_event;
 
+  std::unique_ptr<Event> copied_event;  // streamed: a supply's bytes are in staging
+
   moodycamel::BlockingConcurrentQueue<Job> jobs;
+  std::atomic<bool> stopping{false};  // the destructor runs: streamed jobs stop waiting
   std::thread thread;
   std::mutex publish_mutex;
   std::uint64_t last_version = 0;
@@ -146,6 +211,7 @@ Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> trans
 }
 
 Sender::~Sender() {
+  impl_->stopping.store(true);
   Job stop;
   stop.stop = true;
   impl_->jobs.enqueue(std::move(stop));
@@ -234,6 +300,114 @@ PublishHandle Sender::publish_arenas(std::uint64_t version, const std::vector<st
   return impl_->enqueue(std::move(header), std::move(job));
 }
 
+StreamedPublish Sender::publish_streamed(std::uint64_t version,
+                                         const std::vector<std::string>& groups) {
+  UpdateHeader header = make_update_header(layout_, version, groups);
+  auto state = std::make_shared<StreamedPublish::State>();
+  state->version = version;
+  state->layout = &layout_;
+  Job job;
+  for (const std::uint32_t g : header.groups) {
+    GroupSource source;
+    source.group = g;
+    job.sources.push_back(std::move(source));
+    for (std::size_t t = 0; t < layout_.groups()[g].tensors().size(); ++t) {
+      state->order.emplace_back(g, t);
+    }
+  }
+  job.streamed = state;
+  PublishHandle handle = impl_->enqueue(std::move(header), std::move(job));
+  return StreamedPublish(std::move(handle), std::move(state));
+}
+
+StreamedPublish::StreamedPublish(PublishHandle handle, std::shared_ptr<State> state)
+    : handle_(std::move(handle)), state_(std::move(state)) {}
+StreamedPublish::StreamedPublish(StreamedPublish&&) noexcept = default;
+StreamedPublish& StreamedPublish::operator=(StreamedPublish&& other) noexcept {
+  if (this != &other) {
+    cancel();
+    handle_ = std::move(other.handle_);
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+StreamedPublish::~StreamedPublish() { cancel(); }
+
+const std::vector<std::pair<std::size_t, std::size_t>>& StreamedPublish::order() const {
+  return state_->order;
+}
+
+std::size_t StreamedPublish::supplied() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->supplied;
+}
+
+void StreamedPublish::cancel() noexcept {
+  if (!state_) return;
+  {
+    std::lock_guard lock(state_->mutex);
+    if (state_->supplied == state_->order.size()) return;
+    state_->cancelled = true;
+  }
+  state_->cv.notify_all();
+}
+
+void StreamedPublish::supply(const std::vector<SourceTensor>& tensors) {
+  State& st = *state_;
+  std::unique_lock lock(st.mutex);
+  if (st.failure) throw *st.failure;
+  if (st.cancelled) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("update {}: supply after cancel()", st.version));
+  }
+  if (tensors.size() > st.order.size() - st.supplied) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("update {}: {} tensors supplied but only {} of {} remain",
+                            st.version, tensors.size(), st.order.size() - st.supplied,
+                            st.order.size()));
+  }
+  std::vector<const std::byte*> batch;
+  batch.reserve(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const auto [g, t] = st.order[st.supplied + i];
+    const GroupLayout& group = st.layout->groups()[g];
+    const TensorSpec& spec = group.tensors()[t].spec;
+    const SourceTensor& given = tensors[i];
+    if (given.name != spec.name) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("update {}: tensor '{}' supplied where '{}' (tensor {} of {} of "
+                              "group '{}') comes next",
+                              st.version, given.name, spec.name, t + 1, group.tensors().size(),
+                              group.name()));
+    }
+    if (given.dtype != spec.dtype) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("tensor '{}': dtype {} does not match layout {}", spec.name,
+                              dtype_name(given.dtype), dtype_name(spec.dtype)));
+    }
+    if (given.shape != spec.shape) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("tensor '{}': shape {} does not match layout {}", spec.name,
+                              format_shape(given.shape), format_shape(spec.shape)));
+    }
+    if (given.data == nullptr) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("tensor '{}': data pointer is null", spec.name));
+    }
+    batch.push_back(static_cast<const std::byte*>(given.data));
+  }
+  if (batch.empty()) return;
+  st.supplied += batch.size();
+  st.queued.push_back(std::move(batch));
+  const std::uint64_t seq = ++st.batches_pushed;
+  st.cv.notify_all();
+  st.cv.wait(lock, [&] { return st.batches_copied >= seq || st.failure || st.finished; });
+  if (st.batches_copied >= seq) return;
+  if (st.failure) throw *st.failure;
+  throw Error(ErrorCode::kInternal,
+              fmt::format("update {}: the sender finished without taking a supply", st.version));
+}
+
 void Sender::replace_transport(std::unique_ptr<Transport> transport) {
   if (!transport) throw Error(ErrorCode::kInvalidArgument, "replace_transport: transport is null");
   check_root_rank(impl_->config.root_rank, transport.get(), "SenderConfig::root_rank");
@@ -253,25 +427,46 @@ void Sender::Impl::run() {
     }
     const std::uint64_t version = job.handle->header.version;
     if (!transport) {
-      job.handle->finish(Error(
-          ErrorCode::kTransport,
-          fmt::format("update {}: no transport (the last one was aborted after a failure; call "
-                      "replace_transport with a new communicator)",
-                      version)));
+      Error error(ErrorCode::kTransport,
+                  fmt::format("update {}: no transport (the last one was aborted after a failure; "
+                              "call replace_transport with a new communicator)",
+                              version));
+      if (job.streamed) job.streamed->finish(error);
+      job.handle->finish(error);
       continue;
     }
+    std::optional<Error> failure;
     try {
-      send(job);
-      job.handle->finish(wait_done(version));
+      const auto start = Clock::now();
+      send(job, start);
+      failure = wait_done(version, start);
     } catch (const Error& error) {
-      job.handle->finish(error);
+      failure = error;
     } catch (const std::exception& error) {
-      job.handle->finish(Error(ErrorCode::kInternal, error.what()));
+      failure = Error(ErrorCode::kInternal, error.what());
     }
+    if (job.streamed) {
+      // A streamed update can fail between buckets, with the receivers inside collectives; and
+      // the caller's memory must not be read once supply() has thrown.
+      if (failure) abort_transport();
+      job.streamed->finish(failure);
+    }
+    job.handle->finish(failure);
   }
 }
 
-void Sender::Impl::send(const Job& job) {
+void Sender::Impl::abort_transport() noexcept {
+  if (!transport) return;
+  transport->abort();
+  transport.reset();
+  try {
+    backend.stream_synchronize(*comm_stream);
+    backend.stream_synchronize(*pack_stream);
+  } catch (...) {  // a dead device: nothing left to wait for
+  }
+}
+
+void Sender::Impl::send(const Job& job, Clock::time_point start) {
   const Layout& layout = owner.layout_;
   std::size_t staged = 0;  // buckets packed so far: picks the staging buffer
   for (const GroupSource& source : job.sources) {
@@ -287,36 +482,128 @@ void Sender::Impl::send(const Job& job) {
     if (staging[0].size() == 0) {
       for (auto& buffer : staging) buffer = DeviceBuffer(backend, layout.bucket_bytes());
     }
+    BucketCursor cursor;
     const auto& tensors = group.tensors();
-    std::size_t first_tensor = 0;  // first tensor that may reach into the current bucket
-    for (std::size_t k = 0; k < group.bucket_count(); ++k) {
-      const Bucket bucket = group.bucket(k);
-      const std::size_t bucket_end = bucket.offset + bucket.bytes;
-      const int s = static_cast<int>(staged++ % 2);
-      backend.stream_wait_event(*pack_stream, *sent[s]);  // the broadcast of bucket k-2 is done
-      while (first_tensor < tensors.size() &&
-             tensors[first_tensor].offset + tensors[first_tensor].bytes <= bucket.offset) {
-        ++first_tensor;
-      }
-      for (std::size_t t = first_tensor; t < tensors.size() && tensors[t].offset < bucket_end;
-           ++t) {
-        const std::size_t begin = std::max(tensors[t].offset, bucket.offset);
-        const std::size_t end = std::min(tensors[t].offset + tensors[t].bytes, bucket_end);
-        backend.memcpy_async(staging[s].data() + (begin - bucket.offset),
-                             source.tensors[t] + (begin - tensors[t].offset), end - begin,
-                             *pack_stream);
-      }
-      backend.event_record(*packed[s], *pack_stream);
-      backend.stream_wait_event(*comm_stream, *packed[s]);
-      transport->broadcast_async(staging[s].data(), bucket.bytes, config.root_rank, *comm_stream);
-      backend.event_record(*sent[s], *comm_stream);
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      const std::byte* src = job.streamed ? next_streamed(job, start) : source.tensors[t];
+      pack_tensor(group, tensors[t], src, cursor, staged);
+    }
+    if (cursor.open) flush_bucket(group, cursor);
+    if (cursor.flushed != group.bucket_count()) {
+      throw Error(ErrorCode::kInternal,
+                  fmt::format("group '{}': {} of {} buckets broadcast", group.name(),
+                              cursor.flushed, group.bucket_count()));
     }
   }
+  if (job.streamed) complete_batch(job, start);
   backend.event_record(*done_event, *comm_stream);
 }
 
-std::optional<Error> Sender::Impl::wait_done(std::uint64_t version) {
-  const auto start = Clock::now();
+void Sender::Impl::pack_tensor(const GroupLayout& group, const TensorPlacement& tensor,
+                               const std::byte* src, BucketCursor& cursor, std::size_t& staged) {
+  const std::size_t end = tensor.offset + tensor.bytes;
+  for (std::size_t begin = tensor.offset; begin < end;) {
+    const std::size_t k = begin / group.bucket_bytes();
+    if (cursor.open && cursor.bucket != k) flush_bucket(group, cursor);  // ended in padding
+    const Bucket bucket = group.bucket(k);
+    if (!cursor.open) {
+      if (k != cursor.flushed) {
+        throw Error(ErrorCode::kInternal,
+                    fmt::format("group '{}': bucket {} packed after {} buckets", group.name(), k,
+                                cursor.flushed));
+      }
+      cursor.open = true;
+      cursor.bucket = k;
+      cursor.staging = static_cast<int>(staged++ % 2);
+      // The broadcast of the bucket this staging buffer held before (k-2) is done.
+      backend.stream_wait_event(*pack_stream, *sent[cursor.staging]);
+    }
+    const std::size_t bucket_end = bucket.offset + bucket.bytes;
+    const std::size_t slice_end = std::min(end, bucket_end);
+    backend.memcpy_async(staging[cursor.staging].data() + (begin - bucket.offset),
+                         src + (begin - tensor.offset), slice_end - begin, *pack_stream);
+    if (slice_end == bucket_end) flush_bucket(group, cursor);
+    begin = slice_end;
+  }
+}
+
+void Sender::Impl::flush_bucket(const GroupLayout& group, BucketCursor& cursor) {
+  const int s = cursor.staging;
+  backend.event_record(*packed[s], *pack_stream);
+  backend.stream_wait_event(*comm_stream, *packed[s]);
+  transport->broadcast_async(staging[s].data(), group.bucket(cursor.bucket).bytes,
+                             config.root_rank, *comm_stream);
+  backend.event_record(*sent[s], *comm_stream);
+  cursor.open = false;
+  ++cursor.flushed;
+}
+
+void Sender::Impl::check_streamed(const Job& job, Clock::time_point start, bool caller_side_too) {
+  StreamedPublish::State& st = *job.streamed;
+  if (caller_side_too) {
+    std::lock_guard lock(st.mutex);
+    if (st.cancelled) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("update {}: cancelled after {} of {} tensors were supplied",
+                              st.version, st.supplied, st.order.size()));
+    }
+  }
+  if (stopping.load()) {
+    throw Error(ErrorCode::kShutdown,
+                fmt::format("update {}: the sender is shutting down", st.version));
+  }
+  if (auto failure = transport->async_error()) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("update {}: send failed: {}", st.version, *failure));
+  }
+  if (Clock::now() - start > config.update_deadline) {
+    std::lock_guard lock(st.mutex);
+    throw Error(ErrorCode::kTimeout,
+                fmt::format("update {}: deadline of {} ms passed with {} of {} tensors supplied",
+                            st.version, config.update_deadline.count(), st.supplied,
+                            st.order.size()));
+  }
+}
+
+const std::byte* Sender::Impl::next_streamed(const Job& job, Clock::time_point start) {
+  StreamedPublish::State& st = *job.streamed;
+  if (st.batch_open && st.batch_position == st.batch.size()) complete_batch(job, start);
+  while (!st.batch_open) {
+    {
+      std::unique_lock lock(st.mutex);
+      st.cv.wait_for(lock, config.poll_interval,
+                     [&] { return !st.queued.empty() || st.cancelled; });
+      if (!st.queued.empty()) {
+        st.batch = std::move(st.queued.front());
+        st.queued.pop_front();
+        st.batch_position = 0;
+        st.batch_open = true;
+        break;
+      }
+    }
+    check_streamed(job, start, /*caller_side_too=*/true);
+  }
+  return st.batch[st.batch_position++];
+}
+
+void Sender::Impl::complete_batch(const Job& job, Clock::time_point start) {
+  StreamedPublish::State& st = *job.streamed;
+  if (!st.batch_open) return;
+  // Every copy out of the caller's tensors is enqueued: once they ran, the caller may free them.
+  backend.event_record(*copied_event, *pack_stream);
+  while (!backend.event_wait_for(*copied_event, config.poll_interval)) {
+    check_streamed(job, start, /*caller_side_too=*/false);
+  }
+  st.batch_open = false;
+  st.batch.clear();
+  {
+    std::lock_guard lock(st.mutex);
+    ++st.batches_copied;
+  }
+  st.cv.notify_all();
+}
+
+std::optional<Error> Sender::Impl::wait_done(std::uint64_t version, Clock::time_point start) {
   while (!backend.event_wait_for(*done_event, config.poll_interval)) {
     std::optional<std::string> failure = transport->async_error();
     if (!failure && Clock::now() - start > config.update_deadline) {

@@ -84,6 +84,82 @@ void validate_update_header(const UpdateHeader& header, const Layout& layout,
   }
 }
 
+namespace {
+
+template <typename T>
+void put(std::vector<std::byte>& out, T value) {
+  for (std::size_t i = 0; i < sizeof(T); ++i) {
+    out.push_back(static_cast<std::byte>((static_cast<std::uint64_t>(value) >> (8 * i)) & 0xff));
+  }
+}
+
+template <typename T>
+T get(std::span<const std::byte> bytes, std::size_t& at) {
+  std::uint64_t value = 0;
+  for (std::size_t i = 0; i < sizeof(T); ++i) {
+    value |= static_cast<std::uint64_t>(bytes[at + i]) << (8 * i);
+  }
+  at += sizeof(T);
+  return static_cast<T>(value);
+}
+
+constexpr std::size_t kFixedHeaderBytes = 4 + 4 + 8 + 8 + 4 + 8;
+
+}  // namespace
+
+std::vector<std::byte> serialize_update_header(const UpdateHeader& header) {
+  if (header.groups.empty() || header.groups.size() > kMaxHeaderGroups) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("update {}: a header carries 1..{} groups, this one {}",
+                            header.version, kMaxHeaderGroups, header.groups.size()));
+  }
+  std::vector<std::byte> out;
+  out.reserve(kFixedHeaderBytes + 4 * header.groups.size());
+  put(out, header.magic);
+  put(out, header.protocol_version);
+  put(out, header.version);
+  put(out, header.layout_fingerprint);
+  put(out, static_cast<std::uint32_t>(header.groups.size()));
+  for (const std::uint32_t g : header.groups) put(out, g);
+  put(out, header.bucket_count);
+  return out;
+}
+
+UpdateHeader parse_update_header(std::span<const std::byte> bytes) {
+  if (bytes.size() < kFixedHeaderBytes + 4) {
+    throw Error(ErrorCode::kBadHeader,
+                fmt::format("update header: {} bytes, fewer than the {} of a header with one group",
+                            bytes.size(), kFixedHeaderBytes + 4));
+  }
+  std::size_t at = 0;
+  UpdateHeader header;
+  header.magic = get<std::uint32_t>(bytes, at);
+  if (header.magic != kHeaderMagic) {
+    throw Error(ErrorCode::kBadHeader,
+                fmt::format("update header: magic {:#010x} is not shadowsync's {:#010x}",
+                            header.magic, kHeaderMagic));
+  }
+  header.protocol_version = get<std::uint32_t>(bytes, at);
+  header.version = get<std::uint64_t>(bytes, at);
+  header.layout_fingerprint = get<std::uint64_t>(bytes, at);
+  const auto count = get<std::uint32_t>(bytes, at);
+  if (count == 0 || count > kMaxHeaderGroups) {
+    throw Error(ErrorCode::kBadHeader,
+                fmt::format("update header: group count {} outside 1..{}", count,
+                            kMaxHeaderGroups));
+  }
+  const std::size_t expected = kFixedHeaderBytes + 4 * std::size_t{count};
+  if (bytes.size() != expected) {
+    throw Error(ErrorCode::kBadHeader,
+                fmt::format("update header: {} bytes, but {} groups make {}", bytes.size(), count,
+                            expected));
+  }
+  header.groups.reserve(count);
+  for (std::uint32_t i = 0; i < count; ++i) header.groups.push_back(get<std::uint32_t>(bytes, at));
+  header.bucket_count = get<std::uint64_t>(bytes, at);
+  return header;
+}
+
 std::string describe_groups(const UpdateHeader& header, const Layout& layout) {
   std::string text;
   for (const auto g : header.groups) {

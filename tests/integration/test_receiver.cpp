@@ -241,3 +241,97 @@ TEST_CASE("bad configs are refused with the field and its value named") {
   CHECK_THROWS_WITH(Sender(layout, backend, other.transport(0), sender_config),
                     Catch::Contains("transport is rank 0 and SenderConfig::root_rank is 1"));
 }
+
+namespace {
+
+// The update's tensors in the order a streamed publish takes them.
+std::vector<SourceTensor> in_order(const StreamedPublish& publish, const Layout& layout,
+                                   const std::vector<SourceTensor>& sources) {
+  std::vector<SourceTensor> ordered;
+  for (const auto& [g, t] : publish.order()) {
+    const std::string& name = layout.groups()[g].tensors()[t].spec.name;
+    for (const SourceTensor& s : sources) {
+      if (s.name == name) ordered.push_back(s);
+    }
+  }
+  return ordered;
+}
+
+}  // namespace
+
+TEST_CASE("a streamed publish takes tensors while buckets go out; the receiver gets the same bytes") {
+  const Layout layout = model_layout();
+  LoopbackRig rig(layout);
+  HostFakeEngine engine(rig.backend(), rig.receiver());
+  const std::vector<std::string> groups = {"base", "lora_b"};
+  StreamedPublish publish = rig.sender().publish_streamed(1, groups);
+  rig.receiver().begin_update(publish.header());
+  CHECK(publish.order().size() == 5);  // base's four tensors, then lora_b's one
+
+  // Supply one tensor at a time from a buffer that is overwritten right after: what a ZeRO-3
+  // trainer does when it frees a gathered parameter. The receiver must still get version 1.
+  HostTensors tensors(layout, groups, 1);
+  const auto ordered = in_order(publish, layout, tensors.sources());
+  std::vector<std::uint64_t> scratch;
+  for (const SourceTensor& tensor : ordered) {
+    std::size_t bytes = 0;
+    for (const auto& g : layout.groups()) {
+      if (auto t = g.find_tensor(tensor.name)) bytes = g.tensors()[*t].bytes;
+    }
+    scratch.assign((bytes + 7) / 8, 0);
+    std::memcpy(scratch.data(), tensor.data, bytes);
+    SourceTensor copy = tensor;
+    copy.data = scratch.data();
+    publish.supply({copy});
+    std::fill(scratch.begin(), scratch.end(), 0xdeadbeefdeadbeefull);  // "freed"
+  }
+  CHECK(publish.supplied() == 5);
+  publish.handle().wait();
+  REQUIRE(rig.receiver().step_hook().wait_applied(1, deadline_from_now(), engine.stream()));
+  engine.step();
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+  UpdateHistory history;
+  history.add(1, {0, 2});
+  CHECK(history.check(engine.records()).empty());
+}
+
+TEST_CASE("a streamed publish refuses out-of-order or mismatched tensors and fails when dropped") {
+  const Layout layout = model_layout();
+  RigOptions options;
+  options.sender.update_deadline = std::chrono::milliseconds(5000);
+  LoopbackRig rig(layout, options);
+  HostFakeEngine engine(rig.backend(), rig.receiver());
+  HostTensors tensors(layout, {"base"}, 1);
+  {
+    StreamedPublish publish = rig.sender().publish_streamed(1, {"base"});
+    rig.receiver().begin_update(publish.header());
+    const auto ordered = in_order(publish, layout, tensors.sources());
+    CHECK_THROWS_WITH(publish.supply({ordered[1]}),
+                      "update 1: tensor 'layer0.w' supplied where 'embed' (tensor 1 of 4 of "
+                      "group 'base') comes next");
+    SourceTensor wrong = ordered[0];
+    wrong.shape = {16, 300};
+    CHECK_THROWS_WITH(publish.supply({wrong}),
+                      "tensor 'embed': shape [16, 300] does not match layout [300, 16]");
+    CHECK(publish.supplied() == 0);
+    publish.supply({ordered[0], ordered[1]});
+    CHECK(publish.supplied() == 2);
+    // Dropped here with two tensors missing: the update fails, the receiver discards it.
+  }
+  wait_until([&] { return rig.receiver().stats().updates_failed == 1; }, "update 1 failed");
+  CHECK_THAT(rig.receiver().stats().last_error, Catch::Contains("update 1"));
+  CHECK(rig.receiver().step_hook().applied_version() == 0);
+
+  // A new communicator, and the next streamed update goes through.
+  rig.reconnect();
+  StreamedPublish publish = rig.sender().publish_streamed(2, {"base"});
+  rig.receiver().begin_update(publish.header());
+  HostTensors second(layout, {"base"}, 2);
+  publish.supply(in_order(publish, layout, second.sources()));
+  publish.handle().wait();
+  REQUIRE(rig.receiver().step_hook().wait_applied(2, deadline_from_now(), engine.stream()));
+  engine.step();
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+}

@@ -95,3 +95,44 @@ TEST_CASE("every header field is checked and the error names both values") {
                     Catch::Contains(fmt::format("bucket count {}", good.bucket_count + 1)) &&
                         Catch::Contains(fmt::format("layout's {}", good.bucket_count)));
 }
+
+TEST_CASE("a header survives serialization to bytes, and bad bytes are refused by field") {
+  const Layout layout = test_layout();
+  const UpdateHeader header = make_update_header(layout, 0x0102030405060708ull, {"base", "lora_b"});
+  const std::vector<std::byte> bytes = serialize_update_header(header);
+  REQUIRE(bytes.size() == 36 + 4 * 2);
+  CHECK(bytes[0] == std::byte{0x53});  // magic, little-endian: "SHSY"
+  CHECK(bytes[8] == std::byte{0x08});  // version, little-endian
+  const UpdateHeader back = parse_update_header(bytes);
+  CHECK(back.magic == header.magic);
+  CHECK(back.protocol_version == header.protocol_version);
+  CHECK(back.version == header.version);
+  CHECK(back.layout_fingerprint == header.layout_fingerprint);
+  CHECK(back.groups == header.groups);
+  CHECK(back.bucket_count == header.bucket_count);
+
+  const auto code = [](std::span<const std::byte> b) {
+    try {
+      parse_update_header(b);
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return ErrorCode::kInternal;
+  };
+  CHECK(code(std::span(bytes).first(bytes.size() - 1)) == ErrorCode::kBadHeader);
+  CHECK(code({}) == ErrorCode::kBadHeader);
+  auto longer = bytes;
+  longer.push_back(std::byte{0});
+  CHECK_THROWS_WITH(parse_update_header(longer), "update header: 45 bytes, but 2 groups make 44");
+  auto bad_magic = bytes;
+  bad_magic[0] = std::byte{0};
+  CHECK_THROWS_WITH(parse_update_header(bad_magic), Catch::Contains("magic 0x59534800"));
+  auto bad_count = bytes;
+  bad_count[24] = std::byte{0};  // group count (offset 24) 0
+  CHECK_THROWS_WITH(parse_update_header(bad_count),
+                    "update header: group count 0 outside 1..256");
+
+  UpdateHeader none = header;
+  none.groups.clear();
+  CHECK_THROWS_AS(serialize_update_header(none), Error);
+}

@@ -1,0 +1,485 @@
+/* shadowsync's C ABI: double-buffered asynchronous weight updates for inference engines, for C,
+ * ctypes (the Python package) and any language with a C FFI. Plain C11; no C++ header is needed.
+ *
+ * Conventions (those of NCCL):
+ *  - Objects are opaque handles. A handle is a token, never a pointer the library dereferences:
+ *    a NULL, destroyed or foreign handle, or one of the wrong kind, returns
+ *    SHADOWSYNC_INVALID_HANDLE. Destroying an object while another thread is inside a call on it is
+ *    safe: the object lives until that call returns.
+ *  - Every function returns a shadowsync_status_t. On failure, shadowsync_get_last_error() gives
+ *    the detail (which call, which thing, both values) on the calling thread. No function throws or
+ *    aborts the process.
+ *  - Config structs start with size, magic and version and are initialized with their
+ *    SHADOWSYNC_*_CONFIG_INITIALIZER; the library reads min(size, its sizeof) bytes, so a caller
+ *    built against an older, smaller struct keeps working. A struct whose magic is wrong (never
+ *    initialized) is refused. A NULL config means all defaults.
+ *  - Each function states its threading contract: "Thread-safe", or "Engine thread only" for the
+ *    step hook calls, which must come from one thread (the one that runs the engine's steps).
+ *  - Strings returned by the library stay valid as long as the object they came from.
+ *
+ * The C++ API (receiver.h, sender.h, ...) documents the semantics in full; this header names the
+ * C++ counterpart of each call. */
+#ifndef SHADOWSYNC_SHADOWSYNC_H_
+#define SHADOWSYNC_SHADOWSYNC_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define SHADOWSYNC_API
+#else
+#define SHADOWSYNC_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped when a function's signature or a struct's leading fields change meaning. Compare with
+ * shadowsync_get_c_api_version() to check that a header and a library agree. */
+#define SHADOWSYNC_C_API_VERSION 1
+
+/* ---------------------------------------------------------------------------------------------
+ * Status
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum {
+  SHADOWSYNC_SUCCESS = 0,
+  /* One per shadowsync::ErrorCode, same values. */
+  SHADOWSYNC_INVALID_ARGUMENT = 1, /* bad input from the caller; nothing was changed */
+  SHADOWSYNC_LAYOUT_MISMATCH = 2,  /* fingerprints or tensor specs disagree */
+  SHADOWSYNC_BAD_HEADER = 3,       /* an update header failed validation */
+  SHADOWSYNC_STALE_VERSION = 4,    /* a version not greater than the last one */
+  SHADOWSYNC_TIMEOUT = 5,          /* a deadline passed */
+  SHADOWSYNC_TRANSPORT_ERROR = 6,  /* peer lost, aborted communicator */
+  SHADOWSYNC_BACKEND_ERROR = 7,    /* the device backend failed */
+  SHADOWSYNC_SHUTDOWN = 8,         /* the object is shutting down */
+  SHADOWSYNC_SUPERSEDED = 9,       /* a newer update replaced this one */
+  SHADOWSYNC_INTERNAL_ERROR = 10,  /* a bug: please report it */
+  /* The C ABI's own. */
+  SHADOWSYNC_INVALID_HANDLE = 11,  /* NULL, destroyed, or not a handle of that kind */
+  SHADOWSYNC_NOT_SUPPORTED = 12,   /* not in this build (CUDA/NCCL) or not on this backend */
+  SHADOWSYNC_IN_PROGRESS = 13,     /* not done yet: poll again (shadowsync_publish_wait) */
+  SHADOWSYNC_NUM_RESULTS = 14      /* sentinel */
+} shadowsync_status_t;
+
+/* A short description of a status with a hint where to look next. Never NULL; static storage.
+ * Thread-safe. */
+SHADOWSYNC_API const char* shadowsync_get_error_string(shadowsync_status_t status);
+
+/* The detail of the last failure on the calling thread: "shadowsync_receiver_begin_update:
+ * update 3: layout fingerprint ... differs ...". Empty before the first failure; not cleared by
+ * successful calls. Valid until the next failing call on this thread. Thread-safe. */
+SHADOWSYNC_API const char* shadowsync_get_last_error(void);
+
+/* SHADOWSYNC_C_API_VERSION of the library. Thread-safe. */
+SHADOWSYNC_API int shadowsync_get_c_api_version(void);
+
+/* 1 if the library was built with the CUDA backend and the NCCL transport, else 0. Thread-safe. */
+SHADOWSYNC_API int shadowsync_has_cuda(void);
+
+/* Canonical name ("bf16", "fp32", ...) and element size of a dtype name or alias ("bfloat16",
+ * "torch.bfloat16", "float32", "half", ...). Either output may be NULL. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_dtype_info(const char* dtype, const char** canonical,
+                                                         size_t* element_bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Handles
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct shadowsync_layout* shadowsync_layout_t;
+typedef struct shadowsync_backend* shadowsync_backend_t;
+typedef struct shadowsync_stream* shadowsync_stream_t;
+typedef struct shadowsync_transport* shadowsync_transport_t;
+typedef struct shadowsync_loopback* shadowsync_loopback_t;
+typedef struct shadowsync_receiver* shadowsync_receiver_t;
+typedef struct shadowsync_sender* shadowsync_sender_t;
+typedef struct shadowsync_publish* shadowsync_publish_t;
+
+/* ---------------------------------------------------------------------------------------------
+ * Config structs
+ * ------------------------------------------------------------------------------------------- */
+
+#define SHADOWSYNC_CONFIG_MAGIC 0x53534346u /* "FCSS" */
+#define SHADOWSYNC_CONFIG_VERSION 1u
+/* A field left at this value takes the library's default. */
+#define SHADOWSYNC_CONFIG_UNDEF_INT INT32_MIN
+#define SHADOWSYNC_CONFIG_UNDEF_INT64 INT64_MIN
+
+/* shadowsync::ReceiverConfig. */
+typedef struct {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  int32_t root_rank;            /* the sender's rank in the transport (default 0) */
+  int64_t update_deadline_ms;   /* a whole update must land within this (default 60000) */
+  int64_t bucket_deadline_ms;   /* and each bucket within this of the previous (default 10000) */
+  int64_t poll_interval_us;     /* progress/error/abort polling while receiving (default 200) */
+} shadowsync_receiver_config_t;
+
+#define SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER                                          \
+  {                                                                                     \
+    sizeof(shadowsync_receiver_config_t), SHADOWSYNC_CONFIG_MAGIC,                      \
+        SHADOWSYNC_CONFIG_VERSION, SHADOWSYNC_CONFIG_UNDEF_INT,                         \
+        SHADOWSYNC_CONFIG_UNDEF_INT64, SHADOWSYNC_CONFIG_UNDEF_INT64,                   \
+        SHADOWSYNC_CONFIG_UNDEF_INT64                                                   \
+  }
+
+/* shadowsync::SenderConfig. */
+typedef struct {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  int32_t root_rank;           /* this process's rank in the transport (default 0) */
+  int64_t update_deadline_ms;  /* default 60000; a streamed publish's gathering counts too */
+  int64_t poll_interval_us;    /* default 200 */
+} shadowsync_sender_config_t;
+
+#define SHADOWSYNC_SENDER_CONFIG_INITIALIZER                                             \
+  {                                                                                      \
+    sizeof(shadowsync_sender_config_t), SHADOWSYNC_CONFIG_MAGIC, SHADOWSYNC_CONFIG_VERSION, \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                      \
+        SHADOWSYNC_CONFIG_UNDEF_INT64                                                    \
+  }
+
+/* shadowsync::NcclTransportConfig. */
+typedef struct {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  int32_t max_ctas;             /* 0 (default): NCCL's default */
+  int32_t min_ctas;             /* 0 (default): NCCL's default */
+  int32_t cga_cluster_size;     /* 0 (default): NCCL's default */
+  int64_t init_timeout_ms;      /* default 300000 */
+  int64_t enqueue_timeout_ms;   /* default 120000 */
+  int64_t finalize_timeout_ms;  /* default 30000 */
+} shadowsync_nccl_config_t;
+
+#define SHADOWSYNC_NCCL_CONFIG_INITIALIZER                                                 \
+  {                                                                                        \
+    sizeof(shadowsync_nccl_config_t), SHADOWSYNC_CONFIG_MAGIC, SHADOWSYNC_CONFIG_VERSION,  \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT,                          \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                        \
+        SHADOWSYNC_CONFIG_UNDEF_INT64, SHADOWSYNC_CONFIG_UNDEF_INT64                       \
+  }
+
+/* ---------------------------------------------------------------------------------------------
+ * Layout (layout.h)
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+  const char* name;      /* unique across the layout */
+  const char* dtype;     /* a name or alias: "bf16", "torch.bfloat16", "float32", ... */
+  const int64_t* shape;  /* ndim dimensions, each positive; NULL when ndim is 0 (a scalar) */
+  size_t ndim;
+  const char* group;     /* "base" (NULL means "base") or a LoRA adapter's name */
+} shadowsync_tensor_spec_t;
+
+typedef struct {
+  const char* name;
+  size_t tensor_count;
+  size_t arena_bytes;
+  size_t bucket_bytes;
+  size_t bucket_count;
+} shadowsync_group_info_t;
+
+typedef struct {
+  const char* name;
+  const char* dtype;     /* canonical name */
+  const int64_t* shape;
+  size_t ndim;
+  size_t offset;         /* bytes from the group's arena start */
+  size_t bytes;
+} shadowsync_tensor_info_t;
+
+/* Layout::build. bucket_bytes 0 takes the default (512 MiB); otherwise a positive multiple of
+ * 256. Groups are ordered "base" first, then adapters in order of first appearance. The specs are
+ * copied. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_create(const shadowsync_tensor_spec_t* specs,
+                                                            size_t count, size_t bucket_bytes,
+                                                            shadowsync_layout_t* layout);
+/* Receivers and senders made from a layout keep their own copy: destroy it whenever. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_destroy(shadowsync_layout_t layout);
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_fingerprint(shadowsync_layout_t layout,
+                                                                 uint64_t* fingerprint);
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_group_count(shadowsync_layout_t layout,
+                                                                 size_t* count);
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_group_info(shadowsync_layout_t layout,
+                                                                size_t group,
+                                                                shadowsync_group_info_t* info);
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_tensor_info(shadowsync_layout_t layout,
+                                                                 size_t group, size_t tensor,
+                                                                 shadowsync_tensor_info_t* info);
+/* Where a tensor or group is; SHADOWSYNC_INVALID_ARGUMENT naming it when unknown. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_find_tensor(shadowsync_layout_t layout,
+                                                                 const char* name, size_t* group,
+                                                                 size_t* tensor);
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_find_group(shadowsync_layout_t layout,
+                                                                const char* name, size_t* group);
+
+/* ---------------------------------------------------------------------------------------------
+ * Update headers (update_header.h): what the trainer announces, carried by any control plane
+ * ------------------------------------------------------------------------------------------- */
+
+#define SHADOWSYNC_MAX_HEADER_GROUPS 256
+/* The largest serialized header: 36 bytes plus 4 per group. */
+#define SHADOWSYNC_MAX_HEADER_BYTES (36 + 4 * SHADOWSYNC_MAX_HEADER_GROUPS)
+
+typedef struct {
+  uint32_t magic;
+  uint32_t protocol_version;
+  uint64_t version;
+  uint64_t layout_fingerprint;
+  uint32_t group_count;                           /* 1..SHADOWSYNC_MAX_HEADER_GROUPS */
+  uint32_t groups[SHADOWSYNC_MAX_HEADER_GROUPS];  /* group indices, strictly increasing */
+  uint64_t bucket_count;
+} shadowsync_update_header_t;
+
+/* To and from bytes (little-endian, the control channel's field order). serialize writes at most
+ * SHADOWSYNC_MAX_HEADER_BYTES; with too small a capacity it returns SHADOWSYNC_INVALID_ARGUMENT
+ * and sets *written to the size needed. parse checks the structure (length, count, magic):
+ * SHADOWSYNC_BAD_HEADER; the receiver checks the rest. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_header_serialize(
+    const shadowsync_update_header_t* header, void* buffer, size_t capacity, size_t* written);
+SHADOWSYNC_API shadowsync_status_t shadowsync_header_parse(const void* bytes, size_t size,
+                                                           shadowsync_update_header_t* header);
+
+/* ---------------------------------------------------------------------------------------------
+ * Backends and streams (host_backend.h, cuda_backend.h)
+ * ------------------------------------------------------------------------------------------- */
+
+/* HostBackend: memory is host memory, streams are executor threads. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_host_backend_create(shadowsync_backend_t* backend);
+/* CudaBackend of device ordinal `device`. SHADOWSYNC_NOT_SUPPORTED in a build without CUDA;
+ * SHADOWSYNC_INVALID_ARGUMENT when there is no such device. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_cuda_backend_create(int device,
+                                                                  shadowsync_backend_t* backend);
+/* Receivers, senders and streams made from a backend keep it alive: destroy it whenever. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_backend_destroy(shadowsync_backend_t backend);
+/* "host" or "cuda". */
+SHADOWSYNC_API shadowsync_status_t shadowsync_backend_name(shadowsync_backend_t backend,
+                                                           const char** name);
+
+/* A stream of the backend (the engine's stream on the host backend). low_priority != 0 asks for
+ * the lowest priority. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_stream_create(shadowsync_backend_t backend,
+                                                            int low_priority,
+                                                            shadowsync_stream_t* stream);
+/* Wraps a cudaStream_t (passed as void*; NULL is the legacy default stream) the caller owns and
+ * keeps alive, for a CUDA backend: the engine's stream. SHADOWSYNC_NOT_SUPPORTED for a host
+ * backend or a build without CUDA. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_stream_wrap_cuda(shadowsync_backend_t backend,
+                                                               void* cuda_stream,
+                                                               shadowsync_stream_t* stream);
+/* Waits for all work enqueued on the stream. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_stream_synchronize(shadowsync_stream_t stream);
+SHADOWSYNC_API shadowsync_status_t shadowsync_stream_destroy(shadowsync_stream_t stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * Transports (loopback_transport.h, nccl_transport.h)
+ *
+ * A transport handle is taken by the receiver or sender it is given to: when that call succeeds
+ * the handle becomes invalid (do not destroy it); when it fails the caller still owns it.
+ * ------------------------------------------------------------------------------------------- */
+
+/* In-process ranks (threads) for tests and demos, on host backends. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_create(int world_size,
+                                                              shadowsync_loopback_t* loopback);
+/* The transport of `rank`; each rank once. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_transport(shadowsync_loopback_t loopback,
+                                                                 int rank,
+                                                                 shadowsync_transport_t* transport);
+/* Fault injection (LoopbackCommunicator::inject_*): `call` counts the rank's broadcasts from 0. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_inject_delay(shadowsync_loopback_t loopback,
+                                                                    int rank, uint64_t call,
+                                                                    int64_t delay_us);
+SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_inject_drop(shadowsync_loopback_t loopback,
+                                                                   int rank, uint64_t call);
+/* Transports already made live on. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_destroy(shadowsync_loopback_t loopback);
+
+#define SHADOWSYNC_NCCL_UNIQUE_ID_BYTES 128
+/* ncclGetUniqueId, on the side that takes part as a rank. SHADOWSYNC_NOT_SUPPORTED without CUDA.
+ * Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_unique_id(
+    uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES]);
+/* NcclTransport::create: blocks until all `world_size` ranks joined (config->init_timeout_ms).
+ * config may be NULL. SHADOWSYNC_NOT_SUPPORTED without CUDA. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_transport_create(
+    const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int world_size, int device,
+    const shadowsync_nccl_config_t* config, shadowsync_transport_t* transport);
+/* Destroys a transport no receiver or sender took. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_transport_destroy(shadowsync_transport_t transport);
+
+/* ---------------------------------------------------------------------------------------------
+ * Receiver and step hook (receiver.h, step_hook.h): the engine side
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+  size_t size;  /* set by the caller: sizeof(shadowsync_receiver_stats_t) */
+  uint64_t updates_ready;
+  uint64_t updates_failed;
+  uint64_t updates_superseded;
+  uint64_t bytes_received;
+  uint64_t last_accepted_version;
+  uint64_t applied_version;
+  int32_t needs_transport;  /* a failure aborted the transport: replace it */
+  int32_t has_pending;      /* a received update waits for the next step */
+} shadowsync_receiver_stats_t;
+
+#define SHADOWSYNC_RECEIVER_STATS_INITIALIZER \
+  { sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0 }
+
+/* One group made live by a swap. */
+typedef struct {
+  size_t group;
+  int32_t slot;
+  uint64_t content_version;
+} shadowsync_group_swap_t;
+
+/* Called on the engine thread after a swap, before before_step returns (rebind here). Must not
+ * call back into this receiver's step hook. */
+typedef void (*shadowsync_swap_callback_t)(void* user_data, uint64_t version,
+                                           const shadowsync_group_swap_t* swaps, size_t count);
+
+/* Allocates both slots of every group on the backend and starts the receiver thread. transport
+ * may be NULL until the rendezvous is done (shadowsync_receiver_replace_transport). config may be
+ * NULL. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create(
+    shadowsync_layout_t layout, shadowsync_backend_t backend, shadowsync_transport_t transport,
+    const shadowsync_receiver_config_t* config, shadowsync_receiver_t* receiver);
+/* Stops the thread (aborting an update in flight) and frees both slots: the engine must be done
+ * with the live pointers. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_destroy(shadowsync_receiver_t receiver);
+
+/* Validates the header against the layout and the last accepted version, queues it and returns
+ * at once; the receive runs on the receiver's own thread. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_begin_update(
+    shadowsync_receiver_t receiver, const shadowsync_update_header_t* header);
+/* The same from serialized header bytes. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_begin_update_bytes(
+    shadowsync_receiver_t receiver, const void* bytes, size_t size);
+/* Aborts the update in flight, if any (the transport with it). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_abort_update(shadowsync_receiver_t receiver);
+/* Installs a transport (after a failure aborted the old one, or the first). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_replace_transport(
+    shadowsync_receiver_t receiver, shadowsync_transport_t transport);
+/* Blocks until every queued command was processed. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_drain(shadowsync_receiver_t receiver);
+
+/* The step hook, before each engine step. *applied_version (may be NULL) is the version it made
+ * live, or 0 when nothing was pending. `stream` is the stream the engine's steps run on, of the
+ * receiver's backend. With nothing pending: a handle lookup and one atomic load. Engine thread
+ * only. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_before_step(shadowsync_receiver_t receiver,
+                                                                   shadowsync_stream_t stream,
+                                                                   uint64_t* applied_version);
+/* Applies a pending update now, if any (an idle engine). Engine thread only. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_apply_pending_now(
+    shadowsync_receiver_t receiver, shadowsync_stream_t stream, uint64_t* applied_version);
+/* Applies updates as they arrive until `version` is live: SHADOWSYNC_SUCCESS, or
+ * SHADOWSYNC_TIMEOUT once timeout_ms passed (negative: no limit). Engine thread only. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_wait_applied(shadowsync_receiver_t receiver,
+                                                                    uint64_t version,
+                                                                    int64_t timeout_ms,
+                                                                    shadowsync_stream_t stream);
+/* Last version made live (0 before the first). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_applied_version(
+    shadowsync_receiver_t receiver, uint64_t* version);
+
+/* The live pointer table: device memory of the backend, valid until the next swap. Engine thread
+ * only. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_tensor(shadowsync_receiver_t receiver,
+                                                                   size_t group, size_t tensor,
+                                                                   void** data);
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_tensor_by_name(
+    shadowsync_receiver_t receiver, const char* name, void** data);
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_arena(shadowsync_receiver_t receiver,
+                                                                  size_t group, void** data);
+/* Version of the update whose bytes the group's live slot holds (0: never updated). Engine
+ * thread only. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_content_version(
+    shadowsync_receiver_t receiver, size_t group, uint64_t* version);
+
+/* Set before the first update; NULL removes it. Not thread-safe with before_step. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_set_swap_callback(
+    shadowsync_receiver_t receiver, shadowsync_swap_callback_t callback, void* user_data);
+
+/* Counters; stats->size must be set (SHADOWSYNC_RECEIVER_STATS_INITIALIZER). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
+                                                             shadowsync_receiver_stats_t* stats);
+/* The last failed update's error text, NUL-terminated and truncated to `capacity` bytes;
+ * *length (may be NULL) is its full length. Empty when no update failed. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_last_update_error(
+    shadowsync_receiver_t receiver, char* buffer, size_t capacity, size_t* length);
+
+/* ---------------------------------------------------------------------------------------------
+ * Sender (sender.h): the trainer side
+ * ------------------------------------------------------------------------------------------- */
+
+/* One tensor as the trainer holds it: memory of the sender's backend, contiguous. */
+typedef struct {
+  const char* name;
+  const void* data;
+  const char* dtype;     /* a name or alias, as in shadowsync_tensor_spec_t */
+  const int64_t* shape;
+  size_t ndim;
+} shadowsync_source_tensor_t;
+
+/* The sender must be the broadcast root (config->root_rank, default 0). config may be NULL.
+ * Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_create(shadowsync_layout_t layout,
+                                                            shadowsync_backend_t backend,
+                                                            shadowsync_transport_t transport,
+                                                            const shadowsync_sender_config_t* config,
+                                                            shadowsync_sender_t* sender);
+/* Waits for the updates already published (each bounded by its deadline), then stops. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_destroy(shadowsync_sender_t sender);
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_replace_transport(
+    shadowsync_sender_t sender, shadowsync_transport_t transport);
+
+/* Publishes `groups` at `version` from the trainer's tensors and returns at once. Every tensor of
+ * those groups must be given with its spec's dtype and shape; everything is checked before a byte
+ * moves. The tensors must stay valid and unchanged until the update is done, whether or not the
+ * publish handle is destroyed earlier. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_publish(
+    shadowsync_sender_t sender, uint64_t version, const char* const* groups, size_t group_count,
+    const shadowsync_source_tensor_t* tensors, size_t tensor_count, shadowsync_publish_t* publish);
+/* Starts a publish whose tensors come later through shadowsync_publish_supply, in layout order
+ * (ZeRO-3: gather each bucket's parameters just in time). The header is ready at once.
+ * Destroying the publish before every tensor was supplied fails the update. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_publish_streamed(
+    shadowsync_sender_t sender, uint64_t version, const char* const* groups, size_t group_count,
+    shadowsync_publish_t* publish);
+/* Streamed publishes: the next `count` tensors in layout order (see
+ * shadowsync_publish_next_tensor). Blocks until their bytes were copied out; then the caller may
+ * free them. One thread at a time. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_publish_supply(shadowsync_publish_t publish,
+                                                             const shadowsync_source_tensor_t* tensors,
+                                                             size_t count);
+/* Streamed publishes: where the next tensor to supply is. *remaining is how many are left
+ * (group and tensor are unset when it is 0). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_publish_next_tensor(shadowsync_publish_t publish,
+                                                                  size_t* group, size_t* tensor,
+                                                                  size_t* remaining);
+
+/* The header to give every receiver (begin_update). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_publish_header(shadowsync_publish_t publish,
+                                                             shadowsync_update_header_t* header);
+SHADOWSYNC_API shadowsync_status_t shadowsync_publish_header_bytes(shadowsync_publish_t publish,
+                                                                   void* buffer, size_t capacity,
+                                                                   size_t* written);
+/* Waits up to timeout_ms (0: poll; negative: no limit). SHADOWSYNC_SUCCESS when sent,
+ * SHADOWSYNC_IN_PROGRESS while still running, or the status of the update's failure. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_publish_wait(shadowsync_publish_t publish,
+                                                           int64_t timeout_ms);
+/* *done = 1 once finished, successfully or not. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_publish_done(shadowsync_publish_t publish, int* done);
+/* Releases the handle; a publish keeps running (a streamed one still missing tensors fails). */
+SHADOWSYNC_API shadowsync_status_t shadowsync_publish_destroy(shadowsync_publish_t publish);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* SHADOWSYNC_SHADOWSYNC_H_ */

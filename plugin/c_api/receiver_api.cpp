@@ -1,0 +1,281 @@
+// The receiver and its step hook through the C ABI: the engine side.
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "c_api/c_api_internal.h"
+
+using namespace shadowsync;
+using namespace shadowsync::c_api;
+
+namespace {
+
+ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
+  const shadowsync_receiver_config_t defaults = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+  const auto c = read_config(user, defaults, "shadowsync_receiver_config_t");
+  ReceiverConfig config;
+  if (c.root_rank != SHADOWSYNC_CONFIG_UNDEF_INT) config.root_rank = c.root_rank;
+  if (c.update_deadline_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
+    config.update_deadline = std::chrono::milliseconds(c.update_deadline_ms);
+  }
+  if (c.bucket_deadline_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
+    config.bucket_deadline = std::chrono::milliseconds(c.bucket_deadline_ms);
+  }
+  if (c.poll_interval_us != SHADOWSYNC_CONFIG_UNDEF_INT64) {
+    config.poll_interval = std::chrono::microseconds(c.poll_interval_us);
+  }
+  return config;
+}
+
+// The engine's stream, which must come from the receiver's backend.
+std::shared_ptr<StreamObject> engine_stream(const ReceiverObject& receiver,
+                                            shadowsync_stream_t stream) {
+  auto object = lookup<StreamObject>(stream, "stream");
+  if (object->backend != receiver.backend) {
+    throw_invalid(fmt::format("'stream' belongs to another backend ('{}') than the receiver's "
+                              "('{}'): use a stream of the receiver's backend",
+                              object->backend->backend->name(),
+                              receiver.backend->backend->name()));
+  }
+  return object;
+}
+
+void check_group(const Receiver& receiver, std::size_t group) {
+  const std::size_t groups = receiver.layout().groups().size();
+  if (group >= groups) {
+    throw_invalid(fmt::format("group index {} out of range (the layout has {} groups)", group,
+                              groups));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+shadowsync_status_t shadowsync_receiver_create(shadowsync_layout_t layout,
+                                               shadowsync_backend_t backend,
+                                               shadowsync_transport_t transport,
+                                               const shadowsync_receiver_config_t* config,
+                                               shadowsync_receiver_t* receiver) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(receiver, "receiver");
+    auto layout_object = lookup<LayoutObject>(layout, "layout");
+    auto object = std::make_shared<ReceiverObject>();
+    object->backend = lookup<BackendObject>(backend, "backend");
+    const ReceiverConfig cpp_config = receiver_config(config);
+    TransportClaim claim(transport, /*allow_null=*/true);
+    object->receiver = std::make_unique<Receiver>(layout_object->layout, *object->backend->backend,
+                                                  claim.take(), cpp_config);
+    const auto& groups = layout_object->layout.groups();
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (std::size_t t = 0; t < groups[g].tensors().size(); ++t) {
+        object->by_name.emplace(groups[g].tensors()[t].spec.name, std::make_pair(g, t));
+      }
+    }
+    out = to_handle<shadowsync_receiver_t>(std::move(object));
+    claim.commit();
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_destroy(shadowsync_receiver_t receiver) {
+  return guard(__func__, [&] {
+    auto object = Registry::instance().remove<ReceiverObject>(receiver, "receiver");
+    // Stop now even if another thread is still inside a call (it keeps the object alive).
+    object->receiver->shutdown();
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_begin_update(shadowsync_receiver_t receiver,
+                                                     const shadowsync_update_header_t* header) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    if (header == nullptr) throw_invalid("'header' is NULL");
+    object->receiver->begin_update(header_from_c(*header));
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_begin_update_bytes(shadowsync_receiver_t receiver,
+                                                           const void* bytes, size_t size) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    if (bytes == nullptr && size > 0) throw_invalid("'bytes' is NULL");
+    object->receiver->begin_update(
+        parse_update_header({static_cast<const std::byte*>(bytes), size}));
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_abort_update(shadowsync_receiver_t receiver) {
+  return guard(__func__,
+               [&] { lookup<ReceiverObject>(receiver, "receiver")->receiver->abort_update(); });
+}
+
+shadowsync_status_t shadowsync_receiver_replace_transport(shadowsync_receiver_t receiver,
+                                                          shadowsync_transport_t transport) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    TransportClaim claim(transport, /*allow_null=*/false);
+    object->receiver->replace_transport(claim.take());
+    claim.commit();
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_drain(shadowsync_receiver_t receiver) {
+  return guard(__func__, [&] { lookup<ReceiverObject>(receiver, "receiver")->receiver->drain(); });
+}
+
+shadowsync_status_t shadowsync_receiver_before_step(shadowsync_receiver_t receiver,
+                                                    shadowsync_stream_t stream,
+                                                    uint64_t* applied_version) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto stream_object = engine_stream(*object, stream);
+    const auto applied = object->receiver->step_hook().before_step(*stream_object->stream);
+    if (applied_version != nullptr) *applied_version = applied.value_or(0);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_apply_pending_now(shadowsync_receiver_t receiver,
+                                                          shadowsync_stream_t stream,
+                                                          uint64_t* applied_version) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto stream_object = engine_stream(*object, stream);
+    const auto applied = object->receiver->step_hook().apply_pending_now(*stream_object->stream);
+    if (applied_version != nullptr) *applied_version = applied.value_or(0);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_wait_applied(shadowsync_receiver_t receiver,
+                                                     uint64_t version, int64_t timeout_ms,
+                                                     shadowsync_stream_t stream) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto stream_object = engine_stream(*object, stream);
+    StepHook& hook = object->receiver->step_hook();
+    if (!hook.wait_applied(version, deadline_after(timeout_ms), *stream_object->stream)) {
+      throw Error(ErrorCode::kTimeout,
+                  fmt::format("version {} not applied within {} ms (applied: {}, last accepted: "
+                              "{})",
+                              version, timeout_ms, hook.applied_version(),
+                              object->receiver->stats().last_accepted_version));
+    }
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_applied_version(shadowsync_receiver_t receiver,
+                                                        uint64_t* version) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    out_arg(version, "version") = object->receiver->step_hook().applied_version();
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_live_tensor(shadowsync_receiver_t receiver, size_t group,
+                                                    size_t tensor, void** data) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto& out = out_arg(data, "data");
+    check_group(*object->receiver, group);
+    const auto& g = object->receiver->layout().groups()[group];
+    if (tensor >= g.tensors().size()) {
+      throw_invalid(fmt::format("tensor index {} out of range (group '{}' has {} tensors)", tensor,
+                                g.name(), g.tensors().size()));
+    }
+    out = object->receiver->step_hook().live_tensor(group, tensor);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_live_tensor_by_name(shadowsync_receiver_t receiver,
+                                                            const char* name, void** data) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto& out = out_arg(data, "data");
+    const auto it = object->by_name.find(string_arg(name, "name"));
+    if (it == object->by_name.end()) {
+      throw_invalid(fmt::format("tensor '{}' is not in the receiver's layout", name));
+    }
+    out = object->receiver->step_hook().live_tensor(it->second.first, it->second.second);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_live_arena(shadowsync_receiver_t receiver, size_t group,
+                                                   void** data) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto& out = out_arg(data, "data");
+    check_group(*object->receiver, group);
+    out = object->receiver->step_hook().live_arena(group);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_live_content_version(shadowsync_receiver_t receiver,
+                                                             size_t group, uint64_t* version) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto& out = out_arg(version, "version");
+    check_group(*object->receiver, group);
+    out = object->receiver->step_hook().live_content_version(group);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_set_swap_callback(shadowsync_receiver_t receiver,
+                                                          shadowsync_swap_callback_t callback,
+                                                          void* user_data) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    if (callback == nullptr) {
+      object->receiver->step_hook().set_swap_callback(nullptr);
+      return;
+    }
+    object->receiver->step_hook().set_swap_callback([callback, user_data](const AppliedUpdate& u) {
+      std::vector<shadowsync_group_swap_t> swaps;
+      swaps.reserve(u.swaps->size());
+      for (const GroupSwap& s : *u.swaps) {
+        swaps.push_back(shadowsync_group_swap_t{s.group, s.slot, s.content_version});
+      }
+      callback(user_data, u.version, swaps.data(), swaps.size());
+    });
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
+                                              shadowsync_receiver_stats_t* stats) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto& out = out_arg(stats, "stats");
+    if (out.size < sizeof(out.size)) {
+      throw_invalid(fmt::format("stats->size is {}: set it to sizeof(shadowsync_receiver_stats_t) "
+                                "({}), e.g. with SHADOWSYNC_RECEIVER_STATS_INITIALIZER",
+                                out.size, sizeof(shadowsync_receiver_stats_t)));
+    }
+    const ReceiverStats s = object->receiver->stats();
+    shadowsync_receiver_stats_t full{};
+    full.size = out.size;
+    full.updates_ready = s.updates_ready;
+    full.updates_failed = s.updates_failed;
+    full.updates_superseded = s.updates_superseded;
+    full.bytes_received = s.bytes_received;
+    full.last_accepted_version = s.last_accepted_version;
+    full.applied_version = object->receiver->step_hook().applied_version();
+    full.needs_transport = s.needs_transport ? 1 : 0;
+    full.has_pending = object->receiver->step_hook().has_pending() ? 1 : 0;
+    std::memcpy(static_cast<void*>(&out), &full, std::min(out.size, sizeof(full)));
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_last_update_error(shadowsync_receiver_t receiver,
+                                                          char* buffer, size_t capacity,
+                                                          size_t* length) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    const std::string error = object->receiver->stats().last_error;
+    if (length != nullptr) *length = error.size();
+    if (capacity == 0) return;
+    if (buffer == nullptr) throw_invalid(fmt::format("'buffer' is NULL but capacity is {}", capacity));
+    const std::size_t n = std::min(error.size(), capacity - 1);
+    std::memcpy(buffer, error.data(), n);
+    buffer[n] = '\0';
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,589 @@
+// The C ABI (shadowsync.h) from C++: handles that are NULL, destroyed or of the wrong kind, config
+// structs, header bytes, statuses and the thread's last error, and updates end to end (plain and
+// streamed) on the host backend. Runs in the sanitizer builds too: a crash or a use-after-free
+// behind a bad handle would show there. tests/c_abi/compile_check.c covers the header as C11.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "pattern.h"
+#include "shadowsync/shadowsync.h"
+
+using namespace shadowsync;
+using namespace shadowsync::testing;
+
+namespace {
+
+std::string last_error() { return shadowsync_get_last_error(); }
+
+#define REQUIRE_OK(call)                                    \
+  do {                                                      \
+    const shadowsync_status_t status_ = (call);             \
+    INFO(#call << ": " << shadowsync_get_last_error());     \
+    REQUIRE(status_ == SHADOWSYNC_SUCCESS);                 \
+  } while (0)
+
+// Specs of a small model over several 1 KiB buckets, with one adapter.
+struct Specs {
+  std::vector<std::vector<std::int64_t>> shapes = {{300, 4}, {257}, {7}, {16, 8}};
+  std::vector<shadowsync_tensor_spec_t> specs = {
+      {"embed", "bf16", nullptr, 2, "base"},
+      {"w", "float32", nullptr, 1, nullptr},
+      {"norm", "torch.float16", nullptr, 1, "base"},
+      {"lora.A", "fp32", nullptr, 2, "lora"},
+  };
+  Specs() {
+    for (std::size_t i = 0; i < specs.size(); ++i) specs[i].shape = shapes[i].data();
+  }
+};
+
+shadowsync_layout_t make_layout() {
+  Specs s;
+  shadowsync_layout_t layout = nullptr;
+  REQUIRE_OK(shadowsync_layout_create(s.specs.data(), s.specs.size(), 1024, &layout));
+  return layout;
+}
+
+// The C++ layout equal to make_layout(): for the pattern oracle.
+Layout cpp_layout() {
+  return Layout::build({{"embed", DType::kBFloat16, {300, 4}, "base"},
+                        {"w", DType::kFloat32, {257}, "base"},
+                        {"norm", DType::kFloat16, {7}, "base"},
+                        {"lora.A", DType::kFloat32, {16, 8}, "lora"}},
+                       {.bucket_bytes = 1024});
+}
+
+// C views of pattern tensors.
+struct CTensors {
+  CTensors(const Layout& layout, const std::vector<std::string>& groups, std::uint64_t version)
+      : host(layout, groups, version) {
+    for (const SourceTensor& s : host.sources()) {
+      // dtype names are NUL-terminated literals.
+      tensors.push_back({s.name.c_str(), s.data, dtype_name(s.dtype).data(), s.shape.data(),
+                         s.shape.size()});
+    }
+  }
+  HostTensors host;
+  std::vector<shadowsync_source_tensor_t> tensors;
+};
+
+// One receiver and one sender on a loopback pair, the engine's stream, all through the C ABI.
+struct Pair {
+  explicit Pair(const shadowsync_receiver_config_t* rconfig = nullptr,
+                const shadowsync_sender_config_t* sconfig = nullptr) {
+    layout = make_layout();
+    REQUIRE_OK(shadowsync_host_backend_create(&backend));
+    REQUIRE_OK(shadowsync_stream_create(backend, 0, &engine));
+    REQUIRE_OK(shadowsync_loopback_create(2, &loopback));
+    shadowsync_transport_t t0 = nullptr;
+    shadowsync_transport_t t1 = nullptr;
+    REQUIRE_OK(shadowsync_loopback_transport(loopback, 0, &t0));
+    REQUIRE_OK(shadowsync_loopback_transport(loopback, 1, &t1));
+    REQUIRE_OK(shadowsync_receiver_create(layout, backend, t1, rconfig, &receiver));
+    REQUIRE_OK(shadowsync_sender_create(layout, backend, t0, sconfig, &sender));
+  }
+  ~Pair() {
+    shadowsync_receiver_destroy(receiver);
+    shadowsync_sender_destroy(sender);
+    shadowsync_stream_destroy(engine);
+    shadowsync_loopback_destroy(loopback);
+    shadowsync_backend_destroy(backend);
+    shadowsync_layout_destroy(layout);
+  }
+  std::vector<std::byte> header_bytes(shadowsync_publish_t publish) const {
+    std::vector<std::byte> bytes(SHADOWSYNC_MAX_HEADER_BYTES);
+    size_t written = 0;
+    REQUIRE_OK(shadowsync_publish_header_bytes(publish, bytes.data(), bytes.size(), &written));
+    bytes.resize(written);
+    return bytes;
+  }
+  shadowsync_layout_t layout = nullptr;
+  shadowsync_backend_t backend = nullptr;
+  shadowsync_stream_t engine = nullptr;
+  shadowsync_loopback_t loopback = nullptr;
+  shadowsync_receiver_t receiver = nullptr;
+  shadowsync_sender_t sender = nullptr;
+};
+
+// Every live byte of a group decodes to `version` under the oracle's pattern.
+bool live_group_is(const Layout& layout, shadowsync_receiver_t receiver, std::size_t group,
+                   std::uint64_t version) {
+  const auto& g = layout.groups()[group];
+  for (std::size_t t = 0; t < g.tensors().size(); ++t) {
+    void* data = nullptr;
+    REQUIRE_OK(shadowsync_receiver_live_tensor(receiver, group, t, &data));
+    const std::size_t bytes = g.tensors()[t].bytes;
+    for (std::size_t word = 0; word < (bytes + 7) / 8; ++word) {
+      if (read_version(static_cast<const std::byte*>(data), bytes, group, t, word, version) !=
+          version) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("C ABI: every status has a string, unknown ones too") {
+  for (int s = 0; s <= SHADOWSYNC_NUM_RESULTS + 1; ++s) {
+    const char* text = shadowsync_get_error_string(static_cast<shadowsync_status_t>(s));
+    REQUIRE(text != nullptr);
+    CHECK(std::strlen(text) > 0);
+  }
+  CHECK_THAT(shadowsync_get_error_string(SHADOWSYNC_TRANSPORT_ERROR),
+             Catch::Contains("NCCL_DEBUG=INFO"));
+  CHECK_THAT(shadowsync_get_error_string(SHADOWSYNC_NUM_RESULTS), Catch::Contains("unknown"));
+  CHECK(shadowsync_get_c_api_version() == SHADOWSYNC_C_API_VERSION);
+  const char* canonical = nullptr;
+  size_t bytes = 0;
+  REQUIRE_OK(shadowsync_dtype_info("torch.bfloat16", &canonical, &bytes));
+  CHECK(std::string(canonical) == "bf16");
+  CHECK(bytes == 2);
+  CHECK(shadowsync_dtype_info("complex64", &canonical, &bytes) == SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("shadowsync_dtype_info: unsupported dtype 'complex64'"));
+}
+
+TEST_CASE("C ABI: NULL, destroyed, foreign and wrong-kind handles are refused, never followed") {
+  shadowsync_layout_t layout = make_layout();
+  REQUIRE_OK(shadowsync_layout_destroy(layout));
+  uint64_t fingerprint = 0;
+  CHECK(shadowsync_layout_fingerprint(layout, &fingerprint) == SHADOWSYNC_INVALID_HANDLE);
+  CHECK_THAT(last_error(), Catch::Contains("is not a live shadowsync_layout_t"));
+  CHECK(shadowsync_layout_destroy(layout) == SHADOWSYNC_INVALID_HANDLE);
+
+  shadowsync_backend_t backend = nullptr;
+  REQUIRE_OK(shadowsync_host_backend_create(&backend));
+  // A backend handle where a receiver is expected.
+  CHECK(shadowsync_receiver_drain(reinterpret_cast<shadowsync_receiver_t>(backend)) ==
+        SHADOWSYNC_INVALID_HANDLE);
+  CHECK_THAT(last_error(),
+             Catch::Contains("is a shadowsync_backend_t, not a shadowsync_receiver_t"));
+  // Addresses that were never handles: a heap pointer and a small integer.
+  auto heap = std::make_unique<int>(7);
+  CHECK(shadowsync_receiver_drain(reinterpret_cast<shadowsync_receiver_t>(heap.get())) ==
+        SHADOWSYNC_INVALID_HANDLE);
+  CHECK(shadowsync_sender_destroy(reinterpret_cast<shadowsync_sender_t>(std::uintptr_t{16})) ==
+        SHADOWSYNC_INVALID_HANDLE);
+  REQUIRE_OK(shadowsync_backend_destroy(backend));
+
+  // Every entry point that takes a handle, with NULL, and valid outputs otherwise.
+  uint64_t u64 = 0;
+  size_t size = 0;
+  int flag = 0;
+  void* pointer = nullptr;
+  const char* text = nullptr;
+  shadowsync_group_info_t group_info{};
+  shadowsync_tensor_info_t tensor_info{};
+  shadowsync_update_header_t header{};
+  shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+  shadowsync_stream_t stream = nullptr;
+  shadowsync_transport_t transport = nullptr;
+  shadowsync_receiver_t receiver = nullptr;
+  shadowsync_sender_t sender = nullptr;
+  shadowsync_publish_t publish = nullptr;
+  char buffer[64];
+  const std::vector<std::pair<const char*, std::function<shadowsync_status_t()>>> calls = {
+      {"layout_fingerprint", [&] { return shadowsync_layout_fingerprint(nullptr, &u64); }},
+      {"layout_group_count", [&] { return shadowsync_layout_group_count(nullptr, &size); }},
+      {"layout_group_info", [&] { return shadowsync_layout_group_info(nullptr, 0, &group_info); }},
+      {"layout_tensor_info",
+       [&] { return shadowsync_layout_tensor_info(nullptr, 0, 0, &tensor_info); }},
+      {"layout_find_tensor",
+       [&] { return shadowsync_layout_find_tensor(nullptr, "w", &size, &size); }},
+      {"layout_find_group", [&] { return shadowsync_layout_find_group(nullptr, "base", &size); }},
+      {"backend_destroy", [&] { return shadowsync_backend_destroy(nullptr); }},
+      {"backend_name", [&] { return shadowsync_backend_name(nullptr, &text); }},
+      {"stream_create", [&] { return shadowsync_stream_create(nullptr, 0, &stream); }},
+      {"stream_wrap_cuda", [&] { return shadowsync_stream_wrap_cuda(nullptr, nullptr, &stream); }},
+      {"stream_synchronize", [&] { return shadowsync_stream_synchronize(nullptr); }},
+      {"stream_destroy", [&] { return shadowsync_stream_destroy(nullptr); }},
+      {"loopback_transport",
+       [&] { return shadowsync_loopback_transport(nullptr, 0, &transport); }},
+      {"loopback_inject_delay", [&] { return shadowsync_loopback_inject_delay(nullptr, 0, 0, 1); }},
+      {"loopback_inject_drop", [&] { return shadowsync_loopback_inject_drop(nullptr, 0, 0); }},
+      {"loopback_destroy", [&] { return shadowsync_loopback_destroy(nullptr); }},
+      {"transport_destroy", [&] { return shadowsync_transport_destroy(nullptr); }},
+      {"receiver_create",
+       [&] { return shadowsync_receiver_create(nullptr, nullptr, nullptr, nullptr, &receiver); }},
+      {"receiver_destroy", [&] { return shadowsync_receiver_destroy(nullptr); }},
+      {"receiver_begin_update", [&] { return shadowsync_receiver_begin_update(nullptr, &header); }},
+      {"receiver_begin_update_bytes",
+       [&] { return shadowsync_receiver_begin_update_bytes(nullptr, buffer, 8); }},
+      {"receiver_abort_update", [&] { return shadowsync_receiver_abort_update(nullptr); }},
+      {"receiver_replace_transport",
+       [&] { return shadowsync_receiver_replace_transport(nullptr, nullptr); }},
+      {"receiver_drain", [&] { return shadowsync_receiver_drain(nullptr); }},
+      {"receiver_before_step", [&] { return shadowsync_receiver_before_step(nullptr, nullptr, &u64); }},
+      {"receiver_apply_pending_now",
+       [&] { return shadowsync_receiver_apply_pending_now(nullptr, nullptr, &u64); }},
+      {"receiver_wait_applied",
+       [&] { return shadowsync_receiver_wait_applied(nullptr, 1, 0, nullptr); }},
+      {"receiver_applied_version", [&] { return shadowsync_receiver_applied_version(nullptr, &u64); }},
+      {"receiver_live_tensor", [&] { return shadowsync_receiver_live_tensor(nullptr, 0, 0, &pointer); }},
+      {"receiver_live_tensor_by_name",
+       [&] { return shadowsync_receiver_live_tensor_by_name(nullptr, "w", &pointer); }},
+      {"receiver_live_arena", [&] { return shadowsync_receiver_live_arena(nullptr, 0, &pointer); }},
+      {"receiver_live_content_version",
+       [&] { return shadowsync_receiver_live_content_version(nullptr, 0, &u64); }},
+      {"receiver_set_swap_callback",
+       [&] { return shadowsync_receiver_set_swap_callback(nullptr, nullptr, nullptr); }},
+      {"receiver_stats", [&] { return shadowsync_receiver_stats(nullptr, &stats); }},
+      {"receiver_last_update_error",
+       [&] { return shadowsync_receiver_last_update_error(nullptr, buffer, sizeof buffer, &size); }},
+      {"sender_create",
+       [&] { return shadowsync_sender_create(nullptr, nullptr, nullptr, nullptr, &sender); }},
+      {"sender_destroy", [&] { return shadowsync_sender_destroy(nullptr); }},
+      {"sender_replace_transport",
+       [&] { return shadowsync_sender_replace_transport(nullptr, nullptr); }},
+      {"sender_publish",
+       [&] { return shadowsync_sender_publish(nullptr, 1, nullptr, 0, nullptr, 0, &publish); }},
+      {"sender_publish_streamed",
+       [&] { return shadowsync_sender_publish_streamed(nullptr, 1, nullptr, 0, &publish); }},
+      {"publish_supply", [&] { return shadowsync_publish_supply(nullptr, nullptr, 0); }},
+      {"publish_next_tensor",
+       [&] { return shadowsync_publish_next_tensor(nullptr, &size, &size, &size); }},
+      {"publish_header", [&] { return shadowsync_publish_header(nullptr, &header); }},
+      {"publish_header_bytes",
+       [&] { return shadowsync_publish_header_bytes(nullptr, buffer, sizeof buffer, &size); }},
+      {"publish_wait", [&] { return shadowsync_publish_wait(nullptr, 0); }},
+      {"publish_done", [&] { return shadowsync_publish_done(nullptr, &flag); }},
+      {"publish_destroy", [&] { return shadowsync_publish_destroy(nullptr); }},
+  };
+  for (const auto& [name, call] : calls) {
+    INFO(name << ": " << shadowsync_get_last_error());
+    CHECK(call() == SHADOWSYNC_INVALID_HANDLE);
+    CHECK_THAT(last_error(), Catch::Contains("NULL shadowsync_"));
+  }
+}
+
+TEST_CASE("C ABI: config structs are copied by size; an uninitialized one is refused") {
+  shadowsync_layout_t layout = make_layout();
+  shadowsync_backend_t backend = nullptr;
+  REQUIRE_OK(shadowsync_host_backend_create(&backend));
+  shadowsync_loopback_t loopback = nullptr;
+  REQUIRE_OK(shadowsync_loopback_create(2, &loopback));
+  shadowsync_transport_t transport = nullptr;
+  REQUIRE_OK(shadowsync_loopback_transport(loopback, 1, &transport));
+  shadowsync_receiver_t receiver = nullptr;
+
+  SECTION("stack garbage: refused by its magic, the transport stays the caller's") {
+    shadowsync_receiver_config_t garbage;
+    std::memset(&garbage, 0xa5, sizeof garbage);
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &garbage, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(),
+               Catch::Contains("shadowsync_receiver_config_t: magic 0xa5a5a5a5 is not "
+                               "SHADOWSYNC_CONFIG_MAGIC") &&
+                   Catch::Contains("_INITIALIZER"));
+  }
+  SECTION("a size smaller than the size/magic/version header") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.size = 4;
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("size 4 is smaller"));
+  }
+  SECTION("a value the receiver refuses is named") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.poll_interval_us = 0;
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(),
+               Catch::Contains("ReceiverConfig::poll_interval (us) must be positive, got 0"));
+  }
+  SECTION("an older caller's smaller struct: the fields it lacks take defaults") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.root_rank = 0;
+    config.update_deadline_ms = 0;  // beyond the old size: must not be read
+    config.size = offsetof(shadowsync_receiver_config_t, update_deadline_ms);
+    REQUIRE_OK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver));
+    REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+    // The transport was taken.
+    CHECK(shadowsync_transport_destroy(transport) == SHADOWSYNC_INVALID_HANDLE);
+    transport = nullptr;
+  }
+  if (transport != nullptr) {
+    // Every refusal above left the transport with the caller: it can still be destroyed.
+    REQUIRE_OK(shadowsync_transport_destroy(transport));
+  }
+  REQUIRE_OK(shadowsync_loopback_destroy(loopback));
+  REQUIRE_OK(shadowsync_backend_destroy(backend));
+  REQUIRE_OK(shadowsync_layout_destroy(layout));
+}
+
+TEST_CASE("C ABI: layout queries and header bytes") {
+  shadowsync_layout_t layout = make_layout();
+  const Layout reference = cpp_layout();
+  uint64_t fingerprint = 0;
+  REQUIRE_OK(shadowsync_layout_fingerprint(layout, &fingerprint));
+  CHECK(fingerprint == reference.fingerprint());
+  size_t groups = 0;
+  REQUIRE_OK(shadowsync_layout_group_count(layout, &groups));
+  CHECK(groups == 2);
+  shadowsync_group_info_t info{};
+  REQUIRE_OK(shadowsync_layout_group_info(layout, 1, &info));
+  CHECK(std::string(info.name) == "lora");
+  CHECK(info.tensor_count == 1);
+  CHECK(info.bucket_count == reference.groups()[1].bucket_count());
+  shadowsync_tensor_info_t tensor{};
+  REQUIRE_OK(shadowsync_layout_tensor_info(layout, 0, 1, &tensor));
+  CHECK(std::string(tensor.name) == "w");
+  CHECK(std::string(tensor.dtype) == "fp32");
+  CHECK(tensor.ndim == 1);
+  CHECK(tensor.shape[0] == 257);
+  CHECK(tensor.offset == reference.groups()[0].tensors()[1].offset);
+  CHECK(shadowsync_layout_tensor_info(layout, 0, 4, &tensor) == SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("tensor index 4 out of range (group 'base' has 3"));
+  size_t g = 9;
+  size_t t = 9;
+  REQUIRE_OK(shadowsync_layout_find_tensor(layout, "lora.A", &g, &t));
+  CHECK((g == 1 && t == 0));
+  CHECK(shadowsync_layout_find_group(layout, "nope", &g) == SHADOWSYNC_INVALID_ARGUMENT);
+
+  // A spec that Layout::build refuses, named.
+  std::int64_t bad_shape[] = {4, 0};
+  shadowsync_tensor_spec_t bad = {"x", "bf16", bad_shape, 2, nullptr};
+  shadowsync_layout_t refused = nullptr;
+  CHECK(shadowsync_layout_create(&bad, 1, 0, &refused) == SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("'x'"));
+  bad.dtype = "complex";
+  CHECK(shadowsync_layout_create(&bad, 1, 0, &refused) == SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("tensor 'x': unsupported dtype 'complex'"));
+  bad.dtype = nullptr;
+  CHECK(shadowsync_layout_create(&bad, 1, 0, &refused) == SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("'specs[0].dtype' is NULL"));
+
+  // Header to bytes and back; too small a buffer says how much is needed.
+  shadowsync_update_header_t header{};
+  const UpdateHeader made = make_update_header(reference, 3, {"base", "lora"});
+  header.magic = made.magic;
+  header.protocol_version = made.protocol_version;
+  header.version = 3;
+  header.layout_fingerprint = made.layout_fingerprint;
+  header.group_count = 2;
+  header.groups[0] = 0;
+  header.groups[1] = 1;
+  header.bucket_count = made.bucket_count;
+  unsigned char small[8];
+  size_t written = 0;
+  CHECK(shadowsync_header_serialize(&header, small, sizeof small, &written) ==
+        SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK(written == 44);
+  std::vector<unsigned char> bytes(written);
+  REQUIRE_OK(shadowsync_header_serialize(&header, bytes.data(), bytes.size(), &written));
+  shadowsync_update_header_t back{};
+  REQUIRE_OK(shadowsync_header_parse(bytes.data(), bytes.size(), &back));
+  CHECK(std::memcmp(&back, &header, sizeof header) == 0);
+  CHECK(shadowsync_header_parse(bytes.data(), bytes.size() - 3, &back) == SHADOWSYNC_BAD_HEADER);
+  CHECK(shadowsync_header_parse(nullptr, 0, &back) == SHADOWSYNC_BAD_HEADER);
+  header.group_count = SHADOWSYNC_MAX_HEADER_GROUPS + 1;
+  CHECK(shadowsync_header_serialize(&header, bytes.data(), bytes.size(), &written) ==
+        SHADOWSYNC_BAD_HEADER);
+  REQUIRE_OK(shadowsync_layout_destroy(layout));
+}
+
+TEST_CASE("C ABI: an update end to end, with the swap callback and stats") {
+  shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+  rconfig.update_deadline_ms = 20000;
+  Pair pair(&rconfig);
+  const Layout layout = cpp_layout();
+
+  struct Seen {
+    std::uint64_t version = 0;
+    std::vector<std::size_t> groups;
+  } seen;
+  REQUIRE_OK(shadowsync_receiver_set_swap_callback(
+      pair.receiver,
+      [](void* user, uint64_t version, const shadowsync_group_swap_t* swaps, size_t count) {
+        auto* s = static_cast<Seen*>(user);
+        s->version = version;
+        for (size_t i = 0; i < count; ++i) s->groups.push_back(swaps[i].group);
+      },
+      &seen));
+
+  CTensors v1(layout, {"base", "lora"}, 1);
+  const char* groups[] = {"base", "lora"};
+  shadowsync_publish_t publish = nullptr;
+  REQUIRE_OK(shadowsync_sender_publish(pair.sender, 1, groups, 2, v1.tensors.data(),
+                                       v1.tensors.size(), &publish));
+  const auto bytes = pair.header_bytes(publish);
+  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, bytes.data(), bytes.size()));
+  REQUIRE_OK(shadowsync_publish_wait(publish, 20000));
+  int done = 0;
+  REQUIRE_OK(shadowsync_publish_done(publish, &done));
+  CHECK(done == 1);
+  REQUIRE_OK(shadowsync_publish_destroy(publish));
+
+  // The same header again: stale now.
+  CHECK(shadowsync_receiver_begin_update_bytes(pair.receiver, bytes.data(), bytes.size()) ==
+        SHADOWSYNC_STALE_VERSION);
+  CHECK_THAT(last_error(), Catch::Contains("shadowsync_receiver_begin_update_bytes: update 1"));
+  // Garbage bytes: a bad header, nothing queued.
+  const unsigned char garbage[40] = {1, 2, 3};
+  CHECK(shadowsync_receiver_begin_update_bytes(pair.receiver, garbage, sizeof garbage) ==
+        SHADOWSYNC_BAD_HEADER);
+
+  REQUIRE_OK(shadowsync_receiver_wait_applied(pair.receiver, 1, 20000, pair.engine));
+  CHECK(seen.version == 1);
+  CHECK(seen.groups == std::vector<std::size_t>{0, 1});
+  CHECK(live_group_is(layout, pair.receiver, 0, 1));
+  CHECK(live_group_is(layout, pair.receiver, 1, 1));
+  void* by_name = nullptr;
+  void* by_index = nullptr;
+  REQUIRE_OK(shadowsync_receiver_live_tensor_by_name(pair.receiver, "lora.A", &by_name));
+  REQUIRE_OK(shadowsync_receiver_live_tensor(pair.receiver, 1, 0, &by_index));
+  CHECK(by_name == by_index);
+  CHECK(shadowsync_receiver_live_tensor_by_name(pair.receiver, "ghost", &by_name) ==
+        SHADOWSYNC_INVALID_ARGUMENT);
+  uint64_t content = 0;
+  REQUIRE_OK(shadowsync_receiver_live_content_version(pair.receiver, 1, &content));
+  CHECK(content == 1);
+
+  shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+  REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+  CHECK(stats.updates_ready == 1);
+  CHECK(stats.applied_version == 1);
+  CHECK(stats.last_accepted_version == 1);
+  CHECK(stats.has_pending == 0);
+  // An older caller's smaller stats struct gets only what fits.
+  shadowsync_receiver_stats_t old{};
+  old.size = offsetof(shadowsync_receiver_stats_t, updates_failed);
+  old.updates_failed = 77;
+  REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &old));
+  CHECK(old.updates_ready == 1);
+  CHECK(old.updates_failed == 77);
+  shadowsync_receiver_stats_t unset{};
+  CHECK(shadowsync_receiver_stats(pair.receiver, &unset) == SHADOWSYNC_INVALID_ARGUMENT);
+
+  // wait_applied for a version nobody sends: a timeout, with the detail.
+  CHECK(shadowsync_receiver_wait_applied(pair.receiver, 2, 20, pair.engine) == SHADOWSYNC_TIMEOUT);
+  CHECK_THAT(last_error(), Catch::Contains("version 2 not applied within 20 ms (applied: 1"));
+
+  // A stream of another backend is refused by the step hook.
+  shadowsync_backend_t other = nullptr;
+  shadowsync_stream_t foreign = nullptr;
+  REQUIRE_OK(shadowsync_host_backend_create(&other));
+  REQUIRE_OK(shadowsync_stream_create(other, 0, &foreign));
+  uint64_t applied = 0;
+  CHECK(shadowsync_receiver_before_step(pair.receiver, foreign, &applied) ==
+        SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("belongs to another backend"));
+  REQUIRE_OK(shadowsync_stream_destroy(foreign));
+  REQUIRE_OK(shadowsync_backend_destroy(other));
+  // A CUDA stream cannot be wrapped by a host backend.
+  shadowsync_stream_t wrapped = nullptr;
+  CHECK(shadowsync_stream_wrap_cuda(pair.backend, nullptr, &wrapped) == SHADOWSYNC_NOT_SUPPORTED);
+}
+
+TEST_CASE("C ABI: a streamed publish supplies tensors in layout order") {
+  Pair pair;
+  const Layout layout = cpp_layout();
+  CTensors v1(layout, {"base"}, 1);
+  const char* groups[] = {"base"};
+  shadowsync_publish_t publish = nullptr;
+  REQUIRE_OK(shadowsync_sender_publish_streamed(pair.sender, 1, groups, 1, &publish));
+  const auto bytes = pair.header_bytes(publish);
+  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, bytes.data(), bytes.size()));
+  size_t group = 9;
+  size_t tensor = 9;
+  size_t remaining = 0;
+  REQUIRE_OK(shadowsync_publish_next_tensor(publish, &group, &tensor, &remaining));
+  CHECK((group == 0 && tensor == 0 && remaining == 3));
+  CHECK(shadowsync_publish_wait(publish, 0) == SHADOWSYNC_IN_PROGRESS);
+  // Out of order: refused, nothing consumed.
+  CHECK(shadowsync_publish_supply(publish, &v1.tensors[1], 1) == SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("tensor 'w' supplied where 'embed'"));
+  REQUIRE_OK(shadowsync_publish_supply(publish, &v1.tensors[0], 1));
+  REQUIRE_OK(shadowsync_publish_supply(publish, &v1.tensors[1], 2));
+  REQUIRE_OK(shadowsync_publish_next_tensor(publish, &group, &tensor, &remaining));
+  CHECK(remaining == 0);
+  REQUIRE_OK(shadowsync_publish_wait(publish, 20000));
+  REQUIRE_OK(shadowsync_receiver_wait_applied(pair.receiver, 1, 20000, pair.engine));
+  CHECK(live_group_is(layout, pair.receiver, 0, 1));
+  REQUIRE_OK(shadowsync_publish_destroy(publish));
+
+  // A plain publish is not streamed.
+  CTensors v2(layout, {"base"}, 2);
+  REQUIRE_OK(shadowsync_sender_publish(pair.sender, 2, groups, 1, v2.tensors.data(),
+                                       v2.tensors.size(), &publish));
+  CHECK(shadowsync_publish_supply(publish, v2.tensors.data(), 1) == SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("not a streamed publish"));
+  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, pair.header_bytes(publish).data(),
+                                                    pair.header_bytes(publish).size()));
+  REQUIRE_OK(shadowsync_publish_wait(publish, 20000));
+  REQUIRE_OK(shadowsync_publish_destroy(publish));
+}
+
+TEST_CASE("C ABI: a failed update reports its status through publish_wait and the stats") {
+  shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+  rconfig.bucket_deadline_ms = 300;
+  shadowsync_sender_config_t sconfig = SHADOWSYNC_SENDER_CONFIG_INITIALIZER;
+  sconfig.update_deadline_ms = 300;
+  Pair pair(&rconfig, &sconfig);
+  const Layout layout = cpp_layout();
+  // The receiver's rank dies at its first broadcast: the sender times out and aborts.
+  REQUIRE_OK(shadowsync_loopback_inject_drop(pair.loopback, 1, 0));
+  CTensors v1(layout, {"base"}, 1);
+  const char* groups[] = {"base"};
+  shadowsync_publish_t publish = nullptr;
+  REQUIRE_OK(shadowsync_sender_publish(pair.sender, 1, groups, 1, v1.tensors.data(),
+                                       v1.tensors.size(), &publish));
+  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, pair.header_bytes(publish).data(),
+                                                    pair.header_bytes(publish).size()));
+  CHECK(shadowsync_publish_wait(publish, 20000) == SHADOWSYNC_TRANSPORT_ERROR);
+  CHECK_THAT(last_error(), Catch::Contains("shadowsync_publish_wait: update 1: send failed"));
+  REQUIRE_OK(shadowsync_publish_destroy(publish));
+  shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+  REQUIRE_OK(shadowsync_receiver_drain(pair.receiver));  // the receive has finished, failed
+  REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+  CHECK(stats.updates_failed == 1);
+  CHECK(stats.needs_transport == 1);
+  char text[16];
+  size_t length = 0;
+  REQUIRE_OK(shadowsync_receiver_last_update_error(pair.receiver, text, sizeof text, &length));
+  CHECK(length > sizeof text);
+  CHECK(std::strlen(text) == sizeof text - 1);  // truncated, terminated
+  uint64_t applied = 7;
+  REQUIRE_OK(shadowsync_receiver_before_step(pair.receiver, pair.engine, &applied));
+  CHECK(applied == 0);  // nothing reached the engine
+}
+
+TEST_CASE("C ABI: destroying a receiver while the engine thread waits on it is safe") {
+  Pair pair;
+  std::atomic<shadowsync_status_t> result{SHADOWSYNC_NUM_RESULTS};
+  std::atomic<bool> started{false};
+  std::thread engine([&] {
+    started = true;
+    result = shadowsync_receiver_wait_applied(pair.receiver, 5, 300, pair.engine);
+  });
+  while (!started) std::this_thread::yield();
+  REQUIRE_OK(shadowsync_receiver_destroy(pair.receiver));
+  engine.join();
+  // TIMEOUT when the wait began first (the object outlived the destroy), INVALID_HANDLE otherwise.
+  CHECK((result == SHADOWSYNC_TIMEOUT || result == SHADOWSYNC_INVALID_HANDLE));
+  CHECK(shadowsync_receiver_drain(pair.receiver) == SHADOWSYNC_INVALID_HANDLE);
+}
+
+TEST_CASE("C ABI: the CUDA entry points fail cleanly without CUDA or without a device") {
+  shadowsync_backend_t backend = nullptr;
+  const shadowsync_status_t status = shadowsync_cuda_backend_create(0, &backend);
+  if (shadowsync_has_cuda() == 0) {
+    CHECK(status == SHADOWSYNC_NOT_SUPPORTED);
+    uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES];
+    CHECK(shadowsync_nccl_unique_id(id) == SHADOWSYNC_NOT_SUPPORTED);
+    shadowsync_transport_t transport = nullptr;
+    CHECK(shadowsync_nccl_transport_create(id, 0, 2, 0, nullptr, &transport) ==
+          SHADOWSYNC_NOT_SUPPORTED);
+  } else if (status == SHADOWSYNC_SUCCESS) {
+    REQUIRE_OK(shadowsync_backend_destroy(backend));  // a GPU machine
+  } else {
+    CHECK((status == SHADOWSYNC_INVALID_ARGUMENT || status == SHADOWSYNC_BACKEND_ERROR));
+  }
+  CHECK(shadowsync_cuda_backend_create(-1, &backend) != SHADOWSYNC_SUCCESS);
+}
