@@ -29,6 +29,25 @@ struct GroupSource {
   std::vector<const std::byte*> tensors;
 };
 
+// A tensor the caller hands over must be what the layout says, checked before a byte moves (one
+// check for publish() and StreamedPublish::supply()).
+void check_source_tensor(const SourceTensor& given, const TensorSpec& spec) {
+  if (given.dtype != spec.dtype) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("tensor '{}': dtype {} does not match layout {}", spec.name,
+                            dtype_name(given.dtype), dtype_name(spec.dtype)));
+  }
+  if (given.shape != spec.shape) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("tensor '{}': shape {} does not match layout {}", spec.name,
+                            format_shape(given.shape), format_shape(spec.shape)));
+  }
+  if (given.data == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("tensor '{}': data pointer is null", spec.name));
+  }
+}
+
 }  // namespace
 
 // Shared by a StreamedPublish (the caller's thread) and the sender's worker.
@@ -252,20 +271,7 @@ PublishHandle Sender::publish(std::uint64_t version, const std::vector<std::stri
                                 spec.name, group.name()));
       }
       const SourceTensor& given = *it->second;
-      if (given.dtype != spec.dtype) {
-        throw Error(ErrorCode::kInvalidArgument,
-                    fmt::format("tensor '{}': dtype {} does not match layout {}", spec.name,
-                                dtype_name(given.dtype), dtype_name(spec.dtype)));
-      }
-      if (given.shape != spec.shape) {
-        throw Error(ErrorCode::kInvalidArgument,
-                    fmt::format("tensor '{}': shape {} does not match layout {}", spec.name,
-                                format_shape(given.shape), format_shape(spec.shape)));
-      }
-      if (given.data == nullptr) {
-        throw Error(ErrorCode::kInvalidArgument,
-                    fmt::format("tensor '{}': data pointer is null", spec.name));
-      }
+      check_source_tensor(given, spec);
       source.tensors.push_back(static_cast<const std::byte*>(given.data));
     }
     job.sources.push_back(std::move(source));
@@ -380,20 +386,7 @@ void StreamedPublish::supply(const std::vector<SourceTensor>& tensors) {
                               st.version, given.name, spec.name, t + 1, group.tensors().size(),
                               group.name()));
     }
-    if (given.dtype != spec.dtype) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("tensor '{}': dtype {} does not match layout {}", spec.name,
-                              dtype_name(given.dtype), dtype_name(spec.dtype)));
-    }
-    if (given.shape != spec.shape) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("tensor '{}': shape {} does not match layout {}", spec.name,
-                              format_shape(given.shape), format_shape(spec.shape)));
-    }
-    if (given.data == nullptr) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("tensor '{}': data pointer is null", spec.name));
-    }
+    check_source_tensor(given, spec);
     batch.push_back(static_cast<const std::byte*>(given.data));
   }
   if (batch.empty()) return;
