@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "shadowsync/error.h"
+#include "shadowsync/update_header.h"
 
 namespace shadowsync {
 namespace {
@@ -19,6 +20,7 @@ class Writer {
   void u16(std::uint16_t v) { put(v, 2); }
   void u32(std::uint32_t v) { put(v, 4); }
   void u64(std::uint64_t v) { put(v, 8); }
+  void raw(std::span<const std::byte> v) { out_.insert(out_.end(), v.begin(), v.end()); }
   template <std::size_t N>
   void bytes(const std::array<std::byte, N>& v) {
     out_.insert(out_.end(), v.begin(), v.end());
@@ -97,20 +99,9 @@ void write_payload(Writer& w, const RendezvousResultMessage& m) {
   w.u8(m.ok ? 1 : 0);
   w.text(m.error, kMaxControlTextBytes, "rendezvous error");
 }
+// The payload is the header's own byte form (update_header.h): one codec for every control plane.
 void write_payload(Writer& w, const UpdateHeaderMessage& m) {
-  const UpdateHeader& h = m.header;
-  if (h.groups.size() > kMaxControlGroups) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("control frame: update {} names {} groups, more than the limit of {}",
-                            h.version, h.groups.size(), kMaxControlGroups));
-  }
-  w.u32(h.magic);
-  w.u32(h.protocol_version);
-  w.u64(h.version);
-  w.u64(h.layout_fingerprint);
-  w.u32(static_cast<std::uint32_t>(h.groups.size()));
-  for (const auto g : h.groups) w.u32(g);
-  w.u64(h.bucket_count);
+  w.raw(serialize_update_header(m.header));
 }
 void write_payload(Writer& w, const AckMessage& m) {
   w.u64(m.version);
@@ -162,6 +153,12 @@ class Reader {
     return std::string(reinterpret_cast<const char*>(in_.data() + pos_ - length), length);
   }
   std::size_t remaining() const { return in_.size() - pos_; }
+  // Everything not read yet, consumed.
+  std::span<const std::byte> rest() {
+    const auto tail = in_.subspan(pos_);
+    pos_ = in_.size();
+    return tail;
+  }
   void finish() {
     if (ok() && pos_ != in_.size()) {
       fail(fmt::format("{} trailing bytes after the last field", in_.size() - pos_));
@@ -277,27 +274,16 @@ std::optional<std::string> decode(Reader& r, RendezvousResultMessage& m) {
   return {};
 }
 std::optional<std::string> decode(Reader& r, UpdateHeaderMessage& m) {
-  UpdateHeader& h = m.header;
-  h.magic = r.u32("header magic");
-  h.protocol_version = r.u32("protocol version");
-  h.version = r.u64("version");
-  h.layout_fingerprint = r.u64("layout fingerprint");
-  const std::uint32_t count = r.u32("group count");
-  if (!r.ok()) return {};
-  // Exactly `count` indices and the bucket count must follow.
-  if (count == 0 || count > kMaxControlGroups ||
-      r.remaining() != static_cast<std::size_t>(count) * 4 + 8) {
-    return fmt::format("group count {} is not in 1..{} or does not match the {} bytes that follow",
-                       count, kMaxControlGroups, r.remaining());
+  try {
+    m.header = parse_update_header(r.rest());
+  } catch (const Error& e) {
+    return std::string(e.what());
   }
-  h.groups.resize(count);
-  for (auto& g : h.groups) {
-    g = r.u32("group index");
+  for (const auto g : m.header.groups) {
     if (g >= kMaxControlGroups) {
       return fmt::format("group index {} is not below the limit of {}", g, kMaxControlGroups);
     }
   }
-  h.bucket_count = r.u64("bucket count");
   return {};
 }
 std::optional<std::string> decode(Reader& r, AckMessage& m) {

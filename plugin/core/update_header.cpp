@@ -151,8 +151,9 @@ UpdateHeader parse_update_header(std::span<const std::byte> bytes) {
   const std::size_t expected = kFixedHeaderBytes + 4 * std::size_t{count};
   if (bytes.size() != expected) {
     throw Error(ErrorCode::kBadHeader,
-                fmt::format("update header: {} bytes, but {} groups make {}", bytes.size(), count,
-                            expected));
+                fmt::format("update header: group count {} makes {} bytes, which does not match "
+                            "the {} given",
+                            count, expected, bytes.size()));
   }
   header.groups.reserve(count);
   for (std::uint32_t i = 0; i < count; ++i) header.groups.push_back(get<std::uint32_t>(bytes, at));

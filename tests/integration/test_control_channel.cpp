@@ -276,7 +276,7 @@ TEST_CASE("a trainer connects, hands over the rendezvous, and every update is ac
     CHECK(engine.receiver.stats().last_accepted_version == 10);
 
     UpdateHeader wrong = make_update_header(layout, 11, {"base"});
-    wrong.bucket_count += 1;
+    wrong.bucket_count += 2;  // (+1 would announce a checksum block)
     trainer.send_update_header(wrong);
     try {
       trainer.wait_until_all_applied(11, deadline_from_now());
@@ -480,7 +480,7 @@ TEST_CASE("malformed and truncated frames close that connection only, with a log
         control::frame_tag(session.keys.trainer_to_engine, session.sequence++, frame);
     frame.insert(frame.end(), tag.begin(), tag.end());
     peer.send(frame);
-    expect_closed(peer, "malformed update_header frame: group count 200");
+    expect_closed(peer, "malformed update_header frame: update header: group count 200");
   }
   SECTION("a trainer hello with a different layout") {
     const Layout other = Layout::build({{"x", DType::kFloat32, {10}, "base"}});

@@ -123,7 +123,7 @@ TEST_CASE("a header survives serialization to bytes, and bad bytes are refused b
   CHECK(code({}) == ErrorCode::kBadHeader);
   auto longer = bytes;
   longer.push_back(std::byte{0});
-  CHECK_THROWS_WITH(parse_update_header(longer), "update header: 45 bytes, but 2 groups make 44");
+  CHECK_THROWS_WITH(parse_update_header(longer), "update header: group count 2 makes 44 bytes, which does not match the 45 given");
   auto bad_magic = bytes;
   bad_magic[0] = std::byte{0};
   CHECK_THROWS_WITH(parse_update_header(bad_magic), Catch::Contains("magic 0x59534800"));
