@@ -16,8 +16,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 readonly SECONDS_TO_RUN="${1:-${SHADOWSYNC_FUZZ_SECONDS:-30}}"
 readonly OUT=build-fuzz
 readonly TARGET="$OUT/fuzz_control_frame"
-# Everything the target compiles: the frame codec is pure (no sockets, no crypto).
-readonly SOURCES=(tests/fuzz/fuzz_control_frame.cpp plugin/control/control_frame.cpp)
+# Everything the target compiles: the frame codec and the update header's byte form (with the
+# layout code it links against) are pure: no sockets, no crypto, no threads.
+readonly SOURCES=(tests/fuzz/fuzz_control_frame.cpp plugin/control/control_frame.cpp
+  plugin/core/update_header.cpp plugin/core/layout.cpp plugin/core/dtype.cpp plugin/core/error.cpp)
 
 log() { echo "[fuzz] $*" >&2; }
 
