@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The CI test run: three builds, each configured, built and tested with ctest.
+# The CI test run: three builds, each configured, built and tested with ctest, and the Python
+# package's pytest suite.
 #   build/       RelWithDebInfo, CUDA AUTO (CUDA/NCCL sources compile where nvcc+NCCL exist),
-#                warnings are errors; then the gpu-labelled tests, which must skip without a GPU
+#                warnings are errors; then the gpu-labelled tests, which must skip without a GPU;
+#                then pytest python/tests against build/libshadowsync_c.so (scripts/python_deps.sh
+#                installs numpy and pytest if missing)
 #   build-asan/  address,undefined sanitizers, -O1, CUDA OFF
 #   build-tsan/  thread sanitizer, -O1, CUDA OFF
 #   build-fuzz/  the control channel's frame parser under libFuzzer (clang, ASan+UBSan), 30 s:
@@ -115,6 +118,29 @@ if ((!has_gpu)) && grep -E "Test +#[0-9]+: .*Passed" build/ctest-gpu.log; then
   summary+=("gpu: FAILED: a gpu test passed on a machine without a GPU (it must exit 77)")
   failed=1
 fi
+
+# --- the Python package, against the default build's C ABI library ---------------------------
+run_pytest() {
+  log "[python] dependencies"
+  if ! ./scripts/python_deps.sh; then
+    summary+=("python: FAILED (numpy/pytest could not be installed: see scripts/python_deps.sh)")
+    failed=1
+    return 0
+  fi
+  log "[python] pytest python/tests"
+  local rc=0
+  # -rs lists each skipped test with its reason (the torch tests, where torch is absent).
+  SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c.so" PYTHONDONTWRITEBYTECODE=1 \
+    python3 -m pytest python/tests -q -rs -p no:cacheprovider 2>&1 | tee build/pytest.log || rc=$?
+  local result
+  result=$(grep -E "[0-9]+ (passed|failed|errors?)" build/pytest.log | tail -n 1 || true)
+  summary+=("python: ${result:-no pytest result line}")
+  if ((rc != 0)); then
+    summary+=("python: FAILED (pytest exit $rc)")
+    failed=1
+  fi
+}
+run_pytest
 
 # --- fuzzing: the control channel's frame parser ----------------------------------------------
 log "[fuzz] scripts/fuzz.sh"

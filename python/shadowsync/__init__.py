@@ -1,0 +1,81 @@
+"""shadowsync: asynchronous double-buffered weight updates from an RL trainer into inference
+engines, over the C ABI of libshadowsync_c (ctypes; no compiler needed).
+
+The library is found on first use: SHADOWSYNC_LIBRARY, then next to this package, then the CMake
+build tree of a source checkout (build/), then the system loader (see shadowsync._library).
+``shadowsync.vllm.WorkerExtension`` is the vLLM worker extension.
+"""
+
+from ._library import LibraryNotFoundError
+from .backend import Backend, CudaBackend, HostBackend, Stream, has_cuda
+from .errors import (
+    BackendError,
+    BadHeaderError,
+    InternalError,
+    InvalidArgumentError,
+    InvalidHandleError,
+    LayoutMismatchError,
+    NotSupportedError,
+    ShadowsyncError,
+    ShadowsyncTimeoutError,
+    ShutdownError,
+    StaleVersionError,
+    SupersededError,
+    TransportError,
+)
+from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
+from .receiver import GroupSwap, Receiver, ReceiverConfig, ReceiverStats
+from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
+from .transport import Loopback, NcclConfig, Transport, nccl_transport, nccl_unique_id
+
+__version__ = "0.1.0"
+
+
+def library_path() -> str:
+    """Where libshadowsync_c was loaded from (loads it if needed)."""
+    from ._library import library_path as path
+
+    return path()
+
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BadHeaderError",
+    "CudaBackend",
+    "GroupInfo",
+    "GroupSwap",
+    "HostBackend",
+    "InternalError",
+    "InvalidArgumentError",
+    "InvalidHandleError",
+    "Layout",
+    "LayoutMismatchError",
+    "LibraryNotFoundError",
+    "Loopback",
+    "NcclConfig",
+    "NotSupportedError",
+    "PublishHandle",
+    "Receiver",
+    "ReceiverConfig",
+    "ReceiverStats",
+    "Sender",
+    "SenderConfig",
+    "ShadowsyncError",
+    "ShadowsyncTimeoutError",
+    "ShutdownError",
+    "StaleVersionError",
+    "Stream",
+    "StreamedPublish",
+    "SupersededError",
+    "TensorInfo",
+    "TensorSpec",
+    "Transport",
+    "TransportError",
+    "UpdateHeader",
+    "canonical_dtype",
+    "has_cuda",
+    "library_path",
+    "nccl_transport",
+    "nccl_unique_id",
+]

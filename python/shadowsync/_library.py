@@ -1,0 +1,368 @@
+"""Finding and loading libshadowsync_c, and the ctypes declarations of its C ABI.
+
+Everything here mirrors include/shadowsync/shadowsync.h; that header is the reference. The library
+is loaded on first use, not at import, so that ``import shadowsync`` (and vLLM resolving
+``worker_extension_cls``) works on a machine where it is not built yet; the first call that needs
+it raises :class:`LibraryNotFoundError` naming every place it looked.
+
+Search order (the first hit wins):
+
+1. ``SHADOWSYNC_LIBRARY``: the path of the .so. When set, nothing else is tried, so that a typo
+   cannot silently load another build.
+2. Next to this package: ``shadowsync/libshadowsync_c.so`` (where a wheel would ship it).
+3. The CMake build trees of the source checkout this package sits in (``python/`` of the repo):
+   ``<repo>/build/`` (what ``scripts/test.sh`` and ``scripts/demo.sh`` build), then
+   ``<repo>/build-release/``.
+4. The system loader: ``libshadowsync_c.so`` through dlopen's own search (``LD_LIBRARY_PATH``,
+   the ld.so cache: where ``cmake --install`` put it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from ctypes import (
+    CFUNCTYPE,
+    POINTER,
+    Structure,
+    c_char,
+    c_char_p,
+    c_int,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint8,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+
+LIBRARY_FILE = "libshadowsync_c.so"
+ENV_VAR = "SHADOWSYNC_LIBRARY"
+C_API_VERSION = 1  # SHADOWSYNC_C_API_VERSION this package was written against
+
+# The CMake build directories searched in a source checkout, relative to the repository root.
+BUILD_DIRS = ("build", "build-release")
+
+CONFIG_MAGIC = 0x53534346
+CONFIG_VERSION = 1
+CONFIG_UNDEF_INT = -(2**31)
+CONFIG_UNDEF_INT64 = -(2**63)
+MAX_HEADER_GROUPS = 256
+MAX_HEADER_BYTES = 36 + 4 * MAX_HEADER_GROUPS
+NCCL_UNIQUE_ID_BYTES = 128
+
+
+class LibraryNotFoundError(OSError):
+    """libshadowsync_c could not be found or loaded; the message lists where it looked."""
+
+
+# --- C structs ------------------------------------------------------------------------------
+
+
+class TensorSpecC(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("dtype", c_char_p),
+        ("shape", POINTER(c_int64)),
+        ("ndim", c_size_t),
+        ("group", c_char_p),
+    ]
+
+
+class GroupInfoC(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("tensor_count", c_size_t),
+        ("arena_bytes", c_size_t),
+        ("bucket_bytes", c_size_t),
+        ("bucket_count", c_size_t),
+    ]
+
+
+class TensorInfoC(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("dtype", c_char_p),
+        ("shape", POINTER(c_int64)),
+        ("ndim", c_size_t),
+        ("offset", c_size_t),
+        ("bytes", c_size_t),
+    ]
+
+
+class UpdateHeaderC(Structure):
+    _fields_ = [
+        ("magic", c_uint32),
+        ("protocol_version", c_uint32),
+        ("version", c_uint64),
+        ("layout_fingerprint", c_uint64),
+        ("group_count", c_uint32),
+        ("groups", c_uint32 * MAX_HEADER_GROUPS),
+        ("bucket_count", c_uint64),
+    ]
+
+
+class ReceiverConfigC(Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("magic", c_uint32),
+        ("version", c_uint32),
+        ("root_rank", c_int32),
+        ("update_deadline_ms", c_int64),
+        ("bucket_deadline_ms", c_int64),
+        ("poll_interval_us", c_int64),
+    ]
+
+
+class SenderConfigC(Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("magic", c_uint32),
+        ("version", c_uint32),
+        ("root_rank", c_int32),
+        ("update_deadline_ms", c_int64),
+        ("poll_interval_us", c_int64),
+    ]
+
+
+class NcclConfigC(Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("magic", c_uint32),
+        ("version", c_uint32),
+        ("max_ctas", c_int32),
+        ("min_ctas", c_int32),
+        ("cga_cluster_size", c_int32),
+        ("init_timeout_ms", c_int64),
+        ("enqueue_timeout_ms", c_int64),
+        ("finalize_timeout_ms", c_int64),
+    ]
+
+
+class ReceiverStatsC(Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("updates_ready", c_uint64),
+        ("updates_failed", c_uint64),
+        ("updates_superseded", c_uint64),
+        ("bytes_received", c_uint64),
+        ("last_accepted_version", c_uint64),
+        ("applied_version", c_uint64),
+        ("needs_transport", c_int32),
+        ("has_pending", c_int32),
+    ]
+
+
+class GroupSwapC(Structure):
+    _fields_ = [("group", c_size_t), ("slot", c_int32), ("content_version", c_uint64)]
+
+
+class SourceTensorC(Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("data", c_void_p),
+        ("dtype", c_char_p),
+        ("shape", POINTER(c_int64)),
+        ("ndim", c_size_t),
+    ]
+
+
+SWAP_CALLBACK = CFUNCTYPE(None, c_void_p, c_uint64, POINTER(GroupSwapC), c_size_t)
+
+# --- function prototypes --------------------------------------------------------------------
+
+_P = POINTER
+_H = c_void_p  # every handle type is an opaque pointer-sized token
+
+# name: (restype, argtypes). A restype of c_int is a shadowsync_status_t.
+_PROTOTYPES = {
+    "shadowsync_get_error_string": (c_char_p, [c_int]),
+    "shadowsync_get_last_error": (c_char_p, []),
+    "shadowsync_get_c_api_version": (c_int, []),
+    "shadowsync_has_cuda": (c_int, []),
+    "shadowsync_dtype_info": (c_int, [c_char_p, _P(c_char_p), _P(c_size_t)]),
+    # layout
+    "shadowsync_layout_create": (c_int, [_P(TensorSpecC), c_size_t, c_size_t, _P(_H)]),
+    "shadowsync_layout_destroy": (c_int, [_H]),
+    "shadowsync_layout_fingerprint": (c_int, [_H, _P(c_uint64)]),
+    "shadowsync_layout_group_count": (c_int, [_H, _P(c_size_t)]),
+    "shadowsync_layout_group_info": (c_int, [_H, c_size_t, _P(GroupInfoC)]),
+    "shadowsync_layout_tensor_info": (c_int, [_H, c_size_t, c_size_t, _P(TensorInfoC)]),
+    "shadowsync_layout_find_tensor": (c_int, [_H, c_char_p, _P(c_size_t), _P(c_size_t)]),
+    "shadowsync_layout_find_group": (c_int, [_H, c_char_p, _P(c_size_t)]),
+    # headers
+    "shadowsync_header_serialize": (c_int, [_P(UpdateHeaderC), c_void_p, c_size_t, _P(c_size_t)]),
+    "shadowsync_header_parse": (c_int, [c_void_p, c_size_t, _P(UpdateHeaderC)]),
+    # backends and streams
+    "shadowsync_host_backend_create": (c_int, [_P(_H)]),
+    "shadowsync_cuda_backend_create": (c_int, [c_int, _P(_H)]),
+    "shadowsync_backend_destroy": (c_int, [_H]),
+    "shadowsync_backend_name": (c_int, [_H, _P(c_char_p)]),
+    "shadowsync_stream_create": (c_int, [_H, c_int, _P(_H)]),
+    "shadowsync_stream_wrap_cuda": (c_int, [_H, c_void_p, _P(_H)]),
+    "shadowsync_stream_synchronize": (c_int, [_H]),
+    "shadowsync_stream_destroy": (c_int, [_H]),
+    # transports
+    "shadowsync_loopback_create": (c_int, [c_int, _P(_H)]),
+    "shadowsync_loopback_transport": (c_int, [_H, c_int, _P(_H)]),
+    "shadowsync_loopback_inject_delay": (c_int, [_H, c_int, c_uint64, c_int64]),
+    "shadowsync_loopback_inject_drop": (c_int, [_H, c_int, c_uint64]),
+    "shadowsync_loopback_destroy": (c_int, [_H]),
+    "shadowsync_nccl_unique_id": (c_int, [_P(c_uint8)]),
+    "shadowsync_nccl_transport_create": (
+        c_int,
+        [_P(c_uint8), c_int, c_int, c_int, _P(NcclConfigC), _P(_H)],
+    ),
+    "shadowsync_transport_destroy": (c_int, [_H]),
+    # receiver
+    "shadowsync_receiver_create": (c_int, [_H, _H, _H, _P(ReceiverConfigC), _P(_H)]),
+    "shadowsync_receiver_destroy": (c_int, [_H]),
+    "shadowsync_receiver_begin_update": (c_int, [_H, _P(UpdateHeaderC)]),
+    "shadowsync_receiver_begin_update_bytes": (c_int, [_H, c_void_p, c_size_t]),
+    "shadowsync_receiver_abort_update": (c_int, [_H]),
+    "shadowsync_receiver_replace_transport": (c_int, [_H, _H]),
+    "shadowsync_receiver_drain": (c_int, [_H]),
+    "shadowsync_receiver_before_step": (c_int, [_H, _H, _P(c_uint64)]),
+    "shadowsync_receiver_apply_pending_now": (c_int, [_H, _H, _P(c_uint64)]),
+    "shadowsync_receiver_wait_applied": (c_int, [_H, c_uint64, c_int64, _H]),
+    "shadowsync_receiver_applied_version": (c_int, [_H, _P(c_uint64)]),
+    "shadowsync_receiver_live_tensor": (c_int, [_H, c_size_t, c_size_t, _P(c_void_p)]),
+    "shadowsync_receiver_live_tensor_by_name": (c_int, [_H, c_char_p, _P(c_void_p)]),
+    "shadowsync_receiver_live_arena": (c_int, [_H, c_size_t, _P(c_void_p)]),
+    "shadowsync_receiver_live_content_version": (c_int, [_H, c_size_t, _P(c_uint64)]),
+    "shadowsync_receiver_set_swap_callback": (c_int, [_H, SWAP_CALLBACK, c_void_p]),
+    "shadowsync_receiver_stats": (c_int, [_H, _P(ReceiverStatsC)]),
+    "shadowsync_receiver_last_update_error": (c_int, [_H, _P(c_char), c_size_t, _P(c_size_t)]),
+    # sender
+    "shadowsync_sender_create": (c_int, [_H, _H, _H, _P(SenderConfigC), _P(_H)]),
+    "shadowsync_sender_destroy": (c_int, [_H]),
+    "shadowsync_sender_replace_transport": (c_int, [_H, _H]),
+    "shadowsync_sender_publish": (
+        c_int,
+        [_H, c_uint64, _P(c_char_p), c_size_t, _P(SourceTensorC), c_size_t, _P(_H)],
+    ),
+    "shadowsync_sender_publish_streamed": (c_int, [_H, c_uint64, _P(c_char_p), c_size_t, _P(_H)]),
+    "shadowsync_publish_supply": (c_int, [_H, _P(SourceTensorC), c_size_t]),
+    "shadowsync_publish_next_tensor": (c_int, [_H, _P(c_size_t), _P(c_size_t), _P(c_size_t)]),
+    "shadowsync_publish_header": (c_int, [_H, _P(UpdateHeaderC)]),
+    "shadowsync_publish_header_bytes": (c_int, [_H, c_void_p, c_size_t, _P(c_size_t)]),
+    "shadowsync_publish_wait": (c_int, [_H, c_int64]),
+    "shadowsync_publish_done": (c_int, [_H, _P(c_int)]),
+    "shadowsync_publish_destroy": (c_int, [_H]),
+}
+
+
+# --- locating and loading -------------------------------------------------------------------
+
+
+def _repo_root() -> Path | None:
+    """The source checkout this package lies in (python/shadowsync/ of the repo), if any."""
+    root = Path(__file__).resolve().parent.parent.parent
+    if (root / "include" / "shadowsync" / "shadowsync.h").is_file():
+        return root
+    return None
+
+
+def candidates(environ=None) -> tuple[list[str], list[str]]:
+    """The paths to try in order, and a description of each place looked, for the error."""
+    environ = os.environ if environ is None else environ
+    explicit = environ.get(ENV_VAR)
+    if explicit:
+        return [explicit], [f"{ENV_VAR}={explicit}"]
+    paths = [str(Path(__file__).resolve().parent / LIBRARY_FILE)]
+    root = _repo_root()
+    if root is not None:
+        paths += [str(root / d / LIBRARY_FILE) for d in BUILD_DIRS]
+    places = [f"{ENV_VAR} (unset)"] + paths
+    return paths, places
+
+
+def locate(environ=None) -> str:
+    """The path (or, for the system loader, the bare name) to load. Raises LibraryNotFoundError."""
+    paths, places = candidates(environ)
+    environ = os.environ if environ is None else environ
+    for path in paths:
+        if os.path.isfile(path):
+            return path
+    if environ.get(ENV_VAR):
+        raise LibraryNotFoundError(
+            f"{LIBRARY_FILE} not found: {ENV_VAR} is set to '{environ[ENV_VAR]}', which is not a "
+            f"file. Point it at the libshadowsync_c.so of a CMake build (cmake --build <dir> "
+            f"--target shadowsync_c) or unset it to search the default places."
+        )
+    return LIBRARY_FILE  # the system loader's turn; load() reports every place if it fails too
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_path: str | None = None
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library (loaded once per process). Thread-safe."""
+    global _lib, _lib_path
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = locate()
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            if path == LIBRARY_FILE:
+                _, places = candidates()
+                looked = "\n  ".join(places + [f"the system loader ('{LIBRARY_FILE}': {e})"])
+                raise LibraryNotFoundError(
+                    f"{LIBRARY_FILE} not found. Looked in:\n  {looked}\nBuild it (cmake -S . -B "
+                    f"build && cmake --build build --target shadowsync_c) and set {ENV_VAR} to "
+                    f"the .so, or install it where the system loader finds it."
+                ) from e
+            raise LibraryNotFoundError(f"{path}: cannot be loaded: {e}") from e
+        try:
+            _declare(lib)
+        except AttributeError as e:
+            raise LibraryNotFoundError(
+                f"{path} is not a shadowsync C ABI library (or an older one): {e}"
+            ) from e
+        version = lib.shadowsync_get_c_api_version()
+        if version != C_API_VERSION:
+            raise LibraryNotFoundError(
+                f"{path}: C ABI version {version} does not match this package's "
+                f"{C_API_VERSION}; use a library and package of the same shadowsync version"
+            )
+        _lib, _lib_path = lib, path
+        return lib
+
+
+def library_path() -> str:
+    """Where the loaded library came from (loads it if needed)."""
+    load()
+    assert _lib_path is not None
+    return _lib_path
+
+
+def config_struct(cls, **fields):
+    """A size/magic/version config struct (as its C _INITIALIZER macro fills it), with `fields`
+    set where not None; the rest stay "undefined", i.e. the library's defaults."""
+    c = cls()
+    c.size = ctypes.sizeof(cls)
+    c.magic = CONFIG_MAGIC
+    c.version = CONFIG_VERSION
+    for name, ctype in cls._fields_[3:]:
+        undefined = CONFIG_UNDEF_INT64 if ctype is c_int64 else CONFIG_UNDEF_INT
+        value = fields.pop(name, None)
+        setattr(c, name, undefined if value is None else int(value))
+    if fields:
+        raise TypeError(f"{cls.__name__}: unknown fields {sorted(fields)}")
+    return c

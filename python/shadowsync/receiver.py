@@ -1,0 +1,286 @@
+"""The receiver and its step hook (receiver.h, step_hook.h): the engine side.
+
+The receive runs on the library's own native thread: begin_update() validates the header, queues
+it and returns; the Python interpreter is never on the receive path (a receive driven from a
+Python thread was measured to stall decoding for the whole transfer). The engine thread only calls
+the step hook: before_step(), with nothing pending, is one handle lookup and one atomic load in C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import byref, c_size_t, c_uint64, c_void_p
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from ._handle import Handle
+from ._library import SWAP_CALLBACK, ReceiverConfigC, ReceiverStatsC, config_struct
+from .backend import Backend, Stream
+from .errors import NotSupportedError, call
+from .layout import Layout, TensorInfo, UpdateHeader
+from .transport import Transport
+
+
+@dataclass
+class ReceiverConfig:
+    """shadowsync_receiver_config_t; None takes the library's default."""
+
+    root_rank: int | None = None  # the sender's rank in the transport (0)
+    update_deadline_ms: int | None = None  # a whole update must land within this (60000)
+    bucket_deadline_ms: int | None = None  # each bucket within this of the previous (10000)
+    poll_interval_us: int | None = None  # progress/error polling while receiving (200)
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    updates_ready: int
+    updates_failed: int
+    updates_superseded: int
+    bytes_received: int
+    last_accepted_version: int
+    applied_version: int
+    needs_transport: bool  # a failure aborted the transport: replace it
+    has_pending: bool  # a received update waits for the next step
+
+
+class GroupSwap(NamedTuple):
+    """One group made live by a swap: its index, the slot now live, the version its bytes hold."""
+
+    group: int
+    slot: int
+    content_version: int
+
+
+class Receiver(Handle):
+    """Allocates both slots of every group of `layout` on `backend` and starts the receiver
+    thread. `transport` (taken) may be None until a rendezvous: replace_transport() then.
+
+    The step hook calls run on the engine's stream: `engine_stream` (a stream of `backend`),
+    default a new stream of `backend`; each call may name another."""
+
+    _destroy_fn = "shadowsync_receiver_destroy"
+
+    def __init__(
+        self,
+        layout: Layout,
+        backend: Backend,
+        transport: Transport | None = None,
+        config: ReceiverConfig | None = None,
+        engine_stream: Stream | None = None,
+    ):
+        c_config = config_struct(ReceiverConfigC, **vars(config)) if config is not None else None
+        handle = c_void_p()
+        call(
+            "shadowsync_receiver_create",
+            layout.handle,
+            backend.handle,
+            transport.handle if transport is not None else None,
+            byref(c_config) if c_config is not None else None,
+            byref(handle),
+        )
+        super().__init__(handle.value)
+        if transport is not None:
+            transport._disown()
+        self.layout = layout
+        self.backend = backend
+        self.engine_stream = engine_stream if engine_stream is not None else backend.create_stream()
+        self._swap_callback = None  # the ctypes trampoline: must live while C may call it
+        self._swap_error: BaseException | None = None
+
+    # --- control plane (any thread) -----------------------------------------------------------
+
+    def begin_update(self, header: bytes | UpdateHeader) -> None:
+        """Validates the header against the layout and the last accepted version, queues it and
+        returns at once; the receive runs on the receiver's native thread. Raises (BadHeaderError,
+        LayoutMismatchError, StaleVersionError, ...) naming the field and both values, and then
+        nothing changed. Thread-safe."""
+        if isinstance(header, UpdateHeader):
+            c = header._to_c()
+            call("shadowsync_receiver_begin_update", self._handle, byref(c))
+            return
+        data = bytes(header)
+        call("shadowsync_receiver_begin_update_bytes", self._handle, data, len(data))
+
+    def abort_update(self) -> None:
+        """Aborts the update in flight, if any (and the transport with it). Thread-safe."""
+        call("shadowsync_receiver_abort_update", self._handle)
+
+    def replace_transport(self, transport: Transport) -> None:
+        """Installs a transport (the first, or after a failure aborted the old one). Thread-safe."""
+        call("shadowsync_receiver_replace_transport", self._handle, transport.handle)
+        transport._disown()
+
+    def drain(self) -> None:
+        """Blocks until every queued command was processed. Thread-safe."""
+        call("shadowsync_receiver_drain", self._handle)
+
+    def stats(self) -> ReceiverStats:
+        """Counters. Thread-safe."""
+        s = ReceiverStatsC()
+        s.size = ctypes.sizeof(ReceiverStatsC)
+        call("shadowsync_receiver_stats", self._handle, byref(s))
+        return ReceiverStats(
+            s.updates_ready,
+            s.updates_failed,
+            s.updates_superseded,
+            s.bytes_received,
+            s.last_accepted_version,
+            s.applied_version,
+            bool(s.needs_transport),
+            bool(s.has_pending),
+        )
+
+    def last_update_error(self) -> str:
+        """The last failed update's error ("" when none failed). Thread-safe."""
+        length = c_size_t()
+        call("shadowsync_receiver_last_update_error", self._handle, None, 0, byref(length))
+        buffer = ctypes.create_string_buffer(length.value + 1)
+        call("shadowsync_receiver_last_update_error", self._handle, buffer, len(buffer), None)
+        return buffer.value.decode(errors="replace")
+
+    @property
+    def applied_version(self) -> int:
+        """Last version made live (0 before the first). Thread-safe."""
+        v = c_uint64()
+        call("shadowsync_receiver_applied_version", self._handle, byref(v))
+        return v.value
+
+    # --- step hook (engine thread only) -------------------------------------------------------
+
+    def before_step(self, stream: Stream | None = None) -> int | None:
+        """Before each engine step: makes a received update live (every group of it at once) and
+        returns its version; None when nothing was pending. Engine thread only."""
+        return self._applying("shadowsync_receiver_before_step", stream)
+
+    def apply_pending_now(self, stream: Stream | None = None) -> int | None:
+        """For an idle engine: applies a pending update now, if any. Engine thread only."""
+        return self._applying("shadowsync_receiver_apply_pending_now", stream)
+
+    def wait_applied(self, version: int, timeout: float | None, stream: Stream | None = None) -> None:
+        """Applies updates as they arrive until `version` is live. Raises ShadowsyncTimeoutError
+        once `timeout` seconds passed (None: no limit). Engine thread only."""
+        timeout_ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        try:
+            call(
+                "shadowsync_receiver_wait_applied",
+                self._handle,
+                int(version),
+                timeout_ms,
+                (stream or self.engine_stream).handle,
+            )
+        finally:
+            self._raise_swap_error()
+
+    def _applying(self, function: str, stream: Stream | None) -> int | None:
+        applied = c_uint64()
+        try:
+            call(function, self._handle, (stream or self.engine_stream).handle, byref(applied))
+        finally:
+            self._raise_swap_error()
+        return applied.value or None
+
+    def set_swap_callback(self, callback: Callable[[int, list[GroupSwap]], None] | None) -> None:
+        """`callback(version, swaps)` runs on the engine thread after a swap, inside before_step
+        (or apply_pending_now / wait_applied), before it returns: rebind the engine's tensors
+        there. An exception it raises is re-raised by that call. It must not call back into the
+        step hook. Set before the first update; None removes it."""
+        if callback is None:
+            call("shadowsync_receiver_set_swap_callback", self._handle, SWAP_CALLBACK(), None)
+            self._swap_callback = None
+            return
+
+        def trampoline(_user_data, version, swaps, count):
+            try:
+                callback(int(version), [GroupSwap(s.group, s.slot, s.content_version) for s in swaps[:count]])
+            except BaseException as e:  # noqa: BLE001 - an exception cannot cross into C
+                self._swap_error = e
+
+        c_callback = SWAP_CALLBACK(trampoline)
+        call("shadowsync_receiver_set_swap_callback", self._handle, c_callback, None)
+        self._swap_callback = c_callback
+
+    def _raise_swap_error(self) -> None:
+        error, self._swap_error = self._swap_error, None
+        if error is not None:
+            raise error
+
+    def live_pointer(self, tensor: str | TensorInfo) -> int:
+        """Address of a tensor in the live slot (device memory of the backend), valid until the
+        next swap. Engine thread only."""
+        info = tensor if isinstance(tensor, TensorInfo) else self.layout.tensor(tensor)
+        data = c_void_p()
+        call("shadowsync_receiver_live_tensor", self._handle, info.group_index, info.index, byref(data))
+        return data.value
+
+    def live_arena_pointer(self, group: str | int) -> int:
+        """Address of a group's live arena. Engine thread only."""
+        index = group if isinstance(group, int) else self.layout.group(group).index
+        data = c_void_p()
+        call("shadowsync_receiver_live_arena", self._handle, index, byref(data))
+        return data.value
+
+    def live_array(self, tensor: str | TensorInfo, dtype=None):
+        """A numpy view of a tensor in the live slot (host backend only), valid until the next
+        swap: after it the slot becomes the shadow, which the next update overwrites. `dtype`
+        defaults to the numpy type of the layout's dtype (bf16 and fp8 have none: pass one, e.g.
+        numpy.uint16 or ml_dtypes.bfloat16). Engine thread only."""
+        if self.backend.name != "host":
+            raise NotSupportedError(
+                f"live_array: numpy views need the host backend, this receiver's is "
+                f"'{self.backend.name}' (use live_pointer, or the torch views of shadowsync.vllm)"
+            )
+        info = tensor if isinstance(tensor, TensorInfo) else self.layout.tensor(tensor)
+        return host_view(self.live_pointer(info), info, dtype, owner=self)
+
+    def live_content_version(self, group: str | int) -> int:
+        """Version of the update whose bytes the group's live slot holds (0: never updated).
+        Engine thread only."""
+        index = group if isinstance(group, int) else self.layout.group(group).index
+        v = c_uint64()
+        call("shadowsync_receiver_live_content_version", self._handle, index, byref(v))
+        return v.value
+
+    def close(self) -> None:
+        """Stops the receiver thread (aborting an update in flight) and frees both slots: views
+        of live tensors must not be used after this."""
+        super().close()
+
+
+_NUMPY_DTYPES = {
+    "fp32": "float32",
+    "fp16": "float16",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int32": "int32",
+    "int64": "int64",
+}
+
+
+def host_view(address: int, info: TensorInfo, dtype=None, owner=None):
+    """A numpy array over `info.bytes` of host memory at `address`, shaped as `info`. `owner` is
+    kept alive by the array (through its base)."""
+    import numpy as np
+
+    if dtype is None:
+        if info.dtype not in _NUMPY_DTYPES:
+            raise NotSupportedError(
+                f"tensor '{info.name}': dtype {info.dtype} has no numpy type; pass dtype= "
+                f"(e.g. numpy.uint16, or ml_dtypes.bfloat16)"
+            )
+        dtype = _NUMPY_DTYPES[info.dtype]
+    dtype = np.dtype(dtype)
+    if dtype.itemsize * _count(info.shape) != info.bytes:
+        raise NotSupportedError(
+            f"tensor '{info.name}': numpy dtype {dtype} ({dtype.itemsize} bytes) does not fit "
+            f"layout dtype {info.dtype} ({info.bytes} bytes for shape {list(info.shape)})"
+        )
+    raw = (ctypes.c_uint8 * info.bytes).from_address(address)
+    raw._shadowsync_owner = owner  # the memory is the owner's: keep it alive with the view
+    return np.frombuffer(raw, dtype=dtype).reshape(info.shape)
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

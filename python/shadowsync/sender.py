@@ -1,0 +1,328 @@
+"""The sender (sender.h): the trainer side.
+
+Sender.publish() checks every tensor against the layout in Python first (name, dtype, shape,
+device, contiguity, missing or repeated tensors), so that a bad input raises before the library is
+called and nothing is sent; the library then checks again and returns at once, its worker thread
+broadcasting bucket by bucket. The returned PublishHandle is the only thing to wait on.
+
+For ZeRO-3 style trainers, publish_streamed() starts an update with no tensor yet; its gather()
+asks a callback for each bucket's tensors in layout order, so that only one bucket's parameters
+need to be gathered at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import byref, c_char_p, c_int, c_size_t, c_void_p
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from . import _tensors
+from ._handle import Handle
+from ._library import MAX_HEADER_BYTES, SenderConfigC, UpdateHeaderC, config_struct
+from .backend import Backend
+from .errors import IN_PROGRESS, InvalidArgumentError, ShadowsyncTimeoutError, call, call_status
+from .layout import Layout, UpdateHeader, format_shape
+from .transport import Transport
+
+
+@dataclass
+class SenderConfig:
+    """shadowsync_sender_config_t; None takes the library's default."""
+
+    root_rank: int | None = None  # this process's rank in the transport (0)
+    update_deadline_ms: int | None = None  # whole update, a streamed publish's gathering too (60000)
+    poll_interval_us: int | None = None  # (200)
+
+
+def _group_array(groups: Sequence[str]):
+    encoded = [g.encode() for g in groups]
+    return (c_char_p * max(len(encoded), 1))(*encoded), encoded
+
+
+class PublishHandle(Handle):
+    """One update being sent. done() polls, wait() blocks; neither is needed for the update to
+    proceed. Thread-safe."""
+
+    _destroy_fn = "shadowsync_publish_destroy"
+
+    def __init__(self, value: int, keepalive=None):
+        super().__init__(value)
+        # The tensors the library reads until the update is done (the Sender holds the handle
+        # until then, whether or not the caller keeps it).
+        self._keepalive = keepalive
+        c = UpdateHeaderC()
+        call("shadowsync_publish_header", self._handle, byref(c))
+        self.header = UpdateHeader._from_c(c)
+        buffer = ctypes.create_string_buffer(MAX_HEADER_BYTES)
+        written = c_size_t()
+        call("shadowsync_publish_header_bytes", self._handle, buffer, MAX_HEADER_BYTES, byref(written))
+        self.header_bytes: bytes = buffer.raw[: written.value]
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    def done(self) -> bool:
+        """Finished, successfully or not. Never blocks."""
+        flag = c_int()
+        call("shadowsync_publish_done", self._handle, byref(flag))
+        if flag.value:
+            self._keepalive = None
+        return bool(flag.value)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until the update was sent; raises the update's error if it failed, and
+        ShadowsyncTimeoutError if `timeout` seconds pass first (the update goes on)."""
+        timeout_ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        status = call_status("shadowsync_publish_wait", self._handle, timeout_ms)
+        if status == IN_PROGRESS:
+            raise ShadowsyncTimeoutError(
+                f"update {self.version}: still being sent after {timeout} s (wait again, or poll "
+                f"done())"
+            )
+        self._keepalive = None
+
+    def close(self) -> None:
+        """Releases the handle; the update keeps running. While the library still reads the
+        tensors of a publish(), the release waits for the Sender to see the update done."""
+        if self._closed:
+            return
+        if self._keepalive is not None and not self.done():
+            self._close_when_done = True
+            return
+        super().close()
+
+    _close_when_done = False
+
+
+class StreamedPublish:
+    """An update whose tensors are supplied while it runs, in layout order (Sender.publish_streamed).
+    Send ``header_bytes`` to the receivers first, then call gather() (or supply()) on the thread
+    that gathers. ``handle`` tracks the update."""
+
+    def __init__(self, handle: PublishHandle, sender: "Sender", groups: list[str]):
+        self.handle = handle
+        self._sender = sender
+        self.groups = groups
+        self._supplied = 0
+        self._order = [t for names in sender.layout.bucket_plan(groups) for t in names]
+
+    @property
+    def header_bytes(self) -> bytes:
+        return self.handle.header_bytes
+
+    @property
+    def version(self) -> int:
+        return self.handle.version
+
+    def buckets(self) -> list[list[str]]:
+        """Names per bucket in supply order (Layout.bucket_plan of this update's groups)."""
+        return self._sender.layout.bucket_plan(self.groups)
+
+    def gather(self, gather_fn: Callable[[list[str], Callable], None]) -> PublishHandle:
+        """Calls ``gather_fn(names, supply)`` once per bucket (see buckets()); it must call
+        ``supply(tensors)`` with exactly those tensors (a mapping or (name, tensor) pairs) while
+        they are gathered, e.g. inside deepspeed.zero.GatheredParameters. supply returns once
+        their bytes were copied out; then they may be freed. A tensor that fails its check, a
+        callback that raises or supplies too little cancels the update (the receivers discard it,
+        their live weights untouched) and raises. Returns the handle; the last buckets may still
+        be in flight. Runs on the calling thread (gathers are the trainer's collectives)."""
+        try:
+            for names in self.buckets():
+                before = self._supplied
+                gather_fn(list(names), self.supply)
+                if self._supplied != before + len(names):
+                    missing = self._order[self._supplied : before + len(names)]
+                    raise InvalidArgumentError(
+                        f"update {self.version}: the gather callback supplied "
+                        f"{self._supplied - before} of the {len(names)} tensors of its bucket; "
+                        f"missing: {missing}"
+                    )
+        except BaseException:
+            self.cancel()
+            raise
+        return self.handle
+
+    def supply(self, tensors) -> None:
+        """Supplies the next tensors in layout order. Each is checked (name in order, dtype,
+        shape, device, contiguity) before anything of this call is supplied; blocks until their
+        bytes were copied out. One thread at a time."""
+        pairs = _tensors.items(tensors)
+        descs = []
+        for i, (name, tensor) in enumerate(pairs):
+            position = self._supplied + i
+            if position >= len(self._order):
+                raise InvalidArgumentError(
+                    f"update {self.version}: tensor '{name}' supplied but all {len(self._order)} "
+                    f"tensors were supplied already"
+                )
+            expected = self._order[position]
+            if name != expected:
+                raise InvalidArgumentError(
+                    f"update {self.version}: tensor '{name}' supplied where '{expected}' (number "
+                    f"{position} in layout order) is next"
+                )
+            desc = _tensors.describe(name, tensor)
+            _tensors.check(desc, self._sender.layout.tensor(name), self._sender.backend.device)
+            descs.append(desc)
+        _tensors.synchronize_producers(descs)
+        source = _tensors.SourceArray(descs)
+        call("shadowsync_publish_supply", self.handle.handle, source.array, source.count)
+        self._supplied += len(descs)
+
+    def cancel(self) -> None:
+        """Gives up on an incomplete update: it fails and the receivers discard it. Releasing
+        the C handle does this (the library cancels a streamed publish whose handle goes away
+        before every tensor was supplied)."""
+        if self._supplied < len(self._order):
+            Handle.close(self.handle)
+
+
+class Sender(Handle):
+    """The trainer side: the broadcast root of `transport` (taken). Thread-safe."""
+
+    _destroy_fn = "shadowsync_sender_destroy"
+
+    def __init__(
+        self,
+        layout: Layout,
+        backend: Backend,
+        transport: Transport,
+        config: SenderConfig | None = None,
+    ):
+        c_config = config_struct(SenderConfigC, **vars(config)) if config is not None else None
+        handle = c_void_p()
+        call(
+            "shadowsync_sender_create",
+            layout.handle,
+            backend.handle,
+            transport.handle,
+            byref(c_config) if c_config is not None else None,
+            byref(handle),
+        )
+        super().__init__(handle.value)
+        transport._disown()
+        self.layout = layout
+        self.backend = backend
+        self._inflight: list[PublishHandle] = []
+        self._inflight_lock = threading.Lock()
+
+    def publish(self, version: int, tensors, groups: Iterable[str] | None = None) -> PublishHandle:
+        """Publishes `groups` at `version` from `tensors` (a mapping of names to tensors, or
+        (name, tensor) pairs such as ``model.named_parameters()``: numpy arrays, or torch tensors
+        on the backend's device) and returns at once.
+
+        `groups` defaults to the groups the given tensors belong to (pass only a LoRA adapter's
+        tensors for a LoRA-only update). Every tensor of those groups must be given, with its
+        spec's dtype and shape, contiguous, on the backend's device; tensors of other groups are
+        ignored. Anything else raises InvalidArgumentError naming the tensor and both values, and
+        nothing is sent. The tensors must stay unchanged until the handle is done; the Sender
+        keeps them alive until then."""
+        pairs = _tensors.items(tensors)
+        descs = self._check(version, pairs, groups)
+        selected = self._selected_groups(pairs, groups)
+        wanted = {t.name for g in selected for t in self.layout.group(g).tensors}
+        descs = [d for d in descs if d.name in wanted]
+        _tensors.synchronize_producers(descs)
+        source = _tensors.SourceArray(descs)
+        group_array, _keep = _group_array(selected)
+        handle = c_void_p()
+        call(
+            "shadowsync_sender_publish",
+            self._handle,
+            int(version),
+            group_array,
+            len(selected),
+            source.array,
+            source.count,
+            byref(handle),
+        )
+        publish = PublishHandle(handle.value, keepalive=source)
+        self._track(publish)
+        return publish
+
+    def publish_streamed(self, version: int, groups: Iterable[str]) -> StreamedPublish:
+        """Starts publishing `groups` at `version` with no tensor yet and returns at once: send
+        its header_bytes to the receivers, then supply the tensors with gather() or supply()."""
+        groups = [self.layout.group(g).name for g in groups]
+        group_array, _keep = _group_array(groups)
+        handle = c_void_p()
+        call(
+            "shadowsync_sender_publish_streamed",
+            self._handle,
+            int(version),
+            group_array,
+            len(groups),
+            byref(handle),
+        )
+        return StreamedPublish(PublishHandle(handle.value), self, groups)
+
+    def replace_transport(self, transport: Transport) -> None:
+        """Installs a new transport after a failure aborted the old one."""
+        call("shadowsync_sender_replace_transport", self._handle, transport.handle)
+        transport._disown()
+
+    def close(self) -> None:
+        """Waits for the updates already published (each bounded by its deadline), then stops."""
+        if self._closed:
+            return
+        super().close()
+        with self._inflight_lock:
+            finished, self._inflight = self._inflight, []
+        for p in finished:
+            p._keepalive = None  # the library is done with every tensor
+            if p._close_when_done:
+                p.close()
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def _selected_groups(self, pairs, groups) -> list[str]:
+        if groups is not None:
+            return [self.layout.group(g).name for g in groups]
+        present = {self.layout.tensor(name).group_index for name, _ in pairs}
+        return [g.name for g in self.layout.groups if g.index in present]
+
+    def _check(self, version, pairs, groups) -> list[_tensors.TensorDesc]:
+        """Every check the library makes, in Python and first, with the tensor-side detail the
+        library cannot see (device, strides)."""
+        if not pairs and groups is None:
+            raise InvalidArgumentError(f"update {version}: no tensors given and no groups named")
+        seen = set()
+        descs = []
+        selected = set(self._selected_groups(pairs, groups))
+        if not selected:
+            raise InvalidArgumentError(f"update {version}: no groups to publish")
+        for name, tensor in pairs:
+            if name in seen:
+                raise InvalidArgumentError(f"update {version}: tensor '{name}' given twice")
+            seen.add(name)
+            info = self.layout.tensor(name)  # raises naming an unknown tensor
+            if info.group not in selected:
+                continue
+            desc = _tensors.describe(name, tensor)
+            _tensors.check(desc, info, self.backend.device)
+            descs.append(desc)
+        for g in self.layout.groups:
+            if g.name not in selected:
+                continue
+            for t in g.tensors:
+                if t.name not in seen:
+                    raise InvalidArgumentError(
+                        f"update {version}: tensor '{t.name}' of group '{g.name}' (dtype {t.dtype}, "
+                        f"shape {format_shape(t.shape)}) is missing"
+                    )
+        return descs
+
+    def _track(self, publish: PublishHandle) -> None:
+        # Keeps each publish (and through it the tensors it reads) alive until it is done, even
+        # when the caller drops the handle at once.
+        with self._inflight_lock:
+            running = []
+            for p in self._inflight:
+                if not p.done():
+                    running.append(p)
+                elif p._close_when_done:
+                    p.close()
+            self._inflight = running + [publish]

@@ -1,0 +1,171 @@
+"""shadowsync.vllm.WorkerExtension on a tiny fake vLLM worker whose "parameters" are numpy arrays
+held in objects with a settable .data (as torch parameters), on the host backend. The trainer is a
+Sender on rank 0 of a loopback world; the worker is rank 1."""
+
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from support import BASE, DEADLINE_S, LORA, SPECS, pattern, tensors, version_of
+
+import shadowsync as ss
+from shadowsync.vllm import WorkerExtension
+
+
+class Param:
+    def __init__(self, data):
+        self.data = data
+
+
+class FakeModel:
+    def __init__(self, version):
+        self.params = [(s[0], Param(pattern(s[0], version))) for s in SPECS]
+
+    def named_parameters(self):
+        return iter(self.params)
+
+
+class FakeWorker(WorkerExtension):
+    """What vLLM's worker looks like to the extension: model_runner.model and execute_model."""
+
+    def __init__(self):
+        self.model_runner = SimpleNamespace(model=FakeModel(version=0))
+        self.steps = []  # per step: the set of versions its reads saw
+
+    def execute_model(self, batch):
+        seen = {version_of(name, p.data) for name, p in self.model_runner.model.params}
+        self.steps.append(seen)
+        return f"output of {batch}"
+
+
+def _trainer(specs, rank0):
+    layout = ss.Layout(specs, bucket_bytes=1024)
+    return layout, ss.Sender(layout, ss.HostBackend(), rank0,
+                             ss.SenderConfig(update_deadline_ms=int(DEADLINE_S * 1000)))
+
+
+@pytest.fixture
+def setup():
+    loopback = ss.Loopback(2)
+    worker = FakeWorker()
+    params_before = {n: p.data for n, p in worker.model_runner.model.params}
+    threads_before = threading.active_count()
+    layout, sender = _trainer(SPECS, loopback.transport(0))
+    # What the trainer sends through collective_rpc: plain data.
+    fingerprint = worker.init_weight_update_group(specs=[tuple(vars(s).values()) for s in layout.specs],
+                                                  bucket_bytes=1024, transport=loopback.transport(1))
+    assert fingerprint == layout.fingerprint
+    yield SimpleNamespace(worker=worker, sender=sender, layout=layout, params_before=params_before,
+                          threads_before=threads_before)
+    worker.close_weight_update_group()
+    sender.close()
+
+
+def _step_until(worker, version):
+    deadline = time.monotonic() + DEADLINE_S
+    while worker.steps[-1:] != [{version}]:
+        assert time.monotonic() < deadline, f"version {version} not seen; last steps {worker.steps[-3:]}"
+        worker.execute_model("batch")
+
+
+def test_worker_takes_updates_between_steps(setup):
+    worker, sender = setup.worker, setup.sender
+    # Adopted: the parameters now live in the receiver's live slot, values unchanged.
+    for name, param in worker.model_runner.model.params:
+        assert param.data is not setup.params_before[name]
+        np.testing.assert_array_equal(param.data, setup.params_before[name])
+        assert param.data.ctypes.data == worker._shadowsync.receiver.live_pointer(name)
+    assert worker.execute_model("b0") == "output of b0"  # the hooked method passes through
+    assert worker.steps == [{0}]
+
+    handle = sender.publish(1, tensors(BASE + LORA, 1))
+    assert worker.begin_update(handle.header_bytes) == 1  # returns at once
+    _step_until(worker, 1)
+    handle.wait(DEADLINE_S)
+    assert all(len(seen) == 1 for seen in worker.steps), worker.steps  # never a torn step
+    # The receive ran on the library's native thread: no Python thread was started.
+    assert threading.active_count() == setup.threads_before
+
+    # A LoRA-only update: the base parameters keep their binding and values.
+    base_binding = {n: p.data for n, p in worker.model_runner.model.params if n in BASE}
+    handle = sender.publish(2, tensors(LORA, 2))
+    worker.begin_update(handle.header_bytes)
+    assert worker.wait_applied(2, DEADLINE_S) == 2  # an idle engine, without a step
+    params = dict(worker.model_runner.model.params)
+    assert all(params[n].data is base_binding[n] for n in BASE)
+    assert [version_of(n, params[n].data) for n in BASE + LORA] == [1, 1, 1, 2, 2]
+    stats = worker.weight_update_stats()
+    assert (stats["applied_version"], stats["updates_ready"], stats["last_update_error"]) == (2, 2, "")
+
+
+def test_versions_increase_and_bad_headers_change_nothing(setup):
+    worker, sender = setup.worker, setup.sender
+    for version in (1, 2):
+        handle = sender.publish(version, tensors(BASE + LORA, version))
+        worker.begin_update(handle.header_bytes)
+        _step_until(worker, version)
+    with pytest.raises(ss.StaleVersionError):
+        worker.begin_update(handle.header_bytes)
+    with pytest.raises(ss.BadHeaderError):
+        worker.begin_update(b"not a header")
+    worker.execute_model("b")
+    assert worker.steps[-1] == {2}
+    assert worker.weight_update_stats()["last_accepted_version"] == 2
+
+
+def test_trainer_specs_that_do_not_match_the_model_are_refused():
+    for specs, message in (
+        ([("embed", "fp32", (300, 5))] + SPECS[1:],
+         r"tensor 'embed': shape \[300, 5\] of the trainer's layout does not match the worker's \[300, 4\]"),
+        ([("embed", "bf16", (300, 4))] + SPECS[1:],
+         r"tensor 'embed': dtype bf16 of the trainer's layout does not match the worker's fp32"),
+        (SPECS + [("lm_head", "fp32", (4,))],
+         r"tensor 'lm_head' of the trainer's layout is not a parameter of the worker \(5 parameters\)"),
+    ):
+        worker = FakeWorker()
+        with pytest.raises(ss.LayoutMismatchError, match=message):
+            worker.init_weight_update_group(specs=specs, transport=ss.Loopback(2).transport(1))
+        assert worker._shadowsync is None  # nothing was set up
+        assert "execute_model" not in vars(worker)
+
+
+def test_calls_before_init_and_twice_are_refused():
+    worker = FakeWorker()
+    assert worker.before_step() is None  # no update group: nothing can be pending
+    with pytest.raises(ss.InvalidArgumentError, match="call init_weight_update_group first"):
+        worker.begin_update(b"")
+    worker.init_weight_update_group(transport=ss.Loopback(2).transport(1))
+    with pytest.raises(ss.InvalidArgumentError, match="already initialized"):
+        worker.init_weight_update_group(transport=ss.Loopback(2).transport(1))
+    worker.close_weight_update_group()
+
+
+def test_importing_the_extension_imports_neither_vllm_nor_torch():
+    code = ("import sys, shadowsync.vllm; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env={"PYTHONPATH": str(__import__("pathlib").Path(
+                                ss.__file__).resolve().parent.parent)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_close_gives_the_worker_its_own_weights_and_execute_model_back():
+    worker = FakeWorker()
+    worker.init_weight_update_group(transport=ss.Loopback(2).transport(1))
+    receiver = worker._shadowsync.receiver
+    assert "execute_model" in vars(worker)
+    worker.close_weight_update_group()
+    assert "execute_model" not in vars(worker)
+    for name, param in worker.model_runner.model.params:  # copies, not views of freed slots
+        assert param.data.flags.owndata
+        np.testing.assert_array_equal(param.data, pattern(name, 0))
+    with pytest.raises(ss.InvalidHandleError):
+        receiver.stats()
+    assert worker.execute_model("b") == "output of b"
+    assert worker.steps == [{0}]
+    assert worker.before_step() is None
