@@ -15,9 +15,22 @@ declare -A guard=(
   [5]="invariant 5*"
   [6]="invariant 6*"
   [7]="invariant 7*"
+  [8]="faults: flipped bytes*"
+  [9]="faults: a NaN*"
+  [10]="rollback: refused*"
+  [11]="shutdown: 100*"
+  [12]="shutdown: 100*"
+)
+# The test executable of each mutation (tests/integration/<name>); test_invariants if not listed.
+declare -A program=(
+  [8]=test_faults
+  [9]=test_faults
+  [10]=test_rollback
+  [11]=test_shutdown
+  [12]=test_shutdown
 )
 mutations=("$@")
-if ((${#mutations[@]} == 0)); then mutations=(1 2 3 4 5 6 7); fi
+if ((${#mutations[@]} == 0)); then mutations=(1 2 3 4 5 6 7 8 9 10 11 12); fi
 
 ./scripts/deps.sh
 readonly dir=build-mutation
@@ -31,10 +44,11 @@ for m in "${mutations[@]}"; do
   cmake -S . -B "$dir" -DSHADOWSYNC_MUTATION="$m" -DSHADOWSYNC_WITH_CUDA=OFF \
     -DSHADOWSYNC_BUILD_BENCH=OFF -DSHADOWSYNC_BUILD_EXAMPLES=OFF >"$dir.configure.log" 2>&1 ||
     { cat "$dir.configure.log"; exit 1; }
-  cmake --build "$dir" -j 2 --target integration_test_invariants >"$dir.build.log" 2>&1 ||
+  test="${program[$m]:-test_invariants}"
+  cmake --build "$dir" -j 2 --target "integration_$test" >"$dir.build.log" 2>&1 ||
     { tail -n 30 "$dir.build.log"; exit 1; }
   rc=0
-  timeout 180 "$dir/tests/integration/test_invariants" "${guard[$m]}" >"$dir.$m.log" 2>&1 || rc=$?
+  timeout 180 "$dir/tests/integration/$test" "${guard[$m]}" >"$dir.$m.log" 2>&1 || rc=$?
   if ((rc == 0)); then
     echo "MISSED mutation $m: '${guard[$m]}' passed with the invariant broken"
     missed=1

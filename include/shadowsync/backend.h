@@ -15,6 +15,8 @@
 #include <memory>
 #include <string_view>
 
+#include "shadowsync/dtype.h"
+
 namespace shadowsync {
 
 class Stream {
@@ -56,7 +58,26 @@ class Backend {
   // Blocks until the event completes or `timeout` passes; returns event_query().
   virtual bool event_wait_for(Event& event, std::chrono::nanoseconds timeout) = 0;
   virtual void stream_synchronize(Stream& stream) = 0;
+
+  // Integrity checks of received bytes (optional; both backends of this project have them). The
+  // defaults of the two calls below throw Error(kBackend) naming the backend and the call.
+  virtual bool supports_integrity() const { return false; }
+  // Enqueues on `stream`: writes to `*result` (8 bytes of this backend's memory) the checksum of
+  // the `bytes` bytes at `data`, as plugin/core/integrity.h defines it. One thread at a time per
+  // stream.
+  virtual void checksum_async(const void* data, std::size_t bytes, std::uint64_t* result,
+                              Stream& stream);
+  // Enqueues on `stream`: writes to `*result` how many of the `elements` elements of `dtype` at
+  // `data` are NaN or infinite. kFloat32, kFloat16 and kBFloat16 only (other dtypes throw
+  // Error(kInvalidArgument) naming it). One thread at a time per stream.
+  virtual void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
+                                     std::uint64_t* result, Stream& stream);
 };
+
+// True for the dtypes count_nonfinite_async checks (the non-finite guard's floating tensors).
+inline bool dtype_has_nonfinite_check(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
 
 // RAII owner of a backend allocation.
 class DeviceBuffer {

@@ -83,6 +83,16 @@ class CudaBackend final : public Backend {
   // matters.
   void stream_synchronize(Stream& stream) override;
 
+  // Integrity checks as kernels on `stream` (plugin/cuda/integrity_kernels.cu): a memset of the
+  // result, then one grid-stride reduction. `data` must be 8-byte aligned (arenas, staging
+  // buffers, buckets and tensors are). Compiled and checked against the host's results only where
+  // a GPU is present (tests/gpu); the receiver and sender call them only when configured to.
+  bool supports_integrity() const override { return true; }
+  void checksum_async(const void* data, std::size_t bytes, std::uint64_t* result,
+                      Stream& stream) override;
+  void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
+                             std::uint64_t* result, Stream& stream) override;
+
   // The CUDA handle behind a Stream or Event that a CudaBackend made or wrapped. Anything else is
   // Error(kInvalidArgument) naming its type. Thread-safe.
   static CudaStreamHandle native(Stream& stream);

@@ -40,6 +40,13 @@ class HostBackend final : public Backend {
   bool event_wait_for(Event& event, std::chrono::nanoseconds timeout) override;
   void stream_synchronize(Stream& stream) override;
 
+  // Integrity checks as stream tasks, computed word by word on the stream's thread.
+  bool supports_integrity() const override { return true; }
+  void checksum_async(const void* data, std::size_t bytes, std::uint64_t* result,
+                      Stream& stream) override;
+  void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
+                             std::uint64_t* result, Stream& stream) override;
+
   // Enqueues arbitrary host work on a stream (the CPU counterpart of a kernel launch). The task
   // runs on the stream's thread, in order with the stream's other work. Thread-safe per stream.
   void launch_async(Stream& stream, std::function<void()> task);

@@ -6,10 +6,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "shadowsync/backend.h"
+#include "shadowsync/error.h"
 #include "shadowsync/layout.h"
 #include "shadowsync/step_hook.h"
 #include "shadowsync/transport.h"
@@ -27,6 +29,14 @@ struct ReceiverConfig {
   // How often the receiver thread checks progress, errors and aborts while a receive is in
   // flight. 200 us keeps the reaction to a fault well under a millisecond at negligible CPU.
   std::chrono::microseconds poll_interval{200};
+  // Refuse (in begin_update) a header that carries no checksum block. Whether or not this is set,
+  // a header that carries one is verified: every bucket's checksum is computed on the receiver's
+  // stream and compared before the update is offered. Off by default, as SenderConfig::checksums.
+  bool require_checksums = false;
+  // Refuse an update in which an fp32, fp16 or bf16 tensor holds a NaN or an infinity: counted per
+  // tensor on the receiver's stream before the update is offered. One small kernel per floating
+  // tensor per update; off by default until its cost is measured on a GPU.
+  bool reject_nonfinite = false;
 };
 
 enum class UpdateOutcome {
@@ -43,6 +53,15 @@ struct UpdateReport {
   std::size_t bytes = 0;                // bytes received
   std::chrono::nanoseconds transfer{0}; // first receive posted -> completion observed
   std::string error;                    // kFailed: why
+  // kFailed: the kind of failure, for the trainer (EngineChannel::report_failed): kTimeout (a
+  // deadline), kTransport (peer lost, aborted, or a bucket's checksum differs: corrupted in
+  // transit), kInvalidArgument (the non-finite guard refused the content), kShutdown.
+  ErrorCode code = ErrorCode::kInternal;
+  // kFailed by a check of the received bytes: where. The group, the bucket within it (checksum)
+  // or the tensor (non-finite guard); empty otherwise.
+  std::string failed_group;
+  std::optional<std::size_t> failed_bucket;
+  std::string failed_tensor;
 };
 
 struct ReceiverStats {
@@ -61,12 +80,15 @@ class Receiver {
   // the live slots through step_hook(). `transport` may be null until the rendezvous is done.
   Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
            ReceiverConfig config = {});
-  ~Receiver();  // shutdown()
+  // shutdown(), then frees every slot, event and stream and joins every thread it started. The
+  // engine must have stopped calling the step hook and its stream must be done reading the slots.
+  ~Receiver();
   Receiver(const Receiver&) = delete;
   Receiver& operator=(const Receiver&) = delete;
 
   // Announces an update: validates the header against the layout and the last accepted version
-  // (throws Error naming the field and both values; nothing changes), then queues it and returns.
+  // (throws Error naming the field and both values; nothing changes), and against the config
+  // (ReceiverConfig::require_checksums), then queues it and returns.
   // The receives are posted only now, when the sender is known to be sending. Thread-safe.
   void begin_update(const UpdateHeader& header);
 
@@ -87,7 +109,11 @@ class Receiver {
   // Blocks until every queued command has been processed (tests, orderly shutdown).
   void drain();
 
-  // Stops the thread; aborts an update in flight. Idempotent. Thread-safe.
+  // Stops the thread; aborts an update in flight (its transport is aborted). Returns within
+  // poll_interval plus the time the aborted receive takes to drain (an aborted collective returns
+  // at once; a receive still waiting for the engine stream to release a slot waits for the
+  // engine's step). The live slots stay readable until the receiver is destroyed; the engine may
+  // keep stepping meanwhile. Idempotent. Thread-safe.
   void shutdown();
 
  private:

@@ -33,6 +33,9 @@ struct GroupSwap {
 struct AppliedUpdate {
   std::uint64_t version = 0;
   const std::vector<GroupSwap>* swaps = nullptr;
+  // True for the swap of rollback(): `swaps` are the slots made live again, each with the
+  // content version it holds; `version` is the update that was undone.
+  bool rollback = false;
 };
 
 class StepHook {
@@ -63,6 +66,16 @@ class StepHook {
   bool wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
                     Stream& engine_stream);
 
+  // Undoes the last swap in one swap: every group it flipped reads its previous slot again, which
+  // still holds the bytes it had (the receiver writes no slot until the next update starts
+  // receiving). Records the release event of each slot it leaves on `engine_stream`, runs the swap
+  // callback (AppliedUpdate::rollback), and returns the version undone. applied_version() stays
+  // (versions made live only increase); live_content_version() tells what each group holds now.
+  // One level: throws Error(kInvalidArgument) when nothing was applied yet or the last swap was
+  // already undone, and Error(kSuperseded) naming the update once a newer update started writing
+  // the previous slots; nothing changes then. Engine thread only.
+  std::uint64_t rollback(Stream& engine_stream);
+
   // True while a received update waits for the next step. Thread-safe.
   bool has_pending() const { return pending_.load(std::memory_order_acquire) != nullptr; }
 
@@ -88,12 +101,31 @@ class StepHook {
   const PendingUpdate* retract();
   // Receiver thread: block until the engine finished the swap of `version` it has taken.
   void wait_swap_finished(std::uint64_t version) const;
+  // Receiver thread, once the offer is resolved and before update `version` writes any slot:
+  // closes the rollback window. Returns the slots a rollback made live since the last call (the
+  // receiver's planner adopts them), after waiting for that rollback to finish; else nullptr.
+  const std::vector<GroupSwap>* close_rollback_window(std::uint64_t version);
+
+  // The rollback window: what rollback() may do now, as one word so that the engine's claim and
+  // the receiver's close are a single atomic step each: the kind in the low two bits, a version
+  // (for messages) above.
+  enum RollbackKind : std::uint64_t { kNothingApplied = 0, kOpen = 1, kRolledBack = 2, kClosed = 3 };
+  static std::uint64_t rollback_word(RollbackKind kind, std::uint64_t version) {
+    return (version << 2) | kind;
+  }
 
   const Layout& layout_;
   SlotTable& slots_;
   std::atomic<const PendingUpdate*> pending_{nullptr};
   std::atomic<std::uint64_t> applied_version_{0};
   std::function<void(const AppliedUpdate&)> swap_callback_;
+  // Engine thread: per group of the last swap, the slot (and its content version) it replaced;
+  // after a rollback, the slots it made live again (read by the receiver thread once
+  // rollbacks_done_ says the rollback finished). Capacity reserved up front: swaps never allocate.
+  std::vector<GroupSwap> previous_;
+  std::atomic<std::uint64_t> rollback_window_{0};
+  std::atomic<std::uint64_t> rollbacks_done_{0};
+  std::uint64_t rollbacks_adopted_ = 0;  // receiver thread
   // Wakes wait_applied() when the receiver offers an update; never touched by before_step().
   std::mutex publish_mutex_;
   std::condition_variable publish_cv_;

@@ -20,13 +20,29 @@ struct UpdateHeader {
   std::uint64_t version = 0;             // strictly increasing per sender
   std::uint64_t layout_fingerprint = 0;  // Layout::fingerprint() of the sender
   std::vector<std::uint32_t> groups;     // group indices, strictly increasing, at least one
-  std::uint64_t bucket_count = 0;        // sum of the groups' bucket counts: the broadcasts to expect
+  // The broadcasts to expect: the sum of the groups' bucket counts, plus one when a checksum
+  // block follows the buckets (see carries_checksums).
+  std::uint64_t bucket_count = 0;
 };
 
-// Builds the header of an update of `group_names` at `version`. Throws Error(kInvalidArgument)
-// for an empty list, an unknown or repeated group.
+// Builds the header of an update of `group_names` at `version`, with a trailing checksum block
+// when `checksums`. Throws Error(kInvalidArgument) for an empty list, an unknown or repeated group.
 UpdateHeader make_update_header(const Layout& layout, std::uint64_t version,
-                                const std::vector<std::string>& group_names);
+                                const std::vector<std::string>& group_names,
+                                bool checksums = false);
+
+// Per-bucket checksums travel as one more broadcast after the update's last bucket: a block of
+// one 8-byte checksum per bucket, in broadcast order (SenderConfig::checksums). The header says
+// so by counting that broadcast: bucket_count is the groups' bucket count plus one. Why not a flag
+// field: the count is what both ends must agree on anyway (every rank makes the same collectives),
+// and the header's wire form, the control channel's frame and the C ABI's struct stay as they
+// are; a receiver that predates checksums refuses such a header with a clear bucket-count error
+// instead of joining a collective it does not expect. For a header that passed
+// validate_update_header.
+bool carries_checksums(const UpdateHeader& header, const Layout& layout);
+
+// The groups' buckets alone (the header's bucket_count without the checksum block).
+std::uint64_t data_bucket_count(const UpdateHeader& header, const Layout& layout);
 
 // Checks a received header against the local layout and the last version accepted. Throws
 // Error (kBadHeader, kLayoutMismatch, kStaleVersion) naming the field and both values.

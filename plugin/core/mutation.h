@@ -18,5 +18,12 @@ inline constexpr int kWorkOnFastPath = 4;          // invariant 4: a backend cal
 inline constexpr int kDropCarriedGroups = 5;       // invariant 5: superseded groups are forgotten
 inline constexpr int kOfferFailedUpdate = 6;       // invariant 6: a failed update is offered
 inline constexpr int kWaitAppliedNeverApplies = 7; // invariant 7: idle engines never swap
+// Faults (issue 7): each guarded by a test in tests/integration/test_faults.cpp, test_rollback.cpp
+// or test_shutdown.cpp, named in scripts/mutation_check.sh.
+inline constexpr int kSkipChecksumVerify = 8;      // a bucket whose checksum differs is offered
+inline constexpr int kSkipNonFiniteGuard = 9;      // an update holding a NaN is offered
+inline constexpr int kRollbackAfterOverwrite = 10; // rollback flips to a slot being overwritten
+inline constexpr int kShutdownLeaksStream = 11;    // a receiver leaves its stream thread behind
+inline constexpr int kShutdownLeaksBuffer = 12;    // a receiver leaves an allocation behind
 
 }  // namespace shadowsync::mutation

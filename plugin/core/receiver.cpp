@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "core/check_root_rank.h"
@@ -25,7 +26,8 @@ using Clock = std::chrono::steady_clock;
 // trusted and the receiver stops taking updates rather than race with a stuck kernel.
 constexpr std::chrono::seconds kAbortDrainLimit{10};
 
-void check_config(const ReceiverConfig& config, const Transport* transport) {
+void check_config(const ReceiverConfig& config, const Transport* transport,
+                  const Backend& backend) {
   const auto positive = [](auto value, const char* name) {
     if (value.count() <= 0) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -36,7 +38,24 @@ void check_config(const ReceiverConfig& config, const Transport* transport) {
   positive(config.bucket_deadline, "bucket_deadline (ms)");
   positive(config.poll_interval, "poll_interval (us)");
   check_root_rank(config.root_rank, transport, "ReceiverConfig::root_rank");
+  if ((config.require_checksums || config.reject_nonfinite) && !backend.supports_integrity()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("ReceiverConfig::{} is set, but backend '{}' cannot check received "
+                            "bytes (supports_integrity() is false)",
+                            config.require_checksums ? "require_checksums" : "reject_nonfinite",
+                            backend.name()));
+  }
 }
+
+// Why an update is discarded, and where when a check of its bytes refused it.
+struct Refusal {
+  ErrorCode code = ErrorCode::kInternal;
+  std::string why;
+  bool transport_failed = true;  // the collective did not complete cleanly: abort the transport
+  std::string group;
+  std::optional<std::size_t> bucket;
+  std::string tensor;
+};
 
 struct Command {
   enum class Kind { kBegin, kReplaceTransport, kDrain, kShutdown };
@@ -58,17 +77,30 @@ struct Receiver::Impl {
         planner(owner.layout_.groups().size()),
         stream(backend.create_stream(StreamPriority::kLow)),
         done_event(backend.create_event()) {
-    std::size_t max_buckets = 0;
-    for (const auto& g : owner.layout_.groups()) max_buckets += g.bucket_count();
-    for (std::size_t i = 0; i < max_buckets; ++i) bucket_events.push_back(backend.create_event());
+    std::size_t checked_tensors = 0;
+    for (const auto& g : owner.layout_.groups()) {
+      max_buckets += g.bucket_count();
+      for (const auto& t : g.tensors()) checked_tensors += dtype_has_nonfinite_check(t.spec.dtype);
+    }
+    // One more event for a trailing checksum block.
+    for (std::size_t i = 0; i <= max_buckets; ++i) bucket_events.push_back(backend.create_event());
+    if (backend.supports_integrity()) {
+      integrity_host.resize(2 * max_buckets + checked_tensors);
+      integrity = DeviceBuffer(backend, integrity_host.size() * sizeof(std::uint64_t));
+    }
   }
 
   void run();
   void receive(const UpdateHeader& header);
   void resolve_offer();
-  // Empty string: the receive completed. Otherwise why it failed.
-  std::string wait_for_buckets(std::size_t bucket_count, Clock::time_point start);
-  void discard_after_failure(const UpdateHeader& header, const std::string& why);
+  // Nothing: the receive completed. Otherwise why it failed.
+  std::optional<Refusal> wait_for_buckets(std::size_t bucket_count, Clock::time_point start);
+  // Checks the received bytes (checksums the header announced, the non-finite guard) on the
+  // receiver's stream; nothing when they pass or nothing was asked.
+  std::optional<Refusal> verify(const UpdateHeader& header,
+                                const std::vector<ReceiveTarget>& targets,
+                                Clock::time_point start);
+  void discard(const UpdateHeader& header, const Refusal& refusal);
   void report(const UpdateReport& report);  // count + notify
   void count(const UpdateReport& report);   // stats only
   void notify(const UpdateReport& report);  // the observer only
@@ -81,6 +113,14 @@ struct Receiver::Impl {
   std::unique_ptr<Stream> stream;
   std::unique_ptr<Event> done_event;
   std::vector<std::unique_ptr<Event>> bucket_events;
+  std::size_t max_buckets = 0;  // of an update that carries every group
+
+  // Integrity scratch (when the backend has the checks), one 8-byte word each: [0, max_buckets)
+  // the sender's checksums (the received block), [max_buckets, 2 max_buckets) the ones computed
+  // here, then one non-finite count per fp32/fp16/bf16 tensor of the layout. Copied into
+  // integrity_host on the stream to be compared. Receiver thread only.
+  DeviceBuffer integrity;
+  std::vector<std::uint64_t> integrity_host;
 
   moodycamel::BlockingConcurrentQueue<Command> commands;
   std::atomic<bool> abort_requested{false};
@@ -98,14 +138,22 @@ struct Receiver::Impl {
 Receiver::Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
                    ReceiverConfig config)
     // The config is checked first, before the slots are allocated.
-    : layout_((check_config(config, transport.get()), std::move(layout))),
+    : layout_((check_config(config, transport.get(), backend), std::move(layout))),
       slots_(std::make_unique<SlotTable>(layout_, backend)),
       hook_(std::make_unique<StepHook>(layout_, *slots_)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
   impl_->thread = std::thread([this] { impl_->run(); });
 }
 
-Receiver::~Receiver() { shutdown(); }
+Receiver::~Receiver() {
+  shutdown();
+  if constexpr (mutation::kActive == mutation::kShutdownLeaksStream) {
+    (void)impl_->stream.release();  // mutation check only: its thread outlives the receiver
+  }
+  if constexpr (mutation::kActive == mutation::kShutdownLeaksBuffer) {
+    (void)impl_->backend.allocate(64);  // mutation check only: never freed
+  }
+}
 
 void Receiver::begin_update(const UpdateHeader& header) {
   if (impl_->stopping.load()) {
@@ -114,6 +162,20 @@ void Receiver::begin_update(const UpdateHeader& header) {
   }
   std::lock_guard lock(impl_->accept_mutex);
   validate_update_header(header, layout_, impl_->last_accepted_version);
+  const bool checksums = carries_checksums(header, layout_);
+  if (!checksums && impl_->config.require_checksums) {
+    throw Error(ErrorCode::kBadHeader,
+                fmt::format("update {}: carries no checksums (bucket count {}, the layout's), but "
+                            "ReceiverConfig::require_checksums is set; set SenderConfig::checksums "
+                            "on the sender",
+                            header.version, header.bucket_count));
+  }
+  if (checksums && !impl_->backend.supports_integrity()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("update {}: carries checksums, but backend '{}' cannot verify them "
+                            "(supports_integrity() is false)",
+                            header.version, impl_->backend.name()));
+  }
   impl_->last_accepted_version = header.version;
   {
     std::lock_guard stats_lock(impl_->stats_mutex);
@@ -212,6 +274,7 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     UpdateReport failed;
     failed.version = header.version;
     failed.outcome = UpdateOutcome::kFailed;
+    failed.code = ErrorCode::kTransport;
     failed.error = fmt::format(
         "update {}: no transport (the last one was aborted after a failure; call "
         "replace_transport with a new communicator)",
@@ -221,6 +284,11 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   }
 
   resolve_offer();
+  // From here on the previous slots may be written: rollback() is no longer possible. If the
+  // engine rolled back just before, its slots are live again.
+  if (const std::vector<GroupSwap>* live_now = owner.hook_->close_rollback_window(header.version)) {
+    planner.on_rolled_back(*live_now);
+  }
   const std::vector<ReceiveTarget> targets = planner.begin(header.version, header.groups);
   const auto start = Clock::now();
 
@@ -243,14 +311,21 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
       bytes += bucket.bytes;
     }
   }
+  if (carries_checksums(header, layout)) {
+    // The sender's checksums, one per bucket, as one more broadcast (update_header.h says why).
+    transport->broadcast_async(integrity.data(), posted * sizeof(std::uint64_t), config.root_rank,
+                               *stream);
+    backend.event_record(*bucket_events[posted++], *stream);
+  }
 
-  std::string failure;
+  std::optional<Refusal> failure;
   if constexpr (mutation::kActive != mutation::kPublishBeforeComplete) {
     failure = wait_for_buckets(posted, start);
+    if (!failure) failure = verify(header, targets, start);
   }
-  if constexpr (mutation::kActive == mutation::kOfferFailedUpdate) failure.clear();
-  if (!failure.empty()) {
-    discard_after_failure(header, failure);
+  if constexpr (mutation::kActive == mutation::kOfferFailedUpdate) failure.reset();
+  if (failure) {
+    discard(header, *failure);
     return;
   }
 
@@ -276,7 +351,14 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   for (const UpdateReport& r : reports) notify(r);
 }
 
-std::string Receiver::Impl::wait_for_buckets(std::size_t bucket_count, Clock::time_point start) {
+std::optional<Refusal> Receiver::Impl::wait_for_buckets(std::size_t bucket_count,
+                                                        Clock::time_point start) {
+  const auto failed = [](ErrorCode code, std::string why) {
+    Refusal refusal;
+    refusal.code = code;
+    refusal.why = std::move(why);
+    return refusal;
+  };
   std::size_t completed = 0;
   auto bucket_start = start;
   while (completed < bucket_count) {
@@ -286,35 +368,139 @@ std::string Receiver::Impl::wait_for_buckets(std::size_t bucket_count, Clock::ti
       continue;
     }
     const auto now = Clock::now();
-    if (stopping.load()) return "the receiver is shutting down";
-    if (abort_requested.exchange(false)) return "aborted by request";
-    if (auto error = transport->async_error()) return fmt::format("transport failed: {}", *error);
+    if (stopping.load()) return failed(ErrorCode::kShutdown, "the receiver is shutting down");
+    if (abort_requested.exchange(false)) return failed(ErrorCode::kTransport, "aborted by request");
+    if (auto error = transport->async_error()) {
+      return failed(ErrorCode::kTransport, fmt::format("transport failed: {}", *error));
+    }
     if (now - start > config.update_deadline) {
-      return fmt::format("deadline of {} ms for the whole update passed with {} of {} buckets done",
-                         config.update_deadline.count(), completed, bucket_count);
+      return failed(ErrorCode::kTimeout,
+                    fmt::format("deadline of {} ms for the whole update passed with {} of {} "
+                                "buckets done",
+                                config.update_deadline.count(), completed, bucket_count));
     }
     if (now - bucket_start > config.bucket_deadline) {
-      return fmt::format("bucket {} of {} did not complete within its deadline of {} ms",
-                         completed, bucket_count, config.bucket_deadline.count());
+      return failed(ErrorCode::kTimeout,
+                    fmt::format("bucket {} of {} did not complete within its deadline of {} ms",
+                                completed, bucket_count, config.bucket_deadline.count()));
     }
   }
   // An aborted collective also completes, with garbage: completion alone proves nothing.
-  if (auto error = transport->async_error()) return fmt::format("transport failed: {}", *error);
-  return {};
+  if (auto error = transport->async_error()) {
+    return failed(ErrorCode::kTransport, fmt::format("transport failed: {}", *error));
+  }
+  return std::nullopt;
 }
 
-void Receiver::Impl::discard_after_failure(const UpdateHeader& header, const std::string& why) {
-  // Invariant 6: nothing of this update is offered; the live slots were never written.
-  transport->abort();
-  transport.reset();
+std::optional<Refusal> Receiver::Impl::verify(const UpdateHeader& header,
+                                              const std::vector<ReceiveTarget>& targets,
+                                              Clock::time_point start) {
+  const Layout& layout = owner.layout_;
+  const bool checksums = carries_checksums(header, layout);
+  if (!checksums && !config.reject_nonfinite) return std::nullopt;
+
+  // Enqueued behind the receives on the receiver's stream: the checks read what landed.
+  auto* words = reinterpret_cast<std::uint64_t*>(integrity.data());
+  std::uint64_t* computed = words + max_buckets;
+  std::uint64_t* counts = words + 2 * max_buckets;
+  std::size_t checked_buckets = 0;
+  std::vector<std::pair<std::size_t, std::size_t>> checked_tensors;  // (group, tensor)
+  for (const ReceiveTarget& target : targets) {
+    const GroupLayout& group = layout.groups()[target.group];
+    const std::byte* arena = owner.slots_->group(target.group).arena[target.slot].data();
+    if (checksums) {
+      for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+        const Bucket bucket = group.bucket(k);
+        backend.checksum_async(arena + bucket.offset, bucket.bytes, computed + checked_buckets++,
+                               *stream);
+      }
+    }
+    if (config.reject_nonfinite) {
+      for (std::size_t t = 0; t < group.tensors().size(); ++t) {
+        const TensorPlacement& tensor = group.tensors()[t];
+        if (!dtype_has_nonfinite_check(tensor.spec.dtype)) continue;
+        backend.count_nonfinite_async(arena + tensor.offset,
+                                      tensor.bytes / dtype_size(tensor.spec.dtype),
+                                      tensor.spec.dtype, counts + checked_tensors.size(), *stream);
+        checked_tensors.emplace_back(target.group, t);
+      }
+    }
+  }
+  backend.memcpy_async(integrity_host.data(), words, integrity_host.size() * sizeof(std::uint64_t),
+                       *stream);
   backend.event_record(*done_event, *stream);
-  if (!backend.event_wait_for(*done_event, kAbortDrainLimit)) {
-    std::fprintf(stderr,
-                 "shadowsync: receiver stream still busy %lld s after aborting update %llu; "
-                 "the receiver stops taking updates\n",
-                 static_cast<long long>(kAbortDrainLimit.count()),
-                 static_cast<unsigned long long>(header.version));
-    stopping.store(true);
+
+  Refusal refusal;
+  refusal.transport_failed = false;  // every collective completed: the transport is healthy
+  while (!backend.event_wait_for(*done_event, config.poll_interval)) {
+    if (stopping.load()) {
+      refusal.code = ErrorCode::kShutdown;
+      refusal.why = "the receiver is shutting down";
+      return refusal;
+    }
+    if (Clock::now() - start > config.update_deadline) {
+      refusal.code = ErrorCode::kTimeout;
+      refusal.why = fmt::format("deadline of {} ms for the whole update passed while its bytes "
+                                "were checked",
+                                config.update_deadline.count());
+      return refusal;
+    }
+  }
+
+  const std::uint64_t* sent_sums = integrity_host.data();
+  const std::uint64_t* got_sums = sent_sums + max_buckets;
+  std::size_t n = 0;
+  for (const ReceiveTarget& target : targets) {
+    const GroupLayout& group = layout.groups()[target.group];
+    for (std::size_t k = 0; checksums && k < group.bucket_count(); ++k, ++n) {
+      if (sent_sums[n] == got_sums[n]) continue;
+      if constexpr (mutation::kActive == mutation::kSkipChecksumVerify) continue;
+      const Bucket bucket = group.bucket(k);
+      refusal.code = ErrorCode::kTransport;  // corrupted on the way
+      refusal.group = group.name();
+      refusal.bucket = k;
+      refusal.why = fmt::format(
+          "bucket {} of {} of group '{}' (bytes {}..{} of its arena) has checksum {:#018x}, but "
+          "the sender's is {:#018x}: corrupted in transit",
+          k, group.bucket_count(), group.name(), bucket.offset, bucket.offset + bucket.bytes,
+          got_sums[n], sent_sums[n]);
+      return refusal;
+    }
+  }
+  const std::uint64_t* got_counts = sent_sums + 2 * max_buckets;
+  for (std::size_t i = 0; i < checked_tensors.size(); ++i) {
+    if (got_counts[i] == 0) continue;
+    if constexpr (mutation::kActive == mutation::kSkipNonFiniteGuard) continue;
+    const auto [g, t] = checked_tensors[i];
+    const GroupLayout& group = layout.groups()[g];
+    const TensorPlacement& tensor = group.tensors()[t];
+    refusal.code = ErrorCode::kInvalidArgument;  // the trainer sent it: bad input
+    refusal.group = group.name();
+    refusal.tensor = tensor.spec.name;
+    refusal.why = fmt::format(
+        "tensor '{}' of group '{}' ({}, {} elements) holds {} NaN or infinite values "
+        "(ReceiverConfig::reject_nonfinite)",
+        tensor.spec.name, group.name(), dtype_name(tensor.spec.dtype),
+        tensor.bytes / dtype_size(tensor.spec.dtype), got_counts[i]);
+    return refusal;
+  }
+  return std::nullopt;
+}
+
+void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal) {
+  // Invariant 6: nothing of this update is offered; the live slots were never written.
+  if (refusal.transport_failed) {
+    transport->abort();
+    transport.reset();
+    backend.event_record(*done_event, *stream);
+    if (!backend.event_wait_for(*done_event, kAbortDrainLimit)) {
+      std::fprintf(stderr,
+                   "shadowsync: receiver stream still busy %lld s after aborting update %llu; "
+                   "the receiver stops taking updates\n",
+                   static_cast<long long>(kAbortDrainLimit.count()),
+                   static_cast<unsigned long long>(header.version));
+      stopping.store(true);
+    }
   }
 
   const std::uint64_t retracted = planner.retracted_version();
@@ -324,13 +510,18 @@ void Receiver::Impl::discard_after_failure(const UpdateHeader& header, const std
   UpdateReport failed;
   failed.version = header.version;
   failed.outcome = UpdateOutcome::kFailed;
+  failed.code = refusal.code;
+  failed.failed_group = refusal.group;
+  failed.failed_bucket = refusal.bucket;
+  failed.failed_tensor = refusal.tensor;
   failed.error = fmt::format("update {} ({}) discarded: {}", header.version,
-                             describe_groups(header, owner.layout_), why);
+                             describe_groups(header, owner.layout_), refusal.why);
   report(failed);
   if (retracted != 0 && restored == nullptr) {
     UpdateReport lost;
     lost.version = retracted;
     lost.outcome = UpdateOutcome::kSuperseded;
+    lost.code = ErrorCode::kSuperseded;
     lost.error = fmt::format("update {} was taken back for update {}, which failed after "
                              "overwriting part of it; send a new update",
                              retracted, header.version);

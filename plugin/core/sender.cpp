@@ -152,6 +152,11 @@ struct Sender::Impl {
       packed[s] = backend.create_event();
       sent[s] = backend.create_event();
     }
+    if (config.checksums) {
+      std::size_t buckets = 0;
+      for (const auto& g : owner.layout_.groups()) buckets += g.bucket_count();
+      checksums = DeviceBuffer(backend, buckets * sizeof(std::uint64_t));
+    }
   }
 
   // Checks the version against the last one published, then queues the job. Thread-safe.
@@ -202,6 +207,17 @@ struct Sender::Impl {
 
   std::unique_ptr<Event> copied_event;  // streamed: a supply's bytes are in staging
 
+  // SenderConfig::checksums: one 8-byte checksum per bucket of the update, in broadcast order,
+  // broadcast as one block after the last bucket. next_checksum: worker thread only.
+  DeviceBuffer checksums;
+  std::size_t next_checksum = 0;
+  // Enqueues the checksum of the next bucket on `stream`, before the bucket is broadcast.
+  void checksum_bucket(const std::byte* data, std::size_t bytes, Stream& stream) {
+    if (checksums.size() == 0) return;
+    auto* slot = reinterpret_cast<std::uint64_t*>(checksums.data()) + next_checksum++;
+    backend.checksum_async(data, bytes, slot, stream);
+  }
+
   moodycamel::BlockingConcurrentQueue<Job> jobs;
   std::atomic<bool> stopping{false};  // the destructor runs: streamed jobs stop waiting
   std::thread thread;
@@ -225,6 +241,12 @@ Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> trans
                             "rank {} and SenderConfig::root_rank is {}",
                             transport->rank(), config.root_rank));
   }
+  if (config.checksums && !backend.supports_integrity()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("SenderConfig::checksums is set, but backend '{}' cannot compute "
+                            "checksums (supports_integrity() is false)",
+                            backend.name()));
+  }
   impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config);
   impl_->thread = std::thread([this] { impl_->run(); });
 }
@@ -241,7 +263,7 @@ Sender::~Sender() {
 
 PublishHandle Sender::publish(std::uint64_t version, const std::vector<std::string>& groups,
                               const std::vector<SourceTensor>& tensors) {
-  UpdateHeader header = make_update_header(layout_, version, groups);
+  UpdateHeader header = make_update_header(layout_, version, groups, impl_->config.checksums);
 
   std::unordered_map<std::string_view, const SourceTensor*> by_name;
   for (const SourceTensor& tensor : tensors) {
@@ -287,7 +309,7 @@ PublishHandle Sender::publish_arenas(std::uint64_t version, const std::vector<st
                 fmt::format("update {}: {} arenas given for {} groups", version, arenas.size(),
                             groups.size()));
   }
-  UpdateHeader header = make_update_header(layout_, version, groups);
+  UpdateHeader header = make_update_header(layout_, version, groups, impl_->config.checksums);
   Job job;
   for (std::size_t i = 0; i < groups.size(); ++i) {
     if (arenas[i] == nullptr) {
@@ -308,7 +330,7 @@ PublishHandle Sender::publish_arenas(std::uint64_t version, const std::vector<st
 
 StreamedPublish Sender::publish_streamed(std::uint64_t version,
                                          const std::vector<std::string>& groups) {
-  UpdateHeader header = make_update_header(layout_, version, groups);
+  UpdateHeader header = make_update_header(layout_, version, groups, impl_->config.checksums);
   auto state = std::make_shared<StreamedPublish::State>();
   state->version = version;
   state->layout = &layout_;
@@ -462,11 +484,13 @@ void Sender::Impl::abort_transport() noexcept {
 void Sender::Impl::send(const Job& job, Clock::time_point start) {
   const Layout& layout = owner.layout_;
   std::size_t staged = 0;  // buckets packed so far: picks the staging buffer
+  next_checksum = 0;
   for (const GroupSource& source : job.sources) {
     const GroupLayout& group = layout.groups()[source.group];
     if (source.arena != nullptr) {
       for (std::size_t k = 0; k < group.bucket_count(); ++k) {
         const Bucket bucket = group.bucket(k);
+        checksum_bucket(source.arena + bucket.offset, bucket.bytes, *comm_stream);
         transport->broadcast_async(const_cast<std::byte*>(source.arena) + bucket.offset,
                                    bucket.bytes, config.root_rank, *comm_stream);
       }
@@ -489,6 +513,12 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
     }
   }
   if (job.streamed) complete_batch(job, start);
+  if (checksums.size() > 0) {
+    // After every bucket's checksum: the comm stream waited for each bucket's packed event, and
+    // the arena checksums ran on the comm stream itself.
+    transport->broadcast_async(checksums.data(), next_checksum * sizeof(std::uint64_t),
+                               config.root_rank, *comm_stream);
+  }
   backend.event_record(*done_event, *comm_stream);
 }
 
@@ -522,6 +552,7 @@ void Sender::Impl::pack_tensor(const GroupLayout& group, const TensorPlacement& 
 
 void Sender::Impl::flush_bucket(const GroupLayout& group, BucketCursor& cursor) {
   const int s = cursor.staging;
+  checksum_bucket(staging[s].data(), group.bucket(cursor.bucket).bytes, *pack_stream);
   backend.event_record(*packed[s], *pack_stream);
   backend.stream_wait_event(*comm_stream, *packed[s]);
   transport->broadcast_async(staging[s].data(), group.bucket(cursor.bucket).bytes,

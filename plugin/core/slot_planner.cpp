@@ -33,6 +33,18 @@ void SlotPlanner::on_retracted() {
   offered_ = -1;
 }
 
+void SlotPlanner::on_rolled_back(const std::vector<GroupSwap>& live_now) {
+  if (offered_ >= 0 || receiving_) {
+    throw Error(ErrorCode::kInternal,
+                "slot planner: on_rolled_back while an offer or a receive is unresolved");
+  }
+  for (const GroupSwap& swap : live_now) {
+    GroupState& g = groups_.at(swap.group);
+    g.live = swap.slot;
+    g.shadow = Shadow::kFree;
+  }
+}
+
 std::vector<ReceiveTarget> SlotPlanner::begin(std::uint64_t version,
                                               const std::vector<std::uint32_t>& groups) {
   if (offered_ >= 0 || receiving_) {

@@ -37,6 +37,10 @@ class SlotPlanner {
   void on_applied();
   // The offer was taken back before the engine saw it: its groups stay pending.
   void on_retracted();
+  // The engine rolled its last swap back: each of `live_now` names a group and the slot that is
+  // live again. The slot it left holds a newer version nobody will read: free. No offer or
+  // receive may be unresolved.
+  void on_rolled_back(const std::vector<GroupSwap>& live_now);
   // Version of the offer taken back during the current receive (0: none).
   std::uint64_t retracted_version() const;
 

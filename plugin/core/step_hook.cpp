@@ -10,7 +10,9 @@
 
 namespace shadowsync {
 
-StepHook::StepHook(const Layout& layout, SlotTable& slots) : layout_(layout), slots_(slots) {}
+StepHook::StepHook(const Layout& layout, SlotTable& slots) : layout_(layout), slots_(slots) {
+  previous_.reserve(layout.groups().size());
+}
 
 std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
   if constexpr (mutation::kActive == mutation::kWorkOnFastPath) {
@@ -39,21 +41,83 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
     }
   }
 
+  previous_.clear();
   for (const GroupSwap& swap : update->swaps) {
     SlotTable::Group& group = slots_.group(swap.group);
     // Everything the engine enqueued so far read the old live slot; once this event passes the
     // receiver may overwrite it (invariant 2).
     slots_.backend().event_record(*group.release[group.live], engine_stream);
+    previous_.push_back(GroupSwap{swap.group, group.live, group.live_content_version});
     group.live = swap.slot;
     group.live_content_version = swap.content_version;
   }
   const std::uint64_t version = update->version;
+  // Before applied_version_: the receiver closes the window only after it saw this swap finish.
+  rollback_window_.store(rollback_word(kOpen, version), std::memory_order_release);
   if (swap_callback_) swap_callback_(AppliedUpdate{version, &update->swaps});
 
   // The record belongs to the receiver again once this store is seen: touch it no more.
   applied_version_.store(version, std::memory_order_release);
   applied_version_.notify_all();  // the receiver may be waiting for this swap to finish
   return version;
+}
+
+std::uint64_t StepHook::rollback(Stream& engine_stream) {
+  std::uint64_t window = rollback_window_.load(std::memory_order_acquire);
+  for (;;) {
+    const auto kind = static_cast<RollbackKind>(window & 3);
+    const std::uint64_t version = window >> 2;
+    const bool claimable =
+        kind == kOpen || (mutation::kActive == mutation::kRollbackAfterOverwrite && kind == kClosed);
+    if (!claimable) {
+      switch (kind) {
+        case kNothingApplied:
+          throw Error(ErrorCode::kInvalidArgument, "rollback: no update has been applied yet");
+        case kRolledBack:
+          throw Error(ErrorCode::kInvalidArgument,
+                      fmt::format("rollback: update {} was already rolled back (one level is "
+                                  "kept)",
+                                  version));
+        default:
+          throw Error(ErrorCode::kSuperseded,
+                      fmt::format("rollback: no longer possible, update {} started receiving "
+                                  "into the previous slots",
+                                  version));
+      }
+    }
+    // The receiver may close the window at the same instant: exactly one of the two wins.
+    if (rollback_window_.compare_exchange_weak(window, rollback_word(kRolledBack, version),
+                                               std::memory_order_acq_rel,
+                                               std::memory_order_acquire)) {
+      break;
+    }
+  }
+  const std::uint64_t undone = applied_version();
+  // previous_ names the slots the last swap left: they become live again, and previous_ then
+  // describes what is live (the callback and the receiver read it as such).
+  for (const GroupSwap& swap : previous_) {
+    SlotTable::Group& group = slots_.group(swap.group);
+    slots_.backend().event_record(*group.release[group.live], engine_stream);  // invariant 2
+    group.live = swap.slot;
+    group.live_content_version = swap.content_version;
+  }
+  if (swap_callback_) swap_callback_(AppliedUpdate{undone, &previous_, /*rollback=*/true});
+  rollbacks_done_.fetch_add(1, std::memory_order_release);
+  rollbacks_done_.notify_all();
+  return undone;
+}
+
+const std::vector<GroupSwap>* StepHook::close_rollback_window(std::uint64_t version) {
+  const std::uint64_t window =
+      rollback_window_.exchange(rollback_word(kClosed, version), std::memory_order_acq_rel);
+  if ((window & 3) != kRolledBack) return nullptr;
+  // The engine claimed the rollback first; it is flipping pointers: wait until it is done.
+  const std::uint64_t wanted = ++rollbacks_adopted_;
+  for (std::uint64_t seen = rollbacks_done_.load(std::memory_order_acquire); seen < wanted;
+       seen = rollbacks_done_.load(std::memory_order_acquire)) {
+    rollbacks_done_.wait(seen, std::memory_order_acquire);
+  }
+  return &previous_;
 }
 
 bool StepHook::wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,

@@ -7,7 +7,7 @@
 namespace shadowsync {
 
 UpdateHeader make_update_header(const Layout& layout, std::uint64_t version,
-                                const std::vector<std::string>& group_names) {
+                                const std::vector<std::string>& group_names, bool checksums) {
   if (group_names.empty()) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("update {}: names no group (an update carries at least one)", version));
@@ -29,7 +29,20 @@ UpdateHeader make_update_header(const Layout& layout, std::uint64_t version,
     header.groups.push_back(static_cast<std::uint32_t>(g));
     header.bucket_count += layout.groups()[g].bucket_count();
   }
+  if (checksums) ++header.bucket_count;  // the trailing checksum block
   return header;
+}
+
+std::uint64_t data_bucket_count(const UpdateHeader& header, const Layout& layout) {
+  std::uint64_t buckets = 0;
+  for (const std::uint32_t g : header.groups) {
+    if (g < layout.groups().size()) buckets += layout.groups()[g].bucket_count();
+  }
+  return buckets;
+}
+
+bool carries_checksums(const UpdateHeader& header, const Layout& layout) {
+  return header.bucket_count == data_bucket_count(header, layout) + 1;
 }
 
 void validate_update_header(const UpdateHeader& header, const Layout& layout,
@@ -76,11 +89,12 @@ void validate_update_header(const UpdateHeader& header, const Layout& layout,
     }
     buckets += layout.groups()[g].bucket_count();
   }
-  if (header.bucket_count != buckets) {
+  if (header.bucket_count != buckets && header.bucket_count != buckets + 1) {
     throw Error(ErrorCode::kBadHeader,
-                fmt::format("update {}: bucket count {} does not match the layout's {} for {}",
+                fmt::format("update {}: bucket count {} does not match the layout's {} for {} ({} "
+                            "with a checksum block)",
                             header.version, header.bucket_count, buckets,
-                            describe_groups(header, layout)));
+                            describe_groups(header, layout), buckets + 1));
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -17,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "cuda/cuda_check.h"
+#include "cuda/integrity_kernels.h"
 #include "shadowsync/error.h"
 
 #if defined(__GNUG__)
@@ -369,6 +371,47 @@ void CudaBackend::stream_synchronize(Stream& stream) {
   make_current();
   SHADOWSYNC_CUDA_CHECK(cudaStreamSynchronize(cuda_stream.handle()), "stream={} device={}",
                         static_cast<void*>(cuda_stream.handle()), device_);
+}
+
+void CudaBackend::checksum_async(const void* data, std::size_t bytes, std::uint64_t* result,
+                                 Stream& stream) {
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "checksum_async");
+  if (result == nullptr || (data == nullptr && bytes > 0) ||
+      reinterpret_cast<std::uintptr_t>(data) % 8 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("CudaBackend::checksum_async: data {} and result {} must be non-null "
+                            "and data 8-byte aligned ({} bytes)",
+                            data, static_cast<void*>(result), bytes));
+  }
+  make_current();
+  SHADOWSYNC_CUDA_CHECK(cuda_detail::launch_checksum(data, bytes, result, cuda_stream.handle()),
+                        "data={} bytes={} stream={} device={}", data, bytes,
+                        static_cast<void*>(cuda_stream.handle()), device_);
+}
+
+void CudaBackend::count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
+                                        std::uint64_t* result, Stream& stream) {
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "count_nonfinite_async");
+  if (!dtype_has_nonfinite_check(dtype)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("CudaBackend::count_nonfinite_async: dtype {} has no non-finite "
+                            "check (fp32, fp16 and bf16 have)",
+                            dtype_name(dtype)));
+  }
+  const std::size_t element_bytes = dtype_size(dtype);
+  if (result == nullptr || (data == nullptr && elements > 0) ||
+      reinterpret_cast<std::uintptr_t>(data) % element_bytes != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("CudaBackend::count_nonfinite_async: data {} and result {} must be "
+                            "non-null and data aligned to its {}-byte {} elements",
+                            data, static_cast<void*>(result), element_bytes, dtype_name(dtype)));
+  }
+  make_current();
+  SHADOWSYNC_CUDA_CHECK(
+      cuda_detail::launch_count_nonfinite(data, elements, element_bytes, dtype == DType::kBFloat16,
+                                          result, cuda_stream.handle()),
+      "data={} elements={} dtype={} stream={} device={}", data, elements, dtype_name(dtype),
+      static_cast<void*>(cuda_stream.handle()), device_);
 }
 
 CudaStreamHandle CudaBackend::native(Stream& stream) {

@@ -2,6 +2,7 @@
 // host_stream.h.
 #include "shadowsync/host_backend.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "core/integrity.h"
 #include "host_stream.h"
 #include "shadowsync/error.h"
 
@@ -332,6 +334,58 @@ void HostBackend::stream_synchronize(Stream& stream) {
                 "which would wait for itself forever");
   }
   record_marker(host_stream)->wait();
+}
+
+void HostBackend::checksum_async(const void* data, std::size_t bytes, std::uint64_t* result,
+                                 Stream& stream) {
+  HostStream& host_stream = host_stream_or_throw(stream, "checksum_async");
+  if (result == nullptr || (data == nullptr && bytes > 0)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("HostBackend::checksum_async: null {} pointer for {} bytes",
+                            result == nullptr ? "result" : "data", bytes));
+  }
+  host_stream.enqueue([data = static_cast<const std::byte*>(data), bytes, result] {
+    std::uint64_t sum = 0;
+    for (std::size_t at = 0, index = 0; at < bytes; at += 8, ++index) {
+      std::uint64_t word = 0;  // little-endian, the tail zero-padded (x86 and arm64 hosts)
+      std::memcpy(&word, data + at, std::min<std::size_t>(8, bytes - at));
+      sum += integrity::checksum_term(word, index);
+    }
+    *result = sum;
+  });
+}
+
+void HostBackend::count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
+                                        std::uint64_t* result, Stream& stream) {
+  HostStream& host_stream = host_stream_or_throw(stream, "count_nonfinite_async");
+  if (!dtype_has_nonfinite_check(dtype)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("HostBackend::count_nonfinite_async: dtype {} has no non-finite "
+                            "check (fp32, fp16 and bf16 have)",
+                            dtype_name(dtype)));
+  }
+  if (result == nullptr || (data == nullptr && elements > 0)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("HostBackend::count_nonfinite_async: null {} pointer for {} elements",
+                            result == nullptr ? "result" : "data", elements));
+  }
+  host_stream.enqueue([data = static_cast<const std::byte*>(data), elements, dtype, result] {
+    std::uint64_t count = 0;
+    for (std::size_t i = 0; i < elements; ++i) {
+      if (dtype == DType::kFloat32) {
+        std::uint32_t bits = 0;
+        std::memcpy(&bits, data + 4 * i, 4);
+        count += integrity::fp32_nonfinite(bits) ? 1 : 0;
+      } else {
+        std::uint16_t bits = 0;
+        std::memcpy(&bits, data + 2 * i, 2);
+        const bool bad = dtype == DType::kFloat16 ? integrity::fp16_nonfinite(bits)
+                                                  : integrity::bf16_nonfinite(bits);
+        count += bad ? 1 : 0;
+      }
+    }
+    *result = count;
+  });
 }
 
 void HostBackend::launch_async(Stream& stream, std::function<void()> task) {

@@ -7,6 +7,7 @@
 #include <future>
 
 #include "deadline.h"
+#include "live_hash.h"
 #include "loopback_rig.h"
 #include "shadowsync/error.h"
 
@@ -22,17 +23,6 @@ Layout invariant_layout() {
                         {"a.A", DType::kBFloat16, {64}, "lora_a"},
                         {"a.B", DType::kBFloat16, {64}, "lora_a"}},
                        {.bucket_bytes = 1024});
-}
-
-std::uint64_t live_hash(Receiver& receiver) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (std::size_t g = 0; g < receiver.layout().groups().size(); ++g) {
-    const std::byte* arena = receiver.step_hook().live_arena(g);
-    for (std::size_t i = 0; i < receiver.layout().groups()[g].arena_bytes(); ++i) {
-      h = (h ^ static_cast<std::uint8_t>(arena[i])) * 1099511628211ull;
-    }
-  }
-  return h;
 }
 
 // Forwards to a HostBackend and counts every call: the fast path must make none.

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "deadline.h"
+#include "live_hash.h"
 #include "loopback_rig.h"
 #include <fmt/format.h>
 
@@ -24,18 +25,6 @@ Layout model_layout() {
                         {"lora_a.B", DType::kBFloat16, {16, 8}, "lora_a"},
                         {"lora_b.A", DType::kFloat32, {33}, "lora_b"}},
                        {.bucket_bytes = 2048});
-}
-
-std::uint64_t live_hash(Receiver& receiver) {
-  // What the engine would compute from: every live byte of every group.
-  std::uint64_t h = 1469598103934665603ull;
-  for (std::size_t g = 0; g < receiver.layout().groups().size(); ++g) {
-    const std::byte* arena = receiver.step_hook().live_arena(g);
-    for (std::size_t i = 0; i < receiver.layout().groups()[g].arena_bytes(); ++i) {
-      h = (h ^ static_cast<std::uint8_t>(arena[i])) * 1099511628211ull;
-    }
-  }
-  return h;
 }
 
 }  // namespace

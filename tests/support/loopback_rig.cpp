@@ -31,10 +31,15 @@ LoopbackRig::LoopbackRig(const Layout& layout, RigOptions options)
   }
 }
 
-LoopbackRig::~LoopbackRig() {
+LoopbackRig::~LoopbackRig() { destroy_endpoints(); }
+
+void LoopbackRig::destroy_endpoints() {
   // Receivers first: an engine must be done with them; then the sender, then the tensors.
   for (auto& receiver : receivers_) receiver->shutdown();
+  receivers_.clear();
   sender_.reset();
+  std::lock_guard lock(mutex_);
+  in_flight_.clear();
 }
 
 PublishHandle LoopbackRig::publish(std::uint64_t version, const std::vector<std::string>& groups) {

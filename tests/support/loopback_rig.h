@@ -39,6 +39,9 @@ class LoopbackRig {
   PublishHandle publish(std::uint64_t version, const std::vector<std::string>& groups);
   // A fresh communicator for every rank (after a failure aborted the old one).
   void reconnect();
+  // Shuts down and destroys the receivers, then the sender, as the destructor does, but keeps the
+  // backend: a test can then check what they left allocated. Engines must be gone first.
+  void destroy_endpoints();
 
   // Waits until `version` is received and offered to the engine of `receiver` (the stats count an
   // update just before it is offered, so both conditions are needed). Throws at the deadline.

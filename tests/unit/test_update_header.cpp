@@ -90,10 +90,26 @@ TEST_CASE("every header field is checked and the error names both values") {
                     Catch::Contains("strictly increase, got 0 after 1"));
 
   bad = good;
-  bad.bucket_count += 1;
+  bad.bucket_count += 2;  // one more is a checksum block (below); two more is wrong
   CHECK_THROWS_WITH(validate_update_header(bad, layout, 0),
-                    Catch::Contains(fmt::format("bucket count {}", good.bucket_count + 1)) &&
+                    Catch::Contains(fmt::format("bucket count {}", good.bucket_count + 2)) &&
                         Catch::Contains(fmt::format("layout's {}", good.bucket_count)));
+  bad.bucket_count = good.bucket_count - 1;
+  CHECK_THROWS_WITH(validate_update_header(bad, layout, 0),
+                    Catch::Contains(fmt::format("bucket count {}", good.bucket_count - 1)));
+}
+
+TEST_CASE("a checksum block is counted as one more broadcast in the header") {
+  const Layout layout = test_layout();
+  const UpdateHeader plain = make_update_header(layout, 1, {"base"});
+  const UpdateHeader summed = make_update_header(layout, 1, {"base"}, /*checksums=*/true);
+  CHECK(summed.bucket_count == plain.bucket_count + 1);
+  CHECK_NOTHROW(validate_update_header(summed, layout, 0));
+  CHECK_FALSE(carries_checksums(plain, layout));
+  CHECK(carries_checksums(summed, layout));
+  CHECK(data_bucket_count(summed, layout) == plain.bucket_count);
+  // It survives the byte form unchanged: no new field.
+  CHECK(parse_update_header(serialize_update_header(summed)).bucket_count == summed.bucket_count);
 }
 
 TEST_CASE("a header survives serialization to bytes, and bad bytes are refused by field") {
