@@ -1,23 +1,41 @@
 // The control channel between two processes: an engine that keeps decoding while it takes
 // updates, and a trainer that connects to it, hands over the rendezvous id, publishes updates and
-// waits for the engine's acks. On the host backend, with a TCP socket transport standing in for
+// waits for the engine's acks.
+//
+// --backend host (the default): the host backend, with a TCP socket transport standing in for
 // NCCL (tests/support/socket_transport.h): no GPU needed. tests/integration/test_control_e2e.cpp
 // runs it as two real processes, killing the first trainer and connecting a second.
 //
-//   export SHADOWSYNC_CONTROL_TOKEN=$(openssl rand -hex 32)
-//   control_channel engine [--port P]              # prints "listening <port>", runs until SIGTERM
-//   control_channel trainer --port P [--rounds N] [--die-after-header]
+// --backend cuda --device N (CUDA builds): CudaBackend on GPU N and NcclTransport; the NCCL unique
+// id travels over the control channel. The engine decodes with the GPU fake engine (one oracle
+// kernel per step on its stream, tests/support/gpu_fake_engine.cuh); each round the trainer runs a
+// "train step" (fill kernels writing the next version's pattern) and publishes it.
+// scripts/gpu_two_process.sh runs it on GPUs 0 (trainer) and 1 (engine).
 //
-// The engine prints one summary line when it stops and exits 0 only if no step was torn.
+//   export SHADOWSYNC_CONTROL_TOKEN=$(openssl rand -hex 32)
+//   control_channel engine [--port P] [--backend host|cuda] [--device N]
+//       prints "listening <port>", then one "update ..." line per applied update; runs until
+//       SIGTERM, then prints one "engine summary: ..." line; exits 0 only if no step was torn.
+//   control_channel trainer --port P [--rounds N] [--die-after-header] [--backend host|cuda]
+//                           [--device N]
+//       one "round ..." line per acked round, then "trainer: N rounds acked, ...".
+//
+// --device defaults to 1 for the engine and 0 for the trainer.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "fake_engine.h"
 #include "pattern.h"
@@ -27,6 +45,12 @@
 #include "shadowsync/sender.h"
 #include "shadowsync/trainer_channel.h"
 #include "socket_transport.h"
+
+#if defined(SHADOWSYNC_WITH_CUDA)
+#include "gpu_fake_engine.cuh"
+#include "shadowsync/cuda_backend.h"
+#include "shadowsync/nccl_transport.h"
+#endif
 
 #if defined(__SANITIZE_THREAD__)
 #define SHADOWSYNC_EXAMPLE_TSAN 1
@@ -48,9 +72,18 @@ namespace {
 
 constexpr auto kDeadline = std::chrono::seconds(30);
 
+struct Options {
+  std::string role;
+  std::string backend = "host";
+  int device = -1;  // -1: 1 for the engine, 0 for the trainer
+  std::uint16_t port = 0;
+  int rounds = 50;
+  bool die_after_header = false;
+};
+
 // Small on purpose (the test runs under sanitizers), but with several buckets per group and two
 // groups, so an update is more than one broadcast and a LoRA-only update is possible.
-Layout example_layout() {
+Layout host_layout() {
   return Layout::build({{"embed.weight", DType::kFloat32, {4096}, "base"},
                         {"layer0.weight", DType::kBFloat16, {64, 64}, "base"},
                         {"lm_head.weight", DType::kFloat32, {2048}, "base"},
@@ -59,26 +92,120 @@ Layout example_layout() {
                        {.bucket_bytes = 8192});
 }
 
+// On GPUs: a ~0.5 GB bf16 base (the size of a small model, so a transfer spans many decode
+// steps) in 64 MiB buckets, with tensors that cross bucket boundaries and one whose last 8-byte
+// word is partial, and a LoRA adapter.
+Layout cuda_layout() {
+  std::vector<TensorSpec> specs;
+  specs.push_back({"embed.weight", DType::kBFloat16, {16384, 4096}, "base"});  // 128 MiB
+  for (int l = 0; l < 12; ++l) {
+    const std::string prefix = fmt::format("layers.{}.", l);
+    specs.push_back({prefix + "wqkv", DType::kBFloat16, {3072, 4096}, "base"});  // 24 MiB
+    specs.push_back({prefix + "norm", DType::kBFloat16, {4099}, "base"});        // partial word
+  }
+  specs.push_back({"lm_head.weight", DType::kBFloat16, {4096, 4096}, "base"});
+  specs.push_back({"final_norm", DType::kFloat32, {4096}, "base"});
+  specs.push_back({"lora.A", DType::kBFloat16, {16, 4096}, "lora"});
+  specs.push_back({"lora.B", DType::kBFloat16, {4096, 16}, "lora"});
+  return Layout::build(std::move(specs), {.bucket_bytes = std::size_t{64} << 20});
+}
+
+Layout example_layout(const Options& options) {
+  return options.backend == "cuda" ? cuda_layout() : host_layout();
+}
+
+#if !defined(SHADOWSYNC_WITH_CUDA)
+[[noreturn]] void no_cuda() {
+  throw std::runtime_error(
+      "--backend cuda: this build has no CUDA backend (configure with -DSHADOWSYNC_WITH_CUDA=ON "
+      "where CUDA and NCCL are installed)");
+}
+#endif
+
+double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
 std::atomic<bool> g_stop{false};
 void on_signal(int) { g_stop.store(true); }
 
-int run_engine(std::uint16_t port) {
-  const Layout layout = example_layout();
-  HostBackend backend;
-  Receiver receiver(layout, backend, nullptr);  // the transport comes with the first rendezvous
-  testing::HostFakeEngine engine(
-      backend, receiver, {.compute_time = std::chrono::microseconds(50), .record_steps = false});
+// ---------------------------------------------------------------------------------------------
+// Engine
+// ---------------------------------------------------------------------------------------------
+
+// One "update" line per applied version. Its two halves come from two threads: the transfer from
+// the receiver's observer (which runs right after the update is offered, so the engine may swap
+// first) and the stall from the engine thread. The engine thread prints a line once both arrived.
+class UpdateLines {
+ public:
+  void received(const UpdateReport& report) {
+    std::lock_guard lock(mutex_);
+    Entry& e = entries_[report.version];
+    e.received = true;
+    e.bytes = report.bytes;
+    e.transfer_ms = std::chrono::duration<double, std::milli>(report.transfer).count();
+  }
+  void swapped(std::uint64_t version, double stall_us, std::uint64_t steps_between) {
+    std::lock_guard lock(mutex_);
+    Entry& e = entries_[version];
+    e.swapped = true;
+    e.stall_us = stall_us;
+    e.steps_between = steps_between;
+    max_stall_us_ = std::max(max_stall_us_, stall_us);
+  }
+  // Prints every complete entry; at the end (`all`) also what never completed.
+  void print(bool all) {
+    std::lock_guard lock(mutex_);
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      const Entry& e = it->second;
+      if (e.received && e.swapped) {
+        std::printf(
+            "update version=%llu stall_us=%.1f transfer_ms=%.3f bytes=%zu steps_since_previous=%llu\n",
+            static_cast<unsigned long long>(it->first), e.stall_us, e.transfer_ms, e.bytes,
+            static_cast<unsigned long long>(e.steps_between));
+      } else if (all) {
+        std::printf("update version=%llu %s\n", static_cast<unsigned long long>(it->first),
+                    e.received ? "received, never applied (superseded)"
+                               : "applied, no transfer report");
+      } else {
+        ++it;
+        continue;
+      }
+      it = entries_.erase(it);
+    }
+    std::fflush(stdout);
+  }
+  double max_stall_us() const {
+    std::lock_guard lock(mutex_);
+    return max_stall_us_;
+  }
+
+ private:
+  struct Entry {
+    bool received = false;
+    bool swapped = false;
+    std::size_t bytes = 0;
+    double transfer_ms = 0;
+    double stall_us = 0;
+    std::uint64_t steps_between = 0;
+  };
+  mutable std::mutex mutex_;
+  std::map<std::uint64_t, Entry> entries_;
+  double max_stall_us_ = 0;
+};
+
+// The engine loop, the same for both backends: `FakeEngine` is HostFakeEngine or GpuFakeEngine.
+// `sync_each_step`: the host engine waits for each step and then pauses between batches (an engine
+// with no requests does not spin); the GPU engine decodes without pause, bounded by its run-ahead
+// limit, as a busy engine does.
+template <typename FakeEngine>
+int serve(const Options& options, Backend& backend, Receiver& receiver, FakeEngine& engine,
+          TransportFactory factory, bool sync_each_step) {
   EngineChannelConfig config;
-  config.port = port;
-  EngineChannel channel(
-      receiver,
-      [&](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
-        return testing::SocketTransport::connect(backend, request.unique_id, request.rank,
-                                                 request.world_size, Clock::now() + kDeadline);
-      },
-      config);
+  config.port = options.port;
+  EngineChannel channel(receiver, std::move(factory), config);
+  UpdateLines lines;
   std::atomic<std::uint64_t> failed{0};
   receiver.set_observer([&](const UpdateReport& report) {
+    if (report.outcome == UpdateOutcome::kReady) lines.received(report);
     if (report.outcome != UpdateOutcome::kFailed) return;
     ++failed;
     channel.report_failed(report.version, ErrorCode::kTransport, report.error);
@@ -89,24 +216,41 @@ int run_engine(std::uint16_t port) {
   std::fflush(stdout);
 
   std::uint64_t applied = 0;
+  std::uint64_t steps = 0;
+  std::uint64_t steps_at_last_swap = 0;
   while (!g_stop.load()) {
-    // The engine thread: the step hook, one decode step, and an ack when a swap happened.
-    const auto version = engine.step();
-    engine.synchronize();
+    // The engine thread: the step hook, timed on its own (the stall is what the swap costs the
+    // engine thread, not the decode step's launch or its run-ahead wait), then one decode step.
+    // The step calls the hook again: an update that became ready in between is applied there,
+    // and its stall is then the whole step() call (an upper bound).
+    const auto before = Clock::now();
+    auto version = receiver.step_hook().before_step(engine.stream());
+    double stall_us = std::chrono::duration<double, std::micro>(Clock::now() - before).count();
+    const auto step_start = Clock::now();
+    if (const auto late = engine.step()) {
+      version = late;
+      stall_us = std::chrono::duration<double, std::micro>(Clock::now() - step_start).count();
+    }
+    ++steps;
+    if (sync_each_step) engine.synchronize();
     if (version) {
       ++applied;
-      channel.report_applied(*version, engine.steps_done());
+      lines.swapped(*version, stall_us, steps - steps_at_last_swap);
+      steps_at_last_swap = steps;
+      channel.report_applied(*version, steps);
     }
-    // Between batches: an engine with no requests does not spin.
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    lines.print(false);
+    if (sync_each_step) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   const EngineChannelStats stats = channel.stats();
   channel.shutdown();
   receiver.shutdown();
   engine.synchronize();
+  lines.print(true);
   std::printf(
       "engine summary: applied=%llu last=%llu failed=%llu torn=%llu trainers=%llu "
-      "rendezvous=%llu headers=%llu refused=%llu auth_failures=%llu protocol_errors=%llu\n",
+      "rendezvous=%llu headers=%llu refused=%llu auth_failures=%llu protocol_errors=%llu "
+      "backend=%s steps=%llu max_stall_us=%.1f\n",
       static_cast<unsigned long long>(applied),
       static_cast<unsigned long long>(receiver.step_hook().applied_version()),
       static_cast<unsigned long long>(failed.load()),
@@ -116,21 +260,171 @@ int run_engine(std::uint16_t port) {
       static_cast<unsigned long long>(stats.headers_accepted),
       static_cast<unsigned long long>(stats.headers_refused),
       static_cast<unsigned long long>(stats.authentication_failures),
-      static_cast<unsigned long long>(stats.protocol_errors));
+      static_cast<unsigned long long>(stats.protocol_errors), std::string(backend.name()).c_str(),
+      static_cast<unsigned long long>(steps), lines.max_stall_us());
   if (engine.torn_steps() != 0) std::printf("first torn step: %s\n", engine.first_torn().c_str());
   std::fflush(stdout);
   return engine.torn_steps() == 0 ? 0 : 1;
 }
 
-int run_trainer(std::uint16_t port, int rounds, bool die_after_header) {
-  const Layout layout = example_layout();
+int run_engine(const Options& options) {
+  const Layout layout = example_layout(options);
+  if (options.backend == "cuda") {
+#if defined(SHADOWSYNC_WITH_CUDA)
+    const int device = options.device < 0 ? 1 : options.device;
+    CudaBackend backend(device);
+    Receiver receiver(layout, backend, nullptr);  // the transport comes with the first rendezvous
+    testing::GpuFakeEngineOptions engine_options;
+    engine_options.host_sync_each_step = false;  // only events: where a missing wait shows
+    testing::GpuFakeEngine engine(backend, receiver, engine_options);
+    return serve(
+        options, backend, receiver, engine,
+        [device](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
+          NcclTransportConfig config;
+          config.init_timeout = std::chrono::seconds(60);  // the trainer joins within seconds
+          return NcclTransport::create(request.unique_id, request.rank, request.world_size, device,
+                                       config);
+        },
+        /*sync_each_step=*/false);
+#else
+    no_cuda();
+#endif
+  }
   HostBackend backend;
+  Receiver receiver(layout, backend, nullptr);  // the transport comes with the first rendezvous
+  testing::HostFakeEngine engine(
+      backend, receiver, {.compute_time = std::chrono::microseconds(50), .record_steps = false});
+  return serve(
+      options, backend, receiver, engine,
+      [&backend](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
+        return testing::SocketTransport::connect(backend, request.unique_id, request.rank,
+                                                 request.world_size, Clock::now() + kDeadline);
+      },
+      /*sync_each_step=*/true);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trainer
+// ---------------------------------------------------------------------------------------------
+
+// Writes the tensors of `groups` at `version` (the optimizer step) and returns them as the
+// sender's sources; they stay valid until the next call.
+using TrainStep = std::function<std::vector<SourceTensor>(std::uint64_t version,
+                                                          const std::vector<std::string>& groups)>;
+
+// The rounds, the same for both backends: train step, publish, header over the channel, wait for
+// the send and for the engine's ack. One line per round.
+int train(const Options& options, const Layout& layout, TrainerChannel& channel, Sender& sender,
+          const TrainStep& train_step, std::uint64_t first) {
+  std::printf("trainer: connected, engine live at %llu, first version %llu\n",
+              static_cast<unsigned long long>(channel.engines()[0].applied_version),
+              static_cast<unsigned long long>(first));
+  std::fflush(stdout);
+
+  const std::vector<std::vector<std::string>> kinds = {{"base", "lora"}, {"lora"}, {"base"}};
+  int acked = 0;
+  for (int i = 0; i < options.rounds; ++i) {
+    const std::uint64_t version = first + static_cast<std::uint64_t>(i);
+    const auto& groups = kinds[static_cast<std::size_t>(i) % kinds.size()];
+    const auto start = Clock::now();
+    const std::vector<SourceTensor> tensors = train_step(version, groups);
+    const auto trained = Clock::now();
+    PublishHandle handle = sender.publish(version, groups, tensors);
+    channel.send_update_header(handle.header());
+    if (!handle.wait_for(kDeadline)) {
+      throw std::runtime_error(fmt::format("update {}: not sent within {} s", version,
+                                           kDeadline.count()));
+    }
+    const auto sent = Clock::now();
+    if (!channel.wait_until_all_applied(version, Clock::now() + kDeadline)) {
+      throw std::runtime_error(fmt::format("update {} was not acked in time", version));
+    }
+    const auto acked_at = Clock::now();
+    ++acked;
+    std::string group_list;
+    for (const std::string& g : groups) group_list += (group_list.empty() ? "" : "+") + g;
+    // send_ms: publish until every bucket was sent; ack_ms: publish until the engine's ack.
+    std::printf("round %d version=%llu groups=%s train_ms=%.3f send_ms=%.3f ack_ms=%.3f\n", i + 1,
+                static_cast<unsigned long long>(version), group_list.c_str(), ms(trained - start),
+                ms(sent - trained), ms(acked_at - trained));
+    std::fflush(stdout);
+  }
+  std::printf("trainer: %d rounds acked, last version %llu at engine step %llu\n", acked,
+              static_cast<unsigned long long>(channel.engines()[0].applied_version),
+              static_cast<unsigned long long>(channel.engines()[0].applied_step));
+  std::fflush(stdout);
+  if (options.die_after_header) {
+    // A trainer that crashes after announcing an update, before sending a byte of it: no
+    // goodbye, the engine's receive finds its peer gone.
+    const UpdateHeader header = make_update_header(layout, first + options.rounds, {"base"});
+    channel.send_update_header(header);
+    std::raise(SIGKILL);
+  }
+  return 0;
+}
+
+int run_trainer(const Options& options) {
+  const Layout layout = example_layout(options);
   TrainerChannelConfig config;
-  config.engines.push_back({"127.0.0.1", port});
+  config.engines.push_back({"127.0.0.1", options.port});
   TrainerChannel channel(layout, config);
   // A restarted trainer continues above whatever the engine accepted before.
   const std::uint64_t first = channel.highest_accepted_version() + 1;
 
+  if (options.backend == "cuda") {
+#if defined(SHADOWSYNC_WITH_CUDA)
+    const int device = options.device < 0 ? 0 : options.device;
+    CudaBackend backend(device);
+    // Rendezvous: this side is rank 0. NCCL's init blocks until the engine joined with the id
+    // the channel carried, so the id goes out first.
+    const NcclUniqueId id = NcclUniqueId::generate();
+    channel.send_rendezvous(id);
+    NcclTransportConfig transport_config;
+    transport_config.init_timeout = std::chrono::seconds(60);
+    auto transport = NcclTransport::create(id, 0, 2, device, transport_config);
+    if (!channel.wait_rendezvous(Clock::now() + kDeadline)) {
+      throw std::runtime_error("the engine did not finish the rendezvous in time");
+    }
+    Sender sender(layout, backend, std::move(transport));
+
+    // The model's parameters: one device buffer per group, each tensor at its layout offset (the
+    // sender packs them through its staging buffers as it would scattered parameters). One set
+    // is enough: each round waits until its publish is done before the next train step.
+    std::vector<DeviceBuffer> arenas;
+    std::vector<std::vector<SourceTensor>> group_sources;
+    for (const auto& group : layout.groups()) {
+      arenas.emplace_back(backend, group.arena_bytes());
+      group_sources.emplace_back();
+      for (const auto& placement : group.tensors()) {
+        group_sources.back().push_back({placement.spec.name, arenas.back().data() + placement.offset,
+                                        placement.spec.dtype, placement.spec.shape});
+      }
+    }
+    auto stream = backend.create_stream(StreamPriority::kNormal);
+    auto filled = backend.create_event();
+    const TrainStep step = [&](std::uint64_t version, const std::vector<std::string>& groups) {
+      std::vector<SourceTensor> sources;
+      for (const std::string& name : groups) {
+        const std::size_t g = layout.group_index(name);
+        testing::fill_group_async(backend, *stream, layout, g, version, arenas[g].data());
+        sources.insert(sources.end(), group_sources[g].begin(), group_sources[g].end());
+      }
+      // The sender reads the tensors on its own streams: the fill must be done first.
+      backend.event_record(*filled, *stream);
+      if (!backend.event_wait_for(*filled, kDeadline)) {
+        throw std::runtime_error(fmt::format(
+            "train step of version {}: fill kernels on GPU {} not done within {} s", version,
+            device, kDeadline.count()));
+      }
+      return sources;
+    };
+    return train(options, layout, channel, sender, step, first);
+#else
+    no_cuda();
+#endif
+  }
+
+  HostBackend backend;
   // Rendezvous: this side listens (rank 0), the engine joins with the id the channel carries.
   auto transport = testing::SocketTransport::listen(backend, 2);
   channel.send_rendezvous(transport->id());
@@ -139,62 +433,54 @@ int run_trainer(std::uint16_t port, int rounds, bool die_after_header) {
     throw std::runtime_error("the engine did not finish the rendezvous in time");
   }
   Sender sender(layout, backend, std::move(transport));
-  std::printf("trainer: connected, engine live at %llu, first version %llu\n",
-              static_cast<unsigned long long>(channel.engines()[0].applied_version),
-              static_cast<unsigned long long>(first));
-  std::fflush(stdout);
+  std::optional<testing::HostTensors> tensors;
+  const TrainStep step = [&](std::uint64_t version, const std::vector<std::string>& groups) {
+    tensors.emplace(layout, groups, version);
+    return tensors->sources();
+  };
+  return train(options, layout, channel, sender, step, first);
+}
 
-  const std::vector<std::vector<std::string>> kinds = {{"base", "lora"}, {"lora"}, {"base"}};
-  int acked = 0;
-  for (int i = 0; i < rounds; ++i) {
-    const std::uint64_t version = first + static_cast<std::uint64_t>(i);
-    const auto& groups = kinds[static_cast<std::size_t>(i) % kinds.size()];
-    testing::HostTensors tensors(layout, groups, version);
-    PublishHandle handle = sender.publish(version, groups, tensors.sources());
-    channel.send_update_header(handle.header());
-    handle.wait();
-    if (!channel.wait_until_all_applied(version, Clock::now() + kDeadline)) {
-      throw std::runtime_error(fmt::format("update {} was not acked in time", version));
-    }
-    ++acked;
+int parse_int(const std::string& flag, const char* text, int minimum, int maximum) {
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  if (end == text || *end != '\0' || value < minimum || value > maximum) {
+    throw std::runtime_error(fmt::format("{}: expected a number in [{}, {}], got '{}'", flag,
+                                         minimum, maximum, text));
   }
-  std::printf("trainer: %d rounds acked, last version %llu at engine step %llu\n", acked,
-              static_cast<unsigned long long>(channel.engines()[0].applied_version),
-              static_cast<unsigned long long>(channel.engines()[0].applied_step));
-  std::fflush(stdout);
-  if (die_after_header) {
-    // A trainer that crashes after announcing an update, before sending a byte of it: no
-    // goodbye, the engine's receive finds its peer gone.
-    const UpdateHeader header = make_update_header(layout, first + rounds, {"base"});
-    channel.send_update_header(header);
-    std::raise(SIGKILL);
-  }
-  return 0;
+  return static_cast<int>(value);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) try {
   if (argc < 2) throw std::runtime_error("usage: control_channel engine|trainer [options]");
-  const std::string role = argv[1];
-  std::uint16_t port = 0;
-  int rounds = 50;
-  bool die_after_header = false;
+  Options options;
+  options.role = argv[1];
   for (int i = 2; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--port" && i + 1 < argc) {
-      port = static_cast<std::uint16_t>(std::atoi(argv[++i]));
-    } else if (arg == "--rounds" && i + 1 < argc) {
-      rounds = std::atoi(argv[++i]);
+    const bool has_value = i + 1 < argc;
+    if (arg == "--port" && has_value) {
+      options.port = static_cast<std::uint16_t>(parse_int(arg, argv[++i], 0, 65535));
+    } else if (arg == "--rounds" && has_value) {
+      options.rounds = parse_int(arg, argv[++i], 1, 1'000'000);
     } else if (arg == "--die-after-header") {
-      die_after_header = true;
+      options.die_after_header = true;
+    } else if (arg == "--backend" && has_value) {
+      options.backend = argv[++i];
+      if (options.backend != "host" && options.backend != "cuda") {
+        throw std::runtime_error(
+            fmt::format("--backend: expected 'host' or 'cuda', got '{}'", options.backend));
+      }
+    } else if (arg == "--device" && has_value) {
+      options.device = parse_int(arg, argv[++i], 0, 1023);
     } else {
       throw std::runtime_error(fmt::format("unknown argument '{}'", arg));
     }
   }
-  if (role == "engine") return run_engine(port);
-  if (role == "trainer") return run_trainer(port, rounds, die_after_header);
-  throw std::runtime_error(fmt::format("unknown role '{}' (engine or trainer)", role));
+  if (options.role == "engine") return run_engine(options);
+  if (options.role == "trainer") return run_trainer(options);
+  throw std::runtime_error(fmt::format("unknown role '{}' (engine or trainer)", options.role));
 } catch (const std::exception& error) {
   std::fprintf(stderr, "control_channel: %s\n", error.what());
   return 2;

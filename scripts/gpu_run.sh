@@ -3,21 +3,25 @@
 # repository root, with the .deb files of scripts/gpu_collect_debs.sh in .deps/ (carried there with
 # the device tool: carry [".deps"]). See docs/gpu.md.
 #
-#   bash scripts/gpu_run.sh [--sanitize] [--receivers R] [--all] [--budget SECONDS]
+#   bash scripts/gpu_run.sh [--sanitize] [--receivers R] [--all] [--no-examples] [--budget SECONDS]
 #
 #   (always)       unpack .deps/*.deb into .deps/prefix (dpkg -x), print the GPUs and their
 #                  topology, configure build-gpu/ with CUDA on, build the GPU tests, and run
 #                  `ctest --output-on-failure -L gpu` (test_cuda_transport_smoke, test_gpu_updates
 #                  with its defaults: 1 receiver, 1000 updates, both engine modes, medium layout).
+#   (unless --no-examples) build control_channel and shadowsync_c and run scripts/gpu_examples.sh:
+#                  the two-process example (trainer GPU 0, engine GPU 1, 50 rounds, torn=0) and
+#                  the mini vLLM-like worker's pytest (cpu and cuda cases). Skipped below 2 GPUs.
 #   --sanitize     also run test_gpu_updates --layout small --updates 50 under compute-sanitizer,
 #                  --tool memcheck and --tool racecheck (NCCL's own kernels excluded).
 #   --receivers R  also run test_gpu_updates --receivers R (needs R+1 GPUs; skipped otherwise).
 #   --all          build every target (CPU tests too), not only the GPU tests.
+#   --no-examples  do not build or run the examples step.
 #   --budget S     stop starting new steps once S seconds have passed (default 540: the device
 #                  tool allows 600 per command).
 #
 # Logs go to ${OUT:-./gpu-out} (at most 8 files: the device tool brings back 8): env.log,
-# build.log, ctest.log, memcheck.log, racecheck.log, receivers.log, summary.txt.
+# build.log, ctest.log, examples.log, memcheck.log, racecheck.log, receivers.log, summary.txt.
 # Exit status: 0 if every step that ran passed (a test that skips for lack of GPUs passes), else 1.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -26,14 +30,16 @@ readonly ROOT=$PWD
 SANITIZE=0
 RECEIVERS=""
 BUILD_ALL=0
+EXAMPLES=1
 BUDGET=540
 while (($#)); do
   case "$1" in
     --sanitize) SANITIZE=1 ;;
     --receivers) RECEIVERS="${2:?--receivers needs a number}"; shift ;;
     --all) BUILD_ALL=1 ;;
+    --no-examples) EXAMPLES=0 ;;
     --budget) BUDGET="${2:?--budget needs seconds}"; shift ;;
-    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -114,6 +120,16 @@ else
         build_failed+=("gpu_$stem")
       fi
     done
+    # What scripts/gpu_examples.sh runs: the two-process example and the C ABI for Python.
+    if ((EXAMPLES)); then
+      for target in control_channel shadowsync_c; do
+        log "building $target"
+        if ! timeout "$(step_timeout 300)" cmake --build "$BUILD" -j "$JOBS" --target "$target" \
+            >>"$OUT_DIR/build.log" 2>&1; then
+          build_failed+=("$target")
+        fi
+      done
+    fi
   fi
 fi
 if ((${#build_failed[@]})); then
@@ -164,14 +180,21 @@ run_step() {
   esac
 }
 
-# --- 5. optional: more receivers -----------------------------------------------------------------
+# --- 5. issue 5's examples on two GPUs ----------------------------------------------------------
+if ((EXAMPLES)); then
+  run_step "examples (two-process, mini worker)" "$OUT_DIR/examples.log" 300 \
+    bash "$ROOT/scripts/gpu_examples.sh" "$BUILD"
+  grep -E '^(two_process|mini_worker): ' "$OUT_DIR/examples.log" >>"$SUMMARY" 2>/dev/null
+fi
+
+# --- 6. optional: more receivers -----------------------------------------------------------------
 if [[ -n "$RECEIVERS" ]]; then
   run_step "test_gpu_updates --receivers $RECEIVERS" "$OUT_DIR/receivers.log" 240 \
     "$TEST_BIN" --receivers "$RECEIVERS"
   grep -E '^gpu_updates: (receivers|transfer)|^receiver ' "$OUT_DIR/receivers.log" >>"$SUMMARY" 2>/dev/null
 fi
 
-# --- 6. optional: compute-sanitizer --------------------------------------------------------------
+# --- 7. optional: compute-sanitizer --------------------------------------------------------------
 if ((SANITIZE)); then
   SANITIZER=$(command -v compute-sanitizer || true)
   for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do

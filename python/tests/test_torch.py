@@ -58,7 +58,8 @@ def test_worker_extension_rebinds_torch_parameters():
     layout = ss.Layout(SPECS, bucket_bytes=1024)
     sender = ss.Sender(layout, ss.HostBackend(), loopback.transport(0))
     worker = TorchWorker()
-    assert worker.init_weight_update_group(bucket_bytes=1024, transport=loopback.transport(1)) == \
+    assert worker.init_weight_update_group(specs=layout.specs, bucket_bytes=1024,
+                                           transport=loopback.transport(1)) == \
         layout.fingerprint
     assert worker.execute_model() == {0}
     handle = sender.publish(1, torch_tensors(BASE + LORA, 1))
