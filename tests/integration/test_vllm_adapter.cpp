@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -216,6 +218,7 @@ TEST_CASE("vLLM adapter: the worker keeps stepping while updates stream in; each
     REQUIRE(std::chrono::steady_clock::now() < deadline);
     applied = extension.execute_model();
     if (!applied) ++steps_during_transfer;
+    setup.backend.stream_synchronize(*setup.engine_stream);  // as an engine that samples does
   }
   CHECK(*applied == 2);
   CHECK(steps_during_transfer >= 5);
@@ -235,20 +238,32 @@ TEST_CASE("vLLM adapter: the worker keeps stepping while updates stream in; each
   extension.execute_model();
 
   // Updates 4..9 from a trainer thread, while the engine steps: latest wins, no torn step.
+  std::exception_ptr trainer_error;  // reported after the join instead of terminating
+  std::atomic<bool> trainer_failed{false};
   std::thread trainer([&] {
-    for (std::uint64_t v = 4; v <= 9; ++v) {
-      HostTensors tensors(setup.layout, {"base", "lora"}, v);
-      PublishHandle handle = setup.sender->publish(v, {"base", "lora"}, tensors.sources());
-      extension.begin_update(handle.header());
-      handle.wait();  // the tensors must outlive the send
+    try {
+      for (std::uint64_t v = 4; v <= 9; ++v) {
+        HostTensors tensors(setup.layout, {"base", "lora"}, v);
+        PublishHandle handle = setup.sender->publish(v, {"base", "lora"}, tensors.sources());
+        extension.begin_update(handle.header());
+        handle.wait();  // the tensors must outlive the send
+      }
+    } catch (...) {
+      trainer_error = std::current_exception();
+      trainer_failed.store(true);
     }
   });
   const auto until = deadline_from_now();
-  while (hook.applied_version() < 9) {
+  while (hook.applied_version() < 9 && !trainer_failed.load()) {
     REQUIRE(std::chrono::steady_clock::now() < until);
     extension.execute_model();
+    // As a real engine does when it samples: without it this loop enqueues steps far faster than
+    // the stream runs them, and a swap's release event sits behind millions of queued steps (the
+    // receiver's bucket deadline then expires under a sanitizer).
+    setup.backend.stream_synchronize(*setup.engine_stream);
   }
   trainer.join();
+  if (trainer_error) std::rethrow_exception(trainer_error);
   extension.execute_model();
   setup.backend.stream_synchronize(*setup.engine_stream);
   check_bound_to_live(setup.worker, extension.receiver());
