@@ -16,9 +16,13 @@
 //   control_channel engine [--port P] [--backend host|cuda] [--device N]
 //       prints "listening <port>", then one "update ..." line per applied update; runs until
 //       SIGTERM, then prints one "engine summary: ..." line; exits 0 only if no step was torn.
-//   control_channel trainer --port P [--rounds N] [--die-after-header] [--backend host|cuda]
-//                           [--device N]
+//       A failed update prints "failed version=V code=C unix_ms=T error=..." (T: wall clock).
+//       --bucket-deadline-ms MS sets ReceiverConfig::bucket_deadline.
+//   control_channel trainer --port P [--rounds N] [--die-after-header] [--hang-mid-update]
+//                           [--backend host|cuda] [--device N]
 //       one "round ..." line per acked round, then "trainer: N rounds acked, ...".
+//       --hang-mid-update: then sends part of one more update, prints "trainer: mid-update
+//       version=V" and waits for a signal (scripts/gpu_faults.sh kills or stops it there).
 //
 // --device defaults to 1 for the engine and 0 for the trainer.
 #include <fmt/format.h>
@@ -36,6 +40,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "fake_engine.h"
 #include "pattern.h"
@@ -79,6 +85,8 @@ struct Options {
   std::uint16_t port = 0;
   int rounds = 50;
   bool die_after_header = false;
+  bool hang_mid_update = false;  // trainer: after the rounds, stop halfway through one more
+  int bucket_deadline_ms = 0;    // engine: ReceiverConfig::bucket_deadline (0: the default)
 };
 
 // Small on purpose (the test runs under sanitizers), but with several buckets per group and two
@@ -208,7 +216,17 @@ int serve(const Options& options, Backend& backend, Receiver& receiver, FakeEngi
     if (report.outcome == UpdateOutcome::kReady) lines.received(report);
     if (report.outcome != UpdateOutcome::kFailed) return;
     ++failed;
-    channel.report_failed(report.version, ErrorCode::kTransport, report.error);
+    // Wall-clock time, so that a script that killed the trainer can tell how long the engine took
+    // to notice (scripts/gpu_faults.sh).
+    const auto unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+    std::printf("failed version=%llu code=%s unix_ms=%lld error=%s\n",
+                static_cast<unsigned long long>(report.version),
+                to_string(report.code),
+                static_cast<long long>(unix_ms), report.error.c_str());
+    std::fflush(stdout);
+    channel.report_failed(report.version, report.code, report.error);
   });
   std::signal(SIGTERM, on_signal);
   std::signal(SIGINT, on_signal);
@@ -267,13 +285,22 @@ int serve(const Options& options, Backend& backend, Receiver& receiver, FakeEngi
   return engine.torn_steps() == 0 ? 0 : 1;
 }
 
+ReceiverConfig engine_config(const Options& options) {
+  ReceiverConfig config;
+  if (options.bucket_deadline_ms > 0) {
+    config.bucket_deadline = std::chrono::milliseconds(options.bucket_deadline_ms);
+  }
+  return config;
+}
+
 int run_engine(const Options& options) {
   const Layout layout = example_layout(options);
   if (options.backend == "cuda") {
 #if defined(SHADOWSYNC_WITH_CUDA)
     const int device = options.device < 0 ? 1 : options.device;
     CudaBackend backend(device);
-    Receiver receiver(layout, backend, nullptr);  // the transport comes with the first rendezvous
+    // The transport comes with the first rendezvous.
+    Receiver receiver(layout, backend, nullptr, engine_config(options));
     testing::GpuFakeEngineOptions engine_options;
     engine_options.host_sync_each_step = false;  // only events: where a missing wait shows
     testing::GpuFakeEngine engine(backend, receiver, engine_options);
@@ -291,7 +318,8 @@ int run_engine(const Options& options) {
 #endif
   }
   HostBackend backend;
-  Receiver receiver(layout, backend, nullptr);  // the transport comes with the first rendezvous
+  // The transport comes with the first rendezvous.
+  Receiver receiver(layout, backend, nullptr, engine_config(options));
   testing::HostFakeEngine engine(
       backend, receiver, {.compute_time = std::chrono::microseconds(50), .record_steps = false});
   return serve(
@@ -359,6 +387,18 @@ int train(const Options& options, const Layout& layout, TrainerChannel& channel,
     const UpdateHeader header = make_update_header(layout, first + options.rounds, {"base"});
     channel.send_update_header(header);
     std::raise(SIGKILL);
+  }
+  if (options.hang_mid_update) {
+    // A trainer that stops halfway through an update: the first tensor of the base is sent (its
+    // buckets are broadcast), the rest never comes. A fault script kills or stops it here.
+    const std::uint64_t version = first + options.rounds;
+    const std::vector<SourceTensor> tensors = train_step(version, {"base"});
+    StreamedPublish streamed = sender.publish_streamed(version, {"base"});
+    channel.send_update_header(streamed.header());
+    streamed.supply({tensors.front()});
+    std::printf("trainer: mid-update version=%llu\n", static_cast<unsigned long long>(version));
+    std::fflush(stdout);
+    for (;;) pause();  // until a signal ends the process
   }
   return 0;
 }
@@ -466,6 +506,10 @@ int main(int argc, char** argv) try {
       options.rounds = parse_int(arg, argv[++i], 1, 1'000'000);
     } else if (arg == "--die-after-header") {
       options.die_after_header = true;
+    } else if (arg == "--hang-mid-update") {
+      options.hang_mid_update = true;
+    } else if (arg == "--bucket-deadline-ms" && has_value) {
+      options.bucket_deadline_ms = parse_int(arg, argv[++i], 1, 3'600'000);
     } else if (arg == "--backend" && has_value) {
       options.backend = argv[++i];
       if (options.backend != "host" && options.backend != "cuda") {

@@ -3,7 +3,8 @@
 # repository root, with the .deb files of scripts/gpu_collect_debs.sh in .deps/ (carried there with
 # the device tool: carry [".deps"]). See docs/gpu.md.
 #
-#   bash scripts/gpu_run.sh [--sanitize] [--receivers R] [--all] [--no-examples] [--budget SECONDS]
+#   bash scripts/gpu_run.sh [--sanitize] [--receivers R] [--all] [--no-examples] [--no-faults]
+#                           [--budget SECONDS]
 #
 #   (always)       unpack .deps/*.deb into .deps/prefix (dpkg -x), print the GPUs and their
 #                  topology, configure build-gpu/ with CUDA on, build the GPU tests, and run
@@ -12,11 +13,15 @@
 #   (unless --no-examples) build control_channel and shadowsync_c and run scripts/gpu_examples.sh:
 #                  the two-process example (trainer GPU 0, engine GPU 1, 50 rounds, torn=0) and
 #                  the mini vLLM-like worker's pytest (cpu and cuda cases). Skipped below 2 GPUs.
+#   (unless --no-faults) build control_channel and run scripts/gpu_faults.sh: trainer processes
+#                  SIGKILLed and SIGSTOPped mid-update, 20 kill/restart cycles with the engine's
+#                  device memory printed (its log is appended to examples.log). Skipped below 2 GPUs.
 #   --sanitize     also run test_gpu_updates --layout small --updates 50 under compute-sanitizer,
 #                  --tool memcheck and --tool racecheck (NCCL's own kernels excluded).
 #   --receivers R  also run test_gpu_updates --receivers R (needs R+1 GPUs; skipped otherwise).
 #   --all          build every target (CPU tests too), not only the GPU tests.
 #   --no-examples  do not build or run the examples step.
+#   --no-faults    do not build or run the fault step.
 #   --budget S     stop starting new steps once S seconds have passed (default 540: the device
 #                  tool allows 600 per command).
 #
@@ -31,6 +36,7 @@ SANITIZE=0
 RECEIVERS=""
 BUILD_ALL=0
 EXAMPLES=1
+FAULTS=1
 BUDGET=540
 while (($#)); do
   case "$1" in
@@ -38,8 +44,9 @@ while (($#)); do
     --receivers) RECEIVERS="${2:?--receivers needs a number}"; shift ;;
     --all) BUILD_ALL=1 ;;
     --no-examples) EXAMPLES=0 ;;
+    --no-faults) FAULTS=0 ;;
     --budget) BUDGET="${2:?--budget needs seconds}"; shift ;;
-    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -121,7 +128,7 @@ else
       fi
     done
     # What scripts/gpu_examples.sh runs: the two-process example and the C ABI for Python.
-    if ((EXAMPLES)); then
+    if ((EXAMPLES || FAULTS)); then
       for target in control_channel shadowsync_c; do
         log "building $target"
         if ! timeout "$(step_timeout 300)" cmake --build "$BUILD" -j "$JOBS" --target "$target" \
@@ -185,6 +192,16 @@ if ((EXAMPLES)); then
   run_step "examples (two-process, mini worker)" "$OUT_DIR/examples.log" 300 \
     bash "$ROOT/scripts/gpu_examples.sh" "$BUILD"
   grep -E '^(two_process|mini_worker): ' "$OUT_DIR/examples.log" >>"$SUMMARY" 2>/dev/null
+fi
+
+# --- 5b. issue 7's fault runs on two GPUs --------------------------------------------------------
+if ((FAULTS)); then
+  # Its log joins examples.log afterwards: the device tool brings back at most 8 files.
+  run_step "faults (SIGKILL, SIGSTOP, 20 kill/restart cycles)" "$OUT_DIR/faults.tmp" 300 \
+    bash "$ROOT/scripts/gpu_faults.sh" "$BUILD"
+  grep -E '^(fault |cycle |faults: )' "$OUT_DIR/faults.tmp" >>"$SUMMARY" 2>/dev/null
+  { echo "===== scripts/gpu_faults.sh"; cat "$OUT_DIR/faults.tmp"; } >>"$OUT_DIR/examples.log" 2>/dev/null
+  rm -f "$OUT_DIR/faults.tmp"
 fi
 
 # --- 6. optional: more receivers -----------------------------------------------------------------

@@ -20,6 +20,7 @@ declare -A guard=(
   [10]="rollback: refused*"
   [11]="shutdown: 100*"
   [12]="shutdown: 100*"
+  [13]="copy_in stress*"
 )
 # The test executable of each mutation (tests/integration/<name>); test_invariants if not listed.
 declare -A program=(
@@ -28,9 +29,10 @@ declare -A program=(
   [10]=test_rollback
   [11]=test_shutdown
   [12]=test_shutdown
+  [13]=test_copy_in
 )
 mutations=("$@")
-if ((${#mutations[@]} == 0)); then mutations=(1 2 3 4 5 6 7 8 9 10 11 12); fi
+if ((${#mutations[@]} == 0)); then mutations=(1 2 3 4 5 6 7 8 9 10 11 12 13); fi
 
 ./scripts/deps.sh
 readonly dir=build-mutation

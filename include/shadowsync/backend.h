@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "shadowsync/dtype.h"
@@ -27,6 +28,23 @@ class Stream {
 class Event {
  public:
   virtual ~Event() = default;
+};
+
+// The memory of one group under the remap swap strategy: a live address range that never moves
+// and two physical slots, each also reachable at an address of its own. Made by
+// Backend::create_remappable_arena.
+class RemappableArena {
+ public:
+  virtual ~RemappableArena() = default;
+  // What the engine (and its captured CUDA graphs) read: the same for the object's lifetime.
+  virtual std::byte* live_address() const = 0;
+  // Slot `slot`'s own mapping (slot 0 or 1): always that slot's bytes, whatever is live. The
+  // receiver writes the shadow through it.
+  virtual std::byte* slot_address(int slot) const = 0;
+  // Points the live range at `slot`'s memory. Waits first until `engine_stream` has no work in
+  // flight (work still reading the live range must not see its pages go away): free when the
+  // engine already synchronized at the step boundary. Engine thread only.
+  virtual void remap_live(int slot, Stream& engine_stream) = 0;
 };
 
 enum class StreamPriority {
@@ -72,6 +90,14 @@ class Backend {
   // Error(kInvalidArgument) naming it). One thread at a time per stream.
   virtual void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                                      std::uint64_t* result, Stream& stream);
+
+  // Virtual memory remapping, for the remap swap strategy (optional). Why this backend cannot
+  // remap (no VMM, no such device), or an empty string when it can. The default names the
+  // backend. Never throws. Thread-safe.
+  virtual std::string remap_unsupported_reason() const;
+  // Reserves a live range and two zero-filled physical slots of at least `bytes` each, the live
+  // range on slot 0. The default throws Error(kBackend) with remap_unsupported_reason().
+  virtual std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes);
 };
 
 // True for the dtypes count_nonfinite_async checks (the non-finite guard's floating tensors).

@@ -93,6 +93,13 @@ class CudaBackend final : public Backend {
   void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                              std::uint64_t* result, Stream& stream) override;
 
+  // The remap swap strategy's memory (plugin/cuda/cuda_remap.cpp over VmmSlots): the reason is
+  // empty where the device and driver support CUDA virtual memory management. The arena's slots
+  // are rounded up to the VMM granularity and zero-filled; remap_live synchronizes the engine
+  // stream, then unmaps and maps the live range. Thread-safe.
+  std::string remap_unsupported_reason() const override;
+  std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes) override;
+
   // The CUDA handle behind a Stream or Event that a CudaBackend made or wrapped. Anything else is
   // Error(kInvalidArgument) naming its type. Thread-safe.
   static CudaStreamHandle native(Stream& stream);

@@ -14,10 +14,14 @@
 #include "shadowsync/error.h"
 #include "shadowsync/layout.h"
 #include "shadowsync/step_hook.h"
+#include "shadowsync/swap_strategy.h"
 #include "shadowsync/transport.h"
 #include "shadowsync/update_header.h"
 
 namespace shadowsync {
+
+// The exit status of a process ended by ReceiverConfig::exit_on_stuck_abort (EX_SOFTWARE).
+inline constexpr int kStuckAbortExitStatus = 70;
 
 struct ReceiverConfig {
   int root_rank = 0;  // the sender's rank in the transport
@@ -37,6 +41,24 @@ struct ReceiverConfig {
   // tensor on the receiver's stream before the update is offered. One small kernel per floating
   // tensor per update; off by default until its cost is measured on a GPU.
   bool reject_nonfinite = false;
+  // Second-level watchdog. A failed update aborts the transport (ncclCommAbort) on the receiver
+  // thread; an abort that has not returned after this long is reported (one line on stderr,
+  // ReceiverStats::stuck_aborts, last_error): the receiver thread is stuck in the driver and takes
+  // no update until it returns. ncclCommAbort normally returns within a second; 10 s is far
+  // beyond that and still well below what an operator would notice as a hung engine.
+  std::chrono::milliseconds abort_deadline{10'000};
+  // With it, a stuck abort also ends the process (std::_Exit(kStuckAbortExitStatus), after the
+  // line on stderr): the engine's supervisor restarts it, instead of an engine that serves its
+  // last version forever and can never be updated again. Off by default: a library does not end
+  // its host process unless asked.
+  bool exit_on_stuck_abort = false;
+  // How a swap makes an update visible to the engine (swap_strategy.h; docs/ARCHITECTURE.md says
+  // when to pick which). rebind is the cheapest swap; copy_in and remap keep the live addresses.
+  SwapStrategy swap_strategy = SwapStrategy::kRebind;
+  // The engine replays CUDA graphs captured over the weights. A graph keeps the addresses it was
+  // captured with, so rebind would leave it reading the old slot: the constructor refuses rebind
+  // when this is set (use copy_in or remap).
+  bool engine_uses_cuda_graphs = false;
 };
 
 enum class UpdateOutcome {
@@ -71,6 +93,12 @@ struct ReceiverStats {
   std::uint64_t bytes_received = 0;
   std::uint64_t last_accepted_version = 0;
   bool needs_transport = false;  // a failure aborted the transport; call replace_transport
+  // Aborts of the transport that overran ReceiverConfig::abort_deadline (counted when they overran,
+  // whether or not they returned later).
+  std::uint64_t stuck_aborts = 0;
+  // The last kFailed report (version 0: none yet): its code and where a check refused it, for
+  // callers that poll rather than observe (the C ABI, Python).
+  UpdateReport last_failure;
   std::string last_error;
 };
 
@@ -78,6 +106,9 @@ class Receiver {
  public:
   // Allocates two zero-filled slots per group and starts the receiver thread. The engine reads
   // the live slots through step_hook(). `transport` may be null until the rendezvous is done.
+  // Throws Error(kInvalidArgument), before allocating anything, for a bad config: among others
+  // rebind with engine_uses_cuda_graphs, and remap on a backend that cannot remap (the message
+  // names the reason and suggests copy_in).
   Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
            ReceiverConfig config = {});
   // shutdown(), then frees every slot, event and stream and joins every thread it started. The

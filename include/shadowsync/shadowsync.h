@@ -115,14 +115,40 @@ typedef struct {
   int64_t update_deadline_ms;   /* a whole update must land within this (default 60000) */
   int64_t bucket_deadline_ms;   /* and each bucket within this of the previous (default 10000) */
   int64_t poll_interval_us;     /* progress/error/abort polling while receiving (default 200) */
+  /* Appended fields (older callers' smaller structs get their defaults): */
+  int32_t swap_strategy;           /* a shadowsync_swap_strategy_t (default SHADOWSYNC_SWAP_REBIND) */
+  int32_t engine_uses_cuda_graphs; /* 1: the engine replays CUDA graphs over the weights, and
+                                      rebind is refused (default 0) */
+  int32_t require_checksums;   /* 1: refuse a header without per-bucket checksums (default 0);
+                                  a header that has them is verified either way */
+  int32_t reject_nonfinite;    /* 1: refuse an update with a NaN/Inf in an fp32/fp16/bf16 tensor
+                                  (default 0) */
+  int64_t abort_deadline_ms;   /* an abort of the transport that has not returned after this is
+                                  reported: stderr, stuck_aborts in the stats (default 10000) */
+  int32_t exit_on_stuck_abort; /* 1: such an abort also ends the process with exit status
+                                  SHADOWSYNC_STUCK_ABORT_EXIT_STATUS (default 0) */
 } shadowsync_receiver_config_t;
+
+/* The exit status of a process ended by exit_on_stuck_abort (EX_SOFTWARE). */
+#define SHADOWSYNC_STUCK_ABORT_EXIT_STATUS 70
+
+/* How a swap makes an update visible (shadowsync::SwapStrategy; README "Usage" says when to pick
+ * which). */
+typedef enum {
+  SHADOWSYNC_SWAP_REBIND = 0,  /* live pointers flip; not under CUDA graphs */
+  SHADOWSYNC_SWAP_COPY_IN = 1, /* one device copy per group into fixed live storage; any backend */
+  SHADOWSYNC_SWAP_REMAP = 2    /* the live virtual range is remapped (CUDA VMM); CUDA backend only */
+} shadowsync_swap_strategy_t;
 
 #define SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER                                          \
   {                                                                                     \
     sizeof(shadowsync_receiver_config_t), SHADOWSYNC_CONFIG_MAGIC,                      \
         SHADOWSYNC_CONFIG_VERSION, SHADOWSYNC_CONFIG_UNDEF_INT,                         \
         SHADOWSYNC_CONFIG_UNDEF_INT64, SHADOWSYNC_CONFIG_UNDEF_INT64,                   \
-        SHADOWSYNC_CONFIG_UNDEF_INT64                                                   \
+        SHADOWSYNC_CONFIG_UNDEF_INT64, SHADOWSYNC_CONFIG_UNDEF_INT,                     \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT,                       \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                     \
+        SHADOWSYNC_CONFIG_UNDEF_INT                                                     \
   }
 
 /* shadowsync::SenderConfig. */
@@ -133,13 +159,15 @@ typedef struct {
   int32_t root_rank;           /* this process's rank in the transport (default 0) */
   int64_t update_deadline_ms;  /* default 60000; a streamed publish's gathering counts too */
   int64_t poll_interval_us;    /* default 200 */
+  /* Appended fields (older callers' smaller structs get their defaults): */
+  int32_t checksums;           /* 1: send a checksum per bucket, verified by receivers (default 0) */
 } shadowsync_sender_config_t;
 
 #define SHADOWSYNC_SENDER_CONFIG_INITIALIZER                                             \
   {                                                                                      \
     sizeof(shadowsync_sender_config_t), SHADOWSYNC_CONFIG_MAGIC, SHADOWSYNC_CONFIG_VERSION, \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                      \
-        SHADOWSYNC_CONFIG_UNDEF_INT64                                                    \
+        SHADOWSYNC_CONFIG_UNDEF_INT64, SHADOWSYNC_CONFIG_UNDEF_INT                       \
   }
 
 /* shadowsync::NcclTransportConfig. */
@@ -325,10 +353,21 @@ typedef struct {
   uint64_t applied_version;
   int32_t needs_transport;  /* a failure aborted the transport: replace it */
   int32_t has_pending;      /* a received update waits for the next step */
+  /* Appended fields (a caller's smaller struct is filled up to its size): */
+  uint64_t stuck_aborts;        /* transport aborts that overran abort_deadline_ms */
+  uint64_t last_failed_version; /* the last update that failed; 0: none failed */
+  int32_t last_failure_status;  /* why, as a status: SHADOWSYNC_TIMEOUT (a deadline),
+                                   SHADOWSYNC_TRANSPORT_ERROR (peer lost, aborted, or a checksum
+                                   mismatch: corrupted in transit), SHADOWSYNC_INVALID_ARGUMENT
+                                   (the non-finite guard), SHADOWSYNC_SHUTDOWN; 0 when none */
+  int32_t last_failed_group;    /* a check refused it: the group index; else -1 */
+  int64_t last_failed_bucket;   /* a checksum mismatch: the bucket within that group; else -1 */
+  int64_t last_failed_tensor;   /* the non-finite guard: the tensor index within that group;
+                                   else -1 */
 } shadowsync_receiver_stats_t;
 
 #define SHADOWSYNC_RECEIVER_STATS_INITIALIZER \
-  { sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* One group made live by a swap. */
 typedef struct {
@@ -400,6 +439,17 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_arena(shadowsync_rec
  * thread only. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_content_version(
     shadowsync_receiver_t receiver, size_t group, uint64_t* version);
+
+/* StepHook::rollback: undoes the last swap in one swap (each group it flipped reads its previous
+ * slot again, which holds the bytes it had) and runs the swap callback with the slots live again;
+ * *undone_version (may be NULL) is the version undone. The applied version stays; live content
+ * versions go back. One level, and only until the next update starts receiving:
+ * SHADOWSYNC_INVALID_ARGUMENT when nothing was applied or the last swap was already undone (or the
+ * swap strategy is copy_in), SHADOWSYNC_SUPERSEDED naming the update that started writing the
+ * previous slots; nothing changes then. Engine thread only. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_rollback(shadowsync_receiver_t receiver,
+                                                                shadowsync_stream_t stream,
+                                                                uint64_t* undone_version);
 
 /* Set before the first update; NULL removes it. Not thread-safe with before_step. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_set_swap_callback(

@@ -1,7 +1,15 @@
 // The engine side of a receiver: called by the engine thread between two decode steps. With
 // nothing pending, before_step is one atomic load. With an update pending, it makes every group
-// of the update live at once (rebind: the live pointer table flips) and records, on the engine
-// stream, the release event of each slot that stopped being live.
+// of the update live at once and records, on the engine stream, the release event of each slot
+// that is no longer read. How depends on ReceiverConfig::swap_strategy:
+//   rebind   the live pointer table flips (live_arena() moves; rebind in the swap callback);
+//   copy_in  one device copy per group of the update, shadow -> live, enqueued on the engine
+//            stream; live_arena() never changes; returns without waiting for the copy;
+//   remap    each group's live range is remapped onto the new slot; live_arena() never changes.
+//            Contract: the swap first synchronizes the engine stream (a kernel still reading the
+//            live range must not see its pages unmapped), so the host blocks until the engine's
+//            enqueued work is done: free when the engine already synchronized at the step
+//            boundary, a stall of the work in flight otherwise.
 #pragma once
 
 #include <atomic>
@@ -25,7 +33,8 @@ struct PendingUpdate;
 // One group made live by a swap.
 struct GroupSwap {
   std::size_t group = 0;             // index into Layout::groups()
-  int slot = 0;                      // the slot that is live now (0 or 1)
+  int slot = 0;                      // the slot that is live now (0 or 1); copy_in: the shadow
+                                     // the bytes were copied from (the live storage is slot 0)
   std::uint64_t content_version = 0; // version of the update whose bytes the slot holds
 };
 
@@ -71,6 +80,8 @@ class StepHook {
   // receiving). Records the release event of each slot it leaves on `engine_stream`, runs the swap
   // callback (AppliedUpdate::rollback), and returns the version undone. applied_version() stays
   // (versions made live only increase); live_content_version() tells what each group holds now.
+  // Not under copy_in, which keeps no previous bytes: throws Error(kInvalidArgument) naming the
+  // strategy, nothing changes. Under remap it remaps back (synchronizing the engine stream).
   // One level: throws Error(kInvalidArgument) when nothing was applied yet or the last swap was
   // already undone, and Error(kSuperseded) naming the update once a newer update started writing
   // the previous slots; nothing changes then. Engine thread only.
@@ -82,7 +93,8 @@ class StepHook {
   // Last version made live; 0 before the first. Thread-safe.
   std::uint64_t applied_version() const { return applied_version_.load(std::memory_order_acquire); }
 
-  // The live pointer table. Engine thread only; valid until the next swap.
+  // The live pointer table. Engine thread only; under rebind valid until the next swap, under
+  // copy_in and remap the same address for the receiver's whole life.
   std::byte* live_arena(std::size_t group) const;
   void* live_tensor(std::size_t group, std::size_t tensor) const;
   // Version of the update whose bytes the group's live slot holds (0: never updated).

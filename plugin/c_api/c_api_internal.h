@@ -280,4 +280,14 @@ Config read_config(const Config* user, const Config& defaults, const char* what)
   return config;
 }
 
+// A 0/1 field of a config struct: `value` when set (SHADOWSYNC_CONFIG_UNDEF_INT: `fallback`);
+// anything else is refused naming the struct, the field and the value.
+inline bool read_flag(std::int32_t value, bool fallback, const char* what, const char* field) {
+  if (value == SHADOWSYNC_CONFIG_UNDEF_INT) return fallback;
+  if (value != 0 && value != 1) {
+    throw_invalid(fmt::format("{}: {} is {}, expected 0 or 1", what, field, value));
+  }
+  return value == 1;
+}
+
 }  // namespace shadowsync::c_api

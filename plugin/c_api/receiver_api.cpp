@@ -24,7 +24,61 @@ ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
   if (c.poll_interval_us != SHADOWSYNC_CONFIG_UNDEF_INT64) {
     config.poll_interval = std::chrono::microseconds(c.poll_interval_us);
   }
+  switch (c.swap_strategy) {
+    case SHADOWSYNC_CONFIG_UNDEF_INT:
+    case SHADOWSYNC_SWAP_REBIND:
+      config.swap_strategy = SwapStrategy::kRebind;
+      break;
+    case SHADOWSYNC_SWAP_COPY_IN:
+      config.swap_strategy = SwapStrategy::kCopyIn;
+      break;
+    case SHADOWSYNC_SWAP_REMAP:
+      config.swap_strategy = SwapStrategy::kRemap;
+      break;
+    default:
+      throw_invalid(fmt::format("shadowsync_receiver_config_t: swap_strategy {} is not a "
+                                "shadowsync_swap_strategy_t (0 rebind, 1 copy_in, 2 remap)",
+                                c.swap_strategy));
+  }
+  if (c.engine_uses_cuda_graphs != SHADOWSYNC_CONFIG_UNDEF_INT) {
+    if (c.engine_uses_cuda_graphs != 0 && c.engine_uses_cuda_graphs != 1) {
+      throw_invalid(fmt::format("shadowsync_receiver_config_t: engine_uses_cuda_graphs is {}, "
+                                "expected 0 or 1",
+                                c.engine_uses_cuda_graphs));
+    }
+    config.engine_uses_cuda_graphs = c.engine_uses_cuda_graphs == 1;
+  }
+  constexpr const char* kWhat = "shadowsync_receiver_config_t";
+  config.require_checksums =
+      read_flag(c.require_checksums, config.require_checksums, kWhat, "require_checksums");
+  config.reject_nonfinite =
+      read_flag(c.reject_nonfinite, config.reject_nonfinite, kWhat, "reject_nonfinite");
+  if (c.abort_deadline_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
+    config.abort_deadline = std::chrono::milliseconds(c.abort_deadline_ms);
+  }
+  config.exit_on_stuck_abort =
+      read_flag(c.exit_on_stuck_abort, config.exit_on_stuck_abort, kWhat, "exit_on_stuck_abort");
   return config;
+}
+
+static_assert(SHADOWSYNC_STUCK_ABORT_EXIT_STATUS == kStuckAbortExitStatus);
+
+// Index of a named group / tensor of a failure report in the receiver's layout; -1 when unnamed.
+std::int64_t group_index(const Layout& layout, const std::string& name) {
+  const auto& groups = layout.groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].name() == name) return static_cast<std::int64_t>(g);
+  }
+  return -1;
+}
+
+std::int64_t tensor_index(const Layout& layout, std::int64_t group, const std::string& name) {
+  if (group < 0 || name.empty()) return -1;
+  const auto& tensors = layout.groups()[static_cast<std::size_t>(group)].tensors();
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    if (tensors[t].spec.name == name) return static_cast<std::int64_t>(t);
+  }
+  return -1;
 }
 
 // The engine's stream, which must come from the receiver's backend.
@@ -218,6 +272,17 @@ shadowsync_status_t shadowsync_receiver_live_content_version(shadowsync_receiver
   });
 }
 
+shadowsync_status_t shadowsync_receiver_rollback(shadowsync_receiver_t receiver,
+                                                 shadowsync_stream_t stream,
+                                                 uint64_t* undone_version) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto stream_object = engine_stream(*object, stream);
+    const std::uint64_t undone = object->receiver->step_hook().rollback(*stream_object->stream);
+    if (undone_version != nullptr) *undone_version = undone;
+  });
+}
+
 shadowsync_status_t shadowsync_receiver_set_swap_callback(shadowsync_receiver_t receiver,
                                                           shadowsync_swap_callback_t callback,
                                                           void* user_data) {
@@ -259,6 +324,17 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
     full.applied_version = object->receiver->step_hook().applied_version();
     full.needs_transport = s.needs_transport ? 1 : 0;
     full.has_pending = object->receiver->step_hook().has_pending() ? 1 : 0;
+    full.stuck_aborts = s.stuck_aborts;
+    const UpdateReport& failure = s.last_failure;
+    full.last_failed_version = failure.version;
+    // shadowsync_status_t has the ErrorCode values.
+    full.last_failure_status = failure.version != 0 ? static_cast<int32_t>(failure.code) : 0;
+    const Layout& layout = object->receiver->layout();
+    const std::int64_t group = group_index(layout, failure.failed_group);
+    full.last_failed_group = static_cast<int32_t>(group);
+    full.last_failed_bucket =
+        failure.failed_bucket ? static_cast<int64_t>(*failure.failed_bucket) : -1;
+    full.last_failed_tensor = tensor_index(layout, group, failure.failed_tensor);
     std::memcpy(static_cast<void*>(&out), &full, std::min(out.size, sizeof(full)));
   });
 }

@@ -19,6 +19,8 @@ SenderConfig sender_config(const shadowsync_sender_config_t* user) {
   if (c.poll_interval_us != SHADOWSYNC_CONFIG_UNDEF_INT64) {
     config.poll_interval = std::chrono::microseconds(c.poll_interval_us);
   }
+  config.checksums =
+      read_flag(c.checksums, config.checksums, "shadowsync_sender_config_t", "checksums");
   return config;
 }
 

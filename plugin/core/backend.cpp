@@ -23,4 +23,16 @@ void Backend::count_nonfinite_async(const void* /*data*/, std::size_t elements, 
                           name(), elements, dtype_name(dtype)));
 }
 
+std::string Backend::remap_unsupported_reason() const {
+  return fmt::format("backend '{}' has no virtual memory remapping (only the CUDA backend on a "
+                     "device with CUDA VMM has)",
+                     name());
+}
+
+std::unique_ptr<RemappableArena> Backend::create_remappable_arena(std::size_t bytes) {
+  throw Error(ErrorCode::kBackend,
+              fmt::format("cannot create a remappable arena of {} bytes: {}", bytes,
+                          remap_unsupported_reason()));
+}
+
 }  // namespace shadowsync

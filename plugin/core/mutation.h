@@ -25,5 +25,7 @@ inline constexpr int kSkipNonFiniteGuard = 9;      // an update holding a NaN is
 inline constexpr int kRollbackAfterOverwrite = 10; // rollback flips to a slot being overwritten
 inline constexpr int kShutdownLeaksStream = 11;    // a receiver leaves its stream thread behind
 inline constexpr int kShutdownLeaksBuffer = 12;    // a receiver leaves an allocation behind
+// Swap strategies (issue 8): guarded by tests/integration/test_copy_in.cpp ("copy_in stress").
+inline constexpr int kCopyInReleaseBeforeCopy = 13; // copy_in frees the shadow before copying it
 
 }  // namespace shadowsync::mutation

@@ -5,11 +5,13 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <future>
 #include <mutex>
 #include <optional>
 #include <thread>
 
+#include "core/abort_watchdog.h"
 #include "core/check_root_rank.h"
 #include "core/mutation.h"
 #include "core/slot_planner.h"
@@ -37,7 +39,24 @@ void check_config(const ReceiverConfig& config, const Transport* transport,
   positive(config.update_deadline, "update_deadline (ms)");
   positive(config.bucket_deadline, "bucket_deadline (ms)");
   positive(config.poll_interval, "poll_interval (us)");
+  positive(config.abort_deadline, "abort_deadline (ms)");
   check_root_rank(config.root_rank, transport, "ReceiverConfig::root_rank");
+  if (config.engine_uses_cuda_graphs && config.swap_strategy == SwapStrategy::kRebind) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "ReceiverConfig::swap_strategy is rebind, but ReceiverConfig::"
+                "engine_uses_cuda_graphs is true: a captured CUDA graph keeps reading the "
+                "addresses it was captured with, which rebind moves away from (stale, then "
+                "overwritten weights); use swap_strategy copy_in or remap");
+  }
+  if (config.swap_strategy == SwapStrategy::kRemap) {
+    if (const std::string why = backend.remap_unsupported_reason(); !why.empty()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("ReceiverConfig::swap_strategy is remap, but backend '{}' cannot "
+                              "remap: {}; use swap_strategy copy_in (also safe under CUDA graphs, "
+                              "at the cost of one device copy per swap)",
+                              backend.name(), why));
+    }
+  }
   if ((config.require_checksums || config.reject_nonfinite) && !backend.supports_integrity()) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("ReceiverConfig::{} is set, but backend '{}' cannot check received "
@@ -74,7 +93,8 @@ struct Receiver::Impl {
         backend(backend),
         config(config),
         transport(std::move(transport)),
-        planner(owner.layout_.groups().size()),
+        planner(owner.layout_.groups().size(),
+                /*live_moves=*/config.swap_strategy != SwapStrategy::kCopyIn),
         stream(backend.create_stream(StreamPriority::kLow)),
         done_event(backend.create_event()) {
     std::size_t checked_tensors = 0;
@@ -101,6 +121,8 @@ struct Receiver::Impl {
                                 const std::vector<ReceiveTarget>& targets,
                                 Clock::time_point start);
   void discard(const UpdateHeader& header, const Refusal& refusal);
+  // Aborts and drops the transport under the second-level watchdog (abort_watchdog.h).
+  void abort_transport(std::uint64_t version);
   void report(const UpdateReport& report);  // count + notify
   void count(const UpdateReport& report);   // stats only
   void notify(const UpdateReport& report);  // the observer only
@@ -139,7 +161,7 @@ Receiver::Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> t
                    ReceiverConfig config)
     // The config is checked first, before the slots are allocated.
     : layout_((check_config(config, transport.get(), backend), std::move(layout))),
-      slots_(std::make_unique<SlotTable>(layout_, backend)),
+      slots_(std::make_unique<SlotTable>(layout_, backend, config.swap_strategy)),
       hook_(std::make_unique<StepHook>(layout_, *slots_)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
   impl_->thread = std::thread([this] { impl_->run(); });
@@ -303,7 +325,7 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   std::size_t bytes = 0;
   for (const ReceiveTarget& target : targets) {
     const GroupLayout& group = layout.groups()[target.group];
-    std::byte* arena = owner.slots_->group(target.group).arena[target.slot].data();
+    std::byte* arena = owner.slots_->slot_data(target.group, target.slot);
     for (std::size_t k = 0; k < group.bucket_count(); ++k) {
       const Bucket bucket = group.bucket(k);
       transport->broadcast_async(arena + bucket.offset, bucket.bytes, config.root_rank, *stream);
@@ -407,7 +429,7 @@ std::optional<Refusal> Receiver::Impl::verify(const UpdateHeader& header,
   std::vector<std::pair<std::size_t, std::size_t>> checked_tensors;  // (group, tensor)
   for (const ReceiveTarget& target : targets) {
     const GroupLayout& group = layout.groups()[target.group];
-    const std::byte* arena = owner.slots_->group(target.group).arena[target.slot].data();
+    const std::byte* arena = owner.slots_->slot_data(target.group, target.slot);
     if (checksums) {
       for (std::size_t k = 0; k < group.bucket_count(); ++k) {
         const Bucket bucket = group.bucket(k);
@@ -490,8 +512,7 @@ std::optional<Refusal> Receiver::Impl::verify(const UpdateHeader& header,
 void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal) {
   // Invariant 6: nothing of this update is offered; the live slots were never written.
   if (refusal.transport_failed) {
-    transport->abort();
-    transport.reset();
+    abort_transport(header.version);
     backend.event_record(*done_event, *stream);
     if (!backend.event_wait_for(*done_event, kAbortDrainLimit)) {
       std::fprintf(stderr,
@@ -529,6 +550,42 @@ void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal)
   }
 }
 
+void Receiver::Impl::abort_transport(std::uint64_t version) {
+  const std::string what =
+      fmt::format("aborting transport '{}' (rank {} of {}) after update {} failed",
+                  transport->name(), transport->rank(), transport->world_size(), version);
+  // The transport's destructor runs under the watch too: it may tear a communicator down.
+  run_watched_abort(
+      config.abort_deadline,
+      [&] {
+        transport->abort();
+        transport.reset();
+      },
+      [&] {
+        // Watcher thread. No observer call: observers run on the receiver thread, which is the
+        // one stuck.
+        const std::string message = fmt::format(
+            "{} has not returned after {} ms (ReceiverConfig::abort_deadline); the receiver "
+            "thread is stuck in it and takes no update until it returns",
+            what, config.abort_deadline.count());
+        {
+          std::lock_guard lock(stats_mutex);
+          ++stats.stuck_aborts;
+          stats.last_error = message;
+        }
+        if (config.exit_on_stuck_abort) {
+          std::fprintf(stderr,
+                       "shadowsync: %s; exiting the process with status %d "
+                       "(ReceiverConfig::exit_on_stuck_abort)\n",
+                       message.c_str(), kStuckAbortExitStatus);
+          std::fflush(stderr);
+          // _Exit, not exit: static destructors would wait for the stuck thread.
+          std::_Exit(kStuckAbortExitStatus);
+        }
+        std::fprintf(stderr, "shadowsync: %s\n", message.c_str());
+      });
+}
+
 void Receiver::Impl::report(const UpdateReport& update_report) {
   count(update_report);
   notify(update_report);
@@ -544,6 +601,7 @@ void Receiver::Impl::count(const UpdateReport& update_report) {
     case UpdateOutcome::kFailed:
       ++stats.updates_failed;
       stats.last_error = update_report.error;
+      stats.last_failure = update_report;
       stats.needs_transport = !transport;
       break;
     case UpdateOutcome::kSuperseded:

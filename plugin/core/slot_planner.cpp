@@ -7,7 +7,8 @@
 
 namespace shadowsync {
 
-SlotPlanner::SlotPlanner(std::size_t group_count) : groups_(group_count) {}
+SlotPlanner::SlotPlanner(std::size_t group_count, bool live_moves)
+    : groups_(group_count), live_moves_(live_moves) {}
 
 const PendingUpdate* SlotPlanner::offer() const {
   return offered_ < 0 ? nullptr : &records_[offered_];
@@ -21,8 +22,9 @@ void SlotPlanner::on_applied() {
   if (offered_ < 0) throw Error(ErrorCode::kInternal, "slot planner: on_applied without an offer");
   for (const auto& swap : records_[offered_].swaps) {
     GroupState& g = groups_[swap.group];
-    g.live = swap.slot;
-    g.shadow = Shadow::kFree;  // the old live slot; free once its release event passed
+    if (live_moves_) g.live = swap.slot;
+    g.shadow = Shadow::kFree;  // the old live slot (copy_in: the copied shadow); free once its
+                               // release event passed
   }
   offered_ = -1;
 }

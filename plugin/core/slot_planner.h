@@ -27,7 +27,9 @@ struct ReceiveTarget {
 
 class SlotPlanner {
  public:
-  explicit SlotPlanner(std::size_t group_count);
+  // `live_moves`: a swap makes the shadow slot live (rebind, remap). When false (copy_in) slot 0
+  // stays live and slot 1 is always the shadow: a swap copies it into slot 0 and frees it.
+  explicit SlotPlanner(std::size_t group_count, bool live_moves = true);
 
   int live_slot(std::size_t g) const { return groups_[g].live; }
 
@@ -62,6 +64,7 @@ class SlotPlanner {
   };
 
   std::vector<GroupState> groups_;
+  bool live_moves_ = true;
   // Two records alternate: the engine may still read the previous offer while the next is built.
   std::array<PendingUpdate, 2> records_;
   int last_written_ = 1;

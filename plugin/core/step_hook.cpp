@@ -30,10 +30,8 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
     static thread_local PendingUpdate partial;
     if (update->swaps.size() > 1) {
       const GroupSwap& first = update->swaps.front();
-      SlotTable::Group& group = slots_.group(first.group);
-      slots_.backend().event_record(*group.release[group.live], engine_stream);
-      group.live = first.slot;
-      group.live_content_version = first.content_version;
+      slots_.make_live(first.group, first.slot, engine_stream);
+      slots_.group(first.group).live_content_version = first.content_version;
       partial.version = update->version;
       partial.swaps.assign(update->swaps.begin() + 1, update->swaps.end());
       pending_.store(&partial, std::memory_order_release);
@@ -44,11 +42,9 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
   previous_.clear();
   for (const GroupSwap& swap : update->swaps) {
     SlotTable::Group& group = slots_.group(swap.group);
-    // Everything the engine enqueued so far read the old live slot; once this event passes the
-    // receiver may overwrite it (invariant 2).
-    slots_.backend().event_record(*group.release[group.live], engine_stream);
     previous_.push_back(GroupSwap{swap.group, group.live, group.live_content_version});
-    group.live = swap.slot;
+    // Records the release event of what the engine stops reading (invariant 2).
+    slots_.make_live(swap.group, swap.slot, engine_stream);
     group.live_content_version = swap.content_version;
   }
   const std::uint64_t version = update->version;
@@ -63,6 +59,14 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
 }
 
 std::uint64_t StepHook::rollback(Stream& engine_stream) {
+  if (slots_.strategy() == SwapStrategy::kCopyIn) {
+    // The copy overwrote the live bytes in place and no copy of them is kept (that would cost a
+    // third copy of the weights, or a copy back into a shadow the receiver may be writing).
+    throw Error(ErrorCode::kInvalidArgument,
+                "rollback: not supported with ReceiverConfig::swap_strategy copy_in (the swap "
+                "copied the update over the live weights; their previous bytes are not kept); "
+                "use rebind or remap to roll back");
+  }
   std::uint64_t window = rollback_window_.load(std::memory_order_acquire);
   for (;;) {
     const auto kind = static_cast<RollbackKind>(window & 3);
@@ -96,10 +100,8 @@ std::uint64_t StepHook::rollback(Stream& engine_stream) {
   // previous_ names the slots the last swap left: they become live again, and previous_ then
   // describes what is live (the callback and the receiver read it as such).
   for (const GroupSwap& swap : previous_) {
-    SlotTable::Group& group = slots_.group(swap.group);
-    slots_.backend().event_record(*group.release[group.live], engine_stream);  // invariant 2
-    group.live = swap.slot;
-    group.live_content_version = swap.content_version;
+    slots_.make_live(swap.group, swap.slot, engine_stream);  // records a release: invariant 2
+    slots_.group(swap.group).live_content_version = swap.content_version;
   }
   if (swap_callback_) swap_callback_(AppliedUpdate{undone, &previous_, /*rollback=*/true});
   rollbacks_done_.fetch_add(1, std::memory_order_release);
@@ -155,10 +157,7 @@ void StepHook::wait_swap_finished(std::uint64_t version) const {
   }
 }
 
-std::byte* StepHook::live_arena(std::size_t group) const {
-  const SlotTable::Group& g = slots_.group(group);
-  return g.arena[g.live].data();
-}
+std::byte* StepHook::live_arena(std::size_t group) const { return slots_.live_data(group); }
 
 void* StepHook::live_tensor(std::size_t group, std::size_t tensor) const {
   return live_arena(group) + layout_.groups()[group].tensors()[tensor].offset;

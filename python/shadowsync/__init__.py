@@ -24,7 +24,7 @@ from .errors import (
     TransportError,
 )
 from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
-from .receiver import GroupSwap, Receiver, ReceiverConfig, ReceiverStats
+from .receiver import GroupSwap, Receiver, ReceiverConfig, ReceiverStats, UpdateFailure
 from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
 from .transport import Loopback, NcclConfig, Transport, nccl_transport, nccl_unique_id
 
@@ -72,6 +72,7 @@ __all__ = [
     "TensorSpec",
     "Transport",
     "TransportError",
+    "UpdateFailure",
     "UpdateHeader",
     "canonical_dtype",
     "has_cuda",

@@ -114,7 +114,17 @@ class ReceiverConfigC(Structure):
         ("update_deadline_ms", c_int64),
         ("bucket_deadline_ms", c_int64),
         ("poll_interval_us", c_int64),
+        ("swap_strategy", c_int32),  # SWAP_STRATEGIES
+        ("engine_uses_cuda_graphs", c_int32),
+        ("require_checksums", c_int32),
+        ("reject_nonfinite", c_int32),
+        ("abort_deadline_ms", c_int64),
+        ("exit_on_stuck_abort", c_int32),
     ]
+
+
+# shadowsync_swap_strategy_t by name (ReceiverConfig.swap_strategy).
+SWAP_STRATEGIES = {"rebind": 0, "copy_in": 1, "remap": 2}
 
 
 class SenderConfigC(Structure):
@@ -125,6 +135,7 @@ class SenderConfigC(Structure):
         ("root_rank", c_int32),
         ("update_deadline_ms", c_int64),
         ("poll_interval_us", c_int64),
+        ("checksums", c_int32),
     ]
 
 
@@ -153,6 +164,12 @@ class ReceiverStatsC(Structure):
         ("applied_version", c_uint64),
         ("needs_transport", c_int32),
         ("has_pending", c_int32),
+        ("stuck_aborts", c_uint64),
+        ("last_failed_version", c_uint64),
+        ("last_failure_status", c_int32),
+        ("last_failed_group", c_int32),
+        ("last_failed_bucket", c_int64),
+        ("last_failed_tensor", c_int64),
     ]
 
 
@@ -234,6 +251,7 @@ _PROTOTYPES = {
     "shadowsync_receiver_live_arena": (c_int, [_H, c_size_t, _P(c_void_p)]),
     "shadowsync_receiver_live_content_version": (c_int, [_H, c_size_t, _P(c_uint64)]),
     "shadowsync_receiver_set_swap_callback": (c_int, [_H, SWAP_CALLBACK, c_void_p]),
+    "shadowsync_receiver_rollback": (c_int, [_H, _H, _P(c_uint64)]),
     "shadowsync_receiver_stats": (c_int, [_H, _P(ReceiverStatsC)]),
     "shadowsync_receiver_last_update_error": (c_int, [_H, _P(c_char), c_size_t, _P(c_size_t)]),
     # sender

@@ -14,9 +14,15 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from ._handle import Handle
-from ._library import SWAP_CALLBACK, ReceiverConfigC, ReceiverStatsC, config_struct
+from ._library import (
+    SWAP_CALLBACK,
+    SWAP_STRATEGIES,
+    ReceiverConfigC,
+    ReceiverStatsC,
+    config_struct,
+)
 from .backend import Backend, Stream
-from .errors import NotSupportedError, call
+from .errors import STATUS_NAMES, InvalidArgumentError, NotSupportedError, call
 from .layout import Layout, TensorInfo, UpdateHeader
 from .transport import Transport
 
@@ -29,6 +35,33 @@ class ReceiverConfig:
     update_deadline_ms: int | None = None  # a whole update must land within this (60000)
     bucket_deadline_ms: int | None = None  # each bucket within this of the previous (10000)
     poll_interval_us: int | None = None  # progress/error polling while receiving (200)
+    # How a swap makes an update visible: "rebind" (default; live pointers flip), "copy_in" (one
+    # device copy into fixed live storage, any backend), "remap" (CUDA VMM remap of a fixed
+    # virtual range; CUDA backend only). README "Usage" says when to pick which.
+    swap_strategy: str | None = None
+    # The engine replays CUDA graphs captured over the weights: rebind is then refused.
+    engine_uses_cuda_graphs: bool | None = None
+    # Refuse a header without per-bucket checksums (False); one with them is verified either way.
+    require_checksums: bool | None = None
+    # Refuse an update with a NaN or infinity in an fp32/fp16/bf16 tensor (False).
+    reject_nonfinite: bool | None = None
+    # An abort of the transport that has not returned after this is reported: stderr and
+    # ReceiverStats.stuck_aborts (10000).
+    abort_deadline_ms: int | None = None
+    # Such an abort also ends the process, exit status 70 (False).
+    exit_on_stuck_abort: bool | None = None
+
+    def _c_fields(self) -> dict:
+        fields = vars(self).copy()
+        strategy = fields["swap_strategy"]
+        if strategy is not None:
+            if strategy not in SWAP_STRATEGIES:
+                raise InvalidArgumentError(
+                    f"ReceiverConfig.swap_strategy: {strategy!r} is not one of "
+                    f"{', '.join(map(repr, SWAP_STRATEGIES))}"
+                )
+            fields["swap_strategy"] = SWAP_STRATEGIES[strategy]
+        return fields
 
 
 @dataclass(frozen=True)
@@ -41,6 +74,26 @@ class ReceiverStats:
     applied_version: int
     needs_transport: bool  # a failure aborted the transport: replace it
     has_pending: bool  # a received update waits for the next step
+    stuck_aborts: int  # transport aborts that overran ReceiverConfig.abort_deadline_ms
+    last_failure: UpdateFailure | None  # the last update that failed; None: none did
+
+
+@dataclass(frozen=True)
+class UpdateFailure:
+    """Where the last failed update failed: `status` is its shadowsync_status_t (STATUS_NAMES):
+    SHADOWSYNC_TIMEOUT, SHADOWSYNC_TRANSPORT_ERROR (peer lost, aborted, or a checksum mismatch),
+    SHADOWSYNC_INVALID_ARGUMENT (the non-finite guard) or SHADOWSYNC_SHUTDOWN. A check that refused
+    it names the group and the bucket (checksum) or the tensor (non-finite guard); else None."""
+
+    version: int
+    status: int
+    group: str | None
+    bucket: int | None
+    tensor: str | None
+
+    @property
+    def status_name(self) -> str:
+        return STATUS_NAMES.get(self.status, str(self.status))
 
 
 class GroupSwap(NamedTuple):
@@ -68,7 +121,7 @@ class Receiver(Handle):
         config: ReceiverConfig | None = None,
         engine_stream: Stream | None = None,
     ):
-        c_config = config_struct(ReceiverConfigC, **vars(config)) if config is not None else None
+        c_config = config_struct(ReceiverConfigC, **config._c_fields()) if config is not None else None
         handle = c_void_p()
         call(
             "shadowsync_receiver_create",
@@ -128,6 +181,21 @@ class Receiver(Handle):
             s.applied_version,
             bool(s.needs_transport),
             bool(s.has_pending),
+            s.stuck_aborts,
+            self._failure(s),
+        )
+
+    def _failure(self, s: ReceiverStatsC) -> UpdateFailure | None:
+        if s.last_failed_version == 0:
+            return None
+        group = self.layout.groups[s.last_failed_group] if s.last_failed_group >= 0 else None
+        tensor = group.tensors[s.last_failed_tensor].name if group and s.last_failed_tensor >= 0 else None
+        return UpdateFailure(
+            s.last_failed_version,
+            s.last_failure_status,
+            group.name if group else None,
+            s.last_failed_bucket if s.last_failed_bucket >= 0 else None,
+            tensor,
         )
 
     def last_update_error(self) -> str:
@@ -178,6 +246,20 @@ class Receiver(Handle):
         finally:
             self._raise_swap_error()
         return applied.value or None
+
+    def rollback(self, stream: Stream | None = None) -> int:
+        """Undoes the last swap in one swap: each group it flipped reads its previous slot again
+        (the swap callback runs with those slots) and returns the version undone. applied_version
+        stays; live_content_version goes back. One level, and only until the next update starts
+        receiving: raises InvalidArgumentError when nothing was applied or the last swap was
+        already undone (or the strategy is copy_in), SupersededError naming the update that
+        started writing the previous slots; nothing changes then. Engine thread only."""
+        undone = c_uint64()
+        try:
+            call("shadowsync_receiver_rollback", self._handle, (stream or self.engine_stream).handle, byref(undone))
+        finally:
+            self._raise_swap_error()
+        return undone.value
 
     def set_swap_callback(self, callback: Callable[[int, list[GroupSwap]], None] | None) -> None:
         """`callback(version, swaps)` runs on the engine thread after a swap, inside before_step

@@ -24,6 +24,7 @@ with numpy "parameters" on the host backend.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from typing import Any, Callable, Iterable
 
 from . import _tensors
@@ -58,6 +59,8 @@ class _UpdateGroup:
         self.kind = kind  # "numpy" or "torch"
         self.device = device
         self.views: dict[tuple[int, int], list] = {}  # (group, arena address) -> tensor views
+        self.stream: Stream | None = None  # the engine stream the swaps are enqueued on
+        self.host_reads_after_copy = False
 
     def group_views(self, group: int) -> list:
         """Views of every tensor of `group` in its live slot; built once per slot (each group has
@@ -98,7 +101,11 @@ class _UpdateGroup:
 
     def on_swap(self, version: int, swaps: list[GroupSwap]) -> None:
         for swap in swaps:
-            self.bind(swap.group)
+            self.bind(swap.group)  # copy_in, remap: the same views again (their address stays)
+        if self.host_reads_after_copy:
+            # copy_in enqueued the copies on the engine stream; the host itself reads host-backend
+            # parameters, so the copies must have run before the step does.
+            self.stream.synchronize()
 
 
 def _data(param):
@@ -149,6 +156,8 @@ class WorkerExtension:
         receiver_config: ReceiverConfig | None = None,
         transport: Transport | None = None,
         hook_execute_model: bool = True,
+        swap_strategy: str | None = None,
+        engine_uses_cuda_graphs: bool | None = None,
     ) -> int:
         """Sets up the weight update group; returns the layout fingerprint (the trainer compares
         it with its own). Engine thread, before stepping; once.
@@ -164,7 +173,13 @@ class WorkerExtension:
         None: every parameter in the model's order, grouped by `group_of` (default "base").
         `adopt_current_weights`: copy the model's weights into the live slot and rebind to it, so
         its own storage is freed (two copies of the weights, not three) and a group an update does
-        not carry keeps the current weights."""
+        not carry keeps the current weights.
+
+        `swap_strategy` and `engine_uses_cuda_graphs` set those fields of `receiver_config`: an
+        engine that replays CUDA graphs (vLLM without ``enforce_eager``) passes
+        ``swap_strategy="copy_in"`` (or ``"remap"`` on a GPU with VMM) and
+        ``engine_uses_cuda_graphs=True``; the parameters are then bound once to the live storage,
+        whose addresses never change, and each swap rewrites the bytes under them."""
         if self._shadowsync is not None:
             raise InvalidArgumentError(
                 f"init_weight_update_group: already initialized (layout "
@@ -205,8 +220,18 @@ class WorkerExtension:
             rank = int(rank_offset) + int(getattr(self, "rank", 0))
             transport = nccl_transport(unique_id, rank, int(world_size), int(device.split(":")[1]))
 
+        if swap_strategy is not None or engine_uses_cuda_graphs is not None:
+            receiver_config = dataclasses.replace(receiver_config or ReceiverConfig())
+            if swap_strategy is not None:
+                receiver_config.swap_strategy = swap_strategy
+            if engine_uses_cuda_graphs is not None:
+                receiver_config.engine_uses_cuda_graphs = engine_uses_cuda_graphs
         receiver = Receiver(layout, backend, transport, receiver_config, engine_stream=stream)
         state = _UpdateGroup(receiver, {s.name: params[s.name] for s in specs}, kind, device)
+        state.stream = stream
+        state.host_reads_after_copy = device == "cpu" and (
+            receiver_config is not None and receiver_config.swap_strategy == "copy_in"
+        )
         receiver.set_swap_callback(state.on_swap)
         if adopt_current_weights:
             _adopt(state, layout, stream)

@@ -86,6 +86,8 @@ static int run_update(void) {
   OK(shadowsync_loopback_transport(loopback, 0, &t0));
   OK(shadowsync_loopback_transport(loopback, 1, &t1));
   rconfig.update_deadline_ms = 20000;
+  rconfig.swap_strategy = SHADOWSYNC_SWAP_REBIND; /* the appended fields compile as C11 */
+  rconfig.engine_uses_cuda_graphs = 0;
   OK(shadowsync_receiver_create(layout, backend, t1, &rconfig, &receiver));
   OK(shadowsync_sender_create(layout, backend, t0, &sconfig, &sender));
   /* The transports were taken. */
@@ -106,6 +108,9 @@ static int run_update(void) {
   CHECK(applied == 0); /* nothing pending: the fast path */
   OK(shadowsync_receiver_stats(receiver, &stats));
   CHECK(stats.updates_ready == 1 && stats.applied_version == 1);
+  CHECK(stats.stuck_aborts == 0 && stats.last_failed_version == 0 && stats.last_failed_group == -1);
+  OK(shadowsync_receiver_rollback(receiver, engine_stream, &applied)); /* back to the zero slots */
+  CHECK(applied == 1);
 
   OK(shadowsync_publish_destroy(publish));
   OK(shadowsync_sender_destroy(sender));

@@ -4,12 +4,15 @@
 //
 // How each test was checked to fail without its behaviour: mutation 10 (kRollbackAfterOverwrite,
 // plugin/core/mutation.h) lets rollback flip to a slot being overwritten: the "refused" test fails.
-// Not covered: deleting the event_record of the left slot in StepHook::rollback (invariant 2 on
-// the rollback path) was tried and no test here fails; a test that keeps engine steps in flight on
-// that slot while the next update starts writing it is still to be written.
+// Skipping the release record of the left slot in StepHook::rollback (invariant 2 on the rollback
+// path: flipping `live` by hand instead of SlotTable::make_live, which records it) makes "the next
+// update waits for the steps still reading the slot a rollback left" fail: update 3 lands in that
+// slot before the held steps read it, and they read version 3 where they expected 2 (built that
+// way, seen failing, restored).
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <future>
 #include <thread>
 
 #include "deadline.h"
@@ -168,4 +171,47 @@ TEST_CASE("rollback: racing with the receiver, every step still reads one whole 
   INFO(engine.first_torn() << "; rolled back " << rolled_back << ", refused " << refused);
   CHECK(engine.torn_steps() == 0);
   CHECK(rolled_back + refused > 0);
+}
+
+// Invariant 2 on the rollback path. The engine stream is held while steps that read version 2's
+// slot wait on it; the rollback leaves that slot, and update 3 is received into it. The receive
+// must wait until those steps ran: the rollback's release record is what it waits on.
+TEST_CASE("rollback: the next update waits for the steps still reading the slot a rollback left") {
+  const Layout layout = rollback_layout();
+  LoopbackRig rig(layout);
+  HostFakeEngine engine(rig.backend(), rig.receiver(), {.full_check_every = 1});
+  StepHook& hook = rig.receiver().step_hook();
+  for (std::uint64_t v = 1; v <= 2; ++v) {
+    rig.publish(v, {"base"}).wait();
+    REQUIRE(hook.wait_applied(v, deadline_from_now(), engine.stream()));
+    engine.step();
+  }
+  engine.synchronize();
+  const std::byte* slot_v2 = hook.live_arena(0);
+
+  // Hold the engine stream: the steps enqueued now read version 2's slot once the gate opens.
+  std::promise<void> gate;
+  rig.backend().launch_async(engine.stream(), [opened = gate.get_future().share()] { opened.wait(); });
+  for (int i = 0; i < 4; ++i) CHECK_FALSE(engine.step().has_value());
+  REQUIRE(hook.rollback(engine.stream()) == 2);  // records the release of version 2's slot
+  REQUIRE(hook.live_arena(0) != slot_v2);
+
+  // Version 3 goes into version 2's slot (the one the rollback left), which the held steps have
+  // not read yet. 300 ms is a window to observe a wrong early landing in, not a wait to win a
+  // race: with the release record, the receive cannot complete before the gate opens at all.
+  PublishHandle third = rig.publish(3, {"base"});
+  const bool landed_early = third.wait_for(std::chrono::milliseconds(300));
+  CHECK_FALSE(landed_early);  // the receive waits for the engine stream
+  gate.set_value();
+  engine.synchronize();
+  INFO(engine.first_torn());
+  CHECK(engine.torn_steps() == 0);  // the held steps read version 2, whole
+
+  third.wait();
+  REQUIRE(hook.wait_applied(3, deadline_from_now(), engine.stream()));
+  CHECK(hook.live_arena(0) == slot_v2);
+  engine.step();
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+  CHECK(hook.live_content_version(0) == 3);
 }

@@ -308,6 +308,44 @@ TEST_CASE("C ABI: config structs are copied by size; an uninitialized one is ref
     CHECK(shadowsync_transport_destroy(transport) == SHADOWSYNC_INVALID_HANDLE);
     transport = nullptr;
   }
+  SECTION("swap_strategy: a value outside the enum is named") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.swap_strategy = 7;
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("swap_strategy 7 is not a shadowsync_swap_strategy_t"));
+    config.swap_strategy = SHADOWSYNC_SWAP_COPY_IN;
+    config.engine_uses_cuda_graphs = 2;
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("engine_uses_cuda_graphs is 2, expected 0 or 1"));
+  }
+  SECTION("rebind with CUDA graphs declared is refused, naming both settings") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.engine_uses_cuda_graphs = 1;  // swap_strategy left at its default, rebind
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("swap_strategy is rebind") &&
+                                 Catch::Contains("engine_uses_cuda_graphs is true"));
+  }
+  SECTION("remap on the host backend is refused, suggesting copy_in") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.swap_strategy = SHADOWSYNC_SWAP_REMAP;
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("swap_strategy is remap, but backend 'host'") &&
+                                 Catch::Contains("copy_in"));
+  }
+  SECTION("a caller built before swap_strategy existed gets rebind, its default") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.root_rank = 0;
+    config.swap_strategy = SHADOWSYNC_SWAP_REMAP;  // beyond the old size: must not be read
+    config.engine_uses_cuda_graphs = 1;
+    config.size = offsetof(shadowsync_receiver_config_t, swap_strategy);
+    REQUIRE_OK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver));
+    REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+    transport = nullptr;  // taken
+  }
   if (transport != nullptr) {
     // Every refusal above left the transport with the caller: it can still be destroyed.
     REQUIRE_OK(shadowsync_transport_destroy(transport));
@@ -386,6 +424,37 @@ TEST_CASE("C ABI: layout queries and header bytes") {
   CHECK(shadowsync_header_serialize(&header, bytes.data(), bytes.size(), &written) ==
         SHADOWSYNC_BAD_HEADER);
   REQUIRE_OK(shadowsync_layout_destroy(layout));
+}
+
+TEST_CASE("C ABI: copy_in keeps the live arenas where they are across updates") {
+  shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+  rconfig.swap_strategy = SHADOWSYNC_SWAP_COPY_IN;
+  rconfig.engine_uses_cuda_graphs = 1;
+  Pair pair(&rconfig);
+  const Layout layout = cpp_layout();
+  void* live_before[2] = {nullptr, nullptr};
+  for (size_t g = 0; g < 2; ++g) {
+    REQUIRE_OK(shadowsync_receiver_live_arena(pair.receiver, g, &live_before[g]));
+  }
+  for (std::uint64_t v = 1; v <= 3; ++v) {
+    CTensors tensors(layout, {"base", "lora"}, v);
+    const char* groups[] = {"base", "lora"};
+    shadowsync_publish_t publish = nullptr;
+    REQUIRE_OK(shadowsync_sender_publish(pair.sender, v, groups, 2, tensors.tensors.data(),
+                                         tensors.tensors.size(), &publish));
+    const auto bytes = pair.header_bytes(publish);
+    REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, bytes.data(), bytes.size()));
+    REQUIRE_OK(shadowsync_publish_wait(publish, 20000));
+    REQUIRE_OK(shadowsync_publish_destroy(publish));
+    REQUIRE_OK(shadowsync_receiver_wait_applied(pair.receiver, v, 20000, pair.engine));
+    REQUIRE_OK(shadowsync_stream_synchronize(pair.engine));  // the copy runs on the engine stream
+    for (size_t g = 0; g < 2; ++g) {
+      void* live = nullptr;
+      REQUIRE_OK(shadowsync_receiver_live_arena(pair.receiver, g, &live));
+      CHECK(live == live_before[g]);
+      CHECK(live_group_is(layout, pair.receiver, g, v));
+    }
+  }
 }
 
 TEST_CASE("C ABI: an update end to end, with the swap callback and stats") {
@@ -586,4 +655,147 @@ TEST_CASE("C ABI: the CUDA entry points fail cleanly without CUDA or without a d
     CHECK((status == SHADOWSYNC_INVALID_ARGUMENT || status == SHADOWSYNC_BACKEND_ERROR));
   }
   CHECK(shadowsync_cuda_backend_create(-1, &backend) != SHADOWSYNC_SUCCESS);
+}
+
+namespace {
+
+// Publishes `groups` of `tensors` at `version`, announces it and waits until it was sent (or
+// failed: the status is returned).
+shadowsync_status_t send_update(Pair& pair, std::uint64_t version,
+                                const std::vector<const char*>& groups, CTensors& tensors) {
+  shadowsync_publish_t publish = nullptr;
+  REQUIRE_OK(shadowsync_sender_publish(pair.sender, version, groups.data(), groups.size(),
+                                       tensors.tensors.data(), tensors.tensors.size(), &publish));
+  const auto bytes = pair.header_bytes(publish);
+  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, bytes.data(), bytes.size()));
+  const shadowsync_status_t status = shadowsync_publish_wait(publish, 20000);
+  REQUIRE_OK(shadowsync_publish_destroy(publish));
+  return status;
+}
+
+}  // namespace
+
+TEST_CASE("C ABI: integrity flags, and where a refused update failed, through the stats") {
+  const Layout layout = cpp_layout();
+  SECTION("a flag that is neither 0 nor 1 is named") {
+    shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    rconfig.reject_nonfinite = 2;
+    shadowsync_backend_t backend = nullptr;
+    REQUIRE_OK(shadowsync_host_backend_create(&backend));
+    shadowsync_layout_t c_layout = make_layout();
+    shadowsync_receiver_t receiver = nullptr;
+    CHECK(shadowsync_receiver_create(c_layout, backend, nullptr, &rconfig, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("shadowsync_receiver_config_t: reject_nonfinite is 2, "
+                                             "expected 0 or 1"));
+    rconfig.reject_nonfinite = SHADOWSYNC_CONFIG_UNDEF_INT;
+    rconfig.abort_deadline_ms = 0;
+    CHECK(shadowsync_receiver_create(c_layout, backend, nullptr, &rconfig, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("ReceiverConfig::abort_deadline (ms) must be "
+                                             "positive, got 0"));
+    shadowsync_sender_config_t sconfig = SHADOWSYNC_SENDER_CONFIG_INITIALIZER;
+    sconfig.checksums = -1;
+    shadowsync_sender_t sender = nullptr;
+    CHECK(shadowsync_sender_create(c_layout, backend, nullptr, &sconfig, &sender) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("checksums is -1, expected 0 or 1"));
+    REQUIRE_OK(shadowsync_layout_destroy(c_layout));
+    REQUIRE_OK(shadowsync_backend_destroy(backend));
+  }
+  SECTION("require_checksums refuses a header without them; with them the update applies") {
+    shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    rconfig.require_checksums = 1;
+    shadowsync_sender_config_t quick = SHADOWSYNC_SENDER_CONFIG_INITIALIZER;
+    quick.update_deadline_ms = 200;  // its update is never announced: let it fail soon
+    CTensors v1(layout, {"base"}, 1);  // first: it must outlive every sender that reads it
+    Pair plain(&rconfig, &quick);
+    const char* groups[] = {"base"};
+    shadowsync_publish_t publish = nullptr;
+    REQUIRE_OK(shadowsync_sender_publish(plain.sender, 1, groups, 1, v1.tensors.data(),
+                                         v1.tensors.size(), &publish));
+    const auto bytes = plain.header_bytes(publish);
+    CHECK(shadowsync_receiver_begin_update_bytes(plain.receiver, bytes.data(), bytes.size()) ==
+          SHADOWSYNC_BAD_HEADER);
+    CHECK_THAT(last_error(), Catch::Contains("carries no checksums") &&
+                                 Catch::Contains("require_checksums"));
+    REQUIRE_OK(shadowsync_publish_destroy(publish));
+
+    shadowsync_sender_config_t sconfig = SHADOWSYNC_SENDER_CONFIG_INITIALIZER;
+    sconfig.checksums = 1;
+    Pair summed(&rconfig, &sconfig);
+    REQUIRE_OK(send_update(summed, 1, {"base"}, v1));
+    REQUIRE_OK(shadowsync_receiver_wait_applied(summed.receiver, 1, 20000, summed.engine));
+    CHECK(live_group_is(layout, summed.receiver, 0, 1));
+    shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+    REQUIRE_OK(shadowsync_receiver_stats(summed.receiver, &stats));
+    CHECK(stats.last_failed_version == 0);
+    CHECK(stats.last_failure_status == SHADOWSYNC_SUCCESS);
+    CHECK(stats.last_failed_group == -1);
+    CHECK(stats.stuck_aborts == 0);
+  }
+  SECTION("reject_nonfinite: the group and tensor of a NaN are in the stats") {
+    shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    rconfig.reject_nonfinite = 1;
+    Pair pair(&rconfig);
+    CTensors v1(layout, {"base"}, 1);
+    // A NaN in "w" (fp32, tensor 1 of group "base").
+    const std::uint32_t nan_bits = 0x7fc00000u;
+    std::memcpy(const_cast<void*>(v1.tensors[1].data), &nan_bits, sizeof nan_bits);
+    REQUIRE(std::string(v1.tensors[1].name) == "w");
+    REQUIRE_OK(send_update(pair, 1, {"base"}, v1));  // sent fine: the receiver refuses it
+    REQUIRE_OK(shadowsync_receiver_drain(pair.receiver));
+    shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+    REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+    CHECK(stats.updates_failed == 1);
+    CHECK(stats.last_failed_version == 1);
+    CHECK(stats.last_failure_status == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK(stats.last_failed_group == 0);
+    CHECK(stats.last_failed_tensor == 1);
+    CHECK(stats.last_failed_bucket == -1);
+    CHECK(stats.needs_transport == 0);  // a refusal by a check leaves the transport alone
+    // The next good update applies over the same transport.
+    CTensors v2(layout, {"base"}, 2);
+    REQUIRE_OK(send_update(pair, 2, {"base"}, v2));
+    REQUIRE_OK(shadowsync_receiver_wait_applied(pair.receiver, 2, 20000, pair.engine));
+    CHECK(live_group_is(layout, pair.receiver, 0, 2));
+  }
+}
+
+TEST_CASE("C ABI: rollback flips back one level and says when it cannot") {
+  Pair pair;
+  const Layout layout = cpp_layout();
+  uint64_t undone = 0;
+  CHECK(shadowsync_receiver_rollback(pair.receiver, pair.engine, &undone) ==
+        SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("shadowsync_receiver_rollback: rollback: no update has "
+                                           "been applied yet"));
+  for (std::uint64_t v = 1; v <= 2; ++v) {
+    CTensors tensors(layout, {"base"}, v);
+    REQUIRE_OK(send_update(pair, v, {"base"}, tensors));
+    REQUIRE_OK(shadowsync_receiver_wait_applied(pair.receiver, v, 20000, pair.engine));
+  }
+  REQUIRE_OK(shadowsync_receiver_rollback(pair.receiver, pair.engine, &undone));
+  CHECK(undone == 2);
+  CHECK(live_group_is(layout, pair.receiver, 0, 1));
+  uint64_t content = 0;
+  REQUIRE_OK(shadowsync_receiver_live_content_version(pair.receiver, 0, &content));
+  CHECK(content == 1);
+  uint64_t applied = 0;
+  REQUIRE_OK(shadowsync_receiver_applied_version(pair.receiver, &applied));
+  CHECK(applied == 2);  // versions made live only increase
+  CHECK(shadowsync_receiver_rollback(pair.receiver, pair.engine, nullptr) ==
+        SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("already rolled back"));
+
+  // Once the next update started receiving into the previous slot: superseded.
+  CTensors v3(layout, {"base"}, 3);
+  REQUIRE_OK(send_update(pair, 3, {"base"}, v3));
+  REQUIRE_OK(shadowsync_receiver_wait_applied(pair.receiver, 3, 20000, pair.engine));
+  CTensors v4(layout, {"base"}, 4);
+  REQUIRE_OK(send_update(pair, 4, {"base"}, v4));
+  REQUIRE_OK(shadowsync_receiver_drain(pair.receiver));
+  CHECK(shadowsync_receiver_rollback(pair.receiver, pair.engine, nullptr) == SHADOWSYNC_SUPERSEDED);
+  CHECK_THAT(last_error(), Catch::Contains("update 4 started receiving"));
+  CHECK(live_group_is(layout, pair.receiver, 0, 3));
 }
