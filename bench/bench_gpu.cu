@@ -6,8 +6,9 @@
 //   bench_gpu --cpu ...      the CPU smoke mode (as bench_updates)
 //
 // This file holds only what is CUDA: the platform (backends, NCCL transports, an engine stream,
-// event stamps, cudaMemGetInfo) and three kernels (hold, decode, fill). Exit: 0 all phases ran,
-// 1 a phase failed (results are still written), 2 bad arguments, 3 watchdog, 77 fewer than 2 GPUs.
+// event stamps, a plain device copy, cudaMemGetInfo) and three kernels (hold, decode, fill).
+// Exit: 0 all phases ran, 1 a phase failed (results are still written), 2 bad arguments,
+// 3 watchdog, 77 fewer than 2 GPUs.
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -310,6 +311,11 @@ class CudaPlatform final : public Platform {
     decode_kernel<<<static_cast<unsigned>(blocks), kDecodeThreads, 0, CudaBackend::native(stream)>>>(
         reinterpret_cast<const uint4*>(data), bytes / 16, partials_);
     check_launch("decode_kernel");
+  }
+
+  void device_copy(Stream& stream, std::byte* dst, const std::byte* src, std::size_t bytes) override {
+    BENCH_CUDA(cudaSetDevice(1));
+    BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, CudaBackend::native(stream)));
   }
 
   void fill(int rank, std::byte* data, std::size_t bytes, std::uint64_t seed) override {

@@ -1,6 +1,7 @@
 // The update benchmark's CPU smoke mode: every scenario of bench_gpu (engine stall, transfer
 // bandwidth, decode interference, the per-parameter baseline, copy-at-boundary, memory, the knob
-// sweep) on HostBackend + the loopback transport, with miniature models (dimensions / 32). It runs
+// sweep, the copy_in swap strategy (remap needs CUDA), integrity cost, sender fault) on
+// HostBackend + the loopback transport, with miniature models (dimensions / 32). It runs
 // in seconds and in CI (ctest label `bench`); its figures are labelled "CPU smoke, not GPU
 // figures" everywhere they appear. The GPU program is bench_gpu.cu (CUDA builds only).
 //

@@ -82,6 +82,10 @@ class Platform {
   // aligned, multiple of 16) and reduces them.
   virtual void decode(Stream& stream, const std::byte* data, std::size_t bytes) = 0;
 
+  // Enqueues a plain device-to-device copy of `bytes` on `stream` (rank 1): the reference the
+  // copy_in swap is judged against (cudaMemcpyAsync on a GPU).
+  virtual void device_copy(Stream& stream, std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
+
   // Fills device memory of `rank` with non-zero data (a hash of the index and the seed) and waits.
   virtual void fill(int rank, std::byte* data, std::size_t bytes, std::uint64_t seed) = 0;
 
@@ -141,6 +145,10 @@ class HostPlatform final : public Platform {
       }
       sink->fetch_add(sum, std::memory_order_relaxed);
     });
+  }
+
+  void device_copy(Stream& stream, std::byte* dst, const std::byte* src, std::size_t bytes) override {
+    backend1_.memcpy_async(dst, src, bytes, stream);
   }
 
   void fill(int /*rank*/, std::byte* data, std::size_t bytes, std::uint64_t seed) override {

@@ -1,10 +1,14 @@
 // The scenarios the update benchmark measures, written once against Platform (bench_platform.h),
 // shadowsync's Backend and Transport:
 //
-//   Session                 a Sender (rank 0) and a Receiver (rank 1) for one layout, with an
-//                           engine adapter's rebind swap callback and an observer of every report
+//   Session                 a Sender (rank 0) and a Receiver (rank 1) for one layout, with a swap
+//                           strategy (rebind: an engine adapter's rebind swap callback), optional
+//                           integrity checks and an observer of every report
 //   run_updates             updates one after another, each applied as soon as it is ready: the
 //                           engine stall of each swap (host, engine stream) and its transfer
+//   raw_device_copy         a plain device copy of the same bytes (what copy_in is judged against)
+//   sender_fault            the sender stops (or its transport is aborted) mid-update: time until
+//                           the receiver reports the update failed, then recovery
 //   measure_interference    memory-bound decode steps alone, then while updates stream in
 //   raw_link                ncclBroadcast of the same bytes on a communicator of its own
 //   per_parameter_baseline  pause; per tensor: RPC, broadcast into a temp, sync, copy, sync
@@ -32,6 +36,8 @@
 #include "shadowsync/receiver.h"
 #include "shadowsync/sender.h"
 #include "shadowsync/step_hook.h"
+#include "shadowsync/swap_strategy.h"
+#include "shadowsync/transport.h"
 
 namespace shadowsync::bench {
 
@@ -90,6 +96,15 @@ struct TrainerWeights {
 // ---------------------------------------------------------------------------------------------
 // Session: a Sender and a Receiver for one layout over one pair of transports.
 // ---------------------------------------------------------------------------------------------
+struct SessionConfig {
+  SwapStrategy strategy = SwapStrategy::kRebind;
+  bool checksums = false;          // SenderConfig::checksums + ReceiverConfig::require_checksums
+  bool reject_nonfinite = false;   // ReceiverConfig::reject_nonfinite
+  std::chrono::milliseconds bucket_deadline{10'000};
+  // A failed update is what the scenario provokes (sender_fault), not an error of the run.
+  bool failures_expected = false;
+};
+
 class Session {
  public:
   struct Report {
@@ -99,26 +114,34 @@ class Session {
     double transfer_s = 0;
     Clock::time_point at;  // when the receiver reported it
     std::string error;
+    ErrorCode code = ErrorCode::kInternal;  // kFailed: the kind of failure
   };
   // Probes around the construction (rank 1 unless named).
   struct Construction {
     Probe before_transports, after_transports, after_receiver;
   };
 
-  Session(Platform& p, const Layout& layout, int max_ctas, Construction* trace = nullptr)
-      : p_(p), bytes_(layout.total_bytes()) {
+  Session(Platform& p, const Layout& layout, int max_ctas, Construction* trace = nullptr,
+          const SessionConfig& config = {})
+      : p_(p), bytes_(layout.total_bytes()), config_(config) {
     if (trace) trace->before_transports = probe(p, 1);
     TransportPair transports = p.make_transports(max_ctas);
     if (trace) trace->after_transports = probe(p, 1);
     SenderConfig sender_config;
     sender_config.update_deadline = std::chrono::milliseconds(kWaitLimit);
-    ReceiverConfig receiver_config;
-    receiver_config.update_deadline = std::chrono::milliseconds(kWaitLimit);
-    receiver_config.bucket_deadline = std::chrono::milliseconds(10'000);
+    sender_config.checksums = config.checksums;
+    receiver_config_.update_deadline = std::chrono::milliseconds(kWaitLimit);
+    receiver_config_.bucket_deadline = config.bucket_deadline;
+    receiver_config_.require_checksums = config.checksums;
+    receiver_config_.reject_nonfinite = config.reject_nonfinite;
+    receiver_config_.swap_strategy = config.strategy;
+    // copy_in and remap exist for engines that replay CUDA graphs; say so, as such an engine would.
+    receiver_config_.engine_uses_cuda_graphs = config.strategy != SwapStrategy::kRebind;
+    sender_transport_ = transports.rank0.get();
     sender_ = std::make_unique<Sender>(layout, p.backend(0), std::move(transports.rank0), sender_config);
     try {
       receiver_ = std::make_unique<Receiver>(layout, p.backend(1), std::move(transports.rank1),
-                                             receiver_config);
+                                             receiver_config_);
     } catch (...) {
       sender_.reset();
       throw;
@@ -126,24 +149,27 @@ class Session {
     if (trace) trace->after_receiver = probe(p, 1);
 
     for (const GroupLayout& group : layout.groups()) bound_.emplace_back(group.tensors().size());
-    // What an engine adapter does: rebind each of its tensors to the new live pointers.
-    receiver_->step_hook().set_swap_callback([this](const AppliedUpdate& update) {
-      StepHook& hook = receiver_->step_hook();
-      for (const GroupSwap& swap : *update.swaps) {
-        std::vector<void*>& tensors = bound_[swap.group];
-        for (std::size_t t = 0; t < tensors.size(); ++t) tensors[t] = hook.live_tensor(swap.group, t);
-      }
-    });
+    // What an engine adapter does under rebind: rebind each of its tensors to the new live
+    // pointers. Under copy_in and remap the live addresses never move, so there is nothing to
+    // rebind and the swap costs only what the strategy itself does.
+    if (config.strategy == SwapStrategy::kRebind) {
+      receiver_->step_hook().set_swap_callback([this](const AppliedUpdate& update) {
+        StepHook& hook = receiver_->step_hook();
+        for (const GroupSwap& swap : *update.swaps) {
+          std::vector<void*>& tensors = bound_[swap.group];
+          for (std::size_t t = 0; t < tensors.size(); ++t) tensors[t] = hook.live_tensor(swap.group, t);
+        }
+      });
+    }
     receiver_->set_observer([this](const UpdateReport& r) {
-      Report report{r.version, r.outcome, r.bytes, to_s(r.transfer), Clock::now(), r.error};
+      Report report{r.version, r.outcome, r.bytes, to_s(r.transfer), Clock::now(), r.error, r.code};
       std::lock_guard lock(mutex_);
-      if (r.outcome == UpdateOutcome::kFailed && first_error_.empty()) {
-        first_error_ = cat("update ", r.version, " failed: ", r.error);
-      }
+      const bool error = r.outcome == UpdateOutcome::kFailed && !config_.failures_expected;
+      if (error && first_error_.empty()) first_error_ = cat("update ", r.version, " failed: ", r.error);
       if (r.outcome != UpdateOutcome::kSuperseded) {
         last_resolved_.store(std::max(last_resolved_.load(), r.version));
       }
-      if (r.outcome == UpdateOutcome::kFailed) failed_.fetch_add(1);
+      if (error) failed_.fetch_add(1);
       reports_.push_back(std::move(report));
     });
   }
@@ -154,6 +180,8 @@ class Session {
 
   StepHook& hook() { return receiver_->step_hook(); }
   std::size_t bytes() const { return bytes_; }
+  SwapStrategy strategy() const { return config_.strategy; }
+  const ReceiverConfig& receiver_config() const { return receiver_config_; }
 
   // Publishes the next version from the trainer's weights and announces it to the receiver:
   // as scattered tensors (Sender::publish packs them through its staging buffers), or with
@@ -167,6 +195,36 @@ class Session {
     return handle;
   }
   std::uint64_t last_version() const { return version_.load(); }
+
+  // Starts publishing the next version with no tensor supplied yet (Sender::publish_streamed)
+  // and announces it: the caller supplies the tensors, or stops, as a trainer would.
+  StreamedPublish publish_streamed() {
+    const std::uint64_t v = version_.fetch_add(1) + 1;
+    StreamedPublish publish = sender_->publish_streamed(v, {std::string(kBaseGroup)});
+    receiver_->begin_update(publish.header());
+    return publish;
+  }
+
+  // Aborts the sender's end of the transport, as the death of the trainer's communicator would.
+  // Transport::abort is thread-safe, but the Sender owns the transport and drops it once an update
+  // fails: call this only while an update is in flight and nothing has failed yet (the pointer is
+  // renewed by replace_transports).
+  void abort_sender_transport() { sender_transport_->abort(); }
+
+  // Waits for the receiver's report (ready or failed) of version `v` and returns it.
+  Report wait_report(std::uint64_t v, const std::string& what) {
+    std::optional<Report> found;
+    wait_until(
+        [&] {
+          std::lock_guard lock(mutex_);
+          for (const Report& r : reports_) {
+            if (r.version == v && r.outcome != UpdateOutcome::kSuperseded) found = r;
+          }
+          return found.has_value();
+        },
+        what);
+    return *found;
+  }
 
   // Waits until version `v` was received (or failed: then throws).
   void wait_resolved(std::uint64_t v, const std::string& what) {
@@ -205,6 +263,7 @@ class Session {
   // owners' threads (the sender's worker, the receiver's thread) at about the same time.
   void replace_transports(int max_ctas) {
     TransportPair transports = p_.make_transports(max_ctas);
+    sender_transport_ = transports.rank0.get();
     sender_->replace_transport(std::move(transports.rank0));
     receiver_->replace_transport(std::move(transports.rank1));
     receiver_->drain();
@@ -213,6 +272,9 @@ class Session {
  private:
   Platform& p_;
   std::size_t bytes_;
+  SessionConfig config_;
+  ReceiverConfig receiver_config_;
+  Transport* sender_transport_ = nullptr;  // owned by sender_
   std::unique_ptr<Sender> sender_;
   std::unique_ptr<Receiver> receiver_;
   std::vector<std::vector<void*>> bound_;  // the "engine's" tensor pointers, rebound per swap
@@ -229,6 +291,12 @@ class Session {
 // Updates one after another; each is applied by the engine thread (this one) as soon as it is
 // ready. Per swap: the host time of before_step() (the swap path, rebind callback included) and
 // the engine-stream time between stamps around it; per update: bytes / UpdateReport.transfer.
+//
+// rebind and copy_in: the stamps are queued behind a kernel that holds the engine stream (kHold),
+// so they time what the swap enqueues (copy_in: its copy) and not the host. remap: the swap
+// synchronizes the engine stream, so a held stream would be charged to the host's swap; instead
+// the stream is idle, as the contract's free case (an engine that synchronized at the step
+// boundary), and the stamps bracket the host's remap: the time the stream gets no new work.
 // ---------------------------------------------------------------------------------------------
 struct UpdatesRun {
   std::vector<double> host_us;
@@ -249,8 +317,13 @@ inline UpdatesRun run_updates(Platform& p, Session& s, const TrainerWeights& wei
     s.wait_resolved(v, cat("update ", v, " to be received"));
     wait_until([&] { return s.hook().has_pending(); }, cat("update ", v, " to be offered"));
 
-    p.hold(engine_stream, kHold);
-    before->record(engine_stream);
+    if (s.strategy() == SwapStrategy::kRemap) {
+      before->record(engine_stream);
+      before->wait("the engine stream before a remap swap");
+    } else {
+      p.hold(engine_stream, kHold);
+      before->record(engine_stream);
+    }
     const auto t0 = Clock::now();
     const std::optional<std::uint64_t> applied = s.hook().before_step(engine_stream);
     const auto t1 = Clock::now();
@@ -644,6 +717,114 @@ inline CopyResult copy_at_boundary(Platform& p, TransportPair& pair, const Layou
   result.stall_ms = summarize(stall_ms);
   result.enqueue_us = summarize(enqueue_us);
   return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The raw device copy: one plain device-to-device copy of `bytes` on an engine stream (the
+// platform's device_copy: cudaMemcpyAsync on a GPU), timed with stamps behind the same hold as a
+// swap. What the copy_in swap, which copies the same bytes, is judged against. One unmeasured
+// repetition first.
+// ---------------------------------------------------------------------------------------------
+inline Summary raw_device_copy(Platform& p, std::byte* dst, const std::byte* src, std::size_t bytes, int reps) {
+  auto engine_stream = p.make_engine_stream(false);
+  auto before = p.make_stamp(1);
+  auto after = p.make_stamp(1);
+  std::vector<double> ms;
+  for (int r = 0; r <= reps; ++r) {
+    p.hold(*engine_stream, kHold);
+    before->record(*engine_stream);
+    p.device_copy(*engine_stream, dst, src, bytes);
+    after->record(*engine_stream);
+    after->wait("a raw device copy");
+    if (r > 0) ms.push_back(after->ms_since(*before));
+  }
+  return summarize(ms);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A trainer that fails mid-update. The session publishes with Sender::publish_streamed and
+// supplies the tensors of the first half of the arena; t0 is the moment the trainer stops.
+// kStalled (a hung trainer, as under SIGSTOP): it supplies nothing more; t0 is when its last
+// supply() returned. kAborted (its communicator torn down, as a dying process's is): kFaultSettle
+// after the last supply() returned, so that the buckets it handed over have landed and none of
+// its kernels is mid-bucket, its transport is aborted; t0 is the abort. Timed: t0 to the
+// receiver's failure report (taken in the observer). Then the update is cancelled on the sender,
+// both ends get new transports (a restarted trainer's rendezvous), and the next update must
+// arrive and apply. Each repetition fills `result` as it goes, so that a failure part-way keeps
+// what was measured.
+// ---------------------------------------------------------------------------------------------
+enum class SenderFault { kStalled, kAborted };
+
+inline const char* fault_name(SenderFault fault) {
+  return fault == SenderFault::kStalled ? "stalled" : "aborted";
+}
+
+struct FaultResult {
+  std::string variant;
+  std::vector<double> report_ms;   // t0 to the failure report, per repetition
+  std::vector<std::string> codes;  // the report's ErrorCode, per repetition
+  std::string first_error;         // the first repetition's report
+  int reps = 0;                    // repetitions started
+  int recovered = 0;               // repetitions after which the next update applied
+};
+
+// Long enough for a few buckets in flight to land (512 MiB: ~1.5 ms on NVLink), short next to a
+// bucket deadline.
+inline constexpr std::chrono::milliseconds kFaultSettle{20};
+
+inline void sender_fault(Session& s, const TrainerWeights& weights, const Layout& layout,
+                         Stream& engine_stream, SenderFault fault, int reps, FaultResult& result) {
+  result.variant = fault_name(fault);
+  // The tensors whose bytes end in the first half of the arena: at least one, never all.
+  const std::vector<TensorPlacement>& placements = layout.groups().at(0).tensors();
+  std::vector<SourceTensor> first_half;
+  for (std::size_t t = 0; t + 1 < placements.size(); ++t) {
+    if (t > 0 && placements[t].offset + placements[t].bytes > layout.total_bytes() / 2) break;
+    first_half.push_back(weights.sources[t]);
+  }
+  for (int r = 0; r < reps; ++r) {
+    ++result.reps;
+    const std::uint64_t live = s.hook().applied_version();
+    StreamedPublish publish = s.publish_streamed();
+    const std::uint64_t v = publish.header().version;
+    publish.supply(first_half);
+    if (fault == SenderFault::kAborted) std::this_thread::sleep_for(kFaultSettle);
+    const auto t0 = Clock::now();
+    if (fault == SenderFault::kAborted) s.abort_sender_transport();
+    const Session::Report report = s.wait_report(v, cat("the receiver's report of ", result.variant, " update ", v));
+    if (report.outcome != UpdateOutcome::kFailed) {
+      throw BenchError(cat(result.variant, " update ", v, " was not reported failed"));
+    }
+    result.report_ms.push_back(to_ms(report.at - t0));
+    result.codes.push_back(shadowsync::to_string(report.code));
+    if (r == 0) result.first_error = report.error;
+    if (s.hook().has_pending() || s.hook().applied_version() != live) {
+      throw BenchError(cat("after the failed update ", v, " the engine no longer serves version ", live));
+    }
+
+    // The trainer gives up on the update and both ends rendezvous again.
+    publish.cancel();
+    bool ended = false;
+    try {
+      ended = publish.handle().wait_for(kWaitLimit);
+    } catch (const std::exception&) {
+      ended = true;  // failed, as it must
+    }
+    if (!ended) throw BenchError(cat("the cancelled publish of update ", v, " did not end"));
+    s.replace_transports(0);
+    PublishHandle good = s.publish(weights);
+    const std::uint64_t g = good.header().version;
+    s.wait_resolved(g, cat("update ", g, " after the ", result.variant, " one"));
+    if (!s.ready_report(g)) {
+      throw BenchError(cat("update ", g, " after the ", result.variant, " one failed: ",
+                           s.wait_report(g, "its report").error));
+    }
+    if (!good.wait_for(kWaitLimit)) throw BenchError(cat("publish of version ", g, " not done"));
+    if (s.hook().apply_pending_now(engine_stream) != std::optional<std::uint64_t>(g)) {
+      throw BenchError(cat("update ", g, " after the ", result.variant, " one did not apply"));
+    }
+    ++result.recovered;
+  }
 }
 
 }  // namespace shadowsync::bench
