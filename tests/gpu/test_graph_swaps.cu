@@ -18,12 +18,11 @@
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "device_copy_transport.h"
 #include "gpu_fake_engine.cuh"
 #include "pattern_word.h"
 #include "shadowsync/cuda_backend.h"
@@ -84,39 +83,6 @@ __global__ void decode_step(Arenas arenas, const TensorEntry* entries, std::uint
   atomicMax(&r[1], static_cast<unsigned long long>(hi));
   atomicAdd(&r[2], static_cast<unsigned long long>(sum));
 }
-
-// The transport of this test: rank 1 of 2; each broadcast copies the next queued source (the
-// trainer's bytes of that bucket) into the receiver's buffer on the receiver's stream.
-class DeviceCopyTransport final : public Transport {
- public:
-  std::string_view name() const override { return "device-copy (test)"; }
-  int rank() const override { return 1; }
-  int world_size() const override { return 2; }
-  void broadcast_async(void* buffer, std::size_t bytes, int /*root*/, Stream& stream) override {
-    const void* source = nullptr;
-    {
-      std::lock_guard lock(mutex_);
-      if (sources_.empty()) throw Error(ErrorCode::kTransport, "no source queued for a bucket");
-      source = sources_.front();
-      sources_.pop_front();
-    }
-    if (cudaMemcpyAsync(buffer, source, bytes, cudaMemcpyDeviceToDevice,
-                        CudaBackend::native(stream)) != cudaSuccess) {
-      throw Error(ErrorCode::kTransport, "cudaMemcpyAsync of a bucket failed");
-    }
-  }
-  std::optional<std::string> async_error() override { return std::nullopt; }
-  void abort() noexcept override {}
-
-  void queue(const void* source) {
-    std::lock_guard lock(mutex_);
-    sources_.push_back(source);
-  }
-
- private:
-  std::mutex mutex_;
-  std::deque<const void*> sources_;
-};
 
 Layout graph_layout() {
   // A few MiB over several dtypes, tensors spanning 256 KiB buckets, two adapters.

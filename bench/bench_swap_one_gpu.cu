@@ -1,0 +1,229 @@
+// The swap strategies' stall on ONE GPU, at the layouts of real models (bench/support/
+// bench_models.h): rebind, copy_in and remap, next to a raw device-to-device copy of the same bytes.
+// What bench_gpu measures for them needs two GPUs (an NCCL transfer first); the stall itself does
+// not, so this program fills the shadow with tests/support/device_copy_transport.h instead.
+//
+// Per model and strategy: --swaps measured swaps (after 2 warm-up ones). Before each, the update is
+// received and offered (StepHook::has_pending) and the engine stream is idle, as at a step
+// boundary. Then, on the engine thread:
+//   host µs    = wall time of before_step() (for remap: includes synchronizing the engine stream
+//                and the unmap/map/set-access calls; for copy_in: enqueueing the copy);
+//   stream ms  = CUDA-event time on the engine stream from just before to just after before_step
+//                (for copy_in: the copy itself; rebind and remap enqueue only an event record).
+// raw copy ms  = cudaMemcpyAsync of the same bytes between two plain cudaMalloc buffers, events.
+//
+//   bench_swap_one_gpu [--swaps N] [--models name,name]      (default 10; every known model)
+// Exit status: 0, 1 on an error, 77 without a GPU.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device_copy_transport.h"
+#include "shadowsync/cuda_backend.h"
+#include "shadowsync/receiver.h"
+#include "shadowsync/update_header.h"
+#include "support/bench_models.h"
+
+namespace {
+
+using namespace shadowsync;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kWarmup = 2;
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw Error(ErrorCode::kBackend, std::string(what) + ": " + cudaGetErrorString(status));
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double p99(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(0.99 * static_cast<double>(v.size())))];
+}
+
+// Milliseconds between two events recorded around `enqueue` on `stream`, repeated.
+template <typename Enqueue>
+std::vector<double> time_on_stream(cudaStream_t stream, int reps, Enqueue&& enqueue) {
+  cudaEvent_t start = nullptr;
+  cudaEvent_t stop = nullptr;
+  check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
+    enqueue();
+    check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
+    check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float elapsed = 0;
+    check_cuda(cudaEventElapsedTime(&elapsed, start, stop), "cudaEventElapsedTime");
+    ms.push_back(elapsed);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms;
+}
+
+double raw_copy_ms(std::size_t bytes, int reps) {
+  void* from = nullptr;
+  void* to = nullptr;
+  check_cuda(cudaMalloc(&from, bytes), "cudaMalloc (raw copy source)");
+  check_cuda(cudaMalloc(&to, bytes), "cudaMalloc (raw copy destination)");
+  cudaStream_t stream = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const auto ms = time_on_stream(stream, reps + kWarmup, [&] {
+    check_cuda(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream),
+               "cudaMemcpyAsync");
+  });
+  cudaStreamDestroy(stream);
+  cudaFree(from);
+  cudaFree(to);
+  return median({ms.begin() + kWarmup, ms.end()});
+}
+
+struct StallFigures {
+  double host_us_median = 0;
+  double host_us_p99 = 0;
+  double stream_ms_median = 0;
+};
+
+StallFigures measure(const Layout& layout, CudaBackend& backend, SwapStrategy strategy,
+                     int swaps) {
+  auto owned = std::make_unique<testing::DeviceCopyTransport>();
+  testing::DeviceCopyTransport& transport = *owned;
+  ReceiverConfig config;
+  config.root_rank = 0;
+  config.swap_strategy = strategy;
+  config.engine_uses_cuda_graphs = strategy != SwapStrategy::kRebind;
+  Receiver receiver(layout, backend, std::move(owned), config);
+  StepHook& hook = receiver.step_hook();
+  std::vector<DeviceBuffer> trainer;  // the bytes each update "receives" (contents irrelevant)
+  std::vector<std::string> groups;
+  for (const auto& group : layout.groups()) {
+    trainer.emplace_back(backend, group.arena_bytes());
+    groups.push_back(group.name());
+  }
+  std::unique_ptr<Stream> engine = backend.create_stream(StreamPriority::kNormal);
+  const cudaStream_t engine_handle = CudaBackend::native(*engine);
+  cudaEvent_t before = nullptr;
+  cudaEvent_t after = nullptr;
+  check_cuda(cudaEventCreate(&before), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&after), "cudaEventCreate");
+
+  std::vector<double> host_us;
+  std::vector<double> stream_ms;
+  for (int i = 0; i < kWarmup + swaps; ++i) {
+    const std::uint64_t version = static_cast<std::uint64_t>(i) + 1;
+    for (std::size_t g = 0; g < layout.groups().size(); ++g) {
+      const GroupLayout& group = layout.groups()[g];
+      for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+        transport.queue(trainer[g].data() + group.bucket(k).offset);
+      }
+    }
+    receiver.begin_update(make_update_header(layout, version, groups));
+    const auto deadline = Clock::now() + std::chrono::seconds(120);
+    // The engine stream is idle (synchronized after the last swap), so the release events the
+    // receiver waits on have passed; poll for the offer without touching the hook.
+    while (!hook.has_pending()) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (Clock::now() > deadline) {
+        throw Error(ErrorCode::kTimeout, "update " + std::to_string(version) + " never arrived");
+      }
+    }
+    check_cuda(cudaStreamSynchronize(engine_handle), "cudaStreamSynchronize");  // step boundary
+    check_cuda(cudaEventRecord(before, engine_handle), "cudaEventRecord");
+    const auto start = Clock::now();
+    const auto applied = hook.before_step(*engine);
+    const auto host = Clock::now() - start;
+    check_cuda(cudaEventRecord(after, engine_handle), "cudaEventRecord");
+    check_cuda(cudaEventSynchronize(after), "cudaEventSynchronize");
+    if (applied != version) {
+      throw Error(ErrorCode::kInternal, "update " + std::to_string(version) + " was not applied");
+    }
+    float elapsed = 0;
+    check_cuda(cudaEventElapsedTime(&elapsed, before, after), "cudaEventElapsedTime");
+    if (i >= kWarmup) {
+      host_us.push_back(std::chrono::duration<double, std::micro>(host).count());
+      stream_ms.push_back(elapsed);
+    }
+  }
+  cudaEventDestroy(before);
+  cudaEventDestroy(after);
+  return {median(host_us), p99(host_us), median(stream_ms)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int swaps = 10;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--swaps" && i + 1 < argc) {
+      swaps = std::atoi(argv[++i]);
+    } else if (arg == "--models" && i + 1 < argc) {
+      only = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: bench_swap_one_gpu [--swaps N] [--models a,b]\n");
+      return 1;
+    }
+  }
+  if (swaps < 1) {
+    std::fprintf(stderr, "bench_swap_one_gpu: --swaps %d (at least 1)\n", swaps);
+    return 1;
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("SKIP: bench_swap_one_gpu needs a GPU\n");
+    return 77;
+  }
+  try {
+    cudaDeviceProp prop{};
+    check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    std::printf("device 0: %s; %d measured swaps per row after %d warm-up\n", prop.name, swaps,
+                kWarmup);
+    std::printf("| model | bytes | tensors | strategy | host µs median / p99 | engine stream ms "
+                "median | raw device copy ms | stream / raw |\n");
+    std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for (const auto& model : bench::known_models()) {
+      if (!only.empty() && ("," + only + ",").find("," + model.name + ",") == std::string::npos) {
+        continue;
+      }
+      const Layout layout = bench::model_layout(model, 1, kDefaultBucketBytes);
+      std::size_t bytes = 0;
+      std::size_t tensors = 0;
+      for (const auto& group : layout.groups()) {
+        bytes += group.arena_bytes();
+        tensors += group.tensors().size();
+      }
+      const double raw = raw_copy_ms(bytes, swaps);
+      CudaBackend backend(0);
+      for (const SwapStrategy strategy :
+           {SwapStrategy::kRebind, SwapStrategy::kCopyIn, SwapStrategy::kRemap}) {
+        const StallFigures f = measure(layout, backend, strategy, swaps);
+        std::printf("| %s | %.2f GB | %zu | %s | %.1f / %.1f | %.3f | %.3f | %.2f |\n",
+                    model.name.c_str(), static_cast<double>(bytes) / 1e9, tensors,
+                    std::string(swap_strategy_name(strategy)).c_str(), f.host_us_median,
+                    f.host_us_p99, f.stream_ms_median, raw, f.stream_ms_median / raw);
+        std::fflush(stdout);
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_swap_one_gpu: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
