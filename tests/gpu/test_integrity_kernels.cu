@@ -1,0 +1,135 @@
+// The CUDA backend's integrity kernels (plugin/cuda/integrity_kernels.cu) against the host
+// backend's implementation of the same definitions (plugin/core/integrity.h): a checksum computed
+// by the receiver's GPU must equal the one the sender's host or GPU computed, bit for bit, for any
+// length (tail bytes included) at any 8-byte-aligned start (buckets start 256-aligned; an unaligned
+// start is refused with a clear error), and the non-finite count must be exact for each dtype.
+// One GPU; skips (77) without one.
+#include <cuda_runtime_api.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "shadowsync/cuda_backend.h"
+#include "shadowsync/dtype.h"
+#include "shadowsync/host_backend.h"
+
+namespace {
+
+using namespace shadowsync;
+
+std::uint64_t host_checksum(HostBackend& host, const std::vector<std::byte>& bytes,
+                            std::size_t offset, std::size_t length) {
+  std::uint64_t result = 0;
+  auto stream = host.create_stream(StreamPriority::kNormal);
+  host.checksum_async(bytes.data() + offset, length, &result, *stream);
+  host.stream_synchronize(*stream);
+  return result;
+}
+
+std::uint64_t host_nonfinite(HostBackend& host, const std::vector<std::byte>& bytes,
+                             std::size_t elements, DType dtype) {
+  std::uint64_t result = 0;
+  auto stream = host.create_stream(StreamPriority::kNormal);
+  host.count_nonfinite_async(bytes.data(), elements, dtype, &result, *stream);
+  host.stream_synchronize(*stream);
+  return result;
+}
+
+// Runs `enqueue(device_data, device_result, stream)` on the GPU over a copy of `bytes`.
+template <typename Enqueue>
+std::uint64_t on_gpu(CudaBackend& gpu, const std::vector<std::byte>& bytes, Enqueue&& enqueue) {
+  DeviceBuffer data(gpu, bytes.size() + 1);
+  DeviceBuffer result(gpu, sizeof(std::uint64_t));
+  REQUIRE(cudaMemcpy(data.data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice) ==
+          cudaSuccess);
+  auto stream = gpu.create_stream(StreamPriority::kLow);
+  enqueue(data.data(), reinterpret_cast<std::uint64_t*>(result.data()), *stream);
+  gpu.stream_synchronize(*stream);
+  std::uint64_t value = 0;
+  REQUIRE(cudaMemcpy(&value, result.data(), sizeof value, cudaMemcpyDeviceToHost) == cudaSuccess);
+  return value;
+}
+
+}  // namespace
+
+TEST_CASE("integrity kernels: the GPU checksum equals the host's for every length and offset") {
+  CudaBackend gpu(0);
+  HostBackend host;
+  REQUIRE(gpu.supports_integrity());
+  std::mt19937_64 random(42);
+  std::vector<std::byte> bytes((std::size_t{8} << 20) + 13);
+  for (auto& b : bytes) b = static_cast<std::byte>(random());
+  // Lengths around word and block boundaries, a large one, and offsets that break alignment.
+  const std::size_t lengths[] = {0, 1, 7, 8, 9, 63, 64, 65, 4095, 4096, 4097, 1'000'003,
+                                 (std::size_t{8} << 20)};
+  for (const std::size_t offset : {std::size_t{0}, std::size_t{8}, std::size_t{256}}) {
+    for (const std::size_t length : lengths) {
+      if (offset + length > bytes.size()) continue;
+      INFO("offset " << offset << " length " << length);
+      const std::uint64_t expected = host_checksum(host, bytes, offset, length);
+      const std::uint64_t seen = on_gpu(gpu, bytes, [&](std::byte* d, std::uint64_t* r, Stream& s) {
+        gpu.checksum_async(d + offset, length, r, s);
+      });
+      CHECK(seen == expected);
+    }
+  }
+  // The kernel reads whole words: an unaligned start is refused, naming the pointer.
+  CHECK_THROWS_WITH(on_gpu(gpu, bytes,
+                           [&](std::byte* d, std::uint64_t* r, Stream& s) {
+                             gpu.checksum_async(d + 3, 64, r, s);
+                           }),
+                    Catch::Contains("8-byte aligned"));
+  // A single flipped bit changes the GPU's checksum too.
+  const std::uint64_t before = on_gpu(gpu, bytes, [&](std::byte* d, std::uint64_t* r, Stream& s) {
+    gpu.checksum_async(d, bytes.size(), r, s);
+  });
+  bytes[bytes.size() / 3] ^= std::byte{0x10};
+  const std::uint64_t after = on_gpu(gpu, bytes, [&](std::byte* d, std::uint64_t* r, Stream& s) {
+    gpu.checksum_async(d, bytes.size(), r, s);
+  });
+  CHECK(before != after);
+}
+
+TEST_CASE("integrity kernels: the GPU counts exactly the NaN and Inf elements of each dtype") {
+  CudaBackend gpu(0);
+  HostBackend host;
+  std::mt19937_64 random(7);
+  struct Case {
+    DType dtype;
+    std::size_t element_bytes;
+    std::vector<std::uint32_t> nonfinite;  // bit patterns: NaNs and infinities
+  };
+  const Case cases[] = {
+      {DType::kFloat32, 4, {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffffffffu}},
+      {DType::kFloat16, 2, {0x7c00u, 0xfc00u, 0x7e00u, 0x7c01u, 0xffffu}},
+      {DType::kBFloat16, 2, {0x7f80u, 0xff80u, 0x7fc0u, 0x7f81u, 0xffffu}},
+  };
+  for (const Case& c : cases) {
+    INFO("dtype " << dtype_name(c.dtype));
+    const std::size_t elements = 1'000'001;
+    std::vector<std::byte> bytes(elements * c.element_bytes);
+    // Finite values everywhere (a small exponent), then non-finite ones at random places.
+    for (std::size_t i = 0; i < elements; ++i) {
+      const std::uint32_t finite =
+          c.element_bytes == 4 ? 0x3f800000u | (random() & 0x7fffffu) : 0x3c00u | (random() & 0x3ffu);
+      std::memcpy(bytes.data() + i * c.element_bytes, &finite, c.element_bytes);
+    }
+    std::size_t planted = 0;
+    for (std::size_t k = 0; k < 100; ++k) {
+      const std::size_t at = (random() % (elements / 100)) + k * (elements / 100);
+      const std::uint32_t bits = c.nonfinite[k % c.nonfinite.size()];
+      std::memcpy(bytes.data() + at * c.element_bytes, &bits, c.element_bytes);
+      ++planted;
+    }
+    const std::uint64_t expected = host_nonfinite(host, bytes, elements, c.dtype);
+    CHECK(expected == planted);
+    const std::uint64_t seen = on_gpu(gpu, bytes, [&](std::byte* d, std::uint64_t* r, Stream& s) {
+      gpu.count_nonfinite_async(d, elements, c.dtype, r, s);
+    });
+    CHECK(seen == expected);
+  }
+}
