@@ -58,6 +58,9 @@ TEST_CASE("a LoRA-only update moves only adapter bytes and keeps the base") {
 
   rig.publish(2, {"lora_a"}).wait();
   rig.wait_offered(2);
+  // Observers hear of an update just after it is offered: wait for the report itself.
+  wait_until([&] { return !rig.reports().empty() && rig.reports().back().version == 2; },
+             "update 2 reported");
   const auto reports = rig.reports();
   REQUIRE(reports.back().version == 2);
   CHECK(reports.back().bytes == layout.groups()[1].arena_bytes());
