@@ -34,12 +34,15 @@ struct ReceiverConfig {
   // flight. 200 us keeps the reaction to a fault well under a millisecond at negligible CPU.
   std::chrono::microseconds poll_interval{200};
   // Refuse (in begin_update) a header that carries no checksum block. Whether or not this is set,
-  // a header that carries one is verified: every bucket's checksum is computed on the receiver's
-  // stream and compared before the update is offered. Off by default, as SenderConfig::checksums.
+  // a header that carries one is verified: every bucket's checksum is computed on a second
+  // low-priority stream of the receiver as soon as that bucket has landed (overlapping the later
+  // buckets' transfer) and compared before the update is offered. Off by default, as
+  // SenderConfig::checksums.
   bool require_checksums = false;
   // Refuse an update in which an fp32, fp16 or bf16 tensor holds a NaN or an infinity: counted per
-  // tensor on the receiver's stream before the update is offered. One small kernel per floating
-  // tensor per update; off by default until its cost is measured on a GPU.
+  // tensor, on the same second stream once the bucket holding the tensor's last byte has landed,
+  // before the update is offered. One small kernel per floating tensor per update; off by
+  // default.
   bool reject_nonfinite = false;
   // Second-level watchdog. A failed update aborts the transport (ncclCommAbort) on the receiver
   // thread; an abort that has not returned after this long is reported (one line on stderr,

@@ -76,6 +76,13 @@ struct Refusal {
   std::string tensor;
 };
 
+// The checks enqueued for one update while its buckets were posted (see Impl::enqueue_checks).
+struct PendingChecks {
+  bool checksums = false;     // the header announced the sender's checksum block
+  std::size_t buckets = 0;    // checksums computed, in broadcast order
+  std::vector<std::pair<std::size_t, std::size_t>> tensors;  // (group, tensor) counted
+};
+
 struct Command {
   enum class Kind { kBegin, kReplaceTransport, kDrain, kShutdown };
   Kind kind = Kind::kBegin;
@@ -97,6 +104,7 @@ struct Receiver::Impl {
                 /*live_moves=*/config.swap_strategy != SwapStrategy::kCopyIn),
         stream(backend.create_stream(StreamPriority::kLow)),
         done_event(backend.create_event()) {
+    if (backend.supports_integrity()) check_stream = backend.create_stream(StreamPriority::kLow);
     std::size_t checked_tensors = 0;
     for (const auto& g : owner.layout_.groups()) {
       max_buckets += g.bucket_count();
@@ -115,11 +123,18 @@ struct Receiver::Impl {
   void resolve_offer();
   // Nothing: the receive completed. Otherwise why it failed.
   std::optional<Refusal> wait_for_buckets(std::size_t bucket_count, Clock::time_point start);
-  // Checks the received bytes (checksums the header announced, the non-finite guard) on the
-  // receiver's stream; nothing when they pass or nothing was asked.
-  std::optional<Refusal> verify(const UpdateHeader& header,
-                                const std::vector<ReceiveTarget>& targets,
-                                Clock::time_point start);
+  // Enqueues, on check_stream behind bucket k's event, the checks of what bucket k completes:
+  // its checksum (when the header announced them) and the non-finite count of every tensor that
+  // ends in it (ReceiverConfig::reject_nonfinite). They overlap the later buckets' transfer, so
+  // what the checks add to an update is about one bucket's worth, not a pass over every byte.
+  void enqueue_checks(const GroupLayout& group, std::size_t group_index, const std::byte* arena,
+                      std::size_t k, Event& bucket_done, PendingChecks& checks);
+  // Waits for the enqueued checks and compares; nothing when they pass or nothing was asked.
+  std::optional<Refusal> verify(const std::vector<ReceiveTarget>& targets,
+                                const PendingChecks& checks, Clock::time_point start);
+  // Waits (up to kAbortDrainLimit each) until neither stream of the receiver has work queued;
+  // false if one is still busy then.
+  bool drain_streams();
   void discard(const UpdateHeader& header, const Refusal& refusal);
   // Aborts and drops the transport under the second-level watchdog (abort_watchdog.h).
   void abort_transport(std::uint64_t version);
@@ -132,7 +147,8 @@ struct Receiver::Impl {
   const ReceiverConfig config;
   std::unique_ptr<Transport> transport;  // receiver thread only
   SlotPlanner planner;                   // receiver thread only
-  std::unique_ptr<Stream> stream;
+  std::unique_ptr<Stream> stream;        // the receives
+  std::unique_ptr<Stream> check_stream;  // the integrity checks; only if the backend has them
   std::unique_ptr<Event> done_event;
   std::vector<std::unique_ptr<Event>> bucket_events;
   std::size_t max_buckets = 0;  // of an update that carries every group
@@ -249,8 +265,9 @@ void Receiver::shutdown() {
   command.kind = Command::Kind::kShutdown;
   impl_->commands.enqueue(std::move(command));
   if (impl_->thread.joinable()) impl_->thread.join();
-  // Nothing may still write the slots when they are freed.
+  // Nothing may still write (or read) the slots when they are freed.
   impl_->backend.stream_synchronize(*impl_->stream);
+  if (impl_->check_stream) impl_->backend.stream_synchronize(*impl_->check_stream);
 }
 
 void Receiver::Impl::run() {
@@ -321,6 +338,9 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     }
   }
   // Straight into the shadow arena: one broadcast per bucket, no staging, no per-tensor work.
+  PendingChecks checks;
+  checks.checksums = carries_checksums(header, layout);
+  const bool any_checks = checks.checksums || config.reject_nonfinite;
   std::size_t posted = 0;
   std::size_t bytes = 0;
   for (const ReceiveTarget& target : targets) {
@@ -329,11 +349,13 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     for (std::size_t k = 0; k < group.bucket_count(); ++k) {
       const Bucket bucket = group.bucket(k);
       transport->broadcast_async(arena + bucket.offset, bucket.bytes, config.root_rank, *stream);
-      backend.event_record(*bucket_events[posted++], *stream);
+      Event& bucket_done = *bucket_events[posted++];
+      backend.event_record(bucket_done, *stream);
       bytes += bucket.bytes;
+      if (any_checks) enqueue_checks(group, target.group, arena, k, bucket_done, checks);
     }
   }
-  if (carries_checksums(header, layout)) {
+  if (checks.checksums) {
     // The sender's checksums, one per bucket, as one more broadcast (update_header.h says why).
     transport->broadcast_async(integrity.data(), posted * sizeof(std::uint64_t), config.root_rank,
                                *stream);
@@ -343,7 +365,7 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   std::optional<Refusal> failure;
   if constexpr (mutation::kActive != mutation::kPublishBeforeComplete) {
     failure = wait_for_buckets(posted, start);
-    if (!failure) failure = verify(header, targets, start);
+    if (!failure) failure = verify(targets, checks, start);
   }
   if constexpr (mutation::kActive == mutation::kOfferFailedUpdate) failure.reset();
   if (failure) {
@@ -414,43 +436,45 @@ std::optional<Refusal> Receiver::Impl::wait_for_buckets(std::size_t bucket_count
   return std::nullopt;
 }
 
-std::optional<Refusal> Receiver::Impl::verify(const UpdateHeader& header,
-                                              const std::vector<ReceiveTarget>& targets,
+void Receiver::Impl::enqueue_checks(const GroupLayout& group, std::size_t group_index,
+                                    const std::byte* arena, std::size_t k,
+                                    Event& bucket_done, PendingChecks& checks) {
+  auto* words = reinterpret_cast<std::uint64_t*>(integrity.data());
+  const Bucket bucket = group.bucket(k);
+  backend.stream_wait_event(*check_stream, bucket_done);
+  if (checks.checksums) {
+    backend.checksum_async(arena + bucket.offset, bucket.bytes,
+                           words + max_buckets + checks.buckets++, *check_stream);
+  }
+  if (!config.reject_nonfinite) return;
+  // Buckets complete in order on the receiver's stream, so a tensor is whole once the bucket
+  // holding its last byte is: count it then.
+  const std::size_t bucket_end = bucket.offset + bucket.bytes;
+  for (std::size_t t = 0; t < group.tensors().size(); ++t) {
+    const TensorPlacement& tensor = group.tensors()[t];
+    const std::size_t end = tensor.offset + tensor.bytes;
+    if (tensor.bytes == 0 || end <= bucket.offset || end > bucket_end) continue;
+    if (!dtype_has_nonfinite_check(tensor.spec.dtype)) continue;
+    std::uint64_t* count = words + 2 * max_buckets + checks.tensors.size();
+    backend.count_nonfinite_async(arena + tensor.offset,
+                                  tensor.bytes / dtype_size(tensor.spec.dtype), tensor.spec.dtype,
+                                  count, *check_stream);
+    checks.tensors.emplace_back(group_index, t);
+  }
+}
+
+std::optional<Refusal> Receiver::Impl::verify(const std::vector<ReceiveTarget>& targets,
+                                              const PendingChecks& checks,
                                               Clock::time_point start) {
   const Layout& layout = owner.layout_;
-  const bool checksums = carries_checksums(header, layout);
-  if (!checksums && !config.reject_nonfinite) return std::nullopt;
+  if (!checks.checksums && !config.reject_nonfinite) return std::nullopt;
 
-  // Enqueued behind the receives on the receiver's stream: the checks read what landed.
-  auto* words = reinterpret_cast<std::uint64_t*>(integrity.data());
-  std::uint64_t* computed = words + max_buckets;
-  std::uint64_t* counts = words + 2 * max_buckets;
-  std::size_t checked_buckets = 0;
-  std::vector<std::pair<std::size_t, std::size_t>> checked_tensors;  // (group, tensor)
-  for (const ReceiveTarget& target : targets) {
-    const GroupLayout& group = layout.groups()[target.group];
-    const std::byte* arena = owner.slots_->slot_data(target.group, target.slot);
-    if (checksums) {
-      for (std::size_t k = 0; k < group.bucket_count(); ++k) {
-        const Bucket bucket = group.bucket(k);
-        backend.checksum_async(arena + bucket.offset, bucket.bytes, computed + checked_buckets++,
-                               *stream);
-      }
-    }
-    if (config.reject_nonfinite) {
-      for (std::size_t t = 0; t < group.tensors().size(); ++t) {
-        const TensorPlacement& tensor = group.tensors()[t];
-        if (!dtype_has_nonfinite_check(tensor.spec.dtype)) continue;
-        backend.count_nonfinite_async(arena + tensor.offset,
-                                      tensor.bytes / dtype_size(tensor.spec.dtype),
-                                      tensor.spec.dtype, counts + checked_tensors.size(), *stream);
-        checked_tensors.emplace_back(target.group, t);
-      }
-    }
-  }
-  backend.memcpy_async(integrity_host.data(), words, integrity_host.size() * sizeof(std::uint64_t),
-                       *stream);
-  backend.event_record(*done_event, *stream);
+  // check_stream already waited for every data bucket (enqueue_checks); the sender's checksum
+  // block is the one event after them.
+  if (checks.checksums) backend.stream_wait_event(*check_stream, *bucket_events[checks.buckets]);
+  backend.memcpy_async(integrity_host.data(), integrity.data(),
+                       integrity_host.size() * sizeof(std::uint64_t), *check_stream);
+  backend.event_record(*done_event, *check_stream);
 
   Refusal refusal;
   refusal.transport_failed = false;  // every collective completed: the transport is healthy
@@ -474,7 +498,7 @@ std::optional<Refusal> Receiver::Impl::verify(const UpdateHeader& header,
   std::size_t n = 0;
   for (const ReceiveTarget& target : targets) {
     const GroupLayout& group = layout.groups()[target.group];
-    for (std::size_t k = 0; checksums && k < group.bucket_count(); ++k, ++n) {
+    for (std::size_t k = 0; checks.checksums && k < group.bucket_count(); ++k, ++n) {
       if (sent_sums[n] == got_sums[n]) continue;
       if constexpr (mutation::kActive == mutation::kSkipChecksumVerify) continue;
       const Bucket bucket = group.bucket(k);
@@ -490,10 +514,10 @@ std::optional<Refusal> Receiver::Impl::verify(const UpdateHeader& header,
     }
   }
   const std::uint64_t* got_counts = sent_sums + 2 * max_buckets;
-  for (std::size_t i = 0; i < checked_tensors.size(); ++i) {
+  for (std::size_t i = 0; i < checks.tensors.size(); ++i) {
     if (got_counts[i] == 0) continue;
     if constexpr (mutation::kActive == mutation::kSkipNonFiniteGuard) continue;
-    const auto [g, t] = checked_tensors[i];
+    const auto [g, t] = checks.tensors[i];
     const GroupLayout& group = layout.groups()[g];
     const TensorPlacement& tensor = group.tensors()[t];
     refusal.code = ErrorCode::kInvalidArgument;  // the trainer sent it: bad input
@@ -513,10 +537,9 @@ void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal)
   // Invariant 6: nothing of this update is offered; the live slots were never written.
   if (refusal.transport_failed) {
     abort_transport(header.version);
-    backend.event_record(*done_event, *stream);
-    if (!backend.event_wait_for(*done_event, kAbortDrainLimit)) {
+    if (!drain_streams()) {
       std::fprintf(stderr,
-                   "shadowsync: receiver stream still busy %lld s after aborting update %llu; "
+                   "shadowsync: receiver streams still busy %lld s after aborting update %llu; "
                    "the receiver stops taking updates\n",
                    static_cast<long long>(kAbortDrainLimit.count()),
                    static_cast<unsigned long long>(header.version));
@@ -548,6 +571,16 @@ void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal)
                              retracted, header.version);
     report(lost);
   }
+}
+
+bool Receiver::Impl::drain_streams() {
+  // The receives first: the checks wait on their events, so they can only finish after them.
+  for (Stream* s : {stream.get(), check_stream.get()}) {
+    if (s == nullptr) continue;
+    backend.event_record(*done_event, *s);
+    if (!backend.event_wait_for(*done_event, kAbortDrainLimit)) return false;
+  }
+  return true;
 }
 
 void Receiver::Impl::abort_transport(std::uint64_t version) {

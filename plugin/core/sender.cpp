@@ -490,7 +490,14 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
     if (source.arena != nullptr) {
       for (std::size_t k = 0; k < group.bucket_count(); ++k) {
         const Bucket bucket = group.bucket(k);
-        checksum_bucket(source.arena + bucket.offset, bucket.bytes, *comm_stream);
+        if (checksums.size() > 0) {
+          // On the pack stream, one bucket ahead of the broadcasts, as for staged buckets: the
+          // checksums overlap the transfer instead of delaying every broadcast.
+          const int s = static_cast<int>(k % 2);
+          checksum_bucket(source.arena + bucket.offset, bucket.bytes, *pack_stream);
+          backend.event_record(*packed[s], *pack_stream);
+          backend.stream_wait_event(*comm_stream, *packed[s]);
+        }
         transport->broadcast_async(const_cast<std::byte*>(source.arena) + bucket.offset,
                                    bucket.bytes, config.root_rank, *comm_stream);
       }
@@ -514,8 +521,7 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
   }
   if (job.streamed) complete_batch(job, start);
   if (checksums.size() > 0) {
-    // After every bucket's checksum: the comm stream waited for each bucket's packed event, and
-    // the arena checksums ran on the comm stream itself.
+    // After every bucket's checksum: the comm stream waited for each bucket's packed event.
     transport->broadcast_async(checksums.data(), next_checksum * sizeof(std::uint64_t),
                                config.root_rank, *comm_stream);
   }
