@@ -22,21 +22,13 @@
 
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/nccl_transport.h"
+#include "support/bench_cuda.h"
 #include "support/bench_driver.h"
 
 namespace {
 
 using namespace shadowsync;
 using namespace shadowsync::bench;
-
-#define BENCH_CUDA(call)                                                                       \
-  do {                                                                                         \
-    const cudaError_t bench_status = (call);                                                   \
-    if (bench_status != cudaSuccess) {                                                         \
-      throw BenchError(cat(#call, " failed: ", cudaGetErrorString(bench_status), " (", __FILE__, \
-                           ":", __LINE__, ")"));                                               \
-    }                                                                                          \
-  } while (0)
 
 // Before a launch: drop a stale "last error" some other runtime user (NCCL probes, a NotReady
 // query) left on this thread, so that the check after the launch sees the launch's own.

@@ -30,6 +30,7 @@
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/update_header.h"
+#include "support/bench_cuda.h"
 #include "support/bench_models.h"
 
 namespace {
@@ -39,59 +40,20 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kWarmup = 2;
 
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw Error(ErrorCode::kBackend, std::string(what) + ": " + cudaGetErrorString(status));
-  }
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-double p99(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<std::size_t>(0.99 * static_cast<double>(v.size())))];
-}
-
-// Milliseconds between two events recorded around `enqueue` on `stream`, repeated.
-template <typename Enqueue>
-std::vector<double> time_on_stream(cudaStream_t stream, int reps, Enqueue&& enqueue) {
-  cudaEvent_t start = nullptr;
-  cudaEvent_t stop = nullptr;
-  check_cuda(cudaEventCreate(&start), "cudaEventCreate");
-  check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
-    enqueue();
-    check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
-    check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float elapsed = 0;
-    check_cuda(cudaEventElapsedTime(&elapsed, start, stop), "cudaEventElapsedTime");
-    ms.push_back(elapsed);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return ms;
-}
-
 double raw_copy_ms(std::size_t bytes, int reps) {
   void* from = nullptr;
   void* to = nullptr;
-  check_cuda(cudaMalloc(&from, bytes), "cudaMalloc (raw copy source)");
-  check_cuda(cudaMalloc(&to, bytes), "cudaMalloc (raw copy destination)");
+  BENCH_CUDA(cudaMalloc(&from, bytes));
+  BENCH_CUDA(cudaMalloc(&to, bytes));
   cudaStream_t stream = nullptr;
-  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  const auto ms = time_on_stream(stream, reps + kWarmup, [&] {
-    check_cuda(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream),
-               "cudaMemcpyAsync");
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto ms = bench::time_on_stream(stream, reps + kWarmup, [&] {
+    BENCH_CUDA(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream));
   });
   cudaStreamDestroy(stream);
   cudaFree(from);
   cudaFree(to);
-  return median({ms.begin() + kWarmup, ms.end()});
+  return bench::summarize({ms.begin() + kWarmup, ms.end()}).median;
 }
 
 struct StallFigures {
@@ -120,8 +82,8 @@ StallFigures measure(const Layout& layout, CudaBackend& backend, SwapStrategy st
   const cudaStream_t engine_handle = CudaBackend::native(*engine);
   cudaEvent_t before = nullptr;
   cudaEvent_t after = nullptr;
-  check_cuda(cudaEventCreate(&before), "cudaEventCreate");
-  check_cuda(cudaEventCreate(&after), "cudaEventCreate");
+  BENCH_CUDA(cudaEventCreate(&before));
+  BENCH_CUDA(cudaEventCreate(&after));
 
   std::vector<double> host_us;
   std::vector<double> stream_ms;
@@ -143,18 +105,18 @@ StallFigures measure(const Layout& layout, CudaBackend& backend, SwapStrategy st
         throw Error(ErrorCode::kTimeout, "update " + std::to_string(version) + " never arrived");
       }
     }
-    check_cuda(cudaStreamSynchronize(engine_handle), "cudaStreamSynchronize");  // step boundary
-    check_cuda(cudaEventRecord(before, engine_handle), "cudaEventRecord");
+    BENCH_CUDA(cudaStreamSynchronize(engine_handle));  // step boundary
+    BENCH_CUDA(cudaEventRecord(before, engine_handle));
     const auto start = Clock::now();
     const auto applied = hook.before_step(*engine);
     const auto host = Clock::now() - start;
-    check_cuda(cudaEventRecord(after, engine_handle), "cudaEventRecord");
-    check_cuda(cudaEventSynchronize(after), "cudaEventSynchronize");
+    BENCH_CUDA(cudaEventRecord(after, engine_handle));
+    BENCH_CUDA(cudaEventSynchronize(after));
     if (applied != version) {
       throw Error(ErrorCode::kInternal, "update " + std::to_string(version) + " was not applied");
     }
     float elapsed = 0;
-    check_cuda(cudaEventElapsedTime(&elapsed, before, after), "cudaEventElapsedTime");
+    BENCH_CUDA(cudaEventElapsedTime(&elapsed, before, after));
     if (i >= kWarmup) {
       host_us.push_back(std::chrono::duration<double, std::micro>(host).count());
       stream_ms.push_back(elapsed);
@@ -162,7 +124,8 @@ StallFigures measure(const Layout& layout, CudaBackend& backend, SwapStrategy st
   }
   cudaEventDestroy(before);
   cudaEventDestroy(after);
-  return {median(host_us), p99(host_us), median(stream_ms)};
+  const bench::Summary host = bench::summarize(host_us);
+  return {host.median, host.p99, bench::summarize(stream_ms).median};
 }
 
 }  // namespace
@@ -192,7 +155,7 @@ int main(int argc, char** argv) {
   }
   try {
     cudaDeviceProp prop{};
-    check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
     std::printf("device 0: %s; %d measured swaps per row after %d warm-up\n", prop.name, swaps,
                 kWarmup);
     std::printf("| model | bytes | tensors | strategy | host µs median / p99 | engine stream ms "
