@@ -31,10 +31,11 @@ std::uint64_t host_checksum(HostBackend& host, const std::vector<std::byte>& byt
 }
 
 std::uint64_t host_nonfinite(HostBackend& host, const std::vector<std::byte>& bytes,
-                             std::size_t elements, DType dtype) {
+                             std::size_t elements, DType dtype, std::size_t first = 0) {
   std::uint64_t result = 0;
   auto stream = host.create_stream(StreamPriority::kNormal);
-  host.count_nonfinite_async(bytes.data(), elements, dtype, &result, *stream);
+  host.count_nonfinite_async(bytes.data() + first * dtype_size(dtype), elements, dtype, &result,
+                             *stream);
   host.stream_synchronize(*stream);
   return result;
 }
@@ -131,5 +132,25 @@ TEST_CASE("integrity kernels: the GPU counts exactly the NaN and Inf elements of
       gpu.count_nonfinite_async(d, elements, c.dtype, r, s);
     });
     CHECK(seen == expected);
+    // Element-aligned starts that are not 16-byte aligned, and lengths around the kernel's
+    // 16-byte vectors: the elements before the first vector and after the last count too. A
+    // non-finite element at either end of each range.
+    for (const std::size_t first : {std::size_t{1}, std::size_t{3}, std::size_t{5}}) {
+      for (const std::size_t length : {std::size_t{1}, std::size_t{2}, std::size_t{7},
+                                       std::size_t{9}, std::size_t{17}, std::size_t{1001},
+                                       elements - first - 1}) {
+        INFO("first element " << first << ", " << length << " elements");
+        std::vector<std::byte> ends = bytes;
+        for (const std::size_t at : {first, first + length - 1}) {
+          std::memcpy(ends.data() + at * c.element_bytes, &c.nonfinite[0], c.element_bytes);
+        }
+        const std::uint64_t want = host_nonfinite(host, ends, length, c.dtype, first);
+        CHECK(want >= 1);
+        const std::uint64_t got = on_gpu(gpu, ends, [&](std::byte* d, std::uint64_t* r, Stream& s) {
+          gpu.count_nonfinite_async(d + first * c.element_bytes, length, c.dtype, r, s);
+        });
+        CHECK(got == want);
+      }
+    }
   }
 }
