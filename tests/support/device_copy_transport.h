@@ -1,13 +1,15 @@
 // A one-GPU stand-in for NCCL, for tests and benchmarks of what happens around a transfer (the
 // swap strategies), not of the transfer: rank 1 of 2; each broadcast copies the next queued
 // source (the trainer's bytes of that bucket, device memory) into the receiver's buffer with
-// cudaMemcpyAsync on the receiver's stream. The caller queues one source per bucket, in broadcast
+// cudaMemcpyAsync on the receiver's stream (or with the copy function given at construction: a
+// benchmark paces it to a link's rate). The caller queues one source per bucket, in broadcast
 // order, before begin_update. CUDA builds only.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -21,6 +23,13 @@ namespace shadowsync::testing {
 
 class DeviceCopyTransport final : public Transport {
  public:
+  // Enqueues a copy of `bytes` from `source` to `destination` on `stream`; returns its error.
+  using Copy = std::function<cudaError_t(void* destination, const void* source, std::size_t bytes,
+                                         cudaStream_t stream)>;
+
+  DeviceCopyTransport() = default;
+  explicit DeviceCopyTransport(Copy copy) : copy_(std::move(copy)) {}
+
   std::string_view name() const override { return "device-copy (one GPU, tests and benchmarks)"; }
   int rank() const override { return 1; }
   int world_size() const override { return 2; }
@@ -32,10 +41,14 @@ class DeviceCopyTransport final : public Transport {
       source = sources_.front();
       sources_.pop_front();
     }
-    if (cudaMemcpyAsync(buffer, source, bytes, cudaMemcpyDeviceToDevice,
-                        CudaBackend::native(stream)) != cudaSuccess) {
+    const cudaStream_t native = CudaBackend::native(stream);
+    const cudaError_t status =
+        copy_ ? copy_(buffer, source, bytes, native)
+              : cudaMemcpyAsync(buffer, source, bytes, cudaMemcpyDeviceToDevice, native);
+    if (status != cudaSuccess) {
       (void)cudaGetLastError();
-      throw Error(ErrorCode::kTransport, "cudaMemcpyAsync of a bucket failed");
+      throw Error(ErrorCode::kTransport, std::string("the copy of a bucket failed: ") +
+                                             cudaGetErrorString(status));
     }
   }
   std::optional<std::string> async_error() override { return std::nullopt; }
@@ -47,6 +60,7 @@ class DeviceCopyTransport final : public Transport {
   }
 
  private:
+  Copy copy_;
   std::mutex mutex_;
   std::deque<const void*> sources_;
 };
