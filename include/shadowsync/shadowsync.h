@@ -160,7 +160,7 @@ typedef struct {
   int64_t update_deadline_ms;  /* default 60000; a streamed publish's gathering counts too */
   int64_t poll_interval_us;    /* default 200 */
   /* Appended fields (older callers' smaller structs get their defaults): */
-  int32_t checksums;           /* 1: send a checksum per bucket, verified by receivers (default 0) */
+  int32_t checksums;           /* 1: send a checksum per bucket, verified by receivers (default 1) */
 } shadowsync_sender_config_t;
 
 #define SHADOWSYNC_SENDER_CONFIG_INITIALIZER                                             \

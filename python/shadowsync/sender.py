@@ -34,7 +34,7 @@ class SenderConfig:
     root_rank: int | None = None  # this process's rank in the transport (0)
     update_deadline_ms: int | None = None  # whole update, a streamed publish's gathering too (60000)
     poll_interval_us: int | None = None  # (200)
-    # Send a checksum per bucket; receivers verify it before the update is offered (False).
+    # Send a checksum per bucket; receivers verify it before the update is offered (True).
     checksums: bool | None = None
 
 

@@ -102,13 +102,15 @@ struct FaultRun {
 
 TEST_CASE("faults: the sender dies after k of n buckets; nothing changes, the next update applies") {
   const Layout layout = fault_layout();
-  const std::uint64_t n = make_update_header(layout, 1, kAllGroups).bucket_count;
+  // Broadcasts per update: the buckets and the checksum block (checksums are on by default).
+  const std::uint64_t n = make_update_header(layout, 1, kAllGroups, true).bucket_count;
   const std::uint64_t k = GENERATE_COPY(std::uint64_t{0}, std::uint64_t{1}, n - 1);
   CAPTURE(k, n);
   RigOptions options;
   options.receiver.bucket_deadline = 200ms;
   options.sender.update_deadline = 2000ms;
   FaultRun run(layout, options);
+  REQUIRE(run.rig.broadcasts_per_update(kAllGroups) == n);
   std::optional<PublishHandle> second;
   const UpdateReport report = run.refused([&] {
     // The sender's broadcast calls count from its first update, which made n of them.
@@ -130,11 +132,11 @@ TEST_CASE("faults: the sender dies after k of n buckets; nothing changes, the ne
 
 TEST_CASE("faults: a bucket delayed past its deadline aborts the update; the next one applies") {
   const Layout layout = fault_layout();
-  const std::uint64_t n = make_update_header(layout, 1, kAllGroups).bucket_count;
   RigOptions options;
   options.receiver.bucket_deadline = 100ms;
   options.sender.update_deadline = 5000ms;
   FaultRun run(layout, options);
+  const std::uint64_t n = run.rig.broadcasts_per_update(kAllGroups);
   const UpdateReport report = run.refused([&] {
     // Bucket 2 of update 2 leaves the sender 10 s late (the abort cuts the delay short).
     run.rig.communicator().inject_delay(0, n + 2, 10s);

@@ -112,8 +112,9 @@ TEST_CASE("invariant 3: the engine never reads a slot before its receive complet
   const Layout layout = invariant_layout();
   LoopbackRig rig(layout);
   HostFakeEngine engine(rig.backend(), rig.receiver(), {.full_check_every = 1});
+  // Data buckets only (the checksum block, if any, comes after them).
   const std::uint64_t buckets = make_update_header(layout, 1, {"base", "lora_a"}).bucket_count;
-  // The receiver's last bucket of update 1 arrives late.
+  // The receiver's last data bucket of update 1 arrives late.
   rig.communicator().inject_delay(1, buckets - 1, std::chrono::milliseconds(300));
   PublishHandle first = rig.publish(1, {"base", "lora_a"});
   while (!first.done()) engine.step();  // the engine keeps generating throughout
@@ -164,7 +165,9 @@ TEST_CASE("invariant 5: latest wins, and a superseded update's groups stay in th
 // Mutation 6 (kOfferFailedUpdate) makes this fail: the half-received update becomes live.
 TEST_CASE("invariant 6: a failed update is discarded and the live weights are untouched") {
   const Layout layout = invariant_layout();
-  const std::uint64_t buckets = make_update_header(layout, 1, {"base", "lora_a"}).bucket_count;
+  // Broadcasts per update: the buckets and the checksum block (SenderConfig's default).
+  const std::uint64_t buckets =
+      make_update_header(layout, 1, {"base", "lora_a"}, SenderConfig{}.checksums).bucket_count;
   const std::uint64_t drop_at = GENERATE_COPY(std::uint64_t{0}, std::uint64_t{1}, buckets - 1);
   CAPTURE(drop_at, buckets);
   RigOptions options;

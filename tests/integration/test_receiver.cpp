@@ -199,10 +199,12 @@ TEST_CASE("several receivers take the same update from one sender") {
 
 TEST_CASE("the oracle notices a corrupted byte: a torn-step count of zero means something") {
   const Layout layout = model_layout();
-  LoopbackRig rig(layout);
+  RigOptions options;
+  options.sender.checksums = false;  // with them the receiver would refuse it first
+  LoopbackRig rig(layout, options);
   HostFakeEngine engine(rig.backend(), rig.receiver(), {.full_check_every = 1});
   // Flip one byte of the first bucket of update 1 on the receiver's rank (rank 1). Without
-  // per-bucket checksums (not built yet) the receiver cannot tell; the oracle must.
+  // per-bucket checksums the receiver cannot tell; the oracle must.
   rig.communicator().inject_flip(1, 0, 100);
   rig.publish(1, {"base"}).wait();
   REQUIRE(rig.receiver().step_hook().wait_applied(1, deadline_from_now(), engine.stream()));

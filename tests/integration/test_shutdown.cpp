@@ -64,7 +64,9 @@ TEST_CASE("shutdown: from any state it returns within a bound, then everything i
       GENERATE(State::kIdle, State::kMidReceive, State::kUpdatePending, State::kEngineMidStep);
   CAPTURE(name(state));
   const Layout layout = shutdown_layout();
-  const std::uint64_t n = make_update_header(layout, 1, kAllGroups).bucket_count;
+  // Broadcasts per update: the buckets and the checksum block (SenderConfig's default).
+  const std::uint64_t n =
+      make_update_header(layout, 1, kAllGroups, SenderConfig{}.checksums).bucket_count;
   const ProcessResources baseline = warmed_up_baseline(layout);
   {
     RigOptions options;
@@ -135,7 +137,9 @@ TEST_CASE("shutdown: from any state it returns within a bound, then everything i
 // Mutations 11 (kShutdownLeaksStream) and 12 (kShutdownLeaksBuffer) make this fail.
 TEST_CASE("shutdown: 100 abort/re-create cycles leave threads, fds and allocations at baseline") {
   const Layout layout = shutdown_layout();
-  const std::uint64_t n = make_update_header(layout, 1, kAllGroups).bucket_count;
+  // Broadcasts per update: the buckets and the checksum block (SenderConfig's default).
+  const std::uint64_t n =
+      make_update_header(layout, 1, kAllGroups, SenderConfig{}.checksums).bucket_count;
   const ProcessResources baseline = warmed_up_baseline(layout);
   for (int cycle = 0; cycle < 100; ++cycle) {
     CAPTURE(cycle);

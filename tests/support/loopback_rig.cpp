@@ -56,6 +56,10 @@ PublishHandle LoopbackRig::publish(std::uint64_t version, const std::vector<std:
   return handle;
 }
 
+std::uint64_t LoopbackRig::broadcasts_per_update(const std::vector<std::string>& groups) const {
+  return make_update_header(layout_, 1, groups, options_.sender.checksums).bucket_count;
+}
+
 void LoopbackRig::reconnect() {
   communicator_ = std::make_unique<LoopbackCommunicator>(options_.receivers + 1);
   sender_->replace_transport(communicator_->transport(0));

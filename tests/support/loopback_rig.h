@@ -39,6 +39,9 @@ class LoopbackRig {
   PublishHandle publish(std::uint64_t version, const std::vector<std::string>& groups);
   // A fresh communicator for every rank (after a failure aborted the old one).
   void reconnect();
+  // How many broadcasts one update of `groups` makes on every rank: its buckets, plus the
+  // checksum block when the sender sends checksums (the default). Fault injection counts calls.
+  std::uint64_t broadcasts_per_update(const std::vector<std::string>& groups) const;
   // Shuts down and destroys the receivers, then the sender, as the destructor does, but keeps the
   // backend: a test can then check what they left allocated. Engines must be gone first.
   void destroy_endpoints();

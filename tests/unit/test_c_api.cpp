@@ -708,6 +708,7 @@ TEST_CASE("C ABI: integrity flags, and where a refused update failed, through th
     rconfig.require_checksums = 1;
     shadowsync_sender_config_t quick = SHADOWSYNC_SENDER_CONFIG_INITIALIZER;
     quick.update_deadline_ms = 200;  // its update is never announced: let it fail soon
+    quick.checksums = 0;             // on by default
     CTensors v1(layout, {"base"}, 1);  // first: it must outlive every sender that reads it
     Pair plain(&rconfig, &quick);
     const char* groups[] = {"base"};
