@@ -98,7 +98,9 @@ struct TrainerWeights {
 // ---------------------------------------------------------------------------------------------
 struct SessionConfig {
   SwapStrategy strategy = SwapStrategy::kRebind;
-  bool checksums = false;          // SenderConfig::checksums + ReceiverConfig::require_checksums
+  // SenderConfig::checksums + ReceiverConfig::require_checksums. Off here, unlike the library's
+  // default: the headline sessions are the plain baseline the integrity rows are compared with.
+  bool checksums = false;
   bool reject_nonfinite = false;   // ReceiverConfig::reject_nonfinite
   std::chrono::milliseconds bucket_deadline{10'000};
   // A failed update is what the scenario provokes (sender_fault), not an error of the run.
