@@ -36,8 +36,8 @@ struct ReceiverConfig {
   // Refuse (in begin_update) a header that carries no checksum block. Whether or not this is set,
   // a header that carries one is verified: every bucket's checksum is computed on a second
   // low-priority stream of the receiver as soon as that bucket has landed (overlapping the later
-  // buckets' transfer) and compared before the update is offered. Off by default, as
-  // SenderConfig::checksums.
+  // buckets' transfer) and compared before the update is offered. Off by default, so that a
+  // sender with SenderConfig::checksums turned off (it is on by default) is still served.
   bool require_checksums = false;
   // Refuse an update in which an fp32, fp16 or bf16 tensor holds a NaN or an infinity: counted per
   // tensor, on the same second stream once the bucket holding the tensor's last byte has landed,
