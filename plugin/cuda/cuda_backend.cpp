@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "core/check_integrity_args.h"
 #include "cuda/cuda_check.h"
 #include "cuda/integrity_kernels.h"
 #include "shadowsync/error.h"
@@ -376,13 +377,8 @@ void CudaBackend::stream_synchronize(Stream& stream) {
 void CudaBackend::checksum_async(const void* data, std::size_t bytes, std::uint64_t* result,
                                  Stream& stream) {
   CudaStream& cuda_stream = cuda_stream_or_throw(stream, "checksum_async");
-  if (result == nullptr || (data == nullptr && bytes > 0) ||
-      reinterpret_cast<std::uintptr_t>(data) % 8 != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("CudaBackend::checksum_async: data {} and result {} must be non-null "
-                            "and data 8-byte aligned ({} bytes)",
-                            data, static_cast<void*>(result), bytes));
-  }
+  // The kernel reads whole 8-byte words.
+  check_checksum_args("CudaBackend::checksum_async", data, bytes, result, /*alignment=*/8);
   make_current();
   SHADOWSYNC_CUDA_CHECK(cuda_detail::launch_checksum(data, bytes, result, cuda_stream.handle()),
                         "data={} bytes={} stream={} device={}", data, bytes,
@@ -392,20 +388,9 @@ void CudaBackend::checksum_async(const void* data, std::size_t bytes, std::uint6
 void CudaBackend::count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                                         std::uint64_t* result, Stream& stream) {
   CudaStream& cuda_stream = cuda_stream_or_throw(stream, "count_nonfinite_async");
-  if (!dtype_has_nonfinite_check(dtype)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("CudaBackend::count_nonfinite_async: dtype {} has no non-finite "
-                            "check (fp32, fp16 and bf16 have)",
-                            dtype_name(dtype)));
-  }
+  check_nonfinite_args("CudaBackend::count_nonfinite_async", data, elements, dtype, result,
+                       /*element_aligned=*/true);
   const std::size_t element_bytes = dtype_size(dtype);
-  if (result == nullptr || (data == nullptr && elements > 0) ||
-      reinterpret_cast<std::uintptr_t>(data) % element_bytes != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("CudaBackend::count_nonfinite_async: data {} and result {} must be "
-                            "non-null and data aligned to its {}-byte {} elements",
-                            data, static_cast<void*>(result), element_bytes, dtype_name(dtype)));
-  }
   make_current();
   SHADOWSYNC_CUDA_CHECK(
       cuda_detail::launch_count_nonfinite(data, elements, element_bytes, dtype == DType::kBFloat16,

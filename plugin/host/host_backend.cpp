@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "core/check_integrity_args.h"
 #include "core/integrity.h"
 #include "host_stream.h"
 #include "shadowsync/error.h"
@@ -349,11 +350,7 @@ void HostBackend::stream_synchronize(Stream& stream) {
 void HostBackend::checksum_async(const void* data, std::size_t bytes, std::uint64_t* result,
                                  Stream& stream) {
   HostStream& host_stream = host_stream_or_throw(stream, "checksum_async");
-  if (result == nullptr || (data == nullptr && bytes > 0)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("HostBackend::checksum_async: null {} pointer for {} bytes",
-                            result == nullptr ? "result" : "data", bytes));
-  }
+  check_checksum_args("HostBackend::checksum_async", data, bytes, result, /*alignment=*/1);
   host_stream.enqueue([data = static_cast<const std::byte*>(data), bytes, result] {
     std::uint64_t sum = 0;
     for (std::size_t at = 0, index = 0; at < bytes; at += 8, ++index) {
@@ -368,17 +365,8 @@ void HostBackend::checksum_async(const void* data, std::size_t bytes, std::uint6
 void HostBackend::count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                                         std::uint64_t* result, Stream& stream) {
   HostStream& host_stream = host_stream_or_throw(stream, "count_nonfinite_async");
-  if (!dtype_has_nonfinite_check(dtype)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("HostBackend::count_nonfinite_async: dtype {} has no non-finite "
-                            "check (fp32, fp16 and bf16 have)",
-                            dtype_name(dtype)));
-  }
-  if (result == nullptr || (data == nullptr && elements > 0)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("HostBackend::count_nonfinite_async: null {} pointer for {} elements",
-                            result == nullptr ? "result" : "data", elements));
-  }
+  check_nonfinite_args("HostBackend::count_nonfinite_async", data, elements, dtype, result,
+                       /*element_aligned=*/false);
   host_stream.enqueue([data = static_cast<const std::byte*>(data), elements, dtype, result] {
     std::uint64_t count = 0;
     for (std::size_t i = 0; i < elements; ++i) {

@@ -225,3 +225,28 @@ TEST_CASE("non-finite: bf16 and fp16 agree with the C library on all 65,536 enco
   CHECK(bf16_bad == 2 * 128);
   CHECK(fp16_bad == 2 * 1024);
 }
+
+TEST_CASE("integrity calls refuse unusable arguments, naming the call, before enqueueing") {
+  HostBackend backend;
+  auto stream = backend.create_stream(StreamPriority::kNormal);
+  std::vector<std::byte> bytes(64);
+  std::uint64_t result = 12345;  // untouched by every refused call
+  CHECK_THROWS_WITH(backend.checksum_async(bytes.data(), bytes.size(), nullptr, *stream),
+                    Catch::Contains("HostBackend::checksum_async") &&
+                        Catch::Contains("must be non-null") && Catch::Contains("(64 bytes)"));
+  CHECK_THROWS_WITH(backend.checksum_async(nullptr, 8, &result, *stream),
+                    Catch::Contains("HostBackend::checksum_async") && Catch::Contains("(8 bytes)"));
+  CHECK_THROWS_WITH(
+      backend.count_nonfinite_async(bytes.data(), 8, DType::kInt8, &result, *stream),
+      "HostBackend::count_nonfinite_async: dtype int8 has no non-finite check (fp32, fp16 and "
+      "bf16 have)");
+  CHECK_THROWS_WITH(
+      backend.count_nonfinite_async(nullptr, 3, DType::kBFloat16, &result, *stream),
+      Catch::Contains("HostBackend::count_nonfinite_async") && Catch::Contains("(3 bf16 elements)"));
+  backend.stream_synchronize(*stream);
+  CHECK(result == 12345);
+  // Null data is fine for zero bytes or elements: the result is then 0.
+  backend.checksum_async(nullptr, 0, &result, *stream);
+  backend.stream_synchronize(*stream);
+  CHECK(result == 0);
+}

@@ -1,0 +1,49 @@
+// The argument checks of Backend::checksum_async and count_nonfinite_async, shared by every
+// backend that has them: each throws Error(kInvalidArgument) naming the call, the pointers and
+// the sizes, before anything is enqueued. `alignment` is what the backend's implementation needs
+// of `data` (1: none).
+#pragma once
+
+#include <fmt/format.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "shadowsync/backend.h"
+#include "shadowsync/error.h"
+
+namespace shadowsync {
+
+inline void check_checksum_args(std::string_view call, const void* data, std::size_t bytes,
+                                const std::uint64_t* result, std::size_t alignment) {
+  if (result == nullptr || (data == nullptr && bytes > 0) ||
+      reinterpret_cast<std::uintptr_t>(data) % alignment != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: data {} and result {} must be non-null and data {}-byte aligned "
+                            "({} bytes)",
+                            call, data, static_cast<const void*>(result), alignment, bytes));
+  }
+}
+
+// Also refuses a dtype without a non-finite check. `element_aligned`: data must be aligned to
+// the dtype's element size.
+inline void check_nonfinite_args(std::string_view call, const void* data, std::size_t elements,
+                                 DType dtype, const std::uint64_t* result, bool element_aligned) {
+  if (!dtype_has_nonfinite_check(dtype)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: dtype {} has no non-finite check (fp32, fp16 and bf16 have)",
+                            call, dtype_name(dtype)));
+  }
+  const std::size_t alignment = element_aligned ? dtype_size(dtype) : 1;
+  if (result == nullptr || (data == nullptr && elements > 0) ||
+      reinterpret_cast<std::uintptr_t>(data) % alignment != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: data {} and result {} must be non-null and data {}-byte aligned "
+                            "({} {} elements)",
+                            call, data, static_cast<const void*>(result), alignment, elements,
+                            dtype_name(dtype)));
+  }
+}
+
+}  // namespace shadowsync
