@@ -280,6 +280,18 @@ Config read_config(const Config* user, const Config& defaults, const char* what)
   return config;
 }
 
+// An optional field of a config struct: `fallback` while unset (SHADOWSYNC_CONFIG_UNDEF_INT /
+// _INT64), else the value, as `T` (an int or a std::chrono duration). Range checks are the C++
+// config's own (they name the C++ field).
+template <typename T>
+T read_int(std::int32_t value, T fallback) {
+  return value == SHADOWSYNC_CONFIG_UNDEF_INT ? fallback : T(value);
+}
+template <typename T>
+T read_int64(std::int64_t value, T fallback) {
+  return value == SHADOWSYNC_CONFIG_UNDEF_INT64 ? fallback : T(value);
+}
+
 // A 0/1 field of a config struct: `value` when set (SHADOWSYNC_CONFIG_UNDEF_INT: `fallback`);
 // anything else is refused naming the struct, the field and the value.
 inline bool read_flag(std::int32_t value, bool fallback, const char* what, const char* field) {

@@ -13,17 +13,12 @@ namespace {
 ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
   const shadowsync_receiver_config_t defaults = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
   const auto c = read_config(user, defaults, "shadowsync_receiver_config_t");
+  constexpr const char* kWhat = "shadowsync_receiver_config_t";
   ReceiverConfig config;
-  if (c.root_rank != SHADOWSYNC_CONFIG_UNDEF_INT) config.root_rank = c.root_rank;
-  if (c.update_deadline_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-    config.update_deadline = std::chrono::milliseconds(c.update_deadline_ms);
-  }
-  if (c.bucket_deadline_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-    config.bucket_deadline = std::chrono::milliseconds(c.bucket_deadline_ms);
-  }
-  if (c.poll_interval_us != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-    config.poll_interval = std::chrono::microseconds(c.poll_interval_us);
-  }
+  config.root_rank = read_int(c.root_rank, config.root_rank);
+  config.update_deadline = read_int64(c.update_deadline_ms, config.update_deadline);
+  config.bucket_deadline = read_int64(c.bucket_deadline_ms, config.bucket_deadline);
+  config.poll_interval = read_int64(c.poll_interval_us, config.poll_interval);
   switch (c.swap_strategy) {
     case SHADOWSYNC_CONFIG_UNDEF_INT:
     case SHADOWSYNC_SWAP_REBIND:
@@ -40,22 +35,14 @@ ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
                                 "shadowsync_swap_strategy_t (0 rebind, 1 copy_in, 2 remap)",
                                 c.swap_strategy));
   }
-  if (c.engine_uses_cuda_graphs != SHADOWSYNC_CONFIG_UNDEF_INT) {
-    if (c.engine_uses_cuda_graphs != 0 && c.engine_uses_cuda_graphs != 1) {
-      throw_invalid(fmt::format("shadowsync_receiver_config_t: engine_uses_cuda_graphs is {}, "
-                                "expected 0 or 1",
-                                c.engine_uses_cuda_graphs));
-    }
-    config.engine_uses_cuda_graphs = c.engine_uses_cuda_graphs == 1;
-  }
-  constexpr const char* kWhat = "shadowsync_receiver_config_t";
+  config.engine_uses_cuda_graphs = read_flag(c.engine_uses_cuda_graphs,
+                                             config.engine_uses_cuda_graphs, kWhat,
+                                             "engine_uses_cuda_graphs");
   config.require_checksums =
       read_flag(c.require_checksums, config.require_checksums, kWhat, "require_checksums");
   config.reject_nonfinite =
       read_flag(c.reject_nonfinite, config.reject_nonfinite, kWhat, "reject_nonfinite");
-  if (c.abort_deadline_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-    config.abort_deadline = std::chrono::milliseconds(c.abort_deadline_ms);
-  }
+  config.abort_deadline = read_int64(c.abort_deadline_ms, config.abort_deadline);
   config.exit_on_stuck_abort =
       read_flag(c.exit_on_stuck_abort, config.exit_on_stuck_abort, kWhat, "exit_on_stuck_abort");
   return config;

@@ -12,13 +12,9 @@ SenderConfig sender_config(const shadowsync_sender_config_t* user) {
   const shadowsync_sender_config_t defaults = SHADOWSYNC_SENDER_CONFIG_INITIALIZER;
   const auto c = read_config(user, defaults, "shadowsync_sender_config_t");
   SenderConfig config;
-  if (c.root_rank != SHADOWSYNC_CONFIG_UNDEF_INT) config.root_rank = c.root_rank;
-  if (c.update_deadline_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-    config.update_deadline = std::chrono::milliseconds(c.update_deadline_ms);
-  }
-  if (c.poll_interval_us != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-    config.poll_interval = std::chrono::microseconds(c.poll_interval_us);
-  }
+  config.root_rank = read_int(c.root_rank, config.root_rank);
+  config.update_deadline = read_int64(c.update_deadline_ms, config.update_deadline);
+  config.poll_interval = read_int64(c.poll_interval_us, config.poll_interval);
   config.checksums =
       read_flag(c.checksums, config.checksums, "shadowsync_sender_config_t", "checksums");
   return config;

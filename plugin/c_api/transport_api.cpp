@@ -138,18 +138,12 @@ shadowsync_status_t shadowsync_nccl_transport_create(
     const shadowsync_nccl_config_t c = read_config(config, defaults, "shadowsync_nccl_config_t");
 #if defined(SHADOWSYNC_WITH_CUDA)
     NcclTransportConfig cpp;
-    if (c.max_ctas != SHADOWSYNC_CONFIG_UNDEF_INT) cpp.max_ctas = c.max_ctas;
-    if (c.min_ctas != SHADOWSYNC_CONFIG_UNDEF_INT) cpp.min_ctas = c.min_ctas;
-    if (c.cga_cluster_size != SHADOWSYNC_CONFIG_UNDEF_INT) cpp.cga_cluster_size = c.cga_cluster_size;
-    if (c.init_timeout_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-      cpp.init_timeout = std::chrono::milliseconds(c.init_timeout_ms);
-    }
-    if (c.enqueue_timeout_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-      cpp.enqueue_timeout = std::chrono::milliseconds(c.enqueue_timeout_ms);
-    }
-    if (c.finalize_timeout_ms != SHADOWSYNC_CONFIG_UNDEF_INT64) {
-      cpp.finalize_timeout = std::chrono::milliseconds(c.finalize_timeout_ms);
-    }
+    cpp.max_ctas = read_int(c.max_ctas, cpp.max_ctas);
+    cpp.min_ctas = read_int(c.min_ctas, cpp.min_ctas);
+    cpp.cga_cluster_size = read_int(c.cga_cluster_size, cpp.cga_cluster_size);
+    cpp.init_timeout = read_int64(c.init_timeout_ms, cpp.init_timeout);
+    cpp.enqueue_timeout = read_int64(c.enqueue_timeout_ms, cpp.enqueue_timeout);
+    cpp.finalize_timeout = read_int64(c.finalize_timeout_ms, cpp.finalize_timeout);
     NcclUniqueId unique;
     std::memcpy(unique.bytes.data(), id, unique.bytes.size());
     out = add_transport(NcclTransport::create(unique, rank, world_size, device, cpp));
