@@ -41,12 +41,6 @@ void check_launch(const char* what) {
 // ---------------------------------------------------------------------------------------------
 // Kernels.
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Occupies its stream (one warp on one SM) for `ns` nanoseconds.
 __global__ void hold_kernel(unsigned long long ns) {
   const unsigned long long start = global_timer_ns();

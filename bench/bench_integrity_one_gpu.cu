@@ -67,12 +67,6 @@ struct Link {
   int ctas = 16;
 };
 
-__device__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 constexpr int kCopyThreads = 1024;
 constexpr int kCopyUnroll = 4;
 
@@ -84,14 +78,14 @@ __global__ void paced_copy(uint4* dst, const uint4* src, std::size_t vectors, do
   const std::size_t begin = blockIdx.x * share;
   const std::size_t end = begin + share < vectors ? begin + share : vectors;
   __shared__ unsigned long long start;
-  if (threadIdx.x == 0) start = global_ns();
+  if (threadIdx.x == 0) start = bench::global_timer_ns();
   __syncthreads();
   std::size_t chunk = 0;
   for (std::size_t base = begin; base < end; base += kCopyThreads * kCopyUnroll, ++chunk) {
     if (threadIdx.x == 0) {
       const auto due =
           start + static_cast<unsigned long long>(static_cast<double>(chunk) * ns_per_chunk);
-      while (global_ns() < due) {
+      while (bench::global_timer_ns() < due) {
       }
     }
     __syncthreads();
@@ -312,10 +306,7 @@ int main(int argc, char** argv) {
     }
     std::printf("| model | bytes | kernel | alone ms | GB/s |\n| --- | --- | --- | --- | --- |\n");
     std::vector<std::string> receive_rows;
-    for (const auto& model : bench::known_models()) {
-      if (!only.empty() && ("," + only + ",").find("," + model.name + ",") == std::string::npos) {
-        continue;
-      }
+    for (const auto& model : bench::models_named(only)) {
       const Layout layout = bench::model_layout(model, 1, kDefaultBucketBytes);
       std::size_t bytes = 0;
       for (const auto& group : layout.groups()) bytes += group.arena_bytes();

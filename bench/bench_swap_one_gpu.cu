@@ -161,10 +161,7 @@ int main(int argc, char** argv) {
     std::printf("| model | bytes | tensors | strategy | host µs median / p99 | engine stream ms "
                 "median | raw device copy ms | stream / raw |\n");
     std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
-    for (const auto& model : bench::known_models()) {
-      if (!only.empty() && ("," + only + ",").find("," + model.name + ",") == std::string::npos) {
-        continue;
-      }
+    for (const auto& model : bench::models_named(only)) {
       const Layout layout = bench::model_layout(model, 1, kDefaultBucketBytes);
       std::size_t bytes = 0;
       std::size_t tensors = 0;

@@ -1,5 +1,6 @@
 // What the CUDA benchmark programs share (bench_gpu.cu, bench_swap_one_gpu.cu,
-// bench_integrity_one_gpu.cu): checking a runtime call, and timing work on a stream with events.
+// bench_integrity_one_gpu.cu): checking a runtime call, timing work on a stream with events, and
+// the GPU's clock.
 // CUDA only; the platform-neutral pieces are in bench_common.h.
 #pragma once
 
@@ -21,6 +22,15 @@
   } while (0)
 
 namespace shadowsync::bench {
+
+#if defined(__CUDACC__)
+// The GPU's global nanosecond clock, readable from any thread of any kernel.
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
 
 // Milliseconds between two events recorded around `enqueue()` on `stream`, once per repetition
 // (the stream drained after each, so repetitions do not overlap).

@@ -169,14 +169,13 @@ inline std::optional<Options> parse_options(int argc, char** argv, bool has_gpu)
     } else if (arg == "--models") {
       const auto v = value();
       if (!v) return fail("--models needs a list");
+      if (v->empty()) return fail("--models: empty list");
       o.models.clear();
-      std::string item;
-      std::istringstream in(*v);
-      while (std::getline(in, item, ',')) {
-        if (!find_model(item)) return fail(cat("unknown model '", item, "'"));
-        o.models.push_back(item);
+      try {
+        for (const ModelConfig& m : models_named(*v)) o.models.push_back(m.name);
+      } catch (const std::invalid_argument& e) {
+        return fail(cat("--models: ", e.what()));
       }
-      if (o.models.empty()) return fail("--models: empty list");
     } else if (arg == "--no-sweep") {
       o.sweep = false;
     } else if (arg == "--swaps") {

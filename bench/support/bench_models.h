@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,27 @@ inline const ModelConfig* find_model(const std::string& name) {
     if (m.name == name) return &m;
   }
   return nullptr;
+}
+
+// The models a "--models a,b" list names, in its order; an empty list names every known model.
+// Throws std::invalid_argument naming an unknown model and the known ones.
+inline std::vector<ModelConfig> models_named(const std::string& list) {
+  if (list.empty()) return known_models();
+  std::vector<ModelConfig> models;
+  std::size_t begin = 0;
+  while (begin <= list.size()) {
+    const std::size_t end = std::min(list.find(',', begin), list.size());
+    const std::string name = list.substr(begin, end - begin);
+    const ModelConfig* m = find_model(name);
+    if (m == nullptr) {
+      std::string known;
+      for (const ModelConfig& k : known_models()) known += (known.empty() ? "" : ", ") + k.name;
+      throw std::invalid_argument("unknown model '" + name + "' (known: " + known + ")");
+    }
+    models.push_back(*m);
+    begin = end + 1;
+  }
+  return models;
 }
 
 // The tensor specs of `m`, every dimension divided by `scale` (rounded up; layers and tensor count
