@@ -460,12 +460,11 @@ void Sender::Impl::run() {
     } catch (const std::exception& error) {
       failure = Error(ErrorCode::kInternal, error.what());
     }
-    if (job.streamed) {
-      // A streamed update can fail between buckets, with the receivers inside collectives; and
-      // the caller's memory must not be read once supply() has thrown.
-      if (failure) abort_transport();
-      job.streamed->finish(failure);
-    }
+    // Any update can fail between buckets (a streamed supply that throws, a check of a bucket's
+    // arguments), with the receivers inside collectives: the transport is out of step and must
+    // go, and the caller's memory must not be read once the handle says failed.
+    if (failure) abort_transport();
+    if (job.streamed) job.streamed->finish(failure);
     job.handle->finish(failure);
   }
 }
@@ -640,18 +639,12 @@ std::optional<Error> Sender::Impl::wait_done(std::uint64_t version, Clock::time_
       failure = fmt::format("deadline of {} ms passed", config.update_deadline.count());
     }
     if (failure) {
-      transport->abort();
-      transport.reset();
-      backend.stream_synchronize(*comm_stream);
-      backend.stream_synchronize(*pack_stream);
       return Error(ErrorCode::kTransport,
                    fmt::format("update {}: send failed: {}", version, *failure));
     }
   }
   // A rank that dropped out completes its own broadcasts without sending: report it.
   if (auto failure = transport->async_error()) {
-    transport->abort();
-    transport.reset();
     return Error(ErrorCode::kTransport, fmt::format("update {}: send failed: {}", version, *failure));
   }
   return std::nullopt;

@@ -19,7 +19,10 @@
 #include "deadline.h"
 #include "live_hash.h"
 #include "loopback_rig.h"
+#include "pattern.h"
 #include "shadowsync/error.h"
+#include "shadowsync/loopback_transport.h"
+#include "watchdog.h"
 
 using namespace shadowsync;
 using namespace shadowsync::testing;
@@ -274,4 +277,52 @@ TEST_CASE("faults: checksum settings that cannot work are refused with both side
   HostFakeEngine engine(relaxed.backend(), relaxed.receiver());
   relaxed.publish(1, kAllGroups).wait();
   CHECK(relaxed.receiver().step_hook().wait_applied(1, deadline_from_now(), engine.stream()));
+}
+
+namespace {
+
+// A transport whose `throw_at`-th broadcast call (from 0) throws, as NcclTransport's does when
+// NCCL refuses to enqueue; every other call goes to `inner`.
+class ThrowingTransport final : public Transport {
+ public:
+  ThrowingTransport(std::unique_ptr<Transport> inner, std::uint64_t throw_at)
+      : inner_(std::move(inner)), throw_at_(throw_at) {}
+  std::string_view name() const override { return "throwing"; }
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override {
+    if (calls_++ == throw_at_) throw Error(ErrorCode::kTransport, "enqueue refused (injected)");
+    inner_->broadcast_async(buffer, bytes, root, stream);
+  }
+  std::optional<std::string> async_error() override { return inner_->async_error(); }
+  void abort() noexcept override { inner_->abort(); }
+
+ private:
+  std::unique_ptr<Transport> inner_;
+  std::uint64_t throw_at_;
+  std::uint64_t calls_ = 0;
+};
+
+}  // namespace
+
+// Without the sender's abort after any failed send, the transport stays with bucket 0 posted and
+// the next update waits out its deadline on it instead of failing at once.
+TEST_CASE("faults: a broadcast that throws mid-update drops the sender's transport") {
+  // Without the abort the sender's destructor waits forever for rank 1: fail instead of hanging.
+  Watchdog watchdog(60s);
+  const Layout layout = fault_layout();
+  HostBackend backend;
+  LoopbackCommunicator communicator(2);  // rank 1 never joins: nothing may wait for it
+  SenderConfig config;
+  config.update_deadline = 2000ms;
+  Sender sender(layout, backend,
+                std::make_unique<ThrowingTransport>(communicator.transport(0), /*throw_at=*/1),
+                config);
+  HostTensors v1(layout, kAllGroups, 1);
+  PublishHandle first = sender.publish(1, kAllGroups, v1.sources());
+  CHECK_THROWS_WITH(first.wait(), Catch::Contains("enqueue refused (injected)"));
+  HostTensors v2(layout, kAllGroups, 2);
+  PublishHandle second = sender.publish(2, kAllGroups, v2.sources());
+  CHECK_THROWS_WITH(second.wait(), Catch::Contains("no transport"));
+  watchdog.stop();
 }
