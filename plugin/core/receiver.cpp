@@ -484,6 +484,12 @@ std::optional<Refusal> Receiver::Impl::verify(const std::vector<ReceiveTarget>& 
       refusal.why = "the receiver is shutting down";
       return refusal;
     }
+    if (abort_requested.exchange(false)) {  // as in wait_for_buckets (abort_update's contract)
+      refusal.code = ErrorCode::kTransport;
+      refusal.why = "aborted by request";
+      refusal.transport_failed = true;
+      return refusal;
+    }
     if (Clock::now() - start > config.update_deadline) {
       refusal.code = ErrorCode::kTimeout;
       refusal.why = fmt::format("deadline of {} ms for the whole update passed while its bytes "
