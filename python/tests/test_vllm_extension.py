@@ -86,7 +86,8 @@ def test_worker_takes_updates_between_steps(setup):
     assert worker.begin_update(handle.header_bytes) == 1  # returns at once
     _step_until(worker, 1)
     handle.wait(DEADLINE_S)
-    assert all(len(seen) == 1 for seen in worker.steps), worker.steps  # never a torn step
+    # Never a torn step: one version per step, and a whole one (-1: torn or foreign bytes).
+    assert all(len(seen) == 1 and -1 not in seen for seen in worker.steps), worker.steps
     # The receive ran on the library's native thread: no Python thread was started.
     assert threading.active_count() == setup.threads_before
 

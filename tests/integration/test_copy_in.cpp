@@ -13,6 +13,7 @@
 #include <random>
 #include <thread>
 
+#include "counting_backend.h"
 #include "deadline.h"
 #include "live_hash.h"
 #include "loopback_rig.h"
@@ -248,10 +249,9 @@ TEST_CASE("copy_in: rollback is refused, naming the strategy; nothing changes") 
 
 TEST_CASE("swap strategy: rebind is refused when the engine declares CUDA graphs") {
   const Layout layout = copy_in_layout();
-  HostBackend backend;
+  CountingBackend backend;
   ReceiverConfig config;
   config.engine_uses_cuda_graphs = true;  // swap_strategy stays rebind, the default
-  const std::size_t allocated = backend.bytes_allocated();
   try {
     Receiver receiver(layout, backend, nullptr, config);
     FAIL("a rebind receiver was built for an engine that replays CUDA graphs");
@@ -261,7 +261,7 @@ TEST_CASE("swap strategy: rebind is refused when the engine declares CUDA graphs
                              Catch::Contains("engine_uses_cuda_graphs is true") &&
                              Catch::Contains("copy_in or remap"));
   }
-  CHECK(backend.bytes_allocated() == allocated);  // refused before anything was allocated
+  CHECK(backend.calls == 0);  // refused before anything was allocated or created
 
   // Without graphs rebind is fine, and with graphs copy_in is.
   CHECK_NOTHROW(Receiver(layout, backend, nullptr, ReceiverConfig{}));
@@ -272,11 +272,10 @@ TEST_CASE("swap strategy: rebind is refused when the engine declares CUDA graphs
 TEST_CASE("swap strategy: remap is refused on the host backend, naming why and suggesting "
           "copy_in") {
   const Layout layout = copy_in_layout();
-  HostBackend backend;
+  CountingBackend backend;
   ReceiverConfig config;
   config.swap_strategy = SwapStrategy::kRemap;
   config.engine_uses_cuda_graphs = true;
-  const std::size_t allocated = backend.bytes_allocated();
   try {
     Receiver receiver(layout, backend, nullptr, config);
     FAIL("a remap receiver was built on the host backend");
@@ -287,6 +286,6 @@ TEST_CASE("swap strategy: remap is refused on the host backend, naming why and s
                              Catch::Contains("no virtual memory remapping") &&
                              Catch::Contains("use swap_strategy copy_in"));
   }
-  CHECK(backend.bytes_allocated() == allocated);
+  CHECK(backend.calls == 0);  // refused before anything was allocated or created
   CHECK_THROWS_AS(backend.create_remappable_arena(4096), Error);
 }

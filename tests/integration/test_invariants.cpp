@@ -6,6 +6,7 @@
 #include <atomic>
 #include <future>
 
+#include "counting_backend.h"
 #include "deadline.h"
 #include "live_hash.h"
 #include "loopback_rig.h"
@@ -24,32 +25,6 @@ Layout invariant_layout() {
                         {"a.B", DType::kBFloat16, {64}, "lora_a"}},
                        {.bucket_bytes = 1024});
 }
-
-// Forwards to a HostBackend and counts every call: the fast path must make none.
-class CountingBackend final : public Backend {
- public:
-  std::atomic<int> calls{0};
-  HostBackend inner;
-
-  std::string_view name() const override { return "counting"; }
-  void* allocate(std::size_t bytes) override { return ++calls, inner.allocate(bytes); }
-  void deallocate(void* p) noexcept override { ++calls, inner.deallocate(p); }
-  std::size_t bytes_allocated() const override { return inner.bytes_allocated(); }
-  std::unique_ptr<Stream> create_stream(StreamPriority p) override {
-    return ++calls, inner.create_stream(p);
-  }
-  std::unique_ptr<Event> create_event() override { return ++calls, inner.create_event(); }
-  void memcpy_async(void* d, const void* s, std::size_t n, Stream& st) override {
-    ++calls, inner.memcpy_async(d, s, n, st);
-  }
-  void event_record(Event& e, Stream& s) override { ++calls, inner.event_record(e, s); }
-  void stream_wait_event(Stream& s, Event& e) override { ++calls, inner.stream_wait_event(s, e); }
-  bool event_query(Event& e) override { return ++calls, inner.event_query(e); }
-  bool event_wait_for(Event& e, std::chrono::nanoseconds t) override {
-    return ++calls, inner.event_wait_for(e, t);
-  }
-  void stream_synchronize(Stream& s) override { ++calls, inner.stream_synchronize(s); }
-};
 
 }  // namespace
 

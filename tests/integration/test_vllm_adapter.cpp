@@ -205,11 +205,16 @@ TEST_CASE("vLLM adapter: the worker keeps stepping while updates stream in; each
     }
   }
   publish.supply({ordered.begin(), ordered.begin() + 3});
+  const std::size_t steps_before = setup.worker.steps().size();
   int steps_during_transfer = 0;
   for (int i = 0; i < 5; ++i) {
     REQUIRE_FALSE(extension.execute_model().has_value());
     ++steps_during_transfer;
   }
+  // The five steps RAN (on the engine stream) while the update's second half was not yet
+  // supplied: a step held behind the receive would time out here.
+  wait_until([&] { return setup.worker.steps().size() >= steps_before + 5; },
+             "5 steps run while update 2 is in flight");
   publish.supply({ordered.begin() + 3, ordered.end()});
   publish.handle().wait();
   std::optional<std::uint64_t> applied;

@@ -258,7 +258,9 @@ TEST_CASE("C ABI: NULL, destroyed, foreign and wrong-kind handles are refused, n
   for (const auto& [name, call] : calls) {
     INFO(name << ": " << shadowsync_get_last_error());
     CHECK(call() == SHADOWSYNC_INVALID_HANDLE);
-    CHECK_THAT(last_error(), Catch::Contains("NULL shadowsync_"));
+    // Its own message, naming the function (a leftover from the previous call would not).
+    CHECK_THAT(last_error(), Catch::StartsWith(std::string("shadowsync_") + name + ":") &&
+                                 Catch::Contains("NULL shadowsync_"));
   }
 }
 
