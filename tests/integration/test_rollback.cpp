@@ -150,12 +150,18 @@ TEST_CASE("rollback: racing with the receiver, every step still reads one whole 
   int refused = 0;
   const auto deadline = deadline_from_now();
   while (!trainer_done || (trainer_error.empty() && hook.applied_version() < kUpdates)) {
-    if (std::chrono::steady_clock::now() > deadline) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      FAIL("update " << kUpdates << " was never applied (applied " << hook.applied_version()
+                     << ", rolled back " << rolled_back << ", refused " << refused << ")");
+    }
     const bool swapped = engine.step().has_value();
     engine.synchronize();  // a real engine's steps take time: no unbounded backlog of them
     if (swapped) {
+      const std::uint64_t live = hook.live_content_version(0);
       try {
-        hook.rollback(engine.stream());
+        const std::uint64_t undone = hook.rollback(engine.stream());
+        CHECK(undone == live);                       // it returns the version undone
+        CHECK(hook.live_content_version(0) < live);  // and the previous one is live again
         ++rolled_back;
       } catch (const Error& error) {
         REQUIRE(error.code() == ErrorCode::kSuperseded);
@@ -171,6 +177,7 @@ TEST_CASE("rollback: racing with the receiver, every step still reads one whole 
   INFO(engine.first_torn() << "; rolled back " << rolled_back << ", refused " << refused);
   CHECK(engine.torn_steps() == 0);
   CHECK(rolled_back + refused > 0);
+  CHECK(hook.applied_version() == kUpdates);
 }
 
 // Invariant 2 on the rollback path. The engine stream is held while steps that read version 2's
