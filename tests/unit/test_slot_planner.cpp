@@ -2,6 +2,8 @@
 #include <catch2/catch.hpp>
 
 #include "core/slot_planner.h"
+#include "shadowsync/error.h"
+#include "shadowsync/step_hook.h"
 
 using namespace shadowsync;
 
@@ -103,9 +105,37 @@ TEST_CASE("a failed receive with nothing retracted leaves the live slots alone")
 
 TEST_CASE("misuse of the state machine is an internal error, not silent corruption") {
   SlotPlanner planner(1);
-  CHECK_THROWS(planner.complete());
-  CHECK_THROWS(planner.fail());
-  CHECK_THROWS(planner.on_applied());
+  const auto internal = [](const Error& e) { return e.code() == ErrorCode::kInternal; };
+  CHECK_THROWS_MATCHES(planner.complete(), Error, Catch::Predicate<Error>(internal));
+  CHECK_THROWS_MATCHES(planner.fail(), Error, Catch::Predicate<Error>(internal));
+  CHECK_THROWS_MATCHES(planner.on_applied(), Error, Catch::Predicate<Error>(internal));
   planner.begin(1, {0});
-  CHECK_THROWS(planner.begin(2, {0}));  // a receive is already in flight
+  // A receive is already in flight.
+  CHECK_THROWS_WITH(planner.begin(2, {0}), Catch::Contains("begin(2) while an offer or a receive"));
+  CHECK_THROWS_WITH(planner.on_rolled_back({}), Catch::Contains("on_rolled_back while"));
+}
+
+TEST_CASE("copy_in: slot 0 stays live, every receive writes slot 1") {
+  SlotPlanner planner(2, /*live_moves=*/false);
+  for (std::uint64_t v = 1; v <= 3; ++v) {
+    const auto targets = planner.begin(v, {0, 1});
+    REQUIRE(targets.size() == 2);
+    CHECK(targets[0].slot == 1);
+    CHECK(targets[1].slot == 1);
+    CHECK(swaps_of(planner.complete()) ==
+          std::vector<std::pair<std::size_t, std::uint64_t>>{{kBase, v}, {kLora, v}});
+    planner.on_applied();
+    CHECK(planner.live_slot(kBase) == 0);  // the copy went into the live storage
+    CHECK(planner.live_slot(kLora) == 0);
+  }
+}
+
+TEST_CASE("after a rollback the slot made live again is not written; the one it left is") {
+  SlotPlanner planner(1);
+  planner.begin(1, {0});
+  planner.complete();
+  planner.on_applied();  // version 1 live in slot 1, slot 0 holds the initial weights
+  planner.on_rolled_back({GroupSwap{0, 0, 0}});
+  CHECK(planner.live_slot(0) == 0);
+  CHECK(planner.begin(2, {0})[0].slot == 1);
 }
