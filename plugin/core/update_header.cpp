@@ -25,11 +25,10 @@ UpdateHeader make_update_header(const Layout& layout, std::uint64_t version,
   header.version = version;
   header.layout_fingerprint = layout.fingerprint();
   for (std::size_t g = 0; g < chosen.size(); ++g) {
-    if (!chosen[g]) continue;
-    header.groups.push_back(static_cast<std::uint32_t>(g));
-    header.bucket_count += layout.groups()[g].bucket_count();
+    if (chosen[g]) header.groups.push_back(static_cast<std::uint32_t>(g));
   }
-  if (checksums) ++header.bucket_count;  // the trailing checksum block
+  // Plus one for the trailing checksum block.
+  header.bucket_count = data_bucket_count(header, layout) + (checksums ? 1 : 0);
   return header;
 }
 
