@@ -242,7 +242,7 @@ class CudaPlatform final : public Platform {
     config.init_timeout = std::chrono::seconds(60);
     config.enqueue_timeout = std::chrono::seconds(30);
     config.finalize_timeout = std::chrono::seconds(10);
-    const NcclUniqueId id = NcclUniqueId::generate();
+    const NcclUniqueId id = NcclTransport::generate_unique_id();
     // create() returns once every rank joined: one thread per rank.
     TransportPair pair;
     std::string error1;

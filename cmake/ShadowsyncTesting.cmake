@@ -42,7 +42,8 @@ function(shadowsync_add_testkit)
     "${PROJECT_SOURCE_DIR}/plugin")
   target_include_directories(shadowsync_testkit SYSTEM ${scope}
     "${SHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR}")
-  target_link_libraries(shadowsync_testkit ${scope} shadowsync::shadowsync fmt::fmt)
+  target_link_libraries(shadowsync_testkit ${scope}
+    shadowsync::shadowsync shadowsync::control shadowsync::c_api fmt::fmt)
 endfunction()
 
 # tests/support/catch_main.cpp -> object libraries holding Catch2's main(), compiled once and

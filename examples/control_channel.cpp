@@ -417,7 +417,7 @@ int run_trainer(const Options& options) {
     CudaBackend backend(device);
     // Rendezvous: this side is rank 0. NCCL's init blocks until the engine joined with the id
     // the channel carried, so the id goes out first.
-    const NcclUniqueId id = NcclUniqueId::generate();
+    const NcclUniqueId id = NcclTransport::generate_unique_id();
     channel.send_rendezvous(id);
     NcclTransportConfig transport_config;
     transport_config.init_timeout = std::chrono::seconds(60);

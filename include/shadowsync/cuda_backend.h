@@ -83,7 +83,7 @@ class CudaBackend final : public Backend {
   // matters.
   void stream_synchronize(Stream& stream) override;
 
-  // Integrity checks as kernels on `stream` (plugin/cuda/integrity_kernels.cu): a memset of the
+  // Integrity checks as kernels on `stream` (plugin/backends/cuda/integrity_kernels.cu): a memset of the
   // result, then one grid-stride reduction. `data` must be 8-byte aligned (arenas, staging
   // buffers, buckets and tensors are). Compiled and checked against the host's results only where
   // a GPU is present (tests/gpu); the receiver and sender call them only when configured to.
@@ -93,7 +93,7 @@ class CudaBackend final : public Backend {
   void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                              std::uint64_t* result, Stream& stream) override;
 
-  // The remap swap strategy's memory (plugin/cuda/cuda_remap.cpp over VmmSlots): the reason is
+  // The remap swap strategy's memory (plugin/backends/cuda/cuda_remap.cpp over VmmSlots): the reason is
   // empty where the device and driver support CUDA virtual memory management. The arena's slots
   // are rounded up to the VMM granularity and zero-filled; remap_live synchronizes the engine
   // stream, then unmaps and maps the live range. Thread-safe.

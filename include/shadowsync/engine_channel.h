@@ -22,7 +22,6 @@
 
 #include "shadowsync/control_config.h"
 #include "shadowsync/error.h"
-#include "shadowsync/nccl_transport.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/transport.h"
 
@@ -30,7 +29,7 @@ namespace shadowsync {
 
 // What a trainer sent for a rendezvous: the communicator to join and this engine's place in it.
 struct RendezvousRequest {
-  NcclUniqueId unique_id;  // opaque 128 bytes (for NCCL: ncclUniqueId)
+  RendezvousId unique_id;
   int rank = 1;            // 1..world_size-1 (the trainer's sender is usually rank 0)
   int world_size = 2;
 };

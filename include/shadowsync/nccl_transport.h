@@ -25,18 +25,8 @@ struct ncclComm;  // NCCL's opaque communicator: ncclComm_t is ncclComm*.
 
 namespace shadowsync {
 
-// The rendezvous token of one communicator (ncclUniqueId's 128 bytes). Rank 0's side makes it
-// with generate() and sends it to every rank over the control plane; it is plain bytes.
-struct NcclUniqueId {
-  static constexpr std::size_t kSize = 128;  // NCCL_UNIQUE_ID_BYTES; checked in the .cpp
-  std::array<std::byte, kSize> bytes{};
-
-  // ncclGetUniqueId. Opens a listening socket for the bootstrap in this process, so call it on
-  // the side that will take part as a rank. Throws Error(kTransport). Thread-safe.
-  static NcclUniqueId generate();
-
-  friend bool operator==(const NcclUniqueId&, const NcclUniqueId&) = default;
-};
+// The rendezvous token of one communicator: ncclUniqueId's 128 bytes.
+using NcclUniqueId = RendezvousId;
 
 struct NcclTransportConfig {
   // Bounds on the CTAs (thread blocks, one per SM) each NCCL kernel uses; 0 leaves NCCL's default.
@@ -67,6 +57,11 @@ class NcclTransport final : public Transport {
   // passed (then aborts and throws Error(kTimeout)). NCCL failures throw Error(kTransport), bad
   // arguments Error(kInvalidArgument). Sets NCCL_NVLS_ENABLE=0 unless the environment sets it.
   // Makes `device` current on the calling thread.
+  // ncclGetUniqueId: rank 0's side makes the id and sends it to every rank over the control plane.
+  // Opens a listening socket for the bootstrap in this process, so call it on the side that will
+  // take part as a rank. Throws Error(kTransport). Thread-safe.
+  static NcclUniqueId generate_unique_id();
+
   static std::unique_ptr<NcclTransport> create(const NcclUniqueId& id, int rank, int world_size,
                                                int device, NcclTransportConfig config = {});
 

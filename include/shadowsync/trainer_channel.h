@@ -16,7 +16,7 @@
 #include "shadowsync/control_config.h"
 #include "shadowsync/error.h"
 #include "shadowsync/layout.h"
-#include "shadowsync/nccl_transport.h"
+#include "shadowsync/transport.h"
 #include "shadowsync/update_header.h"
 
 namespace shadowsync {
@@ -70,7 +70,7 @@ class TrainerChannel {
   // the trainer is rank 0 and the engines follow, world_size = engines + 1). Returns once sent;
   // then create this side's transport, and wait_rendezvous(). Throws Error(kTransport) naming
   // an engine that is disconnected. Thread-safe.
-  void send_rendezvous(const NcclUniqueId& id, int world_size = 0, int first_rank = 1);
+  void send_rendezvous(const RendezvousId& id, int world_size = 0, int first_rank = 1);
   // Waits until every engine installed its transport for the last send_rendezvous. Throws
   // Error(kTransport) naming each engine that refused or disconnected; false when `deadline`
   // passes first. Thread-safe.

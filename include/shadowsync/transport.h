@@ -2,6 +2,7 @@
 // is the real one; LoopbackTransport runs ranks as threads in one process.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -10,6 +11,15 @@
 #include "shadowsync/backend.h"
 
 namespace shadowsync {
+
+// The opaque bytes by which the ranks of one transport find each other (NCCL: its ncclUniqueId).
+// One side makes it, the control plane carries it to the others as plain bytes.
+struct RendezvousId {
+  static constexpr std::size_t kSize = 128;
+  std::array<std::byte, kSize> bytes{};
+
+  friend bool operator==(const RendezvousId&, const RendezvousId&) = default;
+};
 
 class Transport {
  public:

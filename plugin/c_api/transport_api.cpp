@@ -120,7 +120,7 @@ shadowsync_status_t shadowsync_nccl_unique_id(uint8_t id[SHADOWSYNC_NCCL_UNIQUE_
     if (id == nullptr) throw_invalid("output argument 'id' is NULL");
 #if defined(SHADOWSYNC_WITH_CUDA)
     static_assert(NcclUniqueId::kSize == SHADOWSYNC_NCCL_UNIQUE_ID_BYTES);
-    const NcclUniqueId unique = NcclUniqueId::generate();
+    const NcclUniqueId unique = NcclTransport::generate_unique_id();
     std::memcpy(id, unique.bytes.data(), unique.bytes.size());
 #else
     throw_not_supported("NCCL unique id: this library was built without CUDA/NCCL");

@@ -625,7 +625,7 @@ void EngineChannel::Impl::worker_loop() {
 void EngineChannel::Impl::run(Work& item) {
   if (auto* rendezvous = std::get_if<RendezvousMessage>(&item.request)) {
     RendezvousRequest request;
-    std::memcpy(request.unique_id.bytes.data(), rendezvous->unique_id.data(), NcclUniqueId::kSize);
+    std::memcpy(request.unique_id.bytes.data(), rendezvous->unique_id.data(), RendezvousId::kSize);
     request.rank = static_cast<int>(rendezvous->rank);  // < world_size <= 2^16: checked
     request.world_size = static_cast<int>(rendezvous->world_size);
     RendezvousResultMessage result;

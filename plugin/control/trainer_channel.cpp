@@ -396,7 +396,7 @@ std::uint64_t TrainerChannel::highest_accepted_version() const {
   return highest;
 }
 
-void TrainerChannel::send_rendezvous(const NcclUniqueId& id, int world_size, int first_rank) {
+void TrainerChannel::send_rendezvous(const RendezvousId& id, int world_size, int first_rank) {
   Impl& impl = *impl_;
   const auto engines = static_cast<long long>(impl.engines.size());
   if (world_size == 0) world_size = static_cast<int>(engines + 1);
@@ -418,7 +418,7 @@ void TrainerChannel::send_rendezvous(const NcclUniqueId& id, int world_size, int
     message.rendezvous_id = rendezvous_id;
     message.rank = static_cast<std::uint32_t>(first_rank + static_cast<int>(i));
     message.world_size = static_cast<std::uint32_t>(world_size);
-    std::memcpy(message.unique_id.data(), id.bytes.data(), NcclUniqueId::kSize);
+    std::memcpy(message.unique_id.data(), id.bytes.data(), RendezvousId::kSize);
     return ControlMessage(message);
   });
 }

@@ -265,7 +265,7 @@ int main() {
   std::array<std::string, kWorldSize> failures;
   try {
     check_foreign_handles();
-    const NcclUniqueId id = NcclUniqueId::generate();
+    const NcclUniqueId id = NcclTransport::generate_unique_id();
     std::vector<std::thread> ranks;
     for (int rank = 0; rank < kWorldSize; ++rank) {
       ranks.emplace_back([rank, &id, &failures] {

@@ -613,7 +613,7 @@ int main(int argc, char** argv) {
   std::string trainer_error;
   const auto start = Clock::now();
   try {
-    shared.id = NcclUniqueId::generate();
+    shared.id = NcclTransport::generate_unique_id();
   } catch (const std::exception& e) {
     watchdog.stop();
     std::fprintf(stderr, "FAIL: NcclUniqueId::generate: %s\n", e.what());

@@ -1,4 +1,4 @@
-// The CUDA backend's integrity kernels (plugin/cuda/integrity_kernels.cu) against the host
+// The CUDA backend's integrity kernels (plugin/backends/cuda/integrity_kernels.cu) against the host
 // backend's implementation of the same definitions (plugin/core/integrity.h): a checksum computed
 // by the receiver's GPU must equal the one the sender's host or GPU computed, bit for bit, for any
 // length (tail bytes included) at any 8-byte-aligned start (buckets start 256-aligned; an unaligned

@@ -94,7 +94,7 @@ class NcclFixture final : public TransportFixture {
   // every rank has joined.
   void reconnect() override {
     destroy_transports();
-    const NcclUniqueId id = NcclUniqueId::generate();
+    const NcclUniqueId id = NcclTransport::generate_unique_id();
     std::vector<std::unique_ptr<NcclTransport>> created(static_cast<std::size_t>(world_size_));
     try {
       on_every_rank(world_size_, [&](int r) {

@@ -1,4 +1,4 @@
-// The remap building block (plugin/cuda/vmm_slots.h) on one GPU: the live address never moves, a
+// The remap building block (plugin/backends/cuda/vmm_slots.h) on one GPU: the live address never moves, a
 // CUDA graph captured before a remap reads the new slot's bytes after it, the receiver's own
 // mapping of a slot is independent of what is live, and bad arguments change nothing.
 // Skips (77) without a GPU; fails, with the reason, on a device without VMM support.
@@ -12,7 +12,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "cuda/vmm_slots.h"
+#include "backends/cuda/vmm_slots.h"
 #include "shadowsync/error.h"
 
 namespace {

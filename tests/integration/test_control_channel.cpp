@@ -246,7 +246,7 @@ TEST_CASE("a trainer connects, hands over the rendezvous, and every update is ac
 
   auto communicator = std::make_shared<LoopbackCommunicator>(2);
   engine.set_communicator(communicator);
-  trainer.send_rendezvous(NcclUniqueId{});
+  trainer.send_rendezvous(RendezvousId{});
   REQUIRE(trainer.wait_rendezvous(deadline_from_now()));
   Sender sender(layout, engine.backend, communicator->transport(0));
 
@@ -301,7 +301,7 @@ TEST_CASE("a trainer connects, hands over the rendezvous, and every update is ac
     CHECK(restarted->highest_accepted_version() == 10);
     auto fresh = std::make_shared<LoopbackCommunicator>(2);
     engine.set_communicator(fresh);
-    restarted->send_rendezvous(NcclUniqueId{});
+    restarted->send_rendezvous(RendezvousId{});
     REQUIRE(restarted->wait_rendezvous(deadline_from_now()));
     Sender sender2(layout, engine.backend, fresh->transport(0));
     shadowsync::testing::HostTensors tensors(layout, {"base"}, 11);

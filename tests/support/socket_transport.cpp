@@ -24,7 +24,7 @@ using Clock = std::chrono::steady_clock;
 struct SocketTransport::State {
   int rank = 0;
   int world_size = 0;
-  NcclUniqueId id;
+  RendezvousId id;
   int listener = -1;
   std::vector<int> peers;  // rank 0: one socket per other rank; others: the root's
   std::mutex mutex;
@@ -148,7 +148,7 @@ void SocketTransport::accept_peers(Clock::time_point deadline) {
 }
 
 std::unique_ptr<SocketTransport> SocketTransport::connect(HostBackend& backend,
-                                                          const NcclUniqueId& id, int rank,
+                                                          const RendezvousId& id, int rank,
                                                           int world_size,
                                                           Clock::time_point deadline) {
   auto state = std::make_shared<State>();
@@ -189,7 +189,7 @@ std::unique_ptr<SocketTransport> SocketTransport::connect(HostBackend& backend,
   return std::unique_ptr<SocketTransport>(new SocketTransport(backend, std::move(state)));
 }
 
-const NcclUniqueId& SocketTransport::id() const { return state_->id; }
+const RendezvousId& SocketTransport::id() const { return state_->id; }
 int SocketTransport::rank() const { return state_->rank; }
 int SocketTransport::world_size() const { return state_->world_size; }
 

@@ -12,7 +12,6 @@
 #include <string>
 
 #include "shadowsync/host_backend.h"
-#include "shadowsync/nccl_transport.h"  // NcclUniqueId: the same 128 opaque bytes
 #include "shadowsync/transport.h"
 
 namespace shadowsync::testing {
@@ -22,12 +21,12 @@ class SocketTransport final : public Transport {
   // Rank 0: listens on 127.0.0.1 (any port). Send id() to the other ranks, then accept_peers().
   static std::unique_ptr<SocketTransport> listen(HostBackend& backend, int world_size);
   // Rank `rank` (1..world_size-1) joins the root named by `id`.
-  static std::unique_ptr<SocketTransport> connect(HostBackend& backend, const NcclUniqueId& id,
+  static std::unique_ptr<SocketTransport> connect(HostBackend& backend, const RendezvousId& id,
                                                   int rank, int world_size,
                                                   std::chrono::steady_clock::time_point deadline);
   ~SocketTransport() override;
 
-  const NcclUniqueId& id() const;
+  const RendezvousId& id() const;
   // Rank 0: waits until every other rank joined (cookie checked). Throws Error(kTimeout).
   void accept_peers(std::chrono::steady_clock::time_point deadline);
 

@@ -28,7 +28,7 @@
 
 #include <fmt/format.h>
 
-#include "cuda/cuda_check.h"
+#include "backends/cuda/cuda_check.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
 
@@ -110,7 +110,7 @@ class ScopedDeviceNoThrow {
 
 }  // namespace
 
-NcclUniqueId NcclUniqueId::generate() {
+NcclUniqueId NcclTransport::generate_unique_id() {
   disable_nvls_once();
   ncclUniqueId raw;
   const ncclResult_t result = ncclGetUniqueId(&raw);
@@ -119,7 +119,7 @@ NcclUniqueId NcclUniqueId::generate() {
                 fmt::format("ncclGetUniqueId failed: {}", nccl_message(result, nullptr)));
   }
   NcclUniqueId id;
-  std::memcpy(id.bytes.data(), &raw, kSize);
+  std::memcpy(id.bytes.data(), &raw, NcclUniqueId::kSize);
   return id;
 }
 

@@ -14,7 +14,7 @@
 
 #include <fmt/format.h>
 
-#include "../host/host_stream.h"
+#include "backends/host/host_stream.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {

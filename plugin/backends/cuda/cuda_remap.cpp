@@ -4,8 +4,8 @@
 
 #include <fmt/format.h>
 
-#include "cuda/cuda_check.h"
-#include "cuda/vmm_slots.h"
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/vmm_slots.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
 

@@ -1,11 +1,11 @@
-#include "cuda/vmm_slots.h"
+#include "backends/cuda/vmm_slots.h"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
 #include <fmt/format.h>
 
-#include "cuda/cuda_check.h"
+#include "backends/cuda/cuda_check.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync::cuda_detail {

@@ -18,8 +18,8 @@
 #include <fmt/format.h>
 
 #include "core/check_integrity_args.h"
-#include "cuda/cuda_check.h"
-#include "cuda/integrity_kernels.h"
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/integrity_kernels.h"
 #include "shadowsync/error.h"
 
 #if defined(__GNUG__)

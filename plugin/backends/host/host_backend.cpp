@@ -16,7 +16,7 @@
 
 #include "core/check_integrity_args.h"
 #include "core/integrity.h"
-#include "host_stream.h"
+#include "backends/host/host_stream.h"
 #include "shadowsync/error.h"
 
 #if defined(__GNUG__)

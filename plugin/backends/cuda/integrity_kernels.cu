@@ -6,7 +6,7 @@
 // (kUnroll per iteration): with one 8-byte load per thread the same grid read about 1.3 TB/s on an
 // H200 (bench_integrity_one_gpu), too few bytes in flight to cover the memory latency. The loads
 // are streaming (__ldcs): the received weights are not read again soon, the engine's are.
-#include "cuda/integrity_kernels.h"
+#include "backends/cuda/integrity_kernels.h"
 
 #include <algorithm>
 
