@@ -12,7 +12,9 @@
  *  - Config structs start with size, magic and version and are initialized with their
  *    SHADOWSYNC_*_CONFIG_INITIALIZER; the library reads min(size, its sizeof) bytes, so a caller
  *    built against an older, smaller struct keeps working. A struct whose magic is wrong (never
- *    initialized) is refused. A NULL config means all defaults.
+ *    initialized) is refused. A NULL config means all defaults. shadowsync_update_header_t is
+ *    versioned the same way (size, struct_magic, struct_version;
+ *    SHADOWSYNC_UPDATE_HEADER_INITIALIZER), for reading and for writing.
  *  - Each function states its threading contract: "Thread-safe", or "Engine thread only" for the
  *    step hook calls, which must come from one thread (the one that runs the engine's steps).
  *  - Strings returned by the library stay valid as long as the object they came from.
@@ -37,7 +39,7 @@ extern "C" {
 
 /* Bumped when a function's signature or a struct's leading fields change meaning. Compare with
  * shadowsync_get_c_api_version() to check that a header and a library agree. */
-#define SHADOWSYNC_C_API_VERSION 1
+#define SHADOWSYNC_C_API_VERSION 2
 
 /* ---------------------------------------------------------------------------------------------
  * Status
@@ -253,8 +255,23 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_layout_find_group(shadowsync_layou
 /* The largest serialized header: 36 bytes plus 4 per group. */
 #define SHADOWSYNC_MAX_HEADER_BYTES (36 + 4 * SHADOWSYNC_MAX_HEADER_GROUPS)
 
+/* The struct version of shadowsync_update_header_t (its struct_version field); bumped when fields
+ * are appended. */
+#define SHADOWSYNC_UPDATE_HEADER_STRUCT_VERSION 1u
+
+/* UpdateHeader (update_header.h). Versioned like the config structs: it starts with size,
+ * struct_magic (SHADOWSYNC_CONFIG_MAGIC) and struct_version, set by
+ * SHADOWSYNC_UPDATE_HEADER_INITIALIZER, whether the struct is read by the library (begin_update,
+ * serialize) or written by it (parse, publish_header). The library reads or writes min(size, its
+ * sizeof) bytes and never the caller's size, struct_magic or struct_version; a struct whose
+ * struct_magic is wrong (never initialized), whose struct_version is 0, or whose size is smaller
+ * than struct version 1 is refused with SHADOWSYNC_INVALID_ARGUMENT. The fields after
+ * struct_version are the wire header's. */
 typedef struct {
-  uint32_t magic;
+  size_t size;             /* sizeof(shadowsync_update_header_t) as the caller was built */
+  uint32_t struct_magic;   /* SHADOWSYNC_CONFIG_MAGIC */
+  uint32_t struct_version; /* SHADOWSYNC_UPDATE_HEADER_STRUCT_VERSION */
+  uint32_t magic;          /* the wire header's magic */
   uint32_t protocol_version;
   uint64_t version;
   uint64_t layout_fingerprint;
@@ -262,6 +279,12 @@ typedef struct {
   uint32_t groups[SHADOWSYNC_MAX_HEADER_GROUPS];  /* group indices, strictly increasing */
   uint64_t bucket_count;
 } shadowsync_update_header_t;
+
+#define SHADOWSYNC_UPDATE_HEADER_INITIALIZER                                            \
+  {                                                                                     \
+    sizeof(shadowsync_update_header_t), SHADOWSYNC_CONFIG_MAGIC,                        \
+        SHADOWSYNC_UPDATE_HEADER_STRUCT_VERSION, 0, 0, 0, 0, 0, {0}, 0                  \
+  }
 
 /* To and from bytes (little-endian, the control channel's field order). serialize writes at most
  * SHADOWSYNC_MAX_HEADER_BYTES; with too small a capacity it returns SHADOWSYNC_INVALID_ARGUMENT
@@ -310,19 +333,14 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_stream_destroy(shadowsync_stream_t
  * the handle becomes invalid (do not destroy it); when it fails the caller still owns it.
  * ------------------------------------------------------------------------------------------- */
 
-/* In-process ranks (threads) for tests and demos, on host backends. Thread-safe. */
+/* In-process ranks (threads) for tests and demos, on host backends. Fault injection into them is
+ * a test hook (plugin/c_api/shadowsync_testing.h, not installed). Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_create(int world_size,
                                                               shadowsync_loopback_t* loopback);
 /* The transport of `rank`; each rank once. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_transport(shadowsync_loopback_t loopback,
                                                                  int rank,
                                                                  shadowsync_transport_t* transport);
-/* Fault injection (LoopbackCommunicator::inject_*): `call` counts the rank's broadcasts from 0. */
-SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_inject_delay(shadowsync_loopback_t loopback,
-                                                                    int rank, uint64_t call,
-                                                                    int64_t delay_us);
-SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_inject_drop(shadowsync_loopback_t loopback,
-                                                                   int rank, uint64_t call);
 /* Transports already made live on. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_destroy(shadowsync_loopback_t loopback);
 

@@ -233,9 +233,12 @@ std::vector<SourceTensor> source_tensors_arg(const shadowsync_source_tensor_t* t
 
 std::chrono::steady_clock::time_point deadline_after(std::int64_t timeout_ms);
 
-// Update headers between C and C++ (layout_api.cpp).
-UpdateHeader header_from_c(const shadowsync_update_header_t& header);
-void header_to_c(const UpdateHeader& header, shadowsync_update_header_t& out);
+// Update headers between C and C++ (layout_api.cpp). Both check the caller's struct (NULL,
+// struct_magic, struct_version, size) and name it as `argument`; header_to_c writes min(size,
+// sizeof) bytes and leaves the caller's size/struct_magic/struct_version as they are.
+UpdateHeader header_from_c(const shadowsync_update_header_t* header, const char* argument);
+void header_to_c(const UpdateHeader& header, shadowsync_update_header_t* out,
+                 const char* argument);
 void header_bytes_to_c(const UpdateHeader& header, void* buffer, std::size_t capacity,
                        std::size_t* written);
 

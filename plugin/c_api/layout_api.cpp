@@ -1,6 +1,9 @@
 // Layouts and update headers through the C ABI.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
 #include <span>
 
 #include "c_api/c_api_internal.h"
@@ -19,43 +22,74 @@ const GroupLayout& group_at(const Layout& layout, std::size_t group) {
   return layout.groups()[group];
 }
 
-UpdateHeader from_c(const shadowsync_update_header_t& c) {
-  if (c.group_count == 0 || c.group_count > SHADOWSYNC_MAX_HEADER_GROUPS) {
-    throw Error(ErrorCode::kBadHeader,
-                fmt::format("update header: group_count {} outside 1..{}", c.group_count,
-                            SHADOWSYNC_MAX_HEADER_GROUPS));
+// Struct version 1 ends with bucket_count; a caller's struct must hold at least that much.
+constexpr std::size_t kHeaderVersion1Bytes =
+    offsetof(shadowsync_update_header_t, bucket_count) + sizeof(std::uint64_t);
+
+// The caller's size/struct_magic/struct_version prefix, checked: the bytes of its struct the
+// library may read or write.
+std::size_t checked_struct_bytes(const shadowsync_update_header_t& c, const char* argument) {
+  if (c.struct_magic != SHADOWSYNC_CONFIG_MAGIC) {
+    throw_invalid(fmt::format("'{}' (shadowsync_update_header_t): struct_magic {:#010x} is not "
+                              "SHADOWSYNC_CONFIG_MAGIC {:#010x}: initialize it with "
+                              "SHADOWSYNC_UPDATE_HEADER_INITIALIZER",
+                              argument, c.struct_magic, SHADOWSYNC_CONFIG_MAGIC));
   }
-  UpdateHeader header;
-  header.magic = c.magic;
-  header.protocol_version = c.protocol_version;
-  header.version = c.version;
-  header.layout_fingerprint = c.layout_fingerprint;
-  header.groups.assign(c.groups, c.groups + c.group_count);
-  header.bucket_count = c.bucket_count;
-  return header;
+  if (c.struct_version == 0) {
+    throw_invalid(fmt::format("'{}' (shadowsync_update_header_t): struct_version 0", argument));
+  }
+  if (c.size < kHeaderVersion1Bytes) {
+    throw_invalid(fmt::format("'{}' (shadowsync_update_header_t): size {} is smaller than struct "
+                              "version 1 ({} bytes)",
+                              argument, c.size, kHeaderVersion1Bytes));
+  }
+  return std::min(c.size, sizeof(shadowsync_update_header_t));
 }
 
 }  // namespace
 
 namespace shadowsync::c_api {
 
-// Shared with the receiver and sender entry points.
-UpdateHeader header_from_c(const shadowsync_update_header_t& header) { return from_c(header); }
+UpdateHeader header_from_c(const shadowsync_update_header_t* header, const char* argument) {
+  if (header == nullptr) throw_invalid(fmt::format("'{}' is NULL", argument));
+  shadowsync_update_header_t c = SHADOWSYNC_UPDATE_HEADER_INITIALIZER;
+  std::memcpy(static_cast<void*>(&c), header, checked_struct_bytes(*header, argument));
+  if (c.group_count == 0 || c.group_count > SHADOWSYNC_MAX_HEADER_GROUPS) {
+    throw Error(ErrorCode::kBadHeader,
+                fmt::format("update header: group_count {} outside 1..{}", c.group_count,
+                            SHADOWSYNC_MAX_HEADER_GROUPS));
+  }
+  UpdateHeader cpp;
+  cpp.magic = c.magic;
+  cpp.protocol_version = c.protocol_version;
+  cpp.version = c.version;
+  cpp.layout_fingerprint = c.layout_fingerprint;
+  cpp.groups.assign(c.groups, c.groups + c.group_count);
+  cpp.bucket_count = c.bucket_count;
+  return cpp;
+}
 
-void header_to_c(const UpdateHeader& header, shadowsync_update_header_t& out) {
+void header_to_c(const UpdateHeader& header, shadowsync_update_header_t* out,
+                 const char* argument) {
+  if (out == nullptr) throw_invalid(fmt::format("output argument '{}' is NULL", argument));
+  const std::size_t bytes = checked_struct_bytes(*out, argument);
   if (header.groups.size() > SHADOWSYNC_MAX_HEADER_GROUPS) {
     throw_invalid(fmt::format("update {}: {} groups, more than the C header holds ({})",
                               header.version, header.groups.size(),
                               SHADOWSYNC_MAX_HEADER_GROUPS));
   }
-  out = shadowsync_update_header_t{};
-  out.magic = header.magic;
-  out.protocol_version = header.protocol_version;
-  out.version = header.version;
-  out.layout_fingerprint = header.layout_fingerprint;
-  out.group_count = static_cast<std::uint32_t>(header.groups.size());
-  std::copy(header.groups.begin(), header.groups.end(), out.groups);
-  out.bucket_count = header.bucket_count;
+  shadowsync_update_header_t c = SHADOWSYNC_UPDATE_HEADER_INITIALIZER;
+  c.magic = header.magic;
+  c.protocol_version = header.protocol_version;
+  c.version = header.version;
+  c.layout_fingerprint = header.layout_fingerprint;
+  c.group_count = static_cast<std::uint32_t>(header.groups.size());
+  std::copy(header.groups.begin(), header.groups.end(), c.groups);
+  c.bucket_count = header.bucket_count;
+  // The caller's size, struct_magic and struct_version stay as they are.
+  constexpr std::size_t kPrefix = offsetof(shadowsync_update_header_t, magic);
+  std::memcpy(reinterpret_cast<unsigned char*>(out) + kPrefix,
+              reinterpret_cast<const unsigned char*>(&c) + kPrefix, bytes - kPrefix);
 }
 
 void header_bytes_to_c(const UpdateHeader& header, void* buffer, std::size_t capacity,
@@ -183,17 +217,17 @@ shadowsync_status_t shadowsync_layout_find_group(shadowsync_layout_t layout, con
 shadowsync_status_t shadowsync_header_serialize(const shadowsync_update_header_t* header,
                                                 void* buffer, size_t capacity, size_t* written) {
   return guard(__func__, [&] {
-    if (header == nullptr) throw_invalid("'header' is NULL");
-    header_bytes_to_c(from_c(*header), buffer, capacity, written);
+    header_bytes_to_c(header_from_c(header, "header"), buffer, capacity, written);
   });
 }
 
 shadowsync_status_t shadowsync_header_parse(const void* bytes, size_t size,
                                             shadowsync_update_header_t* header) {
   return guard(__func__, [&] {
-    auto& out = out_arg(header, "header");
+    if (header == nullptr) throw_invalid("output argument 'header' is NULL");
     if (bytes == nullptr && size > 0) throw_invalid("'bytes' is NULL");
-    header_to_c(parse_update_header({static_cast<const std::byte*>(bytes), size}), out);
+    header_to_c(parse_update_header({static_cast<const std::byte*>(bytes), size}), header,
+                "header");
   });
 }
 

@@ -130,8 +130,7 @@ shadowsync_status_t shadowsync_receiver_begin_update(shadowsync_receiver_t recei
                                                      const shadowsync_update_header_t* header) {
   return guard(__func__, [&] {
     auto object = lookup<ReceiverObject>(receiver, "receiver");
-    if (header == nullptr) throw_invalid("'header' is NULL");
-    object->receiver->begin_update(header_from_c(*header));
+    object->receiver->begin_update(header_from_c(header, "header"));
   });
 }
 

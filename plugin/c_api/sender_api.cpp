@@ -122,7 +122,7 @@ shadowsync_status_t shadowsync_publish_header(shadowsync_publish_t publish,
                                               shadowsync_update_header_t* header) {
   return guard(__func__, [&] {
     auto object = lookup<PublishObject>(publish, "publish");
-    header_to_c(object->handle.header(), out_arg(header, "header"));
+    header_to_c(object->handle.header(), header, "header");
   });
 }
 

@@ -93,23 +93,6 @@ shadowsync_status_t shadowsync_loopback_transport(shadowsync_loopback_t loopback
   });
 }
 
-shadowsync_status_t shadowsync_loopback_inject_delay(shadowsync_loopback_t loopback, int rank,
-                                                     uint64_t call, int64_t delay_us) {
-  return guard(__func__, [&] {
-    auto object = lookup<LoopbackObject>(loopback, "loopback");
-    if (delay_us < 0) throw_invalid(fmt::format("delay_us is negative: {}", delay_us));
-    object->communicator.inject_delay(rank, call, std::chrono::microseconds(delay_us));
-  });
-}
-
-shadowsync_status_t shadowsync_loopback_inject_drop(shadowsync_loopback_t loopback, int rank,
-                                                    uint64_t call) {
-  return guard(__func__, [&] {
-    auto object = lookup<LoopbackObject>(loopback, "loopback");
-    object->communicator.inject_drop(rank, call);
-  });
-}
-
 shadowsync_status_t shadowsync_loopback_destroy(shadowsync_loopback_t loopback) {
   return guard(__func__,
                [&] { Registry::instance().remove<LoopbackObject>(loopback, "loopback"); });

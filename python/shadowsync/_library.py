@@ -41,7 +41,7 @@ from pathlib import Path
 
 LIBRARY_FILE = "libshadowsync_c.so"
 ENV_VAR = "SHADOWSYNC_LIBRARY"
-C_API_VERSION = 1  # SHADOWSYNC_C_API_VERSION this package was written against
+C_API_VERSION = 2  # SHADOWSYNC_C_API_VERSION this package was written against
 
 # The CMake build directories searched in a source checkout, relative to the repository root.
 BUILD_DIRS = ("build", "build-release")
@@ -50,6 +50,7 @@ CONFIG_MAGIC = 0x53534346
 CONFIG_VERSION = 1
 CONFIG_UNDEF_INT = -(2**31)
 CONFIG_UNDEF_INT64 = -(2**63)
+UPDATE_HEADER_STRUCT_VERSION = 1
 MAX_HEADER_GROUPS = 256
 MAX_HEADER_BYTES = 36 + 4 * MAX_HEADER_GROUPS
 NCCL_UNIQUE_ID_BYTES = 128
@@ -94,7 +95,13 @@ class TensorInfoC(Structure):
 
 
 class UpdateHeaderC(Structure):
+    """shadowsync_update_header_t. A new one is initialized as SHADOWSYNC_UPDATE_HEADER_INITIALIZER
+    does (size, struct_magic, struct_version set), for reading and for writing alike."""
+
     _fields_ = [
+        ("size", c_size_t),
+        ("struct_magic", c_uint32),
+        ("struct_version", c_uint32),
         ("magic", c_uint32),
         ("protocol_version", c_uint32),
         ("version", c_uint64),
@@ -103,6 +110,12 @@ class UpdateHeaderC(Structure):
         ("groups", c_uint32 * MAX_HEADER_GROUPS),
         ("bucket_count", c_uint64),
     ]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.size = ctypes.sizeof(UpdateHeaderC)
+        self.struct_magic = CONFIG_MAGIC
+        self.struct_version = UPDATE_HEADER_STRUCT_VERSION
 
 
 class ReceiverConfigC(Structure):
@@ -225,8 +238,6 @@ _PROTOTYPES = {
     # transports
     "shadowsync_loopback_create": (c_int, [c_int, _P(_H)]),
     "shadowsync_loopback_transport": (c_int, [_H, c_int, _P(_H)]),
-    "shadowsync_loopback_inject_delay": (c_int, [_H, c_int, c_uint64, c_int64]),
-    "shadowsync_loopback_inject_drop": (c_int, [_H, c_int, c_uint64]),
     "shadowsync_loopback_destroy": (c_int, [_H]),
     "shadowsync_nccl_unique_id": (c_int, [_P(c_uint8)]),
     "shadowsync_nccl_transport_create": (

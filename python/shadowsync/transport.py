@@ -29,7 +29,8 @@ class Transport(Handle):
 
 class Loopback(Handle):
     """A world of `world_size` in-process ranks with broadcast semantics, on host backends.
-    For tests and demos; injects faults (a delay, a dropped rank). Thread-safe."""
+    For tests and demos. Thread-safe. (Fault injection is a test hook of the C ABI,
+    plugin/c_api/shadowsync_testing.h; the package does not wrap it.)"""
 
     _destroy_fn = "shadowsync_loopback_destroy"
 
@@ -44,14 +45,6 @@ class Loopback(Handle):
         handle = c_void_p()
         call("shadowsync_loopback_transport", self._handle, int(rank), byref(handle))
         return Transport(handle.value, f"loopback rank {rank} of {self.world_size}")
-
-    def inject_delay(self, rank: int, call_index: int, delay_us: int) -> None:
-        """Delays `rank`'s broadcast number `call_index` (counted from 0) by `delay_us`."""
-        call("shadowsync_loopback_inject_delay", self._handle, int(rank), int(call_index), int(delay_us))
-
-    def inject_drop(self, rank: int, call_index: int) -> None:
-        """`rank` never joins its broadcast number `call_index` nor any later one (a dead process)."""
-        call("shadowsync_loopback_inject_drop", self._handle, int(rank), int(call_index))
 
 
 def nccl_unique_id() -> bytes:

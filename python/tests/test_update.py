@@ -6,6 +6,7 @@ import time
 
 import pytest
 from support import BASE, DEADLINE_S, LORA, SPECS, pattern, tensors, version_of
+from testing_hooks import inject_delay, inject_drop
 
 import shadowsync as ss
 
@@ -201,14 +202,14 @@ def test_loopback_fault_injection_reaches_the_receiver():
     sender = ss.Sender(layout, backend, loopback.transport(0),
                        ss.SenderConfig(update_deadline_ms=2000))
     try:
-        loopback.inject_delay(0, 1, 50_000)  # the sender's second broadcast waits 50 ms
+        inject_delay(loopback, 0, 1, 50_000)  # the sender's second broadcast waits 50 ms
         handle = sender.publish(1, tensors(BASE + LORA, 1))
         receiver.begin_update(handle.header_bytes)
         receiver.wait_applied(1, DEADLINE_S)
         handle.wait(DEADLINE_S)
 
         buckets_of_v1 = sum(g.bucket_count for g in layout.groups)
-        loopback.inject_drop(0, buckets_of_v1 + 2)  # rank 0 dies in the middle of update 2
+        inject_drop(loopback, 0, buckets_of_v1 + 2)  # rank 0 dies in the middle of update 2
         handle = sender.publish(2, tensors(BASE + LORA, 2))
         receiver.begin_update(handle.header_bytes)
         receiver.drain()

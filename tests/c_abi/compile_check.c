@@ -72,6 +72,7 @@ static int run_update(void) {
   shadowsync_publish_t publish;
   unsigned char header[SHADOWSYNC_MAX_HEADER_BYTES];
   size_t header_bytes = 0;
+  shadowsync_update_header_t header_struct = SHADOWSYNC_UPDATE_HEADER_INITIALIZER;
   uint64_t applied = 0;
   void* live = NULL;
   size_t i;
@@ -95,6 +96,10 @@ static int run_update(void) {
 
   OK(shadowsync_sender_publish(sender, 1, groups, 1, tensors, 2, &publish));
   OK(shadowsync_publish_header_bytes(publish, header, sizeof header, &header_bytes));
+  /* The versioned header struct, filled by the library, as C11. */
+  OK(shadowsync_publish_header(publish, &header_struct));
+  CHECK(header_struct.size == sizeof header_struct && header_struct.version == 1 &&
+        header_struct.group_count == 1 && header_struct.groups[0] == 0);
   OK(shadowsync_receiver_begin_update_bytes(receiver, header, header_bytes));
   OK(shadowsync_publish_wait(publish, 20000));
   OK(shadowsync_receiver_wait_applied(receiver, 1, 20000, engine_stream));

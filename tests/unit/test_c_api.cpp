@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "pattern.h"
 #include "shadowsync/shadowsync.h"
+#include "c_api/shadowsync_testing.h"
 
 using namespace shadowsync;
 using namespace shadowsync::testing;
@@ -180,7 +182,7 @@ TEST_CASE("C ABI: NULL, destroyed, foreign and wrong-kind handles are refused, n
   const char* text = nullptr;
   shadowsync_group_info_t group_info{};
   shadowsync_tensor_info_t tensor_info{};
-  shadowsync_update_header_t header{};
+  shadowsync_update_header_t header = SHADOWSYNC_UPDATE_HEADER_INITIALIZER;
   shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
   shadowsync_stream_t stream = nullptr;
   shadowsync_transport_t transport = nullptr;
@@ -205,8 +207,12 @@ TEST_CASE("C ABI: NULL, destroyed, foreign and wrong-kind handles are refused, n
       {"stream_destroy", [&] { return shadowsync_stream_destroy(nullptr); }},
       {"loopback_transport",
        [&] { return shadowsync_loopback_transport(nullptr, 0, &transport); }},
-      {"loopback_inject_delay", [&] { return shadowsync_loopback_inject_delay(nullptr, 0, 0, 1); }},
-      {"loopback_inject_drop", [&] { return shadowsync_loopback_inject_drop(nullptr, 0, 0); }},
+      {"testing_loopback_inject_delay",
+       [&] { return shadowsync_testing_loopback_inject_delay(nullptr, 0, 0, 1); }},
+      {"testing_loopback_inject_drop",
+       [&] { return shadowsync_testing_loopback_inject_drop(nullptr, 0, 0); }},
+      {"testing_loopback_inject_flip",
+       [&] { return shadowsync_testing_loopback_inject_flip(nullptr, 0, 0, 0); }},
       {"loopback_destroy", [&] { return shadowsync_loopback_destroy(nullptr); }},
       {"transport_destroy", [&] { return shadowsync_transport_destroy(nullptr); }},
       {"receiver_create",
@@ -400,7 +406,7 @@ TEST_CASE("C ABI: layout queries and header bytes") {
   CHECK_THAT(last_error(), Catch::Contains("'specs[0].dtype' is NULL"));
 
   // Header to bytes and back; too small a buffer says how much is needed.
-  shadowsync_update_header_t header{};
+  shadowsync_update_header_t header = SHADOWSYNC_UPDATE_HEADER_INITIALIZER;
   const UpdateHeader made = make_update_header(reference, 3, {"base", "lora"});
   header.magic = made.magic;
   header.protocol_version = made.protocol_version;
@@ -417,7 +423,7 @@ TEST_CASE("C ABI: layout queries and header bytes") {
   CHECK(written == 44);
   std::vector<unsigned char> bytes(written);
   REQUIRE_OK(shadowsync_header_serialize(&header, bytes.data(), bytes.size(), &written));
-  shadowsync_update_header_t back{};
+  shadowsync_update_header_t back = SHADOWSYNC_UPDATE_HEADER_INITIALIZER;
   REQUIRE_OK(shadowsync_header_parse(bytes.data(), bytes.size(), &back));
   CHECK(std::memcmp(&back, &header, sizeof header) == 0);
   CHECK(shadowsync_header_parse(bytes.data(), bytes.size() - 3, &back) == SHADOWSYNC_BAD_HEADER);
@@ -425,6 +431,67 @@ TEST_CASE("C ABI: layout queries and header bytes") {
   header.group_count = SHADOWSYNC_MAX_HEADER_GROUPS + 1;
   CHECK(shadowsync_header_serialize(&header, bytes.data(), bytes.size(), &written) ==
         SHADOWSYNC_BAD_HEADER);
+  REQUIRE_OK(shadowsync_layout_destroy(layout));
+}
+
+TEST_CASE("C ABI: the update header struct is versioned like the config structs") {
+  Specs s;
+  shadowsync_layout_t layout = nullptr;
+  REQUIRE_OK(shadowsync_layout_create(s.specs.data(), s.specs.size(), 1024, &layout));
+  const UpdateHeader made = make_update_header(cpp_layout(), 4, {"base"});
+  const std::vector<std::byte> wire = serialize_update_header(made);
+
+  SECTION("the initializer") {
+    const shadowsync_update_header_t header = SHADOWSYNC_UPDATE_HEADER_INITIALIZER;
+    CHECK(header.size == sizeof(shadowsync_update_header_t));
+    CHECK(header.struct_magic == SHADOWSYNC_CONFIG_MAGIC);
+    CHECK(header.struct_version == SHADOWSYNC_UPDATE_HEADER_STRUCT_VERSION);
+    CHECK(header.group_count == 0);
+  }
+  SECTION("an uninitialized struct is refused for reading and for writing") {
+    shadowsync_update_header_t garbage;
+    std::memset(&garbage, 0x5a, sizeof garbage);
+    CHECK(shadowsync_header_parse(wire.data(), wire.size(), &garbage) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("SHADOWSYNC_UPDATE_HEADER_INITIALIZER"));
+    std::byte bytes[SHADOWSYNC_MAX_HEADER_BYTES];
+    size_t written = 0;
+    CHECK(shadowsync_header_serialize(&garbage, bytes, sizeof bytes, &written) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("struct_magic"));
+  }
+  SECTION("a size below struct version 1, or struct_version 0, is refused") {
+    shadowsync_update_header_t header = SHADOWSYNC_UPDATE_HEADER_INITIALIZER;
+    header.size = offsetof(shadowsync_update_header_t, bucket_count);
+    CHECK(shadowsync_header_parse(wire.data(), wire.size(), &header) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("smaller than struct version 1"));
+    header.size = sizeof header;
+    header.struct_version = 0;
+    CHECK(shadowsync_header_parse(wire.data(), wire.size(), &header) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("struct_version 0"));
+  }
+  SECTION("a newer caller's larger struct: its tail and its prefix are left alone") {
+    struct Newer {
+      shadowsync_update_header_t header;
+      std::uint64_t appended;
+    } newer;
+    std::memset(&newer, 0x5a, sizeof newer);
+    newer.header.size = sizeof newer;
+    newer.header.struct_magic = SHADOWSYNC_CONFIG_MAGIC;
+    newer.header.struct_version = SHADOWSYNC_UPDATE_HEADER_STRUCT_VERSION + 1;
+    REQUIRE_OK(shadowsync_header_parse(wire.data(), wire.size(), &newer.header));
+    CHECK(newer.header.size == sizeof newer);
+    CHECK(newer.header.struct_version == SHADOWSYNC_UPDATE_HEADER_STRUCT_VERSION + 1);
+    CHECK(newer.header.version == 4);
+    CHECK(newer.header.group_count == 1);
+    CHECK(newer.appended == 0x5a5a5a5a5a5a5a5aull);
+    std::byte bytes[SHADOWSYNC_MAX_HEADER_BYTES];
+    size_t written = 0;
+    REQUIRE_OK(shadowsync_header_serialize(&newer.header, bytes, sizeof bytes, &written));
+    CHECK(std::vector<std::byte>(bytes, bytes + written) == wire);
+  }
   REQUIRE_OK(shadowsync_layout_destroy(layout));
 }
 
@@ -599,7 +666,7 @@ TEST_CASE("C ABI: a failed update reports its status through publish_wait and th
   Pair pair(&rconfig, &sconfig);
   const Layout layout = cpp_layout();
   // The receiver's rank dies at its first broadcast: the sender times out and aborts.
-  REQUIRE_OK(shadowsync_loopback_inject_drop(pair.loopback, 1, 0));
+  REQUIRE_OK(shadowsync_testing_loopback_inject_drop(pair.loopback, 1, 0));
   CTensors v1(layout, {"base"}, 1);
   const char* groups[] = {"base"};
   shadowsync_publish_t publish = nullptr;
@@ -623,6 +690,33 @@ TEST_CASE("C ABI: a failed update reports its status through publish_wait and th
   uint64_t applied = 7;
   REQUIRE_OK(shadowsync_receiver_before_step(pair.receiver, pair.engine, &applied));
   CHECK(applied == 0);  // nothing reached the engine
+}
+
+TEST_CASE("C ABI test hooks: a byte flipped in transit fails the update at its checksum") {
+  shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+  rconfig.require_checksums = 1;
+  Pair pair(&rconfig, nullptr);  // the sender sends checksums by default
+  const Layout layout = cpp_layout();
+  REQUIRE_OK(shadowsync_testing_loopback_inject_flip(pair.loopback, 1, 0, 100));
+  CTensors v1(layout, {"base"}, 1);
+  const char* groups[] = {"base"};
+  shadowsync_publish_t publish = nullptr;
+  REQUIRE_OK(shadowsync_sender_publish(pair.sender, 1, groups, 1, v1.tensors.data(),
+                                       v1.tensors.size(), &publish));
+  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, pair.header_bytes(publish).data(),
+                                                    pair.header_bytes(publish).size()));
+  REQUIRE_OK(shadowsync_publish_wait(publish, 20000));  // every collective completed
+  REQUIRE_OK(shadowsync_publish_destroy(publish));
+  REQUIRE_OK(shadowsync_receiver_drain(pair.receiver));
+  shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+  REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+  CHECK(stats.updates_failed == 1);
+  CHECK(stats.last_failure_status == SHADOWSYNC_TRANSPORT_ERROR);
+  CHECK(stats.last_failed_group == 0);
+  CHECK(stats.last_failed_bucket == 0);
+  CHECK(shadowsync_testing_loopback_inject_delay(pair.loopback, 0, 0, -1) ==
+        SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("delay_us is negative"));
 }
 
 TEST_CASE("C ABI: destroying a receiver while the engine thread waits on it is safe") {

@@ -1,0 +1,43 @@
+/* Test hooks of the C ABI: fault injection into a loopback world (shadowsync_loopback_t of
+ * shadowsync.h), for the project's own tests (tests/unit/test_c_api.cpp, python/tests/).
+ *
+ * Not part of the stable C ABI:
+ *  - This header is private to plugin/c_api/ and not installed; SHADOWSYNC_C_API_VERSION does not
+ *    cover it, and its functions may change or go away in any release.
+ *  - The functions live in libshadowsync_c.so like the rest of the C ABI (one library to build and
+ *    load), under the prefix shadowsync_testing_, which names them as test hooks wherever they
+ *    show up (nm, a ctypes declaration). Production code must not call them.
+ *
+ * Conventions are those of shadowsync.h: a status per call, the detail in
+ * shadowsync_get_last_error(), SHADOWSYNC_INVALID_HANDLE for a handle that is not a live loopback.
+ * All are thread-safe. `call` counts the rank's broadcasts from 0 (LoopbackCommunicator::inject_*
+ * of loopback_transport.h). */
+#ifndef SHADOWSYNC_SHADOWSYNC_TESTING_H_
+#define SHADOWSYNC_SHADOWSYNC_TESTING_H_
+
+#include "shadowsync/shadowsync.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Before joining broadcast `call`, `rank` sleeps `delay_us` microseconds (a slow link).
+ * SHADOWSYNC_INVALID_ARGUMENT for a negative delay. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_testing_loopback_inject_delay(
+    shadowsync_loopback_t loopback, int rank, uint64_t call, int64_t delay_us);
+
+/* From broadcast `call` on, `rank` never joins (its process died): the other ranks block until
+ * their deadline aborts the world; the dropped rank reports an error. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_testing_loopback_inject_drop(
+    shadowsync_loopback_t loopback, int rank, uint64_t call);
+
+/* After broadcast `call` lands on `rank`, the byte at `offset` of its buffer is flipped (bytes
+ * corrupted in transit; a receiver with checksums refuses the update). */
+SHADOWSYNC_API shadowsync_status_t shadowsync_testing_loopback_inject_flip(
+    shadowsync_loopback_t loopback, int rank, uint64_t call, size_t offset);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* SHADOWSYNC_SHADOWSYNC_TESTING_H_ */
