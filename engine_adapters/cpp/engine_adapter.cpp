@@ -1,4 +1,4 @@
-#include "vllm/worker_extension.h"
+#include "shadowsync/engine_adapter.h"
 
 #include <fmt/format.h>
 
@@ -6,7 +6,7 @@
 
 #include "shadowsync/error.h"
 
-namespace shadowsync::vllm {
+namespace shadowsync::engine_adapter {
 namespace {
 
 std::vector<TensorSpec> specs_from(const std::vector<NamedParameter>& parameters,
@@ -156,4 +156,4 @@ const Layout& WorkerExtension::layout() const {
   return receiver_->layout();
 }
 
-}  // namespace shadowsync::vllm
+}  // namespace shadowsync::engine_adapter

@@ -27,12 +27,12 @@ import ctypes
 import dataclasses
 from typing import Any, Callable, Iterable
 
-from . import _tensors
-from .backend import Backend, CudaBackend, HostBackend, Stream
-from .errors import InvalidArgumentError, LayoutMismatchError
-from .layout import BASE_GROUP, Layout, TensorSpec, UpdateHeader, format_shape
-from .receiver import GroupSwap, Receiver, ReceiverConfig
-from .transport import Transport, nccl_transport
+from shadowsync import _tensors
+from shadowsync.backend import Backend, CudaBackend, HostBackend, Stream
+from shadowsync.errors import InvalidArgumentError, LayoutMismatchError
+from shadowsync.layout import BASE_GROUP, Layout, TensorSpec, UpdateHeader, format_shape
+from shadowsync.receiver import GroupSwap, Receiver, ReceiverConfig
+from shadowsync.transport import Transport, nccl_transport
 
 __all__ = ["WorkerExtension"]
 
@@ -316,7 +316,7 @@ def _placement(descs: dict[str, _tensors.TensorDesc]) -> tuple[str, str]:
 
 def _check_specs(specs: list[TensorSpec], descs: dict[str, _tensors.TensorDesc]) -> None:
     """Each of the trainer's specs must be a parameter of this model, exactly."""
-    from .layout import canonical_dtype
+    from shadowsync.layout import canonical_dtype
 
     for s in specs:
         d = descs.get(s.name)

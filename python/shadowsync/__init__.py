@@ -3,8 +3,11 @@ engines, over the C ABI of libshadowsync_c (ctypes; no compiler needed).
 
 The library is found on first use: SHADOWSYNC_LIBRARY, then next to this package, then the CMake
 build tree of a source checkout (build/), then the system loader (see shadowsync._library).
-``shadowsync.vllm.WorkerExtension`` is the vLLM worker extension.
+``shadowsync.vllm.WorkerExtension`` is the vLLM worker extension (engine_adapters/vllm/ of the
+repository).
 """
+
+from pathlib import Path as _Path
 
 from ._library import LibraryNotFoundError
 from .backend import Backend, CudaBackend, HostBackend, Stream, has_cuda
@@ -29,6 +32,13 @@ from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
 from .transport import Loopback, NcclConfig, Transport, nccl_transport, nccl_unique_id
 
 __version__ = "0.1.0"
+
+# The subpackage shadowsync.vllm lives in the repository's engine_adapters/vllm/. An installed
+# package has it in place (pyproject.toml maps it); a source checkout (this package imported from
+# python/, as the tests do) finds it through the package's search path.
+_ADAPTERS = _Path(__file__).resolve().parent.parent.parent / "engine_adapters"
+if not (_Path(__file__).resolve().parent / "vllm").is_dir() and (_ADAPTERS / "vllm").is_dir():
+    __path__.append(str(_ADAPTERS))  # noqa: F821 (the package's __path__)
 
 
 def library_path() -> str:

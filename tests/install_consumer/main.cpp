@@ -1,13 +1,36 @@
-// Builds against the installed package only: public header, exported target, dependencies.
+// Builds against the installed package only: public headers, exported targets (the library and
+// the C++ engine adapter), dependencies.
 #include <cstdio>
+#include <span>
+#include <vector>
 
+#include "shadowsync/engine_adapter.h"
+#include "shadowsync/host_backend.h"
 #include "shadowsync/layout.h"
+
+namespace {
+
+// A worker with no parameters: enough to construct the adapter, whose code the installed archive
+// must provide.
+class NoWorker final : public shadowsync::engine_adapter::Worker {
+ public:
+  std::vector<shadowsync::engine_adapter::NamedParameter> named_parameters() override { return {}; }
+  void load_weights(std::span<const shadowsync::engine_adapter::WeightBinding>) override {}
+  void execute_model(shadowsync::Stream&) override {}
+};
+
+}  // namespace
 
 int main() {
   using shadowsync::DType;
   const auto layout =
       shadowsync::Layout::build({shadowsync::TensorSpec{"w", DType::kFloat32, {4, 4}}});
-  std::printf("shadowsync consumer: fingerprint %016llx\n",
-              static_cast<unsigned long long>(layout.fingerprint()));
+  shadowsync::HostBackend backend;
+  const auto stream = backend.create_stream(shadowsync::StreamPriority::kNormal);
+  NoWorker worker;
+  const shadowsync::engine_adapter::WorkerExtension extension(worker, backend, *stream);
+  std::printf("shadowsync consumer: fingerprint %016llx, engine adapter %s\n",
+              static_cast<unsigned long long>(layout.fingerprint()),
+              extension.initialized() ? "initialized" : "constructed");
   return 0;
 }

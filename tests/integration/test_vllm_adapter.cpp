@@ -1,5 +1,5 @@
-// The vLLM adapter (engine_adapters/vllm) on a fake vLLM-like worker, host backend and loopback
-// transport: the worker's parameters are rebound to the live slots by the step hook, hold the new
+// The C++ engine adapter (engine_adapters/cpp, shadowsync::engine_adapter) on a fake vLLM-like
+// worker, host backend and loopback transport: the worker's parameters are rebound to the live slots by the step hook, hold the new
 // version's bytes after a swap (the pattern oracle of tests/support/pattern.h), no step reads two
 // versions of a group, and the worker keeps stepping while an update streams in.
 #include <catch2/catch.hpp>
@@ -19,7 +19,7 @@
 #include "shadowsync/host_backend.h"
 #include "shadowsync/loopback_transport.h"
 #include "shadowsync/sender.h"
-#include "vllm/worker_extension.h"
+#include "shadowsync/engine_adapter.h"
 
 using namespace shadowsync;
 using namespace shadowsync::testing;
@@ -43,7 +43,7 @@ std::string group_of(std::string_view name) {
 // A vLLM-like worker: parameters by name, a load_weights-style rebind, an execute_model step that
 // reads every word of every parameter on the engine stream and records the version it saw per
 // group (kTornVersion when a group mixed versions).
-class FakeVllmWorker final : public vllm::Worker {
+class FakeVllmWorker final : public engine_adapter::Worker {
  public:
   FakeVllmWorker(HostBackend& backend, const Layout& layout, std::uint64_t version)
       : backend_(backend), layout_(layout) {
@@ -55,15 +55,15 @@ class FakeVllmWorker final : public vllm::Worker {
     }
   }
 
-  std::vector<vllm::NamedParameter> named_parameters() override {
-    std::vector<vllm::NamedParameter> out;
+  std::vector<engine_adapter::NamedParameter> named_parameters() override {
+    std::vector<engine_adapter::NamedParameter> out;
     for (const SourceTensor& s : initial_->sources()) {
       out.push_back({s.name, s.dtype, s.shape, bound_.at(s.name)});
     }
     return out;
   }
 
-  void load_weights(std::span<const vllm::WeightBinding> weights) override {
+  void load_weights(std::span<const engine_adapter::WeightBinding> weights) override {
     for (const auto& w : weights) {
       auto it = bound_.find(std::string(w.name));
       REQUIRE(it != bound_.end());
@@ -150,10 +150,10 @@ void check_bound_to_live(const FakeVllmWorker& worker, Receiver& receiver) {
 
 // Trainer and engine on one loopback communicator; the engine side is the adapter.
 struct Setup {
-  explicit Setup(vllm::WeightUpdateGroupOptions options = {}) : worker(backend, layout, 1) {
+  explicit Setup(engine_adapter::WeightUpdateGroupOptions options = {}) : worker(backend, layout, 1) {
     engine_stream = backend.create_stream(StreamPriority::kNormal);
     sender = std::make_unique<Sender>(layout, backend, communicator.transport(0));
-    extension = std::make_unique<vllm::WorkerExtension>(worker, backend, *engine_stream);
+    extension = std::make_unique<engine_adapter::WorkerExtension>(worker, backend, *engine_stream);
     options.bucket_bytes = 2048;
     options.group_of = group_of;
     fingerprint = extension->init_weight_update_group(communicator.transport(1), options);
@@ -169,7 +169,7 @@ struct Setup {
   FakeVllmWorker worker;
   std::unique_ptr<Stream> engine_stream;
   std::unique_ptr<Sender> sender;
-  std::unique_ptr<vllm::WorkerExtension> extension;
+  std::unique_ptr<engine_adapter::WorkerExtension> extension;
   std::uint64_t fingerprint = 0;
 };
 
@@ -190,7 +190,7 @@ TEST_CASE("vLLM adapter: init adopts the worker's weights into the live slots") 
 
 TEST_CASE("vLLM adapter: the worker keeps stepping while updates stream in; each swap rebinds it") {
   Setup setup;
-  vllm::WorkerExtension& extension = *setup.extension;
+  engine_adapter::WorkerExtension& extension = *setup.extension;
   StepHook& hook = extension.receiver().step_hook();
 
   // Update 2, streamed by the trainer in two halves: between them the update is certainly in
@@ -283,12 +283,12 @@ TEST_CASE("vLLM adapter: the trainer's specs must match the worker's parameters"
   HostBackend backend;
   FakeVllmWorker worker(backend, layout, 1);
   auto stream = backend.create_stream(StreamPriority::kNormal);
-  vllm::WorkerExtension extension(worker, backend, *stream);
+  engine_adapter::WorkerExtension extension(worker, backend, *stream);
   CHECK_FALSE(extension.before_step().has_value());  // not initialized: nothing to do
   CHECK_THROWS_WITH(extension.begin_update(make_update_header(layout, 1, {"base"})),
                     Catch::Contains("call init_weight_update_group first"));
 
-  vllm::WeightUpdateGroupOptions options;
+  engine_adapter::WeightUpdateGroupOptions options;
   options.specs = {{"model.norm.weight", DType::kBFloat16, {7}, "base"}};
   CHECK_THROWS_WITH(extension.init_weight_update_group(nullptr, options),
                     "tensor 'model.norm.weight': dtype bf16 of the trainer's layout does not "

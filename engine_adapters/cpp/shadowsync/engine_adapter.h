@@ -1,12 +1,13 @@
-// The vLLM adapter in C++: gives a vLLM-like worker (named parameters, a load_weights-style
-// binding, an execute_model step) the methods a trainer drives a weight update through:
+// The engine adapter for C++ engines (CMake target shadowsync::engine_adapter, installed with the
+// package): gives a vLLM-like worker (named parameters, a load_weights-style binding, an
+// execute_model step) the methods a trainer drives a weight update through:
 // init_weight_update_group(), a non-blocking begin_update(header), and a step hook run before
 // each execute_model() that rebinds the worker's parameters to the live slots when an update
 // lands. The receive runs on the receiver's own thread; the engine thread only ever pays the step
 // hook (one atomic load when nothing is pending).
 //
-// The Python WorkerExtension (python/shadowsync/vllm.py) is the same design over the C ABI, for
-// vLLM's worker_extension_cls.
+// The Python WorkerExtension (engine_adapters/vllm/, shadowsync.vllm) is the same design over the
+// C ABI, for vLLM's worker_extension_cls.
 #pragma once
 
 #include <chrono>
@@ -26,7 +27,7 @@
 #include "shadowsync/transport.h"
 #include "shadowsync/update_header.h"
 
-namespace shadowsync::vllm {
+namespace shadowsync::engine_adapter {
 
 // One parameter of the worker's model.
 struct NamedParameter {
@@ -121,4 +122,4 @@ class WorkerExtension {
   std::vector<WeightBinding> bindings_;  // reused by rebind(): no allocation per swap after warm-up
 };
 
-}  // namespace shadowsync::vllm
+}  // namespace shadowsync::engine_adapter
