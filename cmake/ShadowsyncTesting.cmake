@@ -18,9 +18,9 @@
 #                                  against libshadowsync_c (the header must stay plain C)
 
 # tests/support/*.cpp (except catch_main.cpp), plus tests/support/*.cu in CUDA builds ->
-# shadowsync_testkit: the fake engines, the oracle and other helpers shared by tests, examples and
-# benchmarks. It must not depend on Catch2 (the demo links it). White-box tests may include private
-# headers from plugin/ through it; it passes fmt on to whoever links it.
+# shadowsync_testkit: the fake engines, the oracle and other helpers shared by tests and
+# benchmarks (not examples: they link examples/common). It must not depend on Catch2. White-box
+# tests may include private headers from plugin/ through it; it passes fmt on to whoever links it.
 function(shadowsync_add_testkit)
   file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/tests/support/*.cpp")
   list(FILTER sources EXCLUDE REGEX "/catch_main\\.cpp$")
@@ -99,7 +99,7 @@ function(shadowsync_add_tests kind timeout)
 endfunction()
 
 # One executable per <dir>/*.cpp (and <dir>/*.cu in CUDA builds), named after the file, in
-# <build>/<dir>/.
+# <build>/<dir>/, linked against shadowsync_testkit (examples: shadowsync_examples_common).
 function(shadowsync_add_programs dir)
   file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${dir}/*.cpp")
   if(SHADOWSYNC_CUDA_ENABLED)
@@ -113,7 +113,12 @@ function(shadowsync_add_programs dir)
         "exists; rename the file")
     endif()
     add_executable(${stem} "${source}")
-    target_link_libraries(${stem} PRIVATE shadowsync_testkit)
+    if(dir STREQUAL "examples")
+      # Examples stand alone: the library and examples/common only.
+      target_link_libraries(${stem} PRIVATE shadowsync_examples_common)
+    else()
+      target_link_libraries(${stem} PRIVATE shadowsync_testkit)
+    endif()
     set_target_properties(${stem} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/${dir}"
       CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
   endforeach()

@@ -3,13 +3,14 @@
 // waits for the engine's acks.
 //
 // --backend host (the default): the host backend, with a TCP socket transport standing in for
-// NCCL (tests/support/socket_transport.h): no GPU needed. tests/integration/test_control_e2e.cpp
+// NCCL (examples/common/socket_transport.h): no GPU needed. tests/integration/test_control_e2e.cpp
 // runs it as two real processes, killing the first trainer and connecting a second.
 //
 // --backend cuda --device N (CUDA builds): CudaBackend on GPU N and NcclTransport; the NCCL unique
-// id travels over the control channel. The engine decodes with the GPU fake engine (one oracle
-// kernel per step on its stream, tests/support/gpu_fake_engine.cuh); each round the trainer runs a
-// "train step" (fill kernels writing the next version's pattern) and publishes it.
+// id travels over the control channel. The engine decodes with the GPU toy engine (one kernel per
+// step on its stream that checks the weights it reads, examples/common/gpu_engine.h); each round
+// the trainer runs a "train step" (fill kernels writing the next version's weights) and publishes
+// it.
 // scripts/gpu_two_process.sh runs it on GPUs 0 (trainer) and 1 (engine).
 //
 //   export SHADOWSYNC_CONTROL_TOKEN=$(openssl rand -hex 32)
@@ -43,17 +44,17 @@
 
 #include <unistd.h>
 
-#include "fake_engine.h"
-#include "pattern.h"
+#include "host_engine.h"
 #include "shadowsync/engine_channel.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/sender.h"
 #include "shadowsync/trainer_channel.h"
 #include "socket_transport.h"
+#include "weights.h"
 
 #if defined(SHADOWSYNC_WITH_CUDA)
-#include "gpu_fake_engine.cuh"
+#include "gpu_engine.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/nccl_transport.h"
 #endif
@@ -200,12 +201,12 @@ class UpdateLines {
   double max_stall_us_ = 0;
 };
 
-// The engine loop, the same for both backends: `FakeEngine` is HostFakeEngine or GpuFakeEngine.
+// The engine loop, the same for both backends: `Engine` is HostEngine or GpuEngine.
 // `sync_each_step`: the host engine waits for each step and then pauses between batches (an engine
 // with no requests does not spin); the GPU engine decodes without pause, bounded by its run-ahead
 // limit, as a busy engine does.
-template <typename FakeEngine>
-int serve(const Options& options, Backend& backend, Receiver& receiver, FakeEngine& engine,
+template <typename Engine>
+int serve(const Options& options, Backend& backend, Receiver& receiver, Engine& engine,
           TransportFactory factory, bool sync_each_step) {
   EngineChannelConfig config;
   config.port = options.port;
@@ -301,9 +302,8 @@ int run_engine(const Options& options) {
     CudaBackend backend(device);
     // The transport comes with the first rendezvous.
     Receiver receiver(layout, backend, nullptr, engine_config(options));
-    testing::GpuFakeEngineOptions engine_options;
-    engine_options.host_sync_each_step = false;  // only events: where a missing wait shows
-    testing::GpuFakeEngine engine(backend, receiver, engine_options);
+    // Only events between steps: where a missing wait in the library would show.
+    examples::GpuEngine engine(backend, receiver);
     return serve(
         options, backend, receiver, engine,
         [device](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
@@ -320,12 +320,11 @@ int run_engine(const Options& options) {
   HostBackend backend;
   // The transport comes with the first rendezvous.
   Receiver receiver(layout, backend, nullptr, engine_config(options));
-  testing::HostFakeEngine engine(
-      backend, receiver, {.compute_time = std::chrono::microseconds(50), .record_steps = false});
+  examples::HostEngine engine(backend, receiver, {.compute_time = std::chrono::microseconds(50)});
   return serve(
       options, backend, receiver, engine,
       [&backend](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
-        return testing::SocketTransport::connect(backend, request.unique_id, request.rank,
+        return examples::SocketTransport::connect(backend, request.unique_id, request.rank,
                                                  request.world_size, Clock::now() + kDeadline);
       },
       /*sync_each_step=*/true);
@@ -446,7 +445,7 @@ int run_trainer(const Options& options) {
       std::vector<SourceTensor> sources;
       for (const std::string& name : groups) {
         const std::size_t g = layout.group_index(name);
-        testing::fill_group_async(backend, *stream, layout, g, version, arenas[g].data());
+        examples::fill_weights_async(backend, *stream, layout, g, version, arenas[g].data());
         sources.insert(sources.end(), group_sources[g].begin(), group_sources[g].end());
       }
       // The sender reads the tensors on its own streams: the fill must be done first.
@@ -466,14 +465,14 @@ int run_trainer(const Options& options) {
 
   HostBackend backend;
   // Rendezvous: this side listens (rank 0), the engine joins with the id the channel carries.
-  auto transport = testing::SocketTransport::listen(backend, 2);
+  auto transport = examples::SocketTransport::listen(backend, 2);
   channel.send_rendezvous(transport->id());
   transport->accept_peers(Clock::now() + kDeadline);
   if (!channel.wait_rendezvous(Clock::now() + kDeadline)) {
     throw std::runtime_error("the engine did not finish the rendezvous in time");
   }
   Sender sender(layout, backend, std::move(transport));
-  std::optional<testing::HostTensors> tensors;
+  std::optional<examples::TrainerWeights> tensors;
   const TrainStep step = [&](std::uint64_t version, const std::vector<std::string>& groups) {
     tensors.emplace(layout, groups, version);
     return tensors->sources();

@@ -16,12 +16,12 @@
 #include <string>
 #include <thread>
 
-#include "fake_engine.h"
-#include "pattern.h"
+#include "host_engine.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/loopback_transport.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/sender.h"
+#include "weights.h"
 
 using namespace shadowsync;
 using Clock = std::chrono::steady_clock;
@@ -104,8 +104,7 @@ int main(int argc, char** argv) try {
   Sender sender(layout, backend, communicator.transport(0));
   Receiver receiver(layout, backend, communicator.transport(1));
   // A decode step "computes" for 300 us between reading the two halves of its weights.
-  testing::HostFakeEngine engine(backend, receiver,
-                                 {.compute_time = std::chrono::microseconds(300)});
+  examples::HostEngine engine(backend, receiver, {.compute_time = std::chrono::microseconds(300)});
 
   std::mutex mutex;
   std::map<std::uint64_t, Transfer> transfers;
@@ -124,7 +123,7 @@ int main(int argc, char** argv) try {
         {"base"}, {"math"}, {"code"}, {"base", "math"}, {"math", "code"}, {"base", "math", "code"}};
     for (int v = 1; v <= options.updates; ++v) {
       const auto& groups = v == 1 ? kinds.back() : kinds[rng() % kinds.size()];
-      testing::HostTensors tensors(layout, groups, v);  // "the optimizer step"
+      examples::TrainerWeights tensors(layout, groups, v);  // "the optimizer step"
       PublishHandle handle = sender.publish(v, groups, tensors.sources());
       {
         std::lock_guard lock(mutex);

@@ -17,7 +17,7 @@
 
 #include "shadowsync/error.h"
 
-namespace shadowsync::testing {
+namespace shadowsync::examples {
 
 using Clock = std::chrono::steady_clock;
 
@@ -227,4 +227,4 @@ void SocketTransport::abort() noexcept {
   for (const int fd : s.peers) ::shutdown(fd, SHUT_RDWR);
 }
 
-}  // namespace shadowsync::testing
+}  // namespace shadowsync::examples

@@ -1,9 +1,11 @@
 // A Transport between processes on the host backend, over loopback TCP: the CPU stand-in for
-// NCCL in the two-process control-channel test (examples/control_channel.cpp). Like NCCL, rank 0
-// makes a rendezvous id that the control channel carries to the other ranks (here: its port and
-// a random cookie in the 128 opaque bytes), the other ranks join with it, and a broadcast is a
-// task on a host stream that blocks until the bytes moved. The root writes each bucket to every
-// peer in turn. abort() shuts the sockets down, so a task blocked on a dead peer returns at once.
+// NCCL in examples/control_channel.cpp (which tests/integration/test_control_e2e.cpp runs as two
+// processes). Not part of the library: it shows what a Transport implementation has to do. Like
+// NCCL, rank 0 makes a rendezvous id that the control channel carries to the other ranks (here:
+// its port and a random cookie in the 128 opaque bytes), the other ranks join with it, and a
+// broadcast is a task on a host stream that blocks until the bytes moved. The root writes each
+// bucket to every peer in turn. abort() shuts the sockets down, so a task blocked on a dead peer
+// returns at once.
 #pragma once
 
 #include <chrono>
@@ -14,7 +16,7 @@
 #include "shadowsync/host_backend.h"
 #include "shadowsync/transport.h"
 
-namespace shadowsync::testing {
+namespace shadowsync::examples {
 
 class SocketTransport final : public Transport {
  public:
@@ -45,4 +47,4 @@ class SocketTransport final : public Transport {
   std::shared_ptr<State> state_;
 };
 
-}  // namespace shadowsync::testing
+}  // namespace shadowsync::examples
