@@ -49,11 +49,11 @@ class GpuEngine {
   // made live, if it made one.
   std::optional<std::uint64_t> step();
   Stream& stream() { return *stream_; }
-  // Waits for every step enqueued (throws std::runtime_error past wait_timeout) and brings the
-  // device's counters back.
+  // Engine thread: waits for every step enqueued (throws std::runtime_error past wait_timeout)
+  // and brings the device's counters back.
   void synchronize();
 
-  // As of the last synchronize():
+  // As of the last synchronize(); engine thread:
   std::uint64_t steps_done() const { return steps_done_; }
   std::uint64_t torn_steps() const { return torn_steps_; }
   std::string first_torn() const { return first_torn_; }  // "" while no step tore

@@ -1,4 +1,4 @@
-"""Faults through the Python package (issue 7): the integrity flags, where a refused update
+"""Faults through the Python package: the integrity flags, where a refused update
 failed (ReceiverStats.last_failure), the abort watchdog's settings, and rollback()."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""ReceiverConfig.swap_strategy through the Python package (issue 8): copy_in on the host backend
+"""ReceiverConfig.swap_strategy through the Python package: copy_in on the host backend
 keeps the live storage where it is; the config refusals reach Python as InvalidArgumentError."""
 
 import numpy as np
