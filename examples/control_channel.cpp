@@ -45,11 +45,10 @@
 #include <unistd.h>
 
 #include "host_engine.h"
-#include "shadowsync/engine_channel.h"
+#include "shadowsync/control_channel.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/sender.h"
-#include "shadowsync/trainer_channel.h"
 #include "socket_transport.h"
 #include "weights.h"
 

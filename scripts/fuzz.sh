@@ -19,7 +19,8 @@ readonly TARGET="$OUT/fuzz_control_frame"
 # Everything the target compiles: the frame codec and the update header's byte form (with the
 # layout code it links against) are pure: no sockets, no crypto, no threads.
 readonly SOURCES=(tests/fuzz/fuzz_control_frame.cpp plugin/control/control_frame.cpp
-  plugin/core/update_header.cpp plugin/core/layout.cpp plugin/core/dtype.cpp plugin/core/error.cpp)
+  plugin/control/frame_assembler.cpp plugin/core/update_header.cpp plugin/core/layout.cpp
+  plugin/core/dtype.cpp plugin/core/error.cpp)
 
 log() { echo "[fuzz] $*" >&2; }
 
@@ -37,8 +38,9 @@ if [[ -d .deps/prefix/usr/include/fmt ]]; then  # libraries unpacked by deps.sh 
 fi
 
 mkdir -p "$OUT/corpus"
-# Rebuild only when a source or header changed.
-if [[ ! -x "$TARGET" ]] || [[ -n "$(find "${SOURCES[@]}" include/shadowsync -newer "$TARGET" -print -quit)" ]]; then
+# Rebuild only when a source or header changed (the codec's headers are private, in plugin/).
+readonly HEADERS=(include/shadowsync plugin/control/*.h plugin/core/*.h)
+if [[ ! -x "$TARGET" ]] || [[ -n "$(find "${SOURCES[@]}" "${HEADERS[@]}" -newer "$TARGET" -print -quit)" ]]; then
   log "building $TARGET with $cxx"
   "$cxx" -std=c++20 -g -O1 -fno-omit-frame-pointer \
     -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \

@@ -10,13 +10,17 @@
 // every frame carries HMAC(key_dir, seq | frame header | payload) with per-direction keys
 // HMAC(K, "shadowsync-control-v1 key <dir>" | nE | nT) and a per-direction sequence number, so
 // frames cannot be forged, replayed, reordered or dropped by anyone without the token.
+// (control_handshake.h runs these steps; control_connection.h tags and verifies the frames.)
+//
+// Every function is thread-safe and keeps no state. Those that compute an HMAC throw
+// Error(kInternal) if OpenSSL fails (or Error(kInvalidArgument) for a token over INT_MAX bytes).
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <string_view>
 
-#include "shadowsync/control_frame.h"
+#include "control/control_frame.h"
 
 namespace shadowsync::control {
 

@@ -1,4 +1,4 @@
-#include "shadowsync/control_config.h"
+#include "shadowsync/control_channel.h"
 
 #include <fmt/format.h>
 

@@ -1,15 +1,11 @@
 #include "control/control_connection.h"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
@@ -23,59 +19,7 @@ namespace {
 // below one incomplete frame plus this.
 constexpr std::size_t kReadChunk = 16 * 1024;
 
-int remaining_ms(Clock::time_point deadline) {
-  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return static_cast<int>(std::clamp<long long>(left, 0, 60'000));
-}
-
 }  // namespace
-
-void Fd::reset(int fd) noexcept {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = fd;
-}
-
-std::string format_address(const sockaddr_in& address) {
-  char text[INET_ADDRSTRLEN] = {};
-  ::inet_ntop(AF_INET, &address.sin_addr, text, sizeof text);
-  return fmt::format("{}:{}", text, ntohs(address.sin_port));
-}
-
-in_addr parse_ipv4(const std::string& address, const char* what) {
-  in_addr out{};
-  if (::inet_pton(AF_INET, address.c_str(), &out) != 1) {
-    throw Error(
-        ErrorCode::kInvalidArgument,
-        fmt::format("control channel: {} '{}' is not a numeric IPv4 address", what, address));
-  }
-  return out;
-}
-
-void tune_socket(int fd) {
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
-}
-
-bool wait_fd(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, remaining_ms(deadline));
-    if (n > 0) return true;
-    if (n < 0 && errno != EINTR) return true;  // let the caller's read or write report it
-    if (n == 0 && Clock::now() >= deadline) return false;
-  }
-}
-
-void make_wake_pipe(Fd& read_end, Fd& write_end) {
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("control channel: pipe2 failed: {}", std::strerror(errno)));
-  }
-  read_end.reset(fds[0]);
-  write_end.reset(fds[1]);
-}
 
 Connection::Connection(Fd fd, std::string peer, Role role)
     : fd_(std::move(fd)), peer_(std::move(peer)), role_(role) {}

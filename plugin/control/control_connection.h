@@ -4,65 +4,27 @@
 // send while another reads (they share no state).
 #pragma once
 
-#include <netinet/in.h>
-
-#include <chrono>
 #include <cstdint>
 #include <string>
 
 #include "control/control_auth.h"
-#include "shadowsync/control_frame.h"
+#include "control/control_frame.h"
+#include "control/control_socket.h"
+#include "control/frame_assembler.h"
 
 namespace shadowsync::control {
-
-using Clock = std::chrono::steady_clock;
-
-// Owns a file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& other) noexcept : fd_(other.release()) {}
-  Fd& operator=(Fd&& other) noexcept {
-    if (this != &other) reset(other.release());
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  int release() {
-    const int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset(int fd = -1) noexcept;
-
- private:
-  int fd_ = -1;
-};
-
-// "127.0.0.1:4242"
-std::string format_address(const sockaddr_in& address);
-// Parses a numeric IPv4 address; throws Error(kInvalidArgument) naming it.
-in_addr parse_ipv4(const std::string& address, const char* what);
-// TCP_NODELAY (small frames must not wait for Nagle) and SO_KEEPALIVE (finds dead idle peers).
-void tune_socket(int fd);
-// Blocks until `events` are ready on `fd` or `deadline` passes; false on timeout.
-bool wait_fd(int fd, short events, Clock::time_point deadline);
-// A pipe whose ends are non-blocking and close-on-exec: [0] read, [1] write.
-void make_wake_pipe(Fd& read_end, Fd& write_end);
 
 enum class Role { kEngine, kTrainer };
 
 class Connection {
  public:
-  // `fd` must be a connected, non-blocking socket.
+  // `fd` must be a connected, non-blocking socket; the connection owns it from now on and
+  // closes it when destroyed. `peer` names it in messages; `role` is this side's.
   Connection(Fd fd, std::string peer, Role role);
 
   int fd() const { return fd_.get(); }
   const std::string& peer() const { return peer_; }
+  Role role() const { return role_; }
 
   // From now on every frame sent is tagged and every frame received must be tagged and verify.
   void start_session(const SessionKeys& keys);

@@ -1,4 +1,4 @@
-#include "shadowsync/control_frame.h"
+#include "control/control_frame.h"
 
 #include <fmt/format.h>
 
@@ -340,6 +340,14 @@ std::uint32_t read_le(std::span<const std::byte> bytes, std::size_t offset, int 
 
 }  // namespace
 
+std::string clip_control_text(std::string text) {
+  if (text.size() > kMaxControlTextBytes) {
+    text.resize(kMaxControlTextBytes - 3);
+    text += "...";
+  }
+  return text;
+}
+
 std::string_view to_string(FrameType type) noexcept {
   switch (type) {
     case FrameType::kChallenge:
@@ -500,33 +508,6 @@ std::optional<std::string> decode_payload(FrameType type, std::span<const std::b
       return decode_as<GoodbyeMessage>(payload, out);
   }
   return fmt::format("unknown frame type {}", static_cast<unsigned>(type));
-}
-
-void FrameAssembler::feed(std::span<const std::byte> bytes) {
-  if (consumed_ > 0) {  // drop frames already handed out before growing
-    buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(consumed_));
-    consumed_ = 0;
-  }
-  frame_ = {};
-  buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
-}
-
-FrameAssembler::Status FrameAssembler::next() {
-  frame_ = {};
-  if (!error_.empty()) return Status::kMalformed;
-  const std::span<const std::byte> pending(buffer_.data() + consumed_, buffer_.size() - consumed_);
-  if (pending.size() < kFrameHeaderBytes) return Status::kNeedMore;
-  FrameHeader header;
-  if (auto error = parse_frame_header(pending.first(kFrameHeaderBytes), header)) {
-    error_ = std::move(*error);
-    return Status::kMalformed;
-  }
-  const std::size_t total = kFrameHeaderBytes + header.body_bytes;
-  if (pending.size() < total) return Status::kNeedMore;
-  header_ = header;
-  frame_ = pending.first(total);
-  consumed_ += total;
-  return Status::kFrame;
 }
 
 }  // namespace shadowsync

@@ -1,33 +1,35 @@
-#include "shadowsync/trainer_channel.h"
-
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
+// The trainer's end of the control channel: the handshake with each engine in turn, then what
+// each engine reports (acks, errors, rendezvous results) and what the trainer sends to all of
+// them. The sockets, the poll loop, the framing and the deadlines are ChannelLoop's; the
+// handshake is Handshake's.
+#include "shadowsync/control_channel.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <condition_variable>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <utility>
 #include <variant>
 #include <vector>
 
-#include "control/control_auth.h"
+#include "control/channel_loop.h"
 #include "control/control_connection.h"
+#include "control/control_frame.h"
+#include "control/control_handshake.h"
+#include "shadowsync/error.h"
 
 namespace shadowsync {
 
 using control::Clock;
 using control::Connection;
-using control::Fd;
+using control::Handshake;
+using control::Link;
+using control::LinkFailure;
 
 namespace {
 
@@ -40,42 +42,10 @@ std::string describe(const EngineStatus& status) {
                      status.address.port);
 }
 
-Fd connect_to(const EngineAddress& address, Clock::time_point deadline) {
-  sockaddr_in target{};
-  target.sin_family = AF_INET;
-  target.sin_addr = control::parse_ipv4(address.host, "engine address");
-  target.sin_port = htons(address.port);
-  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("control channel: socket failed: {}", std::strerror(errno)));
-  }
-  const std::string where = fmt::format("{}:{}", address.host, address.port);
-  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&target), sizeof target) != 0) {
-    if (errno != EINPROGRESS) {
-      throw Error(ErrorCode::kTransport, fmt::format("control channel: connecting to engine {} "
-                                                     "failed: {}",
-                                                     where, std::strerror(errno)));
-    }
-    if (!control::wait_fd(fd.get(), POLLOUT, deadline)) {
-      throw Error(ErrorCode::kTimeout,
-                  fmt::format("control channel: connecting to engine {} timed out", where));
-    }
-    int error = 0;
-    socklen_t length = sizeof error;
-    ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &length);
-    if (error != 0) {
-      throw Error(ErrorCode::kTransport, fmt::format("control channel: connecting to engine {} "
-                                                     "failed: {}",
-                                                     where, std::strerror(error)));
-    }
-  }
-  control::tune_socket(fd.get());
-  return fd;
-}
-
-template <typename Message>
-Message expect(Connection& connection, Clock::time_point deadline, const char* stage) {
+// The next frame of the handshake with `connection`, which waits for `stage`. A goodbye (the
+// engine refusing this trainer) and a failed read both throw, naming the engine and the stage.
+ControlMessage receive_handshake(Connection& connection, Clock::time_point deadline,
+                                 std::string_view stage) {
   ControlMessage message;
   try {
     message = connection.receive(deadline);
@@ -90,21 +60,14 @@ Message expect(Connection& connection, Clock::time_point deadline, const char* s
                 fmt::format("control channel: engine {} closed the connection at {}: {}",
                             connection.peer(), stage, goodbye->reason));
   }
-  auto* typed = std::get_if<Message>(&message);
-  if (typed == nullptr) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("control channel: engine {} sent a {} frame at {}", connection.peer(),
-                            to_string(frame_type_of(message)), stage));
-  }
-  return std::move(*typed);
+  return message;
 }
 
 }  // namespace
 
-struct TrainerChannel::Impl {
-  struct Engine {
-    EngineStatus status;  // state_mutex
-    std::unique_ptr<Connection> connection;
+struct TrainerChannel::Impl final : control::LoopHandler {
+  struct Engine : Link {
+    EngineStatus status;    // state_mutex
     std::mutex send_mutex;  // one writer at a time (sequence numbers)
     // state_mutex:
     std::uint64_t rendezvous_answered = 0;  // id of the last rendezvous the engine answered
@@ -112,7 +75,11 @@ struct TrainerChannel::Impl {
     std::map<std::uint64_t, std::pair<ErrorCode, std::string>> errors;
   };
 
+  explicit Impl(TrainerChannelConfig c)
+      : config(std::move(c)), loop(config.control, "the trainer channel stops reading") {}
+
   TrainerChannelConfig config;
+  control::ChannelLoop loop;
   std::string token;
   TrainerHelloMessage hello;
   std::vector<std::unique_ptr<Engine>> engines;
@@ -121,22 +88,19 @@ struct TrainerChannel::Impl {
   std::condition_variable state_cv;
   std::uint64_t rendezvous_id = 0;  // state_mutex
 
-  Fd wake_read;
-  Fd wake_write;
-  std::atomic<bool> stopping{false};
   std::thread io_thread;
 
-  void log(const std::string& line) const {
-    if (config.control.log) {
-      config.control.log(line);
-    } else {
-      std::fprintf(stderr, "shadowsync control: %s\n", line.c_str());
-    }
-  }
+  void log(const std::string& line) const { control::log_line(config.control, line); }
 
+  // Calling thread, before the I/O thread starts.
   void handshake(Engine& engine, const Layout& layout);
-  void io_loop();
-  void on_message(Engine& engine, ControlMessage& message);
+
+  // I/O thread: the loop's callbacks.
+  void collect(std::vector<Link*>& links) override;
+  bool is_open(const Link& link) const override;
+  void on_message(Link& link, ControlMessage& message) override;
+  void on_failure(Link& link, LinkFailure failure, const std::string& why) override;
+
   // state_mutex held.
   void disconnect_locked(Engine& engine, const std::string& why);
   void disconnect(Engine& engine, const std::string& why) {
@@ -151,9 +115,8 @@ struct TrainerChannel::Impl {
 };
 
 TrainerChannel::TrainerChannel(const Layout& layout, TrainerChannelConfig config)
-    : impl_(std::make_unique<Impl>()) {
+    : impl_(std::make_unique<Impl>(std::move(config))) {
   Impl& impl = *impl_;
-  impl.config = std::move(config);
   if (impl.config.engines.empty()) {
     throw Error(ErrorCode::kInvalidArgument, "trainer channel: no engine addresses");
   }
@@ -168,35 +131,40 @@ TrainerChannel::TrainerChannel(const Layout& layout, TrainerChannelConfig config
     impl.handshake(*engine, layout);
     impl.engines.push_back(std::move(engine));
   }
-  control::make_wake_pipe(impl.wake_read, impl.wake_write);
-  impl.io_thread = std::thread([&impl] { impl.io_loop(); });
+  impl.io_thread = std::thread([&impl] { impl.loop.run(impl); });
 }
 
 void TrainerChannel::Impl::handshake(Engine& engine, const Layout& layout) {
   const auto deadline = Clock::now() + config.connect_timeout;
   const EngineAddress& address = engine.status.address;
-  engine.connection = std::make_unique<Connection>(connect_to(address, deadline),
-                                                   fmt::format("{}:{}", address.host, address.port),
-                                                   control::Role::kTrainer);
+  engine.connection = std::make_unique<Connection>(
+      control::connect_tcp(address.host, address.port, deadline),
+      fmt::format("{}:{}", address.host, address.port), control::Role::kTrainer);
   Connection& connection = *engine.connection;
+  Handshake handshake(connection, token, [this] { return ControlMessage(hello); });
 
-  const auto challenge = expect<ChallengeMessage>(connection, deadline, "the challenge");
-  const ControlNonce trainer_nonce = control::make_nonce();
-  connection.send(
-      ClientProofMessage{trainer_nonce,
-                         control::trainer_proof(token, challenge.engine_nonce, trainer_nonce)},
-      deadline);
-  const auto proof = expect<ServerProofMessage>(connection, deadline, "the engine's proof");
-  const ControlMac expected = control::engine_proof(token, challenge.engine_nonce, trainer_nonce);
-  if (!control::macs_equal(expected, proof.proof)) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("control channel: engine {} failed to prove it holds the token "
-                            "(different tokens, or not a shadowsync engine)",
-                            connection.peer()));
+  ControlMessage message;
+  for (bool hello_arrived = false; !hello_arrived;) {
+    const std::string_view stage = handshake.awaiting();
+    message = receive_handshake(connection, deadline, stage);
+    switch (handshake.on_message(message, deadline)) {
+      case Handshake::Step::kContinue:
+        break;
+      case Handshake::Step::kPeerHello:
+        hello_arrived = true;
+        break;
+      case Handshake::Step::kRefused:
+        throw Error(ErrorCode::kTransport,
+                    fmt::format("control channel: engine {} failed to prove it holds the token "
+                                "(different tokens, or not a shadowsync engine)",
+                                connection.peer()));
+      case Handshake::Step::kUnexpected:
+        throw Error(ErrorCode::kTransport,
+                    fmt::format("control channel: engine {} sent a {} frame at {}",
+                                connection.peer(), to_string(frame_type_of(message)), stage));
+    }
   }
-  connection.start_session(
-      control::derive_session_keys(token, challenge.engine_nonce, trainer_nonce));
-  const auto engine_hello = expect<EngineHelloMessage>(connection, deadline, "the hello");
+  const auto& engine_hello = std::get<EngineHelloMessage>(message);
   if (engine_hello.protocol_version != kProtocolVersion ||
       engine_hello.layout_fingerprint != layout.fingerprint() ||
       engine_hello.groups != hello.groups) {
@@ -209,7 +177,7 @@ void TrainerChannel::Impl::handshake(Engine& engine, const Layout& layout) {
                             engine_hello.layout_fingerprint, engine_hello.groups.size(),
                             kProtocolVersion, layout.fingerprint(), layout.groups().size()));
   }
-  connection.send(hello, deadline);
+  handshake.accept(deadline);  // sends this trainer's hello
   EngineStatus& status = engine.status;
   status.rank = engine_hello.rank;
   status.connected = true;
@@ -234,75 +202,31 @@ TrainerChannel::~TrainerChannel() {
     engine->status.disconnect_reason = "said goodbye";
     engine->connection->shutdown();
   }
-  impl.stopping.store(true);
-  if (impl.wake_write) {
-    const char byte = 1;
-    [[maybe_unused]] const ssize_t n = ::write(impl.wake_write.get(), &byte, 1);
-  }
+  const std::byte wake{1};
+  impl.loop.stop(std::span<const std::byte>(&wake, 1));
   if (impl.io_thread.joinable()) impl.io_thread.join();
 }
 
-void TrainerChannel::Impl::io_loop() {
-  std::vector<pollfd> fds;
-  std::vector<Engine*> polled;
-  while (!stopping.load()) {
-    fds.clear();
-    polled.clear();
-    fds.push_back({wake_read.get(), POLLIN, 0});
-    Clock::time_point next = Clock::now() + std::chrono::seconds(60);
-    {
-      std::lock_guard lock(state_mutex);
-      for (auto& engine : engines) {
-        if (!engine->status.connected) continue;
-        fds.push_back({engine->connection->fd(), POLLIN, 0});
-        polled.push_back(engine.get());
-        if (engine->connection->has_partial()) {
-          next = std::min(next, engine->connection->partial_since() + config.control.frame_timeout);
-        }
-      }
-    }
-    const auto wait = std::chrono::ceil<std::chrono::milliseconds>(next - Clock::now());
-    const int timeout = static_cast<int>(std::clamp<long long>(wait.count(), 0, 60'000));
-    const int ready = ::poll(fds.data(), fds.size(), timeout);
-    if (ready < 0 && errno != EINTR) {
-      log(fmt::format("poll failed: {}; the trainer channel stops reading", std::strerror(errno)));
-      break;
-    }
-    if (fds[0].revents != 0) {
-      char buffer[64];
-      while (::read(wake_read.get(), buffer, sizeof buffer) > 0) {
-      }
-    }
-    for (std::size_t i = 0; i < polled.size(); ++i) {
-      Engine& engine = *polled[i];
-      Connection& connection = *engine.connection;
-      if (fds[i + 1].revents != 0) {
-        std::string why;
-        if (!connection.read_available(why)) {
-          disconnect(engine, why);
-          continue;
-        }
-        for (;;) {
-          ControlMessage message;
-          const auto status = connection.next(message, why);
-          if (status == Connection::Next::kNeedMore) break;
-          if (status == Connection::Next::kBad) {
-            disconnect(engine, why);
-            break;
-          }
-          on_message(engine, message);
-        }
-      }
-      if (connection.has_partial() &&
-          Clock::now() >= connection.partial_since() + config.control.frame_timeout) {
-        disconnect(engine, fmt::format("a frame was not completed within {} ms",
-                                       config.control.frame_timeout.count()));
-      }
-    }
+// --- I/O thread ----------------------------------------------------------------------------------
+
+void TrainerChannel::Impl::collect(std::vector<Link*>& links) {
+  std::lock_guard lock(state_mutex);
+  for (const auto& engine : engines) {
+    if (engine->status.connected) links.push_back(engine.get());
   }
 }
 
-void TrainerChannel::Impl::on_message(Engine& engine, ControlMessage& message) {
+bool TrainerChannel::Impl::is_open(const Link& link) const {
+  std::lock_guard lock(state_mutex);
+  return static_cast<const Engine&>(link).status.connected;
+}
+
+void TrainerChannel::Impl::on_failure(Link& link, LinkFailure, const std::string& why) {
+  disconnect(static_cast<Engine&>(link), why);
+}
+
+void TrainerChannel::Impl::on_message(Link& link, ControlMessage& message) {
+  Engine& engine = static_cast<Engine&>(link);
   std::lock_guard lock(state_mutex);
   if (!engine.status.connected) return;
   EngineStatus& status = engine.status;
@@ -333,6 +257,8 @@ void TrainerChannel::Impl::on_message(Engine& engine, ControlMessage& message) {
   }
   state_cv.notify_all();
 }
+
+// --- any thread ----------------------------------------------------------------------------------
 
 void TrainerChannel::Impl::disconnect_locked(Engine& engine, const std::string& why) {
   if (!engine.status.connected) return;

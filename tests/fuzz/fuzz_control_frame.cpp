@@ -15,7 +15,8 @@
 #include <cstdlib>
 #include <span>
 
-#include "shadowsync/control_frame.h"
+#include "control/control_frame.h"
+#include "control/frame_assembler.h"
 
 using namespace shadowsync;
 

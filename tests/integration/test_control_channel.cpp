@@ -19,16 +19,15 @@
 #include <vector>
 
 #include "control/control_auth.h"
-#include "control/control_connection.h"
+#include "control/control_frame.h"
+#include "control/control_socket.h"
 #include "deadline.h"
 #include "pattern.h"
-#include "shadowsync/control_frame.h"
-#include "shadowsync/engine_channel.h"
+#include "shadowsync/control_channel.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/loopback_transport.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/sender.h"
-#include "shadowsync/trainer_channel.h"
 
 using namespace shadowsync;
 using shadowsync::testing::deadline_from_now;

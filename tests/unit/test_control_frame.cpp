@@ -7,7 +7,8 @@
 
 #include <cstring>
 
-#include "shadowsync/control_frame.h"
+#include "control/control_frame.h"
+#include "control/frame_assembler.h"
 #include "shadowsync/error.h"
 
 using namespace shadowsync;

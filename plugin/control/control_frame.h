@@ -2,6 +2,7 @@
 // rendezvous, update headers, acks, aborts and goodbyes between a trainer and its engines. Pure
 // encoding and decoding, no I/O and no crypto: every field of a frame from the network is
 // range-checked here before anything else looks at it (this is the code the fuzz target runs).
+// Internal to the control component: the wire format is no part of the public API.
 //
 // A frame is a 12-byte header followed by its body (all integers little-endian):
 //
@@ -59,6 +60,9 @@ enum class FrameType : std::uint16_t {
   kAbort = 11,            // trainer -> engine
   kGoodbye = 12,          // either way, then the sender closes
 };
+
+// `text` cut to kMaxControlTextBytes (ending in "...") so that it fits a frame's text field.
+std::string clip_control_text(std::string text);
 
 // "update_header": for log lines.
 std::string_view to_string(FrameType type) noexcept;
@@ -157,30 +161,5 @@ std::optional<std::string> parse_frame_header(std::span<const std::byte> bytes, 
 // nothing. Does not check anything against a layout. Thread-safe.
 std::optional<std::string> decode_payload(FrameType type, std::span<const std::byte> payload,
                                           ControlMessage& out);
-
-// Splits a byte stream into frames. Holds at most one incomplete frame plus one read's worth of
-// bytes: a header announcing more than kMaxFrameBodyBytes is refused before its body is read.
-class FrameAssembler {
- public:
-  enum class Status { kFrame, kNeedMore, kMalformed };
-
-  // Appends bytes read from the peer.
-  void feed(std::span<const std::byte> bytes);
-  // The next complete frame (header and body) is then `frame()`, valid until the next call.
-  // kMalformed: `error()` says why; the stream cannot be resynchronized, close it.
-  Status next();
-  std::span<const std::byte> frame() const { return frame_; }
-  const FrameHeader& header() const { return header_; }
-  const std::string& error() const { return error_; }
-  // Bytes of an incomplete frame are waiting (for a per-frame read deadline).
-  bool has_partial() const { return consumed_ < buffer_.size(); }
-
- private:
-  std::vector<std::byte> buffer_;
-  std::size_t consumed_ = 0;  // bytes of buffer_ already handed out as frames
-  std::span<const std::byte> frame_;
-  FrameHeader header_;
-  std::string error_;
-};
 
 }  // namespace shadowsync

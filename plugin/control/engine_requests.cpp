@@ -1,0 +1,108 @@
+#include "control/engine_requests.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <exception>
+#include <utility>
+
+#include "control/channel_loop.h"
+#include "shadowsync/error.h"
+
+namespace shadowsync::control {
+
+EngineRequests::EngineRequests(Receiver& receiver, const TransportFactory& factory,
+                               const ControlConfig& config,
+                               const std::atomic<std::uint64_t>& current, EngineCounters& counters,
+                               Reply reply)
+    : receiver_(receiver),
+      factory_(factory),
+      config_(config),
+      current_(current),
+      counters_(counters),
+      reply_(std::move(reply)),
+      worker_([this] { worker_loop(); }) {}
+
+EngineRequests::~EngineRequests() {
+  close();
+  join();
+}
+
+void EngineRequests::push(std::uint64_t generation, EngineRequest request) {
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back({generation, std::move(request)});
+  }
+  cv_.notify_one();
+}
+
+void EngineRequests::close() {
+  {
+    std::lock_guard lock(mutex_);
+    closed_ = true;
+    queue_.clear();
+  }
+  cv_.notify_all();
+}
+
+void EngineRequests::join() {
+  if (worker_.joinable()) worker_.join();
+}
+
+void EngineRequests::worker_loop() {
+  for (;;) {
+    Work item;
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+      if (closed_) return;
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (item.generation != current_.load()) continue;  // that trainer is gone
+    run(item);
+  }
+}
+
+void EngineRequests::run(Work& item) {
+  if (auto* rendezvous = std::get_if<RendezvousMessage>(&item.request)) {
+    RendezvousRequest request;
+    std::memcpy(request.unique_id.bytes.data(), rendezvous->unique_id.data(), RendezvousId::kSize);
+    request.rank = static_cast<int>(rendezvous->rank);  // < world_size <= 2^16: checked
+    request.world_size = static_cast<int>(rendezvous->world_size);
+    RendezvousResultMessage result;
+    result.rendezvous_id = rendezvous->rendezvous_id;
+    try {
+      std::unique_ptr<Transport> transport = factory_(request);
+      if (!transport) throw Error(ErrorCode::kTransport, "the transport factory returned none");
+      receiver_.replace_transport(std::move(transport));
+      result.ok = true;
+      counters_.update([](EngineChannelStats& s) { ++s.rendezvous_done; });
+    } catch (const std::exception& e) {
+      result.error = clip_control_text(fmt::format("rendezvous as rank {} of {} failed: {}",
+                                                   request.rank, request.world_size, e.what()));
+      counters_.update([](EngineChannelStats& s) { ++s.rendezvous_failed; });
+      log_line(config_, result.error);
+    }
+    reply_(item.generation, std::move(result));
+  } else if (auto* header = std::get_if<UpdateHeader>(&item.request)) {
+    try {
+      receiver_.begin_update(*header);
+      counters_.update([](EngineChannelStats& s) { ++s.headers_accepted; });
+    } catch (const std::exception& e) {
+      // Nothing changed in the receiver: the trainer learns why.
+      const auto* error = dynamic_cast<const Error*>(&e);
+      UpdateErrorMessage refused;
+      refused.version = header->version;
+      refused.code = static_cast<std::uint32_t>(error ? error->code() : ErrorCode::kInternal);
+      refused.message = clip_control_text(e.what());
+      counters_.update([](EngineChannelStats& s) { ++s.headers_refused; });
+      reply_(item.generation, std::move(refused));
+    }
+  } else if (auto* abort = std::get_if<AbortMessage>(&item.request)) {
+    log_line(config_, fmt::format("trainer aborts update {}: {}", abort->version, abort->reason));
+    receiver_.abort_update();
+  }
+}
+
+}  // namespace shadowsync::control

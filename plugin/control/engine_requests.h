@@ -1,0 +1,92 @@
+// What an engine does with its trainer's requests, on a worker thread of its own: a rendezvous
+// installs a new transport from the factory, an update header goes to Receiver::begin_update, an
+// abort to Receiver::abort_update. One worker runs them in arrival order, because the transport
+// factory may block for minutes (NCCL init waits for every rank) and a header must not overtake
+// the rendezvous before it; the I/O thread never calls into the receiver.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <variant>
+
+#include "control/control_frame.h"
+#include "shadowsync/control_channel.h"
+#include "shadowsync/receiver.h"
+#include "shadowsync/update_header.h"
+
+namespace shadowsync::control {
+
+// The engine channel's counters, which both of its threads update. Thread-safe.
+class EngineCounters {
+ public:
+  template <typename F>
+  void update(F&& change) {
+    std::lock_guard lock(mutex_);
+    change(stats_);
+  }
+  EngineChannelStats snapshot() const {
+    std::lock_guard lock(mutex_);
+    return stats_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  EngineChannelStats stats_;
+};
+
+using EngineRequest = std::variant<RendezvousMessage, UpdateHeader, AbortMessage>;
+
+class EngineRequests {
+ public:
+  // Sends `answer` to trainer connection `generation` (if it is still the trainer). Called on the
+  // worker thread; must not block.
+  using Reply = std::function<void(std::uint64_t generation, ControlMessage answer)>;
+
+  // Everything passed by reference must outlive this. `current` is the generation of the
+  // connected trainer (0: none): a request whose trainer is gone by its turn is dropped.
+  // Starts the worker thread.
+  EngineRequests(Receiver& receiver, const TransportFactory& factory, const ControlConfig& config,
+                 const std::atomic<std::uint64_t>& current, EngineCounters& counters, Reply reply);
+  ~EngineRequests();  // close(), join()
+  EngineRequests(const EngineRequests&) = delete;
+  EngineRequests& operator=(const EngineRequests&) = delete;
+
+  // Queues a request of trainer connection `generation`. Never blocks on a running request.
+  // Thread-safe (the I/O thread).
+  void push(std::uint64_t generation, EngineRequest request);
+
+  // No request starts from now on; those queued are dropped. Never blocks. Thread-safe.
+  void close();
+  // After close(): waits for the request running, if any (a transport factory may take long).
+  // Idempotent. Not from the worker thread.
+  void join();
+
+ private:
+  struct Work {
+    std::uint64_t generation = 0;
+    EngineRequest request;
+  };
+
+  void worker_loop();
+  void run(Work& item);
+
+  Receiver& receiver_;
+  const TransportFactory& factory_;
+  const ControlConfig& config_;
+  const std::atomic<std::uint64_t>& current_;
+  EngineCounters& counters_;
+  Reply reply_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Work> queue_;  // mutex_
+  bool closed_ = false;     // mutex_
+  std::thread worker_;
+};
+
+}  // namespace shadowsync::control
