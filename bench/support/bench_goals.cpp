@@ -10,7 +10,6 @@
 
 namespace shadowsync::bench {
 
-
 const ModelResult* find_result(const Results& r, const std::string& name) {
   for (const ModelResult& m : r.models) {
     if (m.name == name) return &m;

@@ -10,7 +10,6 @@
 
 namespace shadowsync::bench {
 
-
 struct Goal {
   std::string name, target, measured, verdict;  // verdict: "met", "missed", "not measured"
 };

@@ -7,7 +7,6 @@
 
 namespace shadowsync::bench {
 
-
 Json to_json(const MemoryFigure& m) {
   return Json::object()
       .set("device_bytes", m.device_bytes)

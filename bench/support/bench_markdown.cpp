@@ -8,7 +8,6 @@
 
 namespace shadowsync::bench {
 
-
 std::string results_markdown(const Results& r, const Options& o) {
   const bool cpu = r.mode == "cpu";
   const std::string label = cpu ? "CPU smoke, not GPU figures" : "GPU figures";

@@ -57,7 +57,6 @@ void usage(std::FILE* out, const char* argv0, bool has_gpu) {
                argv0, has_gpu ? "" : " (this build has only this mode)");
 }
 
-// Parses argv. Returns nullopt (after printing why) on a bad argument; exits 0 on --help.
 std::optional<Options> parse_options(int argc, char** argv, bool has_gpu) {
   Options o;
   bool cpu = !has_gpu;

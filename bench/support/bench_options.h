@@ -14,7 +14,6 @@
 
 namespace shadowsync::bench {
 
-
 struct Options {
   bool cpu = false;
   std::string out_dir = "docs/bench";

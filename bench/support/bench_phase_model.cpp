@@ -152,7 +152,8 @@ void Bench::run_model(const ModelConfig& config) {
   }
 }
 
-UpdatesRun Bench::variant_updates(const Layout& layout, const TrainerWeights& weights, const SessionConfig& config,
+UpdatesRun Bench::variant_updates(const Layout& layout, const TrainerWeights& weights,
+                                  const SessionConfig& config,
                                   int count) {
   Session session(p_, layout, 0, nullptr, config);
   auto engine_stream = p_.make_engine_stream(false);

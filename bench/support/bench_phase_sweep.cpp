@@ -171,7 +171,8 @@ void Bench::run_sweep(const ModelConfig& config) {
   }
 }
 
-void Bench::sweep_row_body(SweepRow& row, Session& session, const TrainerWeights& weights, Stream& engine_stream,
+void Bench::sweep_row_body(SweepRow& row, Session& session, const TrainerWeights& weights,
+                           Stream& engine_stream,
                            std::size_t decode_bytes) {
   const UpdatesRun run = run_updates(p_, session, weights, engine_stream, o_.sweep_updates);
   row.gbps = summarize(run.gbps);

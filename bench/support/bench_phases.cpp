@@ -38,8 +38,9 @@ bool Bench::run() {
     run_model(m);
   }
   if (o_.sweep) run_sweep(*find_model(o_.sweep_model));
-  // The phases of issues 7 and 8 come last: code that had not run on a GPU before (remap, the
-  // integrity kernels, aborting a communicator mid-update) cannot spoil the figures above.
+  // The swap strategies, integrity checks and sender faults come last: code that had not run on a
+  // GPU before (remap, the integrity kernels, aborting a communicator mid-update) cannot spoil the
+  // figures above.
   for (const std::string& name : o_.models) run_variants(*find_model(name));
   std::vector<std::string> verdicts;
   commit([&](Results& r) { verdicts = integrity_verdicts(r, o_); });

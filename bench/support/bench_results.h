@@ -16,7 +16,6 @@
 
 namespace shadowsync::bench {
 
-
 struct ModelResult {
   std::string name;
   std::int64_t params = 0;

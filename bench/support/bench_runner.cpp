@@ -17,7 +17,6 @@
 
 namespace shadowsync::bench {
 
-
 double elapsed_since_start() {
   static const Clock::time_point start = Clock::now();
   return to_s(Clock::now() - start);

@@ -9,7 +9,6 @@
 
 namespace shadowsync::bench {
 
-
 inline std::string bytes_text(double bytes) {
   if (bytes >= 1e9) return strf("%.2f GB", bytes / 1e9);
   if (bytes >= 1e6) return strf("%.1f MB", bytes / 1e6);
