@@ -11,6 +11,7 @@
 #   asan     preset asan (build-asan/: address,undefined, -O1, CUDA OFF)
 #   tsan     preset tsan (build-tsan/: thread, -O1, CUDA OFF), run without address randomization
 #            where the kernel's mmap randomization is too wide for TSan
+# A new step is a step_<name> function below and its name in STEPS.
 # Environment:
 #   SHADOWSYNC_TEST_SKIP_SANITIZERS=1   skip asan and tsan (quick local iterations)
 #   SHADOWSYNC_JOBS=N                   build and ctest parallelism (default 2)
