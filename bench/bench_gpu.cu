@@ -23,7 +23,8 @@
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/nccl_transport.h"
 #include "support/bench_cuda.h"
-#include "support/bench_driver.h"
+#include "support/bench_platform.h"
+#include "support/bench_runner.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 //     announces them; the trainer's block is queued as the last "broadcast"), with the guard
 //     (ReceiverConfig::reject_nonfinite), with both: UpdateReport::transfer (first bucket posted
 //     to ready, checks included), median ms; "added" = median minus the plain median: the
-//     fraction issue 7 asks about (checksums on by default if under 5 % of the transfer).
+//     fraction that decides the default (checksums on by default if under 5 % of the transfer).
 //   The transfer: with --link-gbps G (default 368.5, NCCL's broadcast GPU0->GPU1 measured on
 //     nvidia-h200-x2, docs/benchmarks.md) each bucket is copied by --link-ctas N blocks (default
 //     16, about what NCCL runs) paced to G GB/s, so the checks overlap a transfer of a link's

@@ -8,7 +8,7 @@
 //   bench_updates [--cpu] [--out DIR] [--commit SHA] [--models ...] [--no-sweep] ...
 //
 // Exit: 0 every phase ran, 1 a phase failed (results are still written), 2 bad arguments.
-#include "support/bench_driver.h"
+#include "support/bench_runner.h"
 
 int main(int argc, char** argv) {
   return shadowsync::bench::bench_main(argc, argv, shadowsync::bench::PlatformFactory());

@@ -11,6 +11,8 @@
 #   examples/demo.cpp              target demo                  binary <build>/examples/demo
 #   bench/bench_x.cpp              target bench_x               binary <build>/bench/bench_x
 #   bench/bench_y.cu               target bench_y (CUDA builds only)
+#   bench/support/*.cpp            static library shadowsync_bench_support, linked by every bench
+#                                  program (bench/support/*.cu too, in CUDA builds only)
 #   (bench smoke test)             ctest bench.bench_updates_cpu: bench_updates --cpu, label bench
 #   (install test)                 ctest install.find_package   labels unit;install
 #   tests/c_abi/foo.c              target c_abi_foo             ctest c_abi.foo     label unit
@@ -99,12 +101,28 @@ function(shadowsync_add_tests kind timeout)
 endfunction()
 
 # One executable per <dir>/*.cpp (and <dir>/*.cu in CUDA builds), named after the file, in
-# <build>/<dir>/, linked against shadowsync_testkit (examples: shadowsync_examples_common).
+# <build>/<dir>/, linked against shadowsync_testkit; examples link only the library and
+# examples/common (shadowsync_examples_common), so that each can be copied out of the tree. Sources
+# in <dir>/support/ (*.cpp, and *.cu in CUDA builds) are compiled once into the static library
+# shadowsync_<dir>_support, which every program of <dir> links; their headers are included as
+# "support/<name>.h".
 function(shadowsync_add_programs dir)
   file(GLOB sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${dir}/*.cpp")
+  file(GLOB support_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${dir}/support/*.cpp")
   if(SHADOWSYNC_CUDA_ENABLED)
     file(GLOB cuda_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${dir}/*.cu")
     list(APPEND sources ${cuda_sources})
+    file(GLOB cuda_support_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${dir}/support/*.cu")
+    list(APPEND support_sources ${cuda_support_sources})
+  endif()
+  set(support "")
+  if(support_sources)
+    set(support "shadowsync_${dir}_support")
+    add_library(${support} STATIC ${support_sources})
+    target_include_directories(${support} PUBLIC "${PROJECT_SOURCE_DIR}/${dir}")
+    target_link_libraries(${support} PUBLIC shadowsync_testkit)
+    set_target_properties(${support} PROPERTIES
+      CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
   endif()
   foreach(source IN LISTS sources)
     get_filename_component(stem "${source}" NAME_WLE)
@@ -114,10 +132,9 @@ function(shadowsync_add_programs dir)
     endif()
     add_executable(${stem} "${source}")
     if(dir STREQUAL "examples")
-      # Examples stand alone: the library and examples/common only.
       target_link_libraries(${stem} PRIVATE shadowsync_examples_common)
     else()
-      target_link_libraries(${stem} PRIVATE shadowsync_testkit)
+      target_link_libraries(${stem} PRIVATE shadowsync_testkit ${support})
     endif()
     set_target_properties(${stem} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/${dir}"
       CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)

@@ -70,6 +70,9 @@ inline std::string strf(const char* format, ...) {
 inline double to_ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 inline double to_us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 inline double to_s(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+inline constexpr std::size_t kMiB = std::size_t{1} << 20;
+inline constexpr std::size_t kGiB = std::size_t{1} << 30;
+
 inline double gib(double bytes) { return bytes / double(1ull << 30); }
 inline double gb_per_s(double bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0.0; }
 

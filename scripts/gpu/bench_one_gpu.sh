@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The one-GPU benchmarks, on a GPU machine, after scripts/gpu_run.sh configured build-gpu/ (it
+# The one-GPU benchmarks, on a GPU machine, after scripts/gpu/run.sh tests configured build-gpu/ (it
 # unpacks .deps and configures with CUDA on; see docs/gpu.md and docs/benchmarks.md):
 #
-#   bash scripts/gpu_bench_one_gpu.sh [--updates N] [--link-gbps G] [--skip-swap] [--commit SHA]
+#   bash scripts/gpu/run.sh bench-one-gpu [--updates N] [--link-gbps G] [--skip-swap] [--commit SHA]
 #
 #   bench_integrity_one_gpu --updates N [--link-gbps G]   the receiver's checks: kernels alone and
 #                                                         inside a receive (default N = 10)
@@ -13,7 +13,7 @@
 # Output: ${OUT:-./gpu-out}/bench_one_gpu.txt (the machine, the commit, each command and its
 # tables). Exit status: 0, 1 if a build or a program failed, 77 without a GPU.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 readonly ROOT=$PWD
 readonly BUILD="$ROOT/build-gpu"
 
@@ -28,11 +28,11 @@ while (($#)); do
     --skip-swap) SWAP=0 ;;
     --commit) COMMIT="${2:?--commit needs a SHA}"; shift ;;
     -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; exit 0 ;;
-    *) echo "gpu_bench_one_gpu.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    *) echo "gpu/run.sh bench-one-gpu: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
-[[ -f "$BUILD/CMakeCache.txt" ]] || { echo "gpu_bench_one_gpu.sh: $BUILD is not configured; run scripts/gpu_run.sh first" >&2; exit 1; }
+[[ -f "$BUILD/CMakeCache.txt" ]] || { echo "gpu/run.sh bench-one-gpu: $BUILD is not configured; run scripts/gpu/run.sh tests first" >&2; exit 1; }
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIP: no GPU (nvidia-smi -L failed)"; exit 77; }
 
 OUT_DIR="${OUT:-$ROOT/gpu-out}"

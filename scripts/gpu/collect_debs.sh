@@ -3,12 +3,12 @@
 # Downloads the .deb files of the build dependencies the GPU machines lack (Catch2 v2, fmt and its
 # shared library, moodycamel concurrentqueue, OpenSSL's libcrypto for the control channel) into
 # .deps/, which .gitignore ignores. Carry that folder to the GPU machine with the device tool
-# (carry: [".deps"]); scripts/gpu_run.sh unpacks it there with dpkg -x. Nothing is installed here.
+# (carry: [".deps"]); scripts/gpu/run.sh tests unpacks it there with dpkg -x. Nothing is installed here.
 #
 # Idempotent: a package whose .deb is already in .deps/ is not downloaded again. apt-get update
 # runs only when a download fails (stale package lists), then the download is retried once.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 readonly DEPS_DIR=.deps
 readonly PACKAGES=(catch2 libfmt-dev libfmt9 libconcurrentqueue-dev libssl-dev libssl3)

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Builds and runs the GPU tests on a GPU machine (no network, no apt), in one command, from the
-# repository root, with the .deb files of scripts/gpu_collect_debs.sh in .deps/ (carried there with
+# repository root, with the .deb files of scripts/gpu/run.sh collect-debs in .deps/ (carried there with
 # the device tool: carry [".deps"]). See docs/gpu.md.
 #
-#   bash scripts/gpu_run.sh [--sanitize] [--receivers R] [--all] [--no-examples] [--no-faults]
+#   bash scripts/gpu/run.sh tests [--sanitize] [--receivers R] [--all] [--no-examples] [--no-faults]
 #                           [--budget SECONDS]
 #
 #   (always)       unpack .deps/*.deb into .deps/prefix (dpkg -x), print the GPUs and their
 #                  topology, configure build-gpu/ with CUDA on, build the GPU tests, and run
 #                  `ctest --output-on-failure -L gpu` (test_cuda_transport_smoke, test_gpu_updates
 #                  with its defaults: 1 receiver, 1000 updates, both engine modes, medium layout).
-#   (unless --no-examples) build control_channel and shadowsync_c and run scripts/gpu_examples.sh:
+#   (unless --no-examples) build control_channel and shadowsync_c and run scripts/gpu/examples.sh:
 #                  the two-process example (trainer GPU 0, engine GPU 1, 50 rounds, torn=0) and
 #                  the mini vLLM-like worker's pytest (cpu and cuda cases). Skipped below 2 GPUs.
-#   (unless --no-faults) build control_channel and run scripts/gpu_faults.sh: trainer processes
+#   (unless --no-faults) build control_channel and run scripts/gpu/faults.sh: trainer processes
 #                  SIGKILLed and SIGSTOPped mid-update, 20 kill/restart cycles with the engine's
 #                  device memory printed (its log is appended to examples.log). Skipped below 2 GPUs.
 #   --sanitize     also run test_gpu_updates --layout small --updates 50 under compute-sanitizer,
@@ -29,7 +29,7 @@
 # build.log, ctest.log, examples.log, memcheck.log, racecheck.log, receivers.log, summary.txt.
 # Exit status: 0 if every step that ran passed (a test that skips for lack of GPUs passes), else 1.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 readonly ROOT=$PWD
 
 SANITIZE=0
@@ -47,12 +47,12 @@ while (($#)); do
     --no-faults) FAULTS=0 ;;
     --budget) BUDGET="${2:?--budget needs seconds}"; shift ;;
     -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
-    *) echo "gpu_run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    *) echo "gpu/run.sh tests: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 if [[ -n "$RECEIVERS" && ! "$RECEIVERS" =~ ^[1-9][0-9]*$ ]]; then
-  echo "gpu_run.sh: --receivers needs a positive number, got '$RECEIVERS'" >&2
+  echo "gpu/run.sh tests: --receivers needs a positive number, got '$RECEIVERS'" >&2
   exit 2
 fi
 
@@ -74,8 +74,8 @@ step_timeout() {
   echo "$want"
 }
 
-# shellcheck source=scripts/gpu_common.sh
-source "$ROOT/scripts/gpu_common.sh"
+# shellcheck source=scripts/gpu/common.sh
+source "$ROOT/scripts/gpu/common.sh"
 
 # --- 1. dependencies from .deps/*.deb ------------------------------------------------------------
 if gpu_unpack_deps "$ROOT"; then
@@ -127,7 +127,7 @@ else
         build_failed+=("gpu_$stem")
       fi
     done
-    # What scripts/gpu_examples.sh runs: the two-process example and the C ABI for Python.
+    # What scripts/gpu/examples.sh runs: the two-process example and the C ABI for Python.
     if ((EXAMPLES || FAULTS)); then
       for target in control_channel shadowsync_c; do
         log "building $target"
@@ -187,20 +187,20 @@ run_step() {
   esac
 }
 
-# --- 5. issue 5's examples on two GPUs ----------------------------------------------------------
+# --- 5. the examples on two GPUs ------------------------------------------------------------------
 if ((EXAMPLES)); then
   run_step "examples (two-process, mini worker)" "$OUT_DIR/examples.log" 300 \
-    bash "$ROOT/scripts/gpu_examples.sh" "$BUILD"
+    bash "$ROOT/scripts/gpu/examples.sh" "$BUILD"
   grep -E '^(two_process|mini_worker): ' "$OUT_DIR/examples.log" >>"$SUMMARY" 2>/dev/null
 fi
 
-# --- 5b. issue 7's fault runs on two GPUs --------------------------------------------------------
+# --- 5b. the fault runs on two GPUs --------------------------------------------------------------
 if ((FAULTS)); then
   # Its log joins examples.log afterwards: the device tool brings back at most 8 files.
   run_step "faults (SIGKILL, SIGSTOP, 20 kill/restart cycles)" "$OUT_DIR/faults.tmp" 300 \
-    bash "$ROOT/scripts/gpu_faults.sh" "$BUILD"
+    bash "$ROOT/scripts/gpu/faults.sh" "$BUILD"
   grep -E '^(fault |cycle |faults: )' "$OUT_DIR/faults.tmp" >>"$SUMMARY" 2>/dev/null
-  { echo "===== scripts/gpu_faults.sh"; cat "$OUT_DIR/faults.tmp"; } >>"$OUT_DIR/examples.log" 2>/dev/null
+  { echo "===== scripts/gpu/faults.sh"; cat "$OUT_DIR/faults.tmp"; } >>"$OUT_DIR/examples.log" 2>/dev/null
   rm -f "$OUT_DIR/faults.tmp"
 fi
 

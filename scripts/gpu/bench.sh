@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs the update benchmark (bench/bench_gpu.cu) on a GPU machine with two GPUs, then plots it.
-# Run it from the repository root after scripts/gpu_run.sh built build-gpu/ (or let it build
-# bench_gpu the same way: it needs the .deb files of scripts/gpu_collect_debs.sh in .deps/).
+# Run it from the repository root after scripts/gpu/run.sh tests built build-gpu/ (or let it build
+# bench_gpu the same way: it needs the .deb files of scripts/gpu/run.sh collect-debs in .deps/).
 #
-#   bash scripts/gpu_bench.sh [--commit SHA] [-- BENCH_ARGS...]
+#   bash scripts/gpu/run.sh bench [--commit SHA] [-- BENCH_ARGS...]
 #
 # With the device tool (the working tree has no .git there, so pass the commit):
 #   run(kind="nvidia-h200-x2", carry=[".deps"], timeout_s=600,
-#       command="bash scripts/gpu_bench.sh --commit <sha>")
+#       command="bash scripts/gpu/run.sh bench --commit <sha>")
 #
 #   --commit SHA   stamped into every artefact (default: $SHADOWSYNC_COMMIT, else git, else unknown)
 #   BENCH_ARGS     passed to bench_gpu (e.g. --no-sweep, --models llama3-8b, --budget 120)
@@ -17,7 +17,7 @@
 # 235 s); building bench_gpu on a fresh machine adds about a minute.
 # Exit status: the benchmark's (0 every phase ran; 1 a phase failed; 3 watchdog; 77 < 2 GPUs).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 readonly ROOT=$PWD
 
 COMMIT="${SHADOWSYNC_COMMIT:-}"
@@ -27,7 +27,7 @@ while (($#)); do
     --commit) COMMIT="${2:?--commit needs a value}"; shift ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
-    *) echo "gpu_bench.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    *) echo "gpu/run.sh bench: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -43,12 +43,12 @@ mkdir -p "$OUT_DIR"
 SECONDS=0
 log() { echo "[gpu_bench $(printf '%3d' "$SECONDS")s] $*"; }
 
-# shellcheck source=scripts/gpu_common.sh
-source "$ROOT/scripts/gpu_common.sh"
+# shellcheck source=scripts/gpu/common.sh
+source "$ROOT/scripts/gpu/common.sh"
 
 # --- the machine ---------------------------------------------------------------------------------
 {
-  echo "== command"; echo "bash scripts/gpu_bench.sh --commit $COMMIT ${BENCH_ARGS[*]:+-- ${BENCH_ARGS[*]}}"
+  echo "== command"; echo "bash scripts/gpu/run.sh bench --commit $COMMIT ${BENCH_ARGS[*]:+-- ${BENCH_ARGS[*]}}"
   gpu_machine_report
 } >"$OUT_DIR/env.log" 2>&1
 GPU_COUNT=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
@@ -62,7 +62,7 @@ elif ((${#NAMES[@]} >= 1)); then
   MACHINE=$(IFS=+; echo "${NAMES[*]}")
 fi
 
-# --- build bench_gpu (as scripts/gpu_run.sh configures build-gpu/) -------------------------------
+# --- build bench_gpu (as scripts/gpu/run.sh tests configures build-gpu/) ------------------------
 readonly BUILD="$ROOT/build-gpu"
 if ! gpu_unpack_deps "$ROOT"; then
   log "FAIL: $DEPS_MESSAGE"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU runs of issue 5's two examples, from the repository root of a GPU machine, against a
-# CUDA build (scripts/gpu_run.sh calls it with build-gpu/ after building control_channel and
+# The GPU runs of the two examples, from the repository root of a GPU machine, against a
+# CUDA build (scripts/gpu/run.sh tests calls it with build-gpu/ after building control_channel and
 # shadowsync_c; see docs/gpu.md):
 #
-#   bash scripts/gpu_examples.sh BUILD_DIR [--rounds N] [--deadline SECONDS] [--cpu-dry-run]
+#   bash scripts/gpu/run.sh examples BUILD_DIR [--rounds N] [--deadline SECONDS] [--cpu-dry-run]
 #
 # 1. two-process: examples/control_channel as two processes, the engine on GPU 1 and the trainer
 #    on GPU 0 (--backend cuda): NCCL rendezvous, headers and acks over the control channel, N
@@ -20,10 +20,10 @@
 # result line per part ("two_process: ... result=PASS|FAIL", "mini_worker: ... result=...").
 # Exit status: 0 if both passed, 77 if this machine has fewer than 2 GPUs, else 1.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 readonly ROOT=$PWD
 
-BUILD="${1:?usage: gpu_examples.sh BUILD_DIR [--rounds N] [--deadline SECONDS] [--cpu-dry-run]}"
+BUILD="${1:?usage: scripts/gpu/run.sh examples BUILD_DIR [--rounds N] [--deadline SECONDS] [--cpu-dry-run]}"
 shift
 ROUNDS=50
 DEADLINE=120
@@ -33,18 +33,18 @@ while (($#)); do
     --cpu-dry-run) BACKEND=host ;;
     --rounds) ROUNDS="${2:?--rounds needs a number}"; shift ;;
     --deadline) DEADLINE="${2:?--deadline needs seconds}"; shift ;;
-    *) echo "gpu_examples.sh: unknown argument '$1'" >&2; exit 2 ;;
+    *) echo "gpu/run.sh examples: unknown argument '$1'" >&2; exit 2 ;;
   esac
   shift
 done
 for n in "$ROUNDS" "$DEADLINE"; do
-  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_examples.sh: expected a positive number, got '$n'" >&2; exit 2; }
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "gpu/run.sh examples: expected a positive number, got '$n'" >&2; exit 2; }
 done
 BUILD=$(cd "$BUILD" && pwd) || exit 2
 readonly BIN="$BUILD/examples/control_channel"
 readonly LIB="$BUILD/libshadowsync_c.so"
 
-# NVLink multicast off (scripts/gpu_common.sh says why) also when this script runs on its own.
+# NVLink multicast off (scripts/gpu/common.sh says why) also when this script runs on its own.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)

@@ -1,4 +1,4 @@
-# Shared by scripts/gpu_run.sh and scripts/gpu_bench.sh on a GPU machine (no network, no apt):
+# Shared by scripts/gpu/run.sh tests and scripts/gpu/bench.sh on a GPU machine (no network, no apt):
 # the environment, the machine report, the libraries from .deps/*.deb, and configuring build-gpu/.
 # Sourced, not run. Each function prints why it failed and returns non-zero.
 
@@ -18,7 +18,7 @@ gpu_machine_report() {
   echo "== env"; env | grep -E '^(NCCL_|TORCH_SYMM|NVSHMEM_|CUDA_VISIBLE)' | sort
 }
 
-# gpu_unpack_deps ROOT: unpacks ROOT/.deps/*.deb (scripts/gpu_collect_debs.sh) into
+# gpu_unpack_deps ROOT: unpacks ROOT/.deps/*.deb (scripts/gpu/run.sh collect-debs) into
 # ROOT/.deps/prefix and sets PREFIX, FMT_DIR, CATCH2_DIR, CQ_DIR, and DEPS_MESSAGE (what happened,
 # or why it failed). Call it in the current shell, not in $(...): it exports variables.
 gpu_unpack_deps() {
@@ -31,7 +31,7 @@ gpu_unpack_deps() {
   local debs=("$root"/.deps/*.deb)
   shopt -u nullglob
   if ((${#debs[@]} == 0)); then
-    DEPS_MESSAGE="no .deb files in .deps/ (run scripts/gpu_collect_debs.sh on the dev machine and carry .deps)"
+    DEPS_MESSAGE="no .deb files in .deps/ (run scripts/gpu/run.sh collect-debs on the dev machine and carry .deps)"
     return 1
   fi
   mkdir -p "$PREFIX"

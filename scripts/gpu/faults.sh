@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 7's GPU fault runs: a trainer process that dies or hangs mid-update never takes the engine
+# The GPU fault runs: a trainer process that dies or hangs mid-update never takes the engine
 # down, and the next trainer's updates apply. From the repository root of a GPU machine, against
-# a CUDA build (scripts/gpu_run.sh calls it with build-gpu/ unless --no-faults; docs/gpu.md):
+# a CUDA build (scripts/gpu/run.sh tests calls it with build-gpu/ unless --no-faults; docs/gpu.md):
 #
-#   bash scripts/gpu_faults.sh BUILD_DIR [--cycles N] [--bucket-deadline-ms MS]
+#   bash scripts/gpu/run.sh faults BUILD_DIR [--cycles N] [--bucket-deadline-ms MS]
 #                              [--growth-mib MIB] [--deadline SECONDS] [--cpu-dry-run]
 #
 # One engine process (examples/control_channel engine --backend cuda --device 1) decodes all the
@@ -32,9 +32,9 @@
 # ... ok|FAIL") and a final "faults: ... result=PASS|FAIL". Exit status: 0 if it passed, 77 if this
 # machine has fewer than 2 GPUs (not with --cpu-dry-run), else 1.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 
-usage="usage: gpu_faults.sh BUILD_DIR [--cycles N] [--bucket-deadline-ms MS] [--growth-mib MIB] [--deadline SECONDS] [--cpu-dry-run]"
+usage="usage: scripts/gpu/run.sh faults BUILD_DIR [--cycles N] [--bucket-deadline-ms MS] [--growth-mib MIB] [--deadline SECONDS] [--cpu-dry-run]"
 BUILD="${1:?$usage}"
 shift
 CYCLES=20
@@ -51,13 +51,13 @@ while (($#)); do
     --bucket-deadline-ms) BUCKET_MS="${2:?--bucket-deadline-ms needs a number}"; shift ;;
     --growth-mib) GROWTH_MIB="${2:?--growth-mib needs a number}"; shift ;;
     --deadline) DEADLINE="${2:?--deadline needs seconds}"; shift ;;
-    *) echo "gpu_faults.sh: unknown argument '$1'" >&2; echo "$usage" >&2; exit 2 ;;
+    *) echo "gpu/run.sh faults: unknown argument '$1'" >&2; echo "$usage" >&2; exit 2 ;;
   esac
   shift
 done
 [[ -n "$GROWTH_MIB" ]] || { [[ $BACKEND == cuda ]] && GROWTH_MIB=128 || GROWTH_MIB=32; }
 for n in "$CYCLES" "$BUCKET_MS" "$GROWTH_MIB" "$DEADLINE"; do
-  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_faults.sh: expected a positive number, got '$n'" >&2; exit 2; }
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "gpu/run.sh faults: expected a positive number, got '$n'" >&2; exit 2; }
 done
 BUILD=$(cd "$BUILD" && pwd) || exit 2
 readonly BIN="$BUILD/examples/control_channel"

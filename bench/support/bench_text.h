@@ -1,0 +1,27 @@
+// Numbers as the update benchmark's progress lines and Markdown print them.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+#include "bench_common.h"
+
+namespace shadowsync::bench {
+
+inline std::string bytes_text(double bytes) {
+  if (bytes >= 1e9) return strf("%.2f GB", bytes / 1e9);
+  if (bytes >= 1e6) return strf("%.1f MB", bytes / 1e6);
+  if (bytes >= 1e3) return strf("%.1f kB", bytes / 1e3);
+  return strf("%.0f B", bytes);
+}
+inline std::string mib_text(std::size_t bytes) {
+  if (bytes >= kMiB) return strf("%zu MiB", bytes / kMiB);
+  return strf("%zu KiB", bytes / 1024);
+}
+inline std::string med_p99(const std::optional<Summary>& s, const char* format = "%.1f") {
+  if (!s || s->n == 0) return "—";
+  return strf(format, s->median) + " / " + strf(format, s->p99);
+}
+
+}  // namespace shadowsync::bench

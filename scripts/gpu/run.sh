@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The one entry to the GPU-machine scripts (see docs/gpu.md). Run from anywhere; each command runs
+# from the repository root.
+#
+#   bash scripts/gpu/run.sh COMMAND [ARGS...]      (COMMAND --help: its own usage)
+#
+#   tests          build build-gpu/ with CUDA on and run the GPU tests, the two-GPU examples and
+#                  the fault runs (tests.sh)
+#   bench          the update benchmark on two GPUs, then its plot (bench.sh)
+#   bench-one-gpu  the one-GPU benchmarks: integrity checks and swap strategies (bench_one_gpu.sh)
+#   examples       the two-process example and the mini worker against a CUDA build (examples.sh)
+#   faults         trainer processes killed and stopped mid-update (faults.sh; --cpu-dry-run runs
+#                  it on the CPU, as ctest integration.gpu_faults_cpu does)
+#   collect-debs   on the development machine: download the .deb files the GPU machines lack into
+#                  .deps/ (collect_debs.sh)
+#
+# Exit status: the command's; 2 for an unknown command.
+set -uo pipefail
+readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+usage() { sed -n '2,16p' "${BASH_SOURCE[0]}"; }
+
+command="${1:-}"
+case "$command" in
+  tests) script=tests.sh ;;
+  bench) script=bench.sh ;;
+  bench-one-gpu) script=bench_one_gpu.sh ;;
+  examples) script=examples.sh ;;
+  faults) script=faults.sh ;;
+  collect-debs) script=collect_debs.sh ;;
+  -h|--help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
+  *) echo "scripts/gpu/run.sh: unknown command '$command'" >&2; usage >&2; exit 2 ;;
+esac
+shift
+exec bash "$HERE/$script" "$@"
