@@ -1,13 +1,15 @@
-# FindNCCL: locates the NCCL header and library and provides the imported target NCCL::nccl.
+# FindNCCL: locates NCCL's header (nccl.h) and provides the imported target NCCL::headers.
 #
-# Search order: NCCL_INCLUDE_DIR / NCCL_LIBRARY if given, then the NCCL_ROOT and NCCL_HOME
-# variables or environment variables, the CUDA toolkit (CUDAToolkit_INCLUDE_DIRS /
-# CUDAToolkit_LIBRARY_DIR, when find_package(CUDAToolkit) ran first), /usr/local/cuda, and the
-# system default paths (/usr/include, /usr/lib/<triplet>).
+# Only the header: shadowsync opens libnccl at run time (dlopen; see include/shadowsync/
+# nccl_transport.h), so that a process keeps the one NCCL it already has (torch's), and nothing
+# links libnccl at build time.
 #
-# Result variables: NCCL_FOUND, NCCL_INCLUDE_DIRS, NCCL_LIBRARIES, NCCL_VERSION.
-# Installed next to shadowsyncConfig.cmake so that a CUDA-enabled shadowsync resolves NCCL::nccl
-# for its consumers the same way.
+# Search order: NCCL_INCLUDE_DIR if given, then the NCCL_ROOT and NCCL_HOME variables or
+# environment variables, the CUDA toolkit (CUDAToolkit_INCLUDE_DIRS, when find_package(CUDAToolkit)
+# ran first), /usr/local/cuda, and the system default paths (/usr/include).
+#
+# Result variables: NCCL_FOUND, NCCL_INCLUDE_DIRS, NCCL_VERSION (from nccl.h's NCCL_MAJOR,
+# NCCL_MINOR and NCCL_PATCH: the API the code is compiled against, not the library it will run on).
 
 set(_nccl_hints)
 foreach(_nccl_root IN ITEMS "${NCCL_ROOT}" "$ENV{NCCL_ROOT}" "${NCCL_HOME}" "$ENV{NCCL_HOME}")
@@ -22,13 +24,6 @@ find_path(NCCL_INCLUDE_DIR
   PATH_SUFFIXES include
   PATHS /usr/local/cuda /usr
   DOC "Directory containing nccl.h")
-
-find_library(NCCL_LIBRARY
-  NAMES nccl
-  HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
-  PATH_SUFFIXES lib lib64 lib/x86_64-linux-gnu lib/aarch64-linux-gnu
-  PATHS /usr/local/cuda /usr
-  DOC "Path to libnccl")
 
 set(NCCL_VERSION "")
 if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
@@ -45,20 +40,19 @@ endif()
 
 include(FindPackageHandleStandardArgs)
 find_package_handle_standard_args(NCCL
-  REQUIRED_VARS NCCL_LIBRARY NCCL_INCLUDE_DIR
+  REQUIRED_VARS NCCL_INCLUDE_DIR
   VERSION_VAR NCCL_VERSION)
-mark_as_advanced(NCCL_INCLUDE_DIR NCCL_LIBRARY)
+mark_as_advanced(NCCL_INCLUDE_DIR)
 
 if(NCCL_FOUND)
   set(NCCL_INCLUDE_DIRS "${NCCL_INCLUDE_DIR}")
-  set(NCCL_LIBRARIES "${NCCL_LIBRARY}")
-  if(NOT TARGET NCCL::nccl)
-    add_library(NCCL::nccl UNKNOWN IMPORTED)
-    set_target_properties(NCCL::nccl PROPERTIES
-      IMPORTED_LOCATION "${NCCL_LIBRARY}"
+  if(NOT TARGET NCCL::headers)
+    add_library(NCCL::headers INTERFACE IMPORTED)
+    set_target_properties(NCCL::headers PROPERTIES
       INTERFACE_INCLUDE_DIRECTORIES "${NCCL_INCLUDE_DIR}")
   endif()
 endif()
 
 unset(_nccl_hints)
 unset(_nccl_root)
+unset(_nccl_version_lines)

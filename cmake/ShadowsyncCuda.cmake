@@ -3,8 +3,9 @@
 # enable_language() must run at directory scope.
 #
 # Sets SHADOWSYNC_CUDA_ENABLED (ON/OFF) and SHADOWSYNC_CUDA_REASON (one line for the status
-# message). AUTO turns the backend on only when a working nvcc, the CUDA toolkit libraries and NCCL
-# are all found; ON fails the configure with the reason when one is missing.
+# message). AUTO turns the backend on only when a working nvcc, the CUDA toolkit libraries and
+# NCCL's header are all found; ON fails the configure with the reason when one is missing. libnccl
+# itself is not needed to build: the NCCL transport opens it at run time.
 
 include(CheckLanguage)
 
@@ -55,7 +56,7 @@ if(NOT SHADOWSYNC_CUDA_REASON)
   find_package(NCCL QUIET)
   if(NOT NCCL_FOUND)
     set(SHADOWSYNC_CUDA_REASON
-      "NCCL not found (nccl.h + libnccl; searched NCCL_ROOT, NCCL_HOME, ${CUDAToolkit_INCLUDE_DIRS}, /usr/local/cuda, /usr)")
+      "NCCL's header not found (nccl.h; searched NCCL_ROOT, NCCL_HOME, ${CUDAToolkit_INCLUDE_DIRS}, /usr/local/cuda, /usr)")
   endif()
 endif()
 
@@ -84,7 +85,7 @@ else()
   endif()
   set(SHADOWSYNC_CUDA_ENABLED ON)
   set(SHADOWSYNC_CUDA_REASON
-    "CUDA ${CUDAToolkit_VERSION} (${CMAKE_CUDA_COMPILER}, host ${CMAKE_CUDA_HOST_COMPILER}, arch ${CMAKE_CUDA_ARCHITECTURES}), NCCL ${NCCL_VERSION} (${NCCL_LIBRARY})")
+    "CUDA ${CUDAToolkit_VERSION} (${CMAKE_CUDA_COMPILER}, host ${CMAKE_CUDA_HOST_COMPILER}, arch ${CMAKE_CUDA_ARCHITECTURES}), nccl.h ${NCCL_VERSION} (${NCCL_INCLUDE_DIR}; libnccl is opened at run time)")
   message(STATUS "shadowsync: CUDA/NCCL backend ON (${_ss_cuda_mode}: ${SHADOWSYNC_CUDA_REASON})")
 endif()
 

@@ -156,10 +156,8 @@ function(shadowsync_add_install_test)
   set(hints "fmt_DIR=${fmt_DIR}")
   if(SHADOWSYNC_CUDA_ENABLED)
     get_filename_component(cuda_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)
-    list(APPEND hints
-      "CUDAToolkit_ROOT=${cuda_root}"
-      "NCCL_INCLUDE_DIR=${NCCL_INCLUDE_DIR}"
-      "NCCL_LIBRARY=${NCCL_LIBRARY}")
+    # No NCCL hint: the package must not need NCCL (the transport opens libnccl at run time).
+    list(APPEND hints "CUDAToolkit_ROOT=${cuda_root}")
   endif()
   string(REPLACE ";" "|" hints "${hints}")
   add_test(NAME install.find_package
@@ -193,4 +191,37 @@ function(shadowsync_add_c_abi_tests)
     add_test(NAME "c_abi.${stem}" COMMAND ${target})
     set_tests_properties("c_abi.${stem}" PROPERTIES LABELS unit TIMEOUT 60)
   endforeach()
+endfunction()
+
+# CUDA builds: stand-ins for libnccl (tests/unit/fake_nccl/fake_nccl.c) that the NCCL loader's test
+# `test_target` must refuse, their paths handed to it as SHADOWSYNC_FAKE_NCCL_* definitions:
+#   OLD         exports ncclGetVersion = 21000 (NCCL 2.10.0, older than the 2.14 the code needs)
+#   INCOMPLETE  exports ncclGetVersion = 22809 and nothing else of NCCL's API
+#   NOT_NCCL    exports no NCCL symbol
+# Also the ctest unit.shadowsync_c_needs_no_nccl: libshadowsync_c.so must not list libnccl among
+# the libraries it needs (the transport opens NCCL at run time).
+function(shadowsync_add_fake_nccl_libraries test_target)
+  target_link_libraries(${test_target} PRIVATE NCCL::headers)  # it includes nccl_library.h
+  set(source "${PROJECT_SOURCE_DIR}/tests/unit/fake_nccl/fake_nccl.c")
+  foreach(variant IN ITEMS OLD INCOMPLETE NOT_NCCL)
+    string(TOLOWER "fake_nccl_${variant}" target)
+    add_library(${target} MODULE "${source}")
+    if(variant STREQUAL "OLD")
+      target_compile_definitions(${target} PRIVATE FAKE_NCCL_VERSION=21000)
+    elseif(variant STREQUAL "INCOMPLETE")
+      target_compile_definitions(${target} PRIVATE FAKE_NCCL_VERSION=22809)
+    endif()
+    set_target_properties(${target} PROPERTIES
+      PREFIX "lib" LIBRARY_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/tests/unit/fake_nccl")
+    add_dependencies(${test_target} ${target})
+    target_compile_definitions(${test_target} PRIVATE
+      "SHADOWSYNC_FAKE_NCCL_${variant}=\"$<TARGET_FILE:${target}>\"")
+  endforeach()
+
+  if(CMAKE_READELF)
+    add_test(NAME unit.shadowsync_c_needs_no_nccl
+      COMMAND sh -c [[out=$("$0" -d "$1") || exit 2; printf '%s\n' "$out" | grep NEEDED; ! printf '%s\n' "$out" | grep -qi nccl]]
+        "${CMAKE_READELF}" "$<TARGET_FILE:shadowsync_c>")
+    set_tests_properties(unit.shadowsync_c_needs_no_nccl PROPERTIES LABELS unit TIMEOUT 60)
+  endif()
 endfunction()

@@ -6,6 +6,10 @@
 // communicator is aborted (ncclCommAbort) and the call throws; the transport is dead afterwards,
 // and the next rendezvous needs a new one (a new NcclUniqueId).
 //
+// NCCL is opened at run time (dlopen), when the first call below needs it, not linked: a process
+// that also runs torch has torch's NCCL in it, and two NCCLs in one process break one another
+// (their sonames collide). Which library is used, and how to choose it: see library().
+//
 // This header does not include nccl.h or cuda_runtime.h.
 #pragma once
 
@@ -27,6 +31,13 @@ namespace shadowsync {
 
 // The rendezvous token of one communicator: ncclUniqueId's 128 bytes.
 using NcclUniqueId = RendezvousId;
+
+// The NCCL library this process uses (NcclTransport::library()).
+struct NcclLibraryInfo {
+  std::string path;   // the file as the process maps it (symbolic links resolved)
+  int version = 0;    // ncclGetVersion's code: 22809 is NCCL 2.28.9
+  std::string place;  // where it was found: "already loaded by the process", ...
+};
 
 struct NcclTransportConfig {
   // Bounds on the CTAs (thread blocks, one per SM) each NCCL kernel uses; 0 leaves NCCL's default.
@@ -57,6 +68,31 @@ class NcclTransport final : public Transport {
   // passed (then aborts and throws Error(kTimeout)). NCCL failures throw Error(kTransport), bad
   // arguments Error(kInvalidArgument). Sets NCCL_NVLS_ENABLE=0 unless the environment sets it.
   // Makes `device` current on the calling thread.
+  // The NCCL library every transport of this process uses; loads it on the first call (of this,
+  // generate_unique_id() or create()) that succeeds, and prints one line on stderr then:
+  //   shadowsync: NCCL 2.28.9 from /usr/lib/x86_64-linux-gnu/libnccl.so.2 (<place>)
+  // unless SHADOWSYNC_NCCL_QUIET is set (to anything but "" or "0"). Later calls return the same.
+  //
+  // Where it looks, in order; the first usable library wins:
+  //   1. SHADOWSYNC_NCCL_LIBRARY, when set: the path of the library to use. An explicit choice wins
+  //      over every search and is then the only place looked at, so that a mistake in it is an
+  //      error rather than quietly another NCCL. (An NCCL the process already has stays loaded;
+  //      the stderr line then says that the process has two.)
+  //   2. An NCCL the process already has (torch's): any loaded libnccl.so*, else what
+  //      dlopen("libnccl.so.2", RTLD_NOLOAD) finds. Using it keeps one NCCL in the process.
+  //   3. The nvidia-nccl-cu* Python package, <site-packages>/nvidia/nccl/lib/libnccl.so.2, for the
+  //      site-packages (or dist-packages) directories holding a loaded library (libtorch, any
+  //      extension module, a pip-installed libshadowsync_c.so), those of PYTHONPATH, and
+  //      <prefix>/lib/python3*/{site,dist}-packages for VIRTUAL_ENV, CONDA_PREFIX and, in a python
+  //      interpreter, its own prefix and ~/.local. That is the file torch loads when imported
+  //      later, so the process still ends up with one NCCL.
+  //   4. The system's: dlopen("libnccl.so.2") through the dynamic loader's search path.
+  // Usable means: loads, exports ncclGetVersion, is NCCL 2.14.0 or newer (nonblocking
+  // communicators, ncclCommFinalize, CTA limits) and exports every function the transport calls.
+  // Throws Error(kTransport) listing every place looked at and why each failed; a failure is not
+  // remembered, the next call searches again. Thread-safe.
+  static NcclLibraryInfo library();
+
   // ncclGetUniqueId: rank 0's side makes the id and sends it to every rank over the control plane.
   // Opens a listening socket for the bootstrap in this process, so call it on the side that will
   // take part as a rank. Throws Error(kTransport). Thread-safe.

@@ -354,6 +354,16 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_unique_id(
 SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_transport_create(
     const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int world_size, int device,
     const shadowsync_nccl_config_t* config, shadowsync_transport_t* transport);
+/* The NCCL library the NCCL transport uses (NcclTransport::library(); nccl_transport.h says where
+ * it looks; SHADOWSYNC_NCCL_LIBRARY=<path> chooses one). Loads it if no call did yet, and then
+ * prints one line on stderr unless SHADOWSYNC_NCCL_QUIET=1. Writes the library's path,
+ * NUL-terminated, to `path` unless it is NULL (too small a path_size: SHADOWSYNC_INVALID_ARGUMENT,
+ * nothing written, and the last error says how many bytes it needs), and ncclGetVersion's code
+ * (22809 for NCCL 2.28.9) to `version` unless it is NULL. SHADOWSYNC_TRANSPORT_ERROR when no usable
+ * NCCL is found: the last error lists every place looked at and why each failed.
+ * SHADOWSYNC_NOT_SUPPORTED without CUDA. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_library(char* path, size_t path_size,
+                                                           int32_t* version);
 /* Destroys a transport no receiver or sender took. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_transport_destroy(shadowsync_transport_t transport);
 

@@ -140,6 +140,29 @@ shadowsync_status_t shadowsync_nccl_transport_create(
   });
 }
 
+shadowsync_status_t shadowsync_nccl_library(char* path, size_t path_size, int32_t* version) {
+  return guard(__func__, [&] {
+#if defined(SHADOWSYNC_WITH_CUDA)
+    const NcclLibraryInfo library = NcclTransport::library();
+    if (path != nullptr) {
+      if (path_size < library.path.size() + 1) {
+        throw_invalid(
+            fmt::format("path_size {} is too small for the NCCL library's path {} ({} "
+                        "bytes with its NUL)",
+                        path_size, library.path, library.path.size() + 1));
+      }
+      std::memcpy(path, library.path.c_str(), library.path.size() + 1);
+    }
+    if (version != nullptr) *version = library.version;
+#else
+    (void)path;
+    (void)path_size;
+    (void)version;
+    throw_not_supported("NCCL library: this library was built without CUDA/NCCL");
+#endif
+  });
+}
+
 shadowsync_status_t shadowsync_transport_destroy(shadowsync_transport_t transport) {
   return guard(__func__,
                [&] { Registry::instance().remove<TransportObject>(transport, "transport"); });

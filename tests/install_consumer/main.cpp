@@ -7,6 +7,9 @@
 #include "shadowsync/engine_adapter.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/layout.h"
+#if defined(SHADOWSYNC_WITH_CUDA)
+#include "shadowsync/nccl_transport.h"
+#endif
 
 namespace {
 
@@ -32,5 +35,13 @@ int main() {
   std::printf("shadowsync consumer: fingerprint %016llx, engine adapter %s\n",
               static_cast<unsigned long long>(layout.fingerprint()),
               extension.initialized() ? "initialized" : "constructed");
+#if defined(SHADOWSYNC_WITH_CUDA)
+  // Links the NCCL transport, which opens libnccl at run time: the package names no NCCL, and the
+  // link needs none. Not called: that would need NCCL on the machine running the test.
+  auto* volatile create = &shadowsync::NcclTransport::create;
+  auto* volatile library = &shadowsync::NcclTransport::library;
+  std::printf("shadowsync consumer: NCCL transport linked (%d)\n",
+              create != nullptr && library != nullptr);
+#endif
   return 0;
 }

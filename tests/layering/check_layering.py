@@ -22,7 +22,7 @@ PLUGIN = ROOT / "plugin"
 GUARDED = {
     "CUDA::cudart": re.compile(r"^(cuda|cuda_runtime|cuda_runtime_api|driver_types|cudaTypedefs)\.h$"),
     "CUDA::cuda_driver": re.compile(r"^cuda\.h$"),
-    "NCCL::nccl": re.compile(r"^nccl\.h$"),
+    "NCCL::headers": re.compile(r"^nccl\.h$"),
     "OpenSSL::Crypto": re.compile(r"^openssl/"),
 }
 # The umbrella target of plugin/CMakeLists.txt.
@@ -42,7 +42,8 @@ def parse_components():
                 if word in fields:
                     section = word
                 else:
-                    fields[section].append(word)
+                    # $<BUILD_INTERFACE:X> (a dependency kept out of the installed package) is X.
+                    fields[section].append(re.sub(r"^\$<BUILD_INTERFACE:(.*)>$", r"\1", word))
             name = "shadowsync_" + fields["NAME"][0]
             components[name] = {
                 "folder": cmake.parent.relative_to(PLUGIN).as_posix(),

@@ -31,10 +31,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
-
-#if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
-#error "shadowsync's NcclTransport needs NCCL 2.14 or newer (nonblocking communicators)"
-#endif
+#include "transports/nccl/nccl_library.h"
 
 static_assert(sizeof(ncclUniqueId) == shadowsync::NcclUniqueId::kSize,
               "NcclUniqueId must hold exactly an ncclUniqueId");
@@ -45,6 +42,10 @@ namespace shadowsync {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The process's NCCL, loaded by the first create() or generate_unique_id(); may throw only there.
+// Every other caller holds a transport, so the library is loaded and this returns at once.
+const nccl_detail::NcclApi& nccl() { return nccl_detail::NcclLibrary::process().api(); }
 
 // Poll back-off: enqueueing normally completes in microseconds, while init and the first
 // collective's connection setup take up to seconds; doubling from a few microseconds to a
@@ -78,9 +79,10 @@ void disable_nvls_once() {
 
 // "unhandled system error (ncclResult 2); <last error detail>"
 std::string nccl_message(ncclResult_t result, ncclComm_t comm) {
-  const char* last = ncclGetLastError(comm);
-  return fmt::format("{} (ncclResult {}){}{}", ncclGetErrorString(result), static_cast<int>(result),
-                     last != nullptr && *last != '\0' ? "; " : "", last != nullptr ? last : "");
+  const char* last = nccl().get_last_error(comm);
+  return fmt::format("{} (ncclResult {}){}{}", nccl().get_error_string(result),
+                     static_cast<int>(result), last != nullptr && *last != '\0' ? "; " : "",
+                     last != nullptr ? last : "");
 }
 
 // Invalid arguments and usage leave the communicator as it was; anything else breaks it.
@@ -110,10 +112,15 @@ class ScopedDeviceNoThrow {
 
 }  // namespace
 
+NcclLibraryInfo NcclTransport::library() {
+  const nccl_detail::NcclLibrary& library = nccl_detail::NcclLibrary::process();
+  return NcclLibraryInfo{library.path(), library.version(), library.place()};
+}
+
 NcclUniqueId NcclTransport::generate_unique_id() {
   disable_nvls_once();
   ncclUniqueId raw;
-  const ncclResult_t result = ncclGetUniqueId(&raw);
+  const ncclResult_t result = nccl().get_unique_id(&raw);
   if (result != ncclSuccess) {
     throw Error(ErrorCode::kTransport,
                 fmt::format("ncclGetUniqueId failed: {}", nccl_message(result, nullptr)));
@@ -174,10 +181,11 @@ std::unique_ptr<NcclTransport> NcclTransport::create(const NcclUniqueId& id, int
   std::memcpy(&raw_id, id.bytes.data(), NcclUniqueId::kSize);
 
   ncclComm_t comm = nullptr;
-  const ncclResult_t result = ncclCommInitRankConfig(&comm, world_size, raw_id, rank, &nccl_config);
+  const ncclResult_t result =
+      nccl().comm_init_rank_config(&comm, world_size, raw_id, rank, &nccl_config);
   if (result != ncclSuccess && result != ncclInProgress) {
     const std::string message = nccl_message(result, comm);
-    if (comm != nullptr) (void)ncclCommAbort(comm);
+    if (comm != nullptr) (void)nccl().comm_abort(comm);
     throw Error(is_caller_error(result) ? ErrorCode::kInvalidArgument : ErrorCode::kTransport,
                 fmt::format("NcclTransport (rank {} of {}, device {}): ncclCommInitRankConfig "
                             "failed: {}",
@@ -188,7 +196,7 @@ std::unique_ptr<NcclTransport> NcclTransport::create(const NcclUniqueId& id, int
   try {
     transport.reset(new NcclTransport(comm, rank, world_size, device, config));
   } catch (...) {
-    (void)ncclCommAbort(comm);
+    (void)nccl().comm_abort(comm);
     throw;
   }
   // On failure this aborts the communicator and throws; the transport's destructor then has
@@ -223,7 +231,7 @@ NcclTransport::~NcclTransport() {
 
   ScopedDeviceNoThrow device(device_);
   ncclResult_t state = ncclSuccess;
-  ncclResult_t result = ncclCommGetAsyncError(comm_, &state);
+  ncclResult_t result = nccl().comm_get_async_error(comm_, &state);
   if (result != ncclSuccess || state != ncclSuccess) {
     // Broken (or, after a caller's error, still busy): finalizing is not allowed, abort.
     abort_locked("destroyed while the communicator was not healthy");
@@ -231,21 +239,21 @@ NcclTransport::~NcclTransport() {
   }
   // Finalize flushes our enqueued work; it may never end if a peer died with a collective
   // pending, hence the deadline (the lock stays held: no other call may run now).
-  result = ncclCommFinalize(comm_);
+  result = nccl().comm_finalize(comm_);
   if (result == ncclSuccess || result == ncclInProgress) {
     const Clock::time_point deadline = deadline_after(config_.finalize_timeout);
     std::chrono::microseconds sleep = kFirstPollSleep;
     for (;;) {
-      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
+      if (nccl().comm_get_async_error(comm_, &state) != ncclSuccess) break;
       if (state != ncclInProgress || Clock::now() >= deadline) break;
       sleep_backoff(sleep);
     }
     if (state == ncclSuccess) {
-      result = ncclCommDestroy(comm_);
+      result = nccl().comm_destroy(comm_);
       if (result != ncclSuccess) {
         std::fprintf(stderr,
                      "shadowsync: NcclTransport (rank %d of %d, device %d): ncclCommDestroy: %s\n",
-                     rank_, world_size_, device_, ncclGetErrorString(result));
+                     rank_, world_size_, device_, nccl().get_error_string(result));
       }
       comm_ = nullptr;
       return;
@@ -270,7 +278,7 @@ void NcclTransport::wait_until_ready(const char* what, std::chrono::milliseconds
                                                        describe(), what, abort_reason_));
       }
       ncclResult_t state = ncclSuccess;
-      const ncclResult_t result = ncclCommGetAsyncError(comm_, &state);
+      const ncclResult_t result = nccl().comm_get_async_error(comm_, &state);
       if (result != ncclSuccess) state = result;
       if (state == ncclSuccess) return;
       if (state != ncclInProgress) {
@@ -318,7 +326,7 @@ void NcclTransport::broadcast_async(void* buffer, std::size_t bytes, int root, S
   // In place: for a broadcast NCCL allows sendbuff == recvbuff, and the root's buffer is only
   // read. Bytes as ncclUint8 so any tensor image goes through unchanged.
   const ncclResult_t result =
-      ncclBroadcast(buffer, buffer, bytes, ncclUint8, root, comm_, cuda_stream);
+      nccl().broadcast(buffer, buffer, bytes, ncclUint8, root, comm_, cuda_stream);
   if (result == ncclSuccess) return;
   if (result == ncclInProgress) {
     if (group_depth_ > 0) return;  // group_end() waits for the whole group
@@ -343,7 +351,7 @@ void NcclTransport::group_begin() {
                 fmt::format("{}: group_begin: the communicator was aborted ({})", describe(),
                             abort_reason_));
   }
-  const ncclResult_t result = ncclGroupStart();
+  const ncclResult_t result = nccl().group_start();
   if (result != ncclSuccess) {
     throw Error(ErrorCode::kTransport, fmt::format("{}: ncclGroupStart failed: {}", describe(),
                                                    nccl_message(result, comm_)));
@@ -360,7 +368,7 @@ void NcclTransport::group_end() {
   // Best effort: ncclGroupEnd must run whatever happens, or this thread's NCCL group stays open.
   (void)cudaSetDevice(device_);
   cuda_detail::clear_last_error();
-  const ncclResult_t result = ncclGroupEnd();
+  const ncclResult_t result = nccl().group_end();
   --group_depth_;
   if (group_depth_ > 0) {
     // Nested: NCCL launches at the outermost end; only a hard failure matters here.
@@ -403,7 +411,7 @@ std::optional<std::string> NcclTransport::async_error() {
     return fmt::format("{}: the communicator was aborted ({})", describe(), abort_reason_);
   }
   ncclResult_t state = ncclSuccess;
-  const ncclResult_t result = ncclCommGetAsyncError(comm_, &state);
+  const ncclResult_t result = nccl().comm_get_async_error(comm_, &state);
   if (result != ncclSuccess) {
     return fmt::format("{}: ncclCommGetAsyncError failed: {}", describe(),
                        nccl_message(result, comm_));
@@ -439,11 +447,11 @@ void NcclTransport::abort_locked(const std::string& reason) noexcept {
   ScopedDeviceNoThrow device(device_);
   // Blocking even for a nonblocking communicator: sets the abort flag that NCCL kernels poll, so
   // kernels waiting for a lost peer exit and their streams move on; then frees the communicator.
-  const ncclResult_t result = ncclCommAbort(comm_);
+  const ncclResult_t result = nccl().comm_abort(comm_);
   if (result != ncclSuccess) {
     std::fprintf(stderr,
                  "shadowsync: NcclTransport (rank %d of %d, device %d): ncclCommAbort: %s\n", rank_,
-                 world_size_, device_, ncclGetErrorString(result));
+                 world_size_, device_, nccl().get_error_string(result));
   }
   comm_ = nullptr;
   abort_pending_ = false;
