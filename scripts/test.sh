@@ -9,8 +9,8 @@
 #   wheel    the Python package as a user installs it: `pip wheel .` (pyproject.toml,
 #            scikit-build-core from PyPI) in a fresh venv builds the wheel with its library,
 #            a second fresh venv installs it, and pytest python/tests runs against that installed
-#            package (SHADOWSYNC_TEST_INSTALLED=1, away from python/, SHADOWSYNC_LIBRARY unset);
-#            in build-wheel/
+#            package (SHADOWSYNC_TEST_INSTALLED=1, away from python/, SHADOWSYNC_LIBRARY and
+#            PYTHONPATH unset); in build-wheel/
 #   fuzz     the control channel's frame parser under libFuzzer (clang, ASan+UBSan), 30 s:
 #            scripts/fuzz.sh; runs on every run, any crash fails
 #   asan     preset asan (build-asan/: address,undefined, -O1, CUDA OFF)
@@ -189,8 +189,9 @@ step_wheel() {
   # From an empty directory, so that neither python/ nor the checkout is importable; conftest.py
   # refuses to run if shadowsync still comes from python/.
   mkdir -p "$dir/run"
-  (cd "$dir/run" && env -u SHADOWSYNC_LIBRARY SHADOWSYNC_TEST_INSTALLED=1 PYTHONDONTWRITEBYTECODE=1 \
-    "$ROOT/$dir/venv-test/bin/python" -m pytest "$ROOT/python/tests" -q -rs -p no:cacheprovider) \
+  (cd "$dir/run" &&
+    env -u SHADOWSYNC_LIBRARY -u PYTHONPATH SHADOWSYNC_TEST_INSTALLED=1 PYTHONDONTWRITEBYTECODE=1 \
+      "$ROOT/$dir/venv-test/bin/python" -m pytest "$ROOT/python/tests" -q -rs -p no:cacheprovider) \
     2>&1 | tee "$dir/pytest.log" || rc=$?
   local result
   result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$dir/pytest.log" | tail -n 1 || true)
