@@ -17,6 +17,9 @@ function(shadowsync_add_component)
   list(REMOVE_ITEM sources ${arg_EXCLUDE})
   add_library(${target} STATIC ${sources})
   add_library(shadowsync::${arg_NAME} ALIAS ${target})
+  # fmt::fmt stands for the fmt the build chose (SHADOWSYNC_FMT_HEADER_ONLY: the header-only one).
+  list(TRANSFORM arg_DEPENDS REPLACE "^fmt::fmt$" "${SHADOWSYNC_FMT_TARGET}")
+  list(TRANSFORM arg_PRIVATE_DEPENDS REPLACE "^fmt::fmt$" "${SHADOWSYNC_FMT_TARGET}")
   list(TRANSFORM arg_HEADERS PREPEND "${PROJECT_SOURCE_DIR}/include/shadowsync/")
   target_sources(${target} PUBLIC
     FILE_SET HEADERS

@@ -6,6 +6,11 @@
 #   gpu      test preset default-gpu: build/'s gpu-labelled tests, which must skip without a GPU
 #   python   pytest python/tests against build/libshadowsync_c.so (scripts/python_deps.sh installs
 #            numpy and pytest if missing)
+#   wheel    the Python package as a user installs it: `pip wheel .` (pyproject.toml,
+#            scikit-build-core from PyPI) in a fresh venv builds the wheel with its library,
+#            a second fresh venv installs it, and pytest python/tests runs against that installed
+#            package (SHADOWSYNC_TEST_INSTALLED=1, away from python/, SHADOWSYNC_LIBRARY and
+#            PYTHONPATH unset); in build-wheel/
 #   fuzz     the control channel's frame parser under libFuzzer (clang, ASan+UBSan), 30 s:
 #            scripts/fuzz.sh; runs on every run, any crash fails
 #   asan     preset asan (build-asan/: address,undefined, -O1, CUDA OFF)
@@ -17,6 +22,7 @@
 #   SHADOWSYNC_JOBS=N                   build and ctest parallelism (default 2)
 #   SHADOWSYNC_WERROR=OFF               do not turn warnings into errors (default build)
 #   SHADOWSYNC_FUZZ_SECONDS=N           how long the fuzz target runs (default 30)
+#   SHADOWSYNC_WITH_CUDA=AUTO|ON|OFF    the wheel's CUDA backend (default AUTO, as for a user)
 # Exits non-zero if any build or test failed (at once after a failed build, since a compile error
 # repeats in every build); ends with a summary holding each build's ctest result line.
 set -euo pipefail
@@ -135,6 +141,67 @@ step_python() {
   fi
 }
 
+# The wheel step's directory: both venvs, the wheel (dist/), its CMake build (cmake/) and logs.
+readonly WHEEL_DIR=build-wheel
+
+step_wheel() {
+  local dir="$WHEEL_DIR" rc=0
+  mkdir -p "$dir"
+  if ! ./scripts/python_deps.sh; then
+    summary+=("wheel: FAILED (python3 -m venv unavailable: see scripts/python_deps.sh)")
+    failed=1
+    return 0
+  fi
+  log "[wheel] pip wheel . in a fresh venv ($dir/venv-build)"
+  # CMake settings of this machine, as the other builds get them (configure_args).
+  local config=("-Cbuild-dir=$dir/cmake")
+  if [[ -d .deps/prefix/usr ]]; then
+    config+=("-Ccmake.define.CMAKE_PREFIX_PATH=$ROOT/.deps/prefix/usr")
+  fi
+  if command -v ccache >/dev/null; then
+    config+=(-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache
+      -Ccmake.define.CMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  fi
+  rm -rf "$dir/dist"
+  if ! { python3 -m venv --clear "$dir/venv-build" &&
+    CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" "$dir/venv-build/bin/pip" wheel -v --no-deps \
+      -w "$dir/dist" "${config[@]}" . ; } > "$dir/wheel.log" 2>&1; then
+    tail -n 40 "$dir/wheel.log"
+    summary+=("wheel: BUILD FAILED (see $dir/wheel.log)")
+    failed=1
+    return 0
+  fi
+  local wheel
+  wheel=$(ls "$dir"/dist/shadowsync-*.whl)
+  grep -E "shadowsync(: CUDA| wheel:)" "$dir/wheel.log" | sed 's/^ *//'
+  summary+=("wheel: $(basename "$wheel"): $(grep -o 'CUDA/NCCL backend.*' "$dir/wheel.log" | tail -n 1)")
+
+  log "[wheel] install $(basename "$wheel") and pytest into a fresh venv ($dir/venv-test)"
+  if ! { python3 -m venv --clear "$dir/venv-test" &&
+    "$dir/venv-test/bin/pip" install --quiet "$wheel" pytest; } 2>&1 | tee "$dir/install.log"; then
+    summary+=("wheel: FAILED (install into a fresh venv: see $dir/install.log)")
+    failed=1
+    return 0
+  fi
+  unzip -l "$wheel" 2>/dev/null || "$dir/venv-test/bin/python" -m zipfile -l "$wheel"
+
+  log "[wheel] pytest python/tests against the installed package"
+  # From an empty directory, so that neither python/ nor the checkout is importable; conftest.py
+  # refuses to run if shadowsync still comes from python/.
+  mkdir -p "$dir/run"
+  (cd "$dir/run" &&
+    env -u SHADOWSYNC_LIBRARY -u PYTHONPATH SHADOWSYNC_TEST_INSTALLED=1 PYTHONDONTWRITEBYTECODE=1 \
+      "$ROOT/$dir/venv-test/bin/python" -m pytest "$ROOT/python/tests" -q -rs -p no:cacheprovider) \
+    2>&1 | tee "$dir/pytest.log" || rc=$?
+  local result
+  result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$dir/pytest.log" | tail -n 1 || true)
+  summary+=("wheel: pytest ${result:-no pytest result line}")
+  if ((rc != 0)); then
+    summary+=("wheel: FAILED (pytest exit $rc)")
+    failed=1
+  fi
+}
+
 step_fuzz() {
   log "[fuzz] scripts/fuzz.sh"
   if ./scripts/fuzz.sh 2>&1 | tee build/fuzz.log; then
@@ -161,7 +228,7 @@ step_tsan() {
   ctest_wrapper=()
 }
 
-STEPS=(default gpu python fuzz)
+STEPS=(default gpu python wheel fuzz)
 if [[ "${SHADOWSYNC_TEST_SKIP_SANITIZERS:-0}" != "1" ]]; then
   STEPS+=(asan tsan)
 fi

@@ -1,12 +1,14 @@
 """shadowsync: asynchronous double-buffered weight updates from an RL trainer into inference
 engines, over the C ABI of libshadowsync_c (ctypes; no compiler needed).
 
-The library is found on first use: SHADOWSYNC_LIBRARY, then next to this package, then the CMake
-build tree of a source checkout (build/), then the system loader (see shadowsync._library).
+The library is found on first use: SHADOWSYNC_LIBRARY, then next to this package (where
+``pip install .`` puts it), then the CMake build tree of a source checkout (build/), then the
+system loader (see shadowsync._library).
 ``shadowsync.vllm.WorkerExtension`` is the vLLM worker extension (engine_adapters/vllm/ of the
 repository).
 """
 
+import re as _re
 from pathlib import Path as _Path
 
 from ._library import LibraryNotFoundError
@@ -31,10 +33,27 @@ from .receiver import GroupSwap, Receiver, ReceiverConfig, ReceiverStats, Update
 from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
 from .transport import Loopback, NcclConfig, Transport, nccl_transport, nccl_unique_id
 
-__version__ = "0.1.0"
+
+def _checkout_version() -> str:
+    """The version of the CMake project of the source checkout this package lies in."""
+    cmake_lists = _Path(__file__).resolve().parent.parent.parent / "CMakeLists.txt"
+    try:
+        text = cmake_lists.read_text(encoding="utf-8")
+    except OSError:
+        return "0+unknown"
+    match = _re.search(r"project\(\s*shadowsync\s+VERSION\s+([0-9]+\.[0-9]+\.[0-9]+)", text)
+    return match.group(1) if match else "0+unknown"
+
+
+# One version, the CMake project's: the wheel build writes it into _version.py (pyproject.toml);
+# a source checkout has no _version.py and reads it from CMakeLists.txt.
+try:
+    from ._version import __version__
+except ImportError:
+    __version__ = _checkout_version()
 
 # The subpackage shadowsync.vllm lives in the repository's engine_adapters/vllm/. An installed
-# package has it in place (pyproject.toml maps it); a source checkout (this package imported from
+# package has it in place (python/CMakeLists.txt installs it); a source checkout (this package imported from
 # python/, as the tests do) finds it through the package's search path.
 _ADAPTERS = _Path(__file__).resolve().parent.parent.parent / "engine_adapters"
 if not (_Path(__file__).resolve().parent / "vllm").is_dir() and (_ADAPTERS / "vllm").is_dir():

@@ -9,7 +9,8 @@ Search order (the first hit wins):
 
 1. ``SHADOWSYNC_LIBRARY``: the path of the .so. When set, nothing else is tried, so that a typo
    cannot silently load another build.
-2. Next to this package: ``shadowsync/libshadowsync_c.so`` (where a wheel would ship it).
+2. Next to this package: ``shadowsync/libshadowsync_c.so`` (where ``pip install .``
+   puts it).
 3. The CMake build trees of the source checkout this package sits in (``python/`` of the repo):
    ``<repo>/build/`` (what ``scripts/test.sh`` and ``scripts/demo.sh`` build), then
    ``<repo>/build-release/``.
@@ -353,9 +354,10 @@ def load() -> ctypes.CDLL:
                 _, places = candidates()
                 looked = "\n  ".join(places + [f"the system loader ('{LIBRARY_FILE}': {e})"])
                 raise LibraryNotFoundError(
-                    f"{LIBRARY_FILE} not found. Looked in:\n  {looked}\nBuild it (cmake -S . -B "
-                    f"build && cmake --build build --target shadowsync_c) and set {ENV_VAR} to "
-                    f"the .so, or install it where the system loader finds it."
+                    f"{LIBRARY_FILE} not found. Looked in:\n  {looked}\nInstall the package with "
+                    f"its library (pip install . from the repository), or build it (cmake -S . "
+                    f"-B build && cmake --build build --target shadowsync_c) and set {ENV_VAR} "
+                    f"to the .so, or install it where the system loader finds it."
                 ) from e
             raise LibraryNotFoundError(f"{path}: cannot be loaded: {e}") from e
         try:

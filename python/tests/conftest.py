@@ -1,15 +1,32 @@
-"""pytest setup: this checkout's package first on sys.path, and the `pair` fixture.
+"""pytest setup: which `shadowsync` package is tested, and the `pair` fixture.
 
-The library comes from SHADOWSYNC_LIBRARY (scripts/test.sh points it at build/) or the package's
-own search (a source checkout's build/)."""
+By default the package of this checkout (python/ first on sys.path), with the library from
+SHADOWSYNC_LIBRARY (scripts/test.sh points it at build/) or the package's own search (a source
+checkout's build/). With SHADOWSYNC_TEST_INSTALLED=1 the pip-installed package instead, as a user
+gets it (scripts/test.sh's wheel step): python/ is not put on sys.path, and importing shadowsync
+from this checkout is an error."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-# Test the package of this checkout, whether or not one is pip-installed.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+PYTHON_DIR = Path(__file__).resolve().parent.parent
+TEST_INSTALLED = os.environ.get("SHADOWSYNC_TEST_INSTALLED") == "1"
+
+if not TEST_INSTALLED:
+    # Test the package of this checkout, whether or not one is pip-installed.
+    sys.path.insert(0, str(PYTHON_DIR))
+else:
+    import shadowsync
+
+    _imported = Path(shadowsync.__file__).resolve()
+    if PYTHON_DIR in _imported.parents:
+        raise RuntimeError(
+            f"SHADOWSYNC_TEST_INSTALLED=1 but shadowsync was imported from this checkout "
+            f"({_imported}), not an installed package: run pytest from a directory where python/ "
+            f"is not importable")
 
 from support import Pair  # noqa: E402
 
