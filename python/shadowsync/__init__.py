@@ -31,7 +31,15 @@ from .errors import (
 from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
 from .receiver import GroupSwap, Receiver, ReceiverConfig, ReceiverStats, UpdateFailure
 from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
-from .transport import Loopback, NcclConfig, Transport, nccl_transport, nccl_unique_id
+from .transport import (
+    Loopback,
+    NcclConfig,
+    NcclLibrary,
+    Transport,
+    nccl_library,
+    nccl_transport,
+    nccl_unique_id,
+)
 
 
 def _checkout_version() -> str:
@@ -83,6 +91,7 @@ __all__ = [
     "LibraryNotFoundError",
     "Loopback",
     "NcclConfig",
+    "NcclLibrary",
     "NotSupportedError",
     "PublishHandle",
     "Receiver",
@@ -106,6 +115,7 @@ __all__ = [
     "canonical_dtype",
     "has_cuda",
     "library_path",
+    "nccl_library",
     "nccl_transport",
     "nccl_unique_id",
 ]

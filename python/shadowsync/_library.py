@@ -245,6 +245,7 @@ _PROTOTYPES = {
         c_int,
         [_P(c_uint8), c_int, c_int, c_int, _P(NcclConfigC), _P(_H)],
     ),
+    "shadowsync_nccl_library": (c_int, [c_char_p, c_size_t, _P(c_int32)]),
     "shadowsync_transport_destroy": (c_int, [_H]),
     # receiver
     "shadowsync_receiver_create": (c_int, [_H, _H, _H, _P(ReceiverConfigC), _P(_H)]),

@@ -7,7 +7,7 @@ Transport is spent (closing it does nothing); if making it failed, the caller st
 
 from __future__ import annotations
 
-from ctypes import byref, c_uint8, c_void_p
+from ctypes import byref, c_int32, c_uint8, c_void_p, create_string_buffer
 from dataclasses import dataclass
 
 from ._handle import Handle
@@ -45,6 +45,33 @@ class Loopback(Handle):
         handle = c_void_p()
         call("shadowsync_loopback_transport", self._handle, int(rank), byref(handle))
         return Transport(handle.value, f"loopback rank {rank} of {self.world_size}")
+
+
+@dataclass(frozen=True)
+class NcclLibrary:
+    """The NCCL library the NCCL transport uses: its path and ncclGetVersion's code (22809 for
+    NCCL 2.28.9)."""
+
+    path: str
+    version_code: int
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        """(major, minor, patch), as torch.cuda.nccl.version() reports it."""
+        code = self.version_code
+        return (code // 10000, code % 10000 // 100, code % 100)
+
+
+def nccl_library() -> NcclLibrary:
+    """Loads NCCL if no call did yet and says which library and version the NCCL transport uses.
+    The search: an NCCL the process already has (torch's), the nvidia-nccl-cu* package next to
+    torch, the system's; SHADOWSYNC_NCCL_LIBRARY=<path> chooses one. TransportError lists every
+    place looked at when none is usable; NotSupportedError without CUDA. Thread-safe."""
+    require_cuda("nccl_library()")
+    path = create_string_buffer(4096)
+    version = c_int32()
+    call("shadowsync_nccl_library", path, len(path), byref(version))
+    return NcclLibrary(path.value.decode(), version.value)
 
 
 def nccl_unique_id() -> bytes:
