@@ -36,7 +36,6 @@
 #include "shadowsync/receiver.h"
 #include "shadowsync/sender.h"
 #include "shadowsync/step_hook.h"
-#include "shadowsync/swap_strategy.h"
 #include "shadowsync/transport.h"
 
 namespace shadowsync::bench {
