@@ -7,7 +7,8 @@
 # before building anything, if a mutation's patch no longer applies to the tree.
 #
 # Each mutation is a patch, tests/mutations/NN-name.patch (a unified diff against the tree, applied
-# with patch -p1). Its header names the invariant, and two lines tell this script what to run:
+# with patch -p1 --fuzz=0: its context must match exactly). Its header names the invariant, and two
+# lines tell this script what to run:
 #   Test: test_invariants          the executable, tests/integration/<name>
 #   Filter: invariant 1*           the Catch2 test filter that selects the guarding test
 # The shipped code holds no trace of the mutations.
@@ -79,7 +80,7 @@ for m in "${mutations[@]}"; do
   patch=$(patch_of "$m")
   header_field "$patch" Test >/dev/null
   header_field "$patch" Filter >/dev/null
-  if ! out=$(patch -p1 --dry-run --batch --forward -d "$src" <"$patch" 2>&1); then
+  if ! out=$(patch -p1 --fuzz=0 --dry-run --batch --forward -d "$src" <"$patch" 2>&1); then
     echo "$out" >&2
     echo "FAILED: mutation $m ($patch) no longer applies to the tree; update the patch" >&2
     exit 1
@@ -99,7 +100,7 @@ for m in "${mutations[@]}"; do
   filter=$(header_field "$patch" Filter)
   log="$work/mutation-$m.log"
   echo "==> mutation $m ($(basename "$patch")): building $test"
-  patch -p1 --batch --forward --silent --no-backup-if-mismatch -d "$src" <"$patch"
+  patch -p1 --fuzz=0 --batch --forward --silent --no-backup-if-mismatch -d "$src" <"$patch"
   built=0
   cmake --build "$build" -j 2 --target "integration_$test" >"$work/build.log" 2>&1 || built=$?
   rc=0
