@@ -51,14 +51,6 @@ class HostBackend final : public Backend {
   // runs on the stream's thread, in order with the stream's other work. Thread-safe per stream.
   void launch_async(Stream& stream, std::function<void()> task);
 
-  // The memcpy_async calls enqueued so far (non-empty ones) and their bytes: lets tests count the
-  // copies a swap makes. Thread-safe.
-  struct CopyStats {
-    std::uint64_t calls = 0;
-    std::uint64_t bytes = 0;
-  };
-  CopyStats copy_stats() const;
-
  private:
   struct State;
   std::unique_ptr<State> state_;

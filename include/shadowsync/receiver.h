@@ -1,5 +1,12 @@
 // The receiver: owns both slots of every group, a background thread on its own low-priority
 // stream that receives updates into the shadow slots, and the engine's step hook.
+//
+// Threads: the receives, their checks and the observer run on the receiver's own thread; the
+// public calls below say which threads may make them; the step hook is the engine thread's
+// (step_hook.h). Streams: the receiver creates its own (one for the receives, one for the checks
+// of the received bytes when the backend has them); it meets the engine's stream only through
+// the step hook. Ownership: the receiver owns its slots, streams, events, thread and transport;
+// the backend must outlive it.
 #pragma once
 
 #include <chrono>
@@ -14,7 +21,6 @@
 #include "shadowsync/error.h"
 #include "shadowsync/layout.h"
 #include "shadowsync/step_hook.h"
-#include "shadowsync/swap_strategy.h"
 #include "shadowsync/transport.h"
 #include "shadowsync/update_header.h"
 
@@ -55,8 +61,9 @@ struct ReceiverConfig {
   // last version forever and can never be updated again. Off by default: a library does not end
   // its host process unless asked.
   bool exit_on_stuck_abort = false;
-  // How a swap makes an update visible to the engine (swap_strategy.h; docs/ARCHITECTURE.md says
-  // when to pick which). rebind is the cheapest swap; copy_in and remap keep the live addresses.
+  // How a swap makes an update visible to the engine (SwapStrategy in step_hook.h;
+  // docs/ARCHITECTURE.md says when to pick which). rebind is the cheapest swap; copy_in and remap
+  // keep the live addresses.
   SwapStrategy swap_strategy = SwapStrategy::kRebind;
   // The engine replays CUDA graphs captured over the weights. A graph keeps the addresses it was
   // captured with, so rebind would leave it reading the old slot: the constructor refuses rebind

@@ -1,6 +1,13 @@
 // The sender (trainer side): packs a group's scattered tensors into the arena byte image bucket
 // by bucket, through two staging buffers so that packing bucket k+1 overlaps broadcasting bucket
 // k, one broadcast per bucket. publish() returns at once; a worker thread drives the update.
+//
+// Threads: the calls below say which threads may make them; one worker thread of the sender
+// sends the updates, one at a time in the order they were published. Streams: the sender's own
+// two (packing and broadcasting); the caller's tensors are read on them. Ownership: the sender
+// owns its staging buffers, streams, thread and transport; the backend must outlive it; the
+// caller's tensors must stay valid until the handle is done (publish, publish_arenas) or the
+// supply() that handed them over returned (publish_streamed).
 #pragma once
 
 #include <chrono>

@@ -1,15 +1,14 @@
 // The engine side of a receiver: called by the engine thread between two decode steps. With
 // nothing pending, before_step is one atomic load. With an update pending, it makes every group
 // of the update live at once and records, on the engine stream, the release event of each slot
-// that is no longer read. How depends on ReceiverConfig::swap_strategy:
-//   rebind   the live pointer table flips (live_arena() moves; rebind in the swap callback);
-//   copy_in  one device copy per group of the update, shadow -> live, enqueued on the engine
-//            stream; live_arena() never changes; returns without waiting for the copy;
-//   remap    each group's live range is remapped onto the new slot; live_arena() never changes.
-//            Contract: the swap first synchronizes the engine stream (a kernel still reading the
-//            live range must not see its pages unmapped), so the host blocks until the engine's
-//            enqueued work is done: free when the engine already synchronized at the step
-//            boundary, a stall of the work in flight otherwise.
+// that is no longer read. How depends on the swap strategy (SwapStrategy below,
+// ReceiverConfig::swap_strategy).
+//
+// Threads: the engine thread calls everything except what is marked thread-safe; the receiver
+// thread reaches the private half (publish, retract, ...) as a friend. Streams: every swap is
+// enqueued on the `engine_stream` the caller passes, the stream the engine's steps run on.
+// Ownership: the hook belongs to its Receiver and reads the receiver's slots; it owns nothing a
+// swap allocates (a swap allocates nothing).
 #pragma once
 
 #include <atomic>
@@ -20,11 +19,47 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "shadowsync/backend.h"
 
 namespace shadowsync {
+
+// How a swap makes an update's bytes visible to the engine. Chosen per receiver
+// (ReceiverConfig::swap_strategy); docs/ARCHITECTURE.md says when to pick which.
+enum class SwapStrategy {
+  // The live pointer table flips to the other slot (live_arena() moves); the engine reads its
+  // weights through it, or its adapter rebinds its tensors in the swap callback. Microseconds, no
+  // copy. Not for engines that replay CUDA graphs captured over the weights: a graph keeps the
+  // old addresses.
+  kRebind,
+  // The live storage never moves (live_arena() is fixed): the swap enqueues one device copy per
+  // group of the update, shadow -> live, on the engine stream, and returns without waiting for
+  // it. Any engine, CUDA graphs included, any backend. Costs bytes / device-copy bandwidth on the
+  // engine stream; no rollback.
+  kCopyIn,
+  // The live weights sit at a reserved virtual range (CUDA VMM) that the swap remaps onto the
+  // other slot's physical memory: the address stays (live_arena() is fixed), no byte is copied.
+  // CUDA graphs included; CUDA backend on a device with VMM only. Contract: the swap first
+  // synchronizes the engine stream (a kernel still reading the live range must not see its pages
+  // unmapped), so the host blocks until the engine's enqueued work is done: free when the engine
+  // already synchronized at the step boundary, a stall of the work in flight otherwise.
+  kRemap,
+};
+
+// "rebind", "copy_in", "remap": the names the C ABI's and Python's docs and errors use.
+constexpr std::string_view swap_strategy_name(SwapStrategy strategy) {
+  switch (strategy) {
+    case SwapStrategy::kRebind:
+      return "rebind";
+    case SwapStrategy::kCopyIn:
+      return "copy_in";
+    case SwapStrategy::kRemap:
+      return "remap";
+  }
+  return "unknown";
+}
 
 class Layout;
 class SlotTable;
@@ -57,12 +92,8 @@ class StepHook {
   // was pending (the fast path: one acquire load, no stores, no backend calls).
   // Engine thread only; `engine_stream` is the stream the engine's steps run on.
   std::optional<std::uint64_t> before_step(Stream& engine_stream) {
-#if defined(SHADOWSYNC_MUTATION) && SHADOWSYNC_MUTATION == 4
-    return apply_pending(engine_stream);  // mutation check only: no fast path
-#else
     if (pending_.load(std::memory_order_acquire) == nullptr) return std::nullopt;
     return apply_pending(engine_stream);
-#endif
   }
 
   // Applies a pending update now, if there is one (an idle engine). Engine thread only.

@@ -1,5 +1,5 @@
-// The second-level watchdog (issue 7): the receiver aborts a failed transport (ncclCommAbort) on its
-// own thread, and an abort that never returns would leave that thread, and with it every later
+// The second-level watchdog: the receiver aborts a failed transport (ncclCommAbort) on its own
+// thread, and an abort that never returns would leave that thread, and with it every later
 // update, stuck without a word. This runs the abort under a watch: once it has taken longer than
 // its bound, a watcher thread says so (the caller's `on_overdue`, which may end the process) while
 // the abort itself keeps going. Not installed.

@@ -5,15 +5,16 @@
 
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <future>
 #include <mutex>
 #include <optional>
 #include <thread>
 
-#include "core/abort_watchdog.h"
+#include "core/check_receiver_config.h"
 #include "core/check_root_rank.h"
-#include "core/mutation.h"
+#include "core/receive_checks.h"
+#include "core/receiver_abort.h"
+#include "core/refusal.h"
 #include "core/slot_planner.h"
 #include "core/slot_table.h"
 #include "shadowsync/error.h"
@@ -27,61 +28,6 @@ using Clock = std::chrono::steady_clock;
 // collective returns at once on both transports; if it does not, the slots can no longer be
 // trusted and the receiver stops taking updates rather than race with a stuck kernel.
 constexpr std::chrono::seconds kAbortDrainLimit{10};
-
-void check_config(const ReceiverConfig& config, const Transport* transport,
-                  const Backend& backend) {
-  const auto positive = [](auto value, const char* name) {
-    if (value.count() <= 0) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("ReceiverConfig::{} must be positive, got {}", name, value.count()));
-    }
-  };
-  positive(config.update_deadline, "update_deadline (ms)");
-  positive(config.bucket_deadline, "bucket_deadline (ms)");
-  positive(config.poll_interval, "poll_interval (us)");
-  positive(config.abort_deadline, "abort_deadline (ms)");
-  check_root_rank(config.root_rank, transport, "ReceiverConfig::root_rank");
-  if (config.engine_uses_cuda_graphs && config.swap_strategy == SwapStrategy::kRebind) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "ReceiverConfig::swap_strategy is rebind, but ReceiverConfig::"
-                "engine_uses_cuda_graphs is true: a captured CUDA graph keeps reading the "
-                "addresses it was captured with, which rebind moves away from (stale, then "
-                "overwritten weights); use swap_strategy copy_in or remap");
-  }
-  if (config.swap_strategy == SwapStrategy::kRemap) {
-    if (const std::string why = backend.remap_unsupported_reason(); !why.empty()) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("ReceiverConfig::swap_strategy is remap, but backend '{}' cannot "
-                              "remap: {}; use swap_strategy copy_in (also safe under CUDA graphs, "
-                              "at the cost of one device copy per swap)",
-                              backend.name(), why));
-    }
-  }
-  if ((config.require_checksums || config.reject_nonfinite) && !backend.supports_integrity()) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("ReceiverConfig::{} is set, but backend '{}' cannot check received "
-                            "bytes (supports_integrity() is false)",
-                            config.require_checksums ? "require_checksums" : "reject_nonfinite",
-                            backend.name()));
-  }
-}
-
-// Why an update is discarded, and where when a check of its bytes refused it.
-struct Refusal {
-  ErrorCode code = ErrorCode::kInternal;
-  std::string why;
-  bool transport_failed = true;  // the collective did not complete cleanly: abort the transport
-  std::string group;
-  std::optional<std::size_t> bucket;
-  std::string tensor;
-};
-
-// The checks enqueued for one update while its buckets were posted (see Impl::enqueue_checks).
-struct PendingChecks {
-  bool checksums = false;     // the header announced the sender's checksum block
-  std::size_t buckets = 0;    // checksums computed, in broadcast order
-  std::vector<std::pair<std::size_t, std::size_t>> tensors;  // (group, tensor) counted
-};
 
 struct Command {
   enum class Kind { kBegin, kReplaceTransport, kDrain, kShutdown };
@@ -100,22 +46,14 @@ struct Receiver::Impl {
         backend(backend),
         config(config),
         transport(std::move(transport)),
-        planner(owner.layout_.groups().size(),
-                /*live_moves=*/config.swap_strategy != SwapStrategy::kCopyIn),
+        planner(*owner.slots_),
         stream(backend.create_stream(StreamPriority::kLow)),
-        done_event(backend.create_event()) {
-    if (backend.supports_integrity()) check_stream = backend.create_stream(StreamPriority::kLow);
-    std::size_t checked_tensors = 0;
-    for (const auto& g : owner.layout_.groups()) {
-      max_buckets += g.bucket_count();
-      for (const auto& t : g.tensors()) checked_tensors += dtype_has_nonfinite_check(t.spec.dtype);
-    }
+        done_event(backend.create_event()),
+        checks(owner.layout_, backend, config.reject_nonfinite) {
+    std::size_t max_buckets = 0;  // of an update that carries every group
+    for (const auto& g : owner.layout_.groups()) max_buckets += g.bucket_count();
     // One more event for a trailing checksum block.
     for (std::size_t i = 0; i <= max_buckets; ++i) bucket_events.push_back(backend.create_event());
-    if (backend.supports_integrity()) {
-      integrity_host.resize(2 * max_buckets + checked_tensors);
-      integrity = DeviceBuffer(backend, integrity_host.size() * sizeof(std::uint64_t));
-    }
   }
 
   void run();
@@ -123,21 +61,14 @@ struct Receiver::Impl {
   void resolve_offer();
   // Nothing: the receive completed. Otherwise why it failed.
   std::optional<Refusal> wait_for_buckets(std::size_t bucket_count, Clock::time_point start);
-  // Enqueues, on check_stream behind bucket k's event, the checks of what bucket k completes:
-  // its checksum (when the header announced them) and the non-finite count of every tensor that
-  // ends in it (ReceiverConfig::reject_nonfinite). They overlap the later buckets' transfer, so
-  // what the checks add to an update is about one bucket's worth, not a pass over every byte.
-  void enqueue_checks(const GroupLayout& group, std::size_t group_index, const std::byte* arena,
-                      std::size_t k, Event& bucket_done, PendingChecks& checks);
-  // Waits for the enqueued checks and compares; nothing when they pass or nothing was asked.
-  std::optional<Refusal> verify(const std::vector<ReceiveTarget>& targets,
-                                const PendingChecks& checks, Clock::time_point start);
+  // Waits for the checks enqueued while the buckets were posted and compares; nothing when they
+  // pass or nothing was asked. `sent_block_done`: the event of the sender's checksum block.
+  std::optional<Refusal> verify(const std::vector<ReceiveTarget>& targets, Event* sent_block_done,
+                                Clock::time_point start);
   // Waits (up to kAbortDrainLimit each) until neither stream of the receiver has work queued;
   // false if one is still busy then.
   bool drain_streams();
   void discard(const UpdateHeader& header, const Refusal& refusal);
-  // Aborts and drops the transport under the second-level watchdog (abort_watchdog.h).
-  void abort_transport(std::uint64_t version);
   void report(const UpdateReport& report);  // count + notify
   void count(const UpdateReport& report);   // stats only
   void notify(const UpdateReport& report);  // the observer only
@@ -148,17 +79,9 @@ struct Receiver::Impl {
   std::unique_ptr<Transport> transport;  // receiver thread only
   SlotPlanner planner;                   // receiver thread only
   std::unique_ptr<Stream> stream;        // the receives
-  std::unique_ptr<Stream> check_stream;  // the integrity checks; only if the backend has them
   std::unique_ptr<Event> done_event;
   std::vector<std::unique_ptr<Event>> bucket_events;
-  std::size_t max_buckets = 0;  // of an update that carries every group
-
-  // Integrity scratch (when the backend has the checks), one 8-byte word each: [0, max_buckets)
-  // the sender's checksums (the received block), [max_buckets, 2 max_buckets) the ones computed
-  // here, then one non-finite count per fp32/fp16/bf16 tensor of the layout. Copied into
-  // integrity_host on the stream to be compared. Receiver thread only.
-  DeviceBuffer integrity;
-  std::vector<std::uint64_t> integrity_host;
+  ReceiveChecks checks;  // receiver thread only
 
   moodycamel::BlockingConcurrentQueue<Command> commands;
   std::atomic<bool> abort_requested{false};
@@ -176,22 +99,14 @@ struct Receiver::Impl {
 Receiver::Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
                    ReceiverConfig config)
     // The config is checked first, before the slots are allocated.
-    : layout_((check_config(config, transport.get(), backend), std::move(layout))),
+    : layout_((check_receiver_config(config, transport.get(), backend), std::move(layout))),
       slots_(std::make_unique<SlotTable>(layout_, backend, config.swap_strategy)),
       hook_(std::make_unique<StepHook>(layout_, *slots_)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
   impl_->thread = std::thread([this] { impl_->run(); });
 }
 
-Receiver::~Receiver() {
-  shutdown();
-  if constexpr (mutation::kActive == mutation::kShutdownLeaksStream) {
-    (void)impl_->stream.release();  // mutation check only: its thread outlives the receiver
-  }
-  if constexpr (mutation::kActive == mutation::kShutdownLeaksBuffer) {
-    (void)impl_->backend.allocate(64);  // mutation check only: never freed
-  }
-}
+Receiver::~Receiver() { shutdown(); }
 
 void Receiver::begin_update(const UpdateHeader& header) {
   if (impl_->stopping.load()) {
@@ -267,7 +182,7 @@ void Receiver::shutdown() {
   if (impl_->thread.joinable()) impl_->thread.join();
   // Nothing may still write (or read) the slots when they are freed.
   impl_->backend.stream_synchronize(*impl_->stream);
-  if (impl_->check_stream) impl_->backend.stream_synchronize(*impl_->check_stream);
+  if (Stream* checks = impl_->checks.stream()) impl_->backend.stream_synchronize(*checks);
 }
 
 void Receiver::Impl::run() {
@@ -333,14 +248,10 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
 
   // Invariant 2: no byte lands in a slot before the engine stream passed its last read of it.
   for (const ReceiveTarget& target : targets) {
-    if constexpr (mutation::kActive != mutation::kSkipReleaseWait) {
-      backend.stream_wait_event(*stream, *owner.slots_->group(target.group).release[target.slot]);
-    }
+    backend.stream_wait_event(*stream, *owner.slots_->group(target.group).release[target.slot]);
   }
   // Straight into the shadow arena: one broadcast per bucket, no staging, no per-tensor work.
-  PendingChecks checks;
-  checks.checksums = carries_checksums(header, layout);
-  const bool any_checks = checks.checksums || config.reject_nonfinite;
+  checks.begin(carries_checksums(header, layout));
   std::size_t posted = 0;
   std::size_t bytes = 0;
   for (const ReceiveTarget& target : targets) {
@@ -352,22 +263,20 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
       Event& bucket_done = *bucket_events[posted++];
       backend.event_record(bucket_done, *stream);
       bytes += bucket.bytes;
-      if (any_checks) enqueue_checks(group, target.group, arena, k, bucket_done, checks);
+      if (checks.active()) checks.enqueue_bucket(group, target.group, arena, k, bucket_done);
     }
   }
-  if (checks.checksums) {
+  Event* sent_block_done = nullptr;
+  if (checks.checksums()) {
     // The sender's checksums, one per bucket, as one more broadcast (update_header.h says why).
-    transport->broadcast_async(integrity.data(), posted * sizeof(std::uint64_t), config.root_rank,
-                               *stream);
-    backend.event_record(*bucket_events[posted++], *stream);
+    transport->broadcast_async(checks.sent_checksums(), posted * sizeof(std::uint64_t),
+                               config.root_rank, *stream);
+    sent_block_done = bucket_events[posted++].get();
+    backend.event_record(*sent_block_done, *stream);
   }
 
-  std::optional<Refusal> failure;
-  if constexpr (mutation::kActive != mutation::kPublishBeforeComplete) {
-    failure = wait_for_buckets(posted, start);
-    if (!failure) failure = verify(targets, checks, start);
-  }
-  if constexpr (mutation::kActive == mutation::kOfferFailedUpdate) failure.reset();
+  std::optional<Refusal> failure = wait_for_buckets(posted, start);
+  if (!failure) failure = verify(targets, sent_block_done, start);
   if (failure) {
     discard(header, *failure);
     return;
@@ -436,49 +345,13 @@ std::optional<Refusal> Receiver::Impl::wait_for_buckets(std::size_t bucket_count
   return std::nullopt;
 }
 
-void Receiver::Impl::enqueue_checks(const GroupLayout& group, std::size_t group_index,
-                                    const std::byte* arena, std::size_t k,
-                                    Event& bucket_done, PendingChecks& checks) {
-  auto* words = reinterpret_cast<std::uint64_t*>(integrity.data());
-  const Bucket bucket = group.bucket(k);
-  backend.stream_wait_event(*check_stream, bucket_done);
-  if (checks.checksums) {
-    backend.checksum_async(arena + bucket.offset, bucket.bytes,
-                           words + max_buckets + checks.buckets++, *check_stream);
-  }
-  if (!config.reject_nonfinite) return;
-  // Buckets complete in order on the receiver's stream, so a tensor is whole once the bucket
-  // holding its last byte is: count it then.
-  const std::size_t bucket_end = bucket.offset + bucket.bytes;
-  for (std::size_t t = 0; t < group.tensors().size(); ++t) {
-    const TensorPlacement& tensor = group.tensors()[t];
-    const std::size_t end = tensor.offset + tensor.bytes;
-    if (tensor.bytes == 0 || end <= bucket.offset || end > bucket_end) continue;
-    if (!dtype_has_nonfinite_check(tensor.spec.dtype)) continue;
-    std::uint64_t* count = words + 2 * max_buckets + checks.tensors.size();
-    backend.count_nonfinite_async(arena + tensor.offset,
-                                  tensor.bytes / dtype_size(tensor.spec.dtype), tensor.spec.dtype,
-                                  count, *check_stream);
-    checks.tensors.emplace_back(group_index, t);
-  }
-}
-
 std::optional<Refusal> Receiver::Impl::verify(const std::vector<ReceiveTarget>& targets,
-                                              const PendingChecks& checks,
-                                              Clock::time_point start) {
-  const Layout& layout = owner.layout_;
-  if (!checks.checksums && !config.reject_nonfinite) return std::nullopt;
-
-  // check_stream already waited for every data bucket (enqueue_checks); the sender's checksum
-  // block is the one event after them.
-  if (checks.checksums) backend.stream_wait_event(*check_stream, *bucket_events[checks.buckets]);
-  backend.memcpy_async(integrity_host.data(), integrity.data(),
-                       integrity_host.size() * sizeof(std::uint64_t), *check_stream);
-  backend.event_record(*done_event, *check_stream);
-
+                                              Event* sent_block_done, Clock::time_point start) {
+  if (!checks.active()) return std::nullopt;
+  checks.enqueue_results(sent_block_done);
   Refusal refusal;
   refusal.transport_failed = false;  // every collective completed: the transport is healthy
-  while (!backend.event_wait_for(*done_event, config.poll_interval)) {
+  while (!checks.results_ready(config.poll_interval)) {
     if (stopping.load()) {
       refusal.code = ErrorCode::kShutdown;
       refusal.why = "the receiver is shutting down";
@@ -498,51 +371,17 @@ std::optional<Refusal> Receiver::Impl::verify(const std::vector<ReceiveTarget>& 
       return refusal;
     }
   }
-
-  const std::uint64_t* sent_sums = integrity_host.data();
-  const std::uint64_t* got_sums = sent_sums + max_buckets;
-  std::size_t n = 0;
-  for (const ReceiveTarget& target : targets) {
-    const GroupLayout& group = layout.groups()[target.group];
-    for (std::size_t k = 0; checks.checksums && k < group.bucket_count(); ++k, ++n) {
-      if (sent_sums[n] == got_sums[n]) continue;
-      if constexpr (mutation::kActive == mutation::kSkipChecksumVerify) continue;
-      const Bucket bucket = group.bucket(k);
-      refusal.code = ErrorCode::kTransport;  // corrupted on the way
-      refusal.group = group.name();
-      refusal.bucket = k;
-      refusal.why = fmt::format(
-          "bucket {} of {} of group '{}' (bytes {}..{} of its arena) has checksum {:#018x}, but "
-          "the sender's is {:#018x}: corrupted in transit",
-          k, group.bucket_count(), group.name(), bucket.offset, bucket.offset + bucket.bytes,
-          got_sums[n], sent_sums[n]);
-      return refusal;
-    }
-  }
-  const std::uint64_t* got_counts = sent_sums + 2 * max_buckets;
-  for (std::size_t i = 0; i < checks.tensors.size(); ++i) {
-    if (got_counts[i] == 0) continue;
-    if constexpr (mutation::kActive == mutation::kSkipNonFiniteGuard) continue;
-    const auto [g, t] = checks.tensors[i];
-    const GroupLayout& group = layout.groups()[g];
-    const TensorPlacement& tensor = group.tensors()[t];
-    refusal.code = ErrorCode::kInvalidArgument;  // the trainer sent it: bad input
-    refusal.group = group.name();
-    refusal.tensor = tensor.spec.name;
-    refusal.why = fmt::format(
-        "tensor '{}' of group '{}' ({}, {} elements) holds {} NaN or infinite values "
-        "(ReceiverConfig::reject_nonfinite)",
-        tensor.spec.name, group.name(), dtype_name(tensor.spec.dtype),
-        tensor.bytes / dtype_size(tensor.spec.dtype), got_counts[i]);
-    return refusal;
-  }
-  return std::nullopt;
+  return checks.compare(targets);
 }
 
 void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal) {
   // Invariant 6: nothing of this update is offered; the live slots were never written.
   if (refusal.transport_failed) {
-    abort_transport(header.version);
+    abort_transport_watched(transport, header.version, config, [this](const std::string& message) {
+      std::lock_guard lock(stats_mutex);
+      ++stats.stuck_aborts;
+      stats.last_error = message;
+    });
     if (!drain_streams()) {
       std::fprintf(stderr,
                    "shadowsync: receiver streams still busy %lld s after aborting update %llu; "
@@ -581,48 +420,12 @@ void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal)
 
 bool Receiver::Impl::drain_streams() {
   // The receives first: the checks wait on their events, so they can only finish after them.
-  for (Stream* s : {stream.get(), check_stream.get()}) {
+  for (Stream* s : {stream.get(), checks.stream()}) {
     if (s == nullptr) continue;
     backend.event_record(*done_event, *s);
     if (!backend.event_wait_for(*done_event, kAbortDrainLimit)) return false;
   }
   return true;
-}
-
-void Receiver::Impl::abort_transport(std::uint64_t version) {
-  const std::string what =
-      fmt::format("aborting transport '{}' (rank {} of {}) after update {} failed",
-                  transport->name(), transport->rank(), transport->world_size(), version);
-  // The transport's destructor runs under the watch too: it may tear a communicator down.
-  run_watched_abort(
-      config.abort_deadline,
-      [&] {
-        transport->abort();
-        transport.reset();
-      },
-      [&] {
-        // Watcher thread. No observer call: observers run on the receiver thread, which is the
-        // one stuck.
-        const std::string message = fmt::format(
-            "{} has not returned after {} ms (ReceiverConfig::abort_deadline); the receiver "
-            "thread is stuck in it and takes no update until it returns",
-            what, config.abort_deadline.count());
-        {
-          std::lock_guard lock(stats_mutex);
-          ++stats.stuck_aborts;
-          stats.last_error = message;
-        }
-        if (config.exit_on_stuck_abort) {
-          std::fprintf(stderr,
-                       "shadowsync: %s; exiting the process with status %d "
-                       "(ReceiverConfig::exit_on_stuck_abort)\n",
-                       message.c_str(), kStuckAbortExitStatus);
-          std::fflush(stderr);
-          // _Exit, not exit: static destructors would wait for the stuck thread.
-          std::_Exit(kStuckAbortExitStatus);
-        }
-        std::fprintf(stderr, "shadowsync: %s\n", message.c_str());
-      });
 }
 
 void Receiver::Impl::report(const UpdateReport& update_report) {

@@ -6,13 +6,14 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <deque>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <unordered_map>
 
 #include "core/check_root_rank.h"
+#include "core/check_source_tensor.h"
+#include "core/streamed_publish.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
@@ -28,60 +29,6 @@ struct GroupSource {
   const std::byte* arena = nullptr;
   std::vector<const std::byte*> tensors;
 };
-
-// A tensor the caller hands over must be what the layout says, checked before a byte moves (one
-// check for publish() and StreamedPublish::supply()).
-void check_source_tensor(const SourceTensor& given, const TensorSpec& spec) {
-  if (given.dtype != spec.dtype) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("tensor '{}': dtype {} does not match layout {}", spec.name,
-                            dtype_name(given.dtype), dtype_name(spec.dtype)));
-  }
-  if (given.shape != spec.shape) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("tensor '{}': shape {} does not match layout {}", spec.name,
-                            format_shape(given.shape), format_shape(spec.shape)));
-  }
-  if (given.data == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("tensor '{}': data pointer is null", spec.name));
-  }
-}
-
-}  // namespace
-
-// Shared by a StreamedPublish (the caller's thread) and the sender's worker.
-struct StreamedPublish::State {
-  std::uint64_t version = 0;
-  const Layout* layout = nullptr;  // the sender's; outlives the job
-  std::vector<std::pair<std::size_t, std::size_t>> order;  // (group, tensor), fixed
-
-  mutable std::mutex mutex;
-  std::condition_variable cv;
-  std::size_t supplied = 0;                          // caller: tensors accepted so far
-  std::deque<std::vector<const std::byte*>> queued;  // caller -> worker, one entry per supply()
-  std::uint64_t batches_pushed = 0;
-  std::uint64_t batches_copied = 0;  // worker: supplies whose bytes are in staging
-  bool cancelled = false;
-  bool finished = false;  // worker: done with the job (see failure)
-  std::optional<Error> failure;
-
-  // Worker only: the batch being packed.
-  std::vector<const std::byte*> batch;
-  std::size_t batch_position = 0;
-  bool batch_open = false;
-
-  void finish(const std::optional<Error>& error) {
-    {
-      std::lock_guard lock(mutex);
-      if (error && !failure) failure = error;
-      finished = true;
-    }
-    cv.notify_all();
-  }
-};
-
-namespace {
 
 struct Job {
   std::shared_ptr<PublishHandle::State> handle;
@@ -183,12 +130,6 @@ struct Sender::Impl {
   void pack_tensor(const GroupLayout& group, const TensorPlacement& tensor, const std::byte* src,
                    BucketCursor& cursor, std::size_t& staged);
   void flush_bucket(const GroupLayout& group, BucketCursor& cursor);
-  // Streamed jobs: the next supplied tensor (waits for the caller), and the end of a supply.
-  const std::byte* next_streamed(const Job& job, Clock::time_point start);
-  void complete_batch(const Job& job, Clock::time_point start);
-  // Throws the streamed update's failure if the caller gave up, the sender stops, the transport
-  // failed or the deadline passed.
-  void check_streamed(const Job& job, Clock::time_point start, bool caller_side_too);
   // After a failure mid-update: the receivers are inside collectives; end them.
   void abort_transport() noexcept;
 
@@ -348,81 +289,6 @@ StreamedPublish Sender::publish_streamed(std::uint64_t version,
   return StreamedPublish(std::move(handle), std::move(state));
 }
 
-StreamedPublish::StreamedPublish(PublishHandle handle, std::shared_ptr<State> state)
-    : handle_(std::move(handle)), state_(std::move(state)) {}
-StreamedPublish::StreamedPublish(StreamedPublish&&) noexcept = default;
-StreamedPublish& StreamedPublish::operator=(StreamedPublish&& other) noexcept {
-  if (this != &other) {
-    cancel();
-    handle_ = std::move(other.handle_);
-    state_ = std::move(other.state_);
-  }
-  return *this;
-}
-StreamedPublish::~StreamedPublish() { cancel(); }
-
-const std::vector<std::pair<std::size_t, std::size_t>>& StreamedPublish::order() const {
-  return state_->order;
-}
-
-std::size_t StreamedPublish::supplied() const {
-  std::lock_guard lock(state_->mutex);
-  return state_->supplied;
-}
-
-void StreamedPublish::cancel() noexcept {
-  if (!state_) return;
-  {
-    std::lock_guard lock(state_->mutex);
-    if (state_->supplied == state_->order.size()) return;
-    state_->cancelled = true;
-  }
-  state_->cv.notify_all();
-}
-
-void StreamedPublish::supply(const std::vector<SourceTensor>& tensors) {
-  State& st = *state_;
-  std::unique_lock lock(st.mutex);
-  if (st.failure) throw *st.failure;
-  if (st.cancelled) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("update {}: supply after cancel()", st.version));
-  }
-  if (tensors.size() > st.order.size() - st.supplied) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("update {}: {} tensors supplied but only {} of {} remain",
-                            st.version, tensors.size(), st.order.size() - st.supplied,
-                            st.order.size()));
-  }
-  std::vector<const std::byte*> batch;
-  batch.reserve(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const auto [g, t] = st.order[st.supplied + i];
-    const GroupLayout& group = st.layout->groups()[g];
-    const TensorSpec& spec = group.tensors()[t].spec;
-    const SourceTensor& given = tensors[i];
-    if (given.name != spec.name) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("update {}: tensor '{}' supplied where '{}' (tensor {} of {} of "
-                              "group '{}') comes next",
-                              st.version, given.name, spec.name, t + 1, group.tensors().size(),
-                              group.name()));
-    }
-    check_source_tensor(given, spec);
-    batch.push_back(static_cast<const std::byte*>(given.data));
-  }
-  if (batch.empty()) return;
-  st.supplied += batch.size();
-  st.queued.push_back(std::move(batch));
-  const std::uint64_t seq = ++st.batches_pushed;
-  st.cv.notify_all();
-  st.cv.wait(lock, [&] { return st.batches_copied >= seq || st.failure || st.finished; });
-  if (st.batches_copied >= seq) return;
-  if (st.failure) throw *st.failure;
-  throw Error(ErrorCode::kInternal,
-              fmt::format("update {}: the sender finished without taking a supply", st.version));
-}
-
 void Sender::replace_transport(std::unique_ptr<Transport> transport) {
   if (!transport) throw Error(ErrorCode::kInvalidArgument, "replace_transport: transport is null");
   check_root_rank(impl_->config.root_rank, transport.get(), "SenderConfig::root_rank");
@@ -484,6 +350,15 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
   const Layout& layout = owner.layout_;
   std::size_t staged = 0;  // buckets packed so far: picks the staging buffer
   next_checksum = 0;
+  // What a streamed job's worker side uses; the other jobs ignore it.
+  const StreamedWorkerContext streamed{.backend = backend,
+                                       .pack_stream = *pack_stream,
+                                       .copied = *copied_event,
+                                       .transport = *transport,
+                                       .stopping = stopping,
+                                       .poll_interval = config.poll_interval,
+                                       .update_deadline = config.update_deadline,
+                                       .start = start};
   for (const GroupSource& source : job.sources) {
     const GroupLayout& group = layout.groups()[source.group];
     if (source.arena != nullptr) {
@@ -508,7 +383,8 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
     BucketCursor cursor;
     const auto& tensors = group.tensors();
     for (std::size_t t = 0; t < tensors.size(); ++t) {
-      const std::byte* src = job.streamed ? next_streamed(job, start) : source.tensors[t];
+      const std::byte* src =
+          job.streamed ? job.streamed->next_tensor(streamed) : source.tensors[t];
       pack_tensor(group, tensors[t], src, cursor, staged);
     }
     if (cursor.open) flush_bucket(group, cursor);
@@ -518,7 +394,7 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
                               cursor.flushed, group.bucket_count()));
     }
   }
-  if (job.streamed) complete_batch(job, start);
+  if (job.streamed) job.streamed->complete_batch(streamed);
   if (checksums.size() > 0) {
     // After every bucket's checksum: the comm stream waited for each bucket's packed event.
     transport->broadcast_async(checksums.data(), next_checksum * sizeof(std::uint64_t),
@@ -565,71 +441,6 @@ void Sender::Impl::flush_bucket(const GroupLayout& group, BucketCursor& cursor) 
   backend.event_record(*sent[s], *comm_stream);
   cursor.open = false;
   ++cursor.flushed;
-}
-
-void Sender::Impl::check_streamed(const Job& job, Clock::time_point start, bool caller_side_too) {
-  StreamedPublish::State& st = *job.streamed;
-  if (caller_side_too) {
-    std::lock_guard lock(st.mutex);
-    if (st.cancelled) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("update {}: cancelled after {} of {} tensors were supplied",
-                              st.version, st.supplied, st.order.size()));
-    }
-  }
-  if (stopping.load()) {
-    throw Error(ErrorCode::kShutdown,
-                fmt::format("update {}: the sender is shutting down", st.version));
-  }
-  if (auto failure = transport->async_error()) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("update {}: send failed: {}", st.version, *failure));
-  }
-  if (Clock::now() - start > config.update_deadline) {
-    std::lock_guard lock(st.mutex);
-    throw Error(ErrorCode::kTimeout,
-                fmt::format("update {}: deadline of {} ms passed with {} of {} tensors supplied",
-                            st.version, config.update_deadline.count(), st.supplied,
-                            st.order.size()));
-  }
-}
-
-const std::byte* Sender::Impl::next_streamed(const Job& job, Clock::time_point start) {
-  StreamedPublish::State& st = *job.streamed;
-  if (st.batch_open && st.batch_position == st.batch.size()) complete_batch(job, start);
-  while (!st.batch_open) {
-    {
-      std::unique_lock lock(st.mutex);
-      st.cv.wait_for(lock, config.poll_interval,
-                     [&] { return !st.queued.empty() || st.cancelled; });
-      if (!st.queued.empty()) {
-        st.batch = std::move(st.queued.front());
-        st.queued.pop_front();
-        st.batch_position = 0;
-        st.batch_open = true;
-        break;
-      }
-    }
-    check_streamed(job, start, /*caller_side_too=*/true);
-  }
-  return st.batch[st.batch_position++];
-}
-
-void Sender::Impl::complete_batch(const Job& job, Clock::time_point start) {
-  StreamedPublish::State& st = *job.streamed;
-  if (!st.batch_open) return;
-  // Every copy out of the caller's tensors is enqueued: once they ran, the caller may free them.
-  backend.event_record(*copied_event, *pack_stream);
-  while (!backend.event_wait_for(*copied_event, config.poll_interval)) {
-    check_streamed(job, start, /*caller_side_too=*/false);
-  }
-  st.batch_open = false;
-  st.batch.clear();
-  {
-    std::lock_guard lock(st.mutex);
-    ++st.batches_copied;
-  }
-  st.cv.notify_all();
 }
 
 std::optional<Error> Sender::Impl::wait_done(std::uint64_t version, Clock::time_point start) {

@@ -2,13 +2,11 @@
 
 #include <fmt/format.h>
 
-#include "core/mutation.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
 
-SlotPlanner::SlotPlanner(std::size_t group_count, bool live_moves)
-    : groups_(group_count), live_moves_(live_moves) {}
+SlotPlanner::SlotPlanner(const SlotTable& slots) : slots_(slots), groups_(slots.size()) {}
 
 const PendingUpdate* SlotPlanner::offer() const {
   return offered_ < 0 ? nullptr : &records_[offered_];
@@ -21,10 +19,8 @@ std::uint64_t SlotPlanner::retracted_version() const {
 void SlotPlanner::on_applied() {
   if (offered_ < 0) throw Error(ErrorCode::kInternal, "slot planner: on_applied without an offer");
   for (const auto& swap : records_[offered_].swaps) {
-    GroupState& g = groups_[swap.group];
-    if (live_moves_) g.live = swap.slot;
-    g.shadow = Shadow::kFree;  // the old live slot (copy_in: the copied shadow); free once its
-                               // release event passed
+    // The old live slot (copy_in: the copied shadow); free once its release event passed.
+    groups_[swap.group].shadow = Shadow::kFree;
   }
   offered_ = -1;
 }
@@ -40,11 +36,7 @@ void SlotPlanner::on_rolled_back(const std::vector<GroupSwap>& live_now) {
     throw Error(ErrorCode::kInternal,
                 "slot planner: on_rolled_back while an offer or a receive is unresolved");
   }
-  for (const GroupSwap& swap : live_now) {
-    GroupState& g = groups_.at(swap.group);
-    g.live = swap.slot;
-    g.shadow = Shadow::kFree;
-  }
+  for (const GroupSwap& swap : live_now) groups_.at(swap.group).shadow = Shadow::kFree;
 }
 
 std::vector<ReceiveTarget> SlotPlanner::begin(std::uint64_t version,
@@ -54,18 +46,13 @@ std::vector<ReceiveTarget> SlotPlanner::begin(std::uint64_t version,
                 fmt::format("slot planner: begin({}) while an offer or a receive is unresolved",
                             version));
   }
-  if constexpr (mutation::kActive == mutation::kDropCarriedGroups) {
-    for (auto& g : groups_) {
-      if (g.shadow == Shadow::kPending) g.shadow = Shadow::kFree;
-    }
-  }
   std::vector<ReceiveTarget> targets;
   targets.reserve(groups.size());
   for (const auto index : groups) {
     GroupState& g = groups_.at(index);
     g.shadow = Shadow::kReceiving;  // a pending shadow of a superseded update is overwritten
     g.content_version = version;
-    targets.push_back(ReceiveTarget{index, 1 - g.live});
+    targets.push_back(ReceiveTarget{index, 1 - slots_.live_slot(index)});
   }
   receiving_ = true;
   receiving_version_ = version;
@@ -82,7 +69,7 @@ const PendingUpdate& SlotPlanner::complete() {
     GroupState& g = groups_[index];
     if (g.shadow == Shadow::kFree) continue;
     g.shadow = Shadow::kPending;
-    record.swaps.push_back(GroupSwap{index, 1 - g.live, g.content_version});
+    record.swaps.push_back(GroupSwap{index, 1 - slots_.live_slot(index), g.content_version});
   }
   receiving_ = false;
   retracted_ = -1;

@@ -1,6 +1,7 @@
-// The slot state machine, as the receiver thread sees it: which slot of each group is live, and
-// what each group's shadow slot holds. Pure bookkeeping, no threads and no memory: it decides,
-// the receiver acts. Receiver thread only.
+// The slot state machine, as the receiver thread sees it: what each group's shadow slot holds
+// and which record is offered to the engine. Which slot is live it asks the SlotTable, the one
+// record of it (slot_table.h says when the receiver thread may read it). Pure bookkeeping, no
+// threads and no memory of its own: it decides, the receiver acts. Receiver thread only.
 //
 // Per group the shadow slot is
 //   free       nothing worth keeping (initially, after a swap made it the old live, after a failure)
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "core/pending_update.h"
+#include "core/slot_table.h"
 
 namespace shadowsync {
 
@@ -27,21 +29,21 @@ struct ReceiveTarget {
 
 class SlotPlanner {
  public:
-  // `live_moves`: a swap makes the shadow slot live (rebind, remap). When false (copy_in) slot 0
-  // stays live and slot 1 is always the shadow: a swap copies it into slot 0 and frees it.
-  explicit SlotPlanner(std::size_t group_count, bool live_moves = true);
-
-  int live_slot(std::size_t g) const { return groups_[g].live; }
+  // Plans the receives into `slots`, which must outlive the planner. The shadow of a group is
+  // the slot that is not live: under rebind and remap a swap makes it live, under copy_in slot 0
+  // stays live and slot 1 is always the shadow (a swap copies it into slot 0 and frees it).
+  explicit SlotPlanner(const SlotTable& slots);
 
   // The record currently offered to the engine, or nullptr.
   const PendingUpdate* offer() const;
-  // The engine applied the offer: its groups' shadows become live.
+  // The engine applied the offer (the table already shows its groups' new live slots): their
+  // shadows are free.
   void on_applied();
   // The offer was taken back before the engine saw it: its groups stay pending.
   void on_retracted();
   // The engine rolled its last swap back: each of `live_now` names a group and the slot that is
-  // live again. The slot it left holds a newer version nobody will read: free. No offer or
-  // receive may be unresolved.
+  // live again (the table already shows it). The slot it left holds a newer version nobody will
+  // read: free. No offer or receive may be unresolved.
   void on_rolled_back(const std::vector<GroupSwap>& live_now);
   // Version of the offer taken back during the current receive (0: none).
   std::uint64_t retracted_version() const;
@@ -58,13 +60,12 @@ class SlotPlanner {
  private:
   enum class Shadow { kFree, kReceiving, kPending };
   struct GroupState {
-    int live = 0;
     Shadow shadow = Shadow::kFree;
     std::uint64_t content_version = 0;  // of the shadow's bytes, when pending or receiving
   };
 
+  const SlotTable& slots_;
   std::vector<GroupState> groups_;
-  bool live_moves_ = true;
   // Two records alternate: the engine may still read the previous offer while the next is built.
   std::array<PendingUpdate, 2> records_;
   int last_written_ = 1;

@@ -1,7 +1,5 @@
 #include "core/slot_table.h"
 
-#include "core/mutation.h"
-
 namespace shadowsync {
 
 SlotTable::SlotTable(const Layout& layout, Backend& backend, SwapStrategy strategy)
@@ -41,15 +39,10 @@ void SlotTable::make_live(std::size_t g, int slot, Stream& engine_stream) {
     case SwapStrategy::kCopyIn:
       // The arena is contiguous: one copy moves every tensor of the group. On the engine stream it
       // runs after every step that read the old bytes and before every step that reads the new.
-      if constexpr (mutation::kActive == mutation::kCopyInReleaseBeforeCopy) {
-        backend_.event_record(*group.release[slot], engine_stream);  // mutation check only
-      }
       backend_.memcpy_async(group.arena[0].data(), group.arena[slot].data(), group.bytes,
                             engine_stream);
       // The shadow is free to be written once the copy out of it has run.
-      if constexpr (mutation::kActive != mutation::kCopyInReleaseBeforeCopy) {
-        backend_.event_record(*group.release[slot], engine_stream);
-      }
+      backend_.event_record(*group.release[slot], engine_stream);
       return;
     case SwapStrategy::kRemap:
       // Synchronizes the engine stream first: no kernel is reading the old pages when they go.

@@ -1,12 +1,23 @@
 // The memory of a receiver: two slots per group, and per slot the release event the engine
 // records on its stream when it (or a copy out of the slot) stops reading it. How a slot becomes
-// live depends on the swap strategy (swap_strategy.h), so the table does the swap itself:
+// live depends on the swap strategy (SwapStrategy, step_hook.h), so the table does the swap
+// itself:
 //
 //   rebind   two arenas; the live index flips, the live address moves with it
 //   copy_in  two arenas; slot 0 is the live storage and never moves, slot 1 the shadow; a swap
 //            copies slot 1 into slot 0 on the engine stream (one copy per group arena)
 //   remap    a RemappableArena: a live range that never moves over two physical slots; a swap
 //            remaps the live range onto the other slot
+//
+// The table is the one record of which slot of each group is live; the receiver's SlotPlanner
+// asks it (live_slot) rather than keeping a copy. Only the engine thread changes it (make_live,
+// from the step hook's swaps and rollbacks). The receiver thread reads it only while no swap can
+// run: after it resolved the step hook's offer (the engine finished the swap it took, or never
+// took it) and closed the rollback window, and before it offers the next update. The step hook's
+// atomics order those reads after the engine's writes.
+//
+// Ownership: the table owns both slots and their events for the receiver's life; the backend
+// must outlive it.
 #pragma once
 
 #include <cstddef>
@@ -16,7 +27,7 @@
 
 #include "shadowsync/backend.h"
 #include "shadowsync/layout.h"
-#include "shadowsync/swap_strategy.h"
+#include "shadowsync/step_hook.h"
 
 namespace shadowsync {
 
@@ -27,13 +38,16 @@ class SlotTable {
     std::unique_ptr<RemappableArena> remap;  // remap
     std::unique_ptr<Event> release[2];
     std::size_t bytes = 0;  // the layout's arena size
-    // Engine thread only (the receiver keeps its own view in SlotPlanner). Under copy_in always 0.
-    int live = 0;
+    // Version of the update whose bytes the live slot holds (0: never updated). Engine thread.
     std::uint64_t live_content_version = 0;
+
+   private:
+    friend class SlotTable;
+    int live = 0;  // under copy_in always 0
   };
 
-  // Allocates both slots of every group (zero-filled) and their events. The strategy must fit the
-  // backend (the receiver checks that first, with a clearer message).
+  // Allocates both slots of every group (zero-filled) and their events; slot 0 is live. The
+  // strategy must fit the backend (the receiver checks that first, with a clearer message).
   SlotTable(const Layout& layout, Backend& backend, SwapStrategy strategy);
 
   Backend& backend() const { return backend_; }
@@ -41,6 +55,10 @@ class SlotTable {
   Group& group(std::size_t g) { return groups_[g]; }
   const Group& group(std::size_t g) const { return groups_[g]; }
   std::size_t size() const { return groups_.size(); }
+
+  // The slot of group `g` the engine reads (0 or 1; under copy_in always 0). The engine thread,
+  // or the receiver thread while no swap can run (see above).
+  int live_slot(std::size_t g) const { return groups_[g].live; }
 
   // Where slot `slot` of group `g` is written (the receiver) and its bytes can be read, whatever
   // is live. Thread-safe (the addresses are fixed for the table's life).

@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include "core/mutation.h"
 #include "core/pending_update.h"
 #include "core/slot_table.h"
 #include "shadowsync/error.h"
@@ -15,34 +14,16 @@ StepHook::StepHook(const Layout& layout, SlotTable& slots) : layout_(layout), sl
 }
 
 std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
-  if constexpr (mutation::kActive == mutation::kWorkOnFastPath) {
-    // A backend call where there should be none: what the fast-path test must catch.
-    slots_.backend().event_query(*slots_.group(0).release[0]);
-  }
   // exchange, not load: the receiver may take the update back at the same moment; exactly one of
   // the two gets it.
   const PendingUpdate* update = pending_.exchange(nullptr, std::memory_order_acq_rel);
   if (update == nullptr) return std::nullopt;
 
-  if constexpr (mutation::kActive == mutation::kSwapOneGroupPerStep) {
-    // Swaps one group now and leaves the rest for later steps: steps see a mix of versions.
-    static thread_local std::vector<GroupSwap> rest;
-    static thread_local PendingUpdate partial;
-    if (update->swaps.size() > 1) {
-      const GroupSwap& first = update->swaps.front();
-      slots_.make_live(first.group, first.slot, engine_stream);
-      slots_.group(first.group).live_content_version = first.content_version;
-      partial.version = update->version;
-      partial.swaps.assign(update->swaps.begin() + 1, update->swaps.end());
-      pending_.store(&partial, std::memory_order_release);
-      return update->version;
-    }
-  }
-
   previous_.clear();
   for (const GroupSwap& swap : update->swaps) {
     SlotTable::Group& group = slots_.group(swap.group);
-    previous_.push_back(GroupSwap{swap.group, group.live, group.live_content_version});
+    previous_.push_back(
+        GroupSwap{swap.group, slots_.live_slot(swap.group), group.live_content_version});
     // Records the release event of what the engine stops reading (invariant 2).
     slots_.make_live(swap.group, swap.slot, engine_stream);
     group.live_content_version = swap.content_version;
@@ -71,9 +52,7 @@ std::uint64_t StepHook::rollback(Stream& engine_stream) {
   for (;;) {
     const auto kind = static_cast<RollbackKind>(window & 3);
     const std::uint64_t version = window >> 2;
-    const bool claimable =
-        kind == kOpen || (mutation::kActive == mutation::kRollbackAfterOverwrite && kind == kClosed);
-    if (!claimable) {
+    if (kind != kOpen) {
       switch (kind) {
         case kNothingApplied:
           throw Error(ErrorCode::kInvalidArgument, "rollback: no update has been applied yet");
@@ -125,9 +104,7 @@ const std::vector<GroupSwap>* StepHook::close_rollback_window(std::uint64_t vers
 bool StepHook::wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
                             Stream& engine_stream) {
   for (;;) {
-    if constexpr (mutation::kActive != mutation::kWaitAppliedNeverApplies) {
-      apply_pending(engine_stream);
-    }
+    apply_pending(engine_stream);
     if (applied_version() >= version) return true;
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::unique_lock lock(publish_mutex_);

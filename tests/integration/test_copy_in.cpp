@@ -1,11 +1,11 @@
-// Swap strategies on the host backend (issue 8): copy_in end to end, and the config checks that
-// refuse rebind under CUDA graphs and remap on a backend that cannot remap.
+// Swap strategies on the host backend: copy_in end to end, and the config checks that refuse
+// rebind under CUDA graphs and remap on a backend that cannot remap.
 //
-// Checked to fail without its behaviour: mutation 13 (kCopyInReleaseBeforeCopy,
-// plugin/core/mutation.h) records the shadow's release event before the copy out of it; the
-// receiver then overwrites the shadow while it is being copied and the stress test sees torn steps
-// (578 of 16,048 when it was run). The steps' simulated compute time is what makes it visible:
-// without it the copy ran before the next receive started and the mutation went unnoticed.
+// Checked to fail without its behaviour: tests/mutations/13-copy-in-release-before-copy.patch
+// records the shadow's release event before the copy out of it; the receiver then overwrites the
+// shadow while it is being copied and the stress test sees torn steps (578 of 16,048 when it was
+// run). The steps' simulated compute time is what makes it visible: without it the copy ran
+// before the next receive started and the mutation went unnoticed.
 // Not run as mutations (each test fails by its own asserts): a copy_in that moved the live
 // pointer, copied per tensor, or accepted rebind under graphs / remap on the host backend.
 #include <catch2/catch.hpp>
@@ -45,6 +45,23 @@ RigOptions copy_in_options() {
   return options;
 }
 
+// The same, with the sender and receiver on a CountingBackend (LoopbackRig::counting()).
+RigOptions counted_copy_in_options() {
+  RigOptions options = copy_in_options();
+  options.count_backend_calls = true;
+  return options;
+}
+
+// The non-empty copies enqueued through a CountingBackend so far, and their bytes.
+struct CopyStats {
+  std::uint64_t calls = 0;
+  std::uint64_t bytes = 0;
+};
+
+CopyStats copy_stats(const CountingBackend& backend) {
+  return {backend.copy_calls.load(), backend.copy_bytes.load()};
+}
+
 std::vector<std::byte*> live_arenas(Receiver& receiver) {
   std::vector<std::byte*> arenas;
   for (std::size_t g = 0; g < receiver.layout().groups().size(); ++g) {
@@ -66,15 +83,15 @@ std::vector<void*> live_tensors(Receiver& receiver) {
 
 // The copies one swap enqueues: publishes `groups` at `version`, waits until the update is offered
 // (every copy of the sender's packing was enqueued before its last bucket arrived), then counts
-// the backend's copies around the one step that applies it.
-HostBackend::CopyStats copies_of_swap(LoopbackRig& rig, HostFakeEngine& engine,
-                                      std::uint64_t version,
-                                      const std::vector<std::string>& groups) {
+// the copies the sender and receiver ask of the backend around the one step that applies it. The
+// rig must count (counted_copy_in_options).
+CopyStats copies_of_swap(LoopbackRig& rig, HostFakeEngine& engine, std::uint64_t version,
+                         const std::vector<std::string>& groups) {
   rig.publish(version, groups).wait();
   rig.wait_offered(version);
-  const HostBackend::CopyStats before = rig.backend().copy_stats();
+  const CopyStats before = copy_stats(rig.counting());
   REQUIRE(engine.step() == version);
-  const HostBackend::CopyStats after = rig.backend().copy_stats();
+  const CopyStats after = copy_stats(rig.counting());
   engine.synchronize();
   return {after.calls - before.calls, after.bytes - before.bytes};
 }
@@ -159,7 +176,7 @@ TEST_CASE("copy_in stress: 2000 mixed updates while the engine decodes; no torn 
 
 TEST_CASE("copy_in: one copy per group arena; a LoRA-only update moves only the adapter's bytes") {
   const Layout layout = copy_in_layout();
-  LoopbackRig rig(layout, copy_in_options());
+  LoopbackRig rig(layout, counted_copy_in_options());
   HostFakeEngine engine(rig.backend(), rig.receiver(), {.full_check_every = 1});
   const std::size_t base = 0;
   const std::size_t lora_a = 1;
@@ -168,11 +185,11 @@ TEST_CASE("copy_in: one copy per group arena; a LoRA-only update moves only the 
   const std::size_t lora_a_bytes = layout.groups()[lora_a].arena_bytes();
   const std::size_t lora_b_bytes = layout.groups()[lora_b].arena_bytes();
 
-  HostBackend::CopyStats all = copies_of_swap(rig, engine, 1, {"base", "lora_a", "lora_b"});
+  CopyStats all = copies_of_swap(rig, engine, 1, {"base", "lora_a", "lora_b"});
   CHECK(all.calls == 3);  // not one per tensor (9)
   CHECK(all.bytes == base_bytes + lora_a_bytes + lora_b_bytes);
 
-  HostBackend::CopyStats lora_only = copies_of_swap(rig, engine, 2, {"lora_a"});
+  CopyStats lora_only = copies_of_swap(rig, engine, 2, {"lora_a"});
   CHECK(lora_only.calls == 1);
   CHECK(lora_only.bytes == lora_a_bytes);
 
@@ -192,7 +209,7 @@ TEST_CASE("copy_in: a LoRA-only update that supersedes a base update copies both
   // Latest wins: update 2 (base) is taken back by update 3 (lora_a) before the engine applied it;
   // the base stays pending and lands with the adapter in one swap (invariant 5).
   const Layout layout = copy_in_layout();
-  LoopbackRig rig(layout, copy_in_options());
+  LoopbackRig rig(layout, counted_copy_in_options());
   HostFakeEngine engine(rig.backend(), rig.receiver(), {.full_check_every = 1});
   rig.publish(1, {"base", "lora_a", "lora_b"}).wait();
   StepHook& hook = rig.receiver().step_hook();
@@ -203,9 +220,9 @@ TEST_CASE("copy_in: a LoRA-only update that supersedes a base update copies both
   rig.publish(3, {"lora_a"}).wait();
   wait_until([&] { return rig.receiver().stats().updates_ready >= 3 && hook.has_pending(); },
              "update 3 offered");
-  const HostBackend::CopyStats before = rig.backend().copy_stats();
+  const CopyStats before = copy_stats(rig.counting());
   REQUIRE(engine.step() == 3);
-  const HostBackend::CopyStats after = rig.backend().copy_stats();
+  const CopyStats after = copy_stats(rig.counting());
   engine.synchronize();
   CHECK(after.calls - before.calls == 2);
   CHECK(after.bytes - before.bytes ==

@@ -1,13 +1,13 @@
-// Faults from the trainer's side (issue 7): a sender that dies or stalls mid-update, bytes corrupted
-// in transit, weights with a NaN in them. Each time the engine keeps stepping on what it has, its
-// live bytes stay bit-for-bit what they were, the failure is reported with where it happened, and
-// the next good update applies. (Shutdown and leaks: test_shutdown.cpp; rollback:
+// Faults from the trainer's side: a sender that dies or stalls mid-update, bytes corrupted in
+// transit, weights with a NaN in them. Each time the engine keeps stepping on what it has, its live
+// bytes stay bit-for-bit what they were, the failure is reported with where it happened, and the
+// next good update applies. (Shutdown and leaks: test_shutdown.cpp; rollback:
 // test_rollback.cpp.)
 //
 // How each test was checked to fail without its behaviour: the mutations named above each test
-// (plugin/core/mutation.h, scripts/mutation_check.sh) compile the behaviour out; each was built
-// and the test failed. The drop and delay cases are invariant 6's (mutation 6 offers the failed
-// update: the engine swaps and the hash changes).
+// (patches under tests/mutations/, applied by scripts/mutation_check.sh) take the behaviour out;
+// each was built and the test failed. The drop and delay cases are invariant 6's (mutation 6 offers
+// the failed update: the engine swaps and the hash changes).
 #include <catch2/catch.hpp>
 
 #include <cstring>
@@ -152,7 +152,8 @@ TEST_CASE("faults: a bucket delayed past its deadline aborts the update; the nex
   run.next_update_applies();
 }
 
-// Mutation 8 (kSkipChecksumVerify) makes this fail: the corrupted update is offered and applied.
+// Mutation 8 (08-skip-checksum-verify.patch) makes this fail: the corrupted update is offered and
+// applied.
 TEST_CASE("faults: flipped bytes with checksums on are refused, naming the bucket") {
   const Layout layout = fault_layout();
   const UpdateHeader header = make_update_header(layout, 1, kAllGroups, /*checksums=*/true);
@@ -188,7 +189,7 @@ TEST_CASE("faults: flipped bytes with checksums on are refused, naming the bucke
   run.next_update_applies();
 }
 
-// Mutation 9 (kSkipNonFiniteGuard) makes this fail: the update with the NaN is applied.
+// Mutation 9 (09-skip-nonfinite-guard.patch) makes this fail: the update with the NaN is applied.
 TEST_CASE("faults: a NaN or infinity in one tensor with the guard on is refused, naming it") {
   const Layout layout = fault_layout();
   struct Poison {

@@ -1,6 +1,7 @@
-// One test per invariant of DESIGN.md §4. Each names the mutation (plugin/core/mutation.h) that
-// breaks its invariant on purpose; scripts/mutation_check.sh builds each mutation and shows that
-// the test named here fails with it.
+// One test per invariant, numbered 1 to 7 as in docs/ARCHITECTURE.md; each test's name states its
+// invariant. Each names the mutation (a patch under tests/mutations/) that breaks its invariant on
+// purpose; scripts/mutation_check.sh applies each patch to a copy of the tree, builds this test
+// and shows that the test named here fails with it.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -28,8 +29,8 @@ Layout invariant_layout() {
 
 }  // namespace
 
-// Mutation 1 (kSwapOneGroupPerStep) makes this fail: steps see base and adapter at different
-// versions, which the history check reports.
+// Mutation 1 (01-swap-one-group-per-step.patch) makes this fail: steps see base and adapter at
+// different versions, which the history check reports.
 TEST_CASE("invariant 1: no torn step, every step sees each group at its last applied version") {
   const Layout layout = invariant_layout();
   LoopbackRig rig(layout);
@@ -46,8 +47,8 @@ TEST_CASE("invariant 1: no torn step, every step sees each group at its last app
   CHECK(rig.receiver().step_hook().applied_version() == 40);
 }
 
-// Mutation 2 (kSkipReleaseWait) makes this fail: version 3 lands in the slot that the blocked
-// steps still read.
+// Mutation 2 (02-skip-release-wait.patch) makes this fail: version 3 lands in the slot that the
+// blocked steps still read.
 TEST_CASE("invariant 2: the receiver never writes a slot the engine stream still reads") {
   const Layout layout = invariant_layout();
   LoopbackRig rig(layout);
@@ -81,8 +82,8 @@ TEST_CASE("invariant 2: the receiver never writes a slot the engine stream still
   CHECK(rig.history().check(engine.records()) == "");
 }
 
-// Mutation 3 (kPublishBeforeComplete) makes this fail: the engine swaps to a slot whose last
-// bucket has not arrived.
+// Mutation 3 (03-publish-before-complete.patch) makes this fail: the engine swaps to a slot whose
+// last bucket has not arrived.
 TEST_CASE("invariant 3: the engine never reads a slot before its receive completed") {
   const Layout layout = invariant_layout();
   LoopbackRig rig(layout);
@@ -101,7 +102,7 @@ TEST_CASE("invariant 3: the engine never reads a slot before its receive complet
   CHECK(rig.history().check(engine.records()) == "");
 }
 
-// Mutation 4 (kWorkOnFastPath) makes this fail: the fast path calls the backend.
+// Mutation 4 (04-work-on-fast-path.patch) makes this fail: the fast path calls the backend.
 TEST_CASE("invariant 4: with nothing pending the step hook makes no backend call and no swap") {
   const Layout layout = invariant_layout();
   CountingBackend backend;
@@ -116,7 +117,8 @@ TEST_CASE("invariant 4: with nothing pending the step hook makes no backend call
   CHECK(hook.applied_version() == 0);
 }
 
-// Mutation 5 (kDropCarriedGroups) makes this fail: the LoRA-only update lands on the old base.
+// Mutation 5 (05-drop-carried-groups.patch) makes this fail: the LoRA-only update lands on the old
+// base.
 TEST_CASE("invariant 5: latest wins, and a superseded update's groups stay in the pending one") {
   const Layout layout = invariant_layout();
   LoopbackRig rig(layout);
@@ -137,7 +139,7 @@ TEST_CASE("invariant 5: latest wins, and a superseded update's groups stay in th
   CHECK(rig.history().check(engine.records()) == "");
 }
 
-// Mutation 6 (kOfferFailedUpdate) makes this fail: the half-received update becomes live.
+// Mutation 6 (06-offer-failed-update.patch) makes this fail: the half-received update becomes live.
 TEST_CASE("invariant 6: a failed update is discarded and the live weights are untouched") {
   const Layout layout = invariant_layout();
   // Broadcasts per update: the buckets and the checksum block (SenderConfig's default).
@@ -188,7 +190,7 @@ TEST_CASE("invariant 6: a failed update is discarded and the live weights are un
   CHECK(rig.history().check(engine.records()) == "");
 }
 
-// Mutation 7 (kWaitAppliedNeverApplies) makes this fail: the idle engine never swaps.
+// Mutation 7 (07-wait-applied-never-applies.patch) makes this fail: the idle engine never swaps.
 TEST_CASE("invariant 7: an idle engine applies an update through wait_applied") {
   const Layout layout = invariant_layout();
   LoopbackRig rig(layout);

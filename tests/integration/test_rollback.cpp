@@ -1,9 +1,10 @@
-// Rollback (issue 7): the slot a swap left stays intact until the next update starts receiving, so
-// StepHook::rollback can flip back to it in one swap on the engine thread; once a new update wrote
-// that slot it says so and changes nothing.
+// Rollback: the slot a swap left stays intact until the next update starts receiving, so
+// StepHook::rollback can flip back to it in one swap on the engine thread; once a new update
+// wrote that slot it says so and changes nothing.
 //
-// How each test was checked to fail without its behaviour: mutation 10 (kRollbackAfterOverwrite,
-// plugin/core/mutation.h) lets rollback flip to a slot being overwritten: the "refused" test fails.
+// How each test was checked to fail without its behaviour: mutation 10
+// (tests/mutations/10-rollback-after-overwrite.patch) lets rollback flip to a slot being
+// overwritten: the "refused" test fails.
 // Skipping the release record of the left slot in StepHook::rollback (invariant 2 on the rollback
 // path: flipping `live` by hand instead of SlotTable::make_live, which records it) makes "the next
 // update waits for the steps still reading the slot a rollback left" fail: update 3 lands in that
@@ -93,7 +94,8 @@ TEST_CASE("rollback: flips back to the previous slot in one swap; the engine rea
   CHECK(engine.torn_steps() == 0);
 }
 
-// Mutation 10 (kRollbackAfterOverwrite) makes this fail: rollback flips to a slot being written.
+// Mutation 10 (10-rollback-after-overwrite.patch) makes this fail: rollback flips to a slot being
+// written.
 TEST_CASE("rollback: refused once a new update started writing the previous slot") {
   const Layout layout = rollback_layout();
   LoopbackRig rig(layout);

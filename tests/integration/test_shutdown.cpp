@@ -1,12 +1,12 @@
-// Shutdown from any state, and abort/re-create cycles (issue 7): shutdown returns within a bound
-// whatever the receiver is doing, the engine keeps its weights until the receiver is destroyed,
-// and destroying it frees every allocation and joins every thread.
+// Shutdown from any state, and abort/re-create cycles: shutdown returns within a bound whatever
+// the receiver is doing, the engine keeps its weights until the receiver is destroyed, and
+// destroying it frees every allocation and joins every thread.
 //
-// How each test was checked to fail without its behaviour: mutation 11 (kShutdownLeaksStream)
-// leaves the receiver's stream thread running, mutation 12 (kShutdownLeaksBuffer) leaves one
-// allocation behind (plugin/core/mutation.h, scripts/mutation_check.sh): the cycle test fails on
-// the thread count and on the allocated bytes respectively. Making wait_for_buckets ignore
-// `stopping` made the mid-receive shutdown take the 10 s injected delay: over the bound.
+// How each test was checked to fail without its behaviour: mutation 11 leaves the receiver's
+// stream thread running, mutation 12 leaves one allocation behind (tests/mutations/11-* and 12-*,
+// applied by scripts/mutation_check.sh): the cycle test fails on the thread count and on the
+// allocated bytes respectively. Making wait_for_buckets ignore `stopping` made the mid-receive
+// shutdown take the 10 s injected delay: over the bound.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -134,7 +134,8 @@ TEST_CASE("shutdown: from any state it returns within a bound, then everything i
   wait_back_to(baseline, std::string("shutdown while ") + name(state));
 }
 
-// Mutations 11 (kShutdownLeaksStream) and 12 (kShutdownLeaksBuffer) make this fail.
+// Mutations 11 (11-shutdown-leaks-stream.patch) and 12 (12-shutdown-leaks-buffer.patch) make
+// this fail.
 TEST_CASE("shutdown: 100 abort/re-create cycles leave threads, fds and allocations at baseline") {
   const Layout layout = shutdown_layout();
   // Broadcasts per update: the buckets and the checksum block (SenderConfig's default).

@@ -3,7 +3,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "shadowsync/backend.h"
@@ -11,31 +13,65 @@
 
 namespace shadowsync::testing {
 
-// Forwards to a HostBackend (and reports its name) and counts every call: for tests that
-// require none (the step hook's fast path; a config refused before anything is done).
+// Forwards every call to a HostBackend (and reports its name) and counts them: for tests that
+// require none (the step hook's fast path; a config refused before anything is done), and for
+// tests that count the copies a swap enqueues (copy_calls, copy_bytes: the non-empty
+// memcpy_async calls and their bytes). Either it owns its HostBackend or it wraps one the caller
+// keeps alive (and may go on using directly: only calls through the wrapper count). Thread-safe
+// as the backend it wraps.
 class CountingBackend final : public Backend {
  public:
-  std::atomic<int> calls{0};
-  HostBackend inner;
+  CountingBackend() : owned_(std::make_unique<HostBackend>()), inner_(*owned_) {}
+  explicit CountingBackend(HostBackend& inner) : inner_(inner) {}
 
-  std::string_view name() const override { return inner.name(); }
-  void* allocate(std::size_t bytes) override { return ++calls, inner.allocate(bytes); }
-  void deallocate(void* p) noexcept override { ++calls, inner.deallocate(p); }
-  std::size_t bytes_allocated() const override { return inner.bytes_allocated(); }
+  std::atomic<int> calls{0};
+  std::atomic<std::uint64_t> copy_calls{0};
+  std::atomic<std::uint64_t> copy_bytes{0};
+
+  HostBackend& inner() { return inner_; }
+
+  std::string_view name() const override { return inner_.name(); }
+  void* allocate(std::size_t bytes) override { return ++calls, inner_.allocate(bytes); }
+  void deallocate(void* p) noexcept override { ++calls, inner_.deallocate(p); }
+  std::size_t bytes_allocated() const override { return inner_.bytes_allocated(); }
   std::unique_ptr<Stream> create_stream(StreamPriority p) override {
-    return ++calls, inner.create_stream(p);
+    return ++calls, inner_.create_stream(p);
   }
-  std::unique_ptr<Event> create_event() override { return ++calls, inner.create_event(); }
+  std::unique_ptr<Event> create_event() override { return ++calls, inner_.create_event(); }
   void memcpy_async(void* d, const void* s, std::size_t n, Stream& st) override {
-    ++calls, inner.memcpy_async(d, s, n, st);
+    ++calls;
+    inner_.memcpy_async(d, s, n, st);
+    if (n == 0) return;  // enqueued nothing (and the inner backend accepted it)
+    copy_calls.fetch_add(1);
+    copy_bytes.fetch_add(n);
   }
-  void event_record(Event& e, Stream& s) override { ++calls, inner.event_record(e, s); }
-  void stream_wait_event(Stream& s, Event& e) override { ++calls, inner.stream_wait_event(s, e); }
-  bool event_query(Event& e) override { return ++calls, inner.event_query(e); }
+  void event_record(Event& e, Stream& s) override { ++calls, inner_.event_record(e, s); }
+  void stream_wait_event(Stream& s, Event& e) override { ++calls, inner_.stream_wait_event(s, e); }
+  bool event_query(Event& e) override { return ++calls, inner_.event_query(e); }
   bool event_wait_for(Event& e, std::chrono::nanoseconds t) override {
-    return ++calls, inner.event_wait_for(e, t);
+    return ++calls, inner_.event_wait_for(e, t);
   }
-  void stream_synchronize(Stream& s) override { ++calls, inner.stream_synchronize(s); }
+  void stream_synchronize(Stream& s) override { ++calls, inner_.stream_synchronize(s); }
+
+  bool supports_integrity() const override { return inner_.supports_integrity(); }
+  void checksum_async(const void* data, std::size_t bytes, std::uint64_t* result,
+                      Stream& s) override {
+    ++calls, inner_.checksum_async(data, bytes, result, s);
+  }
+  void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
+                             std::uint64_t* result, Stream& s) override {
+    ++calls, inner_.count_nonfinite_async(data, elements, dtype, result, s);
+  }
+  std::string remap_unsupported_reason() const override {
+    return inner_.remap_unsupported_reason();
+  }
+  std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes) override {
+    return ++calls, inner_.create_remappable_arena(bytes);
+  }
+
+ private:
+  std::unique_ptr<HostBackend> owned_;
+  HostBackend& inner_;
 };
 
 }  // namespace shadowsync::testing

@@ -10,16 +10,19 @@ LoopbackRig::LoopbackRig(const Layout& layout, RigOptions options)
     : layout_(layout),
       options_(options),
       backend_(options.backend),
+      counting_(options.count_backend_calls ? std::make_unique<CountingBackend>(backend_)
+                                            : nullptr),
       communicator_(std::make_unique<LoopbackCommunicator>(options.receivers + 1)),
       reports_(options.receivers) {
+  Backend& endpoints = counting_ ? static_cast<Backend&>(*counting_) : backend_;
   SenderConfig sender_config = options.sender;
   sender_config.root_rank = 0;
-  sender_ = std::make_unique<Sender>(layout, backend_, communicator_->transport(0), sender_config);
+  sender_ = std::make_unique<Sender>(layout, endpoints, communicator_->transport(0), sender_config);
   for (int r = 0; r < options.receivers; ++r) {
     ReceiverConfig config = options.receiver;
     config.root_rank = 0;
     auto receiver =
-        std::make_unique<Receiver>(layout, backend_, communicator_->transport(r + 1), config);
+        std::make_unique<Receiver>(layout, endpoints, communicator_->transport(r + 1), config);
     receiver->set_observer([this, r](const UpdateReport& report) {
       std::lock_guard lock(mutex_);
       reports_[r].push_back(report);

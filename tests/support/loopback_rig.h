@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "counting_backend.h"
 #include "fake_engine.h"
 #include "pattern.h"
 #include "shadowsync/host_backend.h"
@@ -23,6 +24,10 @@ struct RigOptions {
   ReceiverConfig receiver;
   SenderConfig sender;
   int receivers = 1;
+  // Build the sender and the receivers on a CountingBackend wrapping backend() (counting()), so
+  // that a test can count what they ask of the backend (the copies a swap enqueues). The engine
+  // keeps using backend() directly: its own calls are not counted.
+  bool count_backend_calls = false;
 };
 
 class LoopbackRig {
@@ -31,6 +36,8 @@ class LoopbackRig {
   ~LoopbackRig();
 
   HostBackend& backend() { return backend_; }
+  // The wrapper the sender and receivers use; only with RigOptions::count_backend_calls.
+  CountingBackend& counting() { return *counting_; }
   LoopbackCommunicator& communicator() { return *communicator_; }
   Sender& sender() { return *sender_; }
   Receiver& receiver(int i = 0) { return *receivers_[i]; }
@@ -61,6 +68,7 @@ class LoopbackRig {
   const Layout& layout_;
   RigOptions options_;
   HostBackend backend_;
+  std::unique_ptr<CountingBackend> counting_;  // count_backend_calls only
   std::unique_ptr<LoopbackCommunicator> communicator_;
   std::unique_ptr<Sender> sender_;
   std::vector<std::unique_ptr<Receiver>> receivers_;

@@ -1,8 +1,11 @@
-// The slot state machine on its own: which slot is written, what is offered, what survives.
+// The slot state machine on its own: which slot is written, what is offered, what survives. The
+// planner asks its SlotTable which slot is live; the tests play the engine by swapping the table
+// (Slots::apply, Slots::roll_back) before telling the planner, as the step hook does.
 #include <catch2/catch.hpp>
 
 #include "core/slot_planner.h"
 #include "shadowsync/error.h"
+#include "shadowsync/host_backend.h"
 #include "shadowsync/step_hook.h"
 
 using namespace shadowsync;
@@ -11,6 +14,46 @@ namespace {
 
 constexpr std::size_t kBase = 0;
 constexpr std::size_t kLora = 1;
+
+// A table of `groups` one-tensor groups ("base", then adapters) on the host backend, an engine
+// stream, and the planner over them.
+struct Slots {
+  explicit Slots(std::size_t groups, SwapStrategy strategy = SwapStrategy::kRebind)
+      : layout(make_layout(groups)),
+        table(layout, backend, strategy),
+        engine_stream(backend.create_stream(StreamPriority::kNormal)),
+        planner(table) {}
+  ~Slots() { backend.stream_synchronize(*engine_stream); }
+
+  static Layout make_layout(std::size_t groups) {
+    std::vector<TensorSpec> specs;
+    for (std::size_t g = 0; g < groups; ++g) {
+      const std::string group = g == 0 ? "base" : "lora_" + std::to_string(g);
+      specs.push_back({"t" + std::to_string(g), DType::kFloat32, {4}, group});
+    }
+    return Layout::build(specs);
+  }
+
+  int live_slot(std::size_t g) const { return table.live_slot(g); }
+  // The engine applies the offer (the step hook's swap), then the receiver learns of it.
+  void apply() {
+    for (const GroupSwap& swap : planner.offer()->swaps) {
+      table.make_live(swap.group, swap.slot, *engine_stream);
+    }
+    planner.on_applied();
+  }
+  // The engine makes `live_now` live again (the step hook's rollback), then the receiver adopts it.
+  void roll_back(const std::vector<GroupSwap>& live_now) {
+    for (const GroupSwap& swap : live_now) table.make_live(swap.group, swap.slot, *engine_stream);
+    planner.on_rolled_back(live_now);
+  }
+
+  HostBackend backend;
+  Layout layout;
+  SlotTable table;
+  std::unique_ptr<Stream> engine_stream;
+  SlotPlanner planner;
+};
 
 std::vector<std::pair<std::size_t, std::uint64_t>> swaps_of(const PendingUpdate& update) {
   std::vector<std::pair<std::size_t, std::uint64_t>> out;
@@ -21,8 +64,9 @@ std::vector<std::pair<std::size_t, std::uint64_t>> swaps_of(const PendingUpdate&
 }  // namespace
 
 TEST_CASE("a receive writes the shadow slot and an applied update flips live") {
-  SlotPlanner planner(2);
-  CHECK(planner.live_slot(kBase) == 0);
+  Slots slots(2);
+  SlotPlanner& planner = slots.planner;
+  CHECK(slots.live_slot(kBase) == 0);
   const auto targets = planner.begin(1, {0});
   REQUIRE(targets.size() == 1);
   CHECK(targets[0].group == kBase);
@@ -31,15 +75,16 @@ TEST_CASE("a receive writes the shadow slot and an applied update flips live") {
   CHECK(offer.version == 1);
   CHECK(swaps_of(offer) == std::vector<std::pair<std::size_t, std::uint64_t>>{{kBase, 1}});
   CHECK(planner.offer() == &offer);
-  planner.on_applied();
-  CHECK(planner.live_slot(kBase) == 1);
-  CHECK(planner.live_slot(kLora) == 0);
+  slots.apply();
+  CHECK(slots.live_slot(kBase) == 1);
+  CHECK(slots.live_slot(kLora) == 0);
   CHECK(planner.offer() == nullptr);
   CHECK(planner.begin(2, {0})[0].slot == 0);  // the old live slot is the new shadow
 }
 
 TEST_CASE("latest wins: a retracted update's groups join the next offer") {
-  SlotPlanner planner(2);
+  Slots slots(2);
+  SlotPlanner& planner = slots.planner;
   planner.begin(1, {0});
   planner.complete();
   planner.on_retracted();  // the engine never saw version 1
@@ -55,7 +100,8 @@ TEST_CASE("latest wins: a retracted update's groups join the next offer") {
 }
 
 TEST_CASE("a retracted update overwritten by the next one is replaced, not merged") {
-  SlotPlanner planner(2);
+  Slots slots(2);
+  SlotPlanner& planner = slots.planner;
   planner.begin(1, {0, 1});
   planner.complete();
   planner.on_retracted();
@@ -67,7 +113,8 @@ TEST_CASE("a retracted update overwritten by the next one is replaced, not merge
 }
 
 TEST_CASE("a failed receive offers nothing new and restores an intact retracted update") {
-  SlotPlanner planner(2);
+  Slots slots(2);
+  SlotPlanner& planner = slots.planner;
   planner.begin(1, {0});
   const PendingUpdate& first = planner.complete();
   planner.on_retracted();
@@ -79,7 +126,8 @@ TEST_CASE("a failed receive offers nothing new and restores an intact retracted 
 }
 
 TEST_CASE("a failed receive that overwrote part of a retracted update loses it") {
-  SlotPlanner planner(2);
+  Slots slots(2);
+  SlotPlanner& planner = slots.planner;
   planner.begin(1, {0, 1});
   planner.complete();
   planner.on_retracted();
@@ -93,18 +141,20 @@ TEST_CASE("a failed receive that overwrote part of a retracted update loses it")
 }
 
 TEST_CASE("a failed receive with nothing retracted leaves the live slots alone") {
-  SlotPlanner planner(1);
+  Slots slots(1);
+  SlotPlanner& planner = slots.planner;
   planner.begin(1, {0});
   planner.complete();
-  planner.on_applied();
+  slots.apply();
   planner.begin(2, {0});
   CHECK(planner.fail() == nullptr);
-  CHECK(planner.live_slot(0) == 1);
+  CHECK(slots.live_slot(0) == 1);
   CHECK(planner.begin(3, {0})[0].slot == 0);
 }
 
 TEST_CASE("misuse of the state machine is an internal error, not silent corruption") {
-  SlotPlanner planner(1);
+  Slots slots(1);
+  SlotPlanner& planner = slots.planner;
   const auto internal = [](const Error& e) { return e.code() == ErrorCode::kInternal; };
   CHECK_THROWS_MATCHES(planner.complete(), Error, Catch::Predicate<Error>(internal));
   CHECK_THROWS_MATCHES(planner.fail(), Error, Catch::Predicate<Error>(internal));
@@ -116,7 +166,8 @@ TEST_CASE("misuse of the state machine is an internal error, not silent corrupti
 }
 
 TEST_CASE("copy_in: slot 0 stays live, every receive writes slot 1") {
-  SlotPlanner planner(2, /*live_moves=*/false);
+  Slots slots(2, SwapStrategy::kCopyIn);
+  SlotPlanner& planner = slots.planner;
   for (std::uint64_t v = 1; v <= 3; ++v) {
     const auto targets = planner.begin(v, {0, 1});
     REQUIRE(targets.size() == 2);
@@ -124,18 +175,19 @@ TEST_CASE("copy_in: slot 0 stays live, every receive writes slot 1") {
     CHECK(targets[1].slot == 1);
     CHECK(swaps_of(planner.complete()) ==
           std::vector<std::pair<std::size_t, std::uint64_t>>{{kBase, v}, {kLora, v}});
-    planner.on_applied();
-    CHECK(planner.live_slot(kBase) == 0);  // the copy went into the live storage
-    CHECK(planner.live_slot(kLora) == 0);
+    slots.apply();
+    CHECK(slots.live_slot(kBase) == 0);  // the copy went into the live storage
+    CHECK(slots.live_slot(kLora) == 0);
   }
 }
 
 TEST_CASE("after a rollback the slot made live again is not written; the one it left is") {
-  SlotPlanner planner(1);
+  Slots slots(1);
+  SlotPlanner& planner = slots.planner;
   planner.begin(1, {0});
   planner.complete();
-  planner.on_applied();  // version 1 live in slot 1, slot 0 holds the initial weights
-  planner.on_rolled_back({GroupSwap{0, 0, 0}});
-  CHECK(planner.live_slot(0) == 0);
+  slots.apply();  // version 1 live in slot 1, slot 0 holds the initial weights
+  slots.roll_back({GroupSwap{0, 0, 0}});
+  CHECK(slots.live_slot(0) == 0);
   CHECK(planner.begin(2, {0})[0].slot == 1);
 }

@@ -1,5 +1,6 @@
-// Internal to the CUDA backend: the building block of the `remap` swap strategy (DESIGN.md §5).
-// Not installed; not yet wired into the receiver (issue 8 does that).
+// Internal to the CUDA backend: the building block of the `remap` swap strategy (SwapStrategy in
+// step_hook.h). Not installed; the receiver reaches it through the SlotTable, which gets it from
+// CudaBackend::create_remappable_arena.
 //
 // A group's live weights sit at one virtual range that never moves (what a captured CUDA graph
 // baked in). Each slot is a physical allocation that is also mapped at an address of its own, for

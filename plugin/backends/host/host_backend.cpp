@@ -205,9 +205,6 @@ struct HostBackend::State {
   std::unordered_map<void*, std::size_t> allocations;  // ptr -> requested bytes
   std::atomic<std::size_t> bytes_allocated{0};
   std::atomic<bool> warned_unknown_pointer{false};
-
-  std::atomic<std::uint64_t> copy_calls{0};
-  std::atomic<std::uint64_t> copy_bytes{0};
 };
 
 HostBackend::HostBackend(HostBackendOptions options) : state_(std::make_unique<State>()) {
@@ -302,14 +299,7 @@ void HostBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, St
                 fmt::format("HostBackend::memcpy_async: null {} pointer for a {}-byte copy",
                             dst == nullptr ? "destination" : "source", bytes));
   }
-  state_->copy_calls.fetch_add(1, std::memory_order_relaxed);
-  state_->copy_bytes.fetch_add(bytes, std::memory_order_relaxed);
   host_stream.enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); });
-}
-
-HostBackend::CopyStats HostBackend::copy_stats() const {
-  return CopyStats{state_->copy_calls.load(std::memory_order_relaxed),
-                   state_->copy_bytes.load(std::memory_order_relaxed)};
 }
 
 void HostBackend::event_record(Event& event, Stream& stream) {

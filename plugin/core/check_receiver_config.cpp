@@ -1,0 +1,50 @@
+#include "core/check_receiver_config.h"
+
+#include <fmt/format.h>
+
+#include <string>
+
+#include "core/check_root_rank.h"
+#include "shadowsync/error.h"
+
+namespace shadowsync {
+
+void check_receiver_config(const ReceiverConfig& config, const Transport* transport,
+                           const Backend& backend) {
+  const auto positive = [](auto value, const char* name) {
+    if (value.count() <= 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("ReceiverConfig::{} must be positive, got {}", name, value.count()));
+    }
+  };
+  positive(config.update_deadline, "update_deadline (ms)");
+  positive(config.bucket_deadline, "bucket_deadline (ms)");
+  positive(config.poll_interval, "poll_interval (us)");
+  positive(config.abort_deadline, "abort_deadline (ms)");
+  check_root_rank(config.root_rank, transport, "ReceiverConfig::root_rank");
+  if (config.engine_uses_cuda_graphs && config.swap_strategy == SwapStrategy::kRebind) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "ReceiverConfig::swap_strategy is rebind, but ReceiverConfig::"
+                "engine_uses_cuda_graphs is true: a captured CUDA graph keeps reading the "
+                "addresses it was captured with, which rebind moves away from (stale, then "
+                "overwritten weights); use swap_strategy copy_in or remap");
+  }
+  if (config.swap_strategy == SwapStrategy::kRemap) {
+    if (const std::string why = backend.remap_unsupported_reason(); !why.empty()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("ReceiverConfig::swap_strategy is remap, but backend '{}' cannot "
+                              "remap: {}; use swap_strategy copy_in (also safe under CUDA graphs, "
+                              "at the cost of one device copy per swap)",
+                              backend.name(), why));
+    }
+  }
+  if ((config.require_checksums || config.reject_nonfinite) && !backend.supports_integrity()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("ReceiverConfig::{} is set, but backend '{}' cannot check received "
+                            "bytes (supports_integrity() is false)",
+                            config.require_checksums ? "require_checksums" : "reject_nonfinite",
+                            backend.name()));
+  }
+}
+
+}  // namespace shadowsync

@@ -1,0 +1,113 @@
+#include "core/receive_checks.h"
+
+#include <fmt/format.h>
+
+namespace shadowsync {
+
+CheckScratch::CheckScratch(Backend& backend, std::size_t max_buckets, std::size_t max_tensors)
+    : host_(2 * max_buckets + max_tensors), max_buckets_(max_buckets) {
+  device_ = DeviceBuffer(backend, host_.size() * sizeof(std::uint64_t));
+}
+
+void CheckScratch::enqueue_download(Backend& backend, Stream& stream) {
+  backend.memcpy_async(host_.data(), device_.data(), host_.size() * sizeof(std::uint64_t), stream);
+}
+
+ReceiveChecks::ReceiveChecks(const Layout& layout, Backend& backend, bool reject_nonfinite)
+    : layout_(layout), backend_(backend), reject_nonfinite_(reject_nonfinite) {
+  if (!backend.supports_integrity()) return;
+  stream_ = backend.create_stream(StreamPriority::kLow);
+  results_event_ = backend.create_event();
+  std::size_t max_buckets = 0;
+  std::size_t checked_tensors = 0;
+  for (const auto& g : layout.groups()) {
+    max_buckets += g.bucket_count();
+    for (const auto& t : g.tensors()) checked_tensors += dtype_has_nonfinite_check(t.spec.dtype);
+  }
+  scratch_ = CheckScratch(backend, max_buckets, checked_tensors);
+}
+
+void ReceiveChecks::begin(bool checksums) {
+  checksums_ = checksums;
+  buckets_ = 0;
+  tensors_.clear();
+}
+
+void ReceiveChecks::enqueue_bucket(const GroupLayout& group, std::size_t group_index,
+                                   const std::byte* arena, std::size_t k, Event& bucket_done) {
+  const Bucket bucket = group.bucket(k);
+  backend_.stream_wait_event(*stream_, bucket_done);
+  if (checksums_) {
+    backend_.checksum_async(arena + bucket.offset, bucket.bytes,
+                            scratch_.computed_checksum(buckets_++), *stream_);
+  }
+  if (!reject_nonfinite_) return;
+  // Buckets complete in order on the receiver's stream, so a tensor is whole once the bucket
+  // holding its last byte is: count it then.
+  const std::size_t bucket_end = bucket.offset + bucket.bytes;
+  for (std::size_t t = 0; t < group.tensors().size(); ++t) {
+    const TensorPlacement& tensor = group.tensors()[t];
+    const std::size_t end = tensor.offset + tensor.bytes;
+    if (tensor.bytes == 0 || end <= bucket.offset || end > bucket_end) continue;
+    if (!dtype_has_nonfinite_check(tensor.spec.dtype)) continue;
+    backend_.count_nonfinite_async(arena + tensor.offset,
+                                   tensor.bytes / dtype_size(tensor.spec.dtype), tensor.spec.dtype,
+                                   scratch_.nonfinite_count(tensors_.size()), *stream_);
+    tensors_.emplace_back(group_index, t);
+  }
+}
+
+void ReceiveChecks::enqueue_results(Event* sent_block_done) {
+  // The stream already waited for every data bucket (enqueue_bucket); the sender's checksum block
+  // is the one event after them.
+  if (checksums_) backend_.stream_wait_event(*stream_, *sent_block_done);
+  scratch_.enqueue_download(backend_, *stream_);
+  backend_.event_record(*results_event_, *stream_);
+}
+
+bool ReceiveChecks::results_ready(std::chrono::nanoseconds timeout) {
+  return backend_.event_wait_for(*results_event_, timeout);
+}
+
+std::optional<Refusal> ReceiveChecks::compare(const std::vector<ReceiveTarget>& targets) const {
+  Refusal refusal;
+  refusal.transport_failed = false;  // every collective completed: the transport is healthy
+  std::size_t n = 0;
+  for (const ReceiveTarget& target : targets) {
+    const GroupLayout& group = layout_.groups()[target.group];
+    for (std::size_t k = 0; checksums_ && k < group.bucket_count(); ++k, ++n) {
+      const std::uint64_t sent = scratch_.sent_checksum_on_host(n);
+      const std::uint64_t got = scratch_.computed_checksum_on_host(n);
+      if (sent == got) continue;
+      const Bucket bucket = group.bucket(k);
+      refusal.code = ErrorCode::kTransport;  // corrupted on the way
+      refusal.group = group.name();
+      refusal.bucket = k;
+      refusal.why = fmt::format(
+          "bucket {} of {} of group '{}' (bytes {}..{} of its arena) has checksum {:#018x}, but "
+          "the sender's is {:#018x}: corrupted in transit",
+          k, group.bucket_count(), group.name(), bucket.offset, bucket.offset + bucket.bytes, got,
+          sent);
+      return refusal;
+    }
+  }
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    const std::uint64_t count = scratch_.nonfinite_count_on_host(i);
+    if (count == 0) continue;
+    const auto [g, t] = tensors_[i];
+    const GroupLayout& group = layout_.groups()[g];
+    const TensorPlacement& tensor = group.tensors()[t];
+    refusal.code = ErrorCode::kInvalidArgument;  // the trainer sent it: bad input
+    refusal.group = group.name();
+    refusal.tensor = tensor.spec.name;
+    refusal.why = fmt::format(
+        "tensor '{}' of group '{}' ({}, {} elements) holds {} NaN or infinite values "
+        "(ReceiverConfig::reject_nonfinite)",
+        tensor.spec.name, group.name(), dtype_name(tensor.spec.dtype),
+        tensor.bytes / dtype_size(tensor.spec.dtype), count);
+    return refusal;
+  }
+  return std::nullopt;
+}
+
+}  // namespace shadowsync

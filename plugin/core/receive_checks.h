@@ -1,0 +1,113 @@
+// The receiver's checks of the bytes it received, before an update is offered: every bucket's
+// checksum against the sender's (when the header announced the sender's checksum block) and, with
+// ReceiverConfig::reject_nonfinite, a count of NaN and infinite values per floating tensor. The
+// checks of bucket k are enqueued, on a low-priority stream of their own, behind bucket k's
+// event, so they overlap the later buckets' transfer: what they add to an update is about one
+// bucket's worth, not a pass over every byte.
+//
+// Threads: the receiver thread only. Streams: the checks run on stream(); everything they read
+// is ordered behind the receive stream's bucket events. Ownership: owns its stream, event and
+// scratch (CheckScratch); the layout and the backend must outlive it.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "core/refusal.h"
+#include "core/slot_planner.h"
+#include "shadowsync/backend.h"
+#include "shadowsync/layout.h"
+
+namespace shadowsync {
+
+// What the checks of one update write, one 8-byte word each, in one device allocation so that a
+// single copy brings every result to the host: the sender's checksums as received, the checksums
+// computed here (both in broadcast order, at most one per bucket of an update that carries every
+// group), and one non-finite count per checked tensor (at most one per fp32/fp16/bf16 tensor of
+// the layout).
+class CheckScratch {
+ public:
+  CheckScratch() = default;
+  CheckScratch(Backend& backend, std::size_t max_buckets, std::size_t max_tensors);
+
+  // Device memory, written on the streams.
+  std::uint64_t* sent_checksums() const { return word(0); }  // the received block
+  std::uint64_t* computed_checksum(std::size_t i) const { return word(max_buckets_ + i); }
+  std::uint64_t* nonfinite_count(std::size_t i) const { return word(2 * max_buckets_ + i); }
+
+  // Enqueues on `stream` the copy of every word to the host copy below.
+  void enqueue_download(Backend& backend, Stream& stream);
+  // The host copy, once the download ran.
+  std::uint64_t sent_checksum_on_host(std::size_t i) const { return host_[i]; }
+  std::uint64_t computed_checksum_on_host(std::size_t i) const { return host_[max_buckets_ + i]; }
+  std::uint64_t nonfinite_count_on_host(std::size_t i) const {
+    return host_[2 * max_buckets_ + i];
+  }
+
+ private:
+  std::uint64_t* word(std::size_t i) const {
+    return reinterpret_cast<std::uint64_t*>(device_.data()) + i;
+  }
+
+  DeviceBuffer device_;
+  std::vector<std::uint64_t> host_;
+  std::size_t max_buckets_ = 0;
+};
+
+class ReceiveChecks {
+ public:
+  // Creates the check stream and the scratch only when the backend has the checks
+  // (supports_integrity()); otherwise nothing, and every update must come without any (the
+  // receiver's config and header checks make sure of that).
+  ReceiveChecks(const Layout& layout, Backend& backend, bool reject_nonfinite);
+
+  // Starts the checks of one update. `checksums`: its header announces the sender's checksum
+  // block (carries_checksums).
+  void begin(bool checksums);
+  // Whether the update begun last has anything to check.
+  bool active() const { return checksums_ || reject_nonfinite_; }
+  bool checksums() const { return checksums_; }
+
+  // Enqueues on stream(), behind `bucket_done` (bucket k of `group` received into `arena`), the
+  // checks of what bucket k completes: its checksum (when the header announced them) and the
+  // non-finite count of every floating tensor whose last byte is in it. `group_index` is the
+  // group's index in the layout. Buckets must come in broadcast order.
+  void enqueue_bucket(const GroupLayout& group, std::size_t group_index, const std::byte* arena,
+                      std::size_t k, Event& bucket_done);
+
+  // Where the sender's checksum block is received (device memory, one word per bucket).
+  void* sent_checksums() const { return scratch_.sent_checksums(); }
+
+  // Enqueues, behind every check and behind `sent_block_done` (the event of the sent block's
+  // receive; only when the header announced checksums), the copy of the results to the host.
+  // Then poll results_ready(); compare() once it returned true.
+  void enqueue_results(Event* sent_block_done);
+  // Waits up to `timeout` for the results of enqueue_results(); true once they are on the host.
+  bool results_ready(std::chrono::nanoseconds timeout);
+  // Compares the results: nothing when every check passed, else the first refusal. `targets` are
+  // the update's groups in broadcast order (the receive's).
+  std::optional<Refusal> compare(const std::vector<ReceiveTarget>& targets) const;
+
+  // The check stream, or null when the backend has no checks.
+  Stream* stream() const { return stream_.get(); }
+
+ private:
+  const Layout& layout_;
+  Backend& backend_;
+  const bool reject_nonfinite_;
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Event> results_event_;
+  CheckScratch scratch_;
+
+  // The update begun last.
+  bool checksums_ = false;
+  std::size_t buckets_ = 0;  // checksums computed so far, in broadcast order
+  std::vector<std::pair<std::size_t, std::size_t>> tensors_;  // (group, tensor) counted, in order
+};
+
+}  // namespace shadowsync
