@@ -27,7 +27,6 @@
 #include "shadowsync/receiver.h"
 #include "shadowsync/sender.h"
 #include "shadowsync/step_hook.h"
-#include "shadowsync/swap_strategy.h"
 
 namespace shadowsync::bench {
 
