@@ -9,6 +9,8 @@
 #   bench          the update benchmark on two GPUs, then its plot (bench.sh)
 #   bench-one-gpu  the one-GPU benchmarks: integrity checks and swap strategies (bench_one_gpu.sh)
 #   examples       the two-process example and the mini worker against a CUDA build (examples.sh)
+#   python         the wheel built with CUDA on, installed, python/tests against it: NCCL taken at
+#                  run time (import orders with torch), one-rank communicator (python.sh)
 #   faults         trainer processes killed and stopped mid-update (faults.sh; --cpu-dry-run runs
 #                  it on the CPU, as ctest integration.gpu_faults_cpu does)
 #   collect-debs   on the development machine: download the .deb files the GPU machines lack into
@@ -18,7 +20,7 @@
 set -uo pipefail
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-usage() { sed -n '2,16p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,18p' "${BASH_SOURCE[0]}"; }
 
 command="${1:-}"
 case "$command" in
@@ -27,6 +29,7 @@ case "$command" in
   bench-one-gpu) script=bench_one_gpu.sh ;;
   examples) script=examples.sh ;;
   faults) script=faults.sh ;;
+  python) script=python.sh ;;
   collect-debs) script=collect_debs.sh ;;
   -h|--help) usage; exit 0 ;;
   "") usage >&2; exit 2 ;;
