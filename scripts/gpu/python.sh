@@ -24,8 +24,12 @@ source "$ROOT/scripts/gpu/common.sh"
 gpu_unpack_deps "$ROOT" >/dev/null || { note "FAIL deps: $DEPS_MESSAGE"; exit 1; }
 [[ -d .whl ]] || { note "FAIL no .whl/ (download scikit-build-core, pathspec, packaging, pytest, ninja wheels into .whl/ and carry it)"; exit 1; }
 
-python3 -m venv --clear --system-site-packages "$WORK/venv" || { note "FAIL venv"; exit 1; }
+python3 -m venv --clear "$WORK/venv" || { note "FAIL venv"; exit 1; }
 readonly PY="$WORK/venv/bin/python"
+# The machine's python3 may itself be a venv (torch in /opt/torch/.venv): --system-site-packages
+# would reach only the base interpreter's packages, so hand the new venv python3's own ones.
+python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+  >"$("$PY" -c 'import site; print(site.getsitepackages()[0])')/machine-packages.pth"
 "$PY" -m pip install --quiet --no-index --find-links .whl pytest ninja >"$WORK/pip.log" 2>&1 ||
   { cat "$WORK/pip.log"; note "FAIL pip install pytest ninja from .whl/"; exit 1; }
 note "info $("$PY" -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())' 2>&1 | tail -n 1)"
