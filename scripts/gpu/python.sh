@@ -34,6 +34,11 @@ python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
   { cat "$WORK/pip.log"; note "FAIL pip install pytest ninja from .whl/"; exit 1; }
 note "info $("$PY" -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())' 2>&1 | tail -n 1)"
 
+# pip's build isolation hides the machine's site-packages, so a `cmake` that is pip's Python
+# shim (it imports the cmake module) fails there: put the real binary first on PATH.
+cmake_bin=$(python3 -c 'import cmake; print(cmake.CMAKE_BIN_DIR)' 2>/dev/null) &&
+  [[ -x "$cmake_bin/cmake" ]] && export PATH="$cmake_bin:$PATH"
+note "info cmake for the wheel: $(command -v cmake) ($(cmake --version | head -n 1))"
 rm -rf "$WORK/dist"
 if ! SHADOWSYNC_WITH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip wheel -v --no-deps \
     --no-index --find-links "$ROOT/.whl" -w "$WORK/dist" "-Cbuild-dir=$WORK/cmake" \
