@@ -82,7 +82,9 @@ class NcclTransport final : public Transport {
   //      dlopen("libnccl.so.2", RTLD_NOLOAD) finds. Using it keeps one NCCL in the process.
   //   3. The nvidia-nccl-cu* Python package, <site-packages>/nvidia/nccl/lib/libnccl.so.2, for the
   //      site-packages (or dist-packages) directories holding a loaded library (libtorch, any
-  //      extension module, a pip-installed libshadowsync_c.so), those of PYTHONPATH, and
+  //      extension module, a pip-installed libshadowsync_c.so), the directories an embedding
+  //      Python named with add_python_path (the Python package hands over its sys.path when it
+  //      loads the library), those of PYTHONPATH, and
   //      <prefix>/lib/python3*/{site,dist}-packages for VIRTUAL_ENV, CONDA_PREFIX and, in a python
   //      interpreter, its own prefix and ~/.local. That is the file torch loads when imported
   //      later, so the process still ends up with one NCCL.
@@ -92,6 +94,11 @@ class NcclTransport final : public Transport {
   // Throws Error(kTransport) listing every place looked at and why each failed; a failure is not
   // remembered, the next call searches again. Thread-safe.
   static NcclLibraryInfo library();
+
+  // Directories (a sys.path, ':'-separated) searched in step 3 above for
+  // nvidia/nccl/lib/libnccl.so.2 before the library's own guesses: a Python knows where its
+  // packages are, the library can only guess. Loads nothing. Thread-safe.
+  static void add_python_path(std::string_view paths);
 
   // ncclGetUniqueId: rank 0's side makes the id and sends it to every rank over the control plane.
   // Opens a listening socket for the bootstrap in this process, so call it on the side that will

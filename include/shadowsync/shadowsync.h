@@ -364,6 +364,11 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_transport_create(
  * SHADOWSYNC_NOT_SUPPORTED without CUDA. Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_library(char* path, size_t path_size,
                                                            int32_t* version);
+/* Directories (':'-separated, e.g. a Python's sys.path) searched for the nvidia-nccl-cu* package's
+ * nvidia/nccl/lib/libnccl.so.2 before the library's own guesses, so that the NCCL loaded is the
+ * one torch will load. The Python package calls it when it loads the library. Loads nothing.
+ * SHADOWSYNC_NOT_SUPPORTED without CUDA. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_add_python_path(const char* paths);
 /* Destroys a transport no receiver or sender took. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_transport_destroy(shadowsync_transport_t transport);
 

@@ -163,6 +163,17 @@ shadowsync_status_t shadowsync_nccl_library(char* path, size_t path_size, int32_
   });
 }
 
+shadowsync_status_t shadowsync_nccl_add_python_path(const char* paths) {
+  return guard(__func__, [&] {
+    if (paths == nullptr) throw_invalid("paths is NULL");
+#if defined(SHADOWSYNC_WITH_CUDA)
+    NcclTransport::add_python_path(paths);
+#else
+    throw_not_supported("NCCL search path: this library was built without CUDA/NCCL");
+#endif
+  });
+}
+
 shadowsync_status_t shadowsync_transport_destroy(shadowsync_transport_t transport) {
   return guard(__func__,
                [&] { Registry::instance().remove<TransportObject>(transport, "transport"); });

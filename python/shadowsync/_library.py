@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from ctypes import (
     CFUNCTYPE,
@@ -246,6 +247,7 @@ _PROTOTYPES = {
         [_P(c_uint8), c_int, c_int, c_int, _P(NcclConfigC), _P(_H)],
     ),
     "shadowsync_nccl_library": (c_int, [c_char_p, c_size_t, _P(c_int32)]),
+    "shadowsync_nccl_add_python_path": (c_int, [c_char_p]),
     "shadowsync_transport_destroy": (c_int, [_H]),
     # receiver
     "shadowsync_receiver_create": (c_int, [_H, _H, _H, _P(ReceiverConfigC), _P(_H)]),
@@ -373,6 +375,11 @@ def load() -> ctypes.CDLL:
                 f"{path}: C ABI version {version} does not match this package's "
                 f"{C_API_VERSION}; use a library and package of the same shadowsync version"
             )
+        if lib.shadowsync_has_cuda():
+            # Where this Python's packages are: the NCCL loader then finds the nvidia-nccl-cu*
+            # package torch loads, even before torch is imported (one NCCL per process).
+            lib.shadowsync_nccl_add_python_path(
+                os.pathsep.join(p for p in sys.path if p and os.pathsep not in p).encode())
         _lib, _lib_path = lib, path
         return lib
 

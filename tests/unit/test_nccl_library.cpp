@@ -368,6 +368,24 @@ TEST_CASE("NCCL library: the search goes on past an unusable library to the next
   CHECK(loaded_nccls().size() == 1);  // the fakes' names are not libnccl*; no second NCCL
 }
 
+// Last of the CUDA cases: the directories a Python names stay for the rest of the process.
+TEST_CASE("NCCL library: the directories a Python names are searched first in the package step") {
+  const ScopedEnv no_override("SHADOWSYNC_NCCL_LIBRARY", std::nullopt);
+  const ScopedEnv python_path("PYTHONPATH", "/nonexistent/shadowsync-test-pythonpath");
+  REQUIRE(shadowsync_nccl_add_python_path(nullptr) == SHADOWSYNC_INVALID_ARGUMENT);
+  REQUIRE(shadowsync_nccl_add_python_path(
+              "/nonexistent/shadowsync-test-sys-path-a::/nonexistent/shadowsync-test-sys-path-b") ==
+          SHADOWSYNC_SUCCESS);
+  std::vector<std::string> python;
+  for (const NcclCandidate& candidate : nccl_candidates()) {
+    if (candidate.place == "Python package nvidia-nccl-cu*") python.push_back(candidate.file);
+  }
+  REQUIRE(python.size() >= 3);
+  CHECK(python[0] == "/nonexistent/shadowsync-test-sys-path-a/nvidia/nccl/lib/libnccl.so.2");
+  CHECK(python[1] == "/nonexistent/shadowsync-test-sys-path-b/nvidia/nccl/lib/libnccl.so.2");
+  CHECK(python[2] == "/nonexistent/shadowsync-test-pythonpath/nvidia/nccl/lib/libnccl.so.2");
+}
+
 #else  // !SHADOWSYNC_WITH_CUDA
 
 TEST_CASE("NCCL library: not in a build without CUDA") {

@@ -95,19 +95,29 @@ void add_prefix_site_packages(const std::string& prefix, std::vector<std::string
   dirs.insert(dirs.end(), found.begin(), found.end());
 }
 
+void split_path_list(std::string_view list, std::vector<std::string>& out) {
+  for (std::size_t begin = 0; begin <= list.size();) {
+    const std::size_t end = std::min(list.find(':', begin), list.size());
+    if (end > begin) out.emplace_back(list.substr(begin, end - begin));
+    begin = end + 1;
+  }
+}
+
+std::mutex python_path_mutex;
+std::vector<std::string> python_path_dirs;  // from add_python_path, in order
+
 // Where an nvidia-nccl-cu* package may be installed for the Python this process runs (if any).
 std::vector<std::string> site_packages_dirs(const std::vector<std::string>& loaded) {
   std::vector<std::string> dirs;
+  {
+    const std::lock_guard lock(python_path_mutex);
+    dirs = python_path_dirs;
+  }
   for (const std::string& object : loaded) {
     std::string dir = enclosing_site_packages(object);
     if (!dir.empty()) dirs.push_back(std::move(dir));
   }
-  const std::string python_path = env_or_empty("PYTHONPATH");
-  for (std::size_t begin = 0; begin <= python_path.size();) {
-    const std::size_t end = std::min(python_path.find(':', begin), python_path.size());
-    if (end > begin) dirs.push_back(python_path.substr(begin, end - begin));
-    begin = end + 1;
-  }
+  split_path_list(env_or_empty("PYTHONPATH"), dirs);
   add_prefix_site_packages(env_or_empty("VIRTUAL_ENV"), dirs);
   add_prefix_site_packages(env_or_empty("CONDA_PREFIX"), dirs);
   std::error_code ec;
@@ -280,8 +290,8 @@ std::vector<NcclCandidate> nccl_candidates() {
   if (candidates.size() == before_python) {
     candidates.push_back({kPlacePython, "", false,
                           "no site-packages directory found (no loaded library lies in one; "
-                          "PYTHONPATH, VIRTUAL_ENV and CONDA_PREFIX name none; the program is "
-                          "not a python interpreter)"});
+                          "no Python named its path; PYTHONPATH, VIRTUAL_ENV and CONDA_PREFIX "
+                          "name none; the program is not a python interpreter)"});
   }
 
   candidates.push_back({kPlaceSystem, kSoname, /*loaded_only=*/false, {}});
@@ -329,6 +339,17 @@ const NcclLibrary& NcclLibrary::process() {
   const NcclLibrary* result = loaded.release();
   library.store(result, std::memory_order_release);
   return *result;
+}
+
+void add_python_path(std::string_view paths) {
+  std::vector<std::string> dirs;
+  split_path_list(paths, dirs);
+  const std::lock_guard lock(python_path_mutex);
+  for (std::string& dir : dirs) {
+    if (std::find(python_path_dirs.begin(), python_path_dirs.end(), dir) == python_path_dirs.end()) {
+      python_path_dirs.push_back(std::move(dir));
+    }
+  }
 }
 
 }  // namespace shadowsync::nccl_detail

@@ -21,6 +21,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace shadowsync::nccl_detail {
@@ -104,5 +105,9 @@ class NcclLibrary {
   int version_;
   std::string place_;
 };
+
+// NcclTransport::add_python_path: directories searched for the nvidia-nccl-cu* package before the
+// library's own guesses. Thread-safe.
+void add_python_path(std::string_view paths);
 
 }  // namespace shadowsync::nccl_detail

@@ -117,6 +117,8 @@ NcclLibraryInfo NcclTransport::library() {
   return NcclLibraryInfo{library.path(), library.version(), library.place()};
 }
 
+void NcclTransport::add_python_path(std::string_view paths) { nccl_detail::add_python_path(paths); }
+
 NcclUniqueId NcclTransport::generate_unique_id() {
   disable_nvls_once();
   ncclUniqueId raw;
