@@ -35,6 +35,19 @@ class Transport {
   // Returns once enqueued. One thread at a time.
   virtual void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) = 0;
 
+  // Optional: memory this transport sends from without a copy. Rank `root`'s caller may pack the
+  // bytes of its next broadcast into staging buffer `index` (0 or 1, each at least `bytes` long)
+  // and pass that pointer to broadcast_async. The caller writes buffer `index` only after the
+  // previous broadcast from it completed on its stream, and only while no broadcast of another
+  // buffer is in flight that could bounce through it. nullptr (the default): the transport has
+  // none, the caller uses memory of its own. The memory lives as long as the transport, and
+  // streams that write it must be synchronized before the transport is destroyed.
+  virtual void* staging_buffer(int index, std::size_t bytes) {
+    (void)index;
+    (void)bytes;
+    return nullptr;
+  }
+
   // Brackets several broadcasts that are launched as one (ncclGroupStart/End). Optional.
   virtual void group_begin() {}
   virtual void group_end() {}

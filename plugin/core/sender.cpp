@@ -142,6 +142,16 @@ struct Sender::Impl {
   // Two staging buffers: packing bucket k+1 into one overlaps broadcasting bucket k from the
   // other. packed[s]: bucket in staging s is complete; sent[s]: staging s may be packed again.
   DeviceBuffer staging[2];
+  // Staging buffer s: the transport's own when it has one (Transport::staging_buffer: the
+  // same-host transport shares it with the receivers, so packing is the only copy), else ours.
+  std::byte* staging_data(int s) {
+    const std::size_t bytes = owner.layout_.bucket_bytes();
+    if (void* shared = transport->staging_buffer(s, bytes)) return static_cast<std::byte*>(shared);
+    if (staging[0].size() == 0) {
+      for (auto& buffer : staging) buffer = DeviceBuffer(backend, bytes);
+    }
+    return staging[s].data();
+  }
   std::unique_ptr<Event> packed[2];
   std::unique_ptr<Event> sent[2];
   std::unique_ptr<Event> done_event;
@@ -338,12 +348,13 @@ void Sender::Impl::run() {
 void Sender::Impl::abort_transport() noexcept {
   if (!transport) return;
   transport->abort();
-  transport.reset();
   try {
     backend.stream_synchronize(*comm_stream);
     backend.stream_synchronize(*pack_stream);
   } catch (...) {  // a dead device: nothing left to wait for
   }
+  // After the streams: the pack stream may still be writing the transport's staging memory.
+  transport.reset();
 }
 
 void Sender::Impl::send(const Job& job, Clock::time_point start) {
@@ -376,9 +387,6 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
                                    bucket.bytes, config.root_rank, *comm_stream);
       }
       continue;
-    }
-    if (staging[0].size() == 0) {
-      for (auto& buffer : staging) buffer = DeviceBuffer(backend, layout.bucket_bytes());
     }
     BucketCursor cursor;
     const auto& tensors = group.tensors();
@@ -424,7 +432,7 @@ void Sender::Impl::pack_tensor(const GroupLayout& group, const TensorPlacement& 
     }
     const std::size_t bucket_end = bucket.offset + bucket.bytes;
     const std::size_t slice_end = std::min(end, bucket_end);
-    backend.memcpy_async(staging[cursor.staging].data() + (begin - bucket.offset),
+    backend.memcpy_async(staging_data(cursor.staging) + (begin - bucket.offset),
                          src + (begin - tensor.offset), slice_end - begin, *pack_stream);
     if (slice_end == bucket_end) flush_bucket(group, cursor);
     begin = slice_end;
@@ -433,10 +441,10 @@ void Sender::Impl::pack_tensor(const GroupLayout& group, const TensorPlacement& 
 
 void Sender::Impl::flush_bucket(const GroupLayout& group, BucketCursor& cursor) {
   const int s = cursor.staging;
-  checksum_bucket(staging[s].data(), group.bucket(cursor.bucket).bytes, *pack_stream);
+  checksum_bucket(staging_data(s), group.bucket(cursor.bucket).bytes, *pack_stream);
   backend.event_record(*packed[s], *pack_stream);
   backend.stream_wait_event(*comm_stream, *packed[s]);
-  transport->broadcast_async(staging[s].data(), group.bucket(cursor.bucket).bytes,
+  transport->broadcast_async(staging_data(s), group.bucket(cursor.bucket).bytes,
                              config.root_rank, *comm_stream);
   backend.event_record(*sent[s], *comm_stream);
   cursor.open = false;

@@ -1,0 +1,107 @@
+// SameHostTransport: the Transport interface between processes of one host (a trainer and its
+// engines as CPU processes, or on one GPU / GPUs of one host), over a Unix domain socket and
+// staging memory the sender shares once per connection.
+//
+// Connection. The sender (rank 0, the root of every broadcast) listens on a Unix socket at `path`;
+// each receiver (ranks 1..receivers) connects. Both ends prove the shared token with an
+// HMAC-SHA256 challenge-response over fresh nonces (each side over the other's nonce, distinct
+// labels per role) before anything else is sent; only then does the sender share its staging
+// memory: two slots of `slot_bytes`, in one memory file (memfd, passed with SCM_RIGHTS) for the
+// host flavour. Once every receiver is connected the sender closes its listener and unlinks the
+// socket file; a file left by a sender that died while waiting is detected (connect() is refused)
+// and replaced by the next sender. The socket's directory must be the user's own and closed to
+// everyone else (mode 0700, created when absent); any other directory, or a path that exists and
+// is not a socket, is refused with an error naming what was found.
+//
+// Data. A broadcast of n bytes is cut into chunks of at most slot_bytes. For each chunk the
+// sender's stream task puts the bytes in a slot (nothing to do when the caller packed them there:
+// staging_buffer()), rings a doorbell on every receiver's socket ("chunk <sequence> is in slot s,
+// offset o, n bytes") and waits for every receiver's ack before the task ends; a slot is thus
+// reused only once every receiver copied it out. A receiver's stream task waits for the doorbell
+// of exactly the chunk it expects (its own call count), checks it (slot and byte range inside the
+// staging memory, the byte count it was asked to receive), copies slot -> buffer and acks. A
+// doorbell that fails a check is a protocol violation: nothing is copied, async_error() names it,
+// and the stream task returns.
+//
+// Streams. The host flavour runs on HostBackend streams: the stream task itself blocks in poll()
+// on the sockets and an eventfd that abort() signals, as a loopback collective blocks its stream.
+// (The device flavour, where a CUDA stream cannot block on a socket, is not implemented yet:
+// serve() with SameHostMemory::kDevice throws Error(kInvalidArgument) saying so.)
+//
+// Failures, as NcclTransport: a peer that closes its socket (its process died) or breaks the
+// protocol sets async_error(); the transport never times out by itself (callers poll against
+// their deadlines and call abort()). abort() wakes every waiting stream task, shuts the sockets
+// down and makes the transport dead: later broadcasts complete at once with async_error() set.
+// A new connection needs a new transport (serve/connect again), as after ncclCommAbort.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "shadowsync/backend.h"
+#include "shadowsync/transport.h"
+
+namespace shadowsync {
+
+enum class SameHostMemory {
+  kHost = 0,    // staging in a shared memory file; HostBackend streams
+  kDevice = 1,  // staging in device memory shared through the CUDA driver (not implemented yet)
+};
+
+struct SameHostConfig {
+  // serve(): how long to wait for every receiver to connect and authenticate. connect(): how long
+  // to wait for a sender to listen (the engine may start first, or wait for a restarted trainer).
+  std::chrono::milliseconds connect_timeout{std::chrono::seconds(60)};
+  // Each step of the handshake must complete within this.
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(5)};
+};
+
+class SameHostTransport final : public Transport {
+ public:
+  // Sender side (rank 0 of 1 + receivers). Checks (or creates, mode 0700) the socket's
+  // directory, listens on `path`, and blocks until `receivers` receivers connected and proved
+  // `token` (a connection that fails the handshake is dropped and the wait goes on), or throws
+  // Error(kTimeout) after config.connect_timeout naming how many came and the last refusal.
+  // `slot_bytes` is the size of each of the two staging slots: the sender's bucket size
+  // (Layout::bucket_bytes()). Bad arguments, paths and directories: Error(kInvalidArgument).
+  static std::unique_ptr<SameHostTransport> serve(const std::string& path, std::string_view token,
+                                                  int receivers, Backend& backend,
+                                                  SameHostMemory memory, std::size_t slot_bytes,
+                                                  SameHostConfig config = {});
+
+  // Receiver side: connects to the sender at `path` as `rank` (1..receivers), retrying until one
+  // listens or config.connect_timeout passes (Error(kTimeout)), proves `token` and checks the
+  // sender's proof (Error(kTransport) naming which side refused), then maps the staging memory
+  // (Error(kTransport) saying what was tried when it cannot).
+  static std::unique_ptr<SameHostTransport> connect(const std::string& path,
+                                                    std::string_view token, int rank,
+                                                    Backend& backend, SameHostConfig config = {});
+
+  ~SameHostTransport() override;
+  SameHostTransport(const SameHostTransport&) = delete;
+  SameHostTransport& operator=(const SameHostTransport&) = delete;
+
+  std::string_view name() const override { return "same_host"; }
+  int rank() const override;
+  int world_size() const override;
+  // `root` must be 0 (the sender); `stream` must come from a HostBackend (host flavour).
+  void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override;
+  void* staging_buffer(int index, std::size_t bytes) override;
+  std::optional<std::string> async_error() override;
+  void abort() noexcept override;
+
+  SameHostMemory memory() const;
+  std::size_t slot_bytes() const;
+
+  struct State;
+
+ private:
+  explicit SameHostTransport(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace shadowsync

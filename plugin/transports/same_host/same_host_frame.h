@@ -1,0 +1,129 @@
+// The same-host transport's wire format: fixed-size little-endian records on a Unix stream
+// socket. Pure functions (no I/O, no allocation from a peer's numbers), fuzzed by
+// tests/fuzz/fuzz_same_host_frame.cpp.
+//
+// Every record starts with magic "SSHT" (4), wire version u16 and type u16. Handshake records
+// (in this order; the sender S listens, a receiver R connects):
+//   1 challenge  S->R  nonce nS (32)                                              40 bytes
+//   2 proof      R->S  rank u32, reserved u32 (0), nonce nR (32), mac (32)         80 bytes
+//   3 accept     S->R  mac (32)                                                    40 bytes
+//   4 ready      R->S  (nothing)                                                    8 bytes
+//   5 setup      S->R  memory u32, world size u32, slot count u32, reserved u32,
+//                      slot bytes u64, handle (64); the staging fd rides along     96 bytes
+//   7 refuse     S->R  reason u32, reserved u32                                    16 bytes
+// Data records, 40 bytes each:
+//   6 doorbell   S->R  sequence u64, slot u32, reserved u32 (0), offset u64, bytes u64
+//   8 ack        R->S  the same fields, echoing the doorbell
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace shadowsync::same_host {
+
+inline constexpr std::uint32_t kMagic = 0x54485353;  // "SSHT" little-endian
+inline constexpr std::uint16_t kWireVersion = 1;
+inline constexpr std::size_t kNonceBytes = 32;
+inline constexpr std::size_t kMacBytes = 32;
+inline constexpr std::size_t kHandleBytes = 64;
+inline constexpr std::uint32_t kSlotCount = 2;
+
+using Nonce = std::array<std::byte, kNonceBytes>;
+using Mac = std::array<std::byte, kMacBytes>;
+
+enum class RecordType : std::uint16_t {
+  kChallenge = 1,
+  kProof = 2,
+  kAccept = 3,
+  kReady = 4,
+  kSetup = 5,
+  kDoorbell = 6,
+  kRefuse = 7,
+  kAck = 8,
+};
+
+// Size of each record type, header included; 0 for an unknown type.
+std::size_t record_bytes(RecordType type) noexcept;
+inline constexpr std::size_t kHeaderBytes = 8;
+inline constexpr std::size_t kDataRecordBytes = 40;
+inline constexpr std::size_t kMaxRecordBytes = 96;
+
+// Checks magic and version and returns the type of the record that `header` (8 bytes) starts;
+// on failure returns false and says why in `error`.
+bool parse_record_header(std::span<const std::byte> header, RecordType& type, std::string& error);
+
+struct Challenge {
+  Nonce sender_nonce{};
+};
+struct Proof {
+  std::uint32_t rank = 0;
+  Nonce receiver_nonce{};
+  Mac mac{};
+};
+struct Accept {
+  Mac mac{};
+};
+struct Setup {
+  std::uint32_t memory = 0;  // SameHostMemory
+  std::uint32_t world_size = 0;
+  std::uint32_t slot_count = kSlotCount;
+  std::uint64_t slot_bytes = 0;
+  std::array<std::byte, kHandleBytes> handle{};  // device flavours: what the fd does not carry
+};
+enum class RefuseReason : std::uint32_t { kBadProof = 1, kBadRank = 2, kRankTaken = 3 };
+struct Refuse {
+  RefuseReason reason = RefuseReason::kBadProof;
+};
+
+// A doorbell or an ack: chunk `sequence` of the connection is `bytes` bytes at `offset` of
+// staging slot `slot`.
+struct DataRecord {
+  RecordType type = RecordType::kDoorbell;
+  std::uint64_t sequence = 0;
+  std::uint32_t slot = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+};
+
+// The staging memory a doorbell must stay inside.
+struct SlotGeometry {
+  std::uint32_t slot_count = kSlotCount;
+  std::uint64_t slot_bytes = 0;
+};
+
+// Encoders write exactly record_bytes(type) bytes.
+std::array<std::byte, 40> encode(const Challenge& record);
+std::array<std::byte, 80> encode(const Proof& record);
+std::array<std::byte, 40> encode(const Accept& record);
+std::array<std::byte, 8> encode_ready();
+std::array<std::byte, 96> encode(const Setup& record);
+std::array<std::byte, 16> encode(const Refuse& record);
+std::array<std::byte, kDataRecordBytes> encode(const DataRecord& record);
+
+// Decoders take a whole record (header included) of exactly its size and check every field they
+// can without context; each returns false with the reason in `error` and leaves `out` unspecified.
+bool decode(std::span<const std::byte> record, Challenge& out, std::string& error);
+bool decode(std::span<const std::byte> record, Proof& out, std::string& error);
+bool decode(std::span<const std::byte> record, Accept& out, std::string& error);
+bool decode_ready(std::span<const std::byte> record, std::string& error);
+// Also checks: slot count is kSlotCount, slot bytes > 0, memory is a known flavour, world size in
+// 2..65536.
+bool decode(std::span<const std::byte> record, Setup& out, std::string& error);
+bool decode(std::span<const std::byte> record, Refuse& out, std::string& error);
+// A doorbell or ack (`expected` says which). Checks slot < slot_count, bytes > 0 and
+// offset + bytes <= slot_bytes (without overflow), reserved == 0.
+bool decode(std::span<const std::byte> record, RecordType expected, const SlotGeometry& geometry,
+            DataRecord& out, std::string& error);
+
+// What a receiver's call expects of its next doorbell: the sequence it has reached and the byte
+// count it was asked to receive for this chunk. Returns an empty string when `doorbell` matches,
+// else the reason (a sequence never announced, a byte count of another collective).
+std::string check_doorbell(const DataRecord& doorbell, std::uint64_t expected_sequence,
+                           std::uint64_t expected_bytes);
+
+const char* to_string(RefuseReason reason) noexcept;
+
+}  // namespace shadowsync::same_host

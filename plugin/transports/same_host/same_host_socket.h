@@ -1,0 +1,73 @@
+// The same-host transport's Unix socket plumbing: the private directory, a listener that replaces
+// a stale socket file, connecting, exact reads and writes that an eventfd can interrupt, and
+// passing a file descriptor (SCM_RIGHTS). Linux only.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <string>
+
+namespace shadowsync::same_host {
+
+using Clock = std::chrono::steady_clock;
+
+// Owns one file descriptor; closes it once.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& other) noexcept : fd_(other.release()) {}
+  Fd& operator=(Fd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = other.release();
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  explicit operator bool() const { return fd_ >= 0; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset();
+
+ private:
+  int fd_ = -1;
+};
+
+// The directory that holds the socket: created (mode 0700) when absent and `create`; otherwise it
+// must be a real directory (not a symbolic link) owned by this process's effective user with no
+// permission bits for group or others. Throws Error(kInvalidArgument) naming what it found.
+void check_private_directory(const std::string& directory, bool create);
+
+// Listens on `path` (mode 0600). A socket file already there is replaced if no one listens on
+// it (connect refused: its sender died); a live one, a file that is not a socket or one owned by
+// another user is refused with Error(kInvalidArgument).
+Fd listen_on(const std::string& path, int backlog);
+
+// One attempt to connect to `path`: the socket, or an empty Fd with errno set.
+Fd try_connect(const std::string& path);
+
+enum class Io { kOk, kClosed, kWoken, kTimeout, kError };
+// Reads exactly `out.size()` bytes (or writes all of `data`), waiting in poll() on `fd` and on
+// `wake` (an eventfd: readable means give up; -1: none) until `deadline` (none: forever).
+// kClosed: the peer closed (EOF, reset, broken pipe); kError: errno says why.
+Io read_exact(int fd, std::span<std::byte> out, int wake, std::optional<Clock::time_point> deadline);
+Io write_all(int fd, std::span<const std::byte> data, int wake,
+             std::optional<Clock::time_point> deadline);
+// As write_all, with `passed` riding along in an SCM_RIGHTS message on the first byte.
+Io write_with_fd(int fd, std::span<const std::byte> data, int passed, Clock::time_point deadline);
+// As read_exact; a descriptor received along is stored in `received` (close-on-exec).
+Io read_with_fd(int fd, std::span<std::byte> out, Fd& received, Clock::time_point deadline);
+
+// Words for an Io result, for messages ("the peer closed its socket", "timed out", ...).
+std::string describe(Io result, int saved_errno);
+
+}  // namespace shadowsync::same_host

@@ -1,0 +1,436 @@
+// SameHostTransport in one process (sender and receivers as threads, each with its own
+// HostBackend, as separate processes would have): broadcasts, the sender packing straight into
+// the shared staging, a real Sender and Receiver with the oracle, and every bad input: token,
+// directory, path, stale socket, a peer that breaks the protocol. tests/integration/
+// test_same_host_processes.cpp runs it across processes.
+#include <catch2/catch.hpp>
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <sys/mman.h>
+#include <thread>
+
+#include "deadline.h"
+#include "fake_engine.h"
+#include "pattern.h"
+#include "shadowsync/error.h"
+#include "shadowsync/host_backend.h"
+#include "shadowsync/receiver.h"
+#include "shadowsync/same_host_transport.h"
+#include "shadowsync/sender.h"
+#include "transports/same_host/same_host_auth.h"
+#include "transports/same_host/same_host_frame.h"
+#include "transports/same_host/same_host_socket.h"
+
+using namespace shadowsync;
+using namespace shadowsync::testing;
+
+namespace {
+
+const std::string kToken = "0123456789abcdef0123456789abcdef";
+
+// A fresh private directory per test, removed at the end.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    char name[] = "/tmp/shadowsync_same_host_XXXXXX";
+    REQUIRE(::mkdtemp(name) != nullptr);
+    path = name;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::permissions(path, std::filesystem::perms::owner_all, ignored);
+    std::filesystem::remove_all(path, ignored);
+  }
+  std::string socket() const { return (path / "sock").string(); }
+};
+
+SameHostConfig quick() {
+  SameHostConfig config;
+  config.connect_timeout = std::chrono::seconds(10);
+  config.handshake_timeout = std::chrono::seconds(5);
+  return config;
+}
+
+// A sender and `n` receivers, connected.
+struct Pair {
+  std::unique_ptr<HostBackend> sender_backend = std::make_unique<HostBackend>();
+  std::vector<std::unique_ptr<HostBackend>> receiver_backends;
+  std::unique_ptr<SameHostTransport> sender;
+  std::vector<std::unique_ptr<SameHostTransport>> receivers;
+
+  Pair(const std::string& path, int n, std::size_t slot_bytes) {
+    std::vector<std::future<std::unique_ptr<SameHostTransport>>> futures;
+    for (int r = 1; r <= n; ++r) {
+      receiver_backends.push_back(std::make_unique<HostBackend>());
+      HostBackend& backend = *receiver_backends.back();
+      futures.push_back(std::async(std::launch::async, [&path, r, &backend] {
+        return SameHostTransport::connect(path, kToken, r, backend, quick());
+      }));
+    }
+    sender = SameHostTransport::serve(path, kToken, n, *sender_backend, SameHostMemory::kHost,
+                                      slot_bytes, quick());
+    for (auto& f : futures) receivers.push_back(f.get());
+  }
+};
+
+std::vector<std::byte> pattern_bytes(std::size_t n, int seed) {
+  std::vector<std::byte> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<std::byte>((i * 131 + seed) & 0xff);
+  return out;
+}
+
+bool wait_event(Backend& backend, Event& event) {
+  return backend.event_wait_for(event, std::chrono::seconds(10));
+}
+
+}  // namespace
+
+TEST_CASE("same-host: broadcasts of many sizes reach every receiver, chunked through the slots") {
+  TempDir dir;
+  Pair pair(dir.socket(), 3, 1000);
+  CHECK(pair.sender->world_size() == 4);
+  CHECK(pair.receivers[2]->rank() == 3);
+  CHECK_FALSE(std::filesystem::exists(dir.socket()));  // unlinked once everyone came
+
+  auto sender_stream = pair.sender_backend->create_stream(StreamPriority::kNormal);
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (auto& b : pair.receiver_backends) streams.push_back(b->create_stream(StreamPriority::kNormal));
+  for (const std::size_t size : {std::size_t{1}, std::size_t{999}, std::size_t{1000},
+                                 std::size_t{1001}, std::size_t{4500}, std::size_t{0}}) {
+    CAPTURE(size);
+    const auto source = pattern_bytes(size, static_cast<int>(size));
+    std::vector<std::vector<std::byte>> targets(3, std::vector<std::byte>(size));
+    for (int r = 0; r < 3; ++r) {
+      pair.receivers[r]->broadcast_async(targets[r].data(), size, 0, *streams[r]);
+    }
+    pair.sender->broadcast_async(const_cast<std::byte*>(source.data()), size, 0, *sender_stream);
+    for (int r = 0; r < 3; ++r) {
+      auto done = pair.receiver_backends[r]->create_event();
+      pair.receiver_backends[r]->event_record(*done, *streams[r]);
+      REQUIRE(wait_event(*pair.receiver_backends[r], *done));
+      CHECK(targets[r] == source);
+    }
+  }
+  // Zero-copy: the sender packs into the shared slot and broadcasts from it.
+  auto* slot = static_cast<std::byte*>(pair.sender->staging_buffer(1, 1000));
+  REQUIRE(slot != nullptr);
+  CHECK(pair.sender->staging_buffer(2, 10) == nullptr);
+  CHECK(pair.sender->staging_buffer(0, 1001) == nullptr);
+  CHECK(pair.receivers[0]->staging_buffer(0, 10) == nullptr);
+  const auto source = pattern_bytes(700, 5);
+  std::memcpy(slot, source.data(), source.size());
+  std::vector<std::byte> target(700);
+  pair.receivers[0]->broadcast_async(target.data(), 700, 0, *streams[0]);
+  pair.receivers[1]->broadcast_async(target.data(), 0, 0, *streams[1]);  // placeholder
+  CHECK_THROWS_WITH(pair.receivers[2]->broadcast_async(target.data(), 700, 1, *streams[2]),
+                    Catch::Contains("root 1, but the sender is always rank 0"));
+  CHECK(!pair.sender->async_error());
+  pair.sender->abort();  // the size mismatch above would hang the others: end it here
+  auto done = pair.receiver_backends[0]->create_event();
+  pair.receiver_backends[0]->event_record(*done, *streams[0]);
+  REQUIRE(wait_event(*pair.receiver_backends[0], *done));
+}
+
+TEST_CASE("same-host: a Sender and a Receiver move updates checked by the oracle") {
+  TempDir dir;
+  const Layout layout = Layout::build({{"embed", DType::kBFloat16, {300, 16}, "base"},
+                                       {"w", DType::kFloat32, {513}, "base"},
+                                       {"lora.A", DType::kBFloat16, {8, 16}, "lora"}},
+                                      {.bucket_bytes = 2048});
+  HostBackend engine_backend;
+  HostBackend trainer_backend;
+  auto connecting = std::async(std::launch::async, [&] {
+    return SameHostTransport::connect(dir.socket(), kToken, 1, engine_backend, quick());
+  });
+  auto serving = SameHostTransport::serve(dir.socket(), kToken, 1, trainer_backend,
+                                          SameHostMemory::kHost, layout.bucket_bytes(), quick());
+  void* const shared_slot = serving->staging_buffer(0, layout.bucket_bytes());
+  Receiver receiver(layout, engine_backend, connecting.get());
+  Sender sender(layout, trainer_backend, std::move(serving));
+  HostFakeEngine engine(engine_backend, receiver);
+  UpdateHistory history;
+  for (std::uint64_t v = 1; v <= 60; ++v) {
+    const std::vector<std::string> groups = v % 3 == 0   ? std::vector<std::string>{"lora"}
+                                            : v % 3 == 1 ? std::vector<std::string>{"base"}
+                                                         : std::vector<std::string>{"base", "lora"};
+    HostTensors tensors(layout, groups, v);
+    PublishHandle handle = sender.publish(v, groups, tensors.sources());
+    history.add(v, {handle.header().groups.begin(), handle.header().groups.end()});
+    receiver.begin_update(handle.header());
+    engine.step();
+    try {
+      handle.wait();
+    } catch (...) {
+      wait_until([&] { return receiver.stats().updates_failed > 0; }, "the receiver's report");
+      FAIL("receiver: " << receiver.stats().last_error);
+    }
+    REQUIRE(receiver.step_hook().wait_applied(v, deadline_from_now(), engine.stream()));
+    engine.step();
+  }
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+  CHECK(history.check(engine.records()).empty());
+  CHECK(receiver.stats().updates_ready == 60);
+  CHECK(shared_slot != nullptr);
+}
+
+TEST_CASE("same-host: a wrong token is refused on both sides before any memory is shared") {
+  TempDir dir;
+  HostBackend a;
+  HostBackend b;
+  SameHostConfig config = quick();
+  config.connect_timeout = std::chrono::milliseconds(1500);
+  auto connecting = std::async(std::launch::async, [&] {
+    return SameHostTransport::connect(dir.socket(), "another token, 32 bytes long....", 1, b,
+                                      config);
+  });
+  CHECK_THROWS_WITH(SameHostTransport::serve(dir.socket(), kToken, 1, a, SameHostMemory::kHost,
+                                             64, config),
+                    Catch::Contains("0 of 1 receivers connected") &&
+                        Catch::Contains("wrong token"));
+  CHECK_THROWS_WITH(connecting.get(), Catch::Contains("the sender refused") &&
+                                          Catch::Contains("wrong token"));
+  CHECK_THROWS_WITH(SameHostTransport::serve(dir.socket(), "short", 1, a, SameHostMemory::kHost,
+                                             64, config),
+                    Catch::Contains("at least 16"));
+}
+
+TEST_CASE("same-host: a sender that cannot prove the token gets nothing from the receiver") {
+  TempDir dir;
+  HostBackend b;
+  same_host::Fd listener = same_host::listen_on(dir.socket(), 4);
+  auto connecting = std::async(std::launch::async, [&] {
+    return SameHostTransport::connect(dir.socket(), kToken, 1, b, quick());
+  });
+  same_host::Fd peer(::accept(listener.get(), nullptr, nullptr));
+  REQUIRE(peer);
+  const auto deadline = same_host::Clock::now() + std::chrono::seconds(5);
+  REQUIRE(same_host::write_all(peer.get(), same_host::encode(same_host::Challenge{}), -1,
+                               deadline) == same_host::Io::kOk);
+  std::array<std::byte, 80> proof{};
+  REQUIRE(same_host::read_exact(peer.get(), proof, -1, deadline) == same_host::Io::kOk);
+  // An impostor: accepts without knowing the token.
+  REQUIRE(same_host::write_all(peer.get(), same_host::encode(same_host::Accept{}), -1, deadline) ==
+          same_host::Io::kOk);
+  CHECK_THROWS_WITH(connecting.get(), Catch::Contains("could not prove the token"));
+  ::unlink(dir.socket().c_str());
+}
+
+TEST_CASE("same-host: directories and paths that are not ours are refused") {
+  TempDir dir;
+  HostBackend backend;
+  SECTION("a directory others can open") {
+    const auto open_dir = dir.path / "open";
+    std::filesystem::create_directory(open_dir);
+    ::chmod(open_dir.c_str(), 0755);
+    CHECK_THROWS_WITH(SameHostTransport::serve((open_dir / "sock").string(), kToken, 1, backend,
+                                               SameHostMemory::kHost, 64, quick()),
+                      Catch::Contains("has mode 0755") && Catch::Contains("must be private"));
+    CHECK_THROWS_WITH(SameHostTransport::connect((open_dir / "sock").string(), kToken, 1, backend,
+                                                 quick()),
+                      Catch::Contains("has mode 0755"));
+  }
+  SECTION("a symbolic link as the directory") {
+    std::filesystem::create_directory_symlink(dir.path, dir.path / "link");
+    CHECK_THROWS_WITH(SameHostTransport::serve((dir.path / "link" / "sock").string(), kToken, 1,
+                                               backend, SameHostMemory::kHost, 64, quick()),
+                      Catch::Contains("symbolic link"));
+  }
+  SECTION("an absent directory is created private") {
+    const auto fresh = dir.path / "fresh";
+    SameHostConfig config = quick();
+    config.connect_timeout = std::chrono::milliseconds(50);
+    CHECK_THROWS_AS(SameHostTransport::serve((fresh / "sock").string(), kToken, 1, backend,
+                                             SameHostMemory::kHost, 64, config),
+                    Error);
+    struct stat st {};
+    REQUIRE(::stat(fresh.c_str(), &st) == 0);
+    CHECK((st.st_mode & 0777) == 0700);
+    CHECK_FALSE(std::filesystem::exists(fresh / "sock"));  // the timed-out sender cleaned up
+  }
+  SECTION("a path that is a regular file") {
+    { std::ofstream(dir.socket()) << "x"; }
+    CHECK_THROWS_WITH(SameHostTransport::serve(dir.socket(), kToken, 1, backend,
+                                               SameHostMemory::kHost, 64, quick()),
+                      Catch::Contains("exists and is not a socket"));
+    CHECK(std::filesystem::is_regular_file(dir.socket()));  // untouched
+  }
+  SECTION("a socket another sender listens on") {
+    same_host::Fd live = same_host::listen_on(dir.socket(), 1);
+    CHECK_THROWS_WITH(SameHostTransport::serve(dir.socket(), kToken, 1, backend,
+                                               SameHostMemory::kHost, 64, quick()),
+                      Catch::Contains("in use"));
+  }
+  SECTION("the device flavour is refused in this build") {
+    CHECK_THROWS_WITH(SameHostTransport::serve(dir.socket(), kToken, 1, backend,
+                                               SameHostMemory::kDevice, 64, quick()),
+                      Catch::Contains("not implemented"));
+  }
+}
+
+TEST_CASE("same-host: a stale socket file of a dead sender is replaced") {
+  TempDir dir;
+  { same_host::Fd dead = same_host::listen_on(dir.socket(), 1); }  // closed, file left behind
+  REQUIRE(std::filesystem::is_socket(dir.socket()));
+  Pair pair(dir.socket(), 1, 64);
+  CHECK(pair.sender->world_size() == 2);
+}
+
+namespace {
+
+// Plays the sender's side of the handshake with a real token, then hands the socket to the test.
+struct FakeSender {
+  same_host::Fd listener;
+  same_host::Fd peer;
+  same_host::Fd memory_file;
+
+  FakeSender(const std::string& path, std::size_t announced_slot_bytes, std::size_t file_bytes,
+             bool pass_fd) {
+    listener = same_host::listen_on(path, 1);
+    peer = same_host::Fd(::accept(listener.get(), nullptr, nullptr));
+    REQUIRE(peer);
+    const auto deadline = same_host::Clock::now() + std::chrono::seconds(5);
+    const same_host::Nonce nonce = same_host::make_nonce();
+    REQUIRE(same_host::write_all(peer.get(), same_host::encode(same_host::Challenge{nonce}), -1,
+                                 deadline) == same_host::Io::kOk);
+    std::array<std::byte, 80> record{};
+    REQUIRE(same_host::read_exact(peer.get(), record, -1, deadline) == same_host::Io::kOk);
+    same_host::Proof proof;
+    std::string error;
+    REQUIRE(same_host::decode(record, proof, error));
+    const same_host::Accept accept{
+        same_host::sender_proof(kToken, nonce, proof.receiver_nonce, proof.rank)};
+    REQUIRE(same_host::write_all(peer.get(), same_host::encode(accept), -1, deadline) ==
+            same_host::Io::kOk);
+    std::array<std::byte, 8> ready{};
+    REQUIRE(same_host::read_exact(peer.get(), ready, -1, deadline) == same_host::Io::kOk);
+    same_host::Setup setup;
+    setup.world_size = 2;
+    setup.slot_bytes = announced_slot_bytes;
+    memory_file = same_host::Fd(::memfd_create("fake", MFD_CLOEXEC));
+    REQUIRE(::ftruncate(memory_file.get(), static_cast<off_t>(file_bytes)) == 0);
+    if (pass_fd) {
+      REQUIRE(same_host::write_with_fd(peer.get(), same_host::encode(setup), memory_file.get(),
+                                       deadline) == same_host::Io::kOk);
+    } else {
+      REQUIRE(same_host::write_all(peer.get(), same_host::encode(setup), -1, deadline) ==
+              same_host::Io::kOk);
+    }
+    ::unlink(path.c_str());
+  }
+  void send_raw(std::span<const std::byte> bytes) {
+    REQUIRE(same_host::write_all(peer.get(), bytes, -1, std::nullopt) == same_host::Io::kOk);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("same-host: a sender that breaks the protocol writes nothing into the receiver") {
+  TempDir dir;
+  HostBackend backend;
+  auto connecting = std::async(std::launch::async, [&] {
+    return SameHostTransport::connect(dir.socket(), kToken, 1, backend, quick());
+  });
+  FakeSender fake(dir.socket(), 256, 512, true);
+  auto transport = connecting.get();
+  auto stream = backend.create_stream(StreamPriority::kNormal);
+  std::vector<std::byte> target(100, std::byte{0x5a});
+  const std::vector<std::byte> before = target;
+  transport->broadcast_async(target.data(), target.size(), 0, *stream);
+
+  std::string expected;
+  SECTION("a slot outside the staging memory") {
+    fake.send_raw(same_host::encode(same_host::DataRecord{same_host::RecordType::kDoorbell, 0, 5,
+                                                          0, 100}));
+    expected = "slot 5 is outside";
+  }
+  SECTION("a byte range past the slot") {
+    fake.send_raw(same_host::encode(same_host::DataRecord{same_host::RecordType::kDoorbell, 0, 1,
+                                                          200, 100}));
+    expected = "outside its 256 bytes";
+  }
+  SECTION("a sequence that was not announced") {
+    fake.send_raw(same_host::encode(same_host::DataRecord{same_host::RecordType::kDoorbell, 7, 0,
+                                                          0, 100}));
+    expected = "chunk 7 where chunk 0 was expected";
+  }
+  SECTION("a byte count of another collective") {
+    fake.send_raw(same_host::encode(same_host::DataRecord{same_host::RecordType::kDoorbell, 0, 0,
+                                                          0, 50}));
+    expected = "mismatched collective";
+  }
+  SECTION("garbage") {
+    std::array<std::byte, 40> garbage{};
+    garbage.fill(std::byte{0xee});
+    fake.send_raw(garbage);
+    expected = "not a shadowsync same-host peer";
+  }
+  SECTION("the sender's socket closes mid-update") {
+    fake.peer.reset();
+    expected = "closed its socket";
+  }
+  auto done = backend.create_event();
+  backend.event_record(*done, *stream);
+  REQUIRE(wait_event(backend, *done));
+  REQUIRE(transport->async_error());
+  CHECK_THAT(*transport->async_error(), Catch::Contains(expected));
+  CHECK(target == before);
+  // Later calls complete at once: the ranks are out of step.
+  transport->broadcast_async(target.data(), target.size(), 0, *stream);
+  backend.event_record(*done, *stream);
+  REQUIRE(wait_event(backend, *done));
+  CHECK(target == before);
+}
+
+TEST_CASE("same-host: a receiver that cannot map the staging memory says what it tried") {
+  TempDir dir;
+  HostBackend backend;
+  SECTION("a memory file smaller than announced") {
+    auto connecting = std::async(std::launch::async, [&] {
+      return SameHostTransport::connect(dir.socket(), kToken, 1, backend, quick());
+    });
+    FakeSender fake(dir.socket(), 4096, 100, true);
+    CHECK_THROWS_WITH(connecting.get(), Catch::Contains("holds 100 bytes") &&
+                                            Catch::Contains("2 slots of 4096 bytes"));
+  }
+  SECTION("no descriptor at all") {
+    auto connecting = std::async(std::launch::async, [&] {
+      return SameHostTransport::connect(dir.socket(), kToken, 1, backend, quick());
+    });
+    FakeSender fake(dir.socket(), 64, 128, false);
+    CHECK_THROWS_WITH(connecting.get(), Catch::Contains("no memory file descriptor"));
+  }
+}
+
+TEST_CASE("same-host: abort releases a receive waiting for a sender that never rings") {
+  TempDir dir;
+  Pair pair(dir.socket(), 2, 128);
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (auto& b : pair.receiver_backends) streams.push_back(b->create_stream(StreamPriority::kNormal));
+  std::vector<std::byte> target(64);
+  pair.receivers[0]->broadcast_async(target.data(), 64, 0, *streams[0]);
+  pair.receivers[1]->broadcast_async(target.data(), 64, 0, *streams[1]);
+  auto done = pair.receiver_backends[0]->create_event();
+  pair.receiver_backends[0]->event_record(*done, *streams[0]);
+  CHECK_FALSE(pair.receiver_backends[0]->event_wait_for(*done, std::chrono::milliseconds(20)));
+  pair.receivers[0]->abort();
+  REQUIRE(wait_event(*pair.receiver_backends[0], *done));
+  CHECK_THAT(*pair.receivers[0]->async_error(), Catch::Contains("aborted by rank 1"));
+  // The sender sees rank 1 go (its socket was shut down) at its next broadcast.
+  auto sender_stream = pair.sender_backend->create_stream(StreamPriority::kNormal);
+  pair.sender->broadcast_async(target.data(), 64, 0, *sender_stream);
+  auto sent = pair.sender_backend->create_event();
+  pair.sender_backend->event_record(*sent, *sender_stream);
+  REQUIRE(wait_event(*pair.sender_backend, *sent));
+  REQUIRE(pair.sender->async_error());
+  CHECK_THAT(*pair.sender->async_error(), Catch::Contains("rank 1"));
+  pair.receivers[1]->abort();
+}
