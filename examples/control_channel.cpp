@@ -11,7 +11,7 @@
 // step on its stream that checks the weights it reads, examples/common/gpu_engine.h); each round
 // the trainer runs a "train step" (fill kernels writing the next version's weights) and publishes
 // it.
-// scripts/gpu_two_process.sh runs it on GPUs 0 (trainer) and 1 (engine).
+// scripts/gpu/run.sh examples runs it on GPUs 0 (trainer) and 1 (engine).
 //
 //   export SHADOWSYNC_CONTROL_TOKEN=$(openssl rand -hex 32)
 //   control_channel engine [--port P] [--backend host|cuda] [--device N]
@@ -23,7 +23,7 @@
 //                           [--backend host|cuda] [--device N]
 //       one "round ..." line per acked round, then "trainer: N rounds acked, ...".
 //       --hang-mid-update: then sends part of one more update, prints "trainer: mid-update
-//       version=V" and waits for a signal (scripts/gpu_faults.sh kills or stops it there).
+//       version=V" and waits for a signal (scripts/gpu/run.sh faults kills or stops it there).
 //
 // --device defaults to 1 for the engine and 0 for the trainer.
 #include <fmt/format.h>
@@ -217,7 +217,7 @@ int serve(const Options& options, Backend& backend, Receiver& receiver, Engine& 
     if (report.outcome != UpdateOutcome::kFailed) return;
     ++failed;
     // Wall-clock time, so that a script that killed the trainer can tell how long the engine took
-    // to notice (scripts/gpu_faults.sh).
+    // to notice (scripts/gpu/run.sh faults).
     const auto unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                              std::chrono::system_clock::now().time_since_epoch())
                              .count();

@@ -11,7 +11,8 @@ from the old weights' reference, every step after it equals the new weights' ref
 cpu: torch CPU tensors, host backend, loopback ranks (runs in CI where torch and transformers are
 installed; skipped, listed, where not). cuda: trainer on cuda:0 and engine on cuda:1 of one
 process, CudaBackend and NCCL; needs a CUDA build of the library and two GPUs. With
-SHADOWSYNC_REQUIRE_GPU_TESTS=1 (scripts/gpu_examples.sh) the cuda case fails instead of skipping.
+SHADOWSYNC_REQUIRE_GPU_TESTS=1 (scripts/gpu/run.sh examples) the cuda case fails instead of
+skipping.
 """
 
 import os

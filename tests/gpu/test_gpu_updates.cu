@@ -1,9 +1,9 @@
 // The stress test of tests/integration/test_stress.cpp on real GPUs: a trainer thread on GPU 0
 // publishes N mixed updates (base only, LoRA only, both; the last of each phase carries every
 // group) through NCCL to R receivers, each on its own GPU r+1, while a GpuFakeEngine decodes on
-// every receiver's GPU and the oracle (DESIGN.md §8) checks every step: no torn step, every group
-// at the version the applied-update history says, applied versions strictly increasing, the final
-// version applied, no failed update.
+// every receiver's GPU and the oracle (tests/support/pattern.h) checks every step: no torn step,
+// every group at the version the applied-update history says, applied versions strictly
+// increasing, the final version applied, no failed update.
 //
 // Usage: test_gpu_updates [--receivers R] [--updates N] [--mode sync|events|both]
 //                         [--layout small|medium] [--seed S]

@@ -1,4 +1,4 @@
-// CUDA-graph-safe swaps on one GPU (issue 8): an engine captures its decode step ONCE as a CUDA
+// CUDA-graph-safe swaps on one GPU: an engine captures its decode step ONCE as a CUDA
 // graph over the live weights and replays it; 200 updates are swapped in with each of copy_in and
 // remap. Every replay must read each group at exactly one version, the one the hook made live (no
 // torn step); the live addresses the graph baked in never change; and after each swap the graph's

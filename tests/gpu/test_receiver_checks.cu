@@ -1,4 +1,4 @@
-// The receiver's integrity checks on the CUDA backend (issue 7), on one GPU. The checks run on a
+// The receiver's integrity checks on the CUDA backend, on one GPU. The checks run on a
 // second stream of the receiver, each behind the event of the bucket it reads, so that they
 // overlap the later buckets' transfer. What tests/integration/test_faults shows on the host
 // backend, here with CUDA streams and events:

@@ -1,4 +1,4 @@
-// The second-level watchdog (issue 7): when aborting a failed transport (ncclCommAbort) does not
+// The second-level watchdog: when aborting a failed transport (ncclCommAbort) does not
 // return within ReceiverConfig::abort_deadline, the receiver says so (stderr, stats) and, with
 // exit_on_stuck_abort, ends the process with kStuckAbortExitStatus. The transport here is a
 // loopback rank whose abort() blocks until the test lets it go, as a hung ncclCommAbort would.

@@ -1,6 +1,6 @@
-// The test oracle of DESIGN.md §8 on a real GPU: a fake inference engine on one CudaBackend whose
-// decode steps are CUDA kernels on the engine's stream, and the fill kernel a trainer uses to
-// write the pattern of a version into device tensors.
+// The test oracle (fake_engine.h, pattern.h) on a real GPU: a fake inference engine on one
+// CudaBackend whose decode steps are CUDA kernels on the engine's stream, and the fill kernel a
+// trainer uses to write the pattern of a version into device tensors.
 //
 // Each GpuFakeEngine::step() runs the receiver's step hook on the host (the swap, if an update is
 // pending), reads the live pointer table and the content versions the hook says are live, and

@@ -1,4 +1,4 @@
-// The test oracle's weight pattern (DESIGN.md §8): every 8-byte word of tensor t of group g at
+// The test oracle's weight pattern: every 8-byte word of tensor t of group g at
 // version v is a pure function of (g, t, word index, v), and the version can be read back from
 // any single word. A step that reads two versions in one group, or a version other than the one
 // the update history says is live, has torn. Version 0 is the zero-filled initial arena.

@@ -1,4 +1,4 @@
-// The pure functions of the test oracle's weight pattern (DESIGN.md §8), usable from host code and,
+// The pure functions of the test oracle's weight pattern (pattern.h), usable from host code and,
 // when compiled by nvcc, from device code (the GPU fake engine decodes versions inside its decode
 // kernel, and the GPU fill kernel writes the pattern the trainer publishes).
 //
