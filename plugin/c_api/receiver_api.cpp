@@ -89,6 +89,32 @@ void check_group(const Receiver& receiver, std::size_t group) {
   }
 }
 
+// live_arena and live_content_version: `query` (one of the two) of group index `group` into `*out`
+// (the argument named `out_name`), after checking the receiver, `out` and the index, in that order.
+template <typename Out, typename Query>
+shadowsync_status_t query_group(const char* function, shadowsync_receiver_t receiver,
+                                std::size_t group, Out* out, const char* out_name, Query query) {
+  return guard(function, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto& value = out_arg(out, out_name);
+    check_group(*object->receiver, group);
+    value = (object->receiver->step_hook().*query)(group);
+  });
+}
+
+// before_step and apply_pending_now: `apply` (one of the two) on the engine's stream, reporting
+// the version it made live in `applied_version` (0: none; NULL: not wanted).
+shadowsync_status_t apply_on_engine_stream(
+    const char* function, shadowsync_receiver_t receiver, shadowsync_stream_t stream,
+    uint64_t* applied_version, std::optional<std::uint64_t> (StepHook::*apply)(Stream&)) {
+  return guard(function, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto stream_object = engine_stream(*object, stream);
+    const auto applied = (object->receiver->step_hook().*apply)(*stream_object->stream);
+    if (applied_version != nullptr) *applied_version = applied.value_or(0);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -166,23 +192,15 @@ shadowsync_status_t shadowsync_receiver_drain(shadowsync_receiver_t receiver) {
 shadowsync_status_t shadowsync_receiver_before_step(shadowsync_receiver_t receiver,
                                                     shadowsync_stream_t stream,
                                                     uint64_t* applied_version) {
-  return guard(__func__, [&] {
-    auto object = lookup<ReceiverObject>(receiver, "receiver");
-    auto stream_object = engine_stream(*object, stream);
-    const auto applied = object->receiver->step_hook().before_step(*stream_object->stream);
-    if (applied_version != nullptr) *applied_version = applied.value_or(0);
-  });
+  return apply_on_engine_stream(__func__, receiver, stream, applied_version,
+                                &StepHook::before_step);
 }
 
 shadowsync_status_t shadowsync_receiver_apply_pending_now(shadowsync_receiver_t receiver,
                                                           shadowsync_stream_t stream,
                                                           uint64_t* applied_version) {
-  return guard(__func__, [&] {
-    auto object = lookup<ReceiverObject>(receiver, "receiver");
-    auto stream_object = engine_stream(*object, stream);
-    const auto applied = object->receiver->step_hook().apply_pending_now(*stream_object->stream);
-    if (applied_version != nullptr) *applied_version = applied.value_or(0);
-  });
+  return apply_on_engine_stream(__func__, receiver, stream, applied_version,
+                                &StepHook::apply_pending_now);
 }
 
 shadowsync_status_t shadowsync_receiver_wait_applied(shadowsync_receiver_t receiver,
@@ -240,22 +258,13 @@ shadowsync_status_t shadowsync_receiver_live_tensor_by_name(shadowsync_receiver_
 
 shadowsync_status_t shadowsync_receiver_live_arena(shadowsync_receiver_t receiver, size_t group,
                                                    void** data) {
-  return guard(__func__, [&] {
-    auto object = lookup<ReceiverObject>(receiver, "receiver");
-    auto& out = out_arg(data, "data");
-    check_group(*object->receiver, group);
-    out = object->receiver->step_hook().live_arena(group);
-  });
+  return query_group(__func__, receiver, group, data, "data", &StepHook::live_arena);
 }
 
 shadowsync_status_t shadowsync_receiver_live_content_version(shadowsync_receiver_t receiver,
                                                              size_t group, uint64_t* version) {
-  return guard(__func__, [&] {
-    auto object = lookup<ReceiverObject>(receiver, "receiver");
-    auto& out = out_arg(version, "version");
-    check_group(*object->receiver, group);
-    out = object->receiver->step_hook().live_content_version(group);
-  });
+  return query_group(__func__, receiver, group, version, "version",
+                     &StepHook::live_content_version);
 }
 
 shadowsync_status_t shadowsync_receiver_rollback(shadowsync_receiver_t receiver,

@@ -10,35 +10,13 @@
 #include <cstdint>
 #include <string>
 
+#include "core/unique_fd.h"
+
 namespace shadowsync::control {
 
 using Clock = std::chrono::steady_clock;
 
-// Owns a file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& other) noexcept : fd_(other.release()) {}
-  Fd& operator=(Fd&& other) noexcept {
-    if (this != &other) reset(other.release());
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  int release() {
-    const int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset(int fd = -1) noexcept;
-
- private:
-  int fd_ = -1;
-};
+using Fd = UniqueFd;
 
 // "127.0.0.1:4242"
 std::string format_address(const sockaddr_in& address);

@@ -9,61 +9,24 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <typeinfo>
-#include <unordered_map>
 
 #include <fmt/format.h>
 
+#include "core/allocation_ledger.h"
+#include "core/backend_cast.h"
 #include "core/check_integrity_args.h"
+#include "core/check_memcpy_args.h"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/integrity_kernels.h"
+#include "backends/cuda/scoped_device.h"
 #include "shadowsync/error.h"
-
-#if defined(__GNUG__)
-#include <cxxabi.h>
-#endif
 
 namespace shadowsync {
 
 namespace {
-
-std::string type_name(const std::type_info& type) {
-#if defined(__GNUG__)
-  int status = 0;
-  char* demangled = abi::__cxa_demangle(type.name(), nullptr, nullptr, &status);
-  if (status == 0 && demangled != nullptr) {
-    std::string name(demangled);
-    std::free(demangled);
-    return name;
-  }
-  std::free(demangled);
-#endif
-  return type.name();
-}
-
-// Makes `device` current for the lifetime of the guard and restores the caller's device after.
-// For destructors, which may run on any thread and must not leave it on another device. Errors
-// are swallowed: there is nobody to report them to.
-class ScopedDeviceNoThrow {
- public:
-  explicit ScopedDeviceNoThrow(int device) noexcept {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) (void)cudaSetDevice(device);
-    cuda_detail::clear_last_error();
-  }
-  ~ScopedDeviceNoThrow() {
-    if (previous_ >= 0) (void)cudaSetDevice(previous_);
-    cuda_detail::clear_last_error();
-  }
-  ScopedDeviceNoThrow(const ScopedDeviceNoThrow&) = delete;
-  ScopedDeviceNoThrow& operator=(const ScopedDeviceNoThrow&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 class CudaStream final : public Stream {
  public:
@@ -71,7 +34,7 @@ class CudaStream final : public Stream {
       : handle_(handle), device_(device), owned_(owned) {}
   ~CudaStream() override {
     if (!owned_) return;
-    ScopedDeviceNoThrow device(device_);
+    cuda_detail::ScopedDeviceNoThrow device(device_);
     // Returns at once; CUDA releases the stream once its queued work completes.
     (void)cudaStreamDestroy(handle_);
     cuda_detail::clear_last_error();
@@ -92,7 +55,7 @@ class CudaEvent final : public Event {
  public:
   CudaEvent(cudaEvent_t handle, int device) noexcept : handle_(handle), device_(device) {}
   ~CudaEvent() override {
-    ScopedDeviceNoThrow device(device_);
+    cuda_detail::ScopedDeviceNoThrow device(device_);
     (void)cudaEventDestroy(handle_);
     cuda_detail::clear_last_error();
   }
@@ -108,23 +71,11 @@ class CudaEvent final : public Event {
 };
 
 CudaStream& cuda_stream_or_throw(Stream& stream, const char* operation) {
-  auto* cuda_stream = dynamic_cast<CudaStream*>(&stream);
-  if (cuda_stream == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("CudaBackend::{}: the stream must come from a CudaBackend, got a {}",
-                            operation, type_name(typeid(stream))));
-  }
-  return *cuda_stream;
+  return backend_cast<CudaStream>(stream, "CudaBackend", operation, "stream");
 }
 
 CudaEvent& cuda_event_or_throw(Event& event, const char* operation) {
-  auto* cuda_event = dynamic_cast<CudaEvent*>(&event);
-  if (cuda_event == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("CudaBackend::{}: the event must come from a CudaBackend, got a {}",
-                            operation, type_name(typeid(event))));
-  }
-  return *cuda_event;
+  return backend_cast<CudaEvent>(event, "CudaBackend", operation, "event");
 }
 
 // The special stream handles that name no stream object of their own.
@@ -145,11 +96,7 @@ struct CudaBackend::State {
   int least_priority = 0;              // the lowest priority: numerically greatest
   int greatest_priority = 0;           // the highest priority: numerically least
   cudaStream_t zero_stream = nullptr;  // private, non-blocking: zero-fills new allocations
-
-  mutable std::mutex allocations_mutex;
-  std::unordered_map<void*, std::size_t> allocations;  // ptr -> requested bytes
-  std::atomic<std::size_t> bytes_allocated{0};
-  std::atomic<bool> warned_unknown_pointer{false};
+  AllocationLedger allocations;
 };
 
 CudaBackend::CudaBackend(int device) : device_(device), state_(std::make_unique<State>()) {
@@ -170,8 +117,8 @@ CudaBackend::CudaBackend(int device) : device_(device), state_(std::make_unique<
 }
 
 CudaBackend::~CudaBackend() {
-  ScopedDeviceNoThrow device(device_);
-  for (auto& [ptr, bytes] : state_->allocations) (void)cudaFree(ptr);
+  cuda_detail::ScopedDeviceNoThrow device(device_);
+  state_->allocations.free_all([](void* ptr) { (void)cudaFree(ptr); });
   if (state_->zero_stream != nullptr) (void)cudaStreamDestroy(state_->zero_stream);
   cuda_detail::clear_last_error();
 }
@@ -194,51 +141,29 @@ void* CudaBackend::allocate(std::size_t bytes) {
     SHADOWSYNC_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, state_->zero_stream),
                           "ptr={} bytes={} device={}", ptr, bytes, device_);
     SHADOWSYNC_CUDA_CHECK(cudaStreamSynchronize(state_->zero_stream), "device={}", device_);
-    std::lock_guard lock(state_->allocations_mutex);
-    state_->allocations.emplace(ptr, bytes);
+    state_->allocations.record(ptr, bytes);
   } catch (...) {
     (void)cudaFree(ptr);
     cuda_detail::clear_last_error();
     throw;
   }
-  state_->bytes_allocated.fetch_add(bytes, std::memory_order_relaxed);
   return ptr;
 }
 
 void CudaBackend::deallocate(void* ptr) noexcept {
   if (ptr == nullptr) return;
-  std::size_t bytes = 0;
-  {
-    std::lock_guard lock(state_->allocations_mutex);
-    auto it = state_->allocations.find(ptr);
-    if (it != state_->allocations.end()) {
-      bytes = it->second;
-      state_->allocations.erase(it);
-    }
+  // Memory not in the book is leaked, not freed: it may be someone else's tensor.
+  if (state_->allocations.release(ptr, "CudaBackend::deallocate") == 0) return;
+  cuda_detail::ScopedDeviceNoThrow device(device_);
+  const cudaError_t status = cudaFree(ptr);
+  if (status != cudaSuccess) {
+    std::fprintf(stderr, "shadowsync: CudaBackend::deallocate: cudaFree(%p) on device %d: %s\n",
+                 ptr, device_, cudaGetErrorString(status));
   }
-  if (bytes == 0) {
-    // Freeing memory we do not own would free someone else's tensor; leaking it is safe.
-    if (!state_->warned_unknown_pointer.exchange(true)) {
-      std::fprintf(stderr,
-                   "shadowsync: CudaBackend::deallocate: %p was not allocated by this backend "
-                   "(or was freed twice); ignored. Further such calls are ignored silently.\n",
-                   ptr);
-    }
-    return;
-  }
-  {
-    ScopedDeviceNoThrow device(device_);
-    const cudaError_t status = cudaFree(ptr);
-    if (status != cudaSuccess) {
-      std::fprintf(stderr, "shadowsync: CudaBackend::deallocate: cudaFree(%p) on device %d: %s\n",
-                   ptr, device_, cudaGetErrorString(status));
-    }
-  }
-  state_->bytes_allocated.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
 std::size_t CudaBackend::bytes_allocated() const {
-  return state_->bytes_allocated.load(std::memory_order_relaxed);
+  return state_->allocations.bytes_allocated();
 }
 
 std::unique_ptr<Stream> CudaBackend::create_stream(StreamPriority priority) {
@@ -292,11 +217,7 @@ std::unique_ptr<Stream> CudaBackend::wrap_stream(CudaStreamHandle stream) {
 void CudaBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) {
   CudaStream& cuda_stream = cuda_stream_or_throw(stream, "memcpy_async");
   if (bytes == 0) return;
-  if (dst == nullptr || src == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("CudaBackend::memcpy_async: null {} pointer for a {}-byte copy",
-                            dst == nullptr ? "destination" : "source", bytes));
-  }
+  check_memcpy_args("CudaBackend::memcpy_async", dst, src, bytes);
   make_current();
   SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda_stream.handle()),
                         "dst={} src={} bytes={} stream={} device={}", dst, src, bytes,

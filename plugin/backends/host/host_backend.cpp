@@ -9,37 +9,22 @@
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <unordered_map>
 #include <utility>
 
 #include <fmt/format.h>
 
+#include "core/allocation_ledger.h"
+#include "core/backend_cast.h"
 #include "core/check_integrity_args.h"
+#include "core/check_memcpy_args.h"
 #include "core/integrity.h"
+#include "core/type_name.h"
 #include "backends/host/host_stream.h"
 #include "shadowsync/error.h"
-
-#if defined(__GNUG__)
-#include <cxxabi.h>
-#endif
 
 namespace shadowsync {
 
 namespace host {
-
-std::string type_name(const std::type_info& type) {
-#if defined(__GNUG__)
-  int status = 0;
-  char* demangled = abi::__cxa_demangle(type.name(), nullptr, nullptr, &status);
-  if (status == 0 && demangled != nullptr) {
-    std::string name(demangled);
-    std::free(demangled);
-    return name;
-  }
-  std::free(demangled);
-#endif
-  return type.name();
-}
 
 HostStream::HostStream(std::chrono::microseconds max_jitter, std::uint64_t jitter_seed)
     : max_jitter_(max_jitter), rng_(jitter_seed), thread_([this] { run(); }) {}
@@ -94,7 +79,7 @@ void HostStream::run() {
       task();
     } catch (const std::exception& e) {
       failure = e.what();
-      if (failure.empty()) failure = host::type_name(typeid(e));
+      if (failure.empty()) failure = type_name(typeid(e));
     } catch (...) {
       failure = "unknown exception";
     }
@@ -173,23 +158,11 @@ std::shared_ptr<Marker> record_marker(HostStream& stream) {
 }
 
 HostStream& host_stream_or_throw(Stream& stream, const char* operation) {
-  HostStream* host_stream = host::as_host_stream(stream);
-  if (host_stream == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("HostBackend::{}: the stream must come from a HostBackend, got a {}",
-                            operation, host::type_name(typeid(stream))));
-  }
-  return *host_stream;
+  return backend_cast<HostStream>(stream, "HostBackend", operation, "stream");
 }
 
 HostEvent& host_event_or_throw(Event& event, const char* operation) {
-  auto* host_event = dynamic_cast<HostEvent*>(&event);
-  if (host_event == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("HostBackend::{}: the event must come from a HostBackend, got a {}",
-                            operation, host::type_name(typeid(event))));
-  }
-  return *host_event;
+  return backend_cast<HostEvent>(event, "HostBackend", operation, "event");
 }
 
 // Alignment of every allocation: what cudaMalloc guarantees and what layouts assume.
@@ -200,11 +173,7 @@ constexpr std::size_t kAllocationAlignment = 256;
 struct HostBackend::State {
   HostBackendOptions options;
   std::atomic<std::uint64_t> streams_created{0};  // distinct jitter seed per stream
-
-  mutable std::mutex allocations_mutex;
-  std::unordered_map<void*, std::size_t> allocations;  // ptr -> requested bytes
-  std::atomic<std::size_t> bytes_allocated{0};
-  std::atomic<bool> warned_unknown_pointer{false};
+  AllocationLedger allocations;
 };
 
 HostBackend::HostBackend(HostBackendOptions options) : state_(std::make_unique<State>()) {
@@ -219,7 +188,7 @@ HostBackend::HostBackend(HostBackendOptions options) : state_(std::make_unique<S
 // Frees what callers leaked, as destroying a CUDA context does. Streams created by this backend
 // may outlive it: they hold nothing of it.
 HostBackend::~HostBackend() {
-  for (auto& [ptr, bytes] : state_->allocations) std::free(ptr);
+  state_->allocations.free_all([](void* ptr) { std::free(ptr); });
 }
 
 void* HostBackend::allocate(std::size_t bytes) {
@@ -242,45 +211,23 @@ void* HostBackend::allocate(std::size_t bytes) {
   }
   std::memset(ptr, 0, rounded);
   try {
-    std::lock_guard lock(state_->allocations_mutex);
-    state_->allocations.emplace(ptr, bytes);
+    state_->allocations.record(ptr, bytes);
   } catch (...) {
     std::free(ptr);
     throw Error(ErrorCode::kBackend,
                 fmt::format("HostBackend::allocate: out of host memory tracking {} bytes", bytes));
   }
-  state_->bytes_allocated.fetch_add(bytes, std::memory_order_relaxed);
   return ptr;
 }
 
 void HostBackend::deallocate(void* ptr) noexcept {
   if (ptr == nullptr) return;
-  std::size_t bytes = 0;
-  {
-    std::lock_guard lock(state_->allocations_mutex);
-    auto it = state_->allocations.find(ptr);
-    if (it != state_->allocations.end()) {
-      bytes = it->second;
-      state_->allocations.erase(it);
-    }
-  }
-  if (bytes == 0) {
-    // Freeing memory we do not own would corrupt someone else's heap; leaking it is safe.
-    if (!state_->warned_unknown_pointer.exchange(true)) {
-      std::fprintf(stderr,
-                   "shadowsync: HostBackend::deallocate: %p was not allocated by this backend "
-                   "(or was freed twice); ignored. Further such calls are ignored silently.\n",
-                   ptr);
-    }
-    return;
-  }
+  // Memory not in the book is leaked, not freed: it may be someone else's.
+  if (state_->allocations.release(ptr, "HostBackend::deallocate") == 0) return;
   std::free(ptr);
-  state_->bytes_allocated.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
-std::size_t HostBackend::bytes_allocated() const {
-  return state_->bytes_allocated.load(std::memory_order_relaxed);
-}
+std::size_t HostBackend::bytes_allocated() const { return state_->allocations.bytes_allocated(); }
 
 std::unique_ptr<Stream> HostBackend::create_stream(StreamPriority /*priority*/) {
   // Priority only matters against a GPU's scheduler; host threads are not ranked.
@@ -294,11 +241,7 @@ std::unique_ptr<Event> HostBackend::create_event() { return std::make_unique<Hos
 void HostBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) {
   HostStream& host_stream = host_stream_or_throw(stream, "memcpy_async");
   if (bytes == 0) return;
-  if (dst == nullptr || src == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("HostBackend::memcpy_async: null {} pointer for a {}-byte copy",
-                            dst == nullptr ? "destination" : "source", bytes));
-  }
+  check_memcpy_args("HostBackend::memcpy_async", dst, src, bytes);
   host_stream.enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); });
 }
 

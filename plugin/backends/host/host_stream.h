@@ -65,7 +65,4 @@ inline HostStream* as_host_stream(Stream& stream) noexcept {
   return dynamic_cast<HostStream*>(&stream);
 }
 
-// The readable (demangled where the toolchain can) name of a dynamic type, for error messages.
-std::string type_name(const std::type_info& type);
-
 }  // namespace shadowsync::host

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "backends/host/host_stream.h"
+#include "core/type_name.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
@@ -180,7 +181,7 @@ class LoopbackTransport final : public Transport {
     if (host_stream == nullptr) {
       throw Error(ErrorCode::kInvalidArgument,
                   fmt::format("loopback transport needs a stream from HostBackend, got a {}",
-                              host::type_name(typeid(stream))));
+                              type_name(typeid(stream))));
     }
     if (root < 0 || root >= state_->world_size) {
       throw Error(ErrorCode::kInvalidArgument,

@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/scoped_device.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
 #include "transports/nccl/nccl_library.h"
@@ -89,26 +90,6 @@ std::string nccl_message(ncclResult_t result, ncclComm_t comm) {
 bool is_caller_error(ncclResult_t result) {
   return result == ncclInvalidArgument || result == ncclInvalidUsage;
 }
-
-// Makes `device` current and restores the caller's device afterwards, for calls that may come
-// from any thread (abort, destruction): they must not leave that thread on another device.
-class ScopedDeviceNoThrow {
- public:
-  explicit ScopedDeviceNoThrow(int device) noexcept {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) (void)cudaSetDevice(device);
-    cuda_detail::clear_last_error();
-  }
-  ~ScopedDeviceNoThrow() {
-    if (previous_ >= 0) (void)cudaSetDevice(previous_);
-    cuda_detail::clear_last_error();
-  }
-  ScopedDeviceNoThrow(const ScopedDeviceNoThrow&) = delete;
-  ScopedDeviceNoThrow& operator=(const ScopedDeviceNoThrow&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 }  // namespace
 
@@ -231,7 +212,7 @@ NcclTransport::~NcclTransport() {
     return;
   }
 
-  ScopedDeviceNoThrow device(device_);
+  cuda_detail::ScopedDeviceNoThrow device(device_);
   ncclResult_t state = ncclSuccess;
   ncclResult_t result = nccl().comm_get_async_error(comm_, &state);
   if (result != ncclSuccess || state != ncclSuccess) {
@@ -446,7 +427,7 @@ void NcclTransport::abort_locked(const std::string& reason) noexcept {
     abort_pending_ = true;
     return;
   }
-  ScopedDeviceNoThrow device(device_);
+  cuda_detail::ScopedDeviceNoThrow device(device_);
   // Blocking even for a nonblocking communicator: sets the abort flag that NCCL kernels poll, so
   // kernels waiting for a lost peer exit and their streams move on; then frees the communicator.
   const ncclResult_t result = nccl().comm_abort(comm_);

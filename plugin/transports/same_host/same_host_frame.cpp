@@ -10,18 +10,18 @@ namespace {
 
 class Writer {
  public:
-  explicit Writer(std::span<std::byte> out) : out_(out) {}
+  // Every record starts with its header: magic, wire version, type.
+  Writer(std::span<std::byte> out, RecordType type) : out_(out) {
+    u32(kMagic);
+    u16(kWireVersion);
+    u16(static_cast<std::uint16_t>(type));
+  }
   void u16(std::uint16_t v) { put(v, 2); }
   void u32(std::uint32_t v) { put(v, 4); }
   void u64(std::uint64_t v) { put(v, 8); }
   void bytes(std::span<const std::byte> b) {
     std::copy(b.begin(), b.end(), out_.begin() + static_cast<std::ptrdiff_t>(at_));
     at_ += b.size();
-  }
-  void header(RecordType type) {
-    u32(kMagic);
-    u16(kWireVersion);
-    u16(static_cast<std::uint16_t>(type));
   }
 
  private:
@@ -117,16 +117,14 @@ bool parse_record_header(std::span<const std::byte> header, RecordType& type, st
 
 std::array<std::byte, 40> encode(const Challenge& record) {
   std::array<std::byte, 40> out{};
-  Writer w(out);
-  w.header(RecordType::kChallenge);
+  Writer w(out, RecordType::kChallenge);
   w.bytes(record.sender_nonce);
   return out;
 }
 
 std::array<std::byte, 80> encode(const Proof& record) {
   std::array<std::byte, 80> out{};
-  Writer w(out);
-  w.header(RecordType::kProof);
+  Writer w(out, RecordType::kProof);
   w.u32(record.rank);
   w.u32(0);
   w.bytes(record.receiver_nonce);
@@ -136,23 +134,20 @@ std::array<std::byte, 80> encode(const Proof& record) {
 
 std::array<std::byte, 40> encode(const Accept& record) {
   std::array<std::byte, 40> out{};
-  Writer w(out);
-  w.header(RecordType::kAccept);
+  Writer w(out, RecordType::kAccept);
   w.bytes(record.mac);
   return out;
 }
 
 std::array<std::byte, 8> encode_ready() {
   std::array<std::byte, 8> out{};
-  Writer w(out);
-  w.header(RecordType::kReady);
+  Writer w(out, RecordType::kReady);
   return out;
 }
 
 std::array<std::byte, 96> encode(const Setup& record) {
   std::array<std::byte, 96> out{};
-  Writer w(out);
-  w.header(RecordType::kSetup);
+  Writer w(out, RecordType::kSetup);
   w.u32(record.memory);
   w.u32(record.world_size);
   w.u32(record.slot_count);
@@ -164,8 +159,7 @@ std::array<std::byte, 96> encode(const Setup& record) {
 
 std::array<std::byte, 16> encode(const Refuse& record) {
   std::array<std::byte, 16> out{};
-  Writer w(out);
-  w.header(RecordType::kRefuse);
+  Writer w(out, RecordType::kRefuse);
   w.u32(static_cast<std::uint32_t>(record.reason));
   w.u32(0);
   return out;
@@ -173,8 +167,7 @@ std::array<std::byte, 16> encode(const Refuse& record) {
 
 std::array<std::byte, kDataRecordBytes> encode(const DataRecord& record) {
   std::array<std::byte, kDataRecordBytes> out{};
-  Writer w(out);
-  w.header(record.type);
+  Writer w(out, record.type);
   w.u64(record.sequence);
   w.u32(record.slot);
   w.u32(0);

@@ -59,11 +59,6 @@ bool closed_errno(int e) { return e == ECONNRESET || e == EPIPE || e == ENOTCONN
 
 }  // namespace
 
-void Fd::reset() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-}
-
 void check_private_directory(const std::string& directory, bool create) {
   struct stat st {};
   if (::lstat(directory.c_str(), &st) != 0) {

@@ -9,38 +9,13 @@
 #include <span>
 #include <string>
 
+#include "core/unique_fd.h"
+
 namespace shadowsync::same_host {
 
 using Clock = std::chrono::steady_clock;
 
-// Owns one file descriptor; closes it once.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(Fd&& other) noexcept : fd_(other.release()) {}
-  Fd& operator=(Fd&& other) noexcept {
-    if (this != &other) {
-      reset();
-      fd_ = other.release();
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  int release() {
-    const int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset();
-
- private:
-  int fd_ = -1;
-};
+using Fd = UniqueFd;
 
 // The directory that holds the socket: created (mode 0700) when absent and `create`; otherwise it
 // must be a real directory (not a symbolic link) owned by this process's effective user with no
