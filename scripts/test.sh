@@ -205,7 +205,11 @@ step_wheel() {
 step_fuzz() {
   log "[fuzz] scripts/fuzz.sh"
   if ./scripts/fuzz.sh 2>&1 | tee build/fuzz.log; then
-    summary+=("fuzz: $(grep -E '^fuzz: ' build/fuzz.log | tail -n 1 | sed 's/^fuzz: //')")
+    # One line per fuzz target: "fuzz <target>: <n> executions in <s> s, no crash".
+    local line
+    while IFS= read -r line; do
+      summary+=("$line")
+    done < <(grep -E '^fuzz [A-Za-z0-9_]+: ' build/fuzz.log || echo "fuzz: no result line")
   else
     summary+=("fuzz: FAILED (see build/fuzz.log and build-fuzz/)")
     failed=1
