@@ -692,6 +692,24 @@ TEST_CASE("C ABI: a failed update reports its status through publish_wait and th
   CHECK(applied == 0);  // nothing reached the engine
 }
 
+namespace {
+
+// Publishes `groups` of `tensors` at `version`, announces it and waits until it was sent (or
+// failed: the status is returned).
+shadowsync_status_t send_update(Pair& pair, std::uint64_t version,
+                                const std::vector<const char*>& groups, CTensors& tensors) {
+  shadowsync_publish_t publish = nullptr;
+  REQUIRE_OK(shadowsync_sender_publish(pair.sender, version, groups.data(), groups.size(),
+                                       tensors.tensors.data(), tensors.tensors.size(), &publish));
+  const auto bytes = pair.header_bytes(publish);
+  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, bytes.data(), bytes.size()));
+  const shadowsync_status_t status = shadowsync_publish_wait(publish, 20000);
+  REQUIRE_OK(shadowsync_publish_destroy(publish));
+  return status;
+}
+
+}  // namespace
+
 TEST_CASE("C ABI test hooks: a byte flipped in transit fails the update at its checksum") {
   shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
   rconfig.require_checksums = 1;
@@ -699,14 +717,7 @@ TEST_CASE("C ABI test hooks: a byte flipped in transit fails the update at its c
   const Layout layout = cpp_layout();
   REQUIRE_OK(shadowsync_testing_loopback_inject_flip(pair.loopback, 1, 0, 100));
   CTensors v1(layout, {"base"}, 1);
-  const char* groups[] = {"base"};
-  shadowsync_publish_t publish = nullptr;
-  REQUIRE_OK(shadowsync_sender_publish(pair.sender, 1, groups, 1, v1.tensors.data(),
-                                       v1.tensors.size(), &publish));
-  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, pair.header_bytes(publish).data(),
-                                                    pair.header_bytes(publish).size()));
-  REQUIRE_OK(shadowsync_publish_wait(publish, 20000));  // every collective completed
-  REQUIRE_OK(shadowsync_publish_destroy(publish));
+  REQUIRE_OK(send_update(pair, 1, {"base"}, v1));  // every collective completed
   REQUIRE_OK(shadowsync_receiver_drain(pair.receiver));
   shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
   REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
@@ -753,23 +764,6 @@ TEST_CASE("C ABI: the CUDA entry points fail cleanly without CUDA or without a d
   CHECK(shadowsync_cuda_backend_create(-1, &backend) != SHADOWSYNC_SUCCESS);
 }
 
-namespace {
-
-// Publishes `groups` of `tensors` at `version`, announces it and waits until it was sent (or
-// failed: the status is returned).
-shadowsync_status_t send_update(Pair& pair, std::uint64_t version,
-                                const std::vector<const char*>& groups, CTensors& tensors) {
-  shadowsync_publish_t publish = nullptr;
-  REQUIRE_OK(shadowsync_sender_publish(pair.sender, version, groups.data(), groups.size(),
-                                       tensors.tensors.data(), tensors.tensors.size(), &publish));
-  const auto bytes = pair.header_bytes(publish);
-  REQUIRE_OK(shadowsync_receiver_begin_update_bytes(pair.receiver, bytes.data(), bytes.size()));
-  const shadowsync_status_t status = shadowsync_publish_wait(publish, 20000);
-  REQUIRE_OK(shadowsync_publish_destroy(publish));
-  return status;
-}
-
-}  // namespace
 
 TEST_CASE("C ABI: integrity flags, and where a refused update failed, through the stats") {
   const Layout layout = cpp_layout();
