@@ -101,6 +101,8 @@ class SameHostTransport final : public Transport {
 
  private:
   explicit SameHostTransport(std::shared_ptr<State> state);
+  void check_broadcast(const void* buffer, std::size_t bytes, int root) const;
+  void broadcast_on_device(void* buffer, std::size_t bytes, int root, Stream& stream);
   std::shared_ptr<State> state_;
 };
 

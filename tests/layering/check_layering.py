@@ -45,11 +45,14 @@ def parse_components():
                     # $<BUILD_INTERFACE:X> (a dependency kept out of the installed package) is X.
                     fields[section].append(re.sub(r"^\$<BUILD_INTERFACE:(.*)>$", r"\1", word))
             name = "shadowsync_" + fields["NAME"][0]
-            components[name] = {
+            # A component declared once per build flavour (with and without CUDA): the union.
+            component = components.setdefault(name, {
                 "folder": cmake.parent.relative_to(PLUGIN).as_posix(),
-                "headers": set(fields["HEADERS"]),
-                "depends": fields["DEPENDS"] + fields["PRIVATE_DEPENDS"],
-            }
+                "headers": set(),
+                "depends": [],
+            })
+            component["headers"] |= set(fields["HEADERS"])
+            component["depends"] += fields["DEPENDS"] + fields["PRIVATE_DEPENDS"]
     umbrella = re.findall(r"target_link_libraries\(shadowsync INTERFACE([^)]*)\)",
                           (PLUGIN / "CMakeLists.txt").read_text())
     return components, [w for part in umbrella for w in part.split()]

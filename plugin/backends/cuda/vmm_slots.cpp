@@ -1,79 +1,14 @@
 #include "backends/cuda/vmm_slots.h"
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include <fmt/format.h>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_driver.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync::cuda_detail {
 namespace {
-
-// The driver's VMM entry points, looked up once (the CUDA 12.0 ABI of each).
-struct DriverVmm {
-  PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
-  PFN_cuMemAddressReserve_v10020 reserve = nullptr;
-  PFN_cuMemAddressFree_v10020 free_range = nullptr;
-  PFN_cuMemCreate_v10020 create = nullptr;
-  PFN_cuMemRelease_v10020 release = nullptr;
-  PFN_cuMemMap_v10020 map = nullptr;
-  PFN_cuMemUnmap_v10020 unmap = nullptr;
-  PFN_cuMemSetAccess_v10020 set_access = nullptr;
-  PFN_cuGetErrorName_v6000 error_name = nullptr;
-  PFN_cuDeviceGet_v2000 device_get = nullptr;
-  PFN_cuDeviceGetAttribute_v2000 device_attribute = nullptr;
-  std::string missing;  // the first entry point not found, if any
-};
-
-template <typename Fn>
-void look_up(const char* symbol, Fn& fn, std::string& missing) {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t status =
-      cudaGetDriverEntryPointByVersion(symbol, &address, 12000, cudaEnableDefault, &found);
-  if (status != cudaSuccess || found != cudaDriverEntryPointSuccess || address == nullptr) {
-    clear_last_error();
-    if (missing.empty()) {
-      missing = fmt::format("driver entry point {} not found ({})", symbol,
-                            status != cudaSuccess ? cudaGetErrorName(status) : "symbol not found");
-    }
-    return;
-  }
-  fn = reinterpret_cast<Fn>(address);
-}
-
-const DriverVmm& driver() {
-  static const DriverVmm vmm = [] {
-    DriverVmm d;
-    look_up("cuMemGetAllocationGranularity", d.granularity, d.missing);
-    look_up("cuMemAddressReserve", d.reserve, d.missing);
-    look_up("cuMemAddressFree", d.free_range, d.missing);
-    look_up("cuMemCreate", d.create, d.missing);
-    look_up("cuMemRelease", d.release, d.missing);
-    look_up("cuMemMap", d.map, d.missing);
-    look_up("cuMemUnmap", d.unmap, d.missing);
-    look_up("cuMemSetAccess", d.set_access, d.missing);
-    look_up("cuGetErrorName", d.error_name, d.missing);
-    look_up("cuDeviceGet", d.device_get, d.missing);
-    look_up("cuDeviceGetAttribute", d.device_attribute, d.missing);
-    return d;
-  }();
-  return vmm;
-}
-
-// Throws Error(kBackend) naming the driver call, its arguments and the driver's error name.
-void check(CUresult result, const char* call, const std::string& arguments) {
-  if (result == CUDA_SUCCESS) return;
-  const char* name = nullptr;
-  if (driver().error_name == nullptr || driver().error_name(result, &name) != CUDA_SUCCESS) {
-    name = nullptr;
-  }
-  throw Error(ErrorCode::kBackend,
-              fmt::format("{} failed ({}): {} ({})", call, arguments,
-                          name != nullptr ? name : "unknown CUresult", static_cast<int>(result)));
-}
 
 CUmemAllocationProp device_allocation(int device) {
   CUmemAllocationProp prop{};
@@ -99,7 +34,7 @@ std::string VmmSlots::unsupported_reason(int device) {
     clear_last_error();
     return fmt::format("no CUDA device {} (this process sees {})", device, count);
   }
-  const DriverVmm& d = driver();
+  const DriverApi& d = driver_api();
   if (!d.missing.empty()) return d.missing;
   // The runtime initializes the driver; the driver's ordinals are the runtime's.
   if (cudaFree(nullptr) != cudaSuccess) {
@@ -136,10 +71,10 @@ VmmSlots::VmmSlots(int device, std::size_t bytes, int slot_count)
   SHADOWSYNC_CUDA_CHECK(cudaSetDevice(device), "device={}", device);
   SHADOWSYNC_CUDA_CHECK(cudaFree(nullptr), "device={} (context initialization)", device);
 
-  const DriverVmm& d = driver();
+  const DriverApi& d = driver_api();
   const CUmemAllocationProp prop = device_allocation(device);
   std::size_t granularity = 0;
-  check(d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+  check_driver(d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
         "cuMemGetAllocationGranularity", fmt::format("device={} recommended", device));
   granularity_ = granularity;
   mapped_bytes_ = (bytes + granularity - 1) / granularity * granularity;
@@ -147,27 +82,27 @@ VmmSlots::VmmSlots(int device, std::size_t bytes, int slot_count)
   const CUmemAccessDesc access = read_write(device);
   try {
     CUdeviceptr live = 0;
-    check(d.reserve(&live, mapped_bytes_, granularity_, 0, 0), "cuMemAddressReserve",
+    check_driver(d.reserve(&live, mapped_bytes_, granularity_, 0, 0), "cuMemAddressReserve",
           fmt::format("size={} alignment={}", mapped_bytes_, granularity_));
     live_ = live;
     for (int i = 0; i < slot_count; ++i) {
       CUmemGenericAllocationHandle handle = 0;
-      check(d.create(&handle, mapped_bytes_, &prop, 0), "cuMemCreate",
+      check_driver(d.create(&handle, mapped_bytes_, &prop, 0), "cuMemCreate",
             fmt::format("slot={} size={} device={}", i, mapped_bytes_, device));
       slots_.push_back(handle);
       CUdeviceptr own = 0;
-      check(d.reserve(&own, mapped_bytes_, granularity_, 0, 0), "cuMemAddressReserve",
+      check_driver(d.reserve(&own, mapped_bytes_, granularity_, 0, 0), "cuMemAddressReserve",
             fmt::format("slot={} size={} alignment={}", i, mapped_bytes_, granularity_));
       slot_ranges_.push_back(own);
-      check(d.map(own, mapped_bytes_, 0, handle, 0), "cuMemMap",
+      check_driver(d.map(own, mapped_bytes_, 0, handle, 0), "cuMemMap",
             fmt::format("slot={} own range size={}", i, mapped_bytes_));
-      check(d.set_access(own, mapped_bytes_, &access, 1), "cuMemSetAccess",
+      check_driver(d.set_access(own, mapped_bytes_, &access, 1), "cuMemSetAccess",
             fmt::format("slot={} own range size={} device={}", i, mapped_bytes_, device));
     }
-    check(d.map(live_, mapped_bytes_, 0, slots_[0], 0), "cuMemMap",
+    check_driver(d.map(live_, mapped_bytes_, 0, slots_[0], 0), "cuMemMap",
           fmt::format("live range onto slot=0 size={}", mapped_bytes_));
     live_mapped_ = true;
-    check(d.set_access(live_, mapped_bytes_, &access, 1), "cuMemSetAccess",
+    check_driver(d.set_access(live_, mapped_bytes_, &access, 1), "cuMemSetAccess",
           fmt::format("live range size={} device={}", mapped_bytes_, device));
     live_slot_ = 0;
   } catch (...) {
@@ -198,16 +133,16 @@ void VmmSlots::remap_live(int slot, cudaStream_t engine_stream) {
   if (slot == live_slot_) return;
   // Kernels still reading the live range must finish before its pages go away.
   SHADOWSYNC_CUDA_CHECK(cudaStreamSynchronize(engine_stream), "engine stream before a remap");
-  const DriverVmm& d = driver();
+  const DriverApi& d = driver_api();
   const CUmemAccessDesc access = read_write(device_);
   live_slot_ = -1;  // until the new mapping is complete
-  check(d.unmap(live_, mapped_bytes_), "cuMemUnmap",
+  check_driver(d.unmap(live_, mapped_bytes_), "cuMemUnmap",
         fmt::format("live range size={}", mapped_bytes_));
   live_mapped_ = false;
-  check(d.map(live_, mapped_bytes_, 0, slots_[static_cast<std::size_t>(slot)], 0), "cuMemMap",
+  check_driver(d.map(live_, mapped_bytes_, 0, slots_[static_cast<std::size_t>(slot)], 0), "cuMemMap",
         fmt::format("live range onto slot={} size={}", slot, mapped_bytes_));
   live_mapped_ = true;
-  check(d.set_access(live_, mapped_bytes_, &access, 1), "cuMemSetAccess",
+  check_driver(d.set_access(live_, mapped_bytes_, &access, 1), "cuMemSetAccess",
         fmt::format("live range size={} device={}", mapped_bytes_, device_));
   live_slot_ = slot;
 }
@@ -215,7 +150,7 @@ void VmmSlots::remap_live(int slot, cudaStream_t engine_stream) {
 // Undoes whatever the constructor got to, in reverse; errors are ignored (nothing to report them
 // to from a destructor, and the process keeps running).
 void VmmSlots::release() noexcept {
-  const DriverVmm& d = driver();
+  const DriverApi& d = driver_api();
   if (live_mapped_) (void)d.unmap(live_, mapped_bytes_);
   live_mapped_ = false;
   for (std::size_t i = 0; i < slot_ranges_.size(); ++i) {

@@ -132,7 +132,6 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
                                                             Backend& backend, SameHostMemory memory,
                                                             std::size_t slot_bytes,
                                                             SameHostConfig config) {
-  (void)backend;
   check_token(token);
   if (receivers < 1 || receivers > 65535) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -141,10 +140,9 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
   if (slot_bytes == 0) {
     throw Error(ErrorCode::kInvalidArgument, "same-host serve: staging slots of 0 bytes");
   }
-  if (memory != SameHostMemory::kHost) {
+  if (memory != SameHostMemory::kHost && memory != SameHostMemory::kDevice) {
     throw Error(ErrorCode::kInvalidArgument,
-                "same-host serve: the device memory flavour is not implemented in this build; use "
-                "SameHostMemory::kHost with a HostBackend");
+                fmt::format("same-host serve: unknown memory flavour {}", static_cast<int>(memory)));
   }
   same_host::check_private_directory(directory_of(path), /*create=*/true);
 
@@ -154,22 +152,29 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
   state->memory = memory;
   state->slot_bytes = slot_bytes;
   state->wake = make_wake();
-  state->mapped_bytes = same_host::kSlotCount * slot_bytes;
-  Fd memory_file(::memfd_create("shadowsync-same-host-staging", MFD_CLOEXEC));
-  if (!memory_file || ::ftruncate(memory_file.get(), static_cast<off_t>(state->mapped_bytes)) != 0) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host serve: a shared memory file of {} bytes (memfd_create, "
-                            "ftruncate): {}",
-                            state->mapped_bytes, std::strerror(errno)));
+  Fd memory_file;  // host flavour; the device flavour's link holds its exported fd
+  if (memory == SameHostMemory::kDevice) {
+    state->device = same_host::DeviceLink::create(backend, slot_bytes);
+  } else {
+    state->mapped_bytes = same_host::kSlotCount * slot_bytes;
+    memory_file = Fd(::memfd_create("shadowsync-same-host-staging", MFD_CLOEXEC));
+    if (!memory_file ||
+        ::ftruncate(memory_file.get(), static_cast<off_t>(state->mapped_bytes)) != 0) {
+      throw Error(ErrorCode::kTransport,
+                  fmt::format("same-host serve: a shared memory file of {} bytes (memfd_create, "
+                              "ftruncate): {}",
+                              state->mapped_bytes, std::strerror(errno)));
+    }
+    void* mapped = ::mmap(nullptr, state->mapped_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                          memory_file.get(), 0);
+    if (mapped == MAP_FAILED) {
+      throw Error(ErrorCode::kTransport,
+                  fmt::format("same-host serve: mmap of {} bytes of staging: {}",
+                              state->mapped_bytes, std::strerror(errno)));
+    }
+    state->staging = static_cast<std::byte*>(mapped);
   }
-  void* mapped = ::mmap(nullptr, state->mapped_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
-                        memory_file.get(), 0);
-  if (mapped == MAP_FAILED) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host serve: mmap of {} bytes of staging: {}",
-                            state->mapped_bytes, std::strerror(errno)));
-  }
-  state->staging = static_cast<std::byte*>(mapped);
+  const int shared_fd = state->device ? state->device->exported_fd() : memory_file.get();
 
   Fd listener = same_host::listen_on(path, receivers + 4);
   // Whatever happens from here, the socket file goes: a later sender need not find it stale.
@@ -187,6 +192,7 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
   setup.memory = static_cast<std::uint32_t>(memory);
   setup.world_size = static_cast<std::uint32_t>(receivers + 1);
   setup.slot_bytes = slot_bytes;
+  if (state->device) setup.handle = state->device->handle();
   const auto setup_record = same_host::encode(setup);
   while (admitted < receivers) {
     pollfd pfd{listener.get(), POLLIN, 0};
@@ -209,7 +215,7 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
       last_refusal = why;
       continue;
     }
-    const Io io = same_host::write_with_fd(connection.get(), setup_record, memory_file.get(),
+    const Io io = same_host::write_with_fd(connection.get(), setup_record, shared_fd,
                                            Clock::now() + config.handshake_timeout);
     if (io != Io::kOk) {
       last_refusal = fmt::format("sending the staging memory to rank {}: {}", *rank,
@@ -220,6 +226,7 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
     state->peers[static_cast<std::size_t>(*rank - 1)] = std::move(connection);
     ++admitted;
   }
+  if (state->device) state->device->start(*state);
   return std::unique_ptr<SameHostTransport>(new SameHostTransport(std::move(state)));
 }
 
@@ -342,11 +349,17 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
                 fmt::format("same-host connect to '{}': rank {} but world size {}", path, rank,
                             setup.world_size));
   }
-  if (setup.memory != static_cast<std::uint32_t>(SameHostMemory::kHost)) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host connect to '{}': the sender shares device memory, which "
-                            "this build cannot import",
-                            path));
+  if (setup.memory == static_cast<std::uint32_t>(SameHostMemory::kDevice)) {
+    auto state = std::make_shared<State>();
+    state->rank = rank;
+    state->world_size = static_cast<int>(setup.world_size);
+    state->memory = SameHostMemory::kDevice;
+    state->slot_bytes = static_cast<std::size_t>(setup.slot_bytes);
+    state->device = same_host::DeviceLink::open(backend, std::move(memory_file), setup, path);
+    state->wake = make_wake();
+    state->peers.push_back(std::move(socket));
+    state->device->start(*state);
+    return std::unique_ptr<SameHostTransport>(new SameHostTransport(std::move(state)));
   }
   if (!memory_file) {
     throw Error(ErrorCode::kTransport,

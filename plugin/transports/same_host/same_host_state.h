@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <memory>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "shadowsync/same_host_transport.h"
+#include "transports/same_host/same_host_device.h"
 #include "transports/same_host/same_host_socket.h"
 
 namespace shadowsync {
@@ -26,7 +28,7 @@ struct SameHostTransport::State {
   int world_size = 0;
   SameHostMemory memory = SameHostMemory::kHost;
   std::size_t slot_bytes = 0;
-  std::byte* staging = nullptr;  // kSlotCount slots; the sender maps it writable, receivers not
+  std::byte* staging = nullptr;  // host flavour: kSlotCount slots; the sender maps it writable
   std::size_t mapped_bytes = 0;
   same_host::Fd wake;                // eventfd: readable once aborted
   std::vector<same_host::Fd> peers;  // sender: ranks 1..n at index rank-1; receiver: the sender
@@ -40,15 +42,22 @@ struct SameHostTransport::State {
   std::optional<std::string> error;  // under mutex: the first failure
   std::uint64_t next_sequence = 0;   // the task whose turn it is
 
+  // Device flavour: the staging and the data path. Declared last, so destroyed first: its
+  // progress thread uses the sockets above.
+  std::unique_ptr<same_host::DeviceLink> device;
+
   ~State() {
     if (staging != nullptr) ::munmap(staging, mapped_bytes);
   }
 
   void fail(std::string reason) {
-    std::lock_guard lock(mutex);
-    if (!error) error = std::move(reason);
-    broken = true;
-    turn_changed.notify_all();
+    {
+      std::lock_guard lock(mutex);
+      if (!error) error = std::move(reason);
+      broken = true;
+      turn_changed.notify_all();
+    }
+    if (device) device->release();  // streams waiting on the device flavour go on
   }
 
   void do_abort(std::string reason) noexcept {
@@ -59,6 +68,7 @@ struct SameHostTransport::State {
       if (!error) error = std::move(reason);
       turn_changed.notify_all();
     }
+    if (device) device->release();
     const std::uint64_t one = 1;
     if (wake) [[maybe_unused]] auto written = ::write(wake.get(), &one, sizeof(one));
     // The peers see EOF at once and fail their update, as if this process had died.
@@ -78,7 +88,9 @@ struct SameHostTransport::State {
     turn_changed.notify_all();
   }
 
-  std::byte* slot(std::uint32_t s) const { return staging + std::size_t{s} * slot_bytes; }
+  std::byte* slot(std::uint32_t s) const {
+    return device ? device->slot(s) : staging + std::size_t{s} * slot_bytes;
+  }
 
   void run_send(const std::byte* buffer, std::size_t bytes, std::uint64_t call);
   void run_receive(std::byte* buffer, std::size_t bytes, std::uint64_t call);

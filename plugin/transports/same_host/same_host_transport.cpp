@@ -117,6 +117,20 @@ void SameHostTransport::State::run_receive(std::byte* buffer, std::size_t bytes,
   end_turn();
 }
 
+void SameHostTransport::check_broadcast(const void* buffer, std::size_t bytes, int root) const {
+  if (root != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host broadcast on rank {}: root {}, but the sender is always "
+                            "rank 0",
+                            state_->rank, root));
+  }
+  if (buffer == nullptr && bytes > 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host broadcast on rank {}: null buffer for {} bytes",
+                            state_->rank, bytes));
+  }
+}
+
 SameHostTransport::SameHostTransport(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
 SameHostTransport::~SameHostTransport() {
@@ -130,6 +144,10 @@ std::size_t SameHostTransport::slot_bytes() const { return state_->slot_bytes; }
 
 void SameHostTransport::broadcast_async(void* buffer, std::size_t bytes, int root,
                                         Stream& stream) {
+  if (state_->device) {
+    broadcast_on_device(buffer, bytes, root, stream);
+    return;
+  }
   host::HostStream* host_stream = host::as_host_stream(stream);
   if (host_stream == nullptr) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -137,17 +155,7 @@ void SameHostTransport::broadcast_async(void* buffer, std::size_t bytes, int roo
                             "got a {}",
                             type_name(typeid(stream))));
   }
-  if (root != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host broadcast on rank {}: root {}, but the sender is always "
-                            "rank 0",
-                            state_->rank, root));
-  }
-  if (buffer == nullptr && bytes > 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host broadcast on rank {}: null buffer for {} bytes",
-                            state_->rank, bytes));
-  }
+  check_broadcast(buffer, bytes, root);
   const std::uint64_t call = state_->calls_enqueued++;
   if (state_->rank == 0) {
     host_stream->enqueue([state = state_, buffer, bytes, call] {
@@ -157,6 +165,24 @@ void SameHostTransport::broadcast_async(void* buffer, std::size_t bytes, int roo
     host_stream->enqueue([state = state_, buffer, bytes, call] {
       state->run_receive(static_cast<std::byte*>(buffer), bytes, call);
     });
+  }
+}
+
+void SameHostTransport::broadcast_on_device(void* buffer, std::size_t bytes, int root,
+                                            Stream& stream) {
+  check_broadcast(buffer, bytes, root);
+  if (bytes == 0) return;
+  std::uint64_t first_chunk = 0;
+  {
+    std::lock_guard lock(state_->mutex);
+    // A dead transport enqueues nothing: the broadcast completes at once, async_error() says why.
+    if (state_->aborted || state_->broken) return;
+    first_chunk = state_->device->reserve(bytes);
+  }
+  if (state_->rank == 0) {
+    state_->device->send_async(static_cast<const std::byte*>(buffer), bytes, first_chunk, stream);
+  } else {
+    state_->device->receive_async(static_cast<std::byte*>(buffer), bytes, first_chunk, stream);
   }
 }
 

@@ -1,0 +1,562 @@
+// The same-host transport's device flavour (CUDA builds): the progress threads and the stream
+// operations over the staging of same_host_device_staging.h. See same_host_device.h.
+#include "transports/same_host/same_host_device.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_driver.h"
+#include "backends/cuda/scoped_device.h"
+#include "shadowsync/cuda_backend.h"
+#include "shadowsync/error.h"
+#include "transports/same_host/same_host_device_staging.h"
+#include "transports/same_host/same_host_state.h"
+
+namespace shadowsync::same_host {
+
+using cuda_detail::check_driver;
+using cuda_detail::driver_api;
+
+namespace {
+
+// How long teardown waits for streams to pass the operations that touch a link's memory.
+constexpr auto kDrainDeadline = std::chrono::seconds(10);
+
+CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host {}: device memory needs a CudaBackend, got the '{}' "
+                            "backend",
+                            side, backend.name()));
+  }
+  return *cuda;
+}
+
+// `counter` reaches at least `value` in wrap-around order (as cuStreamWaitValue32's GEQ reads
+// it); never moves it back.
+void advance(std::atomic_ref<std::uint32_t> counter, std::uint32_t value) noexcept {
+  std::uint32_t current = counter.load();
+  while (static_cast<std::int32_t>(value - current) > 0 &&
+         !counter.compare_exchange_weak(current, value)) {
+  }
+}
+
+}  // namespace
+
+struct DeviceLink::Impl {
+  // A chunk a receiver's caller enqueued: where it goes, and the event that says the buffer is
+  // ready for it on the caller's stream.
+  struct Receive {
+    std::uint64_t chunk = 0;
+    std::byte* buffer = nullptr;
+    std::size_t bytes = 0;
+    cudaEvent_t ready = nullptr;
+  };
+  // What a host function tells the progress thread.
+  struct Note {
+    Impl* impl = nullptr;
+    DataRecord record;  // sender: the doorbell to ring; receiver: the ack to send
+  };
+
+  std::unique_ptr<DeviceStaging> staging;
+  int device = 0;  // the staging's, copied for the hot path
+  bool sender = false;
+  std::size_t slot_bytes = 0;
+
+  // The counter streams wait on: sender "chunks acked by every receiver", receiver "chunks
+  // copied". Pinned, mapped host memory, written only by host code.
+  std::uint32_t* counter = nullptr;
+  CUdeviceptr counter_on_device = 0;
+  cudaStream_t copy_stream = nullptr;  // receiver
+
+  SameHostTransport::State* state = nullptr;
+  Fd notes_ready;  // eventfd: a host function or the caller queued something
+  std::thread progress;
+
+  std::mutex mutex;             // guards the queues below
+  std::deque<Receive> receives;  // receiver: enqueued, not yet matched with a doorbell
+  std::deque<DataRecord> notes;  // from host functions: doorbells to ring / acks to send
+  std::atomic<std::uint64_t> reserved{0};  // chunks reserved so far (under the state's mutex)
+  std::atomic<int> host_functions_pending{0};
+  std::atomic<bool> released{false};
+  // The streams this link enqueued work on, each with an event recorded after its last wait.
+  std::vector<std::pair<cudaStream_t, cudaEvent_t>> tails;
+
+  void free_memory() noexcept;
+  void release() noexcept;
+  void notify() noexcept {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] auto written = ::write(notes_ready.get(), &one, sizeof(one));
+  }
+  static void CUDART_CB on_host_function(void* data) noexcept;
+  void wait_value(cudaStream_t stream, std::uint64_t value);
+  void record_tail(cudaStream_t stream);
+  std::byte* slot(std::uint32_t s) const {
+    return staging->slot(s);
+  }
+  void run_sender() noexcept;
+  void run_receiver() noexcept;
+  bool drain(std::chrono::steady_clock::time_point deadline) noexcept;
+};
+
+// True once every stream passed this link's operations and every host function ran.
+bool DeviceLink::Impl::drain(std::chrono::steady_clock::time_point deadline) noexcept {
+  cuda_detail::ScopedDeviceNoThrow on_device(device);
+  std::vector<cudaEvent_t> pending;
+  for (auto& [stream, event] : tails) pending.push_back(event);
+  cudaEvent_t copies = nullptr;
+  if (copy_stream != nullptr && cudaEventCreateWithFlags(&copies, cudaEventDisableTiming) ==
+                                    cudaSuccess) {
+    if (cudaEventRecord(copies, copy_stream) == cudaSuccess) pending.push_back(copies);
+  }
+  bool done = false;
+  for (;;) {
+    done = host_functions_pending.load() == 0;
+    for (cudaEvent_t event : pending) done = done && cudaEventQuery(event) != cudaErrorNotReady;
+    if (done || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  cuda_detail::clear_last_error();
+  if (copies != nullptr) (void)cudaEventDestroy(copies);
+  if (!done) return false;
+  for (auto& [stream, event] : tails) (void)cudaEventDestroy(event);
+  tails.clear();
+  for (Receive& r : receives) (void)cudaEventDestroy(r.ready);
+  receives.clear();
+  return true;
+}
+
+void DeviceLink::Impl::free_memory() noexcept {
+  cuda_detail::ScopedDeviceNoThrow on_device(device);
+  if (copy_stream != nullptr) (void)cudaStreamDestroy(copy_stream);
+  copy_stream = nullptr;
+  if (counter != nullptr) (void)cudaFreeHost(counter);
+  counter = nullptr;
+  staging.reset();
+  cuda_detail::clear_last_error();
+}
+
+void DeviceLink::Impl::release() noexcept {
+  if (released.exchange(true)) return;
+  // Past every chunk ever enqueued: the caller reserves chunks under the state's mutex after
+  // checking that the transport is alive, and the transport is marked dead before this runs.
+  if (counter != nullptr) {
+    advance(std::atomic_ref<std::uint32_t>(*counter),
+            static_cast<std::uint32_t>(reserved.load() + (std::uint64_t{1} << 30)));
+  }
+  notify();
+}
+
+void CUDART_CB DeviceLink::Impl::on_host_function(void* data) noexcept {
+  // Runs on CUDA's callback thread: no CUDA calls here, only the counter, a queue and an eventfd.
+  auto* note = static_cast<Note*>(data);
+  Impl* impl = note->impl;
+  if (!impl->released.load()) {
+    if (!impl->sender) {
+      advance(std::atomic_ref<std::uint32_t>(*impl->counter),
+              static_cast<std::uint32_t>(note->record.sequence + 1));
+    }
+    {
+      std::lock_guard lock(impl->mutex);
+      impl->notes.push_back(note->record);
+    }
+    impl->notify();
+  }
+  delete note;
+  impl->host_functions_pending.fetch_sub(1);
+}
+
+void DeviceLink::Impl::wait_value(cudaStream_t stream, std::uint64_t value) {
+  check_driver(driver_api().stream_wait_value32(reinterpret_cast<CUstream>(stream),
+                                                counter_on_device,
+                                                static_cast<std::uint32_t>(value),
+                                                CU_STREAM_WAIT_VALUE_GEQ),
+               "cuStreamWaitValue32", fmt::format("value={} (same-host counter)", value));
+}
+
+void DeviceLink::Impl::record_tail(cudaStream_t stream) {
+  for (auto& [known, event] : tails) {
+    if (known == stream) {
+      SHADOWSYNC_CUDA_CHECK(cudaEventRecord(event, stream), "same-host stream tail");
+      return;
+    }
+  }
+  cudaEvent_t event = nullptr;
+  SHADOWSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                        "same-host stream tail");
+  tails.emplace_back(stream, event);
+  SHADOWSYNC_CUDA_CHECK(cudaEventRecord(event, stream), "same-host stream tail");
+}
+
+// Sender: rings every receiver for each filled slot, counts acks, moves the counter.
+void DeviceLink::Impl::run_sender() noexcept {
+  SameHostTransport::State& s = *state;
+  const SlotGeometry geometry{kSlotCount, slot_bytes};
+  const std::size_t peers = s.peers.size();
+  std::deque<DataRecord> outstanding;       // rung, not yet acked by everyone
+  std::vector<std::uint64_t> acked(peers, 0);  // per receiver: chunks it acked
+  std::uint64_t counted = 0;                 // chunks acked by every receiver
+  std::vector<bool> gone(peers, false);     // per receiver: closed its socket
+  std::vector<pollfd> fds;
+  for (;;) {
+    fds.assign({{s.wake.get(), POLLIN, 0}, {notes_ready.get(), POLLIN, 0}});
+    for (std::size_t p = 0; p < peers; ++p) {
+      fds.push_back({gone[p] ? -1 : s.peers[p].get(), POLLIN, 0});
+    }
+    if (::poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      s.fail(fmt::format("same-host sender: poll: {}", std::strerror(errno)));
+      return;
+    }
+    if (fds[0].revents != 0 || released.load()) return;
+    if (fds[1].revents != 0) {
+      std::uint64_t count = 0;
+      [[maybe_unused]] auto got = ::read(notes_ready.get(), &count, sizeof(count));
+      std::deque<DataRecord> rings;
+      {
+        std::lock_guard lock(mutex);
+        rings.swap(notes);
+      }
+      for (const DataRecord& doorbell : rings) {
+        const auto frame = encode(doorbell);
+        for (std::size_t p = 0; p < peers; ++p) {
+          const Io io = gone[p] ? Io::kClosed
+                                : write_all(s.peers[p].get(), frame, s.wake.get(), std::nullopt);
+          if (io == Io::kWoken) return;
+          if (io != Io::kOk) {
+            s.fail(fmt::format("same-host sender: doorbell {} to rank {}: {}", doorbell.sequence,
+                               p + 1, describe(io, errno)));
+            return;
+          }
+        }
+        outstanding.push_back(doorbell);
+      }
+    }
+    for (std::size_t p = 0; p < peers; ++p) {
+      if (fds[2 + p].revents == 0) continue;
+      std::array<std::byte, kDataRecordBytes> record{};
+      const Io io = read_exact(s.peers[p].get(), record, s.wake.get(), std::nullopt);
+      if (io == Io::kWoken) return;
+      if (io == Io::kClosed && acked[p] == counted + outstanding.size()) {
+        gone[p] = true;  // between chunks: a failure only if another chunk is rung
+        continue;
+      }
+      if (io != Io::kOk) {
+        s.fail(fmt::format("same-host sender: waiting for rank {} to ack chunk {}: {}", p + 1,
+                           acked[p], describe(io, errno)));
+        return;
+      }
+      DataRecord ack;
+      std::string problem;
+      if (!decode(record, RecordType::kAck, geometry, ack, problem)) {
+        s.fail(fmt::format("same-host sender: rank {} broke the protocol: {}", p + 1, problem));
+        return;
+      }
+      const std::uint64_t due = acked[p];
+      if (due < counted || due - counted >= outstanding.size()) {
+        s.fail(fmt::format("same-host sender: rank {} acked chunk {}, which was never rung",
+                           p + 1, ack.sequence));
+        return;
+      }
+      const DataRecord& rung = outstanding[due - counted];
+      if (ack.sequence != rung.sequence || ack.slot != rung.slot || ack.bytes != rung.bytes ||
+          ack.offset != rung.offset) {
+        s.fail(fmt::format("same-host sender: rank {} acked chunk {} (slot {}, {} bytes) where "
+                           "chunk {} (slot {}, {} bytes) was due",
+                           p + 1, ack.sequence, ack.slot, ack.bytes, rung.sequence, rung.slot,
+                           rung.bytes));
+        return;
+      }
+      ++acked[p];
+    }
+    std::uint64_t everyone = counted + outstanding.size();
+    for (std::uint64_t a : acked) everyone = std::min(everyone, a);
+    if (everyone > counted) {
+      outstanding.erase(outstanding.begin(),
+                        outstanding.begin() + static_cast<std::ptrdiff_t>(everyone - counted));
+      counted = everyone;
+      advance(std::atomic_ref<std::uint32_t>(*counter), static_cast<std::uint32_t>(counted));
+    }
+  }
+}
+
+// Receiver: matches doorbells with enqueued receives, checks them, enqueues the copies, acks.
+void DeviceLink::Impl::run_receiver() noexcept {
+  SameHostTransport::State& s = *state;
+  if (cudaSetDevice(device) != cudaSuccess) {
+    cuda_detail::clear_last_error();
+    s.fail(fmt::format("same-host rank {}: cudaSetDevice({}) failed on the progress thread",
+                       s.rank, device));
+    return;
+  }
+  const SlotGeometry geometry{kSlotCount, slot_bytes};
+  const int socket = s.peers[0].get();
+  std::deque<DataRecord> doorbells;  // received, not yet matched with a receive
+  bool sender_gone = false;
+  for (;;) {
+    std::array<pollfd, 3> fds{{{s.wake.get(), POLLIN, 0},
+                               {notes_ready.get(), POLLIN, 0},
+                               {sender_gone ? -1 : socket, POLLIN, 0}}};
+    if (::poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      s.fail(fmt::format("same-host rank {}: poll: {}", s.rank, std::strerror(errno)));
+      return;
+    }
+    if (fds[0].revents != 0 || released.load()) return;
+    if (fds[1].revents != 0) {
+      std::uint64_t count = 0;
+      [[maybe_unused]] auto got = ::read(notes_ready.get(), &count, sizeof(count));
+    }
+    if (fds[2].revents != 0) {
+      std::array<std::byte, kDataRecordBytes> record{};
+      const Io io = read_exact(socket, record, s.wake.get(), std::nullopt);
+      if (io == Io::kWoken) return;
+      if (io == Io::kClosed) {
+        sender_gone = true;  // a failure only if a receive is still waiting (below)
+      } else if (io != Io::kOk) {
+        s.fail(fmt::format("same-host rank {}: reading a doorbell: {}", s.rank,
+                           describe(io, errno)));
+        return;
+      } else {
+        DataRecord doorbell;
+        std::string problem;
+        if (!decode(record, RecordType::kDoorbell, geometry, doorbell, problem)) {
+          s.fail(fmt::format("same-host rank {}: the sender broke the protocol: {}", s.rank,
+                             problem));
+          return;
+        }
+        doorbells.push_back(doorbell);
+      }
+    }
+    std::deque<DataRecord> acks;
+    std::deque<Receive> ready;
+    std::optional<std::uint64_t> orphaned;  // a receive waiting for a sender that is gone
+    {
+      std::lock_guard lock(mutex);
+      acks.swap(notes);
+      while (!receives.empty() && ready.size() < doorbells.size()) {
+        ready.push_back(receives.front());
+        receives.pop_front();
+      }
+      if (sender_gone && !receives.empty()) orphaned = receives.front().chunk;
+    }
+    if (orphaned) {
+      s.fail(fmt::format("same-host rank {}: waiting for the doorbell of chunk {}: {}", s.rank,
+                         *orphaned, describe(Io::kClosed, 0)));
+      return;
+    }
+    for (const DataRecord& ack : acks) {
+      const Io io = write_all(socket, encode(ack), s.wake.get(), std::nullopt);
+      if (io == Io::kWoken) return;
+      if (io != Io::kOk) {
+        s.fail(fmt::format("same-host rank {}: ack of chunk {}: {}", s.rank, ack.sequence,
+                           describe(io, errno)));
+        return;
+      }
+    }
+    for (Receive& receive : ready) {
+      DataRecord doorbell = doorbells.front();
+      doorbells.pop_front();
+      const std::string problem = check_doorbell(doorbell, receive.chunk, receive.bytes);
+      if (!problem.empty()) {
+        (void)cudaEventDestroy(receive.ready);
+        s.fail(fmt::format("same-host rank {}: the sender broke the protocol: {}", s.rank,
+                           problem));
+        return;
+      }
+      doorbell.type = RecordType::kAck;
+      auto* note = new Note{this, doorbell};
+      host_functions_pending.fetch_add(1);
+      cudaError_t status = cudaStreamWaitEvent(copy_stream, receive.ready, 0);
+      if (status == cudaSuccess) {
+        status = cudaMemcpyAsync(receive.buffer, slot(doorbell.slot) + doorbell.offset,
+                                 receive.bytes, cudaMemcpyDefault, copy_stream);
+      }
+      if (status == cudaSuccess) {
+        status = cudaLaunchHostFunc(copy_stream, &Impl::on_host_function, note);
+      }
+      (void)cudaEventDestroy(receive.ready);
+      if (status != cudaSuccess) {
+        delete note;
+        host_functions_pending.fetch_sub(1);
+        cuda_detail::clear_last_error();
+        s.fail(fmt::format("same-host rank {}: enqueueing the copy of chunk {}: {}", s.rank,
+                           receive.chunk, cudaGetErrorName(status)));
+        return;
+      }
+    }
+  }
+}
+
+DeviceLink::DeviceLink(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+DeviceLink::~DeviceLink() {
+  impl_->release();
+  if (impl_->progress.joinable()) impl_->progress.join();
+  if (impl_->drain(std::chrono::steady_clock::now() + kDrainDeadline)) {
+    impl_->free_memory();
+    return;
+  }
+  // A host function may still run and touch the link, a stream may still read its memory: the
+  // whole link is leaked rather than freed under them.
+  std::fprintf(stderr,
+               "shadowsync: same-host device link: a stream did not pass this link's operations "
+               "within %lld s; leaking its staging mapping and counter rather than freeing "
+               "memory a stream may still touch\n",
+               static_cast<long long>(kDrainDeadline.count()));
+  (void)impl_.release();
+}
+
+std::unique_ptr<DeviceLink> DeviceLink::create(Backend& backend, std::size_t slot_bytes) {
+  auto impl = std::make_unique<Impl>();
+  impl->sender = true;
+  impl->staging = DeviceStaging::create(cuda_backend_of(backend, "serve"), slot_bytes);
+  impl->device = impl->staging->device();
+  impl->slot_bytes = slot_bytes;
+  return std::unique_ptr<DeviceLink>(new DeviceLink(std::move(impl)));
+}
+
+std::unique_ptr<DeviceLink> DeviceLink::open(Backend& backend, Fd exported, const Setup& setup,
+                                             const std::string& path) {
+  auto impl = std::make_unique<Impl>();
+  impl->staging =
+      DeviceStaging::open(cuda_backend_of(backend, "connect"), std::move(exported), setup, path);
+  impl->device = impl->staging->device();
+  impl->slot_bytes = impl->staging->slot_bytes();
+  const int device = impl->device;
+  int least = 0;
+  int greatest = 0;
+  SHADOWSYNC_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), "device={}", device);
+  SHADOWSYNC_CUDA_CHECK(
+      cudaStreamCreateWithPriority(&impl->copy_stream, cudaStreamNonBlocking, least),
+      "same-host copy stream, device={}", device);
+  return std::unique_ptr<DeviceLink>(new DeviceLink(std::move(impl)));
+}
+
+int DeviceLink::exported_fd() const { return impl_->staging->exported_fd(); }
+
+std::array<std::byte, kHandleBytes> DeviceLink::handle() const {
+  return impl_->staging->handle();
+}
+
+std::byte* DeviceLink::slot(std::uint32_t s) const { return impl_->slot(s); }
+
+void DeviceLink::start(SameHostTransport::State& state) {
+  Impl& impl = *impl_;
+  impl.state = &state;
+  SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);
+  void* counter = nullptr;
+  SHADOWSYNC_CUDA_CHECK(cudaHostAlloc(&counter, 64, cudaHostAllocMapped | cudaHostAllocPortable),
+                        "same-host counter");
+  impl.counter = static_cast<std::uint32_t*>(counter);
+  *impl.counter = 0;
+  void* on_device = nullptr;
+  SHADOWSYNC_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, counter, 0), "same-host counter");
+  impl.counter_on_device = reinterpret_cast<CUdeviceptr>(on_device);
+  impl.notes_ready = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!impl.notes_ready) {
+    throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
+  }
+  if (impl.sender) {
+    impl.progress = std::thread([&impl] { impl.run_sender(); });
+  } else {
+    impl.progress = std::thread([&impl] { impl.run_receiver(); });
+  }
+}
+
+namespace {
+cudaStream_t stream_of(Stream& stream, int device, int rank) {
+  const cudaStream_t native = CudaBackend::native(stream);  // throws for a foreign stream
+  if (const int on = CudaBackend::device_of(stream); on != device) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host broadcast on rank {}: the stream is on device {}, the "
+                            "transport on device {}",
+                            rank, on, device));
+  }
+  return native;
+}
+}  // namespace
+
+std::uint64_t DeviceLink::reserve(std::size_t bytes) {
+  const std::uint64_t chunks = (bytes + impl_->slot_bytes - 1) / impl_->slot_bytes;
+  return impl_->reserved.fetch_add(chunks);
+}
+
+void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uint64_t first_chunk,
+                            Stream& stream) {
+  Impl& impl = *impl_;
+  const cudaStream_t native = stream_of(stream, impl.device, 0);
+  SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);
+  // Packed straight into a slot by the caller (staging_buffer()): no copy.
+  std::optional<std::uint32_t> own_slot;
+  for (std::uint32_t s = 0; s < kSlotCount; ++s) {
+    if (buffer == impl.slot(s) && bytes <= impl.slot_bytes) own_slot = s;
+  }
+  for (std::size_t offset = 0; offset < bytes; offset += impl.slot_bytes) {
+    const std::size_t n = std::min(impl.slot_bytes, bytes - offset);
+    const std::uint64_t chunk = first_chunk + offset / impl.slot_bytes;
+    const std::uint32_t s = own_slot.value_or(static_cast<std::uint32_t>(chunk % kSlotCount));
+    // The slot is free: the previous chunk's broadcast waited until every receiver copied it.
+    if (!own_slot) {
+      SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(impl.slot(s), buffer + offset, n,
+                                            cudaMemcpyDefault, native),
+                            "same-host staging, chunk {} of {} bytes", chunk, n);
+    }
+    auto* note = new Impl::Note{&impl, DataRecord{RecordType::kDoorbell, chunk, s, 0, n}};
+    impl.host_functions_pending.fetch_add(1);
+    if (const cudaError_t status = cudaLaunchHostFunc(native, &Impl::on_host_function, note);
+        status != cudaSuccess) {
+      delete note;
+      impl.host_functions_pending.fetch_sub(1);
+      SHADOWSYNC_CUDA_CHECK(status, "same-host doorbell of chunk {}", chunk);
+    }
+    impl.wait_value(native, chunk + 1);
+  }
+  impl.record_tail(native);
+}
+
+void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64_t first_chunk,
+                               Stream& stream) {
+  Impl& impl = *impl_;
+  const cudaStream_t native = stream_of(stream, impl.device, impl.state->rank);
+  SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);
+  for (std::size_t offset = 0; offset < bytes; offset += impl.slot_bytes) {
+    const std::size_t n = std::min(impl.slot_bytes, bytes - offset);
+    cudaEvent_t ready = nullptr;
+    SHADOWSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming),
+                          "same-host receive");
+    if (const cudaError_t status = cudaEventRecord(ready, native); status != cudaSuccess) {
+      (void)cudaEventDestroy(ready);
+      SHADOWSYNC_CUDA_CHECK(status, "same-host receive");
+    }
+    const std::uint64_t chunk = first_chunk + offset / impl.slot_bytes;
+    {
+      std::lock_guard lock(impl.mutex);
+      impl.receives.push_back({chunk, buffer + offset, n, ready});
+    }
+    impl.notify();
+    impl.wait_value(native, chunk + 1);
+  }
+  impl.record_tail(native);
+}
+
+void DeviceLink::release() noexcept { impl_->release(); }
+
+}  // namespace shadowsync::same_host
