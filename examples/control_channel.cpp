@@ -1,27 +1,41 @@
 // The control channel between two processes: an engine that keeps decoding while it takes
-// updates, and a trainer that connects to it, hands over the rendezvous id, publishes updates and
-// waits for the engine's acks.
+// updates, and a trainer that connects to it, hands over the rendezvous (which transport to build
+// and where to find the trainer's end), publishes updates and waits for the engine's acks.
 //
-// --backend host (the default): the host backend, with a TCP socket transport standing in for
-// NCCL (examples/common/socket_transport.h): no GPU needed. tests/integration/test_control_e2e.cpp
-// runs it as two real processes, killing the first trainer and connecting a second.
+// --backend host (the default): the host backend and the same-host transport in its host-memory
+// flavour (a Unix socket and a shared memory file): no GPU needed.
+// tests/integration/test_control_e2e.cpp runs it as two real processes, killing the first trainer
+// and connecting a second.
 //
-// --backend cuda --device N (CUDA builds): CudaBackend on GPU N and NcclTransport; the NCCL unique
-// id travels over the control channel. The engine decodes with the GPU toy engine (one kernel per
-// step on its stream that checks the weights it reads, examples/common/gpu_engine.h); each round
-// the trainer runs a "train step" (fill kernels writing the next version's weights) and publishes
-// it.
+// --backend cuda --device N (CUDA builds): CudaBackend on GPU N. The engine decodes with the GPU
+// toy engine (one kernel per step on its stream that checks the weights it reads,
+// examples/common/gpu_engine.h); each round the trainer runs a "train step" (fill kernels writing
+// the next version's weights) and publishes it. The transport is NCCL by default (the NCCL unique
+// id travels over the control channel); --transport same_host uses the same-host transport's
+// device-memory flavour instead (staging slots in the trainer's GPU memory).
 // scripts/gpu/run.sh examples runs it on GPUs 0 (trainer) and 1 (engine).
+//
+// The trainer picks the transport (--transport) and the rendezvous names it: the engine builds
+// whatever the rendezvous asks for that its backend can run (host: same_host; cuda: nccl or
+// same_host). Both ends prove the control token on the same-host socket too.
 //
 //   export SHADOWSYNC_CONTROL_TOKEN=$(openssl rand -hex 32)
 //   control_channel engine [--port P] [--backend host|cuda] [--device N]
-//       prints "listening <port>", then one "update ..." line per applied update; runs until
-//       SIGTERM, then prints one "engine summary: ..." line; exits 0 only if no step was torn.
+//       prints "listening <port>", then one "rendezvous transport=T rank=R world_size=W" line per
+//       transport installed and one "update ..." line per applied update; runs until SIGTERM,
+//       then prints one "engine summary: ..." line; exits 0 only if no step was torn.
 //       A failed update prints "failed version=V code=C unix_ms=T error=..." (T: wall clock).
 //       --bucket-deadline-ms MS sets ReceiverConfig::bucket_deadline.
 //   control_channel trainer --port P [--rounds N] [--die-after-header] [--hang-mid-update]
-//                           [--backend host|cuda] [--device N]
-//       one "round ..." line per acked round, then "trainer: N rounds acked, ...".
+//                           [--backend host|cuda] [--device N] [--transport nccl|same_host]
+//                           [--socket PATH]
+//       prints "trainer: rendezvous transport=T ...", one "round ..." line per acked round, then
+//       "trainer: N rounds acked, ...".
+//       --transport: same_host (the default with --backend host, the only one it can run) or nccl
+//       (the default with --backend cuda).
+//       --socket: the same-host socket (default $XDG_RUNTIME_DIR/shadowsync/trainer-<pid>.sock, or
+//       /tmp/shadowsync-<uid>/trainer-<pid>.sock; the directory must be the user's own, mode 0700,
+//       and is created so when absent).
 //       --hang-mid-update: then sends part of one more update, prints "trainer: mid-update
 //       version=V" and waits for a signal (scripts/gpu/run.sh faults kills or stops it there).
 //
@@ -48,8 +62,8 @@
 #include "shadowsync/control_channel.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/receiver.h"
+#include "shadowsync/same_host_transport.h"
 #include "shadowsync/sender.h"
-#include "socket_transport.h"
 #include "weights.h"
 
 #if defined(SHADOWSYNC_WITH_CUDA)
@@ -81,6 +95,8 @@ constexpr auto kDeadline = std::chrono::seconds(30);
 struct Options {
   std::string role;
   std::string backend = "host";
+  std::string transport;  // trainer: "nccl" or "same_host"; empty: the backend's default
+  std::string socket;     // trainer: the same-host socket; empty: default_socket_path()
   int device = -1;  // -1: 1 for the engine, 0 for the trainer
   std::uint16_t port = 0;
   int rounds = 50;
@@ -129,6 +145,51 @@ Layout example_layout(const Options& options) {
       "where CUDA and NCCL are installed)");
 }
 #endif
+
+// The transport the trainer asks for: --transport, else NCCL between GPUs and the same-host
+// transport on the CPU (the only one the host backend runs across processes).
+TransportKind trainer_transport(const Options& options) {
+  if (options.transport.empty()) {
+    return options.backend == "cuda" ? TransportKind::kNccl : TransportKind::kSameHost;
+  }
+  if (options.transport == "same_host") return TransportKind::kSameHost;
+  if (options.backend != "cuda") {
+    throw std::runtime_error(fmt::format("--transport {} needs --backend cuda; the host backend "
+                                         "runs --transport same_host",
+                                         options.transport));
+  }
+  return TransportKind::kNccl;
+}
+
+// A socket in a directory of this user's own: the runtime directory when there is one.
+std::string default_socket_path() {
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  const std::string dir = runtime != nullptr && *runtime != '\0'
+                              ? fmt::format("{}/shadowsync", runtime)
+                              : fmt::format("/tmp/shadowsync-{}", ::getuid());
+  return fmt::format("{}/trainer-{}.sock", dir, ::getpid());
+}
+
+SameHostConfig same_host_config() {
+  SameHostConfig config;
+  config.connect_timeout = kDeadline;
+  return config;
+}
+
+// The engine's end of a same-host rendezvous, on `backend` (the memory flavour is the trainer's:
+// host memory for a HostBackend, device memory for a CudaBackend).
+std::unique_ptr<Transport> connect_same_host(const RendezvousRequest& request,
+                                             const std::string& token, Backend& backend) {
+  return SameHostTransport::connect(request.transport.path, token, request.rank, backend,
+                                    same_host_config());
+}
+
+void print_rendezvous(const RendezvousRequest& request) {
+  std::printf("rendezvous transport=%s rank=%d world_size=%d\n",
+              std::string(to_string(request.transport.kind)).c_str(), request.rank,
+              request.world_size);
+  std::fflush(stdout);
+}
 
 double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
@@ -303,13 +364,18 @@ int run_engine(const Options& options) {
     Receiver receiver(layout, backend, nullptr, engine_config(options));
     // Only events between steps: where a missing wait in the library would show.
     examples::GpuEngine engine(backend, receiver);
+    const std::string token = resolve_control_token("");
     return serve(
         options, backend, receiver, engine,
-        [device](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
+        [device, &backend, token](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
+          print_rendezvous(request);
+          if (request.transport.kind == TransportKind::kSameHost) {
+            return connect_same_host(request, token, backend);
+          }
           NcclTransportConfig config;
           config.init_timeout = std::chrono::seconds(60);  // the trainer joins within seconds
-          return NcclTransport::create(request.unique_id, request.rank, request.world_size, device,
-                                       config);
+          return NcclTransport::create(request.transport.unique_id, request.rank,
+                                       request.world_size, device, config);
         },
         /*sync_each_step=*/false);
 #else
@@ -320,11 +386,17 @@ int run_engine(const Options& options) {
   // The transport comes with the first rendezvous.
   Receiver receiver(layout, backend, nullptr, engine_config(options));
   examples::HostEngine engine(backend, receiver, {.compute_time = std::chrono::microseconds(50)});
+  const std::string token = resolve_control_token("");
   return serve(
       options, backend, receiver, engine,
-      [&backend](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
-        return examples::SocketTransport::connect(backend, request.unique_id, request.rank,
-                                                 request.world_size, Clock::now() + kDeadline);
+      [&backend, token](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
+        print_rendezvous(request);
+        if (request.transport.kind != TransportKind::kSameHost) {
+          throw std::runtime_error(fmt::format("the host engine runs the same_host transport "
+                                               "only; the trainer asked for {}",
+                                               to_string(request.transport.kind)));
+        }
+        return connect_same_host(request, token, backend);
       },
       /*sync_each_step=*/true);
 }
@@ -401,8 +473,49 @@ int train(const Options& options, const Layout& layout, TrainerChannel& channel,
   return 0;
 }
 
+// The trainer's end of the rendezvous (rank 0): tells the engine which transport to build and
+// where, builds this side's, and waits until the engine installed its own.
+std::unique_ptr<Transport> rendezvous(const Options& options, const Layout& layout,
+                                      TrainerChannel& channel, Backend& backend) {
+  const TransportKind kind = trainer_transport(options);
+  std::unique_ptr<Transport> transport;
+  if (kind == TransportKind::kSameHost) {
+    // serve() returns once the engine connected and proved the token, so the address goes out
+    // first. The staging slots are one bucket each: the sender packs each bucket into one.
+    const std::string path = options.socket.empty() ? default_socket_path() : options.socket;
+    const SameHostMemory memory =
+        options.backend == "cuda" ? SameHostMemory::kDevice : SameHostMemory::kHost;
+    std::printf("trainer: rendezvous transport=same_host memory=%s path=%s\n",
+                memory == SameHostMemory::kDevice ? "device" : "host", path.c_str());
+    std::fflush(stdout);
+    channel.send_rendezvous(TransportAddress::same_host(path));
+    transport = SameHostTransport::serve(path, resolve_control_token(""), 1, backend, memory,
+                                         layout.bucket_bytes(), same_host_config());
+  } else {
+#if defined(SHADOWSYNC_WITH_CUDA)
+    // NCCL's init blocks until the engine joined with the id the channel carried, so the id goes
+    // out first.
+    const int device = options.device < 0 ? 0 : options.device;
+    std::printf("trainer: rendezvous transport=nccl device=%d\n", device);
+    std::fflush(stdout);
+    const NcclUniqueId id = NcclTransport::generate_unique_id();
+    channel.send_rendezvous(TransportAddress::nccl(id));
+    NcclTransportConfig transport_config;
+    transport_config.init_timeout = std::chrono::seconds(60);
+    transport = NcclTransport::create(id, 0, 2, device, transport_config);
+#else
+    no_cuda();
+#endif
+  }
+  if (!channel.wait_rendezvous(Clock::now() + kDeadline)) {
+    throw std::runtime_error("the engine did not finish the rendezvous in time");
+  }
+  return transport;
+}
+
 int run_trainer(const Options& options) {
   const Layout layout = example_layout(options);
+  trainer_transport(options);  // a bad --transport fails before anything connects
   TrainerChannelConfig config;
   config.engines.push_back({"127.0.0.1", options.port});
   TrainerChannel channel(layout, config);
@@ -413,17 +526,7 @@ int run_trainer(const Options& options) {
 #if defined(SHADOWSYNC_WITH_CUDA)
     const int device = options.device < 0 ? 0 : options.device;
     CudaBackend backend(device);
-    // Rendezvous: this side is rank 0. NCCL's init blocks until the engine joined with the id
-    // the channel carried, so the id goes out first.
-    const NcclUniqueId id = NcclTransport::generate_unique_id();
-    channel.send_rendezvous(id);
-    NcclTransportConfig transport_config;
-    transport_config.init_timeout = std::chrono::seconds(60);
-    auto transport = NcclTransport::create(id, 0, 2, device, transport_config);
-    if (!channel.wait_rendezvous(Clock::now() + kDeadline)) {
-      throw std::runtime_error("the engine did not finish the rendezvous in time");
-    }
-    Sender sender(layout, backend, std::move(transport));
+    Sender sender(layout, backend, rendezvous(options, layout, channel, backend));
 
     // The model's parameters: one device buffer per group, each tensor at its layout offset (the
     // sender packs them through its staging buffers as it would scattered parameters). One set
@@ -463,14 +566,7 @@ int run_trainer(const Options& options) {
   }
 
   HostBackend backend;
-  // Rendezvous: this side listens (rank 0), the engine joins with the id the channel carries.
-  auto transport = examples::SocketTransport::listen(backend, 2);
-  channel.send_rendezvous(transport->id());
-  transport->accept_peers(Clock::now() + kDeadline);
-  if (!channel.wait_rendezvous(Clock::now() + kDeadline)) {
-    throw std::runtime_error("the engine did not finish the rendezvous in time");
-  }
-  Sender sender(layout, backend, std::move(transport));
+  Sender sender(layout, backend, rendezvous(options, layout, channel, backend));
   std::optional<examples::TrainerWeights> tensors;
   const TrainStep step = [&](std::uint64_t version, const std::vector<std::string>& groups) {
     tensors.emplace(layout, groups, version);
@@ -514,6 +610,14 @@ int main(int argc, char** argv) try {
         throw std::runtime_error(
             fmt::format("--backend: expected 'host' or 'cuda', got '{}'", options.backend));
       }
+    } else if (arg == "--transport" && has_value) {
+      options.transport = argv[++i];
+      if (options.transport != "nccl" && options.transport != "same_host") {
+        throw std::runtime_error(fmt::format(
+            "--transport: expected 'nccl' or 'same_host', got '{}'", options.transport));
+      }
+    } else if (arg == "--socket" && has_value) {
+      options.socket = argv[++i];
     } else if (arg == "--device" && has_value) {
       options.device = parse_int(arg, argv[++i], 0, 1023);
     } else {

@@ -7,8 +7,9 @@
 // Each engine listens (EngineChannel) and the trainer connects to all of them (TrainerChannel),
 // because the engine is the long-lived service and the trainer comes and goes: when a trainer goes
 // away the engine keeps serving its live weights and waits for the next connection; a restarted
-// trainer dials the same address, hands over a new rendezvous id, and updates resume. No reconnect
-// loop, no address to re-register.
+// trainer dials the same address, hands over a new rendezvous (which transport to build and where
+// to find the trainer's end of it), and updates resume. No reconnect loop, no address to
+// re-register.
 #pragma once
 
 #include <chrono>
@@ -18,6 +19,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "shadowsync/error.h"
@@ -61,11 +63,56 @@ struct ControlConfig {
 // (the message never contains the token). Thread-safe.
 std::string resolve_control_token(const std::string& configured);
 
+// --- the rendezvous: which transport, and where ---------------------------------------------------
+
+// The transports a rendezvous can name. The numbers are the wire's (the control frame's).
+enum class TransportKind : std::uint16_t {
+  kNccl = 1,      // NcclTransport: every rank joins with the trainer's ncclUniqueId
+  kSameHost = 2,  // SameHostTransport: each engine connects to the trainer's Unix socket
+};
+
+// "nccl", "same_host" (Transport::name() of the transport it names); "unknown" otherwise.
+constexpr std::string_view to_string(TransportKind kind) noexcept {
+  switch (kind) {
+    case TransportKind::kNccl:
+      return "nccl";
+    case TransportKind::kSameHost:
+      return "same_host";
+  }
+  return "unknown";
+}
+
+// A Unix socket path fits sockaddr_un::sun_path (108 bytes) with its NUL.
+inline constexpr std::size_t kMaxSameHostPathBytes = 107;
+
+// Where the engines find the trainer's end of a transport: the kind, and its address in that
+// kind's terms. Make one with nccl() or same_host().
+struct TransportAddress {
+  TransportKind kind = TransportKind::kNccl;
+  RendezvousId unique_id;  // kNccl: from NcclTransport::generate_unique_id()
+  std::string path;        // kSameHost: the socket SameHostTransport::serve() listens on
+
+  static TransportAddress nccl(const RendezvousId& id) {
+    TransportAddress address;
+    address.unique_id = id;
+    return address;
+  }
+  static TransportAddress same_host(std::string socket_path) {
+    TransportAddress address;
+    address.kind = TransportKind::kSameHost;
+    address.path = std::move(socket_path);
+    return address;
+  }
+};
+
 // --- the engine's end ----------------------------------------------------------------------------
 
-// What a trainer sent for a rendezvous: the communicator to join and this engine's place in it.
+// What a trainer sent for a rendezvous: the transport to build, where the trainer's end of it is,
+// and this engine's place in it. For kSameHost the engine proves the same token as on the control
+// channel (resolve_control_token), e.g. SameHostTransport::connect(request.transport.path, token,
+// request.rank, backend).
 struct RendezvousRequest {
-  RendezvousId unique_id;
+  TransportAddress transport;
   int rank = 1;  // 1..world_size-1 (the trainer's sender is usually rank 0)
   int world_size = 2;
 };
@@ -198,10 +245,16 @@ class TrainerChannel {
   // version must be above it (receivers refuse versions that do not increase). Thread-safe.
   std::uint64_t highest_accepted_version() const;
 
-  // Sends engine i its rank `first_rank + i` in a communicator of `world_size` ranks (default:
-  // the trainer is rank 0 and the engines follow, world_size = engines + 1). Returns once sent;
-  // then create this side's transport, and wait_rendezvous(). Throws Error(kTransport) naming
-  // an engine that is disconnected. Thread-safe.
+  // Sends engine i the transport to build (`address`) and its rank `first_rank + i` in it, of
+  // `world_size` ranks (default: the trainer is rank 0 and the engines follow, world_size =
+  // engines + 1). Returns once sent; then create this side's transport (NCCL: create it; same
+  // host: serve() on address.path, which returns once every engine connected), and
+  // wait_rendezvous(). Throws Error(kInvalidArgument) for ranks that do not fit or an address
+  // the engines could not use (a same-host path that is empty, longer than
+  // kMaxSameHostPathBytes or holds a NUL byte), naming it; Error(kTransport) naming an engine
+  // that is disconnected. Thread-safe.
+  void send_rendezvous(const TransportAddress& address, int world_size = 0, int first_rank = 1);
+  // The NCCL rendezvous: send_rendezvous(TransportAddress::nccl(id), ...).
   void send_rendezvous(const RendezvousId& id, int world_size = 0, int first_rank = 1);
   // Waits until every engine installed its transport for the last send_rendezvous. Throws
   // Error(kTransport) naming each engine that refused or disconnected; false when `deadline`

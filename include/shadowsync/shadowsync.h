@@ -327,7 +327,7 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_stream_synchronize(shadowsync_stre
 SHADOWSYNC_API shadowsync_status_t shadowsync_stream_destroy(shadowsync_stream_t stream);
 
 /* ---------------------------------------------------------------------------------------------
- * Transports (loopback_transport.h, nccl_transport.h)
+ * Transports (loopback_transport.h, nccl_transport.h, same_host_transport.h)
  *
  * A transport handle is taken by the receiver or sender it is given to: when that call succeeds
  * the handle becomes invalid (do not destroy it); when it fails the caller still owns it.
@@ -369,6 +369,37 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_library(char* path, size_t pa
  * one torch will load. The Python package calls it when it loads the library. Loads nothing.
  * SHADOWSYNC_NOT_SUPPORTED without CUDA. Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_add_python_path(const char* paths);
+/* Where the same-host transport's two staging slots live (shadowsync::SameHostMemory). */
+typedef enum {
+  SHADOWSYNC_SAME_HOST_MEMORY_HOST = 0,  /* a shared memory file; a host backend */
+  SHADOWSYNC_SAME_HOST_MEMORY_DEVICE = 1 /* device memory shared through the CUDA driver; a CUDA
+                                            backend (CUDA builds) */
+} shadowsync_same_host_memory_t;
+
+/* SameHostTransport::serve: the sender's side (rank 0 of 1 + `receivers`) between processes of one
+ * host. Listens on the Unix socket `path` (its directory must be the caller's own with mode 0700,
+ * and is created so when absent) and blocks until `receivers` receivers connected and proved the
+ * token (`token_bytes` bytes at `token`, at least 16: the control channel's token serves), then
+ * shares two staging slots of `slot_bytes` each (the sender's bucket size, bucket_bytes of
+ * shadowsync_group_info_t) in `memory`: SHADOWSYNC_SAME_HOST_MEMORY_HOST with a host backend,
+ * SHADOWSYNC_SAME_HOST_MEMORY_DEVICE with a CUDA backend (SHADOWSYNC_NOT_SUPPORTED without CUDA).
+ * connect_timeout_ms 0 takes the default (60000). A receiver with the wrong token is refused and
+ * the wait goes on: SHADOWSYNC_TIMEOUT then names how many came and the last refusal. Bad
+ * arguments, paths and directories: SHADOWSYNC_INVALID_ARGUMENT naming the argument. The
+ * transport keeps `backend` alive. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_transport_serve(
+    const char* path, const void* token, size_t token_bytes, int receivers,
+    shadowsync_backend_t backend, shadowsync_same_host_memory_t memory, size_t slot_bytes,
+    int64_t connect_timeout_ms, shadowsync_transport_t* transport);
+/* SameHostTransport::connect: receiver `rank` (1..receivers) connects to the sender at `path`,
+ * retrying until one listens (connect_timeout_ms; 0: the default, 60000; then
+ * SHADOWSYNC_TIMEOUT), proves the token and checks the sender's proof
+ * (SHADOWSYNC_TRANSPORT_ERROR naming which side refused: a wrong token shows here), and maps the
+ * sender's staging memory, whose flavour the sender chose. The engine may start first. The
+ * transport keeps `backend` alive. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_transport_connect(
+    const char* path, const void* token, size_t token_bytes, int rank,
+    shadowsync_backend_t backend, int64_t connect_timeout_ms, shadowsync_transport_t* transport);
 /* Destroys a transport no receiver or sender took. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_transport_destroy(shadowsync_transport_t transport);
 

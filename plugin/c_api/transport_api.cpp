@@ -1,9 +1,12 @@
-// Transports through the C ABI: loopback (tests, demos) and NCCL.
+// Transports through the C ABI: loopback (tests, demos), same-host and NCCL.
 #include <fmt/format.h>
 
 #include <array>
+#include <chrono>
+#include <string_view>
 
 #include "c_api/c_api_internal.h"
+#include "shadowsync/same_host_transport.h"
 #if defined(SHADOWSYNC_WITH_CUDA)
 #include "shadowsync/nccl_transport.h"
 #endif
@@ -24,6 +27,9 @@ class SharedTransport final : public Transport {
   void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override {
     inner_->broadcast_async(buffer, bytes, root, stream);
   }
+  void* staging_buffer(int index, std::size_t bytes) override {
+    return inner_->staging_buffer(index, bytes);
+  }
   void group_begin() override { inner_->group_begin(); }
   void group_end() override { inner_->group_end(); }
   std::optional<std::string> async_error() override { return inner_->async_error(); }
@@ -33,10 +39,61 @@ class SharedTransport final : public Transport {
   std::shared_ptr<Transport> inner_;
 };
 
+// A transport made with a backend handle's backend (same-host): it holds that backend, so that
+// the caller may destroy the handle whenever, as for receivers and senders.
+class BackendBoundTransport final : public Transport {
+ public:
+  BackendBoundTransport(std::shared_ptr<BackendObject> backend, std::unique_ptr<Transport> inner)
+      : backend_(std::move(backend)), inner_(std::move(inner)) {}
+  std::string_view name() const override { return inner_->name(); }
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override {
+    inner_->broadcast_async(buffer, bytes, root, stream);
+  }
+  void* staging_buffer(int index, std::size_t bytes) override {
+    return inner_->staging_buffer(index, bytes);
+  }
+  void group_begin() override { inner_->group_begin(); }
+  void group_end() override { inner_->group_end(); }
+  std::optional<std::string> async_error() override { return inner_->async_error(); }
+  void abort() noexcept override { inner_->abort(); }
+
+ private:
+  std::shared_ptr<BackendObject> backend_;  // first: outlives the transport
+  std::unique_ptr<Transport> inner_;
+};
+
 shadowsync_transport_t add_transport(std::unique_ptr<Transport> transport) {
   auto object = std::make_shared<TransportObject>();
   object->transport = std::move(transport);
   return to_handle<shadowsync_transport_t>(std::move(object));
+}
+
+// The token argument of the same-host calls: NULL only with a length of 0 (which the transport
+// then refuses as too short, naming the minimum).
+std::string_view token_arg(const void* token, std::size_t token_bytes) {
+  if (token == nullptr && token_bytes != 0) {
+    throw_invalid(fmt::format("'token' is NULL but token_bytes is {}", token_bytes));
+  }
+  return token_bytes == 0 ? std::string_view()
+                          : std::string_view(static_cast<const char*>(token), token_bytes);
+}
+
+SameHostConfig same_host_config(std::int64_t connect_timeout_ms) {
+  SameHostConfig config;
+  if (connect_timeout_ms < 0) {
+    throw_invalid(fmt::format("connect_timeout_ms is {}; expected a positive number of "
+                              "milliseconds, or 0 for the default ({})",
+                              connect_timeout_ms, config.connect_timeout.count()));
+  }
+  if (connect_timeout_ms > 0) config.connect_timeout = std::chrono::milliseconds(connect_timeout_ms);
+  return config;
+}
+
+const char* memory_name(SameHostMemory memory) {
+  return memory == SameHostMemory::kHost ? "SHADOWSYNC_SAME_HOST_MEMORY_HOST"
+                                         : "SHADOWSYNC_SAME_HOST_MEMORY_DEVICE";
 }
 
 }  // namespace
@@ -171,6 +228,66 @@ shadowsync_status_t shadowsync_nccl_add_python_path(const char* paths) {
 #else
     throw_not_supported("NCCL search path: this library was built without CUDA/NCCL");
 #endif
+  });
+}
+
+shadowsync_status_t shadowsync_same_host_transport_serve(
+    const char* path, const void* token, size_t token_bytes, int receivers,
+    shadowsync_backend_t backend, shadowsync_same_host_memory_t memory, size_t slot_bytes,
+    int64_t connect_timeout_ms, shadowsync_transport_t* transport) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(transport, "transport");
+    const std::string socket_path = string_arg(path, "path");
+    const std::string_view secret = token_arg(token, token_bytes);
+    auto backend_object = lookup<BackendObject>(backend, "backend");
+    const auto flavour = static_cast<int>(memory);
+    if (flavour != SHADOWSYNC_SAME_HOST_MEMORY_HOST &&
+        flavour != SHADOWSYNC_SAME_HOST_MEMORY_DEVICE) {
+      throw_invalid(fmt::format("'memory' is {}; expected SHADOWSYNC_SAME_HOST_MEMORY_HOST ({}) "
+                                "or SHADOWSYNC_SAME_HOST_MEMORY_DEVICE ({})",
+                                flavour, static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_HOST),
+                                static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_DEVICE)));
+    }
+    const auto cpp_memory = static_cast<SameHostMemory>(flavour);
+#if !defined(SHADOWSYNC_WITH_CUDA)
+    if (cpp_memory == SameHostMemory::kDevice) {
+      throw_not_supported(fmt::format("same-host transport on '{}' with {}: this library was "
+                                      "built without CUDA",
+                                      socket_path, memory_name(cpp_memory)));
+    }
+#endif
+    // Each flavour runs on its backend's streams: refuse a mismatch here, before anything listens.
+    const bool wants_cuda = cpp_memory == SameHostMemory::kDevice;
+    if (backend_object->cuda != wants_cuda) {
+      throw_invalid(fmt::format("same-host transport on '{}': 'memory' {} needs a {} backend, but "
+                                "'backend' is '{}'",
+                                socket_path, memory_name(cpp_memory), wants_cuda ? "cuda" : "host",
+                                backend_object->backend->name()));
+    }
+    const SameHostConfig config = same_host_config(connect_timeout_ms);
+    std::unique_ptr<Transport> made =
+        SameHostTransport::serve(socket_path, secret, receivers, *backend_object->backend,
+                                 cpp_memory, slot_bytes, config);
+    out = add_transport(
+        std::make_unique<BackendBoundTransport>(std::move(backend_object), std::move(made)));
+  });
+}
+
+shadowsync_status_t shadowsync_same_host_transport_connect(const char* path, const void* token,
+                                                           size_t token_bytes, int rank,
+                                                           shadowsync_backend_t backend,
+                                                           int64_t connect_timeout_ms,
+                                                           shadowsync_transport_t* transport) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(transport, "transport");
+    const std::string socket_path = string_arg(path, "path");
+    const std::string_view secret = token_arg(token, token_bytes);
+    auto backend_object = lookup<BackendObject>(backend, "backend");
+    const SameHostConfig config = same_host_config(connect_timeout_ms);
+    std::unique_ptr<Transport> made = SameHostTransport::connect(
+        socket_path, secret, rank, *backend_object->backend, config);
+    out = add_transport(
+        std::make_unique<BackendBoundTransport>(std::move(backend_object), std::move(made)));
   });
 }
 

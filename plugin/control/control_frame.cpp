@@ -88,11 +88,39 @@ void write_payload(Writer& w, const TrainerHelloMessage& m) {
   w.u64(m.layout_fingerprint);
   write_groups(w, m.groups);
 }
+// A same-host socket path as the decoder accepts it: 1..kMaxSameHostPathBytes bytes, no NUL (the
+// path becomes a C string). The reason it is refused, or nothing.
+std::optional<std::string> check_socket_path(std::string_view path) {
+  if (path.empty() || path.size() > kMaxSameHostPathBytes) {
+    return fmt::format("same-host socket path of {} bytes is not 1..{} bytes long", path.size(),
+                       kMaxSameHostPathBytes);
+  }
+  if (path.find('\0') != std::string_view::npos) {
+    return fmt::format("same-host socket path has a NUL byte at offset {}", path.find('\0'));
+  }
+  return std::nullopt;
+}
+
 void write_payload(Writer& w, const RendezvousMessage& m) {
   w.u64(m.rendezvous_id);
   w.u32(m.rank);
   w.u32(m.world_size);
-  w.bytes(m.unique_id);
+  w.u16(static_cast<std::uint16_t>(m.transport));
+  switch (m.transport) {
+    case TransportKind::kNccl:
+      w.bytes(m.unique_id);
+      return;
+    case TransportKind::kSameHost:
+      if (auto error = check_socket_path(m.path)) {
+        throw Error(ErrorCode::kInvalidArgument, "control frame: " + *error);
+      }
+      w.text(m.path, kMaxSameHostPathBytes, "same-host socket path");
+      return;
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              fmt::format("control frame: rendezvous transport kind {} is not one of 1 (nccl), "
+                          "2 (same_host)",
+                          static_cast<unsigned>(m.transport)));
 }
 void write_payload(Writer& w, const RendezvousResultMessage& m) {
   w.u64(m.rendezvous_id);
@@ -252,7 +280,21 @@ std::optional<std::string> decode(Reader& r, RendezvousMessage& m) {
   m.rendezvous_id = r.u64("rendezvous id");
   m.rank = r.u32("rank");
   m.world_size = r.u32("world size");
-  r.bytes(m.unique_id, "unique id");
+  const std::uint16_t kind = r.u16("transport kind");
+  if (!r.ok()) return {};
+  m.transport = static_cast<TransportKind>(kind);
+  switch (m.transport) {
+    case TransportKind::kNccl:
+      r.bytes(m.unique_id, "unique id");
+      break;
+    case TransportKind::kSameHost:
+      m.path = r.text(kMaxSameHostPathBytes, "same-host socket path");
+      if (!r.ok()) return {};
+      if (auto error = check_socket_path(m.path)) return error;
+      break;
+    default:
+      return fmt::format("transport kind {} is not one of 1 (nccl), 2 (same_host)", kind);
+  }
   if (!r.ok()) return {};
   // Both become `int` for NCCL: the bounds also keep them non-negative there.
   if (m.world_size < 2 || m.world_size > kMaxControlWorldSize) {
@@ -441,8 +483,10 @@ std::optional<std::string> parse_frame_header(std::span<const std::byte> bytes, 
                        magic, kControlMagic);
   }
   if (wire_version != kControlWireVersion) {
-    return fmt::format("wire version {} differs from this side's {}", wire_version,
-                       kControlWireVersion);
+    return fmt::format("wire version {} differs from this side's {}: the peer runs a shadowsync "
+                       "release with another control frame layout (version 2 added the transport "
+                       "kind and its address to the rendezvous); run the same release on both ends",
+                       wire_version, kControlWireVersion);
   }
   if (type < static_cast<std::uint32_t>(FrameType::kChallenge) ||
       type > static_cast<std::uint32_t>(FrameType::kGoodbye)) {

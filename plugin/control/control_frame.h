@@ -22,13 +22,16 @@
 #include <variant>
 #include <vector>
 
+#include "shadowsync/control_channel.h"
 #include "shadowsync/update_header.h"
 
 namespace shadowsync {
 
 inline constexpr std::uint32_t kControlMagic = 0x4C435353;  // "SSCL" little-endian
-// Bumped whenever a frame changes meaning; a peer speaking another version is refused.
-inline constexpr std::uint16_t kControlWireVersion = 1;
+// Bumped whenever a frame changes meaning; a peer speaking another version is refused at its
+// first frame, with both versions named. 1: the rendezvous carried an NCCL unique id only.
+// 2: the rendezvous names its transport kind and carries that kind's address.
+inline constexpr std::uint16_t kControlWireVersion = 2;
 inline constexpr std::size_t kFrameHeaderBytes = 12;
 // Control messages are small (the largest is a hello with every group's name); a small cap bounds
 // what one peer can make an endpoint buffer. 64 KiB holds 256 groups of 128-byte names.
@@ -102,11 +105,17 @@ struct TrainerHelloMessage {
   std::uint64_t layout_fingerprint = 0;
   std::vector<ControlGroupInfo> groups;
 };
+// On the wire: id u64, rank u32, world size u32, transport kind u16, then the kind's address:
+// kNccl the unique id (128 bytes), kSameHost the socket path (u16 length, then 1..
+// kMaxSameHostPathBytes bytes, none of them NUL). Only the kind's own field is sent; the other
+// stays empty.
 struct RendezvousMessage {
   std::uint64_t rendezvous_id = 0;  // echoed in the result
   std::uint32_t rank = 0;           // the engine's rank in the new communicator, < world_size
   std::uint32_t world_size = 0;     // 2..kMaxControlWorldSize
-  std::array<std::byte, kRendezvousIdBytes> unique_id{};  // opaque (ncclUniqueId)
+  TransportKind transport = TransportKind::kNccl;
+  std::array<std::byte, kRendezvousIdBytes> unique_id{};  // kNccl: opaque (ncclUniqueId)
+  std::string path;                                       // kSameHost
 };
 struct RendezvousResultMessage {
   std::uint64_t rendezvous_id = 0;

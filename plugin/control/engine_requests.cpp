@@ -67,7 +67,10 @@ void EngineRequests::worker_loop() {
 void EngineRequests::run(Work& item) {
   if (auto* rendezvous = std::get_if<RendezvousMessage>(&item.request)) {
     RendezvousRequest request;
-    std::memcpy(request.unique_id.bytes.data(), rendezvous->unique_id.data(), RendezvousId::kSize);
+    request.transport.kind = rendezvous->transport;
+    std::memcpy(request.transport.unique_id.bytes.data(), rendezvous->unique_id.data(),
+                RendezvousId::kSize);
+    request.transport.path = rendezvous->path;
     request.rank = static_cast<int>(rendezvous->rank);  // < world_size <= 2^16: checked
     request.world_size = static_cast<int>(rendezvous->world_size);
     RendezvousResultMessage result;
@@ -79,8 +82,9 @@ void EngineRequests::run(Work& item) {
       result.ok = true;
       counters_.update([](EngineChannelStats& s) { ++s.rendezvous_done; });
     } catch (const std::exception& e) {
-      result.error = clip_control_text(fmt::format("rendezvous as rank {} of {} failed: {}",
-                                                   request.rank, request.world_size, e.what()));
+      result.error = clip_control_text(
+          fmt::format("{} rendezvous as rank {} of {} failed: {}", to_string(request.transport.kind),
+                      request.rank, request.world_size, e.what()));
       counters_.update([](EngineChannelStats& s) { ++s.rendezvous_failed; });
       log_line(config_, result.error);
     }

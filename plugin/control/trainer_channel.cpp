@@ -37,6 +37,19 @@ namespace {
 // newer one failed too.
 constexpr std::size_t kErrorsKept = 64;
 
+// `text` for a message: bytes outside printable ASCII as \xNN (a NUL would end the message).
+std::string printable(std::string_view text) {
+  std::string out;
+  for (const char c : text) {
+    if (c >= 0x20 && c < 0x7f) {
+      out += c;
+    } else {
+      out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+    }
+  }
+  return out;
+}
+
 std::string describe(const EngineStatus& status) {
   return fmt::format("engine rank {} ({}:{})", status.rank, status.address.host,
                      status.address.port);
@@ -323,7 +336,30 @@ std::uint64_t TrainerChannel::highest_accepted_version() const {
 }
 
 void TrainerChannel::send_rendezvous(const RendezvousId& id, int world_size, int first_rank) {
+  send_rendezvous(TransportAddress::nccl(id), world_size, first_rank);
+}
+
+void TrainerChannel::send_rendezvous(const TransportAddress& address, int world_size,
+                                     int first_rank) {
   Impl& impl = *impl_;
+  // What the engines' decoder would refuse is refused here, naming it, before anything is sent.
+  if (address.kind != TransportKind::kNccl && address.kind != TransportKind::kSameHost) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("send_rendezvous: transport kind {} is not one of {} (nccl), {} "
+                            "(same_host)",
+                            static_cast<unsigned>(address.kind),
+                            static_cast<unsigned>(TransportKind::kNccl),
+                            static_cast<unsigned>(TransportKind::kSameHost)));
+  }
+  if (address.kind == TransportKind::kSameHost &&
+      (address.path.empty() || address.path.size() > kMaxSameHostPathBytes ||
+       address.path.find('\0') != std::string::npos)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("send_rendezvous: same-host socket path '{}' ({} bytes) must be "
+                            "1..{} bytes without a NUL byte",
+                            printable(address.path), address.path.size(),
+                            kMaxSameHostPathBytes));
+  }
   const auto engines = static_cast<long long>(impl.engines.size());
   if (world_size == 0) world_size = static_cast<int>(engines + 1);
   if (first_rank < 0 || world_size < 2 || world_size > static_cast<int>(kMaxControlWorldSize) ||
@@ -344,7 +380,12 @@ void TrainerChannel::send_rendezvous(const RendezvousId& id, int world_size, int
     message.rendezvous_id = rendezvous_id;
     message.rank = static_cast<std::uint32_t>(first_rank + static_cast<int>(i));
     message.world_size = static_cast<std::uint32_t>(world_size);
-    std::memcpy(message.unique_id.data(), id.bytes.data(), RendezvousId::kSize);
+    message.transport = address.kind;
+    if (address.kind == TransportKind::kNccl) {
+      std::memcpy(message.unique_id.data(), address.unique_id.bytes.data(), RendezvousId::kSize);
+    } else {
+      message.path = address.path;
+    }
     return ControlMessage(message);
   });
 }

@@ -39,6 +39,8 @@ from .transport import (
     nccl_library,
     nccl_transport,
     nccl_unique_id,
+    same_host_sender_transport,
+    same_host_transport,
 )
 
 
@@ -118,4 +120,6 @@ __all__ = [
     "nccl_library",
     "nccl_transport",
     "nccl_unique_id",
+    "same_host_sender_transport",
+    "same_host_transport",
 ]

@@ -56,6 +56,8 @@ UPDATE_HEADER_STRUCT_VERSION = 1
 MAX_HEADER_GROUPS = 256
 MAX_HEADER_BYTES = 36 + 4 * MAX_HEADER_GROUPS
 NCCL_UNIQUE_ID_BYTES = 128
+# shadowsync_same_host_memory_t by name (where the same-host transport's staging slots live).
+SAME_HOST_MEMORY = {"host": 0, "device": 1}
 
 
 class LibraryNotFoundError(OSError):
@@ -248,6 +250,14 @@ _PROTOTYPES = {
     ),
     "shadowsync_nccl_library": (c_int, [c_char_p, c_size_t, _P(c_int32)]),
     "shadowsync_nccl_add_python_path": (c_int, [c_char_p]),
+    "shadowsync_same_host_transport_serve": (
+        c_int,
+        [c_char_p, c_char_p, c_size_t, c_int, _H, c_int, c_size_t, c_int64, _P(_H)],
+    ),
+    "shadowsync_same_host_transport_connect": (
+        c_int,
+        [c_char_p, c_char_p, c_size_t, c_int, _H, c_int64, _P(_H)],
+    ),
     "shadowsync_transport_destroy": (c_int, [_H]),
     # receiver
     "shadowsync_receiver_create": (c_int, [_H, _H, _H, _P(ReceiverConfigC), _P(_H)]),

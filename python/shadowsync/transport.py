@@ -1,5 +1,5 @@
-"""Transports: in-process loopback ranks (tests, demos) and NCCL (loopback_transport.h,
-nccl_transport.h).
+"""Transports: in-process loopback ranks (tests, demos), the same-host transport between processes
+of one host, and NCCL (loopback_transport.h, same_host_transport.h, nccl_transport.h).
 
 A Transport is taken by the Receiver or Sender it is given to: once that object is made, the
 Transport is spent (closing it does nothing); if making it failed, the caller still owns it.
@@ -7,12 +7,13 @@ Transport is spent (closing it does nothing); if making it failed, the caller st
 
 from __future__ import annotations
 
+import os
 from ctypes import byref, c_int32, c_uint8, c_void_p, create_string_buffer
 from dataclasses import dataclass
 
 from ._handle import Handle
-from ._library import NCCL_UNIQUE_ID_BYTES, NcclConfigC, config_struct
-from .backend import require_cuda
+from ._library import NCCL_UNIQUE_ID_BYTES, SAME_HOST_MEMORY, NcclConfigC, config_struct
+from .backend import Backend, require_cuda
 from .errors import InvalidArgumentError, call
 
 
@@ -124,3 +125,147 @@ def nccl_transport(
         byref(handle),
     )
     return Transport(handle.value, f"nccl rank {rank} of {world_size} on cuda:{device}")
+
+
+# --- same host ------------------------------------------------------------------------------
+
+_INT64_MAX = 2**63 - 1
+
+
+def _int_arg(value, name: str, what: str, minimum: int, maximum: int) -> int:
+    """`value` as an int in [minimum, maximum] (bools and floats refused), else
+    InvalidArgumentError naming `what`, the argument and the value."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(
+            f"{what}: {name} must be an int, not {type(value).__name__} {value!r}"
+        )
+    if not minimum <= value <= maximum:
+        raise InvalidArgumentError(f"{what}: {name} is {value}, expected {minimum}..{maximum}")
+    return value
+
+
+def _same_host_args(path, token, backend, connect_timeout_ms, what: str):
+    """The arguments both sides share, checked and in their C form: path and token as bytes."""
+    try:
+        path_bytes = os.fsencode(path)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what}: path must be a str or os.PathLike, not {type(path).__name__} {path!r}"
+        ) from None
+    if not path_bytes or b"\0" in path_bytes:
+        raise InvalidArgumentError(f"{what}: path {path!r} is empty or holds a NUL character")
+    if isinstance(token, str):
+        token_bytes = token.encode("utf-8")
+    elif isinstance(token, (bytes, bytearray, memoryview)):
+        token_bytes = bytes(token)
+    else:
+        raise InvalidArgumentError(
+            f"{what}: token must be bytes or str, not {type(token).__name__}"
+        )
+    if not isinstance(backend, Backend):
+        raise InvalidArgumentError(
+            f"{what}: backend must be a HostBackend or CudaBackend, not {type(backend).__name__}"
+        )
+    timeout = 0 if connect_timeout_ms is None else connect_timeout_ms
+    timeout = _int_arg(timeout, "connect_timeout_ms", what, 0, _INT64_MAX)
+    return path_bytes, token_bytes, timeout
+
+
+def same_host_transport(
+    path: str | os.PathLike,
+    token: bytes | str,
+    rank: int,
+    backend: Backend,
+    *,
+    connect_timeout_ms: int | None = None,
+) -> Transport:
+    """The receiver's side of the same-host transport (SameHostTransport::connect), for an engine
+    process on the trainer's host: give it to the engine's Receiver.
+
+    Made from plain values, so that a worker can build it from collective_rpc arguments: `path`
+    is the Unix socket the trainer's sender serves on (see same_host_sender_transport), `token`
+    the shared secret (bytes, or a str taken as UTF-8; at least 16 bytes: the control channel's
+    token serves), `rank` this receiver's rank, 1..receivers (rank 0 is the sender). `backend` is
+    the engine's backend: HostBackend when the sender shares host memory, CudaBackend for device
+    memory (the sender chooses; its setup says which).
+
+    Blocks until a sender listens on `path` (the engine may start first) and both sides proved the
+    token, for up to `connect_timeout_ms` (None: the library's default, 60000), then maps the
+    sender's staging memory. Raises ShadowsyncTimeoutError when no sender came,
+    TransportError naming which side refused (a wrong token shows here as the sender's
+    refusal), InvalidArgumentError for bad arguments (naming the argument and its value). The
+    socket's directory must be the user's own, mode 0700 (it is created so when absent).
+    Thread-safe."""
+    what = f"same_host_transport(path={str(path)!r}, rank={rank!r})"
+    path_bytes, token_bytes, timeout = _same_host_args(
+        path, token, backend, connect_timeout_ms, what
+    )
+    rank = _int_arg(rank, "rank", what, 1, 65535)
+    handle = c_void_p()
+    call(
+        "shadowsync_same_host_transport_connect",
+        path_bytes,
+        token_bytes,
+        len(token_bytes),
+        rank,
+        backend.handle,
+        timeout,
+        byref(handle),
+    )
+    return Transport(handle.value, f"same_host rank {rank} on {os.fsdecode(path_bytes)}")
+
+
+def same_host_sender_transport(
+    path: str | os.PathLike,
+    token: bytes | str,
+    receivers: int,
+    backend: Backend,
+    slot_bytes: int,
+    *,
+    memory: str = "host",
+    connect_timeout_ms: int | None = None,
+) -> Transport:
+    """The sender's side of the same-host transport (SameHostTransport::serve), for the trainer
+    process: give it to the Sender (it is rank 0, the root of every broadcast).
+
+    Listens on the Unix socket `path` and blocks until `receivers` receivers (ranks
+    1..receivers, each a same_host_transport) connected and proved `token` (bytes, or a str taken
+    as UTF-8; at least 16 bytes), for up to `connect_timeout_ms` (None: the library's default,
+    60000). So tell the engines `path` first (e.g. collective_rpc, or the control channel's
+    same-host rendezvous), then call this. It then shares two staging slots of `slot_bytes` each
+    (the layout's bucket size: ``layout.groups[0].bucket_bytes``) in `memory`: "host" (a shared
+    memory file; `backend` a HostBackend) or "device" (GPU memory; `backend` a CudaBackend;
+    NotSupportedError without CUDA).
+
+    A receiver with the wrong token is refused and the wait goes on: ShadowsyncTimeoutError then
+    names how many came and the last refusal. The socket's directory must be the user's own,
+    mode 0700 (created so when absent); the socket file is removed once every receiver came.
+    Bad arguments: InvalidArgumentError naming the argument and its value. Thread-safe."""
+    what = f"same_host_sender_transport(path={str(path)!r}, receivers={receivers!r})"
+    path_bytes, token_bytes, timeout = _same_host_args(
+        path, token, backend, connect_timeout_ms, what
+    )
+    receivers = _int_arg(receivers, "receivers", what, 1, 65535)
+    slot_bytes = _int_arg(slot_bytes, "slot_bytes", what, 1, _INT64_MAX)
+    if memory not in SAME_HOST_MEMORY:
+        raise InvalidArgumentError(
+            f"{what}: memory is {memory!r}, expected one of {sorted(SAME_HOST_MEMORY)}"
+        )
+    handle = c_void_p()
+    call(
+        "shadowsync_same_host_transport_serve",
+        path_bytes,
+        token_bytes,
+        len(token_bytes),
+        receivers,
+        backend.handle,
+        SAME_HOST_MEMORY[memory],
+        slot_bytes,
+        timeout,
+        byref(handle),
+    )
+    return Transport(
+        handle.value,
+        f"same_host sender on {os.fsdecode(path_bytes)} for {receivers} receivers "
+        f"({memory} memory)",
+    )

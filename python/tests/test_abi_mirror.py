@@ -52,6 +52,8 @@ CONSTANTS = {
     "SHADOWSYNC_SWAP_REBIND": _library.SWAP_STRATEGIES["rebind"],
     "SHADOWSYNC_SWAP_COPY_IN": _library.SWAP_STRATEGIES["copy_in"],
     "SHADOWSYNC_SWAP_REMAP": _library.SWAP_STRATEGIES["remap"],
+    "SHADOWSYNC_SAME_HOST_MEMORY_HOST": _library.SAME_HOST_MEMORY["host"],
+    "SHADOWSYNC_SAME_HOST_MEMORY_DEVICE": _library.SAME_HOST_MEMORY["device"],
 }
 
 # ctypes types by the element-type names abi_layout.c prints. c_size_t and c_uint64 are one

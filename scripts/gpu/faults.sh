@@ -24,7 +24,7 @@
 # At the end the engine (SIGTERM) must exit 0 with torn=0, failed = the faults injected, and
 # applied = the rounds acked.
 #
-# --cpu-dry-run runs the same logic with --backend host (a TCP socket transport instead of NCCL):
+# --cpu-dry-run runs the same logic with --backend host (the same-host transport instead of NCCL):
 # it checks this script, the example's fault options and the receiver's behaviour on the CPU, not
 # the GPUs. ctest runs it as integration.gpu_faults_cpu with --cycles 5.
 #
@@ -75,8 +75,17 @@ fi
 WORK=$(mktemp -d)
 ENGINE_PID=""
 TRAINER_PID=""
+# The trainer process itself: TRAINER_PID is the `timeout` that runs it, and a SIGKILL or SIGSTOP
+# of `timeout` (which it cannot pass on) would leave the trainer running, unseen by the engine.
+trainer_process() { pgrep -P "$TRAINER_PID" 2>/dev/null | head -1; }
+kill_trainer() {
+  local child
+  child=$(trainer_process)
+  [[ -n "$child" ]] && kill -KILL "$child" 2>/dev/null
+  kill -KILL "$TRAINER_PID" 2>/dev/null
+}
 cleanup() {
-  [[ -n "$TRAINER_PID" ]] && kill -KILL "$TRAINER_PID" 2>/dev/null
+  [[ -n "$TRAINER_PID" ]] && kill_trainer
   [[ -n "$ENGINE_PID" ]] && kill -KILL "$ENGINE_PID" 2>/dev/null
   rm -rf "$WORK"
 }
@@ -135,13 +144,15 @@ fault() {
   if ! line=$(wait_for "$log" '^trainer: mid-update version=[0-9]+$' "$DEADLINE"); then
     echo "== trainer ($log)"; cat "$log"
     WHY+=("$name: the trainer never reached the middle of an update")
-    kill -KILL "$TRAINER_PID" 2>/dev/null; wait "$TRAINER_PID" 2>/dev/null; TRAINER_PID=""
+    kill_trainer; wait "$TRAINER_PID" 2>/dev/null; TRAINER_PID=""
     return 1
   fi
   version=${line##*=}
-  local signalled_ms
+  local signalled_ms target
+  target=$(trainer_process)
+  [[ -n "$target" ]] || WHY+=("$name: no trainer process under timeout pid $TRAINER_PID")
   signalled_ms=$(now_ms)
-  kill "-$signal" "$TRAINER_PID"
+  kill "-$signal" "${target:-$TRAINER_PID}"
   FAULTS=$((FAULTS + 1))
   ACKED=$((ACKED + rounds))
   local limit_ms=$((BUCKET_MS + POLL_MS + SLACK_MS)) failed detect_ms verdict=ok
@@ -156,7 +167,7 @@ fault() {
     WHY+=("$name: the engine never reported update $version failed")
   fi
   # A stopped process dies of SIGKILL too; the next trainer replaces it either way.
-  kill -KILL "$TRAINER_PID" 2>/dev/null
+  kill_trainer
   wait "$TRAINER_PID" 2>/dev/null
   TRAINER_PID=""
   local code

@@ -9,7 +9,8 @@
 //   decoder accepted nothing it would not itself have written);
 // * the assembler never holds more than one maximal frame plus one chunk.
 // The seed corpus (tests/fuzz/corpus/) holds one valid frame of every type, as encode_frame writes
-// them (tagged frames with a zero tag), and one stream of all of them.
+// them (tagged frames with a zero tag; the rendezvous once per transport kind: rendezvous is
+// NCCL's, rendezvous_same_host the same-host one), and one stream of all of them.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>

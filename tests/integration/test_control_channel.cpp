@@ -14,6 +14,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "shadowsync/host_backend.h"
 #include "shadowsync/loopback_transport.h"
 #include "shadowsync/receiver.h"
+#include "shadowsync/same_host_transport.h"
 #include "shadowsync/sender.h"
 
 using namespace shadowsync;
@@ -318,6 +320,130 @@ TEST_CASE("a trainer connects, hands over the rendezvous, and every update is ac
   }
 }
 
+namespace {
+
+// Every word of every tensor of `group` live on `receiver` reads `version` (host memory).
+bool live_group_is(const Layout& layout, Receiver& receiver, std::size_t group,
+                   std::uint64_t version) {
+  const auto& tensors = layout.groups()[group].tensors();
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    const auto* data = static_cast<const std::byte*>(receiver.step_hook().live_tensor(group, t));
+    for (std::size_t word = 0; word < (tensors[t].bytes + 7) / 8; ++word) {
+      if (shadowsync::testing::read_version(data, tensors[t].bytes, group, t, word, version) !=
+          version) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("a same-host rendezvous: the engine connects to the trainer's socket, updates flow") {
+  const Layout layout = test_layout();
+  LogCapture log;
+  char dir[] = "/tmp/shadowsync_control_XXXXXX";  // mode 0700, as the transport requires
+  REQUIRE(::mkdtemp(dir) != nullptr);
+  struct Cleanup {
+    const char* dir;
+    ~Cleanup() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  } cleanup{dir};
+  const std::string path = std::string(dir) + "/transport.sock";
+
+  // The engine builds whatever transport the rendezvous names, proving the control token.
+  HostBackend engine_backend;
+  Receiver receiver(layout, engine_backend, nullptr);
+  std::mutex seen_mutex;
+  std::vector<RendezvousRequest> seen;
+  EngineChannelConfig engine_config;
+  engine_config.control = control_config(log);
+  engine_config.rank = 1;
+  EngineChannel channel(
+      receiver,
+      [&](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
+        {
+          std::lock_guard lock(seen_mutex);
+          seen.push_back(request);
+        }
+        if (request.transport.kind != TransportKind::kSameHost) {
+          throw Error(ErrorCode::kInvalidArgument,
+                      fmt::format("this engine takes same_host, not {}",
+                                  to_string(request.transport.kind)));
+        }
+        SameHostConfig config;
+        config.connect_timeout = std::chrono::seconds(20);
+        return SameHostTransport::connect(request.transport.path,
+                                          resolve_control_token(engine_config.control.token),
+                                          request.rank, engine_backend, config);
+      },
+      engine_config);
+  TrainerChannel trainer(layout, trainer_config(log, channel.port()));
+
+  SECTION("an address the engine could not use is refused before anything is sent") {
+    for (const std::string& bad :
+         {std::string(), std::string(kMaxSameHostPathBytes + 1, 'p'), std::string("a\0b", 3)}) {
+      try {
+        trainer.send_rendezvous(TransportAddress::same_host(bad));
+        FAIL("an unusable same-host path was sent");
+      } catch (const Error& e) {
+        CHECK(e.code() == ErrorCode::kInvalidArgument);
+        CHECK_THAT(e.what(), Catch::Contains(fmt::format("({} bytes) must be 1..107 bytes without "
+                                                         "a NUL byte",
+                                                         bad.size())));
+      }
+    }
+    TransportAddress unknown;
+    unknown.kind = static_cast<TransportKind>(9);
+    CHECK_THROWS_WITH(trainer.send_rendezvous(unknown),
+                      Catch::Contains("transport kind 9 is not one of 1 (nccl), 2 (same_host)"));
+    CHECK(channel.stats().rendezvous_done + channel.stats().rendezvous_failed == 0);
+  }
+
+  SECTION("the kind and path arrive; the engine's refusal names the kind") {
+    trainer.send_rendezvous(RendezvousId{});
+    try {
+      trainer.wait_rendezvous(deadline_from_now());
+      FAIL("the engine accepted a transport kind it refuses");
+    } catch (const Error& e) {
+      CHECK_THAT(e.what(), Catch::Contains("nccl rendezvous as rank 1 of 2 failed: this engine "
+                                           "takes same_host, not nccl"));
+    }
+  }
+
+  SECTION("three updates through the same-host transport") {
+    trainer.send_rendezvous(TransportAddress::same_host(path));
+    HostBackend trainer_backend;
+    SameHostConfig config;
+    config.connect_timeout = std::chrono::seconds(20);
+    auto transport = SameHostTransport::serve(path, kToken, 1, trainer_backend,
+                                              SameHostMemory::kHost, layout.bucket_bytes(), config);
+    REQUIRE(trainer.wait_rendezvous(deadline_from_now()));
+    {
+      std::lock_guard lock(seen_mutex);
+      REQUIRE(seen.size() == 1);
+      CHECK(seen[0].transport.kind == TransportKind::kSameHost);
+      CHECK(seen[0].transport.path == path);
+      CHECK(seen[0].rank == 1);
+      CHECK(seen[0].world_size == 2);
+    }
+    Sender sender(layout, trainer_backend, std::move(transport));
+    auto stream = engine_backend.create_stream(StreamPriority::kNormal);
+    for (std::uint64_t v = 1; v <= 3; ++v) {
+      shadowsync::testing::HostTensors tensors(layout, {"base", "lora"}, v);
+      PublishHandle handle = sender.publish(v, {"base", "lora"}, tensors.sources());
+      trainer.send_update_header(handle.header());
+      REQUIRE(handle.wait_for(std::chrono::seconds(20)));
+      REQUIRE(receiver.step_hook().wait_applied(v, deadline_from_now(), *stream));
+      CHECK(live_group_is(layout, receiver, 0, v));
+      CHECK(live_group_is(layout, receiver, 1, v));
+    }
+  }
+}
+
 TEST_CASE("a wrong token or no token never gets past the handshake") {
   const Layout layout = test_layout();
   LogCapture log;
@@ -458,10 +584,23 @@ TEST_CASE("malformed and truncated frames close that connection only, with a log
   }
   SECTION("a tagged frame before the handshake") {
     RawPeer peer(engine.channel.port());
-    std::vector<std::byte> frame = encode_frame(RendezvousMessage{1, 1, 2, {}});
+    RendezvousMessage rendezvous;
+    rendezvous.rendezvous_id = 1;
+    rendezvous.rank = 1;
+    rendezvous.world_size = 2;
+    std::vector<std::byte> frame = encode_frame(rendezvous);
     frame.resize(frame.size() + kControlMacBytes);
     peer.send(frame);
     expect_closed(peer, "rendezvous frame before the end of the handshake");
+  }
+  SECTION("a peer of the previous wire version (its rendezvous carried an NCCL id only)") {
+    RawPeer peer(engine.channel.port());
+    peer.read_frame();  // the challenge
+    std::vector<std::byte> frame = encode_frame(ClientProofMessage{});
+    frame[4] = std::byte{1};  // wire version 1
+    frame[5] = std::byte{0};
+    peer.send(frame);
+    expect_closed(peer, "wire version 1 differs from this side's 2");
   }
   SECTION("a frame only an engine sends") {
     RawPeer peer(engine.channel.port());

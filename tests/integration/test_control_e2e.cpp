@@ -1,10 +1,11 @@
 // End to end on the CPU, as two (then three) real processes: examples/control_channel runs as the
-// engine and as the trainer. The first trainer connects, authenticates, hands over a rendezvous
-// id, and runs 50 header/ack rounds whose bytes really travel (a TCP socket transport stands in
-// for NCCL) and are checked by the engine's oracle every step; then it announces one more update
-// and is killed (SIGKILL: no goodbye, mid-update). A second trainer connects to the same engine,
-// which kept serving, does a new rendezvous and 50 more rounds. The engine must have applied all
-// 100 updates with no torn step.
+// engine and as the trainer. The first trainer connects, authenticates, hands over a same-host
+// rendezvous (its socket path), and runs 50 header/ack rounds whose bytes really travel (the
+// same-host transport's host-memory flavour: a Unix socket and a shared memory file) and are
+// checked by the engine's oracle every step; then it announces one more update and is killed
+// (SIGKILL: no goodbye, mid-update). A second trainer connects to the same engine, which kept
+// serving, does a new rendezvous and 50 more rounds. The engine must have applied all 100 updates
+// with no torn step.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -138,6 +139,7 @@ TEST_CASE(
   INFO("first trainer:\n" << first.output);
   CHECK(WIFSIGNALED(first_status));
   CHECK(WTERMSIG(first_status) == SIGKILL);
+  CHECK_THAT(first.output, Catch::Contains("trainer: rendezvous transport=same_host memory=host"));
   CHECK_THAT(first.output, Catch::Contains("first version 1\n"));
   CHECK_THAT(first.output, Catch::Contains("50 rounds acked, last version 50"));
 
@@ -161,6 +163,14 @@ TEST_CASE(
   CHECK(field(summary, "torn") == "0");
   CHECK(field(summary, "trainers") == "2");
   CHECK(field(summary, "rendezvous") == "2");
+  // Both rendezvous named the same-host transport, and the engine built it.
+  std::size_t same_host = 0;
+  for (auto at = summary.find("rendezvous transport=same_host rank=1 world_size=2\n");
+       at != std::string::npos;
+       at = summary.find("rendezvous transport=same_host rank=1 world_size=2\n", at + 1)) {
+    ++same_host;
+  }
+  CHECK(same_host == 2);
   CHECK(field(summary, "refused") == "0");
   CHECK(field(summary, "auth_failures") == "0");
   CHECK(field(summary, "protocol_errors") == "0");

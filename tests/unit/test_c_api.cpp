@@ -7,10 +7,14 @@
 #include <atomic>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
 #include <functional>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <stdlib.h>
 
 #include "pattern.h"
 #include "shadowsync/shadowsync.h"
@@ -889,4 +893,171 @@ TEST_CASE("C ABI: rollback flips back one level and says when it cannot") {
   CHECK(shadowsync_receiver_rollback(pair.receiver, pair.engine, nullptr) == SHADOWSYNC_SUPERSEDED);
   CHECK_THAT(last_error(), Catch::Contains("update 4 started receiving"));
   CHECK(live_group_is(layout, pair.receiver, 0, 3));
+}
+
+namespace {
+
+// A fresh private directory (mode 0700, as mkdtemp makes it) for a same-host socket.
+struct SocketDir {
+  std::filesystem::path path;
+  SocketDir() {
+    char name[] = "/tmp/shadowsync_c_api_XXXXXX";
+    REQUIRE(::mkdtemp(name) != nullptr);
+    path = name;
+  }
+  ~SocketDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+  std::string socket() const { return (path / "sock").string(); }
+};
+
+constexpr char kSameHostToken[] = "c-api-same-host-token-0123456789";
+constexpr size_t kSameHostTokenBytes = sizeof kSameHostToken - 1;
+
+}  // namespace
+
+TEST_CASE("C ABI: same-host transports across threads carry updates; bad input is refused") {
+  SocketDir dir;
+  const std::string path = dir.socket();
+  const Layout layout = cpp_layout();
+  shadowsync_layout_t c_layout = make_layout();
+  shadowsync_backend_t sender_backend = nullptr;
+  shadowsync_backend_t receiver_backend = nullptr;
+  REQUIRE_OK(shadowsync_host_backend_create(&sender_backend));
+  REQUIRE_OK(shadowsync_host_backend_create(&receiver_backend));
+  shadowsync_transport_t out = nullptr;
+
+  SECTION("bad arguments name the argument and its value, and nothing listens") {
+    CHECK(shadowsync_same_host_transport_serve(nullptr, kSameHostToken, kSameHostTokenBytes, 1,
+                                               sender_backend, SHADOWSYNC_SAME_HOST_MEMORY_HOST,
+                                               1024, 0, &out) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'path' is NULL"));
+    CHECK(shadowsync_same_host_transport_serve(path.c_str(), nullptr, 32, 1, sender_backend,
+                                               SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 0,
+                                               &out) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'token' is NULL but token_bytes is 32"));
+    CHECK(shadowsync_same_host_transport_serve(path.c_str(), "short", 5, 1, sender_backend,
+                                               SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 0,
+                                               &out) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("token is 5 bytes; at least 16"));
+    CHECK(shadowsync_same_host_transport_serve(path.c_str(), kSameHostToken, kSameHostTokenBytes,
+                                               0, sender_backend,
+                                               SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 0,
+                                               &out) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("0 receivers, expected 1..65535"));
+    CHECK(shadowsync_same_host_transport_serve(
+              path.c_str(), kSameHostToken, kSameHostTokenBytes, 1, sender_backend,
+              static_cast<shadowsync_same_host_memory_t>(7), 1024, 0, &out) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'memory' is 7; expected"));
+    // The device flavour: not in a build without CUDA; with CUDA, not on a host backend.
+    const shadowsync_status_t device = shadowsync_same_host_transport_serve(
+        path.c_str(), kSameHostToken, kSameHostTokenBytes, 1, sender_backend,
+        SHADOWSYNC_SAME_HOST_MEMORY_DEVICE, 1024, 0, &out);
+    if (shadowsync_has_cuda() == 0) {
+      CHECK(device == SHADOWSYNC_NOT_SUPPORTED);
+      CHECK_THAT(last_error(), Catch::Contains("built without CUDA"));
+    } else {
+      CHECK(device == SHADOWSYNC_INVALID_ARGUMENT);
+      CHECK_THAT(last_error(),
+                 Catch::Contains("SHADOWSYNC_SAME_HOST_MEMORY_DEVICE needs a cuda backend, but "
+                                 "'backend' is 'host'"));
+    }
+    CHECK(shadowsync_same_host_transport_serve(path.c_str(), kSameHostToken, kSameHostTokenBytes,
+                                               1, sender_backend,
+                                               SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, -5,
+                                               &out) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("connect_timeout_ms is -5; expected a positive"));
+    CHECK(shadowsync_same_host_transport_serve(path.c_str(), kSameHostToken, kSameHostTokenBytes,
+                                               1, nullptr, SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024,
+                                               0, &out) == SHADOWSYNC_INVALID_HANDLE);
+    CHECK(shadowsync_same_host_transport_serve(path.c_str(), kSameHostToken, kSameHostTokenBytes,
+                                               1, sender_backend,
+                                               SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 0,
+                                               nullptr) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK(shadowsync_same_host_transport_connect(path.c_str(), kSameHostToken,
+                                                 kSameHostTokenBytes, 0, receiver_backend, 0,
+                                                 &out) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("rank 0 is outside 1..65535"));
+    CHECK(shadowsync_same_host_transport_connect(path.c_str(), kSameHostToken,
+                                                 kSameHostTokenBytes, 1, receiver_backend, -1,
+                                                 &out) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("connect_timeout_ms is -1"));
+    CHECK(out == nullptr);
+    CHECK_FALSE(std::filesystem::exists(path));
+  }
+
+  SECTION("a wrong token is refused on both sides") {
+    auto sender = std::async(std::launch::async, [&] {
+      shadowsync_transport_t t = nullptr;
+      const shadowsync_status_t status = shadowsync_same_host_transport_serve(
+          path.c_str(), kSameHostToken, kSameHostTokenBytes, 1, sender_backend,
+          SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 1500, &t);
+      return std::make_pair(status, last_error());
+    });
+    const char wrong[] = "not-the-same-host-token-98765432";
+    const shadowsync_status_t refused = shadowsync_same_host_transport_connect(
+        path.c_str(), wrong, sizeof wrong - 1, 1, receiver_backend, 10000, &out);
+    CHECK(refused == SHADOWSYNC_TRANSPORT_ERROR);
+    CHECK_THAT(last_error(), Catch::Contains("the sender refused") &&
+                                 Catch::Contains("wrong token"));
+    const auto [status, message] = sender.get();
+    CHECK(status == SHADOWSYNC_TIMEOUT);
+    CHECK_THAT(message, Catch::Contains("0 of 1 receivers connected") &&
+                            Catch::Contains("wrong token"));
+  }
+
+  SECTION("an update end to end, three times") {
+    // Catch's assertions stay on this thread: the other one returns what it got.
+    auto connected = std::async(std::launch::async, [&] {
+      shadowsync_transport_t t = nullptr;
+      const shadowsync_status_t status = shadowsync_same_host_transport_connect(
+          path.c_str(), kSameHostToken, kSameHostTokenBytes, 1, receiver_backend, 10000, &t);
+      return std::make_tuple(status, t, last_error());
+    });
+    shadowsync_transport_t sender_transport = nullptr;
+    REQUIRE_OK(shadowsync_same_host_transport_serve(
+        path.c_str(), kSameHostToken, kSameHostTokenBytes, 1, sender_backend,
+        SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 10000, &sender_transport));
+    const auto [connect_status, receiver_transport, connect_error] = connected.get();
+    INFO("connect: " << connect_error);
+    REQUIRE(connect_status == SHADOWSYNC_SUCCESS);
+    shadowsync_stream_t engine = nullptr;
+    REQUIRE_OK(shadowsync_stream_create(receiver_backend, 0, &engine));
+    // The transports hold their backends: the handles may go first.
+    REQUIRE_OK(shadowsync_backend_destroy(sender_backend));
+    shadowsync_backend_t sender_side = nullptr;
+    REQUIRE_OK(shadowsync_host_backend_create(&sender_side));
+    sender_backend = sender_side;
+    shadowsync_receiver_t receiver = nullptr;
+    shadowsync_sender_t sender = nullptr;
+    REQUIRE_OK(shadowsync_receiver_create(c_layout, receiver_backend, receiver_transport, nullptr,
+                                          &receiver));
+    REQUIRE_OK(shadowsync_sender_create(c_layout, sender_backend, sender_transport, nullptr,
+                                        &sender));
+    for (std::uint64_t version = 1; version <= 3; ++version) {
+      CTensors tensors(layout, {"base", "lora"}, version);
+      const char* groups[] = {"base", "lora"};
+      shadowsync_publish_t publish = nullptr;
+      REQUIRE_OK(shadowsync_sender_publish(sender, version, groups, 2, tensors.tensors.data(),
+                                           tensors.tensors.size(), &publish));
+      std::vector<std::byte> bytes(SHADOWSYNC_MAX_HEADER_BYTES);
+      size_t written = 0;
+      REQUIRE_OK(shadowsync_publish_header_bytes(publish, bytes.data(), bytes.size(), &written));
+      REQUIRE_OK(shadowsync_receiver_begin_update_bytes(receiver, bytes.data(), written));
+      REQUIRE_OK(shadowsync_publish_wait(publish, 20000));
+      REQUIRE_OK(shadowsync_publish_destroy(publish));
+      REQUIRE_OK(shadowsync_receiver_wait_applied(receiver, version, 20000, engine));
+      CHECK(live_group_is(layout, receiver, 0, version));
+      CHECK(live_group_is(layout, receiver, 1, version));
+    }
+    REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+    REQUIRE_OK(shadowsync_sender_destroy(sender));
+    REQUIRE_OK(shadowsync_stream_destroy(engine));
+  }
+
+  REQUIRE_OK(shadowsync_backend_destroy(sender_backend));
+  REQUIRE_OK(shadowsync_backend_destroy(receiver_backend));
+  REQUIRE_OK(shadowsync_layout_destroy(c_layout));
 }

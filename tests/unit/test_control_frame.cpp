@@ -1,6 +1,8 @@
 // The control channel's wire format: every frame type round-trips, and every length, count and
 // range field that is too big, too small, or "negative" (all-ones, where the value becomes an
-// int on the other side) is refused with a reason, as is every truncation.
+// int on the other side) is refused with a reason, as is every truncation. The rendezvous names
+// its transport (NCCL: the unique id; same host: the socket path), and a peer of the previous wire
+// version is told apart by its frame header.
 #include <catch2/catch.hpp>
 
 #include <fmt/format.h>
@@ -176,6 +178,7 @@ TEST_CASE("every length, count and range field inside a payload is range-checked
        {"rank", 8, 4, {2, 3, kMaxControlWorldSize, 0x7fffffffu, 0x80000000u, 0xffffffffu}}},
       {FrameType::kRendezvous,
        {"world size", 12, 4, {0, 1, kMaxControlWorldSize + 1, 0x80000000u, 0xffffffffu}}},
+      {FrameType::kRendezvous, {"transport kind", 16, 2, {0, 3, 0x7fff, 0xffff}}},
       {FrameType::kRendezvousResult, {"ok flag", 8, 1, {1, 2, 0xff}}},
       {FrameType::kRendezvousResult, {"error length", 9, 2, {0, 15, 17, 1025, 0xffff}}},
       // Update header: group count against what follows and the limit; group indices.
@@ -251,4 +254,98 @@ TEST_CASE("the assembler refuses an oversized frame before buffering its body") 
   // Once malformed, it stays so: the stream cannot be resynchronized.
   assembler.feed(encode_frame(GoodbyeMessage{}));
   CHECK(assembler.next() == FrameAssembler::Status::kMalformed);
+}
+
+namespace {
+
+RendezvousMessage same_host_rendezvous(std::string path) {
+  RendezvousMessage message;
+  message.rendezvous_id = 3;
+  message.rank = 2;
+  message.world_size = 3;
+  message.transport = TransportKind::kSameHost;
+  message.path = std::move(path);
+  return message;
+}
+
+}  // namespace
+
+TEST_CASE("a same-host rendezvous carries its socket path; bad kinds and paths are refused") {
+  const std::string path = "/run/user/1000/shadowsync/trainer.sock";
+  const std::vector<std::byte> payload = payload_of(same_host_rendezvous(path));
+  // id u64, rank u32, world size u32, kind u16 = 2, then the path as a u16-length text.
+  REQUIRE(payload.size() == 18 + 2 + path.size());
+  CHECK(payload[16] == std::byte{2});
+  ControlMessage decoded;
+  REQUIRE_FALSE(decode_payload(FrameType::kRendezvous, payload, decoded));
+  const auto& message = std::get<RendezvousMessage>(decoded);
+  CHECK(message.transport == TransportKind::kSameHost);
+  CHECK(message.path == path);
+  CHECK(message.rank == 2);
+  CHECK(message.world_size == 3);
+  CHECK(message.unique_id == std::array<std::byte, kRendezvousIdBytes>{});
+  CHECK(payload_of(decoded) == payload);  // canonical
+
+  // The NCCL rendezvous: kind 1, then the 128-byte unique id, no path.
+  RendezvousMessage nccl;
+  nccl.rank = 1;
+  nccl.world_size = 2;
+  nccl.unique_id[5] = std::byte{9};
+  const std::vector<std::byte> nccl_payload = payload_of(nccl);
+  CHECK(nccl_payload.size() == 18 + kRendezvousIdBytes);
+  CHECK(nccl_payload[16] == std::byte{1});
+  // Both kinds' bodies under the other kind's tag: refused, not misread.
+  std::vector<std::byte> swapped = payload;
+  put(swapped, 16, 1, 2);
+  CHECK(decode(FrameType::kRendezvous, swapped));
+  swapped = nccl_payload;
+  put(swapped, 16, 2, 2);
+  CHECK(decode(FrameType::kRendezvous, swapped));
+
+  // Unknown kinds are named.
+  for (const std::uint64_t kind : {0ull, 3ull, 0xffffull}) {
+    const auto error = decode(FrameType::kRendezvous, patched(nccl, 16, kind, 2));
+    REQUIRE(error);
+    CHECK_THAT(*error, Catch::Contains(fmt::format("transport kind {} is not one of", kind)));
+  }
+  // The path's length: empty, beyond the limit, or beyond what is present.
+  for (const std::uint64_t length :
+       {std::uint64_t{0}, std::uint64_t{kMaxSameHostPathBytes + 1}, std::uint64_t{0xffff},
+        std::uint64_t{path.size() - 1}, std::uint64_t{path.size() + 1}}) {
+    INFO("path length " << length);
+    CHECK(decode(FrameType::kRendezvous,
+                 patched(same_host_rendezvous(path), 18, length, 2)));
+  }
+  // A NUL byte inside the path (it becomes a C string on the engine).
+  std::vector<std::byte> nul = payload;
+  nul[20 + 4] = std::byte{0};
+  const auto nul_error = decode(FrameType::kRendezvous, nul);
+  REQUIRE(nul_error);
+  CHECK_THAT(*nul_error, Catch::Contains("NUL byte at offset 4"));
+  // The longest path fits.
+  CHECK_FALSE(decode(FrameType::kRendezvous,
+                     payload_of(same_host_rendezvous(std::string(kMaxSameHostPathBytes, 'p')))));
+
+  // The encoder refuses the same, so nothing undecodable is sent.
+  CHECK_THROWS_AS(encode_frame(same_host_rendezvous("")), Error);
+  CHECK_THROWS_AS(encode_frame(same_host_rendezvous(std::string(kMaxSameHostPathBytes + 1, 'p'))),
+                  Error);
+  CHECK_THROWS_AS(encode_frame(same_host_rendezvous(std::string("a\0b", 3))), Error);
+  RendezvousMessage unknown = nccl;
+  unknown.transport = static_cast<TransportKind>(7);
+  CHECK_THROWS_WITH(encode_frame(unknown), Catch::Contains("transport kind 7 is not one of"));
+}
+
+TEST_CASE("a frame of the previous wire version (an NCCL-only rendezvous) is told apart") {
+  // Version 1's rendezvous had no transport kind: its frames are refused at the header, with
+  // both versions named, before any field of the body is read.
+  for (const ControlMessage& message : samples()) {
+    std::vector<std::byte> frame = encode_frame(message);
+    put(frame, 4, 1, 2);
+    FrameHeader header;
+    const auto error = parse_frame_header(std::span(frame).first(kFrameHeaderBytes), header);
+    REQUIRE(error);
+    CHECK_THAT(*error, Catch::Contains("wire version 1 differs from this side's 2") &&
+                           Catch::Contains("run the same release on both ends"));
+  }
 }
