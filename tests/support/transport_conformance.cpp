@@ -389,6 +389,12 @@ void case_batch(RankContext& c) {
   run_batch(c, std::vector<int>(kBatchSizes.size(), 0), 200, /*grouped=*/false);
 }
 
+// The same between group_begin() and group_end(), every broadcast from root 0: what a
+// transport with one fixed sender must do when the sender brackets its buckets as one launch.
+void case_grouped_batch_root0(RankContext& c) {
+  run_batch(c, std::vector<int>(kBatchSizes.size(), 0), 250, /*grouped=*/true);
+}
+
 // The same between group_begin() and group_end(), with the root changing from call to call.
 void case_grouped_batch(RankContext& c) {
   std::vector<int> roots;
@@ -516,19 +522,35 @@ void case_abort_releases_blocked(RankContext& c) {
 struct CaseDef {
   const char* name;
   void (*body)(RankContext&);
-  bool aborts;  // leaves a transport aborted: the fixture is reconnected afterwards
+  bool aborts;          // leaves a transport aborted: the fixture is reconnected afterwards
+  bool needs_any_root;  // broadcasts from a root other than 0 (TransportCapabilities)
 };
 
 const CaseDef kCases[] = {
-    {"reports rank and world size", case_rank_and_world_size, false},
-    {"broadcast from root 0 of 1 B, 4097 B and 1 MiB", case_root0_sizes, false},
-    {"batch of 8 broadcasts lands in order", case_batch, false},
-    {"grouped batch of 8 broadcasts with changing roots", case_grouped_batch, false},
-    {"broadcast from the last rank", case_last_rank_root, false},
-    {"receivers wait for the root", case_waits_for_root, false},
-    {"abort sets async_error and never hangs a later broadcast", case_abort_then_broadcast, true},
-    {"abort from another thread releases a blocked broadcast", case_abort_releases_blocked, true},
+    {"reports rank and world size", case_rank_and_world_size, false, false},
+    {"broadcast from root 0 of 1 B, 4097 B and 1 MiB", case_root0_sizes, false, false},
+    {"batch of 8 broadcasts lands in order", case_batch, false, false},
+    {"grouped batch of 8 broadcasts from root 0", case_grouped_batch_root0, false, false},
+    {"grouped batch of 8 broadcasts with changing roots", case_grouped_batch, false, true},
+    {"broadcast from the last rank", case_last_rank_root, false, true},
+    {"receivers wait for the root", case_waits_for_root, false, false},
+    {"abort sets async_error and never hangs a later broadcast", case_abort_then_broadcast, true,
+     false},
+    {"abort from another thread releases a blocked broadcast", case_abort_releases_blocked, true,
+     false},
 };
+
+// Why `fixture` cannot run `def`, or nullopt when it can.
+std::optional<std::string> skip_reason(const TransportFixture& fixture, const CaseDef& def) {
+  const TransportCapabilities capabilities = fixture.capabilities();
+  if (def.needs_any_root && !capabilities.any_rank_as_root) {
+    return fmt::format(
+        "needs a root other than rank 0; {} sends only from rank 0 "
+        "(TransportCapabilities::any_rank_as_root is false)",
+        fixture.name());
+  }
+  return std::nullopt;
+}
 
 // Every stream idle: an event behind its work completes. False when one is still busy.
 bool drain(CaseState& state, bool aborted) {
@@ -582,6 +604,12 @@ ConformanceResult run_conformance_case(TransportFixture& fixture, const std::str
                                  [&](const CaseDef& d) { return name == d.name; });
   if (def == std::end(kCases)) {
     throw std::invalid_argument(fmt::format("no transport conformance case named \"{}\"", name));
+  }
+  if (std::optional<std::string> reason = skip_reason(fixture, *def)) {
+    ConformanceResult skipped;
+    skipped.name = name;
+    skipped.skipped = std::move(reason);
+    return skipped;
   }
   const int world_size = fixture.world_size();
   auto state = std::make_unique<CaseState>(fixture, options, name);
@@ -641,6 +669,14 @@ std::vector<ConformanceResult> run_transport_conformance(TransportFixture& fixtu
   for (const CaseDef& def : kCases)
     results.push_back(run_conformance_case(fixture, def.name, options));
   return results;
+}
+
+std::vector<std::string> conformance_cases_skipped_on(const TransportFixture& fixture) {
+  std::vector<std::string> names;
+  for (const CaseDef& def : kCases) {
+    if (skip_reason(fixture, def)) names.emplace_back(def.name);
+  }
+  return names;
 }
 
 std::vector<std::string> conformance_failures(const std::vector<ConformanceResult>& results) {

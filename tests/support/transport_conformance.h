@@ -8,6 +8,11 @@
 // fails loudly, and no case sleeps to win a race: a check that something has NOT happened is
 // only made while the thing is impossible (the root held back).
 //
+// Not every transport can do everything a case needs: the same-host transport sends only from
+// rank 0. A fixture says what its transport cannot do through capabilities(); a case that needs
+// more is not run on it and comes back skipped, naming the capability, so that a report shows
+// what was not covered instead of a pass.
+//
 // After an abort, NCCL refuses new work by throwing from broadcast_async (Error(kTransport)),
 // while the loopback transport accepts it and completes it at once, with async_error() set. The
 // suite accepts either; what it requires is that an aborted transport says so in async_error()
@@ -16,6 +21,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +29,13 @@
 #include "shadowsync/transport.h"
 
 namespace shadowsync::testing {
+
+// What the fixture's transport can do beyond the Transport contract's minimum.
+struct TransportCapabilities {
+  // Any rank may be the root of a broadcast. False for a transport with one fixed sender, rank 0
+  // (the same-host transport); cases that broadcast from other roots are then skipped.
+  bool any_rank_as_root = true;
+};
 
 // One set of ranks under test. The suite drives it from one thread per rank plus the thread that
 // calls run_*; a fixture needs no locking of its own as long as it honours the contracts below.
@@ -32,6 +45,8 @@ class TransportFixture {
 
   virtual std::string name() const = 0;  // for messages: "loopback, 4 ranks"
   virtual int world_size() const = 0;
+  // The default: every capability. Called from the thread that calls run_*.
+  virtual TransportCapabilities capabilities() const { return {}; }
 
   // Rank `rank`'s backend and current transport. The references stay valid until reconnect().
   // Called from rank threads concurrently. Must not throw for a rank in [0, world_size()).
@@ -67,6 +82,9 @@ struct ConformanceResult {
   std::string name;                   // the case
   std::vector<std::string> failures;  // "rank 1: ..." lines; empty when it passed
   std::vector<std::string> notes;     // behaviour worth reporting that is not a failure
+  // Set when the case was not run: the fixture lacks a capability it needs (which one and why).
+  // A skipped case has no failures; callers report it as skipped, not as passed.
+  std::optional<std::string> skipped;
   bool passed() const { return failures.empty(); }
 };
 
@@ -75,14 +93,19 @@ std::vector<std::string> conformance_case_names();
 
 // Runs one case. Before: every transport healthy and the ranks' call sequences in step (a fresh
 // fixture is). After: the same again; when the case aborted a transport or failed, the fixture
-// was reconnect()ed (a failing reconnect is reported as a failure of the case). Throws
-// std::invalid_argument for an unknown name. Calling thread: none of the rank threads.
+// was reconnect()ed (a failing reconnect is reported as a failure of the case). A case that needs
+// a capability the fixture lacks is not run: its result says why in `skipped`, and the fixture is
+// not touched. Throws std::invalid_argument for an unknown name. Calling thread: none of the rank
+// threads.
 ConformanceResult run_conformance_case(TransportFixture& fixture, const std::string& name,
                                        const ConformanceOptions& options = {});
 
 // Every case, in order, on the same fixture.
 std::vector<ConformanceResult> run_transport_conformance(TransportFixture& fixture,
                                                          const ConformanceOptions& options = {});
+
+// The cases the fixture's capabilities rule out, by name, without running anything.
+std::vector<std::string> conformance_cases_skipped_on(const TransportFixture& fixture);
 
 // Every failure of `results`, each prefixed with its case name: empty when all passed.
 std::vector<std::string> conformance_failures(const std::vector<ConformanceResult>& results);

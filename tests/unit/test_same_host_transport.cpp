@@ -10,13 +10,16 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <sys/mman.h>
 #include <thread>
 
+#include "backends/host/host_stream.h"
 #include "deadline.h"
 #include "fake_engine.h"
 #include "pattern.h"
@@ -434,4 +437,132 @@ TEST_CASE("same-host: abort releases a receive waiting for a sender that never r
   REQUIRE(pair.sender->async_error());
   CHECK_THAT(*pair.sender->async_error(), Catch::Contains("rank 1"));
   pair.receivers[1]->abort();
+}
+
+namespace {
+
+// Holds a HostStream: a task enqueued before the work to hold back waits until open() (or, should
+// the test fail before it opens, a deadline, so that the stream can always be drained).
+class Gate {
+ public:
+  void hold(Stream& stream) {
+    host::HostStream* host_stream = host::as_host_stream(stream);
+    REQUIRE(host_stream != nullptr);
+    host_stream->enqueue([this] {
+      std::unique_lock lock(mutex_);
+      entered_ = true;
+      changed_.notify_all();
+      changed_.wait_for(lock, std::chrono::seconds(30), [this] { return open_; });
+    });
+  }
+  // True once the stream reached the gate: everything enqueued behind it is now held.
+  bool wait_entered(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, timeout, [this] { return entered_; });
+  }
+  void open() {
+    {
+      std::lock_guard lock(mutex_);
+      open_ = true;
+    }
+    changed_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool entered_ = false;
+  bool open_ = false;
+};
+
+// Distinct bytes per chunk: the chunks that share a slot (k and k + 2) differ everywhere a
+// reused slot could show.
+std::vector<std::byte> chunk_distinct_bytes(std::size_t n) {
+  std::vector<std::byte> out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull;
+    x ^= x >> 29;
+    out[i] = static_cast<std::byte>((x * 0xbf58476d1ce4e5b9ull) >> 56);
+  }
+  return out;
+}
+
+}  // namespace
+
+// The ack-wait rule: the sender writes a staging slot again only after every receiver acked the
+// chunk it held. A receiver whose stream is held cannot ack chunk 0, so the sender's broadcast of
+// six chunks cannot complete (it may ring chunk 0 and nothing more); a sender that did not wait
+// for acks would write chunks 2 and 4 over chunk 0 in slot 0 and finish at once, and the held
+// receiver would copy the wrong bytes once released.
+TEST_CASE("same-host: the sender reuses a staging slot only after every receiver acked it") {
+  TempDir dir;
+  constexpr std::size_t kSlot = 256;
+  constexpr std::size_t kBytes = 5 * kSlot + 17;  // 6 chunks: slot 0 holds chunks 0, 2, 4
+  Pair pair(dir.socket(), 2, kSlot);
+  auto sender_stream = pair.sender_backend->create_stream(StreamPriority::kNormal);
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (auto& b : pair.receiver_backends)
+    streams.push_back(b->create_stream(StreamPriority::kNormal));
+  Gate gate;
+  // On any way out: release the held stream and end every wait, so that no stream blocks its
+  // destructor.
+  struct Release {
+    Gate& gate;
+    Pair& pair;
+    ~Release() {
+      gate.open();
+      pair.sender->abort();
+      for (auto& r : pair.receivers) r->abort();
+    }
+  } release{gate, pair};
+
+  const auto source = chunk_distinct_bytes(kBytes);
+  for (std::size_t k = 2; k * kSlot < kBytes; ++k) {  // precondition: reuse would show
+    const std::size_t n = std::min(kSlot, kBytes - k * kSlot);
+    REQUIRE(std::memcmp(source.data() + k * kSlot, source.data() + (k - 2) * kSlot, n) != 0);
+  }
+  std::vector<std::vector<std::byte>> targets(2, std::vector<std::byte>(kBytes, std::byte{0}));
+
+  // Rank 1 is slow: its stream is held before its receive.
+  gate.hold(*streams[0]);
+  REQUIRE(gate.wait_entered(std::chrono::seconds(10)));
+  std::vector<std::unique_ptr<Event>> received;
+  for (int r = 0; r < 2; ++r) {
+    pair.receivers[r]->broadcast_async(targets[r].data(), kBytes, 0, *streams[r]);
+    received.push_back(pair.receiver_backends[r]->create_event());
+    pair.receiver_backends[r]->event_record(*received.back(), *streams[r]);
+  }
+  pair.sender->broadcast_async(const_cast<std::byte*>(source.data()), kBytes, 0, *sender_stream);
+  auto sent = pair.sender_backend->create_event();
+  pair.sender_backend->event_record(*sent, *sender_stream);
+
+  // Cannot happen while rank 1 is held (it has acked nothing); the wait only gives a sender that
+  // skips the acks time to be caught.
+  CHECK_FALSE(pair.sender_backend->event_wait_for(*sent, std::chrono::milliseconds(200)));
+  CHECK_FALSE(pair.receiver_backends[1]->event_query(*received[1]));  // held behind rank 1's ack
+  gate.open();
+  REQUIRE(wait_event(*pair.sender_backend, *sent));
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r + 1);
+    REQUIRE(wait_event(*pair.receiver_backends[r], *received[r]));
+    CHECK(targets[r] == source);
+    CHECK_FALSE(pair.receivers[r]->async_error());
+  }
+  CHECK_FALSE(pair.sender->async_error());
+
+  // The ranks are still in step: acks and doorbells were consumed one for one.
+  const auto next = pattern_bytes(kSlot + 1, 9);
+  std::vector<std::vector<std::byte>> next_targets(2, std::vector<std::byte>(next.size()));
+  for (int r = 0; r < 2; ++r) {
+    pair.receivers[r]->broadcast_async(next_targets[r].data(), next.size(), 0, *streams[r]);
+    pair.receiver_backends[r]->event_record(*received[r], *streams[r]);
+  }
+  pair.sender->broadcast_async(const_cast<std::byte*>(next.data()), next.size(), 0, *sender_stream);
+  pair.sender_backend->event_record(*sent, *sender_stream);
+  REQUIRE(wait_event(*pair.sender_backend, *sent));
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(wait_event(*pair.receiver_backends[r], *received[r]));
+    CHECK(next_targets[r] == next);
+  }
+  CHECK_FALSE(pair.sender->async_error());
 }

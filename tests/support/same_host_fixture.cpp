@@ -1,0 +1,124 @@
+// SameHostFixture. See same_host_fixture.h.
+#include "same_host_fixture.h"
+
+#include <stdlib.h>
+
+#include <cerrno>
+#include <exception>
+#include <future>
+#include <stdexcept>
+#include <system_error>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace shadowsync::testing {
+
+namespace {
+
+// Both ends prove it; what it is does not matter here.
+constexpr const char* kToken = "same-host conformance token 0123456789abcdef";
+
+SameHostConfig fixture_config() {
+  SameHostConfig config;
+  // Every receiver is a thread of this process that starts before the sender serves: only a bug
+  // makes either side wait long.
+  config.connect_timeout = std::chrono::seconds(30);
+  config.handshake_timeout = std::chrono::seconds(10);
+  return config;
+}
+
+std::string describe_bytes(std::size_t bytes) {
+  if (bytes % 1024 == 0) return fmt::format("{} KiB", bytes / 1024);
+  return fmt::format("{} B", bytes);
+}
+
+}  // namespace
+
+SameHostFixture::SameHostFixture(int world_size, SameHostMemory memory, std::size_t slot_bytes,
+                                 BackendFactory make_backend)
+    : world_size_(world_size), memory_(memory), slot_bytes_(slot_bytes) {
+  if (world_size < 2) {
+    throw std::invalid_argument(fmt::format(
+        "same-host fixture: world size {}, want at least 2 (a sender and a receiver)", world_size));
+  }
+  char name[] = "/tmp/shadowsync_same_host_conformance_XXXXXX";
+  if (::mkdtemp(name) == nullptr) {
+    throw std::system_error(errno, std::generic_category(),
+                            "same-host fixture: mkdtemp(/tmp/shadowsync_same_host_conformance_*)");
+  }
+  directory_ = name;  // mkdtemp makes it 0700: what serve() requires of the socket's directory
+  socket_path_ = (directory_ / "sender.sock").string();
+  try {
+    for (int r = 0; r < world_size; ++r) backends_.push_back(make_backend(r));
+    reconnect();
+  } catch (...) {
+    transports_.clear();
+    std::error_code ignored;
+    std::filesystem::remove_all(directory_, ignored);
+    throw;
+  }
+}
+
+SameHostFixture::~SameHostFixture() {
+  transports_.clear();  // before the backends whose streams the transports' tasks ran on
+  backends_.clear();
+  std::error_code ignored;
+  std::filesystem::remove_all(directory_, ignored);
+}
+
+std::string SameHostFixture::name() const {
+  return fmt::format("same-host ({} memory, {} slots), {} ranks",
+                     memory_ == SameHostMemory::kHost ? "host" : "device",
+                     describe_bytes(slot_bytes_), world_size_);
+}
+
+TransportCapabilities SameHostFixture::capabilities() const {
+  TransportCapabilities capabilities;
+  capabilities.any_rank_as_root = false;  // the sender, rank 0, is the root of every broadcast
+  return capabilities;
+}
+
+Backend& SameHostFixture::backend(int rank) { return *backends_[static_cast<std::size_t>(rank)]; }
+
+Transport& SameHostFixture::transport(int rank) { return same_host(rank); }
+
+SameHostTransport& SameHostFixture::same_host(int rank) {
+  return *transports_[static_cast<std::size_t>(rank)];
+}
+
+void SameHostFixture::reconnect() {
+  transports_.clear();
+  const SameHostConfig config = fixture_config();
+  // Receivers first, each on its own thread: connect() retries until the sender listens, and
+  // serve() blocks until every receiver has connected.
+  std::vector<std::future<std::unique_ptr<SameHostTransport>>> connecting;
+  for (int r = 1; r < world_size_; ++r) {
+    Backend& backend = *backends_[static_cast<std::size_t>(r)];
+    connecting.push_back(std::async(std::launch::async, [this, r, &backend, config] {
+      return SameHostTransport::connect(socket_path_, kToken, r, backend, config);
+    }));
+  }
+  std::vector<std::unique_ptr<SameHostTransport>> made(static_cast<std::size_t>(world_size_));
+  std::exception_ptr sender_error;
+  std::exception_ptr receiver_error;
+  try {
+    made[0] = SameHostTransport::serve(socket_path_, kToken, world_size_ - 1, *backends_[0],
+                                       memory_, slot_bytes_, config);
+  } catch (...) {
+    sender_error = std::current_exception();
+  }
+  for (int r = 1; r < world_size_; ++r) {
+    try {
+      made[static_cast<std::size_t>(r)] = connecting[static_cast<std::size_t>(r - 1)].get();
+    } catch (...) {
+      if (!receiver_error) receiver_error = std::current_exception();
+    }
+  }
+  // A receiver's own reason says more than the sender's timeout that follows from it.
+  if (receiver_error) std::rethrow_exception(receiver_error);
+  if (sender_error) std::rethrow_exception(sender_error);
+  transports_ = std::move(made);
+}
+
+}  // namespace shadowsync::testing
