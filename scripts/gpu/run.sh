@@ -8,6 +8,9 @@
 #                  the fault runs (tests.sh)
 #   bench          the update benchmark on two GPUs, then its plot (bench.sh)
 #   bench-one-gpu  the one-GPU benchmarks: integrity checks and swap strategies (bench_one_gpu.sh)
+#   bench-same-host  the same-host transport (device memory) on one GPU, trainer and engine
+#                  processes: transfer, swap stall, decode interference, memory; then its plot
+#                  (bench_same_host.sh)
 #   examples       the two-process example and the mini worker against a CUDA build (examples.sh)
 #   python         the wheel built with CUDA on, installed, python/tests against it: NCCL taken at
 #                  run time (import orders with torch), one-rank communicator (python.sh)
@@ -20,13 +23,14 @@
 set -uo pipefail
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-usage() { sed -n '2,18p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,21p' "${BASH_SOURCE[0]}"; }
 
 command="${1:-}"
 case "$command" in
   tests) script=tests.sh ;;
   bench) script=bench.sh ;;
   bench-one-gpu) script=bench_one_gpu.sh ;;
+  bench-same-host) script=bench_same_host.sh ;;
   examples) script=examples.sh ;;
   faults) script=faults.sh ;;
   python) script=python.sh ;;
