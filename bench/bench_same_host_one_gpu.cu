@@ -65,6 +65,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <future>
 #include <condition_variable>
 #include <csignal>
 #include <cstdint>
@@ -1091,16 +1092,21 @@ ModelRun run_model(const bench::ModelConfig& model, Engine& e, int index) {
     std::unique_ptr<Event> received = e.backend.create_event();
     for (int rep = 0; rep < o.reps + 1; ++rep) {
       const auto start = Clock::now();
-      std::size_t base = 0;
-      for (const GroupLayout& group : layout.groups()) {
-        for (std::size_t k = 0; k < group.bucket_count(); ++k) {
-          const Bucket b = group.bucket(k);
-          transport->broadcast_async(dst.data() + base + b.offset, b.bytes, 0, *receive_stream);
+      // Posted from a thread of their own: an enqueue may block while the stream's queue is
+      // full, until the trainer (told to send below) moves the receives along.
+      auto posting = std::async(std::launch::async, [&] {
+        std::size_t base = 0;
+        for (const GroupLayout& group : layout.groups()) {
+          for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+            const Bucket b = group.bucket(k);
+            transport->broadcast_async(dst.data() + base + b.offset, b.bytes, 0, *receive_stream);
+          }
+          base += group.arena_bytes();
         }
-        base += group.arena_bytes();
-      }
-      e.backend.event_record(*received, *receive_stream);
+        e.backend.event_record(*received, *receive_stream);
+      });
       const Reply sent = trainer.call("send");
+      posting.get();
       if (!e.backend.event_wait_for(*received, bench::kWaitLimit)) {
         throw BenchError(cat("transport alone: the receives not done ", bench::kWaitLimit.count(),
                              " s after the trainer's sends"));
