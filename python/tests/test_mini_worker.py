@@ -392,6 +392,18 @@ def _steps(worker, count: int):
         worker.execute_model()
 
 
+def _finish(worker, trainer):
+    """trainer.finish(); a failure also names the engine's receive error (a sender sees only
+    that its peer went away when the receiver gave up)."""
+    try:
+        trainer.finish()
+    except BaseException as error:
+        engine = worker._shadowsync.receiver.last_update_error()
+        if engine:
+            pytest.fail(f"{error}\nthe engine's receiver: {engine}")
+        raise
+
+
 def _update_while_generating(worker, trainer, version: int):
     """One update while the engine keeps stepping: the header goes in, STEPS_DURING_TRANSFER
     steps run, the trainer may then supply its last bucket, and the engine keeps stepping until
@@ -412,8 +424,8 @@ def _update_while_generating(worker, trainer, version: int):
             trainer.release()
             released = True
         if trainer.done():
-            trainer.finish()  # a failed send ends the wait at once, with the trainer's error
-    trainer.finish()
+            _finish(worker, trainer)  # a failed send ends the wait at once, with its error
+    _finish(worker, trainer)
     swap = next(i for i, o in enumerate(worker.outputs) if o.version == version)
     # Generation kept running while the update was in flight, on the old weights.
     during = worker.outputs[header_at:swap]
