@@ -9,12 +9,13 @@
 #    on GPU 0 (--backend cuda): NCCL rendezvous, headers and acks over the control channel, N
 #    rounds (default 50). Checks: trainer exit 0 with "N rounds acked", engine exit 0 with
 #    applied=N failed=0 torn=0 and one "update version=" line per round.
-# 2. mini worker: python/tests/test_mini_worker.py (pytest), the CPU case and the cuda case
-#    (trainer cuda:0, engine cuda:1, one process); SHADOWSYNC_REQUIRE_GPU_TESTS=1 turns a cuda
-#    skip into a failure.
+# 2. mini worker: python/tests/test_mini_worker.py (pytest), the CPU cases and the cuda cases
+#    (cuda: trainer cuda:0, engine cuda:1, one process, NCCL; cuda_same_host: trainer and engine
+#    in two processes on cuda:0, the same-host transport's device flavour);
+#    SHADOWSYNC_REQUIRE_GPU_TESTS=1 turns a cuda skip into a failure.
 #
 # --cpu-dry-run checks this script's own logic where there is no GPU: the same steps and checks
-# with --backend host and the mini worker's cpu case only. It proves nothing about GPUs.
+# with --backend host and the mini worker's cpu cases only. It proves nothing about GPUs.
 #
 # Each part runs under `timeout` (--deadline, default 120 s each). Prints every log, then one
 # result line per part ("two_process: ... result=PASS|FAIL", "mini_worker: ... result=...").
@@ -107,15 +108,15 @@ two_process() {
 # --- 2. the mini vLLM-like worker, CPU and cuda ---------------------------------------------------
 mini_worker() {
   [[ -f "$LIB" ]] || { echo "mini_worker: $LIB missing (build the shadowsync_c target) result=FAIL"; return 1; }
-  local log="$WORK/pytest.log" rc cases=(cpu cuda) select=() require=1
-  if [[ $BACKEND == host ]]; then cases=(cpu); select=(-k cpu); require=0; fi
+  local log="$WORK/pytest.log" rc cases=(cpu cuda cpu_same_host cuda_same_host) select=() require=1
+  if [[ $BACKEND == host ]]; then cases=(cpu cpu_same_host); select=(-k cpu); require=0; fi
   SHADOWSYNC_LIBRARY="$LIB" SHADOWSYNC_REQUIRE_GPU_TESTS=$require PYTHONUNBUFFERED=1 \
     timeout -k 10 "$DEADLINE" python3 -m pytest -v -rs -p no:cacheprovider "${select[@]}" \
     "$ROOT/python/tests/test_mini_worker.py" >"$log" 2>&1
   rc=$?
   cat "$log"
   local passed
-  passed=$(grep -cE 'test_mini_worker.py::.*\[(cpu|cuda)\] PASSED' "$log")
+  passed=$(grep -cE 'test_mini_worker.py::.*\[(cpu|cuda)(_same_host)?\] PASSED' "$log")
   if ((rc == 0 && passed == ${#cases[@]})); then
     echo "mini_worker: cases=$(IFS=,; echo "${cases[*]}") passed=$passed result=PASS"
   else
