@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+# The same-host transport's device flavour waits in CUDA streams for the other process; streams
+# sharing one of the device's hardware queues wait with it. More queues (the maximum; the default
+# is 8) before anything starts CUDA keep the engine's streams apart from the receiver's. Spawned
+# trainer processes inherit it.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 PYTHON_DIR = Path(__file__).resolve().parent.parent
 TEST_INSTALLED = os.environ.get("SHADOWSYNC_TEST_INSTALLED") == "1"
 

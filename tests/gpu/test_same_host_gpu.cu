@@ -74,6 +74,13 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// Ranks of one process wait on each other through host memory (the transport's stream waits): two
+// streams sharing one of the device's hardware queues could then block each other. More queues
+// (the maximum, 32; the default is 8) before CUDA starts make that unlikely; the trainer child
+// inherits it. Separate processes, as in production, never share a queue.
+[[maybe_unused]] const int kMoreHardwareQueues = ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+
+
 using Clock = std::chrono::steady_clock;
 
 const std::string kToken = "same-host gpu test token 0123456789abcdef";

@@ -61,13 +61,10 @@ void advance(std::atomic_ref<std::uint32_t> counter, std::uint32_t value) noexce
 }  // namespace
 
 struct DeviceLink::Impl {
-  // A chunk a receiver's caller enqueued: where it goes, and the event that says the buffer is
-  // ready for it on the caller's stream.
+  // A chunk a receiver's caller enqueued: what its doorbell must say.
   struct Receive {
     std::uint64_t chunk = 0;
-    std::byte* buffer = nullptr;
     std::size_t bytes = 0;
-    cudaEvent_t ready = nullptr;
   };
   // What a host function tells the progress thread.
   struct Note {
@@ -84,7 +81,6 @@ struct DeviceLink::Impl {
   // copied". Pinned, mapped host memory, written only by host code.
   std::uint32_t* counter = nullptr;
   CUdeviceptr counter_on_device = 0;
-  cudaStream_t copy_stream = nullptr;  // receiver
 
   SameHostTransport::State* state = nullptr;
   Fd notes_ready;  // eventfd: a host function or the caller queued something
@@ -121,11 +117,6 @@ bool DeviceLink::Impl::drain(std::chrono::steady_clock::time_point deadline) noe
   cuda_detail::ScopedDeviceNoThrow on_device(device);
   std::vector<cudaEvent_t> pending;
   for (auto& [stream, event] : tails) pending.push_back(event);
-  cudaEvent_t copies = nullptr;
-  if (copy_stream != nullptr && cudaEventCreateWithFlags(&copies, cudaEventDisableTiming) ==
-                                    cudaSuccess) {
-    if (cudaEventRecord(copies, copy_stream) == cudaSuccess) pending.push_back(copies);
-  }
   bool done = false;
   for (;;) {
     done = host_functions_pending.load() == 0;
@@ -134,19 +125,14 @@ bool DeviceLink::Impl::drain(std::chrono::steady_clock::time_point deadline) noe
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   cuda_detail::clear_last_error();
-  if (copies != nullptr) (void)cudaEventDestroy(copies);
   if (!done) return false;
   for (auto& [stream, event] : tails) (void)cudaEventDestroy(event);
   tails.clear();
-  for (Receive& r : receives) (void)cudaEventDestroy(r.ready);
-  receives.clear();
   return true;
 }
 
 void DeviceLink::Impl::free_memory() noexcept {
   cuda_detail::ScopedDeviceNoThrow on_device(device);
-  if (copy_stream != nullptr) (void)cudaStreamDestroy(copy_stream);
-  copy_stream = nullptr;
   if (counter != nullptr) (void)cudaFreeHost(counter);
   counter = nullptr;
   staging.reset();
@@ -169,10 +155,6 @@ void CUDART_CB DeviceLink::Impl::on_host_function(void* data) noexcept {
   auto* note = static_cast<Note*>(data);
   Impl* impl = note->impl;
   if (!impl->released.load()) {
-    if (!impl->sender) {
-      advance(std::atomic_ref<std::uint32_t>(*impl->counter),
-              static_cast<std::uint32_t>(note->record.sequence + 1));
-    }
     {
       std::lock_guard lock(impl->mutex);
       impl->notes.push_back(note->record);
@@ -297,15 +279,10 @@ void DeviceLink::Impl::run_sender() noexcept {
   }
 }
 
-// Receiver: matches doorbells with enqueued receives, checks them, enqueues the copies, acks.
+// Receiver: matches doorbells with enqueued receives, checks them, opens the gate of each
+// copy whose doorbell passed, sends the acks the host functions queue.
 void DeviceLink::Impl::run_receiver() noexcept {
   SameHostTransport::State& s = *state;
-  if (cudaSetDevice(device) != cudaSuccess) {
-    cuda_detail::clear_last_error();
-    s.fail(fmt::format("same-host rank {}: cudaSetDevice({}) failed on the progress thread",
-                       s.rank, device));
-    return;
-  }
   const SlotGeometry geometry{kSlotCount, slot_bytes};
   const int socket = s.peers[0].get();
   std::deque<DataRecord> doorbells;  // received, not yet matched with a receive
@@ -371,36 +348,25 @@ void DeviceLink::Impl::run_receiver() noexcept {
         return;
       }
     }
-    for (Receive& receive : ready) {
-      DataRecord doorbell = doorbells.front();
+    for (const Receive& receive : ready) {
+      const DataRecord doorbell = doorbells.front();
       doorbells.pop_front();
-      const std::string problem = check_doorbell(doorbell, receive.chunk, receive.bytes);
+      std::string problem = check_doorbell(doorbell, receive.chunk, receive.bytes);
+      const auto expected_slot = static_cast<std::uint32_t>(receive.chunk % kSlotCount);
+      if (problem.empty() && (doorbell.slot != expected_slot || doorbell.offset != 0)) {
+        problem = fmt::format("chunk {} rung in slot {} at offset {}; this flavour takes chunk {} "
+                              "from slot {} at offset 0",
+                              doorbell.sequence, doorbell.slot, doorbell.offset, receive.chunk,
+                              expected_slot);
+      }
       if (!problem.empty()) {
-        (void)cudaEventDestroy(receive.ready);
         s.fail(fmt::format("same-host rank {}: the sender broke the protocol: {}", s.rank,
                            problem));
         return;
       }
-      doorbell.type = RecordType::kAck;
-      auto* note = new Note{this, doorbell};
-      host_functions_pending.fetch_add(1);
-      cudaError_t status = cudaStreamWaitEvent(copy_stream, receive.ready, 0);
-      if (status == cudaSuccess) {
-        status = cudaMemcpyAsync(receive.buffer, slot(doorbell.slot) + doorbell.offset,
-                                 receive.bytes, cudaMemcpyDefault, copy_stream);
-      }
-      if (status == cudaSuccess) {
-        status = cudaLaunchHostFunc(copy_stream, &Impl::on_host_function, note);
-      }
-      (void)cudaEventDestroy(receive.ready);
-      if (status != cudaSuccess) {
-        delete note;
-        host_functions_pending.fetch_sub(1);
-        cuda_detail::clear_last_error();
-        s.fail(fmt::format("same-host rank {}: enqueueing the copy of chunk {}: {}", s.rank,
-                           receive.chunk, cudaGetErrorName(status)));
-        return;
-      }
+      // The copy waiting on the caller's stream may go.
+      advance(std::atomic_ref<std::uint32_t>(*counter),
+              static_cast<std::uint32_t>(receive.chunk + 1));
     }
   }
 }
@@ -440,13 +406,6 @@ std::unique_ptr<DeviceLink> DeviceLink::open(Backend& backend, Fd exported, cons
       DeviceStaging::open(cuda_backend_of(backend, "connect"), std::move(exported), setup, path);
   impl->device = impl->staging->device();
   impl->slot_bytes = impl->staging->slot_bytes();
-  const int device = impl->device;
-  int least = 0;
-  int greatest = 0;
-  SHADOWSYNC_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), "device={}", device);
-  SHADOWSYNC_CUDA_CHECK(
-      cudaStreamCreateWithPriority(&impl->copy_stream, cudaStreamNonBlocking, least),
-      "same-host copy stream, device={}", device);
   return std::unique_ptr<DeviceLink>(new DeviceLink(std::move(impl)));
 }
 
@@ -512,9 +471,10 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
   for (std::size_t offset = 0; offset < bytes; offset += impl.slot_bytes) {
     const std::size_t n = std::min(impl.slot_bytes, bytes - offset);
     const std::uint64_t chunk = first_chunk + offset / impl.slot_bytes;
-    const std::uint32_t s = own_slot.value_or(static_cast<std::uint32_t>(chunk % kSlotCount));
-    // The slot is free: the previous chunk's broadcast waited until every receiver copied it.
-    if (!own_slot) {
+    // Chunk c travels in slot c % 2 (receivers enqueue their copy before its doorbell comes). The
+    // slot is free: the previous chunk's broadcast waited until every receiver copied it out.
+    const auto s = static_cast<std::uint32_t>(chunk % kSlotCount);
+    if (own_slot != s) {
       SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(impl.slot(s), buffer + offset, n,
                                             cudaMemcpyDefault, native),
                             "same-host staging, chunk {} of {} bytes", chunk, n);
@@ -539,20 +499,26 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
   SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);
   for (std::size_t offset = 0; offset < bytes; offset += impl.slot_bytes) {
     const std::size_t n = std::min(impl.slot_bytes, bytes - offset);
-    cudaEvent_t ready = nullptr;
-    SHADOWSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming),
-                          "same-host receive");
-    if (const cudaError_t status = cudaEventRecord(ready, native); status != cudaSuccess) {
-      (void)cudaEventDestroy(ready);
-      SHADOWSYNC_CUDA_CHECK(status, "same-host receive");
-    }
     const std::uint64_t chunk = first_chunk + offset / impl.slot_bytes;
+    const auto s = static_cast<std::uint32_t>(chunk % kSlotCount);
     {
       std::lock_guard lock(impl.mutex);
-      impl.receives.push_back({chunk, buffer + offset, n, ready});
+      impl.receives.push_back({chunk, n});
     }
     impl.notify();
+    // The gate opens once the doorbell of this chunk passed its checks; the copy needs no SM.
     impl.wait_value(native, chunk + 1);
+    SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(buffer + offset, impl.slot(s), n, cudaMemcpyDefault,
+                                          native),
+                          "same-host receive, chunk {} of {} bytes from slot {}", chunk, n, s);
+    auto* note = new Impl::Note{&impl, DataRecord{RecordType::kAck, chunk, s, 0, n}};
+    impl.host_functions_pending.fetch_add(1);
+    if (const cudaError_t status = cudaLaunchHostFunc(native, &Impl::on_host_function, note);
+        status != cudaSuccess) {
+      delete note;
+      impl.host_functions_pending.fetch_sub(1);
+      SHADOWSYNC_CUDA_CHECK(status, "same-host ack of chunk {}", chunk);
+    }
   }
   impl.record_tail(native);
 }

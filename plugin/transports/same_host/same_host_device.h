@@ -6,24 +6,29 @@
 // the fd and maps it for its own device: the same GPU, or a peer GPU of the host.
 //
 // Data path. A CUDA stream cannot wait on a socket, so each end runs a progress thread that owns
-// the sockets, and streams wait on a counter in pinned host memory that only host code writes
-// (cuStreamWaitValue32, "counter >= value" in wrap-around order), so a counter never moves back:
-//   sender, chunk c on the caller's stream: [copy into the slot unless the caller packed it
+// the sockets, and streams wait (cuStreamWaitValue32, "counter >= value" in wrap-around order) on
+// a counter in pinned host memory that only host code writes, so that it never moves back.
+// Chunk c of the connection always travels in slot c % 2, so a receiver can enqueue its copy
+// before the doorbell comes:
+//   sender, chunk c on the caller's stream: [copy into slot c % 2 unless the caller packed it
 //     there] -> host function "slot filled" (the progress thread rings every receiver) -> wait
 //     "acked >= c+1" (the progress thread counts a chunk once every receiver acked it);
-//   receiver, chunk c: event "buffer ready" on the caller's stream -> wait "copied >= c+1". The
-//     progress thread takes the doorbell, checks it, and only then enqueues, on its own copy
-//     stream, wait(event) -> cudaMemcpyAsync slot -> buffer (copy engines, no SMs) -> host
-//     function "copied" (the counter moves, the progress thread acks). A doorbell that fails its
-//     checks enqueues no copy: nothing is written to the buffer.
-// A chunk's broadcast thus completes on the caller's stream only once every receiver copied it,
+//   receiver, chunk c on the caller's stream: wait "gate >= c+1" -> cudaMemcpyAsync slot c % 2 ->
+//     buffer (copy engines, no SMs) -> host function "copied" (the progress thread acks). The
+//     progress thread opens the gate only for a doorbell that passed its checks (the chunk due,
+//     its slot and byte count).
+// A stream waits only on host code, never on another stream of its process: two streams that
+// share one of the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) cannot deadlock.
+// A chunk's broadcast completes on the caller's stream only once every receiver copied it,
 // which is what lets the caller pack the slot again (Transport::staging_buffer).
 //
 // Failure and teardown. An abort, a protocol violation or a lost peer releases every wait at
-// once: the counter jumps past every chunk ever enqueued (later broadcasts complete at once). The
-// destructor then waits, with a deadline, until the streams passed every operation that touches
-// this link's memory before freeing it; memory a stuck stream might still touch is leaked with a
-// warning rather than freed under it.
+// once: the counter jumps past every chunk ever enqueued (later broadcasts complete at once, with
+// async_error() set). A receiver's copies already enqueued then run: each moves the slot and the
+// byte count the receiver itself chose into the buffer it was given for that update, which
+// fails; the doorbell's own numbers are never used. The destructor waits, with a deadline, until
+// the streams passed every operation that touches this link's memory before freeing it; memory
+// a stuck stream might still touch is leaked with a warning rather than freed under it.
 #pragma once
 
 #include <array>
