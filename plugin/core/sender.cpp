@@ -128,7 +128,9 @@ struct Sender::Impl {
   // Packing, shared by publish() and publish_streamed(): copies one tensor into the staging
   // buffers of the buckets it overlaps, broadcasting each bucket once it is complete.
   void pack_tensor(const GroupLayout& group, const TensorPlacement& tensor, const std::byte* src,
-                   BucketCursor& cursor, std::size_t& staged);
+                   BucketCursor& cursor);
+  // One broadcast on the comm stream; sent[b % 2] records the b-th.
+  void broadcast(void* buffer, std::size_t bytes);
   void flush_bucket(const GroupLayout& group, BucketCursor& cursor);
   // After a failure mid-update: the receivers are inside collectives; end them.
   void abort_transport() noexcept;
@@ -154,6 +156,7 @@ struct Sender::Impl {
   }
   std::unique_ptr<Event> packed[2];
   std::unique_ptr<Event> sent[2];
+  std::uint64_t broadcasts = 0;  // on the current transport (the sender thread's)
   std::unique_ptr<Event> done_event;
 
   std::unique_ptr<Event> copied_event;  // streamed: a supply's bytes are in staging
@@ -314,6 +317,7 @@ void Sender::Impl::run() {
     if (job.stop) return;
     if (job.new_transport) {
       transport = std::move(job.new_transport);
+      broadcasts = 0;
       continue;
     }
     const std::uint64_t version = job.handle->header.version;
@@ -359,7 +363,6 @@ void Sender::Impl::abort_transport() noexcept {
 
 void Sender::Impl::send(const Job& job, Clock::time_point start) {
   const Layout& layout = owner.layout_;
-  std::size_t staged = 0;  // buckets packed so far: picks the staging buffer
   next_checksum = 0;
   // What a streamed job's worker side uses; the other jobs ignore it.
   const StreamedWorkerContext streamed{.backend = backend,
@@ -383,8 +386,7 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
           backend.event_record(*packed[s], *pack_stream);
           backend.stream_wait_event(*comm_stream, *packed[s]);
         }
-        transport->broadcast_async(const_cast<std::byte*>(source.arena) + bucket.offset,
-                                   bucket.bytes, config.root_rank, *comm_stream);
+        broadcast(const_cast<std::byte*>(source.arena) + bucket.offset, bucket.bytes);
       }
       continue;
     }
@@ -393,7 +395,7 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
     for (std::size_t t = 0; t < tensors.size(); ++t) {
       const std::byte* src =
           job.streamed ? job.streamed->next_tensor(streamed) : source.tensors[t];
-      pack_tensor(group, tensors[t], src, cursor, staged);
+      pack_tensor(group, tensors[t], src, cursor);
     }
     if (cursor.open) flush_bucket(group, cursor);
     if (cursor.flushed != group.bucket_count()) {
@@ -405,14 +407,19 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
   if (job.streamed) job.streamed->complete_batch(streamed);
   if (checksums.size() > 0) {
     // After every bucket's checksum: the comm stream waited for each bucket's packed event.
-    transport->broadcast_async(checksums.data(), next_checksum * sizeof(std::uint64_t),
-                               config.root_rank, *comm_stream);
+    broadcast(checksums.data(), next_checksum * sizeof(std::uint64_t));
   }
   backend.event_record(*done_event, *comm_stream);
 }
 
+void Sender::Impl::broadcast(void* buffer, std::size_t bytes) {
+  transport->broadcast_async(buffer, bytes, config.root_rank, *comm_stream);
+  backend.event_record(*sent[broadcasts % 2], *comm_stream);
+  ++broadcasts;
+}
+
 void Sender::Impl::pack_tensor(const GroupLayout& group, const TensorPlacement& tensor,
-                               const std::byte* src, BucketCursor& cursor, std::size_t& staged) {
+                               const std::byte* src, BucketCursor& cursor) {
   const std::size_t end = tensor.offset + tensor.bytes;
   for (std::size_t begin = tensor.offset; begin < end;) {
     const std::size_t k = begin / group.bucket_bytes();
@@ -426,8 +433,11 @@ void Sender::Impl::pack_tensor(const GroupLayout& group, const TensorPlacement& 
       }
       cursor.open = true;
       cursor.bucket = k;
-      cursor.staging = static_cast<int>(staged++ % 2);
-      // The broadcast of the bucket this staging buffer held before (k-2) is done.
+      // Staging buffer b % 2 for the b-th broadcast on this transport, whatever it carried:
+      // a transport that moves every broadcast through its own two slots in turn (the
+      // same-host device flavour) then finds each bucket already in the slot it uses.
+      cursor.staging = static_cast<int>(broadcasts % 2);
+      // The last broadcast that went through this staging buffer (b-2) is done.
       backend.stream_wait_event(*pack_stream, *sent[cursor.staging]);
     }
     const std::size_t bucket_end = bucket.offset + bucket.bytes;
@@ -444,9 +454,7 @@ void Sender::Impl::flush_bucket(const GroupLayout& group, BucketCursor& cursor) 
   checksum_bucket(staging_data(s), group.bucket(cursor.bucket).bytes, *pack_stream);
   backend.event_record(*packed[s], *pack_stream);
   backend.stream_wait_event(*comm_stream, *packed[s]);
-  transport->broadcast_async(staging_data(s), group.bucket(cursor.bucket).bytes,
-                             config.root_rank, *comm_stream);
-  backend.event_record(*sent[s], *comm_stream);
+  broadcast(staging_data(s), group.bucket(cursor.bucket).bytes);
   cursor.open = false;
   ++cursor.flushed;
 }
