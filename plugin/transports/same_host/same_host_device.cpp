@@ -21,15 +21,17 @@
 #include <fmt/format.h>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_driver.h"
 #include "backends/cuda/scoped_device.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
 #include "transports/same_host/same_host_device_staging.h"
 #include "transports/same_host/same_host_state.h"
-#include "transports/same_host/same_host_wait_kernel.h"
 
 namespace shadowsync::same_host {
 
+using cuda_detail::check_driver;
+using cuda_detail::driver_api;
 
 namespace {
 
@@ -78,7 +80,7 @@ struct DeviceLink::Impl {
   // The counter streams wait on: sender "chunks acked by every receiver", receiver "chunks
   // copied". Pinned, mapped host memory, written only by host code.
   std::uint32_t* counter = nullptr;
-  const std::uint32_t* counter_on_device = nullptr;
+  CUdeviceptr counter_on_device = 0;
 
   SameHostTransport::State* state = nullptr;
   Fd notes_ready;  // eventfd: a host function or the caller queued something
@@ -164,11 +166,11 @@ void CUDART_CB DeviceLink::Impl::on_host_function(void* data) noexcept {
 }
 
 void DeviceLink::Impl::wait_value(cudaStream_t stream, std::uint64_t value) {
-  const cudaError_t status =
-      launch_wait_until(counter_on_device, static_cast<std::uint32_t>(value), stream);
-  if (status != cudaSuccess) {
-    SHADOWSYNC_CUDA_CHECK(status, "same-host wait for counter value {}", value);
-  }
+  check_driver(driver_api().stream_wait_value32(reinterpret_cast<CUstream>(stream),
+                                                counter_on_device,
+                                                static_cast<std::uint32_t>(value),
+                                                CU_STREAM_WAIT_VALUE_GEQ),
+               "cuStreamWaitValue32", fmt::format("value={} (same-host counter)", value));
 }
 
 void DeviceLink::Impl::record_tail(cudaStream_t stream) {
@@ -426,7 +428,7 @@ void DeviceLink::start(SameHostTransport::State& state) {
   *impl.counter = 0;
   void* on_device = nullptr;
   SHADOWSYNC_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, counter, 0), "same-host counter");
-  impl.counter_on_device = static_cast<const std::uint32_t*>(on_device);
+  impl.counter_on_device = reinterpret_cast<CUdeviceptr>(on_device);
   impl.notes_ready = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!impl.notes_ready) {
     throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));

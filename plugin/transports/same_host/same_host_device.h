@@ -6,9 +6,8 @@
 // the fd and maps it for its own device: the same GPU, or a peer GPU of the host.
 //
 // Data path. A CUDA stream cannot wait on a socket, so each end runs a progress thread that owns
-// the sockets, and streams wait ("counter >= value" in wrap-around order; a polling kernel, see
-// same_host_wait_kernel.h) on a counter in pinned host memory that only host code writes, so
-// that it never moves back.
+// the sockets, and streams wait (cuStreamWaitValue32, "counter >= value" in wrap-around order) on
+// a counter in pinned host memory that only host code writes, so that it never moves back.
 // Chunk c of the connection always travels in slot c % 2, so a receiver can enqueue its copy
 // before the doorbell comes:
 //   sender, chunk c on the caller's stream: [copy into slot c % 2 unless the caller packed it
@@ -18,8 +17,8 @@
 //     buffer (copy engines, no SMs) -> host function "copied" (the progress thread acks). The
 //     progress thread opens the gate only for a doorbell that passed its checks (the chunk due,
 //     its slot and byte count).
-// A stream waits only on host code, never on another stream of its process, and it waits in a
-// kernel, not in its hardware queue: other streams of the process go on.
+// A stream waits only on host code, never on another stream of its process: two streams that
+// share one of the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) cannot deadlock.
 // A chunk's broadcast completes on the caller's stream only once every receiver copied it,
 // which is what lets the caller pack the slot again (Transport::staging_buffer).
 //
