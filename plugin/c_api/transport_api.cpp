@@ -3,6 +3,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <string_view>
 
 #include "c_api/c_api_internal.h"
@@ -240,7 +241,11 @@ shadowsync_status_t shadowsync_same_host_transport_serve(
     const std::string socket_path = string_arg(path, "path");
     const std::string_view secret = token_arg(token, token_bytes);
     auto backend_object = lookup<BackendObject>(backend, "backend");
-    const auto flavour = static_cast<int>(memory);
+    // A C caller may pass any int: read it as one (loading an enum value outside the
+    // enumerators' range is undefined behaviour in C++).
+    static_assert(sizeof(memory) == sizeof(int));
+    int flavour = 0;
+    std::memcpy(&flavour, &memory, sizeof(flavour));
     if (flavour != SHADOWSYNC_SAME_HOST_MEMORY_HOST &&
         flavour != SHADOWSYNC_SAME_HOST_MEMORY_DEVICE) {
       throw_invalid(fmt::format("'memory' is {}; expected SHADOWSYNC_SAME_HOST_MEMORY_HOST ({}) "
