@@ -50,6 +50,7 @@
 #include <thread>
 #include <vector>
 
+#include "child_process.h"
 #include "deadline.h"
 #include "fake_engine.h"
 #include "gpu_fake_engine.cuh"
@@ -66,7 +67,6 @@
 #include "transports/same_host/same_host_socket.h"
 #include "watchdog.h"
 
-extern char** environ;
 
 using namespace shadowsync;
 using namespace shadowsync::testing;
@@ -294,96 +294,12 @@ TEST_CASE("same-host gpu trainer child", "[.same_host_gpu_trainer]") {
 
 namespace {
 
-struct Child {
-  pid_t pid = -1;
-  int out = -1;  // its stdout
-  ~Child() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-    }
-    if (out >= 0) ::close(out);
-  }
-  // Waits for it to exit (SIGKILL after `timeout`) and returns its status.
-  int reap(std::chrono::seconds timeout = 60s) {
-    const auto deadline = Clock::now() + timeout;
-    int status = 0;
-    for (;;) {
-      const pid_t r = ::waitpid(pid, &status, WNOHANG);
-      if (r == pid) break;
-      if (Clock::now() > deadline) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, &status, 0);
-        break;
-      }
-      pollfd pfd{out, POLLIN, 0};
-      (void)::poll(&pfd, 1, 50);  // its output, or a moment
-      if (pfd.revents != 0) drain_available();
-    }
-    pid = -1;
-    drain_available();
-    return status;
-  }
-  // What it printed so far (Catch's report of a failure in the child lands here).
-  std::string output;
-  void drain_available() {
-    for (;;) {
-      pollfd pfd{out, POLLIN, 0};
-      if (::poll(&pfd, 1, 0) <= 0 || (pfd.revents & (POLLIN | POLLHUP)) == 0) return;
-      char buffer[4096];
-      const ssize_t n = ::read(out, buffer, sizeof(buffer));
-      if (n <= 0) return;
-      output.append(buffer, static_cast<std::size_t>(n));
-    }
-  }
-};
-
-std::unique_ptr<Child> spawn_trainer(const std::string& path, std::uint64_t first,
-                                     std::uint64_t count, bool hang) {
-  int pipe_fds[2];
-  REQUIRE(::pipe2(pipe_fds, O_CLOEXEC) == 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, pipe_fds[1], STDOUT_FILENO);
-  std::vector<std::string> env_strings = {"SS_SHG_PATH=" + path,
-                                          "SS_SHG_FIRST=" + std::to_string(first),
-                                          "SS_SHG_COUNT=" + std::to_string(count),
-                                          std::string("SS_SHG_HANG=") + (hang ? "1" : "0")};
-  std::vector<char*> env;
-  for (auto& s : env_strings) env.push_back(s.data());
-  for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
-  env.push_back(nullptr);
-  std::string self = "/proc/self/exe";
-  std::string spec = "[.same_host_gpu_trainer]";
-  char* argv[] = {self.data(), spec.data(), nullptr};
-  auto child = std::make_unique<Child>();
-  const int spawned = posix_spawn(&child->pid, self.c_str(), &actions, nullptr, argv, env.data());
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(pipe_fds[1]);
-  child->out = pipe_fds[0];
-  REQUIRE(spawned == 0);
-  return child;
-}
-
-void require_exited_zero(Child& child) {
-  const int status = child.reap();
-  INFO("the trainer's output:\n" << child.output);
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);
-}
-
-// Waits for the child's "mid" line (Catch prints its own lines first); fails at the deadline.
-void wait_for_mid(Child& child) {
-  const auto deadline = Clock::now() + 60s;
-  while (child.output.find("mid\n") == std::string::npos) {
-    INFO("the trainer's stdout so far: " << child.output);
-    REQUIRE(Clock::now() < deadline);
-    int status = 0;
-    REQUIRE(::waitpid(child.pid, &status, WNOHANG) == 0);  // it must not have exited
-    pollfd pfd{child.out, POLLIN, 0};
-    REQUIRE(::poll(&pfd, 1, 1000) >= 0);
-    if (pfd.revents != 0) child.drain_available();
-  }
+std::unique_ptr<ChildProcess> spawn_trainer(const std::string& path, std::uint64_t first,
+                                            std::uint64_t count, bool hang) {
+  return spawn_self("[.same_host_gpu_trainer]",
+                    {"SS_SHG_PATH=" + path, "SS_SHG_FIRST=" + std::to_string(first),
+                     "SS_SHG_COUNT=" + std::to_string(count),
+                     std::string("SS_SHG_HANG=") + (hang ? "1" : "0")});
 }
 
 struct SocketDir {
@@ -527,7 +443,7 @@ TEST_CASE("same-host gpu processes: a trainer SIGKILLed mid-update fails it clea
   }
   const std::uint64_t before = engine.live_hash();
   engine.begin(4);  // base: the trainer supplies two of its tensors, then is killed
-  wait_for_mid(*trainer);
+  wait_for_output(*trainer, "mid\n");
   const auto killed = Clock::now();
   REQUIRE(::kill(trainer->pid, SIGKILL) == 0);
   // The engine keeps stepping while the failure is detected: the socket's EOF, at once.

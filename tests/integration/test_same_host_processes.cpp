@@ -25,12 +25,12 @@
 #include "live_hash.h"
 #include "pattern.h"
 #include "process_resources.h"
+#include "child_process.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/same_host_transport.h"
 #include "shadowsync/sender.h"
 
-extern char** environ;
 
 using namespace shadowsync;
 using namespace shadowsync::testing;
@@ -99,65 +99,12 @@ TEST_CASE("same-host trainer child", "[.same_host_trainer]") {
 
 namespace {
 
-struct Child {
-  pid_t pid = -1;
-  int out = -1;  // its stdout
-  ~Child() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-    }
-    if (out >= 0) ::close(out);
-  }
-  int reap() {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    pid = -1;
-    return status;
-  }
-};
-
-std::unique_ptr<Child> spawn_trainer(const std::string& path, std::uint64_t first,
-                                     std::uint64_t count, bool hang) {
-  int pipe_fds[2];
-  REQUIRE(::pipe2(pipe_fds, O_CLOEXEC) == 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, pipe_fds[1], STDOUT_FILENO);
-  std::vector<std::string> env_strings = {"SS_SH_PATH=" + path,
-                                          "SS_SH_FIRST=" + std::to_string(first),
-                                          "SS_SH_COUNT=" + std::to_string(count),
-                                          std::string("SS_SH_HANG=") + (hang ? "1" : "0")};
-  std::vector<char*> env;
-  for (auto& s : env_strings) env.push_back(s.data());
-  for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
-  env.push_back(nullptr);
-  std::string self = "/proc/self/exe";
-  std::string spec = "[.same_host_trainer]";
-  char* argv[] = {self.data(), spec.data(), nullptr};
-  auto child = std::make_unique<Child>();
-  REQUIRE(posix_spawn(&child->pid, self.c_str(), &actions, nullptr, argv, env.data()) == 0);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(pipe_fds[1]);
-  child->out = pipe_fds[0];
-  return child;
-}
-
-// Waits for the child's "mid" line (Catch prints its own lines first); fails at the deadline.
-void wait_for_mid(Child& child) {
-  std::string seen;
-  const auto deadline = deadline_from_now();
-  while (seen.find("mid\n") == std::string::npos) {
-    REQUIRE(std::chrono::steady_clock::now() < deadline);
-    pollfd pfd{child.out, POLLIN, 0};
-    REQUIRE(::poll(&pfd, 1, 1000) >= 0);
-    if (pfd.revents == 0) continue;
-    char buffer[256];
-    const ssize_t n = ::read(child.out, buffer, sizeof(buffer));
-    INFO("the trainer's stdout so far: " << seen);
-    REQUIRE(n > 0);
-    seen.append(buffer, static_cast<std::size_t>(n));
-  }
+std::unique_ptr<ChildProcess> spawn_trainer(const std::string& path, std::uint64_t first,
+                                            std::uint64_t count, bool hang) {
+  return spawn_self("[.same_host_trainer]",
+                    {"SS_SH_PATH=" + path, "SS_SH_FIRST=" + std::to_string(first),
+                     "SS_SH_COUNT=" + std::to_string(count),
+                     std::string("SS_SH_HANG=") + (hang ? "1" : "0")});
 }
 
 struct Engines {
@@ -283,7 +230,7 @@ TEST_CASE("same-host processes: a trainer killed or stopped mid-update fails it 
   }
   const auto before = engines.hashes();
   engines.begin(4);  // the trainer sends half of it, then dies or stops
-  wait_for_mid(*trainer);
+  wait_for_output(*trainer, "mid\n");
   ::kill(trainer->pid, signal);
   for (int r = 0; r < kReceivers; ++r) {
     // The engine keeps stepping while the failure is detected (EOF at once for a kill, the
