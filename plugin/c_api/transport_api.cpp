@@ -17,11 +17,16 @@ using namespace shadowsync::c_api;
 
 namespace {
 
-// What a receiver or sender owns: the transport of a handle, shared with the registry until the
-// call that takes it succeeded (so that a failed call leaves the caller's handle intact).
-class SharedTransport final : public Transport {
+// A transport that forwards every call to a shared one, keeping `owner` alive as long as itself:
+// what a receiver or sender gets from a handle (the transport shared with the registry until the
+// call that takes it succeeded, so that a failed call leaves the caller's handle intact), and
+// what a same-host transport is wrapped in (owner: the backend of the handle it was made with,
+// so that the caller may destroy that handle whenever).
+class ForwardingTransport final : public Transport {
  public:
-  explicit SharedTransport(std::shared_ptr<Transport> inner) : inner_(std::move(inner)) {}
+  explicit ForwardingTransport(std::shared_ptr<Transport> inner,
+                               std::shared_ptr<void> owner = nullptr)
+      : owner_(std::move(owner)), inner_(std::move(inner)) {}
   std::string_view name() const override { return inner_->name(); }
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
@@ -37,32 +42,8 @@ class SharedTransport final : public Transport {
   void abort() noexcept override { inner_->abort(); }
 
  private:
+  std::shared_ptr<void> owner_;  // first: outlives the transport
   std::shared_ptr<Transport> inner_;
-};
-
-// A transport made with a backend handle's backend (same-host): it holds that backend, so that
-// the caller may destroy the handle whenever, as for receivers and senders.
-class BackendBoundTransport final : public Transport {
- public:
-  BackendBoundTransport(std::shared_ptr<BackendObject> backend, std::unique_ptr<Transport> inner)
-      : backend_(std::move(backend)), inner_(std::move(inner)) {}
-  std::string_view name() const override { return inner_->name(); }
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override {
-    inner_->broadcast_async(buffer, bytes, root, stream);
-  }
-  void* staging_buffer(int index, std::size_t bytes) override {
-    return inner_->staging_buffer(index, bytes);
-  }
-  void group_begin() override { inner_->group_begin(); }
-  void group_end() override { inner_->group_end(); }
-  std::optional<std::string> async_error() override { return inner_->async_error(); }
-  void abort() noexcept override { inner_->abort(); }
-
- private:
-  std::shared_ptr<BackendObject> backend_;  // first: outlives the transport
-  std::unique_ptr<Transport> inner_;
 };
 
 shadowsync_transport_t add_transport(std::unique_ptr<Transport> transport) {
@@ -119,7 +100,7 @@ TransportClaim::~TransportClaim() {
 
 std::unique_ptr<Transport> TransportClaim::take() {
   if (!object_) return nullptr;
-  return std::make_unique<SharedTransport>(object_->transport);
+  return std::make_unique<ForwardingTransport>(object_->transport);
 }
 
 void TransportClaim::commit() noexcept {
@@ -274,7 +255,7 @@ shadowsync_status_t shadowsync_same_host_transport_serve(
         SameHostTransport::serve(socket_path, secret, receivers, *backend_object->backend,
                                  cpp_memory, slot_bytes, config);
     out = add_transport(
-        std::make_unique<BackendBoundTransport>(std::move(backend_object), std::move(made)));
+        std::make_unique<ForwardingTransport>(std::move(made), std::move(backend_object)));
   });
 }
 
@@ -292,7 +273,7 @@ shadowsync_status_t shadowsync_same_host_transport_connect(const char* path, con
     std::unique_ptr<Transport> made = SameHostTransport::connect(
         socket_path, secret, rank, *backend_object->backend, config);
     out = add_transport(
-        std::make_unique<BackendBoundTransport>(std::move(backend_object), std::move(made)));
+        std::make_unique<ForwardingTransport>(std::move(made), std::move(backend_object)));
   });
 }
 

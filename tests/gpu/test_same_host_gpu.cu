@@ -99,24 +99,6 @@ std::unique_ptr<SameHostFixture> device_fixture(int world_size, std::size_t slot
       [](int) -> std::unique_ptr<Backend> { return std::make_unique<CudaBackend>(0); });
 }
 
-// The cases that need a root other than rank 0, and only those (the same-host sender is rank 0).
-const std::vector<std::string> kSkippedOnSameHost = {
-    "grouped batch of 8 broadcasts with changing roots", "broadcast from the last rank"};
-
-bool expected_skip(const std::string& name) {
-  return std::find(kSkippedOnSameHost.begin(), kSkippedOnSameHost.end(), name) !=
-         kSkippedOnSameHost.end();
-}
-
-void report(const ConformanceResult& result) {
-  for (const std::string& note : result.notes) UNSCOPED_INFO(result.name << ": " << note);
-  for (const std::string& failure : result.failures) FAIL_CHECK(result.name << ": " << failure);
-  if (result.skipped) {
-    CHECK(expected_skip(result.name));
-  } else {
-    CHECK_FALSE(expected_skip(result.name));
-  }
-}
 
 }  // namespace
 
@@ -129,7 +111,7 @@ TEST_CASE("same-host gpu conformance: device memory, 4 KiB slots, each case alon
   const auto fixture = device_fixture(world_size, 4096);
   CHECK(fixture->same_host(0).memory() == SameHostMemory::kDevice);
   const ConformanceResult result = run_conformance_case(*fixture, name);
-  report(result);
+  report_same_host_case(result);
   CHECK(result.passed());
 }
 
@@ -144,12 +126,12 @@ TEST_CASE("same-host gpu conformance: device memory, the whole suite on one fixt
   const auto start = Clock::now();
   const auto results = run_transport_conformance(*fixture);
   REQUIRE(results.size() == conformance_case_names().size());
-  for (const ConformanceResult& result : results) report(result);
+  for (const ConformanceResult& result : results) report_same_host_case(result);
   CHECK(conformance_failures(results).empty());
   // Still usable after the suite's aborts and reconnects.
   const ConformanceResult again =
       run_conformance_case(*fixture, "broadcast from root 0 of 1 B, 4097 B and 1 MiB");
-  report(again);
+  report_same_host_case(again);
   CHECK(again.passed());
   std::printf("same_host_gpu: conformance %s: %zu cases, %.2f s\n", fixture->name().c_str(),
               results.size(), seconds_since(start));

@@ -61,4 +61,12 @@ class SameHostFixture final : public TransportFixture {
   std::vector<std::unique_ptr<SameHostTransport>> transports_;
 };
 
+// The conformance cases that need a root other than rank 0, and only those (the same-host
+// sender is always rank 0): what a same-host fixture must skip.
+extern const std::vector<std::string> kSkippedOnSameHost;
+
+// Reports one conformance case of a same-host fixture to Catch: its notes, its failures, and a
+// failure when it was skipped though it applies (or ran though it needs a root other than 0).
+void report_same_host_case(const ConformanceResult& result);
+
 }  // namespace shadowsync::testing

@@ -19,6 +19,7 @@
 
 namespace {
 
+using shadowsync::testing::kSkippedOnSameHost;
 using shadowsync::Backend;
 using shadowsync::HostBackend;
 using shadowsync::SameHostMemory;
@@ -33,25 +34,6 @@ std::unique_ptr<SameHostFixture> make_fixture(int world_size) {
       [](int) -> std::unique_ptr<Backend> { return std::make_unique<HostBackend>(); });
 }
 
-// The cases that need a root other than rank 0, and only those.
-const std::vector<std::string> kSkippedOnSameHost = {
-    "grouped batch of 8 broadcasts with changing roots", "broadcast from the last rank"};
-
-bool expected_skip(const std::string& name) {
-  return std::find(kSkippedOnSameHost.begin(), kSkippedOnSameHost.end(), name) !=
-         kSkippedOnSameHost.end();
-}
-
-void report(const ConformanceResult& result) {
-  for (const std::string& note : result.notes) UNSCOPED_INFO(result.name << ": " << note);
-  for (const std::string& failure : result.failures) FAIL_CHECK(result.name << ": " << failure);
-  if (result.skipped) {
-    WARN("skipped: " << result.name << ": " << *result.skipped);
-    CHECK(expected_skip(result.name));
-  } else {
-    CHECK_FALSE(expected_skip(result.name));
-  }
-}
 
 }  // namespace
 
@@ -79,7 +61,7 @@ TEST_CASE("same-host conformance: host memory, each case alone", "[conformance][
   CAPTURE(world_size, name);
   const auto fixture = make_fixture(world_size);
   const ConformanceResult result = shadowsync::testing::run_conformance_case(*fixture, name);
-  report(result);
+  report_same_host_case(result);
   CHECK(result.passed());
 }
 
@@ -92,10 +74,10 @@ TEST_CASE("same-host conformance: host memory, the whole suite on one fixture",
   const auto fixture = make_fixture(world_size);
   const auto results = shadowsync::testing::run_transport_conformance(*fixture);
   REQUIRE(results.size() == shadowsync::testing::conformance_case_names().size());
-  for (const ConformanceResult& result : results) report(result);
+  for (const ConformanceResult& result : results) report_same_host_case(result);
   CHECK(shadowsync::testing::conformance_failures(results).empty());
   const ConformanceResult again = shadowsync::testing::run_conformance_case(
       *fixture, "broadcast from root 0 of 1 B, 4097 B and 1 MiB");
-  report(again);
+  report_same_host_case(again);
   CHECK(again.passed());
 }
