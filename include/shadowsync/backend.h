@@ -68,6 +68,12 @@ class Backend {
 
   // Enqueue on `stream`; return at once. An event or stream is used by one thread at a time.
   virtual void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) = 0;
+  // `rows` rows of `row_bytes` each, row r from src + r * src_pitch to dst + r * dst_pitch (both
+  // pitches at least row_bytes): a receive plan's piece (receive_plan.h). On CUDA one
+  // cudaMemcpy2DAsync (copy engines, no SMs).
+  virtual void memcpy_2d_async(void* dst, std::size_t dst_pitch, const void* src,
+                               std::size_t src_pitch, std::size_t row_bytes, std::size_t rows,
+                               Stream& stream) = 0;
   virtual void event_record(Event& event, Stream& stream) = 0;
   virtual void stream_wait_event(Stream& stream, Event& event) = 0;
 

@@ -34,6 +34,8 @@ class HostBackend final : public Backend {
   std::unique_ptr<Event> create_event() override;
 
   void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override;
+  void memcpy_2d_async(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
+                       std::size_t row_bytes, std::size_t rows, Stream& stream) override;
   void event_record(Event& event, Stream& stream) override;
   void stream_wait_event(Stream& stream, Event& event) override;
   bool event_query(Event& event) override;

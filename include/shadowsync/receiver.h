@@ -20,6 +20,7 @@
 #include "shadowsync/backend.h"
 #include "shadowsync/error.h"
 #include "shadowsync/layout.h"
+#include "shadowsync/receive_plan.h"
 #include "shadowsync/step_hook.h"
 #include "shadowsync/transport.h"
 #include "shadowsync/update_header.h"
@@ -121,6 +122,16 @@ class Receiver {
   // names the reason and suggests copy_in).
   Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
            ReceiverConfig config = {});
+  // The same for an engine whose layout is not the trainer's: the slots have `layout` (the
+  // engine's), updates come in `plan.wire()` (the trainer's; headers are checked against it) and
+  // each received wire bucket lands in a bucket buffer of the receiver (plan.max_bucket_bytes(),
+  // on the backend) from which the plan's pieces are copied into the shadow on the receive
+  // stream, before the bucket's event: the receive's completion covers them. Throws
+  // Error(kLayoutMismatch) when the plan was built for another engine layout, and
+  // Error(kInvalidArgument) for ReceiverConfig::reject_nonfinite (its per-tensor counts need the
+  // trainer's tensors whole in one place; checksums work).
+  Receiver(Layout layout, ReceivePlan plan, Backend& backend, std::unique_ptr<Transport> transport,
+           ReceiverConfig config = {});
   // shutdown(), then frees every slot, event and stream and joins every thread it started. The
   // engine must have stopped calling the step hook and its stream must be done reading the slots.
   ~Receiver();
@@ -144,7 +155,10 @@ class Receiver {
   void set_observer(std::function<void(const UpdateReport&)> observer);
 
   StepHook& step_hook() { return *hook_; }
-  const Layout& layout() const { return layout_; }
+  const Layout& layout() const { return layout_; }  // the slots' (the engine's)
+  // The layout updates arrive in: the plan's wire layout, or layout() without a plan.
+  const Layout& wire_layout() const { return plan_ ? plan_->wire() : layout_; }
+  const ReceivePlan* plan() const { return plan_.get(); }  // null without one
   ReceiverStats stats() const;  // Thread-safe.
 
   // Blocks until every queued command has been processed (tests, orderly shutdown).
@@ -159,7 +173,11 @@ class Receiver {
 
  private:
   struct Impl;
+  Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backend& backend,
+           std::unique_ptr<Transport> transport, ReceiverConfig config);
+
   Layout layout_;
+  std::unique_ptr<const ReceivePlan> plan_;
   std::unique_ptr<SlotTable> slots_;
   std::unique_ptr<StepHook> hook_;
   std::unique_ptr<Impl> impl_;

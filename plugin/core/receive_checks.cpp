@@ -57,6 +57,11 @@ void ReceiveChecks::enqueue_bucket(const GroupLayout& group, std::size_t group_i
   }
 }
 
+void ReceiveChecks::enqueue_bucket_checksum(const std::byte* data, std::size_t bytes,
+                                            Stream& on) {
+  backend_.checksum_async(data, bytes, scratch_.computed_checksum(buckets_++), on);
+}
+
 void ReceiveChecks::enqueue_results(Event* sent_block_done) {
   // The stream already waited for every data bucket (enqueue_bucket); the sender's checksum block
   // is the one event after them.

@@ -80,6 +80,11 @@ class ReceiveChecks {
   void enqueue_bucket(const GroupLayout& group, std::size_t group_index, const std::byte* arena,
                       std::size_t k, Event& bucket_done);
 
+  // Enqueues on `on` (the receive stream, right behind the bucket's receive and before the buffer
+  // is reused) the checksum of the next bucket in broadcast order, `bytes` at `data`. For a
+  // receive plan's bucket buffer, which the check stream could not read in time.
+  void enqueue_bucket_checksum(const std::byte* data, std::size_t bytes, Stream& on);
+
   // Where the sender's checksum block is received (device memory, one word per bucket).
   void* sent_checksums() const { return scratch_.sent_checksums(); }
 

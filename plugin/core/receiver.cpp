@@ -49,9 +49,10 @@ struct Receiver::Impl {
         planner(*owner.slots_),
         stream(backend.create_stream(StreamPriority::kLow)),
         done_event(backend.create_event()),
-        checks(owner.layout_, backend, config.reject_nonfinite) {
+        checks(owner.wire_layout(), backend, config.reject_nonfinite) {
     std::size_t max_buckets = 0;  // of an update that carries every group
-    for (const auto& g : owner.layout_.groups()) max_buckets += g.bucket_count();
+    for (const auto& g : owner.wire_layout().groups()) max_buckets += g.bucket_count();
+    if (owner.plan_) bucket_buffer = DeviceBuffer(backend, owner.plan_->max_bucket_bytes());
     // One more event for a trailing checksum block.
     for (std::size_t i = 0; i <= max_buckets; ++i) bucket_events.push_back(backend.create_event());
   }
@@ -81,6 +82,10 @@ struct Receiver::Impl {
   std::unique_ptr<Stream> stream;        // the receives
   std::unique_ptr<Event> done_event;
   std::vector<std::unique_ptr<Event>> bucket_events;
+  // With a receive plan: where each wire bucket lands before its pieces are copied out. One is
+  // enough: the receive, the checksum and the pieces of a bucket and the next bucket's receive are
+  // all on `stream`, in that order.
+  DeviceBuffer bucket_buffer;
   ReceiveChecks checks;  // receiver thread only
 
   moodycamel::BlockingConcurrentQueue<Command> commands;
@@ -96,10 +101,44 @@ struct Receiver::Impl {
   std::function<void(const UpdateReport&)> observer;
 };
 
+namespace {
+
+// The plan's checks that need the receiver's config and layout; before anything is allocated.
+std::unique_ptr<const ReceivePlan> checked_plan(std::unique_ptr<const ReceivePlan> plan,
+                                                const Layout& layout,
+                                                const ReceiverConfig& config) {
+  if (!plan) return plan;
+  if (plan->engine_fingerprint() != layout.fingerprint()) {
+    throw Error(ErrorCode::kLayoutMismatch,
+                fmt::format("the receive plan was built for engine layout {:#018x}, but the "
+                            "receiver's layout is {:#018x}",
+                            plan->engine_fingerprint(), layout.fingerprint()));
+  }
+  if (config.reject_nonfinite) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "ReceiverConfig::reject_nonfinite is not available with a receive plan (it counts "
+                "per trainer tensor, which a plan spreads over buckets and engine tensors); "
+                "checksums are");
+  }
+  return plan;
+}
+
+}  // namespace
+
 Receiver::Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
                    ReceiverConfig config)
+    : Receiver(std::move(layout), nullptr, backend, std::move(transport), config) {}
+
+Receiver::Receiver(Layout layout, ReceivePlan plan, Backend& backend,
+                   std::unique_ptr<Transport> transport, ReceiverConfig config)
+    : Receiver(std::move(layout), std::make_unique<const ReceivePlan>(std::move(plan)), backend,
+               std::move(transport), config) {}
+
+Receiver::Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backend& backend,
+                   std::unique_ptr<Transport> transport, ReceiverConfig config)
     // The config is checked first, before the slots are allocated.
     : layout_((check_receiver_config(config, transport.get(), backend), std::move(layout))),
+      plan_(checked_plan(std::move(plan), layout_, config)),
       slots_(std::make_unique<SlotTable>(layout_, backend, config.swap_strategy)),
       hook_(std::make_unique<StepHook>(layout_, *slots_)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
@@ -114,8 +153,8 @@ void Receiver::begin_update(const UpdateHeader& header) {
                 fmt::format("update {}: the receiver is shut down", header.version));
   }
   std::lock_guard lock(impl_->accept_mutex);
-  validate_update_header(header, layout_, impl_->last_accepted_version);
-  const bool checksums = carries_checksums(header, layout_);
+  validate_update_header(header, wire_layout(), impl_->last_accepted_version);
+  const bool checksums = carries_checksums(header, wire_layout());
   if (!checksums && impl_->config.require_checksums) {
     throw Error(ErrorCode::kBadHeader,
                 fmt::format("update {}: carries no checksums (bucket count {}, the layout's), but "
@@ -223,7 +262,7 @@ void Receiver::Impl::resolve_offer() {
 }
 
 void Receiver::Impl::receive(const UpdateHeader& header) {
-  const Layout& layout = owner.layout_;
+  const Layout& layout = owner.wire_layout();
   if (!transport) {
     UpdateReport failed;
     failed.version = header.version;
@@ -250,8 +289,10 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   for (const ReceiveTarget& target : targets) {
     backend.stream_wait_event(*stream, *owner.slots_->group(target.group).release[target.slot]);
   }
-  // Straight into the shadow arena: one broadcast per bucket, no staging, no per-tensor work.
+  // Without a plan straight into the shadow arena: one broadcast per bucket, no staging, no
+  // per-tensor work. With one, into the bucket buffer, then the plan's pieces into the shadow.
   checks.begin(carries_checksums(header, layout));
+  const ReceivePlan* plan = owner.plan_.get();
   std::size_t posted = 0;
   std::size_t bytes = 0;
   for (const ReceiveTarget& target : targets) {
@@ -259,11 +300,22 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     std::byte* arena = owner.slots_->slot_data(target.group, target.slot);
     for (std::size_t k = 0; k < group.bucket_count(); ++k) {
       const Bucket bucket = group.bucket(k);
-      transport->broadcast_async(arena + bucket.offset, bucket.bytes, config.root_rank, *stream);
       Event& bucket_done = *bucket_events[posted++];
-      backend.event_record(bucket_done, *stream);
       bytes += bucket.bytes;
-      if (checks.active()) checks.enqueue_bucket(group, target.group, arena, k, bucket_done);
+      if (plan == nullptr) {
+        transport->broadcast_async(arena + bucket.offset, bucket.bytes, config.root_rank, *stream);
+        backend.event_record(bucket_done, *stream);
+        if (checks.active()) checks.enqueue_bucket(group, target.group, arena, k, bucket_done);
+        continue;
+      }
+      std::byte* landed = bucket_buffer.data();
+      transport->broadcast_async(landed, bucket.bytes, config.root_rank, *stream);
+      if (checks.checksums()) checks.enqueue_bucket_checksum(landed, bucket.bytes, *stream);
+      for (const PlanPiece& p : plan->pieces(target.group, k)) {
+        backend.memcpy_2d_async(arena + p.dst_offset, p.dst_pitch, landed + p.src_offset,
+                                p.src_pitch, p.row_bytes, p.rows, *stream);
+      }
+      backend.event_record(bucket_done, *stream);
     }
   }
   Event* sent_block_done = nullptr;

@@ -45,6 +45,14 @@ class CountingBackend final : public Backend {
     copy_calls.fetch_add(1);
     copy_bytes.fetch_add(n);
   }
+  void memcpy_2d_async(void* d, std::size_t dp, const void* s, std::size_t sp, std::size_t w,
+                       std::size_t rows, Stream& st) override {
+    ++calls;
+    inner_.memcpy_2d_async(d, dp, s, sp, w, rows, st);
+    if (w == 0 || rows == 0) return;
+    copy_calls.fetch_add(1);
+    copy_bytes.fetch_add(w * rows);
+  }
   void event_record(Event& e, Stream& s) override { ++calls, inner_.event_record(e, s); }
   void stream_wait_event(Stream& s, Event& e) override { ++calls, inner_.stream_wait_event(s, e); }
   bool event_query(Event& e) override { return ++calls, inner_.event_query(e); }

@@ -224,6 +224,22 @@ void CudaBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, St
                         static_cast<void*>(cuda_stream.handle()), device_);
 }
 
+void CudaBackend::memcpy_2d_async(void* dst, std::size_t dst_pitch, const void* src,
+                                  std::size_t src_pitch, std::size_t row_bytes, std::size_t rows,
+                                  Stream& stream) {
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "memcpy_2d_async");
+  if (row_bytes == 0 || rows == 0) return;
+  check_memcpy_2d_args("CudaBackend::memcpy_2d_async", dst, dst_pitch, src, src_pitch, row_bytes,
+                       rows);
+  make_current();
+  // One row: the pitches do not matter, and CUDA wants them at least the width.
+  if (rows == 1) dst_pitch = src_pitch = row_bytes;
+  SHADOWSYNC_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
+                                          cudaMemcpyDefault, cuda_stream.handle()),
+                        "dst={} dst_pitch={} src={} src_pitch={} row_bytes={} rows={} device={}",
+                        dst, dst_pitch, src, src_pitch, row_bytes, rows, device_);
+}
+
 void CudaBackend::event_record(Event& event, Stream& stream) {
   CudaEvent& cuda_event = cuda_event_or_throw(event, "event_record");
   CudaStream& cuda_stream = cuda_stream_or_throw(stream, "event_record");

@@ -245,6 +245,21 @@ void HostBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, St
   host_stream.enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); });
 }
 
+void HostBackend::memcpy_2d_async(void* dst, std::size_t dst_pitch, const void* src,
+                                  std::size_t src_pitch, std::size_t row_bytes, std::size_t rows,
+                                  Stream& stream) {
+  HostStream& host_stream = host_stream_or_throw(stream, "memcpy_2d_async");
+  if (row_bytes == 0 || rows == 0) return;
+  check_memcpy_2d_args("HostBackend::memcpy_2d_async", dst, dst_pitch, src, src_pitch, row_bytes,
+                       rows);
+  host_stream.enqueue([=] {
+    for (std::size_t r = 0; r < rows; ++r) {
+      std::memcpy(static_cast<std::byte*>(dst) + r * dst_pitch,
+                  static_cast<const std::byte*>(src) + r * src_pitch, row_bytes);
+    }
+  });
+}
+
 void HostBackend::event_record(Event& event, Stream& stream) {
   HostEvent& host_event = host_event_or_throw(event, "event_record");
   HostStream& host_stream = host_stream_or_throw(stream, "event_record");

@@ -1,0 +1,81 @@
+// The receive plan: how the trainer's tensors (the *wire* layout: its names, unfused, unsharded)
+// land in the engine's own parameters (the *engine* layout: fused, sharded, renamed) while the
+// engine keeps generating.
+//
+// A plan is built once, at set-up, from a list of PlanCopy (one strided copy from a view of a
+// wire tensor into a view of an engine tensor; the Python adapter derives them from the engine's
+// own weight loaders). build() checks every copy against both layouts, checks that every byte of
+// every engine tensor is written exactly once (a byte no copy writes would keep the value of the
+// update before the last one: silently wrong weights), and splits the copies into pieces per wire
+// bucket, so that the receiver runs a bucket's pieces on its stream as soon as the bucket landed.
+//
+// Immutable once built; thread-safe to read.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shadowsync/layout.h"
+
+namespace shadowsync {
+
+// Copy `shape` elements from wire tensor `wire` (element offset `src_offset`, element strides
+// `src_strides`) into engine tensor `engine` (`dst_offset`, `dst_strides`). Both tensors have the
+// same dtype and belong to groups of the same name; offsets and strides count elements from the
+// tensor's first one.
+struct PlanCopy {
+  std::string wire;
+  std::string engine;
+  std::vector<std::int64_t> shape;
+  std::int64_t src_offset = 0;
+  std::vector<std::int64_t> src_strides;
+  std::int64_t dst_offset = 0;
+  std::vector<std::int64_t> dst_strides;
+};
+
+// What the receiver runs for one wire bucket: `rows` rows of `row_bytes` each, from the bucket as
+// received (offsets from its first byte) into the engine group's arena (offsets from the arena's
+// first byte). One Backend::memcpy_2d_async.
+struct PlanPiece {
+  std::size_t src_offset = 0;
+  std::size_t src_pitch = 0;
+  std::size_t dst_offset = 0;
+  std::size_t dst_pitch = 0;
+  std::size_t row_bytes = 0;
+  std::size_t rows = 0;
+};
+
+class ReceivePlan {
+ public:
+  // Checks and splits the copies. Throws Error(kLayoutMismatch) when the two layouts do not have
+  // the same groups in the same order, or a copy names a tensor that is not in its layout, joins
+  // tensors of different groups or dtypes; Error(kInvalidArgument) for a copy whose shape and
+  // strides disagree in rank, that reaches outside either tensor, whose last dimension is not
+  // contiguous on both sides (the plan copies rows), or when an engine tensor is not written
+  // exactly once (each message names the tensors and the counts).
+  static ReceivePlan build(Layout wire, const Layout& engine, const std::vector<PlanCopy>& copies);
+
+  const Layout& wire() const { return wire_; }
+  std::uint64_t engine_fingerprint() const { return engine_fingerprint_; }
+  // The pieces of wire bucket `bucket` of group `group` (indices of the wire layout, which has
+  // the engine's groups in the same order).
+  const std::vector<PlanPiece>& pieces(std::size_t group, std::size_t bucket) const {
+    return pieces_[group][bucket];
+  }
+  // The largest wire bucket: the size of the receiver's bucket buffer.
+  std::size_t max_bucket_bytes() const { return max_bucket_bytes_; }
+  std::size_t piece_count() const { return piece_count_; }
+
+ private:
+  ReceivePlan(Layout wire) : wire_(std::move(wire)) {}
+
+  Layout wire_;
+  std::uint64_t engine_fingerprint_ = 0;
+  std::vector<std::vector<std::vector<PlanPiece>>> pieces_;  // [group][bucket]
+  std::size_t max_bucket_bytes_ = 0;
+  std::size_t piece_count_ = 0;
+};
+
+}  // namespace shadowsync

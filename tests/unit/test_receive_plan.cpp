@@ -1,0 +1,260 @@
+// The receive plan: its checks, and its pieces against a reference strided copy, alone and run by
+// a receiver that takes an update from a sender of the wire layout.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <random>
+
+#include "shadowsync/error.h"
+#include "shadowsync/host_backend.h"
+#include "shadowsync/loopback_transport.h"
+#include "shadowsync/receive_plan.h"
+#include "shadowsync/receiver.h"
+#include "shadowsync/sender.h"
+
+using namespace shadowsync;
+
+namespace {
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+// What vLLM does with a Llama attention block at tensor-parallel rank 1 of 2: q, k and v (HF
+// names, full shapes) go into rows of one fused qkv_proj shard; o_proj is split by columns, so its
+// shard is every row's second half; the norm is replicated whole.
+struct FusedModel {
+  static constexpr std::int64_t kHidden = 16, kQ = 16, kKv = 8;
+  Layout wire = Layout::build({{"q_proj", DType::kBFloat16, {kQ, kHidden}, "base"},
+                               {"k_proj", DType::kBFloat16, {kKv, kHidden}, "base"},
+                               {"v_proj", DType::kBFloat16, {kKv, kHidden}, "base"},
+                               {"o_proj", DType::kBFloat16, {kHidden, kQ}, "base"},
+                               {"norm", DType::kFloat32, {kHidden}, "base"}},
+                              {.bucket_bytes = 256});
+  Layout engine = Layout::build({{"qkv_proj", DType::kBFloat16, {(kQ + 2 * kKv) / 2, kHidden}, "base"},
+                                 {"o_proj", DType::kBFloat16, {kHidden, kQ / 2}, "base"},
+                                 {"norm", DType::kFloat32, {kHidden}, "base"}});
+  std::vector<PlanCopy> copies() const {
+    const std::int64_t h = kHidden;
+    return {
+        // Rank 1's halves of q, k and v, one after the other in qkv_proj.
+        {"q_proj", "qkv_proj", {kQ / 2, h}, kQ / 2 * h, {h, 1}, 0, {h, 1}},
+        {"k_proj", "qkv_proj", {kKv / 2, h}, kKv / 2 * h, {h, 1}, kQ / 2 * h, {h, 1}},
+        {"v_proj", "qkv_proj", {kKv / 2, h}, kKv / 2 * h, {h, 1}, (kQ + kKv) / 2 * h, {h, 1}},
+        // Columns kQ/2.. of every row of o_proj.
+        {"o_proj", "o_proj", {h, kQ / 2}, kQ / 2, {kQ, 1}, 0, {kQ / 2, 1}},
+        {"norm", "norm", {h}, 0, {1}, 0, {1}},
+    };
+  }
+};
+
+const TensorPlacement& placement(const Layout& layout, const std::string& name) {
+  for (const auto& g : layout.groups()) {
+    if (auto t = g.find_tensor(name)) return g.tensors()[*t];
+  }
+  throw std::runtime_error("no tensor " + name);
+}
+
+// The reference: each copy element by element, straight from the definition of PlanCopy.
+std::vector<std::byte> reference(const Layout& wire, const Layout& engine,
+                                 const std::vector<PlanCopy>& copies,
+                                 const std::vector<std::byte>& wire_arena) {
+  std::vector<std::byte> out(engine.groups()[0].arena_bytes());
+  for (const PlanCopy& c : copies) {
+    const TensorPlacement& s = placement(wire, c.wire);
+    const TensorPlacement& d = placement(engine, c.engine);
+    const std::size_t e = dtype_size(s.spec.dtype);
+    std::vector<std::int64_t> index(c.shape.size(), 0);
+    for (;;) {
+      std::int64_t so = c.src_offset, dof = c.dst_offset;
+      for (std::size_t k = 0; k < index.size(); ++k) {
+        so += index[k] * c.src_strides[k];
+        dof += index[k] * c.dst_strides[k];
+      }
+      std::memcpy(out.data() + d.offset + dof * e, wire_arena.data() + s.offset + so * e, e);
+      std::size_t k = index.size();
+      while (k > 0 && ++index[k - 1] == c.shape[k - 1]) index[--k] = 0;
+      if (k == 0) break;
+    }
+  }
+  return out;
+}
+
+// What the receiver does: each wire bucket into a buffer of its own, then its pieces.
+std::vector<std::byte> run_pieces(const ReceivePlan& plan, const Layout& engine,
+                                  const std::vector<std::byte>& wire_arena) {
+  std::vector<std::byte> out(engine.groups()[0].arena_bytes());
+  const GroupLayout& group = plan.wire().groups()[0];
+  std::vector<std::byte> buffer(plan.max_bucket_bytes());
+  for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+    const Bucket b = group.bucket(k);
+    std::fill(buffer.begin(), buffer.end(), std::byte{0xEE});  // stale bytes must not leak
+    std::memcpy(buffer.data(), wire_arena.data() + b.offset, b.bytes);
+    for (const PlanPiece& p : plan.pieces(0, k)) {
+      REQUIRE(p.src_offset + (p.rows - 1) * p.src_pitch + p.row_bytes <= b.bytes);
+      for (std::size_t r = 0; r < p.rows; ++r) {
+        std::memcpy(out.data() + p.dst_offset + r * p.dst_pitch,
+                    buffer.data() + p.src_offset + r * p.src_pitch, p.row_bytes);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::byte> bytes(n);
+  for (auto& b : bytes) b = static_cast<std::byte>(rng());
+  return bytes;
+}
+
+}  // namespace
+
+TEST_CASE("a plan's pieces, bucket by bucket, give what the copies define") {
+  FusedModel m;
+  const ReceivePlan plan = ReceivePlan::build(m.wire, m.engine, m.copies());
+  CHECK(plan.max_bucket_bytes() == 256);
+  CHECK(m.wire.groups()[0].bucket_count() > 5);  // rows cross bucket boundaries
+  for (unsigned seed = 1; seed <= 5; ++seed) {
+    const auto wire_arena = random_bytes(m.wire.groups()[0].arena_bytes(), seed);
+    CHECK(run_pieces(plan, m.engine, wire_arena) ==
+          reference(m.wire, m.engine, m.copies(), wire_arena));
+  }
+}
+
+TEST_CASE("random copies of sub-blocks split at any bucket size match the reference") {
+  // One wire tensor [R, C]; the engine tensor is its transpose-free sub-block [r0.., c0..] of
+  // random size, so rows start at odd offsets and cross boundaries in every way.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::int64_t R = 1 + rng() % 9, C = 1 + rng() % 40;
+    const std::int64_t r0 = rng() % R, c0 = rng() % C;
+    const std::int64_t rows = 1 + rng() % (R - r0), cols = 1 + rng() % (C - c0);
+    const std::size_t bucket = 256 * (1 + rng() % 3);
+    const Layout wire = Layout::build({{"pad", DType::kInt8, {static_cast<std::int64_t>(rng() % 300) + 1}},
+                                       {"w", DType::kFloat16, {R, C}}},
+                                      {.bucket_bytes = bucket});
+    const Layout engine = Layout::build({{"e", DType::kFloat16, {rows, cols}},
+                                         {"p", DType::kInt8, {1}}});
+    const std::vector<PlanCopy> copies = {
+        {"w", "e", {rows, cols}, r0 * C + c0, {C, 1}, 0, {cols, 1}},
+        {"pad", "p", {1}, 0, {1}, 0, {1}}};
+    const ReceivePlan plan = ReceivePlan::build(wire, engine, copies);
+    const auto wire_arena = random_bytes(wire.groups()[0].arena_bytes(), trial);
+    INFO("R=" << R << " C=" << C << " r0=" << r0 << " c0=" << c0 << " rows=" << rows
+              << " cols=" << cols << " bucket=" << bucket);
+    REQUIRE(run_pieces(plan, engine, wire_arena) == reference(wire, engine, copies, wire_arena));
+  }
+}
+
+TEST_CASE("a plan refuses copies that do not fit, naming the tensors and the values") {
+  FusedModel m;
+  const auto refused = [&](std::vector<PlanCopy> copies) {
+    return message_of([&] { ReceivePlan::build(m.wire, m.engine, copies); });
+  };
+  auto copies = m.copies();
+
+  SECTION("an engine tensor not written completely") {
+    copies.erase(copies.begin() + 1);  // k_proj's rows of qkv_proj stay unwritten
+    const std::string why = refused(copies);
+    CHECK_THAT(why, Catch::Contains("'qkv_proj' (384 of 512 bytes)"));
+    CHECK_THAT(why, Catch::Contains("older version"));
+  }
+  SECTION("a byte written twice") {
+    copies[1].dst_offset = 0;  // k over q's first rows
+    CHECK_THAT(refused(copies), Catch::Contains("engine tensor 'qkv_proj': bytes 0..128 of it are "
+                                                "written twice (by the copies from 'q_proj' and "
+                                                "from 'k_proj')"));
+  }
+  SECTION("a tensor that is not in its layout") {
+    copies[0].wire = "model.q_proj";
+    CHECK_THAT(refused(copies), Catch::Contains("'model.q_proj' is not a tensor of the wire layout"));
+  }
+  SECTION("a view outside its tensor") {
+    copies[0].src_offset = 9 * 16;  // rows 9..16 of a 16-row q_proj
+    CHECK_THAT(refused(copies),
+               Catch::Contains("the source view (offset 144, shape [8, 16], strides [16, 1]) "
+                               "reaches element 271, outside tensor 'q_proj' of 256 elements"));
+  }
+  SECTION("a last dimension that is not contiguous") {
+    copies[3] = {"o_proj", "o_proj", {16, 8}, 8, {1, 16}, 0, {8, 1}};
+    CHECK_THAT(refused(copies), Catch::Contains("the last dimension is not contiguous on both sides "
+                                                "(source strides [1, 16]"));
+  }
+  SECTION("shape and strides of different ranks") {
+    copies[4].src_strides = {16, 1};
+    CHECK_THAT(refused(copies), Catch::Contains("shape [16] has 1 dimensions but the source "
+                                                "strides [16, 1]"));
+  }
+  SECTION("dtypes that differ") {
+    const Layout wire = Layout::build({{"norm", DType::kBFloat16, {16}}});
+    const Layout engine = Layout::build({{"norm", DType::kFloat32, {16}}});
+    CHECK_THAT(message_of([&] { ReceivePlan::build(wire, engine, {{"norm", "norm", {16}, 0, {1}, 0, {1}}}); }),
+               Catch::Contains("wire tensor 'norm' is bf16 but engine tensor 'norm' is fp32"));
+  }
+  SECTION("groups that differ") {
+    const Layout wire = Layout::build({{"a", DType::kInt8, {4}, "base"}, {"l", DType::kInt8, {4}, "lora"}});
+    const Layout engine = Layout::build({{"a", DType::kInt8, {4}, "base"}});
+    CHECK_THAT(message_of([&] { ReceivePlan::build(wire, engine, {}); }),
+               Catch::Contains("group 1 of the wire layout is 'lora' but of the engine layout none"));
+  }
+}
+
+TEST_CASE("a receiver with a plan takes the wire layout's updates into the engine's layout") {
+  FusedModel m;
+  HostBackend backend;
+  LoopbackCommunicator world(2);
+  Sender sender(m.wire, backend, world.transport(0));
+  ReceiverConfig config;
+  config.update_deadline = std::chrono::seconds(20);
+  Receiver receiver(m.engine, ReceivePlan::build(m.wire, m.engine, m.copies()), backend,
+                    world.transport(1), config);
+  CHECK(receiver.wire_layout().fingerprint() == m.wire.fingerprint());
+  auto engine_stream = backend.create_stream(StreamPriority::kNormal);
+
+  for (unsigned version = 1; version <= 3; ++version) {
+    const auto wire_arena = random_bytes(m.wire.groups()[0].arena_bytes(), 100 + version);
+    std::vector<SourceTensor> tensors;
+    for (const auto& t : m.wire.groups()[0].tensors()) {
+      tensors.push_back({t.spec.name, wire_arena.data() + t.offset, t.spec.dtype, t.spec.shape});
+    }
+    const PublishHandle handle = sender.publish(version, {"base"}, tensors);
+    receiver.begin_update(handle.header());
+    REQUIRE(handle.wait_for(std::chrono::seconds(20)));
+    REQUIRE(receiver.step_hook().wait_applied(
+        version, std::chrono::steady_clock::now() + std::chrono::seconds(20), *engine_stream));
+    backend.stream_synchronize(*engine_stream);
+    const std::byte* live = receiver.step_hook().live_arena(0);
+    const auto expected = reference(m.wire, m.engine, m.copies(), wire_arena);
+    for (const auto& t : m.engine.groups()[0].tensors()) {
+      INFO("version " << version << " tensor " << t.spec.name);
+      CHECK(std::memcmp(live + t.offset, expected.data() + t.offset, t.bytes) == 0);
+    }
+  }
+  CHECK(receiver.stats().updates_ready == 3);
+}
+
+TEST_CASE("a receiver refuses a plan of another engine layout and the non-finite guard with one") {
+  FusedModel m;
+  HostBackend backend;
+  const Layout other = Layout::build({{"qkv_proj", DType::kBFloat16, {16, 16}}});
+  CHECK_THAT(message_of([&] {
+               Receiver(other, ReceivePlan::build(m.wire, m.engine, m.copies()), backend, nullptr);
+             }),
+             Catch::Contains("the receive plan was built for engine layout"));
+  ReceiverConfig config;
+  config.reject_nonfinite = true;
+  CHECK_THAT(message_of([&] {
+               Receiver(m.engine, ReceivePlan::build(m.wire, m.engine, m.copies()), backend,
+                        nullptr, config);
+             }),
+             Catch::Contains("reject_nonfinite is not available with a receive plan"));
+  CHECK(backend.bytes_allocated() == 0);
+}
