@@ -29,6 +29,7 @@ from .errors import (
     TransportError,
 )
 from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
+from .receive_plan import PlanCopy, ReceivePlan
 from .receiver import GroupSwap, Receiver, ReceiverConfig, ReceiverStats, UpdateFailure
 from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
 from .transport import (

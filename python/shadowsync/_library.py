@@ -204,6 +204,19 @@ class SourceTensorC(Structure):
     ]
 
 
+class PlanCopyC(Structure):
+    _fields_ = [
+        ("wire", c_char_p),
+        ("engine", c_char_p),
+        ("ndim", c_size_t),
+        ("shape", POINTER(c_int64)),
+        ("src_offset", c_int64),
+        ("src_strides", POINTER(c_int64)),
+        ("dst_offset", c_int64),
+        ("dst_strides", POINTER(c_int64)),
+    ]
+
+
 SWAP_CALLBACK = CFUNCTYPE(None, c_void_p, c_uint64, POINTER(GroupSwapC), c_size_t)
 
 # --- function prototypes --------------------------------------------------------------------
@@ -261,6 +274,10 @@ _PROTOTYPES = {
     "shadowsync_transport_destroy": (c_int, [_H]),
     # receiver
     "shadowsync_receiver_create": (c_int, [_H, _H, _H, _P(ReceiverConfigC), _P(_H)]),
+    "shadowsync_receiver_create_with_plan": (
+        c_int,
+        [_H, _H, _P(PlanCopyC), c_size_t, _H, _H, _P(ReceiverConfigC), _P(_H)],
+    ),
     "shadowsync_receiver_destroy": (c_int, [_H]),
     "shadowsync_receiver_begin_update": (c_int, [_H, _P(UpdateHeaderC)]),
     "shadowsync_receiver_begin_update_bytes": (c_int, [_H, c_void_p, c_size_t]),

@@ -25,3 +25,43 @@ class PlanCopy:
     src_strides: tuple[int, ...]
     dst_offset: int
     dst_strides: tuple[int, ...]
+
+
+class ReceivePlan:
+    """The trainer's layout (`wire`, a Layout of its tensors as it sends them) and the copies
+    that put them into the engine's layout. Given to Receiver(plan=...), which checks it against
+    the engine's layout (bounds, dtypes, groups, every engine byte written exactly once) and
+    raises LayoutMismatchError or InvalidArgumentError naming the tensors otherwise."""
+
+    def __init__(self, wire, copies):
+        self.wire = wire
+        self.copies = [c if isinstance(c, PlanCopy) else PlanCopy(*c) for c in copies]
+        if not self.copies:
+            from .errors import InvalidArgumentError
+
+            raise InvalidArgumentError("a receive plan needs at least one copy")
+
+    def _c_array(self):
+        """The copies as a shadowsync_plan_copy_t array, and what keeps its memory alive."""
+        import ctypes
+
+        from ._library import PlanCopyC
+
+        keep = []
+        array = (PlanCopyC * len(self.copies))()
+        for entry, c in zip(array, self.copies):
+            dims = []
+            for values in (c.shape, c.src_strides, c.dst_strides):
+                block = (ctypes.c_int64 * max(len(values), 1))(*values)
+                dims.append(block)
+            names = (c.wire.encode(), c.engine.encode())
+            keep.extend(dims)
+            keep.extend(names)
+            entry.wire, entry.engine = names
+            entry.ndim = len(c.shape)
+            entry.shape, entry.src_strides, entry.dst_strides = (
+                ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in dims
+            )
+            entry.src_offset = c.src_offset
+            entry.dst_offset = c.dst_offset
+        return array, keep

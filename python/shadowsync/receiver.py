@@ -24,6 +24,7 @@ from ._library import (
 from .backend import Backend, Stream
 from .errors import STATUS_NAMES, InvalidArgumentError, NotSupportedError, call
 from .layout import Layout, TensorInfo, UpdateHeader
+from .receive_plan import ReceivePlan
 from .transport import Transport
 
 
@@ -108,6 +109,9 @@ class Receiver(Handle):
     """Allocates both slots of every group of `layout` on `backend` and starts the receiver
     thread. `transport` (taken) may be None until a rendezvous: replace_transport() then.
 
+    `plan` (a ReceivePlan): the trainer sends another layout than `layout` (the engine's, which
+    the slots have); each received bucket is copied into the shadow by the plan.
+
     The step hook calls run on the engine's stream: `engine_stream` (a stream of `backend`),
     default a new stream of `backend`; each call may name another."""
 
@@ -120,21 +124,26 @@ class Receiver(Handle):
         transport: Transport | None = None,
         config: ReceiverConfig | None = None,
         engine_stream: Stream | None = None,
+        plan: ReceivePlan | None = None,
     ):
         c_config = config_struct(ReceiverConfigC, **config._c_fields()) if config is not None else None
+        c_config_ref = byref(c_config) if c_config is not None else None
+        c_transport = transport.handle if transport is not None else None
         handle = c_void_p()
-        call(
-            "shadowsync_receiver_create",
-            layout.handle,
-            backend.handle,
-            transport.handle if transport is not None else None,
-            byref(c_config) if c_config is not None else None,
-            byref(handle),
-        )
+        if plan is None:
+            call("shadowsync_receiver_create", layout.handle, backend.handle, c_transport,
+                 c_config_ref, byref(handle))
+        else:
+            copies, _keep = plan._c_array()
+            call("shadowsync_receiver_create_with_plan", layout.handle, plan.wire.handle, copies,
+                 len(plan.copies), backend.handle, c_transport, c_config_ref, byref(handle))
         super().__init__(handle.value)
         if transport is not None:
             transport._disown()
         self.layout = layout
+        # The layout updates arrive in (the trainer's): the plan's, else the slots' own.
+        self.wire_layout = plan.wire if plan is not None else layout
+        self.plan = plan
         self.backend = backend
         self.engine_stream = engine_stream if engine_stream is not None else backend.create_stream()
         self._swap_callback = None  # the ctypes trampoline: must live while C may call it

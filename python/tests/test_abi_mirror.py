@@ -35,6 +35,7 @@ STRUCTS = {
     "shadowsync_receiver_stats_t": _library.ReceiverStatsC,
     "shadowsync_group_swap_t": _library.GroupSwapC,
     "shadowsync_source_tensor_t": _library.SourceTensorC,
+    "shadowsync_plan_copy_t": _library.PlanCopyC,
 }
 
 # C constant -> the package's copy.
