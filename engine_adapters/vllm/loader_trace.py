@@ -94,9 +94,10 @@ class LoaderTrace:
     ``copies``: in the order the loader made them. ``engine_params``: name -> parameter object for
     every parameter the copies write, in ``model.named_parameters()`` order; each is written
     exactly once, element for element. ``unwritten_params``: the model's parameters no copy writes
-    (the caller decides whether a partial update is what it wants). ``identity``: every copy is a
-    whole wire tensor into the whole parameter of the same name and shape, both contiguous, so the
-    receive can stay zero-copy into the engine's own parameters."""
+    (the caller decides whether a partial update is what it wants). ``identity``: every wire
+    tensor lands whole in the parameter of its name and shape, each element at its own position
+    (the loader may copy it in pieces, as for a tensor fused on disk), so the receive can stay
+    zero-copy into the engine's own parameters."""
 
     copies: list[PlanCopy]
     engine_params: dict[str, Any]
@@ -121,21 +122,14 @@ def _torch_dtype(torch, spec: TensorSpec):
     return dtype
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))
-
-
 def _span(shape, strides) -> int:
     """The largest element index a view of this shape and these strides reaches past its first."""
     return sum((n - 1) * s for n, s in zip(shape, strides) if n > 0)
 
 
-def _is_contiguous(shape, strides) -> bool:
-    return all(n == 1 or s == c for n, s, c in zip(shape, strides, _contiguous_strides(shape)))
+def _same_positions(shape, src_strides, dst_strides) -> bool:
+    """Whether both views address the same element positions (strides of size-1 dims aside)."""
+    return all(n == 1 or s == d for n, s, d in zip(shape, src_strides, dst_strides))
 
 
 class _Refused(Exception):
@@ -607,14 +601,16 @@ def trace_load_weights(model, wire_specs: Iterable, load_weights: Callable | Non
 
     engine_params = {n: p for n, p in params if n in by_param}
     unwritten = [n for n, _ in params if n not in by_param]
+    # Identity: each copy takes elements of a wire tensor to the same positions of the parameter
+    # of the same name and shape (a loader may split a tensor into pieces, as for one fused on
+    # disk); with the coverage checked above, every parameter written is then its wire tensor.
     shapes = {s.name: tuple(s.shape) for s in specs}
     identity = (
-        len(state.copies) == len(specs) == len(by_param)
+        len(by_param) == len(specs)
         and all(
-            c.wire == c.engine and c.shape == shapes[c.wire]
-            and tuple(engine_params[c.engine].shape) == c.shape
-            and c.src_offset == 0 and c.dst_offset == 0
-            and _is_contiguous(c.shape, c.src_strides) and _is_contiguous(c.shape, c.dst_strides)
+            c.wire == c.engine and shapes[c.wire] == tuple(engine_params[c.engine].shape)
+            and c.src_offset == c.dst_offset and _same_positions(c.shape, c.src_strides,
+                                                                  c.dst_strides)
             for c in state.copies))
     return LoaderTrace(copies=state.copies, engine_params=engine_params, identity=identity,
                        unwritten_params=unwritten)

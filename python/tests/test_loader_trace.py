@@ -314,6 +314,20 @@ def test_identity_when_the_engine_keeps_the_trainer_layout():
     assert not trace.identity and trace.copies[0].src_strides == (1, 3)
 
 
+def test_identity_when_a_loader_copies_a_tensor_in_pieces_to_its_own_positions():
+    model = one_param_model(shape=(6, 4))
+
+    def pieces(weights):  # as for q, k, v fused on disk: three row ranges, each in place
+        for _, t in weights:
+            for start, rows in ((0, 2), (2, 3), (5, 1)):
+                model.w.data.narrow(0, start, rows).copy_(t.narrow(0, start, rows))
+
+    trace = trace_load_weights(model, [("w", "fp32", (6, 4))], load_weights=pieces)
+    assert trace.identity and len(trace.copies) == 3
+    renamed = trace_load_weights(model, [("w.hf", "fp32", (6, 4))], load_weights=pieces)
+    assert not renamed.identity
+
+
 def test_a_partial_update_lists_the_parameters_it_leaves():
     model = Plain()
     trace = trace_load_weights(model, PLAIN_SPECS[:1])
@@ -584,3 +598,39 @@ def test_importing_the_vllm_package_imports_no_torch():
             "shadowsync.vllm.loader_trace; assert 'torch' not in sys.modules, 'torch'; "
             "assert 'vllm' not in sys.modules, 'vllm'" % str(python_dir))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- vLLM's own loaders ------------------------------------------------------------------------------
+
+def test_vllm_loaders_trace_to_plans_that_replay_bit_for_bit(tmp_path):
+    """vLLM's load_weights of tiny llama / qwen2 (tied, biases) / qwen3 / phi3 (fused on disk)
+    checkpoints, in a child process (vLLM's parallel state is process-global)."""
+    import importlib.util
+    import json
+    import socket
+
+    for module in ("vllm", "transformers", "vllm_models"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not importable")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    child = Path(__file__).resolve().parent / "vllm_trace_child.py"
+    archs = ["llama", "qwen2", "qwen3", "phi3"]
+    done = subprocess.run([sys.executable, str(child), str(tmp_path), str(port), *archs],
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = {r["arch"]: r for r in map(json.loads, (line for line in done.stdout.splitlines()
+                                                     if line.startswith("{")))}
+    assert sorted(found) == sorted(archs), done.stderr[-4000:]
+    for arch, r in found.items():
+        assert r["unchanged"] and r["mismatched"] == [] and r["unwritten"] == [], r
+        assert r["written"] == r["params"], r
+        assert "is empty (shape [0])" in r["prepacked"] and "qkv_proj.weight" in r["prepacked"], r
+        assert "(torch.float32) into parameter" in r["converting"], r
+        assert "(torch.bfloat16) with aten::copy_" in r["converting"], r
+    assert found["qwen2"]["wires"] == found["qwen2"]["copies"]  # tied: no lm_head on the wire
+    assert "model.layers.0.self_attn.qkv_proj.bias" in found["qwen2"]["fused"]
+    assert "model.layers.0.mlp.gate_up_proj.weight" in found["llama"]["fused"]
+    # phi3 sends qkv_proj and gate_up_proj fused; vLLM copies them in pieces to their own places
+    assert found["phi3"]["copies"] > found["phi3"]["wires"] and found["phi3"]["identity"]
