@@ -140,9 +140,8 @@ class _State:
     """What the dispatch mode knows while the loader runs. Everything it holds is metadata or an
     alias of a parameter: the wire tensors are meta tensors and never get storage."""
 
-    def __init__(self, torch, specs: list[TensorSpec], sources: list, params: list[tuple[str, Any]],
+    def __init__(self, specs: list[TensorSpec], sources: list, params: list[tuple[str, Any]],
                  buffers: list[tuple[str, Any]]):
-        self.torch = torch
         self.specs = specs
         self.sources = sources  # kept alive: their storages identify the wire tensors
         # meta storage id -> wire index
@@ -500,7 +499,8 @@ def trace_load_weights(model, wire_specs: Iterable, load_weights: Callable | Non
         seen.add(spec.name)
         if any(d < 0 for d in spec.shape):
             raise InvalidArgumentError(
-                f"wire tensor '{spec.name}': negative dimension in shape {format_shape(spec.shape)}")
+                f"wire tensor '{spec.name}': negative dimension in shape "
+                f"{format_shape(spec.shape)}")
     loader = load_weights if load_weights is not None else getattr(model, "load_weights", None)
     if not callable(loader):
         raise InvalidArgumentError(
@@ -521,7 +521,7 @@ def trace_load_weights(model, wire_specs: Iterable, load_weights: Callable | Non
             f"or turn off the engine's weight prepacking")
 
     sources = [torch.empty(s.shape, dtype=_torch_dtype(torch, s), device="meta") for s in specs]
-    state = _State(torch, specs, sources, params, list(model.named_buffers()))
+    state = _State(specs, sources, params, list(model.named_buffers()))
     before = [(n, p, p.data) for n, p in params]
 
     def feed():
@@ -552,7 +552,8 @@ def trace_load_weights(model, wire_specs: Iterable, load_weights: Callable | Non
     if state.refusal is not None:
         raise state.refusal from failure
     if failure is not None:
-        held = f" while loading '{state.current_wire}'" if state.current_wire else ""
+        held = (f" (the last wire tensor it took: '{state.current_wire}')"
+                if state.current_wire else "")
         raise LayoutMismatchError(
             f"the loader raised {type(failure).__name__}{held} on storage-less (meta) wire "
             f"tensors: {failure}; check that wire_specs match the model (names, shapes, dtypes)"

@@ -233,7 +233,7 @@ def trace_unchanged(model, specs, **kwargs):
         assert_same(before, snapshot(model))
 
 
-# -- plans ---------------------------------------------------------------------------------------
+# -- plans ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -460,7 +460,7 @@ def test_copying_into_a_temporary_or_a_buffer_is_refused():
             r"copies wire tensor 'w.hf' into buffer 'scale', not a parameter")
 
 
-# -- refusals: writing a parameter otherwise -------------------------------------------------------
+# -- refusals: writing a parameter otherwise ------------------------------------------------------
 
 @pytest.mark.parametrize("write,op", [
     (lambda p, t: p.data.fill_(1.5), "aten::fill_"),
@@ -528,12 +528,12 @@ def test_a_refusal_the_loader_swallows_still_refuses():
 
 def test_the_loaders_own_errors_name_the_wire_tensor():
     refused(Engine(), hf_specs() + [("layers.0.extra.weight", "fp32", (2, 2))], None,
-            r"raised KeyError while loading 'layers.0.extra.weight'")
+            r"raised KeyError \(the last wire tensor it took: 'layers.0.extra.weight'\)")
     refused(Engine(), [("norm.weight", "fp32", (HIDDEN + 1,))], None,
-            r"raised AssertionError while loading 'norm.weight'")
+            r"raised AssertionError \(the last wire tensor it took: 'norm.weight'\)")
 
 
-# -- refusals: parameters that are not the weights -------------------------------------------------
+# -- refusals: parameters that are not the weights ------------------------------------------------
 
 def test_empty_parameters_are_refused_before_tracing_all_named():
     model = Plain()
@@ -548,7 +548,7 @@ def test_empty_parameters_are_refused_before_tracing_all_named():
     assert called == []
 
 
-# -- coverage ---------------------------------------------------------------------------------------
+# -- coverage -------------------------------------------------------------------------------------
 
 def test_a_parameter_written_in_part_or_twice_is_refused_with_counts():
     model = one_param_model()
@@ -600,11 +600,10 @@ def test_importing_the_vllm_package_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-# -- vLLM's own loaders ------------------------------------------------------------------------------
+# -- vLLM's own loaders ---------------------------------------------------------------------------
 
-def test_vllm_loaders_trace_to_plans_that_replay_bit_for_bit(tmp_path):
-    """vLLM's load_weights of tiny llama / qwen2 (tied, biases) / qwen3 / phi3 (fused on disk)
-    checkpoints, in a child process (vLLM's parallel state is process-global)."""
+def vllm_children(tmp_path, world, archs):
+    """Runs vllm_trace_child.py as ranks 0..world-1 at once; returns {(arch, rank): findings}."""
     import importlib.util
     import json
     import socket
@@ -616,21 +615,62 @@ def test_vllm_loaders_trace_to_plans_that_replay_bit_for_bit(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     child = Path(__file__).resolve().parent / "vllm_trace_child.py"
-    archs = ["llama", "qwen2", "qwen3", "phi3"]
-    done = subprocess.run([sys.executable, str(child), str(tmp_path), str(port), *archs],
-                          capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = {r["arch"]: r for r in map(json.loads, (line for line in done.stdout.splitlines()
-                                                     if line.startswith("{")))}
-    assert sorted(found) == sorted(archs), done.stderr[-4000:]
-    for arch, r in found.items():
+    procs = [subprocess.Popen([sys.executable, str(child), str(tmp_path), str(port), str(rank),
+                               str(world), *archs],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(world)]
+    found, errors = {}, []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=540)
+            if proc.returncode != 0:
+                errors.append(err[-4000:])
+            for line in out.splitlines():
+                if line.startswith("{"):
+                    r = json.loads(line)
+                    found[(r["arch"], r["rank"])] = r
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert not errors, errors
+    assert sorted(found) == sorted((a, r) for a in archs for r in range(world))
+    for r in found.values():
         assert r["unchanged"] and r["mismatched"] == [] and r["unwritten"] == [], r
         assert r["written"] == r["params"], r
         assert "is empty (shape [0])" in r["prepacked"] and "qkv_proj.weight" in r["prepacked"], r
         assert "(torch.float32) into parameter" in r["converting"], r
         assert "(torch.bfloat16) with aten::copy_" in r["converting"], r
-    assert found["qwen2"]["wires"] == found["qwen2"]["copies"]  # tied: no lm_head on the wire
-    assert "model.layers.0.self_attn.qkv_proj.bias" in found["qwen2"]["fused"]
-    assert "model.layers.0.mlp.gate_up_proj.weight" in found["llama"]["fused"]
+    return found
+
+
+def test_vllm_loaders_trace_to_plans_that_replay_bit_for_bit(tmp_path):
+    """vLLM's load_weights of tiny llama / qwen2 (tied, biases) / qwen3 / phi3 (fused on disk)
+    checkpoints, in a child process (vLLM's parallel state is process-global): each plan replayed
+    equals vLLM's loader on the real tensors; after process_weights_after_loading (CPU prepacking)
+    tracing is refused, as is an engine in bf16 given fp32 tensors."""
+    found = vllm_children(tmp_path, 1, ["llama", "qwen2", "qwen3", "phi3"])
+    qwen2, llama, phi3 = found[("qwen2", 0)], found[("llama", 0)], found[("phi3", 0)]
+    assert qwen2["wires"] == qwen2["copies"]  # tied: no lm_head on the wire
+    assert "model.layers.0.self_attn.qkv_proj.bias" in qwen2["fused"]
+    assert "model.layers.0.mlp.gate_up_proj.weight" in llama["fused"]
     # phi3 sends qkv_proj and gate_up_proj fused; vLLM copies them in pieces to their own places
-    assert found["phi3"]["copies"] > found["phi3"]["wires"] and found["phi3"]["identity"]
+    assert phi3["copies"] > phi3["wires"] and phi3["identity"]
+
+
+def test_vllm_tensor_parallel_ranks_trace_their_own_shards(tmp_path):
+    """Two ranks of tensor parallelism (gloo): each traces its shard of qwen2 and its plan replays
+    as its loader loads; rank 1 takes the second half of the rows (qkv, embedding) or columns
+    (o_proj) of the wire tensors."""
+    found = vllm_children(tmp_path, 2, ["qwen2"])
+    plans = [{(w, e): (shape, src, dst) for w, e, shape, src, dst in found[("qwen2", r)]["plan"]}
+             for r in (0, 1)]
+    layer = "model.layers.0.self_attn."
+    k = (layer + "k_proj.weight", layer + "qkv_proj.weight")
+    o = (layer + "o_proj.weight", layer + "o_proj.weight")
+    embed = ("model.embed_tokens.weight", "model.embed_tokens.weight")
+    assert plans[0][k] == ([32, 128], 0, 64 * 128)
+    assert plans[1][k] == ([32, 128], 32 * 128, 64 * 128)
+    assert plans[0][o] == ([128, 64], 0, 0) and plans[1][o] == ([128, 64], 64, 0)
+    assert plans[0][embed] == ([160, 128], 0, 0) and plans[1][embed] == ([160, 128], 160 * 128, 0)

@@ -6,7 +6,10 @@ process-global, hence a process of their own. The models are built as vLLM's loa
 but not loaded: tracing runs before process_weights_after_loading, which on the CPU backend
 replaces the linear weights by empty parameters (prepacked copies live elsewhere).
 
-    python vllm_trace_child.py WORKDIR PORT ARCH [ARCH...]
+    python vllm_trace_child.py WORKDIR PORT RANK WORLD ARCH [ARCH...]
+
+With WORLD > 1, WORLD children of ranks 0..WORLD-1 run at once (tensor parallel over gloo), each
+tracing its own shard of the model.
 """
 
 import json
@@ -30,7 +33,7 @@ def refusal(model, specs) -> str:
     return ""
 
 
-def main(workdir: str, port: int, archs: list[str]) -> None:
+def main(workdir: str, port: int, rank: int, world: int, archs: list[str]) -> None:
     import transformers
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -50,15 +53,15 @@ def main(workdir: str, port: int, archs: list[str]) -> None:
                             max_model_len=256).create_engine_config()
         with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
             if not started:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                              distributed_init_method=f"tcp://127.0.0.1:{port}",
                                              backend="gloo")
-                initialize_model_parallel(1, 1)
+                initialize_model_parallel(world, 1)
                 started = True
             return config, initialize_model(vllm_config=config)
 
     for arch in archs:
-        path = make_tiny_model(arch, Path(workdir) / arch)
+        path = make_tiny_model(arch, Path(workdir) / f"{arch}-{rank}")
         config, model = build(path, "float32")
         with set_current_vllm_config(config):
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -88,9 +91,10 @@ def main(workdir: str, port: int, archs: list[str]) -> None:
         config16, model16 = build(path, "bfloat16")
         with set_current_vllm_config(config16):
             converting = refusal(model16, specs)
+        plan = [[c.wire, c.engine, c.shape, c.src_offset, c.dst_offset] for c in trace.copies]
         print(json.dumps(dict(
-            arch=arch, copies=len(trace.copies), wires=len(specs),
-            params=len(list(model16.named_parameters())), written=len(trace.engine_params),
+            arch=arch, rank=rank, plan=plan, copies=len(trace.copies), wires=len(specs),
+            params=len(before), written=len(trace.engine_params),
             unwritten=trace.unwritten_params, identity=trace.identity, unchanged=unchanged,
             mismatched=mismatched, fused=sorted({c.engine for c in trace.copies
                                                  if c.engine != c.wire}),
@@ -98,4 +102,4 @@ def main(workdir: str, port: int, archs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
