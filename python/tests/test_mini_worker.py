@@ -24,16 +24,23 @@ them (ss.same_host_transport(path, token, rank, backend)).
 The cpu cases run where torch and transformers are installed (skipped, listed, where not). With
 SHADOWSYNC_REQUIRE_GPU_TESTS=1 (scripts/gpu/run.sh examples) the cuda cases fail instead of
 skipping.
+
+SHADOWSYNC_DEBUG_SAME_HOST=1 (run with -s): both processes trace on stderr what the update waits on
+(each engine step's start and end, the release, each supply), stamped with time.monotonic() as the
+same-host transport's own trace lines are, and dump every thread's Python stack once a step or an
+update stalls (STALL_DUMP_S), long before the receiver's bucket deadline gives up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import multiprocessing
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -55,6 +62,30 @@ STEPS_DURING_TRANSFER = 3  # engine steps between the header and the last bucket
 STEPS_AFTER_SWAP = 2
 BUCKET_BYTES = 16 << 10  # the fp32 model is ~420 KiB: ~26 buckets
 DEADLINE_MS = int(DEADLINE_S * 1000)
+TRACE = os.environ.get("SHADOWSYNC_DEBUG_SAME_HOST") == "1"
+STALL_DUMP_S = 4.0  # below the receiver's bucket deadline (10 s), so the dump shows the stall
+
+
+def _trace(who: str, message: str) -> None:
+    """One diagnostic line on stderr (SHADOWSYNC_DEBUG_SAME_HOST=1), in the transport's format."""
+    if TRACE:
+        print(f"[mini-worker {who} pid {os.getpid()} t={time.monotonic():.6f}] {message}",
+              file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _stall_dump(who: str, what: str):
+    """While tracing: every thread's Python stack on stderr if `what` takes over STALL_DUMP_S."""
+    if not TRACE:
+        yield
+        return
+    _trace(who, f"{what}: start")
+    faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=False, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        _trace(who, f"{what}: end")
 
 
 def _need_cuda(reason: str):
@@ -107,9 +138,14 @@ def _publish(trainer: Trainer, sender, version: int, wait_for_release):
         supplied[0] += 1
         if supplied[0] == buckets:
             # The update cannot complete before this bucket: let the engine decode first.
+            _trace("trainer", f"update {version}: waiting for the release before supply "
+                              f"{supplied[0]} of {buckets}")
             wait_for_release()
+            _trace("trainer", f"update {version}: released")
         params = dict(trainer.named_parameters())
-        supply({n: params[n] for n in names})
+        with _stall_dump("trainer", f"update {version}: supply {supplied[0]} of {buckets} "
+                                    f"({names[0]}..{names[-1]})"):
+            supply({n: params[n] for n in names})
 
     return weights, streamed, gather
 
@@ -223,7 +259,9 @@ def _trainer_process(kind: str, conn) -> None:
 
             weights, streamed, gather = _publish(trainer, sender, version, wait_for_release)
             conn.send(("header", version, streamed.header_bytes, _pack(weights)))
-            streamed.gather(gather).wait(DEADLINE_S)
+            handle = streamed.gather(gather)
+            with _stall_dump("trainer", f"update {version}: the handle's wait"):
+                handle.wait(DEADLINE_S)
             conn.send(("sent", version))
         sender.close()
         conn.send(("done",))
@@ -411,6 +449,7 @@ def _update_while_generating(worker, trainer, version: int):
     caught by the checks below)."""
     header = trainer.start_update(version)
     worker.begin_update(header)  # returns at once; the receive is native
+    _trace("engine", f"update {version}: begin_update")
     header_at = len(worker.outputs)
     released = False
     deadline = time.monotonic() + DEADLINE_S
@@ -419,9 +458,11 @@ def _update_while_generating(worker, trainer, version: int):
             f"version {version} not live within {DEADLINE_S} s; last step ran on version "
             f"{worker.outputs[-1].version}; the trainer {'is' if trainer.done() else 'is not'} "
             f"done sending")
-        worker.execute_model()
+        with _stall_dump("engine", f"update {version}: step {len(worker.outputs) - header_at}"):
+            worker.execute_model()
         if not released and len(worker.outputs) - header_at >= STEPS_DURING_TRANSFER:
             trainer.release()
+            _trace("engine", f"update {version}: release sent")
             released = True
         if trainer.done():
             _finish(worker, trainer)  # a failed send ends the wait at once, with its error

@@ -10,7 +10,9 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -25,6 +27,7 @@
 #include "backends/cuda/scoped_device.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
+#include "transports/same_host/same_host_copy_kernel.h"
 #include "transports/same_host/same_host_device_staging.h"
 #include "transports/same_host/same_host_state.h"
 
@@ -47,6 +50,40 @@ CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
                             side, backend.name()));
   }
   return *cuda;
+}
+
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
+// SHADOWSYNC_DEBUG_SAME_HOST=1: one line on stderr per step of each chunk (enqueued, host
+// function ran, doorbell rung or received, gate opened, ack sent or counted), stamped with
+// CLOCK_MONOTONIC seconds, the clock of Python's time.monotonic(): the lines of the sender's
+// process, the receivers' and a test's own merge by time. One write(2) per line: no stdio lock,
+// so that CUDA's callback thread may trace too. A diagnostic; off, it costs one branch.
+bool tracing() noexcept {
+  static const bool on = env_flag("SHADOWSYNC_DEBUG_SAME_HOST");
+  return on;
+}
+
+template <typename... Args>
+void trace(fmt::format_string<Args...> format, Args&&... args) noexcept {
+  if (!tracing()) return;
+  try {
+    timespec now{};
+    ::clock_gettime(CLOCK_MONOTONIC, &now);
+    std::string line = fmt::format("[same-host pid {} t={}.{:06}] ", ::getpid(), now.tv_sec,
+                                   now.tv_nsec / 1000);
+    line += fmt::format(format, std::forward<Args>(args)...);
+    line += '\n';
+    [[maybe_unused]] auto written = ::write(2, line.data(), line.size());
+  } catch (...) {  // a diagnostic never fails the data path
+  }
+}
+
+const char* record_name(RecordType type) noexcept {
+  return type == RecordType::kDoorbell ? "doorbell" : "ack";
 }
 
 // `counter` reaches at least `value` in wrap-around order (as cuStreamWaitValue32's GEQ reads
@@ -75,6 +112,9 @@ struct DeviceLink::Impl {
   std::unique_ptr<DeviceStaging> staging;
   int device = 0;  // the staging's, copied for the hot path
   bool sender = false;
+  // Receiver: copy each chunk with a kernel instead of a copy engine
+  // (SHADOWSYNC_SAME_HOST_KERNEL_COPY=1; same_host_copy_kernel.h says why).
+  bool kernel_copy = false;
   std::size_t slot_bytes = 0;
 
   // The counter streams wait on: sender "chunks acked by every receiver", receiver "chunks
@@ -141,6 +181,8 @@ void DeviceLink::Impl::free_memory() noexcept {
 
 void DeviceLink::Impl::release() noexcept {
   if (released.exchange(true)) return;
+  trace("{}: released; every wait of every stream goes on ({} chunks reserved)",
+        sender ? "sender" : "receiver", reserved.load());
   // Past every chunk ever enqueued: the caller reserves chunks under the state's mutex after
   // checking that the transport is alive, and the transport is marked dead before this runs.
   if (counter != nullptr) {
@@ -154,6 +196,9 @@ void CUDART_CB DeviceLink::Impl::on_host_function(void* data) noexcept {
   // Runs on CUDA's callback thread: no CUDA calls here, only the counter, a queue and an eventfd.
   auto* note = static_cast<Note*>(data);
   Impl* impl = note->impl;
+  trace("{}: host function: {} of chunk {} queued for the progress thread{}",
+        impl->sender ? "sender" : "receiver", record_name(note->record.type),
+        note->record.sequence, impl->released.load() ? " (released: dropped)" : "");
   if (!impl->released.load()) {
     {
       std::lock_guard lock(impl->mutex);
@@ -228,6 +273,8 @@ void DeviceLink::Impl::run_sender() noexcept {
             return;
           }
         }
+        trace("sender: rang doorbell of chunk {} (slot {}, {} bytes) to {} receiver(s)",
+              doorbell.sequence, doorbell.slot, doorbell.bytes, peers);
         outstanding.push_back(doorbell);
       }
     }
@@ -237,6 +284,8 @@ void DeviceLink::Impl::run_sender() noexcept {
       const Io io = read_exact(s.peers[p].get(), record, s.wake.get(), std::nullopt);
       if (io == Io::kWoken) return;
       if (io == Io::kClosed && acked[p] == counted + outstanding.size()) {
+        trace("sender: rank {} closed its socket between chunks (after {} acks)", p + 1,
+              acked[p]);
         gone[p] = true;  // between chunks: a failure only if another chunk is rung
         continue;
       }
@@ -267,6 +316,7 @@ void DeviceLink::Impl::run_sender() noexcept {
         return;
       }
       ++acked[p];
+      trace("sender: rank {} acked chunk {}", p + 1, ack.sequence);
     }
     std::uint64_t everyone = counted + outstanding.size();
     for (std::uint64_t a : acked) everyone = std::min(everyone, a);
@@ -275,6 +325,8 @@ void DeviceLink::Impl::run_sender() noexcept {
                         outstanding.begin() + static_cast<std::ptrdiff_t>(everyone - counted));
       counted = everyone;
       advance(std::atomic_ref<std::uint32_t>(*counter), static_cast<std::uint32_t>(counted));
+      trace("sender: every receiver acked chunks below {}: the counter opens their waits",
+            counted);
     }
   }
 }
@@ -319,6 +371,8 @@ void DeviceLink::Impl::run_receiver() noexcept {
                              problem));
           return;
         }
+        trace("rank {}: doorbell of chunk {} received (slot {}, {} bytes)", s.rank,
+              doorbell.sequence, doorbell.slot, doorbell.bytes);
         doorbells.push_back(doorbell);
       }
     }
@@ -347,6 +401,7 @@ void DeviceLink::Impl::run_receiver() noexcept {
                            describe(io, errno)));
         return;
       }
+      trace("rank {}: ack of chunk {} sent", s.rank, ack.sequence);
     }
     for (const Receive& receive : ready) {
       const DataRecord doorbell = doorbells.front();
@@ -367,6 +422,7 @@ void DeviceLink::Impl::run_receiver() noexcept {
       // The copy waiting on the caller's stream may go.
       advance(std::atomic_ref<std::uint32_t>(*counter),
               static_cast<std::uint32_t>(receive.chunk + 1));
+      trace("rank {}: gate of chunk {} opened", s.rank, receive.chunk);
     }
   }
 }
@@ -406,6 +462,9 @@ std::unique_ptr<DeviceLink> DeviceLink::open(Backend& backend, Fd exported, cons
       DeviceStaging::open(cuda_backend_of(backend, "connect"), std::move(exported), setup, path);
   impl->device = impl->staging->device();
   impl->slot_bytes = impl->staging->slot_bytes();
+  impl->kernel_copy = env_flag("SHADOWSYNC_SAME_HOST_KERNEL_COPY");
+  trace("receiver: device link opened on device {}; chunk copies by {}", impl->device,
+        impl->kernel_copy ? "a kernel (SHADOWSYNC_SAME_HOST_KERNEL_COPY=1)" : "a copy engine");
   return std::unique_ptr<DeviceLink>(new DeviceLink(std::move(impl)));
 }
 
@@ -455,7 +514,10 @@ cudaStream_t stream_of(Stream& stream, int device, int rank) {
 
 std::uint64_t DeviceLink::reserve(std::size_t bytes) {
   const std::uint64_t chunks = (bytes + impl_->slot_bytes - 1) / impl_->slot_bytes;
-  return impl_->reserved.fetch_add(chunks);
+  const std::uint64_t first = impl_->reserved.fetch_add(chunks);
+  trace("{}: reserved chunks {}..{} for a broadcast of {} bytes",
+        impl_->sender ? "sender" : "receiver", first, first + chunks - 1, bytes);
+  return first;
 }
 
 void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uint64_t first_chunk,
@@ -488,6 +550,8 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
       SHADOWSYNC_CUDA_CHECK(status, "same-host doorbell of chunk {}", chunk);
     }
     impl.wait_value(native, chunk + 1);
+    trace("sender: chunk {} enqueued on stream {}: {}doorbell, wait for its ack", chunk,
+          static_cast<void*>(native), own_slot == s ? "packed in slot, " : "copy into slot, ");
   }
   impl.record_tail(native);
 }
@@ -508,9 +572,15 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
     impl.notify();
     // The gate opens once the doorbell of this chunk passed its checks; the copy needs no SM.
     impl.wait_value(native, chunk + 1);
-    SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(buffer + offset, impl.slot(s), n, cudaMemcpyDefault,
-                                          native),
-                          "same-host receive, chunk {} of {} bytes from slot {}", chunk, n, s);
+    if (impl.kernel_copy) {
+      SHADOWSYNC_CUDA_CHECK(launch_chunk_copy(buffer + offset, impl.slot(s), n, native),
+                            "same-host receive (kernel copy), chunk {} of {} bytes from slot {}",
+                            chunk, n, s);
+    } else {
+      SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(buffer + offset, impl.slot(s), n, cudaMemcpyDefault,
+                                            native),
+                            "same-host receive, chunk {} of {} bytes from slot {}", chunk, n, s);
+    }
     auto* note = new Impl::Note{&impl, DataRecord{RecordType::kAck, chunk, s, 0, n}};
     impl.host_functions_pending.fetch_add(1);
     if (const cudaError_t status = cudaLaunchHostFunc(native, &Impl::on_host_function, note);
@@ -519,6 +589,8 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
       impl.host_functions_pending.fetch_sub(1);
       SHADOWSYNC_CUDA_CHECK(status, "same-host ack of chunk {}", chunk);
     }
+    trace("rank {}: chunk {} enqueued on stream {}: wait for its gate, copy, ack",
+          impl.state->rank, chunk, static_cast<void*>(native));
   }
   impl.record_tail(native);
 }

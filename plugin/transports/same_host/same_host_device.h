@@ -19,6 +19,11 @@
 //     its slot and byte count).
 // A stream waits only on host code, never on another stream of its process: two streams that
 // share one of the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) cannot deadlock.
+// But a wait that the sender holds may hold more than its own stream: work of the process that
+// the driver queues behind it (a copy-engine queue shared with the engine's own device-to-host
+// copies, under investigation) waits for the sender too, and so does an engine step that needs
+// it. SHADOWSYNC_SAME_HOST_KERNEL_COPY=1 makes the receiver's copy a kernel
+// (same_host_copy_kernel.h); SHADOWSYNC_DEBUG_SAME_HOST=1 traces every chunk on stderr.
 // A chunk's broadcast completes on the caller's stream only once every receiver copied it,
 // which is what lets the caller pack the slot again (Transport::staging_buffer).
 //
