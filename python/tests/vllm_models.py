@@ -1,0 +1,122 @@
+"""Tiny random Hugging Face checkpoints that real vLLM can load, made at test time with no
+download: `make_tiny_model(arch, path, seed)` writes config, safetensors weights and a tokenizer
+into `path` and returns it.
+
+The shapes are the smallest vLLM's CPU backend runs: 2 layers, hidden 128, 4 query heads of
+head_dim 32 (its attention kernels need head_dim >= 32) and 2 key/value heads (grouped-query, so
+q/k/v have different row counts in the fused qkv_proj). The tokenizer is byte-level BPE with no
+merges: every text encodes to one token per byte, it needs no files from anywhere, and its vocab
+(256 bytes, 3 specials, fillers) is exactly the model's vocab_size so every id the model can emit
+decodes. The default vocab_size (320) is a multiple of 64, so vLLM's embedding and lm_head
+parameters have the checkpoint's shape; another vocab_size (>= 259) makes vLLM pad their rows
+to the next multiple of 64.
+
+Architectures, chosen for what they exercise in vLLM's weight loading:
+  llama  - separate q/k/v and gate/up in HF, fused qkv_proj / gate_up_proj in vLLM; own lm_head.
+  qwen2  - the same fusion plus q/k/v biases; tie_word_embeddings (lm_head is embed_tokens).
+  qwen3  - q_norm / k_norm per head, no biases; own lm_head.
+  phi3   - qkv_proj and gate_up_proj already fused in HF (vLLM loads them whole).
+
+Weights are float32 on disk (vLLM casts to the dtype it is given); torch and transformers are
+imported lazily, so importing this module costs nothing for tests that skip."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+
+VOCAB_SIZE = 320  # 256 byte tokens + 3 specials + fillers
+HIDDEN = 128
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS  # 32
+INTERMEDIATE = 256
+LAYERS = 2
+MAX_POSITIONS = 512
+
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"
+
+
+def _common(vocab_size: int) -> dict:
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def make_config(arch: str, vocab_size: int = VOCAB_SIZE):
+    """The transformers config of `arch` (one of ARCHS) at the tiny shapes above."""
+    import transformers
+
+    common = _common(vocab_size)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, head_dim=HEAD_DIM,
+                                        tie_word_embeddings=False)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True,
+                                        use_sliding_window=False)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=HEAD_DIM,
+                                        tie_word_embeddings=False, use_sliding_window=False)
+    if arch == "phi3":
+        return transformers.Phi3Config(**common, tie_word_embeddings=False,
+                                       sliding_window=None)
+    raise ValueError(f"make_config: unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+
+
+def make_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE tokenizer with no merges and exactly `vocab_size` tokens, built in-process
+    (no files, no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte-level symbols
+    specials = [UNK, BOS, EOS]
+    smallest = len(specials) + len(byte_chars)
+    if vocab_size < smallest:
+        raise ValueError(f"make_tokenizer: vocab_size {vocab_size} is below the {smallest} tokens "
+                         f"every byte and the specials need")
+    fillers = [f"<|filler_{i}|>" for i in range(vocab_size - smallest)]
+    vocab = {tok: i for i, tok in enumerate(specials + byte_chars + fillers)}
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   unk_token=UNK, pad_token=UNK)
+
+
+def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
+                    vocab_size: int = VOCAB_SIZE) -> str:
+    """Writes a random tiny `arch` checkpoint (config.json, model.safetensors, tokenizer files)
+    into `path` (created if missing) and returns str(path). The same (arch, seed, vocab_size)
+    gives the same weights bit for bit. Not thread-safe: it seeds torch's global generator."""
+    import torch
+    import transformers
+
+    tokenizer = make_tokenizer(vocab_size)  # first: it checks vocab_size
+    config = make_config(arch, vocab_size)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # from_config's init gives norms weight 1 and biases 0; randomize them too so that a test
+    # which loads them wrong (or not at all) sees different outputs.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name
+                        else 0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)
