@@ -61,6 +61,14 @@ class _UpdateGroup:
         self.views: dict[tuple[int, int], list] = {}  # (group, arena address) -> tensor views
         self.stream: Stream | None = None  # the engine stream the swaps are enqueued on
         self.host_reads_after_copy = False
+        # copy_in: the live storage is the parameters' own (Receiver.use_engine_storage): a swap
+        # copies into them and nothing is rebound (CUDA graphs captured over them stay valid).
+        self.engine_storage = False
+        self.wire_fingerprint = receiver.wire_layout.fingerprint
+        self.plan_copies = len(receiver.plan.copies) if receiver.plan is not None else 0
+        # track_request_versions: request id -> [[version, tokens], ...] in step order.
+        self.request_versions: dict[str, list[list[int]]] | None = None
+        self.steps = 0
 
     def group_views(self, group: int) -> list:
         """Views of every tensor of `group` in its live slot; built once per slot (each group has
@@ -95,6 +103,8 @@ class _UpdateGroup:
 
     def bind(self, group: int) -> None:
         """Points every parameter of `group` at its view in the live slot. Engine thread."""
+        if self.engine_storage:
+            return  # the parameters are the live storage
         info = self.receiver.layout.groups[group]
         for t, view in zip(info.tensors, self.group_views(group)):
             self.params[t.name].data = view
@@ -129,18 +139,23 @@ class WorkerExtension:
 
     # --- what an engine may override ---------------------------------------------------------
 
-    def _shadowsync_named_parameters(self) -> Iterable[tuple[str, Any]]:
-        """The model's (name, parameter) pairs: ``self.model_runner.model`` (vLLM's GPU worker),
-        else ``self.model``."""
+    def _shadowsync_model(self):
+        """The model: ``self.model_runner.model`` (vLLM's GPU and CPU workers), else
+        ``self.model``. Its ``load_weights`` derives the receive plan when the trainer's tensors
+        are not the model's parameters."""
         model = getattr(getattr(self, "model_runner", None), "model", None)
         if model is None:
             model = getattr(self, "model", None)
         if model is None or not hasattr(model, "named_parameters"):
             raise InvalidArgumentError(
                 f"{type(self).__name__}: no model with named_parameters() at self.model_runner.model "
-                f"or self.model; override _shadowsync_named_parameters()"
+                f"or self.model; override _shadowsync_model()"
             )
-        return model.named_parameters()
+        return model
+
+    def _shadowsync_named_parameters(self) -> Iterable[tuple[str, Any]]:
+        """The model's (name, parameter) pairs."""
+        return self._shadowsync_model().named_parameters()
 
     # --- the methods the trainer calls through collective_rpc ------------------------------
 
@@ -158,6 +173,8 @@ class WorkerExtension:
         hook_execute_model: bool = True,
         swap_strategy: str | None = None,
         engine_uses_cuda_graphs: bool | None = None,
+        same_host: dict | None = None,
+        track_request_versions: bool = False,
     ) -> int:
         """Sets up the weight update group; returns the layout fingerprint (the trainer compares
         it with its own). Engine thread, before stepping; once.
@@ -168,9 +185,26 @@ class WorkerExtension:
         a Ray ``.remote``). Or a ready `transport` (a Loopback rank in tests), or neither: install
         one later with ``self._shadowsync.receiver.replace_transport``.
 
+        Or `same_host` (plain data: ``{"path", "token"[, "rank", "connect_timeout_ms"]}``): the
+        receiver end of the trainer's same-host transport (same GPU, GPUs of one host, or CPU
+        processes), rank ``rank_offset + self.rank`` unless given; blocks until the trainer
+        serves on `path` and both proved the token.
+
         `specs`: the trainer's tensor specs (``Layout.specs`` on its side: names, dtypes, shapes,
-        groups in its order); each must be a parameter of the model with that dtype and shape.
+        groups in its order). When each is a parameter of the model (same name), dtype and shape
+        must match and the receive is zero-copy into the slots. Otherwise they are what the
+        trainer's ``named_parameters()`` gives (HF names, unfused, unsharded) and a receive plan
+        is derived from the model's own ``load_weights`` (traced without data: loader_trace): the
+        slots hold the parameters it writes, in the engine's layout, and each received bucket is
+        copied into them natively. A loader that computes (a dtype conversion, a concatenation),
+        trainer tensors it does not take, or parameters it writes twice are refused, named.
+        Engines whose parameters are not the weights they compute with (vLLM CPU's packed
+        layers, empty parameters) are refused with what to do.
         None: every parameter in the model's order, grouped by `group_of` (default "base").
+        Returns the fingerprint of the trainer's layout (``Layout(specs, bucket_bytes)``).
+
+        `track_request_versions`: count each request's scheduled tokens per weight version
+        (request_versions()), for the trainer's bookkeeping of which policy made which tokens.
         `adopt_current_weights`: copy the model's weights into the live slot and rebind to it, so
         its own storage is freed (two copies of the weights, not three) and a group an update does
         not carry keeps the current weights.
@@ -178,28 +212,39 @@ class WorkerExtension:
         `swap_strategy` and `engine_uses_cuda_graphs` set those fields of `receiver_config`: an
         engine that replays CUDA graphs (vLLM without ``enforce_eager``) passes
         ``swap_strategy="copy_in"`` (or ``"remap"`` on a GPU with VMM) and
-        ``engine_uses_cuda_graphs=True``; the parameters are then bound once to the live storage,
-        whose addresses never change, and each swap rewrites the bytes under them."""
+        ``engine_uses_cuda_graphs=True`` (the default on a vLLM GPU worker without enforce_eager:
+        copy_in). Under copy_in the parameters stay where they are, the engine's own storage is
+        the live copy (Receiver.use_engine_storage: graphs captured before this call keep
+        reading it) and each swap copies the shadow into them, one batched copy."""
         if self._shadowsync is not None:
             raise InvalidArgumentError(
                 f"init_weight_update_group: already initialized (layout "
-                f"{self._shadowsync.receiver.layout.fingerprint:#018x})"
+                f"{self._shadowsync.wire_fingerprint:#018x}); close_weight_update_group first"
             )
+        model = self._shadowsync_model()
+        _refuse_packed_weights(model)
         params = dict(_tensors.items(self._shadowsync_named_parameters()))
-        descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
-        if not descs:
+        if not params:
             raise InvalidArgumentError("init_weight_update_group: the model has no parameters")
+        _refuse_empty(params)
+        descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
         kind, device = _placement(descs)
 
+        plan = None
         if specs is None:
             specs = [
                 TensorSpec(n, d.dtype, d.shape, group_of(n) if group_of else BASE_GROUP)
                 for n, d in descs.items()
             ]
+            layout = Layout(specs, bucket_bytes)
         else:
             specs = [TensorSpec.coerce(s) for s in specs]
-            _check_specs(specs, descs)
-        layout = Layout(specs, bucket_bytes)
+            if _names_are_parameters(specs, descs):
+                _check_specs(specs, descs)  # the engine's own layout: zero-copy receive
+                layout = Layout(specs, bucket_bytes)
+            else:
+                layout, plan, params = _receive_plan(model, specs, bucket_bytes, descs)
+                descs = {name: descs[name] for name in params}
 
         backend: Backend
         if device == "cpu":
@@ -220,25 +265,44 @@ class WorkerExtension:
             rank = int(rank_offset) + int(getattr(self, "rank", 0))
             transport = nccl_transport(unique_id, rank, int(world_size), int(device.split(":")[1]))
 
+        if engine_uses_cuda_graphs is None and device != "cpu":
+            engine_uses_cuda_graphs = _vllm_captures_cuda_graphs(self)
+        if engine_uses_cuda_graphs and swap_strategy is None and (
+            receiver_config is None or receiver_config.swap_strategy == "rebind"
+        ):
+            swap_strategy = "copy_in"  # graphs keep their addresses: rebind would be ignored
         if swap_strategy is not None or engine_uses_cuda_graphs is not None:
             receiver_config = dataclasses.replace(receiver_config or ReceiverConfig())
             if swap_strategy is not None:
                 receiver_config.swap_strategy = swap_strategy
             if engine_uses_cuda_graphs is not None:
                 receiver_config.engine_uses_cuda_graphs = engine_uses_cuda_graphs
-        receiver = Receiver(layout, backend, transport, receiver_config, engine_stream=stream)
-        state = _UpdateGroup(receiver, {s.name: params[s.name] for s in specs}, kind, device)
+        if transport is None and same_host is not None:
+            transport = _same_host_receiver(same_host, rank_offset, getattr(self, "rank", 0), backend)
+
+        receiver = Receiver(layout, backend, transport, receiver_config, engine_stream=stream,
+                            plan=plan)
+        state = _UpdateGroup(receiver, {t.name: params[t.name] for g in layout.groups
+                                        for t in g.tensors}, kind, device)
         state.stream = stream
-        state.host_reads_after_copy = device == "cpu" and (
-            receiver_config is not None and receiver_config.swap_strategy == "copy_in"
-        )
+        copy_in = receiver_config is not None and receiver_config.swap_strategy == "copy_in"
+        state.host_reads_after_copy = device == "cpu" and copy_in
+        if track_request_versions:
+            state.request_versions = {}
         receiver.set_swap_callback(state.on_swap)
-        if adopt_current_weights:
+        if copy_in:
+            # The parameters stay where the engine (and any CUDA graph it captured) reads them;
+            # each swap copies the shadow into them. Two copies of the weights, none moved.
+            for group in layout.groups:
+                receiver.use_engine_storage(
+                    group.index, [_address(_data(state.params[t.name])) for t in group.tensors])
+            state.engine_storage = True
+        elif adopt_current_weights:
             _adopt(state, layout, stream)
         self._shadowsync = state
         if hook_execute_model and hasattr(self, "execute_model"):
             _hook_execute_model(self)
-        return layout.fingerprint
+        return state.wire_fingerprint
 
     def begin_update(self, header_bytes: bytes) -> int:
         """Announces an update: validates the header (BadHeaderError, LayoutMismatchError,
@@ -267,10 +331,26 @@ class WorkerExtension:
         state.receiver.wait_applied(version, timeout)
         return state.receiver.applied_version
 
+    def request_versions(self, request_ids: Iterable[str] | None = None, pop: bool = True) -> dict:
+        """With track_request_versions: for each request id (all when None), the tokens its
+        steps computed under each weight version, ``[[version, tokens], ...]`` in step order
+        (prompt and generated tokens alike: vLLM's scheduled tokens). `pop` forgets them. Engine
+        thread (a collective_rpc)."""
+        state = self._require()
+        if state.request_versions is None:
+            raise InvalidArgumentError(
+                "request_versions: init_weight_update_group(track_request_versions=True) first")
+        ids = list(state.request_versions) if request_ids is None else list(request_ids)
+        take = state.request_versions.pop if pop else state.request_versions.get
+        return {i: [list(s) for s in take(i, [])] for i in ids}
+
     def weight_update_stats(self) -> dict:
         """The receiver's counters as a dict (plain data for collective_rpc). Thread-safe."""
-        stats = vars(self._require().receiver.stats()).copy()
-        stats["last_update_error"] = self._shadowsync.receiver.last_update_error()
+        state = self._require()
+        stats = vars(state.receiver.stats()).copy()
+        stats["last_update_error"] = state.receiver.last_update_error()
+        stats["wire_fingerprint"] = state.wire_fingerprint
+        stats["plan_copies"] = state.plan_copies  # 0: the trainer sends the engine's own tensors
         return stats
 
     def close_weight_update_group(self, keep_weights: bool = True) -> None:
@@ -294,6 +374,111 @@ class WorkerExtension:
                 "the weight update group is not initialized: call init_weight_update_group first"
             )
         return self._shadowsync
+
+
+def _address(tensor) -> int:
+    """Where a parameter's first element is (numpy or torch)."""
+    if hasattr(tensor, "data_ptr"):
+        return tensor.data_ptr()
+    return tensor.ctypes.data
+
+
+def _vllm_captures_cuda_graphs(worker) -> bool | None:
+    """Whether vLLM replays CUDA graphs over the weights (its default): not enforce_eager.
+    None when the worker is not vLLM's."""
+    model_config = getattr(worker, "model_config", None)
+    if model_config is None:
+        model_config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+    enforce_eager = getattr(model_config, "enforce_eager", None)
+    return None if enforce_eager is None else not enforce_eager
+
+
+def _refuse_packed_weights(model) -> None:
+    """vLLM's CPU backend computes linear layers and the logits from packed copies of their
+    weights (it gives the layer a ``cpu_linear``): an update written into the parameters would
+    change nothing, silently. Refused, naming the layers and the way out."""
+    modules = getattr(model, "named_modules", None)
+    if modules is None:
+        return
+    packed = [name or "<model>" for name, m in modules() if getattr(m, "cpu_linear", None) is not None]
+    if packed:
+        shown = ", ".join(f"'{n}'" for n in packed[:6]) + (", ..." if len(packed) > 6 else "")
+        raise LayoutMismatchError(
+            f"{len(packed)} layer(s) of the model compute from a packed copy of their weights, not "
+            f"from their parameters (vLLM's CPU backend gave them a cpu_linear): {shown}; an "
+            f"update written into the parameters would not change the output. Start vLLM with "
+            f"quantization=\"shadowsync_unpacked\" (shadowsync.vllm.unpacked: vLLM's unquantized "
+            f"weights without the CPU repacking)"
+        )
+
+
+def _refuse_empty(params: dict[str, Any]) -> None:
+    """Parameters without elements are not the weights the engine computes with (prepacked,
+    quantized elsewhere, never allocated): refused, all named."""
+    empty = [n for n, p in params.items() if 0 in tuple(getattr(_data(p), "shape", (1,)))]
+    if empty:
+        shown = ", ".join(f"'{n}'" for n in empty[:6]) + (", ..." if len(empty) > 6 else "")
+        raise LayoutMismatchError(
+            f"{len(empty)} parameter(s) of the model are empty: {shown}; the engine prepacked or "
+            f"quantized these weights, so its parameters are not the weights it computes with. On "
+            f"vLLM's CPU backend start it with quantization=\"shadowsync_unpacked\""
+        )
+
+
+def _names_are_parameters(specs: list[TensorSpec], descs: dict) -> bool:
+    """The trainer sends the engine's own tensors (by name): no receive plan."""
+    return all(s.name in descs for s in specs)
+
+
+def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict):
+    """(wire layout, ReceivePlan, {engine parameter name: parameter}) from the model's own
+    load_weights, traced without data (loader_trace). The engine layout holds the parameters the
+    plan writes, each in the group of the trainer's tensors that write it."""
+    from shadowsync.receive_plan import ReceivePlan
+
+    from .loader_trace import trace_load_weights
+
+    if not callable(getattr(model, "load_weights", None)):
+        foreign = [s.name for s in specs if s.name not in descs]
+        raise LayoutMismatchError(
+            f"tensor '{foreign[0]}' of the trainer's layout is not a parameter of the worker "
+            f"({len(descs)} parameters; {len(foreign)} of the trainer's tensors are not), and "
+            f"{type(model).__name__} has no load_weights to derive a receive plan from"
+        )
+    trace = trace_load_weights(model, specs)
+    wire = Layout(specs, bucket_bytes)
+    wire_group = {s.name: s.group for s in specs}
+    group_of: dict[str, str] = {}
+    for c in trace.copies:
+        group = group_of.setdefault(c.engine, wire_group[c.wire])
+        if group != wire_group[c.wire]:
+            raise LayoutMismatchError(
+                f"parameter '{c.engine}' is written from tensors of two groups ('{group}' and, "
+                f"through '{c.wire}', '{wire_group[c.wire]}'): a parameter belongs to one group"
+            )
+    order = {g.name: i for i, g in enumerate(wire.groups)}
+    names = sorted(trace.engine_params, key=lambda n: order[group_of[n]])  # stable: model order
+    engine = Layout([TensorSpec(n, descs[n].dtype, descs[n].shape, group_of[n]) for n in names])
+    return engine, ReceivePlan(wire, trace.copies), {n: trace.engine_params[n] for n in names}
+
+
+def _same_host_receiver(same_host: dict, rank_offset: int, worker_rank: int, backend):
+    """The same-host transport's receiver end from plain data (collective_rpc arguments):
+    ``{"path": ..., "token": ..., "rank": optional (default rank_offset + the worker's rank),
+    "connect_timeout_ms": optional}``."""
+    from shadowsync.transport import same_host_transport
+
+    if not isinstance(same_host, dict) or "path" not in same_host or "token" not in same_host:
+        raise InvalidArgumentError(
+            f"same_host: a dict with 'path' and 'token' (and optionally 'rank', "
+            f"'connect_timeout_ms') is needed, got {same_host!r:.200}"
+        )
+    unknown = set(same_host) - {"path", "token", "rank", "connect_timeout_ms"}
+    if unknown:
+        raise InvalidArgumentError(f"same_host: unknown key(s) {sorted(unknown)}")
+    rank = same_host.get("rank", int(rank_offset) + int(worker_rank))
+    return same_host_transport(same_host["path"], same_host["token"], rank, backend,
+                               connect_timeout_ms=same_host.get("connect_timeout_ms"))
 
 
 def _placement(descs: dict[str, _tensors.TensorDesc]) -> tuple[str, str]:
@@ -338,6 +523,21 @@ def _check_specs(specs: list[TensorSpec], descs: dict[str, _tensors.TensorDesc])
             )
 
 
+def _count_tokens(state: _UpdateGroup, scheduler_output) -> None:
+    """Adds this step's scheduled tokens of each request (vLLM's num_scheduled_tokens) to the
+    version the step runs on."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if not scheduled:
+        return
+    version = state.receiver.applied_version
+    for request, tokens in scheduled.items():
+        segments = state.request_versions.setdefault(request, [])
+        if segments and segments[-1][0] == version:
+            segments[-1][1] += tokens
+        else:
+            segments.append([version, tokens])
+
+
 def _adopt(state: _UpdateGroup, layout: Layout, stream: Stream) -> None:
     """Copies the parameters' current values into the live slot, then rebinds them to it."""
     for group in layout.groups:
@@ -357,12 +557,42 @@ def _adopt(state: _UpdateGroup, layout: Layout, stream: Stream) -> None:
 
 def _hook_execute_model(worker: WorkerExtension) -> None:
     """Runs before_step() before every execute_model, by shadowing the method on the instance
-    (vLLM looks execute_model up on the worker object for each step)."""
+    (vLLM looks execute_model up on the worker object for each step); with
+    track_request_versions also counts each scheduled request's tokens under the live version."""
     original = worker.execute_model
     worker.__dict__["_shadowsync_original_execute_model"] = original
 
     def execute_model(*args, **kwargs):
         worker.before_step()
+        state = worker._shadowsync
+        if state is not None and state.request_versions is not None:
+            _count_tokens(state, args[0] if args else kwargs.get("scheduler_output"))
         return original(*args, **kwargs)
 
     worker.execute_model = execute_model
+
+
+def apply_update(llm, version: int, timeout: float | None = None,
+                 reset_prefix_cache: bool = True) -> int:
+    """Front end (the process that holds the ``vllm.LLM``): makes `version` live on every worker
+    (``collective_rpc("wait_applied")``: the flip happens between two steps, and the next step
+    runs on it), then resets vLLM's prefix cache so that no new request reuses KV computed with
+    older weights. Returns the applied version (the lowest over the workers).
+
+    The reset is a second call: with a synchronous ``LLM`` nothing steps between the two; an
+    engine that keeps generating (``AsyncLLM``) may admit requests in the steps between them,
+    which can still hit prefix blocks of the old version — submit with ``cache_salt`` set to the
+    policy version for exact isolation."""
+    applied = llm.collective_rpc("wait_applied", args=(int(version), timeout))
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+    return min(int(v) for v in applied)
+
+
+async def apply_update_async(engine, version: int, timeout: float | None = None,
+                             reset_prefix_cache: bool = True) -> int:
+    """apply_update for an ``AsyncLLM``."""
+    applied = await engine.collective_rpc("wait_applied", args=(int(version), timeout))
+    if reset_prefix_cache:
+        await engine.reset_prefix_cache()
+    return min(int(v) for v in applied)

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "shadowsync/dtype.h"
 
@@ -74,6 +75,15 @@ class Backend {
   virtual void memcpy_2d_async(void* dst, std::size_t dst_pitch, const void* src,
                                std::size_t src_pitch, std::size_t row_bytes, std::size_t rows,
                                Stream& stream) = 0;
+  // Several independent copies, in stream order as a whole (the copies among themselves in any
+  // order): a copy_in swap into the engine's own tensors. The default enqueues one memcpy_async
+  // each; CUDA makes it one cudaMemcpyBatchAsync call (one host call for hundreds of tensors).
+  struct CopyRegion {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    std::size_t bytes = 0;
+  };
+  virtual void memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream);
   virtual void event_record(Event& event, Stream& stream) = 0;
   virtual void stream_wait_event(Stream& stream, Event& event) = 0;
 

@@ -451,6 +451,31 @@ typedef void (*shadowsync_swap_callback_t)(void* user_data, uint64_t version,
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create(
     shadowsync_layout_t layout, shadowsync_backend_t backend, shadowsync_transport_t transport,
     const shadowsync_receiver_config_t* config, shadowsync_receiver_t* receiver);
+/* One strided copy of a receive plan (receive_plan.h), in elements: `shape` elements from the
+ * wire tensor named `wire` (from element `src_offset`, strides `src_strides`) into the engine
+ * tensor named `engine` (`dst_offset`, `dst_strides`). The three arrays have `ndim` entries. */
+typedef struct {
+  const char* wire;
+  const char* engine;
+  size_t ndim;
+  const int64_t* shape;
+  int64_t src_offset;
+  const int64_t* src_strides;
+  int64_t dst_offset;
+  const int64_t* dst_strides;
+} shadowsync_plan_copy_t;
+
+/* As shadowsync_receiver_create for an engine whose layout is not the trainer's: the slots have
+ * `layout` (the engine's); updates come in `wire_layout` (the trainer's: headers are checked
+ * against it) and each received bucket is copied into the shadow by the receive plan built from
+ * `copies` (checked first: SHADOWSYNC_ERROR_LAYOUT_MISMATCH or INVALID_ARGUMENT naming the tensors
+ * when a copy does not fit or an engine tensor is not written exactly once; nothing is
+ * allocated then). The copies are read during the call only. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create_with_plan(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, size_t count, shadowsync_backend_t backend,
+    shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
+    shadowsync_receiver_t* receiver);
 /* Stops the thread (aborting an update in flight) and frees both slots: the engine must be done
  * with the live pointers. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_destroy(shadowsync_receiver_t receiver);
@@ -499,6 +524,12 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_tensor_by_name(
     shadowsync_receiver_t receiver, const char* name, void** data);
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_arena(shadowsync_receiver_t receiver,
                                                                   size_t group, void** data);
+/* copy_in only, before the first update: the live storage of `group` becomes the engine's own
+ * tensors (tensors[t]: tensor t of the group in layout order), for engines whose CUDA graphs were
+ * captured over their own parameters; a swap copies the shadow into them (one batched copy). The
+ * group's live arena is freed (live_arena gives NULL). Engine thread. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_use_engine_storage(
+    shadowsync_receiver_t receiver, size_t group, void* const* tensors, size_t count);
 /* Version of the update whose bytes the group's live slot holds (0: never updated). Engine
  * thread only. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_content_version(

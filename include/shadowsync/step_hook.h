@@ -126,6 +126,7 @@ class StepHook {
 
   // The live pointer table. Engine thread only; under rebind valid until the next swap, under
   // copy_in and remap the same address for the receiver's whole life.
+  // Null for a group whose live storage is the engine's own (Receiver::use_engine_storage).
   std::byte* live_arena(std::size_t group) const;
   void* live_tensor(std::size_t group, std::size_t tensor) const;
   // Version of the update whose bytes the group's live slot holds (0: never updated).

@@ -115,6 +115,58 @@ shadowsync_status_t apply_on_engine_stream(
   });
 }
 
+// The receiver of shadowsync_receiver_create(_with_plan), after its own arguments were read.
+shadowsync_receiver_t create_receiver(const Layout& layout, std::optional<ReceivePlan> plan,
+                                      shadowsync_backend_t backend,
+                                      shadowsync_transport_t transport,
+                                      const shadowsync_receiver_config_t* config) {
+  auto object = std::make_shared<ReceiverObject>();
+  object->backend = lookup<BackendObject>(backend, "backend");
+  const ReceiverConfig cpp_config = receiver_config(config);
+  TransportClaim claim(transport, /*allow_null=*/true);
+  Backend& device = *object->backend->backend;
+  object->receiver = plan ? std::make_unique<Receiver>(layout, std::move(*plan), device,
+                                                       claim.take(), cpp_config)
+                          : std::make_unique<Receiver>(layout, device, claim.take(), cpp_config);
+  const auto& groups = layout.groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (std::size_t t = 0; t < groups[g].tensors().size(); ++t) {
+      object->by_name.emplace(groups[g].tensors()[t].spec.name, std::make_pair(g, t));
+    }
+  }
+  auto handle = to_handle<shadowsync_receiver_t>(std::move(object));
+  claim.commit();
+  return handle;
+}
+
+std::vector<PlanCopy> plan_copies_arg(const shadowsync_plan_copy_t* copies, std::size_t count) {
+  if (count > 0 && copies == nullptr) {
+    throw_invalid(fmt::format("'copies' is NULL but the count is {}", count));
+  }
+  std::vector<PlanCopy> out;
+  out.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const shadowsync_plan_copy_t& c = copies[i];
+    const std::string argument = fmt::format("copies[{}]", i);
+    const auto dims = [&](const std::int64_t* values, const char* field) {
+      if (c.ndim > 0 && values == nullptr) {
+        throw_invalid(fmt::format("'{}.{}' is NULL but ndim is {}", argument, field, c.ndim));
+      }
+      return shape_arg(values, c.ndim, argument);
+    };
+    PlanCopy copy;
+    copy.wire = string_arg(c.wire, argument + ".wire");
+    copy.engine = string_arg(c.engine, argument + ".engine");
+    copy.shape = dims(c.shape, "shape");
+    copy.src_offset = c.src_offset;
+    copy.src_strides = dims(c.src_strides, "src_strides");
+    copy.dst_offset = c.dst_offset;
+    copy.dst_strides = dims(c.dst_strides, "dst_strides");
+    out.push_back(std::move(copy));
+  }
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
@@ -127,20 +179,35 @@ shadowsync_status_t shadowsync_receiver_create(shadowsync_layout_t layout,
   return guard(__func__, [&] {
     auto& out = out_arg(receiver, "receiver");
     auto layout_object = lookup<LayoutObject>(layout, "layout");
-    auto object = std::make_shared<ReceiverObject>();
-    object->backend = lookup<BackendObject>(backend, "backend");
-    const ReceiverConfig cpp_config = receiver_config(config);
-    TransportClaim claim(transport, /*allow_null=*/true);
-    object->receiver = std::make_unique<Receiver>(layout_object->layout, *object->backend->backend,
-                                                  claim.take(), cpp_config);
-    const auto& groups = layout_object->layout.groups();
-    for (std::size_t g = 0; g < groups.size(); ++g) {
-      for (std::size_t t = 0; t < groups[g].tensors().size(); ++t) {
-        object->by_name.emplace(groups[g].tensors()[t].spec.name, std::make_pair(g, t));
-      }
+    out = create_receiver(layout_object->layout, std::nullopt, backend, transport, config);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_create_with_plan(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, size_t count, shadowsync_backend_t backend,
+    shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
+    shadowsync_receiver_t* receiver) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(receiver, "receiver");
+    auto layout_object = lookup<LayoutObject>(layout, "layout");
+    auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
+    ReceivePlan plan =
+        ReceivePlan::build(wire_object->layout, layout_object->layout, plan_copies_arg(copies, count));
+    out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_use_engine_storage(shadowsync_receiver_t receiver,
+                                                          size_t group, void* const* tensors,
+                                                          size_t count) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    if (count > 0 && tensors == nullptr) {
+      throw_invalid(fmt::format("'tensors' is NULL but the count is {}", count));
     }
-    out = to_handle<shadowsync_receiver_t>(std::move(object));
-    claim.commit();
+    check_group(*object->receiver, group);
+    object->receiver->use_engine_storage(group, std::vector<void*>(tensors, tensors + count));
   });
 }
 

@@ -7,6 +7,10 @@
 
 namespace shadowsync {
 
+void Backend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream) {
+  for (const CopyRegion& c : copies) memcpy_async(c.dst, c.src, c.bytes, stream);
+}
+
 void Backend::checksum_async(const void* /*data*/, std::size_t bytes, std::uint64_t* /*result*/,
                              Stream& /*stream*/) {
   throw Error(ErrorCode::kBackend,

@@ -46,6 +46,7 @@ struct Receiver::Impl {
         backend(backend),
         config(config),
         transport(std::move(transport)),
+        had_transport(this->transport != nullptr),
         planner(*owner.slots_),
         stream(backend.create_stream(StreamPriority::kLow)),
         done_event(backend.create_event()),
@@ -78,6 +79,7 @@ struct Receiver::Impl {
   Backend& backend;
   const ReceiverConfig config;
   std::unique_ptr<Transport> transport;  // receiver thread only
+  bool had_transport = false;            // receiver thread only: one was ever installed
   SlotPlanner planner;                   // receiver thread only
   std::unique_ptr<Stream> stream;        // the receives
   std::unique_ptr<Event> done_event;
@@ -179,6 +181,35 @@ void Receiver::begin_update(const UpdateHeader& header) {
   impl_->commands.enqueue(std::move(command));
 }
 
+void Receiver::use_engine_storage(std::size_t group, const std::vector<void*>& tensors) {
+  std::lock_guard lock(impl_->accept_mutex);  // no update may be accepted meanwhile
+  const auto refuse = [&](const std::string& why) {
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("use_engine_storage: {}", why));
+  };
+  if (impl_->config.swap_strategy != SwapStrategy::kCopyIn) {
+    refuse(fmt::format("swap_strategy is {}; only copy_in copies into the engine's storage",
+                       swap_strategy_name(impl_->config.swap_strategy)));
+  }
+  if (group >= layout_.groups().size()) {
+    refuse(fmt::format("group index {} out of range (the layout has {} groups)", group,
+                       layout_.groups().size()));
+  }
+  const GroupLayout& g = layout_.groups()[group];
+  if (tensors.size() != g.tensors().size()) {
+    refuse(fmt::format("group '{}' has {} tensors but {} addresses were given", g.name(),
+                       g.tensors().size(), tensors.size()));
+  }
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    if (tensors[t] == nullptr) refuse(fmt::format("the address of tensor '{}' is null", g.tensors()[t].spec.name));
+  }
+  if (impl_->last_accepted_version != 0) {
+    refuse(fmt::format("update {} was already accepted; give the engine's storage before the "
+                       "first update",
+                       impl_->last_accepted_version));
+  }
+  slots_->use_engine_storage(group, layout_, tensors);
+}
+
 void Receiver::abort_update() { impl_->abort_requested.store(true); }
 
 void Receiver::replace_transport(std::unique_ptr<Transport> transport) {
@@ -236,6 +267,7 @@ void Receiver::Impl::run() {
         break;
       case Command::Kind::kReplaceTransport:
         transport = std::move(command.transport);
+        had_transport = true;
         {
           std::lock_guard lock(stats_mutex);
           stats.needs_transport = false;
@@ -268,10 +300,15 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     failed.version = header.version;
     failed.outcome = UpdateOutcome::kFailed;
     failed.code = ErrorCode::kTransport;
-    failed.error = fmt::format(
-        "update {}: no transport (the last one was aborted after a failure; call "
-        "replace_transport with a new communicator)",
-        header.version);
+    failed.error =
+        had_transport
+            ? fmt::format("update {}: no transport (the last one was aborted after a failure; "
+                          "call replace_transport with a new one)",
+                          header.version)
+            : fmt::format("update {}: no transport (the receiver was made without one and "
+                          "replace_transport was never called; give it the transport to the "
+                          "trainer first)",
+                          header.version);
     report(failed);
     return;
   }

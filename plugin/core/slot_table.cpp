@@ -27,6 +27,25 @@ std::byte* SlotTable::live_data(std::size_t g) const {
   return group.remap ? group.remap->live_address() : group.arena[group.live].data();
 }
 
+void* SlotTable::live_tensor(std::size_t g, std::size_t t, std::size_t offset) const {
+  const Group& group = groups_[g];
+  if (!group.engine_storage.empty()) return group.engine_storage[t].dst;
+  return live_data(g) + offset;
+}
+
+void SlotTable::use_engine_storage(std::size_t g, const Layout& layout,
+                                   const std::vector<void*>& tensors) {
+  Group& group = groups_[g];
+  const auto& placements = layout.groups()[g].tensors();
+  std::vector<Backend::CopyRegion> copies;
+  for (std::size_t t = 0; t < placements.size(); ++t) {
+    copies.push_back({tensors[t], group.arena[1].data() + placements[t].offset,
+                      placements[t].bytes});
+  }
+  group.engine_storage = std::move(copies);
+  group.arena[0].reset();  // nothing reads or writes the live arena any more
+}
+
 void SlotTable::make_live(std::size_t g, int slot, Stream& engine_stream) {
   Group& group = groups_[g];
   switch (strategy_) {
@@ -37,10 +56,15 @@ void SlotTable::make_live(std::size_t g, int slot, Stream& engine_stream) {
       group.live = slot;
       return;
     case SwapStrategy::kCopyIn:
-      // The arena is contiguous: one copy moves every tensor of the group. On the engine stream it
-      // runs after every step that read the old bytes and before every step that reads the new.
-      backend_.memcpy_async(group.arena[0].data(), group.arena[slot].data(), group.bytes,
-                            engine_stream);
+      // On the engine stream the copies run after every step that read the old bytes and before
+      // every step that reads the new. Into the engine's own tensors: one batch of copies; into
+      // the live arena, which is contiguous: one copy for every tensor of the group.
+      if (!group.engine_storage.empty()) {
+        backend_.memcpy_batch_async(group.engine_storage, engine_stream);
+      } else {
+        backend_.memcpy_async(group.arena[0].data(), group.arena[slot].data(), group.bytes,
+                              engine_stream);
+      }
       // The shadow is free to be written once the copy out of it has run.
       backend_.event_record(*group.release[slot], engine_stream);
       return;

@@ -38,6 +38,9 @@ class SlotTable {
     std::unique_ptr<RemappableArena> remap;  // remap
     std::unique_ptr<Event> release[2];
     std::size_t bytes = 0;  // the layout's arena size
+    // copy_in with the engine's own storage (use_engine_storage): where each tensor of the group
+    // lives, and the copies a swap enqueues (src: the shadow slot's bytes); empty otherwise.
+    std::vector<Backend::CopyRegion> engine_storage;
     // Version of the update whose bytes the live slot holds (0: never updated). Engine thread.
     std::uint64_t live_content_version = 0;
 
@@ -72,6 +75,14 @@ class SlotTable {
   // (invariant 2). Under remap this waits for `engine_stream` to have no work in flight first.
   // Engine thread only.
   void make_live(std::size_t g, int slot, Stream& engine_stream);
+
+  // copy_in only: the live storage of group `g` becomes the engine's own tensors, `tensors[t]`
+  // holding tensor t of the group (layout order) from now on; slot 0's arena is freed. A swap
+  // then copies each tensor of the shadow to its address, one batched copy. Before the first
+  // receive (the receiver checks that). Engine thread.
+  void use_engine_storage(std::size_t g, const Layout& layout, const std::vector<void*>& tensors);
+  // Where tensor `t` of group `g` is live: in the live arena, or the engine's own storage.
+  void* live_tensor(std::size_t g, std::size_t t, std::size_t offset) const;
 
  private:
   Backend& backend_;

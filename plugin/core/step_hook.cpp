@@ -137,7 +137,7 @@ void StepHook::wait_swap_finished(std::uint64_t version) const {
 std::byte* StepHook::live_arena(std::size_t group) const { return slots_.live_data(group); }
 
 void* StepHook::live_tensor(std::size_t group, std::size_t tensor) const {
-  return live_arena(group) + layout_.groups()[group].tensors()[tensor].offset;
+  return slots_.live_tensor(group, tensor, layout_.groups()[group].tensors()[tensor].offset);
 }
 
 std::uint64_t StepHook::live_content_version(std::size_t group) const {

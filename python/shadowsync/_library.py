@@ -274,6 +274,7 @@ _PROTOTYPES = {
     "shadowsync_transport_destroy": (c_int, [_H]),
     # receiver
     "shadowsync_receiver_create": (c_int, [_H, _H, _H, _P(ReceiverConfigC), _P(_H)]),
+    "shadowsync_receiver_use_engine_storage": (c_int, [_H, c_size_t, _P(c_void_p), c_size_t]),
     "shadowsync_receiver_create_with_plan": (
         c_int,
         [_H, _H, _P(PlanCopyC), c_size_t, _H, _H, _P(ReceiverConfigC), _P(_H)],

@@ -303,6 +303,15 @@ class Receiver(Handle):
         call("shadowsync_receiver_live_tensor", self._handle, info.group_index, info.index, byref(data))
         return data.value
 
+    def use_engine_storage(self, group: str | int, addresses) -> None:
+        """copy_in only, before the first update: the live storage of `group` becomes the
+        engine's own tensors (`addresses[t]`: where tensor t of the group lives, layout order), so
+        CUDA graphs captured over them keep working; a swap copies the shadow into them (one
+        batched copy on the engine stream). The group's live arena is freed. Engine thread."""
+        index = group if isinstance(group, int) else self.layout.group(group).index
+        array = (c_void_p * max(len(addresses), 1))(*addresses)
+        call("shadowsync_receiver_use_engine_storage", self._handle, index, array, len(addresses))
+
     def live_arena_pointer(self, group: str | int) -> int:
         """Address of a group's live arena. Engine thread only."""
         index = group if isinstance(group, int) else self.layout.group(group).index

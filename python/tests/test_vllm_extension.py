@@ -125,7 +125,8 @@ def test_trainer_specs_that_do_not_match_the_model_are_refused():
         ([("embed", "bf16", (300, 4))] + SPECS[1:],
          r"tensor 'embed': dtype bf16 of the trainer's layout does not match the worker's fp32"),
         (SPECS + [("lm_head", "fp32", (4,))],
-         r"tensor 'lm_head' of the trainer's layout is not a parameter of the worker \(5 parameters\)"),
+         r"tensor 'lm_head' of the trainer's layout is not a parameter of the worker \(5 parameters; "
+         r"1 of the trainer's tensors are not\), and FakeModel has no load_weights"),
     ):
         worker = FakeWorker()
         with pytest.raises(ss.LayoutMismatchError, match=message):

@@ -156,6 +156,17 @@ static void structs(void) {
   FIELD(shadowsync_source_tensor_t, shape);
   FIELD(shadowsync_source_tensor_t, ndim);
   end_struct();
+
+  STRUCT(shadowsync_plan_copy_t);
+  FIELD(shadowsync_plan_copy_t, wire);
+  FIELD(shadowsync_plan_copy_t, engine);
+  FIELD(shadowsync_plan_copy_t, ndim);
+  FIELD(shadowsync_plan_copy_t, shape);
+  FIELD(shadowsync_plan_copy_t, src_offset);
+  FIELD(shadowsync_plan_copy_t, src_strides);
+  FIELD(shadowsync_plan_copy_t, dst_offset);
+  FIELD(shadowsync_plan_copy_t, dst_strides);
+  end_struct();
 }
 
 static void statuses(void) {

@@ -45,6 +45,15 @@ class CountingBackend final : public Backend {
     copy_calls.fetch_add(1);
     copy_bytes.fetch_add(n);
   }
+  void memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& st) override {
+    ++calls;
+    inner_.memcpy_batch_async(copies, st);
+    for (const CopyRegion& c : copies) {
+      if (c.bytes == 0) continue;
+      copy_calls.fetch_add(1);
+      copy_bytes.fetch_add(c.bytes);
+    }
+  }
   void memcpy_2d_async(void* d, std::size_t dp, const void* s, std::size_t sp, std::size_t w,
                        std::size_t rows, Stream& st) override {
     ++calls;

@@ -224,6 +224,35 @@ void CudaBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, St
                         static_cast<void*>(cuda_stream.handle()), device_);
 }
 
+void CudaBackend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream) {
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "memcpy_batch_async");
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<std::size_t> sizes;
+  for (const CopyRegion& c : copies) {
+    if (c.bytes == 0) continue;
+    check_memcpy_args("CudaBackend::memcpy_batch_async", c.dst, c.src, c.bytes);
+    dsts.push_back(c.dst);
+    srcs.push_back(c.src);
+    sizes.push_back(c.bytes);
+  }
+  if (dsts.empty()) return;
+  make_current();
+  // One attribute for every copy: sources are read in stream order (they are the shadow, which
+  // the receive wrote on another stream the engine stream already waited for).
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attributes.srcLocHint.type = cudaMemLocationTypeDevice;
+  attributes.srcLocHint.id = device_;
+  attributes.dstLocHint.type = cudaMemLocationTypeDevice;
+  attributes.dstLocHint.id = device_;
+  std::size_t first_index = 0;
+  SHADOWSYNC_CUDA_CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
+                                             &attributes, &first_index, 1, cuda_stream.handle()),
+                        "{} copies, first dst={} src={} bytes={}, device={}", dsts.size(),
+                        dsts.front(), srcs.front(), sizes.front(), device_);
+}
+
 void CudaBackend::memcpy_2d_async(void* dst, std::size_t dst_pitch, const void* src,
                                   std::size_t src_pitch, std::size_t row_bytes, std::size_t rows,
                                   Stream& stream) {
