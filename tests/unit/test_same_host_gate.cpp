@@ -41,7 +41,7 @@ std::future<Outcome> wait_async(ChunkGate& gate, std::uint64_t chunk,
   });
 }
 
-// The wait has not returned within `window` (it is blocked, as it must be).
+// The wait has not returned within 100 ms (it is blocked, as it must be).
 void require_blocked(std::future<Outcome>& wait, const char* why) {
   INFO(why);
   REQUIRE(wait.wait_for(100ms) == std::future_status::timeout);

@@ -564,10 +564,14 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
     // host function "copied" and the receiver's progress thread sends the ack - library threads
     // that never wait on the engine's host code or on this process. So a context-wide wait
     // in the trainer (lazy module loading, cudaFree, a device synchronize) lasts until the
-    // receivers copied the chunks rung so far, provided each receiver has taken the update
-    // (its Receiver got begin_update and posted the receive); it never waits on the trainer
-    // itself. A receiver that never posts holds it until that receiver's deadline aborts its
-    // transport (its socket closes; the progress thread releases every wait).
+    // receivers copied the chunks rung so far; it never waits on the trainer itself. One host
+    // decision of the engine's process does gate it: the receiver must have taken the update
+    // (the engine called begin_update with the header, which the trainer sent before these
+    // chunks) for its thread to post the receive at all. An engine that calls begin_update only
+    // after something the trainer's host must still do would deadlock with a trainer blocked in
+    // a context-wide wait; short of that, a receiver that never posts holds this wait until its
+    // own deadline aborts its transport (its socket closes; the progress thread here releases
+    // every wait).
     impl.wait_value(native, chunk + 1);
     trace("sender: chunk {} enqueued on stream {}: {}doorbell, wait for its ack", chunk,
           static_cast<void*>(native), own_slot == s ? "packed in slot, " : "copy into slot, ");
