@@ -24,13 +24,27 @@
 // and the stream task returns.
 //
 // Streams. The host flavour runs on HostBackend streams: the stream task itself blocks in poll()
-// on the sockets and an eventfd that abort() signals, as a loopback collective blocks its stream.
-// (The device flavour, where a CUDA stream cannot block on a socket, is not implemented yet:
-// serve() with SameHostMemory::kDevice throws Error(kInvalidArgument) saying so.)
+// on the sockets and an eventfd that abort() signals, as a loopback collective blocks its stream
+// (a host stream is a thread of its own: nothing else of the process waits for it). The device
+// flavour runs on CudaBackend streams, whose work the whole CUDA context may wait for, and keeps
+// one rule: a receiver never leaves GPU work waiting for something only the peer process can
+// provide. Lazy loading of a kernel's module, cudaFree in a caching allocator, a device-wide
+// synchronize (torch.cuda.synchronize()) in the engine's process wait for every stream of the
+// context; a receive stream parked on the sender's doorbell would block the engine's own step on
+// the host until the trainer rings, and a trainer that waits for engine steps would never ring.
+// So on a device-flavour receiver broadcast_async blocks its calling thread until each chunk's
+// doorbell arrived and passed its checks, and only then enqueues the chunk's copy (slot ->
+// buffer) and its ack: call it from a thread of your own (the Receiver's), never the engine's.
+// The wait ends without enqueueing anything more when abort() is called from any thread, the
+// sender closed its socket or broke the protocol, or SameHostConfig::doorbell_timeout passes
+// (then the transport fails, and async_error() names the chunk and the option). The sender's
+// broadcast_async returns at once; its stream waits for the receivers' acks, which need only the
+// receivers' own library threads and streams, never the trainer's host code.
 //
 // Failures, as NcclTransport: a peer that closes its socket (its process died) or breaks the
 // protocol sets async_error(); the transport never times out by itself (callers poll against
-// their deadlines and call abort()). abort() wakes every waiting stream task, shuts the sockets
+// their deadlines and call abort()), except that a device-flavour receiver's wait for a doorbell
+// inside broadcast_async is bounded by SameHostConfig::doorbell_timeout. abort() wakes every waiting stream task, shuts the sockets
 // down and makes the transport dead: later broadcasts complete at once with async_error() set.
 // A new connection needs a new transport (serve/connect again), as after ncclCommAbort.
 #pragma once
@@ -49,7 +63,7 @@ namespace shadowsync {
 
 enum class SameHostMemory {
   kHost = 0,    // staging in a shared memory file; HostBackend streams
-  kDevice = 1,  // staging in device memory shared through the CUDA driver (not implemented yet)
+  kDevice = 1,  // staging in device memory shared through the CUDA driver; CudaBackend streams
 };
 
 struct SameHostConfig {
@@ -58,6 +72,12 @@ struct SameHostConfig {
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(60)};
   // Each step of the handshake must complete within this.
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(5)};
+  // Device flavour, receiver: how long broadcast_async waits on its calling thread for each
+  // chunk's doorbell before the transport fails (async_error() names this option). The default
+  // matches ReceiverConfig::bucket_deadline's; keep it at least that long, or the transport gives
+  // up on a slow sender before the receiver would. Must be positive. Not used by the host
+  // flavour, whose stream tasks wait until abort().
+  std::chrono::milliseconds doorbell_timeout{std::chrono::seconds(10)};
 };
 
 class SameHostTransport final : public Transport {
@@ -88,7 +108,9 @@ class SameHostTransport final : public Transport {
   std::string_view name() const override { return "same_host"; }
   int rank() const override;
   int world_size() const override;
-  // `root` must be 0 (the sender); `stream` must come from a HostBackend (host flavour).
+  // `root` must be 0 (the sender); `stream` must come from a HostBackend (host flavour) or a
+  // CudaBackend on the transport's device (device flavour). On a device-flavour receiver it
+  // blocks the calling thread until each chunk's doorbell came (see "Streams" above).
   void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override;
   void* staging_buffer(int index, std::size_t bytes) override;
   std::optional<std::string> async_error() override;

@@ -12,8 +12,6 @@
 #    installs the wheel, runs the case with both processes tracing every chunk, every engine step
 #    and every supply, and dumping Python stacks of a step or supply stalled over 4 s
 #    -> $OUT/pytest-default.log
-# 3. The same case again from the installed wheel with SHADOWSYNC_SAME_HOST_KERNEL_COPY=1 (the
-#    receiver copies each chunk with a kernel, not a copy engine) -> $OUT/pytest-kernel-copy.log
 # Summary lines on stdout and in $OUT/summary-stall.txt.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -33,15 +31,4 @@ OUT="$OUT_DIR" SHADOWSYNC_DEBUG_SAME_HOST=1 SHADOWSYNC_REQUIRE_GPU_TESTS=1 \
 note "default copy: exit $? $(grep -E '[0-9]+ (passed|failed)' "$OUT_DIR/pytest-wheel.log" | tail -n 1)"
 mv "$OUT_DIR/pytest-wheel.log" "$OUT_DIR/pytest-default.log" 2>/dev/null
 
-readonly PY="$ROOT/build-gpu-wheel/venv/bin/python"
-if [[ -x "$PY" ]]; then
-  (cd "$ROOT/build-gpu-wheel/run" && env -u SHADOWSYNC_LIBRARY -u PYTHONPATH \
-    SHADOWSYNC_TEST_INSTALLED=1 SHADOWSYNC_DEBUG_SAME_HOST=1 SHADOWSYNC_SAME_HOST_KERNEL_COPY=1 \
-    SHADOWSYNC_REQUIRE_GPU_TESTS=1 PYTHONDONTWRITEBYTECODE=1 timeout 110 "$PY" -m pytest \
-    "$ROOT/python/tests/test_mini_worker.py" -q -rs -s -p no:cacheprovider --rootdir "$ROOT" \
-    -k cuda_same_host) >"$OUT_DIR/pytest-kernel-copy.log" 2>&1
-  note "kernel copy: exit $? $(grep -E '[0-9]+ (passed|failed)' "$OUT_DIR/pytest-kernel-copy.log" | tail -n 1)"
-else
-  note "kernel copy: not run (no $PY: the wheel step failed, see run-python.log)"
-fi
 cat "$SUMMARY"

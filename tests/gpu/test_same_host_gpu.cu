@@ -14,14 +14,19 @@
 //  * a trainer process SIGKILLed mid-update: the engine's update fails cleanly (the socket's EOF,
 //    well within the receiver's deadlines) while the engine keeps stepping, the live bytes do not
 //    change, and a new trainer process connects and its updates apply.
+//  * a receive the trainer answers only after the engine synchronized the device (cudaFree and
+//    cudaDeviceSynchronize on the engine's thread): the synchronize returns at once, because a
+//    receiver enqueues nothing before its doorbell came; and a doorbell that never comes ends the
+//    receive at SameHostConfig::doorbell_timeout, enqueueing nothing.
 //
 // Skips (77, "SKIPPED: ...") without a usable CUDA device: the GPU variant of Catch's main
 // (tests/support/catch_main.cpp). A watchdog per case ends the process if anything hangs; the
 // trainer children die with it (PR_SET_PDEATHSIG) and a hung child ends itself (alarm).
 //
-// The device flavour's broadcast_async may block while the CUDA stream's queue is full, and a
-// receiver's stream waits for the sender's chunks: every rank therefore enqueues from its own
-// thread (the conformance suite does), never a receiver's and the sender's broadcasts from one.
+// A device-flavour receiver's broadcast_async blocks its thread until the sender's doorbells came
+// (host-gated), and the sender's may block while the CUDA stream's queue is full: every rank
+// therefore enqueues from its own thread (the conformance suite does), never a receiver's and the
+// sender's broadcasts from one.
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -43,6 +48,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <optional>
@@ -603,4 +609,172 @@ TEST_CASE("same-host gpu: a receiver that cannot open the sender's export says w
     CHECK_THAT(error, Catch::StartsWith("kTransport: "));
     CHECK_THAT(error, Catch::Contains("4096 bytes") && Catch::Contains("2 slots of 4096 bytes"));
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. A receiver leaves no GPU work waiting for the trainer: the engine may synchronize the whole
+//    device while a receive waits for its doorbells.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr std::size_t kSyncSlotBytes = std::size_t{64} << 10;
+constexpr std::size_t kSyncBytes = 3 * kSyncSlotBytes + 123;  // four chunks, the last partial
+
+std::uint8_t sync_byte(std::size_t i) { return static_cast<std::uint8_t>((i * 7 + 3) & 0xff); }
+
+// Ends the transport when the scope ends, whatever ends it: a receive still waiting on its thread
+// returns (host-gated), and a stream still parked on a doorbell goes on - so that the futures
+// declared before it can be destroyed.
+struct AbortAtExit {
+  SameHostTransport& transport;
+  ~AbortAtExit() { transport.abort(); }
+};
+
+}  // namespace
+
+// The trainer of the case below. Environment: SS_SHG_PATH, SS_SHG_SYNCED (a file the engine
+// creates once its device synchronize returned). Serves, waits for that file, broadcasts
+// kSyncBytes of sync_byte(i) once and waits until the engine acked every chunk.
+TEST_CASE("same-host gpu sync trainer child", "[.same_host_gpu_sync_trainer]") {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() == 1) std::_Exit(3);
+  const char* path = std::getenv("SS_SHG_PATH");
+  const char* synced = std::getenv("SS_SHG_SYNCED");
+  REQUIRE(path != nullptr);
+  REQUIRE(synced != nullptr);
+  CudaBackend backend(0);
+  auto transport = SameHostTransport::serve(path, kToken, 1, backend, SameHostMemory::kDevice,
+                                            kSyncSlotBytes, process_config());
+  std::vector<std::uint8_t> host(kSyncBytes);
+  for (std::size_t i = 0; i < host.size(); ++i) host[i] = sync_byte(i);
+  void* data = nullptr;
+  REQUIRE(cudaMalloc(&data, kSyncBytes) == cudaSuccess);
+  REQUIRE(cudaMemcpy(data, host.data(), kSyncBytes, cudaMemcpyHostToDevice) == cudaSuccess);
+  wait_until([&] { return std::filesystem::exists(synced); },
+             "the engine's device synchronize (its file " + std::string(synced) + ")", 60s);
+  auto stream = backend.create_stream(StreamPriority::kNormal);
+  transport->broadcast_async(data, kSyncBytes, 0, *stream);
+  auto done = backend.create_event();
+  backend.event_record(*done, *stream);
+  wait_event(backend, *done, "the broadcast (every chunk acked by the engine)");
+  INFO("async_error: " << transport->async_error().value_or("none"));
+  REQUIRE(!transport->async_error().has_value());
+  std::printf("sent\n");
+  std::fflush(stdout);
+  (void)cudaFree(data);
+}
+
+TEST_CASE("same-host gpu processes: the engine synchronizes the device while a receive waits for "
+          "a trainer that rings only afterwards",
+          "[same_host][gpu][processes]") {
+  // Before, a receiver enqueued "wait for the doorbell" on its stream at once; a device-wide
+  // synchronize in the engine's process then waited for the trainer, which waits for the engine.
+  Watchdog watchdog(120s);
+  SocketDir dir;
+  const std::filesystem::path synced = dir.dir / "synced";
+  auto trainer = spawn_self("[.same_host_gpu_sync_trainer]",
+                            {"SS_SHG_PATH=" + dir.path(), "SS_SHG_SYNCED=" + synced.string()});
+  CudaBackend backend(0);
+  SameHostConfig config = process_config();
+  config.doorbell_timeout = 60s;  // only the trainer's own pace, never this deadline, may end it
+  auto transport = SameHostTransport::connect(dir.path(), kToken, 1, backend, config);
+  void* received = nullptr;
+  REQUIRE(cudaMalloc(&received, kSyncBytes) == cudaSuccess);
+  REQUIRE(cudaMemset(received, 0, kSyncBytes) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  auto stream = backend.create_stream(StreamPriority::kLow);
+
+  // The receiver's own thread posts the receive.
+  auto receiving = std::async(std::launch::async, [&] {
+    transport->broadcast_async(received, kSyncBytes, 0, *stream);
+  });
+  std::future<std::pair<cudaError_t, double>> syncing;
+  AbortAtExit abort_at_exit{*transport};
+
+  // The trainer rings only once this process synchronized, so the receive cannot have returned
+  // yet: a receiver whose call returns here enqueued work that waits for the trainer.
+  CHECK(receiving.wait_for(200ms) == std::future_status::timeout);
+
+  // The engine's thread: a fresh allocation freed, then the whole device synchronized.
+  syncing = std::async(std::launch::async, [] {
+    const auto start = Clock::now();
+    void* fresh = nullptr;
+    cudaError_t status = cudaMalloc(&fresh, std::size_t{1} << 20);
+    if (status == cudaSuccess) status = cudaFree(fresh);
+    if (status == cudaSuccess) status = cudaDeviceSynchronize();
+    return std::make_pair(status, seconds_since(start));
+  });
+  if (syncing.wait_for(2s) != std::future_status::ready) {
+    transport->abort();  // lets a stream parked on the doorbell go, so that the case can end
+    FAIL("the engine's cudaFree + cudaDeviceSynchronize did not return within 2 s while a "
+         "receive waited for a doorbell the trainer rings only afterwards: the receiver left GPU "
+         "work waiting for the other process");
+  }
+  const auto [status, seconds] = syncing.get();
+  REQUIRE(status == cudaSuccess);
+  std::printf("same_host_gpu: device synchronize during a pending receive: %.3f s\n", seconds);
+
+  { std::ofstream(synced.string()) << "synced\n"; }
+  REQUIRE(receiving.wait_for(30s) == std::future_status::ready);
+  receiving.get();
+  auto done = backend.create_event();
+  backend.event_record(*done, *stream);
+  REQUIRE(backend.event_wait_for(*done, 30s));
+  INFO("async_error: " << transport->async_error().value_or("none"));
+  REQUIRE(!transport->async_error().has_value());
+  std::vector<std::uint8_t> host(kSyncBytes);
+  REQUIRE(cudaMemcpy(host.data(), received, kSyncBytes, cudaMemcpyDeviceToHost) == cudaSuccess);
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < host.size(); ++i) wrong += host[i] != sync_byte(i) ? 1 : 0;
+  CHECK(wrong == 0);
+  wait_for_output(*trainer, "sent\n");
+  require_exited_zero(*trainer);
+  (void)cudaFree(received);
+}
+
+TEST_CASE("same-host gpu: a doorbell that never comes ends the receive at "
+          "SameHostConfig::doorbell_timeout, enqueueing nothing",
+          "[same_host][gpu]") {
+  Watchdog watchdog(120s);
+  SocketDir dir;
+  CudaBackend sender_backend(0);
+  CudaBackend receiver_backend(0);
+  auto serving = std::async(std::launch::async, [&] {
+    return SameHostTransport::serve(dir.path(), kToken, 1, sender_backend,
+                                    SameHostMemory::kDevice, kSyncSlotBytes, process_config());
+  });
+  SameHostConfig config = process_config();
+  config.doorbell_timeout = 500ms;
+  auto receiver = SameHostTransport::connect(dir.path(), kToken, 1, receiver_backend, config);
+  REQUIRE(serving.wait_for(30s) == std::future_status::ready);
+  auto sender = serving.get();  // never broadcasts
+
+  void* received = nullptr;
+  REQUIRE(cudaMalloc(&received, kSyncBytes) == cudaSuccess);
+  REQUIRE(cudaMemset(received, 0xab, kSyncBytes) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  auto stream = receiver_backend.create_stream(StreamPriority::kLow);
+  const auto start = Clock::now();
+  receiver->broadcast_async(received, kSyncBytes, 0, *stream);
+  const auto took = Clock::now() - start;
+  CHECK(took >= 500ms);
+  CHECK(took < 5s);
+  const std::string error = receiver->async_error().value_or("");
+  CAPTURE(error);
+  CHECK_THAT(error, Catch::Contains("chunk 0") && Catch::Contains("500 ms") &&
+                        Catch::Contains("SameHostConfig::doorbell_timeout"));
+  // Nothing was enqueued: an event behind it completes at once, the buffer is untouched, and a
+  // later broadcast returns at once.
+  auto done = receiver_backend.create_event();
+  receiver_backend.event_record(*done, *stream);
+  CHECK(receiver_backend.event_wait_for(*done, 5s));
+  const auto again = Clock::now();
+  receiver->broadcast_async(received, kSyncBytes, 0, *stream);
+  CHECK(Clock::now() - again < 100ms);
+  std::vector<std::uint8_t> host(kSyncBytes);
+  REQUIRE(cudaMemcpy(host.data(), received, kSyncBytes, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(std::count(host.begin(), host.end(), std::uint8_t{0xab}) ==
+        static_cast<std::ptrdiff_t>(kSyncBytes));
+  (void)cudaFree(received);
 }

@@ -79,6 +79,8 @@ std::string SameHostFixture::name() const {
 TransportCapabilities SameHostFixture::capabilities() const {
   TransportCapabilities capabilities;
   capabilities.any_rank_as_root = false;  // the sender, rank 0, is the root of every broadcast
+  // Device flavour: a receiver's call waits on its thread for each doorbell (same_host_transport.h).
+  capabilities.receive_blocks_caller = memory_ == SameHostMemory::kDevice;
   return capabilities;
 }
 

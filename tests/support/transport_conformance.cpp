@@ -211,6 +211,12 @@ class CaseState {
     }
   }
 
+  // How often `signal` arrived so far; does not wait.
+  int arrivals(const std::string& signal) {
+    std::lock_guard lock(mutex_);
+    return signals_[signal];
+  }
+
   ConformanceResult result() const {
     std::lock_guard lock(mutex_);
     return result_;
@@ -245,6 +251,10 @@ class RankContext {
   void arrive(const std::string& signal) { state_.arrive(signal); }
   void wait_for(const std::string& signal, int count, const std::string& what) {
     state_.wait_for(signal, count, what);
+  }
+  int arrivals(const std::string& signal) { return state_.arrivals(signal); }
+  bool receive_blocks_caller() const {
+    return state_.fixture.capabilities().receive_blocks_caller;
   }
 
   std::byte* allocate(std::size_t bytes) {
@@ -435,6 +445,28 @@ void case_waits_for_root(RankContext& c) {
   const Regions regions({kWarmUpBytes}, {kRoot}, 501);
   std::byte* buffer = c.prepare(regions);
   const std::string what = describe_broadcast(kWarmUpBytes, kRoot);
+  if (c.receive_blocks_caller()) {
+    // The receiver's call itself waits for the root: it must not return before the root called.
+    if (c.rank() != kRoot) {
+      c.arrive("receivers calling");
+      c.broadcast(buffer, regions.all()[0]);
+      c.check(c.arrivals("root calling") == 1,
+              fmt::format("a receiver's broadcast_async of the {} returned before the root "
+                          "called broadcast_async (TransportCapabilities::receive_blocks_caller "
+                          "says it waits for the root's data)",
+                          what));
+      c.expect_complete(c.record(), fmt::format("the {} after the root joined", what));
+    } else {
+      c.wait_for("receivers calling", c.world_size() - 1,
+                 "every other rank to be about to call broadcast_async");
+      c.arrive("root calling");
+      c.broadcast(buffer, regions.all()[0]);
+      c.expect_complete(c.record(), what);
+    }
+    c.verify(buffer, regions, what);
+    c.expect_healthy("after the broadcast");
+    return;
+  }
   if (c.rank() != kRoot) {
     c.broadcast(buffer, regions.all()[0]);
     Event& behind = c.record();
@@ -500,7 +532,19 @@ void case_abort_releases_blocked(RankContext& c) {
   warm_up(c, 700);
   constexpr int kAbsentRoot = 0;
   const int victim = c.world_size() - 1;
-  if (c.rank() == victim) {
+  if (c.rank() == victim && c.receive_blocks_caller()) {
+    // The call itself blocks on the absent root: the abort ends it (or, when it comes first,
+    // the call enqueues nothing), and what the stream holds then completes.
+    const Regions regions({kWarmUpBytes}, {kAbsentRoot}, 701);
+    std::byte* buffer = c.prepare(regions);
+    c.arrive("victim blocked");
+    c.broadcast(buffer, regions.all()[0]);
+    c.expect_complete(c.record(), fmt::format("a broadcast blocked on absent root {}, after "
+                                              "rank {} aborted this rank's transport",
+                                              kAbsentRoot, kAbsentRoot));
+    c.check(c.transport().async_error().has_value(),
+            "async_error() is empty after another thread aborted the transport");
+  } else if (c.rank() == victim) {
     const Regions regions({kWarmUpBytes}, {kAbsentRoot}, 701);
     std::byte* buffer = c.prepare(regions);
     c.broadcast(buffer, regions.all()[0]);

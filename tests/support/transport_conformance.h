@@ -35,6 +35,11 @@ struct TransportCapabilities {
   // Any rank may be the root of a broadcast. False for a transport with one fixed sender, rank 0
   // (the same-host transport); cases that broadcast from other roots are then skipped.
   bool any_rank_as_root = true;
+  // A receiver's broadcast_async blocks its calling thread until the root's data for it arrived,
+  // and enqueues only then (the same-host device flavour: its receive streams never wait on the
+  // other process). Cases that hold the root back then let receivers announce themselves before
+  // the call rather than after it, and check that the call did not return before the root's.
+  bool receive_blocks_caller = false;
 };
 
 // One set of ranks under test. The suite drives it from one thread per rank plus the thread that

@@ -1,12 +1,11 @@
 // The integrity kernels of the CUDA backend: the per-bucket checksum and the non-finite count.
 // Both are grid-stride reductions: each thread sums its share, a warp reduces with shuffles, one
-// atomicAdd per warp lands in the 8-byte result, which a one-thread kernel on the same stream
-// zeroes first. Modest grids: they run on the receiver's low-priority stream next to the engine's
-// decode kernels. They are bound by memory bandwidth, so each thread keeps several 16-byte loads
-// in flight (kUnroll per iteration): with one 8-byte load per thread the same grid read about
-// 1.3 TB/s on an H200 (bench_integrity_one_gpu), too few bytes in flight to cover the memory
-// latency. The loads are streaming (__ldcs): the received weights are not read again soon, the
-// engine's are.
+// atomicAdd per warp lands in the 8-byte result, which a cudaMemsetAsync on the same stream zeroes
+// first. Modest grids: they run on the receiver's low-priority stream next to the engine's decode
+// kernels. They are bound by memory bandwidth, so each thread keeps several 16-byte loads in flight
+// (kUnroll per iteration): with one 8-byte load per thread the same grid read about 1.3 TB/s on an
+// H200 (bench_integrity_one_gpu), too few bytes in flight to cover the memory latency. The loads
+// are streaming (__ldcs): the received weights are not read again soon, the engine's are.
 #include "backends/cuda/integrity_kernels.h"
 
 #include <algorithm>
@@ -118,17 +117,6 @@ __global__ void nonfinite_kernel(const unsigned char* data, std::size_t head, st
   add_warp_sum(count, result);
 }
 
-__global__ void zero_result_kernel(std::uint64_t* result) { *result = 0; }
-
-// Zeroes the 8-byte result with a one-thread kernel rather than cudaMemsetAsync: on the
-// receiver's checks stream it sits behind a wait for a bucket the sender may still withhold, and
-// a memset there may be work for a copy engine, queued where the engine's own copies (its
-// device-to-host reads) could end up waiting behind it. A kernel stays on the stream's own queue.
-cudaError_t zero_result_async(std::uint64_t* result, cudaStream_t stream) {
-  zero_result_kernel<<<1, 1, 0, stream>>>(result);
-  return cudaGetLastError();
-}
-
 // Blocks for `vectors` 16-byte vectors: enough for each thread's kUnroll loads, at most kMaxBlocks.
 unsigned blocks_for(std::size_t vectors) {
   const std::size_t per_block = std::size_t{kThreads} * kUnroll;
@@ -140,7 +128,10 @@ unsigned blocks_for(std::size_t vectors) {
 
 cudaError_t launch_checksum(const void* data, std::size_t bytes, std::uint64_t* result,
                             cudaStream_t stream) {
-  if (cudaError_t error = zero_result_async(result, stream); error != cudaSuccess) return error;
+  if (cudaError_t error = cudaMemsetAsync(result, 0, sizeof(std::uint64_t), stream);
+      error != cudaSuccess) {
+    return error;
+  }
   const std::size_t full_words = bytes / 8;
   const auto* base = static_cast<const unsigned char*>(data);
   const std::size_t head =
@@ -156,7 +147,10 @@ cudaError_t launch_checksum(const void* data, std::size_t bytes, std::uint64_t* 
 cudaError_t launch_count_nonfinite(const void* data, std::size_t elements,
                                    std::size_t element_bytes, bool bf16, std::uint64_t* result,
                                    cudaStream_t stream) {
-  if (cudaError_t error = zero_result_async(result, stream); error != cudaSuccess) return error;
+  if (cudaError_t error = cudaMemsetAsync(result, 0, sizeof(std::uint64_t), stream);
+      error != cudaSuccess) {
+    return error;
+  }
   const auto* base = static_cast<const unsigned char*>(data);
   // Elements before the first 16-byte boundary (data is element-aligned), whole vectors, the rest.
   const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(base) % 16;

@@ -27,8 +27,8 @@
 #include "backends/cuda/scoped_device.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
-#include "transports/same_host/same_host_copy_kernel.h"
 #include "transports/same_host/same_host_device_staging.h"
+#include "transports/same_host/same_host_gate.h"
 #include "transports/same_host/same_host_state.h"
 
 namespace shadowsync::same_host {
@@ -98,7 +98,7 @@ void advance(std::atomic_ref<std::uint32_t> counter, std::uint32_t value) noexce
 }  // namespace
 
 struct DeviceLink::Impl {
-  // A chunk a receiver's caller enqueued: what its doorbell must say.
+  // A chunk a receiver's caller is waiting for: what its doorbell must say.
   struct Receive {
     std::uint64_t chunk = 0;
     std::size_t bytes = 0;
@@ -112,13 +112,12 @@ struct DeviceLink::Impl {
   std::unique_ptr<DeviceStaging> staging;
   int device = 0;  // the staging's, copied for the hot path
   bool sender = false;
-  // Receiver: copy each chunk with a kernel instead of a copy engine
-  // (SHADOWSYNC_SAME_HOST_KERNEL_COPY=1; same_host_copy_kernel.h says why).
-  bool kernel_copy = false;
   std::size_t slot_bytes = 0;
+  // Receiver: how long its caller waits for each chunk's doorbell (SameHostConfig).
+  std::chrono::milliseconds doorbell_timeout{0};
 
-  // The counter streams wait on: sender "chunks acked by every receiver", receiver "chunks
-  // copied". Pinned, mapped host memory, written only by host code.
+  // Sender: the counter its streams wait on, "chunks acked by every receiver". Pinned, mapped
+  // host memory, written only by host code.
   std::uint32_t* counter = nullptr;
   CUdeviceptr counter_on_device = 0;
 
@@ -127,11 +126,13 @@ struct DeviceLink::Impl {
   std::thread progress;
 
   std::mutex mutex;             // guards the queues below
-  std::deque<Receive> receives;  // receiver: enqueued, not yet matched with a doorbell
+  std::deque<Receive> receives;  // receiver: waited for, not yet matched with a doorbell
   std::deque<DataRecord> notes;  // from host functions: doorbells to ring / acks to send
   std::atomic<std::uint64_t> reserved{0};  // chunks reserved so far (under the state's mutex)
   std::atomic<int> host_functions_pending{0};
   std::atomic<bool> released{false};
+  // Receiver: opened by the progress thread per checked doorbell; its caller waits on it.
+  ChunkGate gate;
   // The streams this link enqueued work on, each with an event recorded after its last wait.
   std::vector<std::pair<cudaStream_t, cudaEvent_t>> tails;
 
@@ -189,6 +190,7 @@ void DeviceLink::Impl::release() noexcept {
     advance(std::atomic_ref<std::uint32_t>(*counter),
             static_cast<std::uint32_t>(reserved.load() + (std::uint64_t{1} << 30)));
   }
+  gate.release();  // a receiver's caller waiting for a doorbell returns, enqueueing nothing
   notify();
 }
 
@@ -331,8 +333,9 @@ void DeviceLink::Impl::run_sender() noexcept {
   }
 }
 
-// Receiver: matches doorbells with enqueued receives, checks them, opens the gate of each
-// copy whose doorbell passed, sends the acks the host functions queue.
+// Receiver: matches doorbells with the chunks its caller waits for, checks them, opens the gate
+// of each chunk whose doorbell passed (its caller then enqueues the copy), sends the acks the
+// host functions queue.
 void DeviceLink::Impl::run_receiver() noexcept {
   SameHostTransport::State& s = *state;
   const SlotGeometry geometry{kSlotCount, slot_bytes};
@@ -419,9 +422,8 @@ void DeviceLink::Impl::run_receiver() noexcept {
                            problem));
         return;
       }
-      // The copy waiting on the caller's stream may go.
-      advance(std::atomic_ref<std::uint32_t>(*counter),
-              static_cast<std::uint32_t>(receive.chunk + 1));
+      // The caller waiting for this chunk may enqueue its copy.
+      gate.open(receive.chunk + 1);
       trace("rank {}: gate of chunk {} opened", s.rank, receive.chunk);
     }
   }
@@ -456,15 +458,17 @@ std::unique_ptr<DeviceLink> DeviceLink::create(Backend& backend, std::size_t slo
 }
 
 std::unique_ptr<DeviceLink> DeviceLink::open(Backend& backend, Fd exported, const Setup& setup,
-                                             const std::string& path) {
+                                             const std::string& path,
+                                             std::chrono::milliseconds doorbell_timeout) {
   auto impl = std::make_unique<Impl>();
   impl->staging =
       DeviceStaging::open(cuda_backend_of(backend, "connect"), std::move(exported), setup, path);
   impl->device = impl->staging->device();
   impl->slot_bytes = impl->staging->slot_bytes();
-  impl->kernel_copy = env_flag("SHADOWSYNC_SAME_HOST_KERNEL_COPY");
-  trace("receiver: device link opened on device {}; chunk copies by {}", impl->device,
-        impl->kernel_copy ? "a kernel (SHADOWSYNC_SAME_HOST_KERNEL_COPY=1)" : "a copy engine");
+  impl->doorbell_timeout = doorbell_timeout;
+  trace("receiver: device link opened on device {}; each chunk's copy is enqueued once its "
+        "doorbell passed (waiting at most {} ms)",
+        impl->device, doorbell_timeout.count());
   return std::unique_ptr<DeviceLink>(new DeviceLink(std::move(impl)));
 }
 
@@ -480,14 +484,17 @@ void DeviceLink::start(SameHostTransport::State& state) {
   Impl& impl = *impl_;
   impl.state = &state;
   SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);
-  void* counter = nullptr;
-  SHADOWSYNC_CUDA_CHECK(cudaHostAlloc(&counter, 64, cudaHostAllocMapped | cudaHostAllocPortable),
-                        "same-host counter");
-  impl.counter = static_cast<std::uint32_t*>(counter);
-  *impl.counter = 0;
-  void* on_device = nullptr;
-  SHADOWSYNC_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, counter, 0), "same-host counter");
-  impl.counter_on_device = reinterpret_cast<CUdeviceptr>(on_device);
+  if (impl.sender) {  // a receiver's streams never wait on a counter (same_host_gate.h)
+    void* counter = nullptr;
+    SHADOWSYNC_CUDA_CHECK(
+        cudaHostAlloc(&counter, 64, cudaHostAllocMapped | cudaHostAllocPortable),
+        "same-host counter");
+    impl.counter = static_cast<std::uint32_t*>(counter);
+    *impl.counter = 0;
+    void* on_device = nullptr;
+    SHADOWSYNC_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, counter, 0), "same-host counter");
+    impl.counter_on_device = reinterpret_cast<CUdeviceptr>(on_device);
+  }
   impl.notes_ready = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!impl.notes_ready) {
     throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
@@ -549,6 +556,22 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
       impl.host_functions_pending.fetch_sub(1);
       SHADOWSYNC_CUDA_CHECK(status, "same-host doorbell of chunk {}", chunk);
     }
+    // This wait parks the sender's stream on its receivers. It holds only until every receiver
+    // copied the chunk, which needs nothing of this (the sender's) process beyond the doorbell
+    // rung just before it: each receiver's own thread enqueues the copy once doorbell `chunk`
+    // arrived (it waited for the doorbells before it, which came first), its stream runs the
+    // copy (behind, at most, the engine's own GPU work), CUDA's callback thread runs the
+    // host function "copied" and the receiver's progress thread sends the ack - library threads
+    // that never wait on the engine's host code or on this process. So a context-wide wait
+    // in the trainer (lazy module loading, cudaFree, a device synchronize) lasts until the
+    // receivers copied the chunks rung so far; it never waits on the trainer itself. One host
+    // decision of the engine's process does gate it: the receiver must have taken the update
+    // (the engine called begin_update with the header, which the trainer sent before these
+    // chunks) for its thread to post the receive at all. An engine that calls begin_update only
+    // after something the trainer's host must still do would deadlock with a trainer blocked in
+    // a context-wide wait; short of that, a receiver that never posts holds this wait until its
+    // own deadline aborts its transport (its socket closes; the progress thread here releases
+    // every wait).
     impl.wait_value(native, chunk + 1);
     trace("sender: chunk {} enqueued on stream {}: {}doorbell, wait for its ack", chunk,
           static_cast<void*>(native), own_slot == s ? "packed in slot, " : "copy into slot, ");
@@ -561,6 +584,7 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
   Impl& impl = *impl_;
   const cudaStream_t native = stream_of(stream, impl.device, impl.state->rank);
   SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);
+  bool enqueued = false;
   for (std::size_t offset = 0; offset < bytes; offset += impl.slot_bytes) {
     const std::size_t n = std::min(impl.slot_bytes, bytes - offset);
     const std::uint64_t chunk = first_chunk + offset / impl.slot_bytes;
@@ -570,17 +594,28 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
       impl.receives.push_back({chunk, n});
     }
     impl.notify();
-    // The gate opens once the doorbell of this chunk passed its checks; the copy needs no SM.
-    impl.wait_value(native, chunk + 1);
-    if (impl.kernel_copy) {
-      SHADOWSYNC_CUDA_CHECK(launch_chunk_copy(buffer + offset, impl.slot(s), n, native),
-                            "same-host receive (kernel copy), chunk {} of {} bytes from slot {}",
-                            chunk, n, s);
-    } else {
-      SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(buffer + offset, impl.slot(s), n, cudaMemcpyDefault,
-                                            native),
-                            "same-host receive, chunk {} of {} bytes from slot {}", chunk, n, s);
+    // Host-gated (same_host_gate.h): this thread, not the stream, waits for the doorbell.
+    trace("rank {}: waiting on the host for the doorbell of chunk {}", impl.state->rank, chunk);
+    const auto deadline = ChunkGate::Clock::now() + impl.doorbell_timeout;
+    const ChunkGate::Outcome outcome = impl.gate.wait(chunk, deadline);
+    if (outcome == ChunkGate::Outcome::kDeadline) {
+      // The ranks are out of step now: the transport is broken (async_error() says why) and
+      // releases every wait; this chunk and the rest of the broadcast are never enqueued.
+      impl.state->fail(fmt::format(
+          "same-host rank {}: the doorbell of chunk {} did not come within {} ms "
+          "(SameHostConfig::doorbell_timeout); nothing of it was copied",
+          impl.state->rank, chunk, impl.doorbell_timeout.count()));
     }
+    if (outcome != ChunkGate::Outcome::kOpen) {
+      trace("rank {}: chunk {} not enqueued: {}", impl.state->rank, chunk,
+            outcome == ChunkGate::Outcome::kDeadline ? "deadline" : "released");
+      break;
+    }
+    // The doorbell passed its checks: the slot holds this chunk, and the sender reuses it only
+    // after this copy's ack. Nothing here waits for the other process.
+    SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(buffer + offset, impl.slot(s), n, cudaMemcpyDefault,
+                                          native),
+                          "same-host receive, chunk {} of {} bytes from slot {}", chunk, n, s);
     auto* note = new Impl::Note{&impl, DataRecord{RecordType::kAck, chunk, s, 0, n}};
     impl.host_functions_pending.fetch_add(1);
     if (const cudaError_t status = cudaLaunchHostFunc(native, &Impl::on_host_function, note);
@@ -589,10 +624,11 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
       impl.host_functions_pending.fetch_sub(1);
       SHADOWSYNC_CUDA_CHECK(status, "same-host ack of chunk {}", chunk);
     }
-    trace("rank {}: chunk {} enqueued on stream {}: wait for its gate, copy, ack",
-          impl.state->rank, chunk, static_cast<void*>(native));
+    enqueued = true;
+    trace("rank {}: chunk {} enqueued on stream {}: copy, ack", impl.state->rank, chunk,
+          static_cast<void*>(native));
   }
-  impl.record_tail(native);
+  if (enqueued) impl.record_tail(native);
 }
 
 void DeviceLink::release() noexcept { impl_->release(); }

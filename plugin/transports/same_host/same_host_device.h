@@ -6,37 +6,48 @@
 // the fd and maps it for its own device: the same GPU, or a peer GPU of the host.
 //
 // Data path. A CUDA stream cannot wait on a socket, so each end runs a progress thread that owns
-// the sockets, and streams wait (cuStreamWaitValue32, "counter >= value" in wrap-around order) on
-// a counter in pinned host memory that only host code writes, so that it never moves back.
-// Chunk c of the connection always travels in slot c % 2, so a receiver can enqueue its copy
-// before the doorbell comes:
+// the sockets. Chunk c of the connection always travels in slot c % 2.
 //   sender, chunk c on the caller's stream: [copy into slot c % 2 unless the caller packed it
 //     there] -> host function "slot filled" (the progress thread rings every receiver) -> wait
-//     "acked >= c+1" (the progress thread counts a chunk once every receiver acked it);
-//   receiver, chunk c on the caller's stream: wait "gate >= c+1" -> cudaMemcpyAsync slot c % 2 ->
-//     buffer (copy engines, no SMs) -> host function "copied" (the progress thread acks). The
-//     progress thread opens the gate only for a doorbell that passed its checks (the chunk due,
-//     its slot and byte count).
-// A stream waits only on host code, never on another stream of its process: two streams that
-// share one of the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) cannot deadlock.
-// But a wait that the sender holds may hold more than its own stream: work of the process that
-// the driver queues behind it (a copy-engine queue shared with the engine's own device-to-host
-// copies, under investigation) waits for the sender too, and so does an engine step that needs
-// it. SHADOWSYNC_SAME_HOST_KERNEL_COPY=1 makes the receiver's copy a kernel
-// (same_host_copy_kernel.h); SHADOWSYNC_DEBUG_SAME_HOST=1 traces every chunk on stderr.
+//     (cuStreamWaitValue32, "counter >= c+1" in wrap-around order, on a counter in pinned host
+//     memory that only host code writes) until every receiver acked it;
+//   receiver, chunk c: the CALLER'S THREAD waits (ChunkGate, same_host_gate.h) until the progress
+//     thread received chunk c's doorbell and it passed its checks (the chunk due, its slot and
+//     byte count); only then does it enqueue, on the caller's stream, cudaMemcpyAsync slot ->
+//     buffer and a host function "copied" (the progress thread acks). No stream of the receiver
+//     ever waits on a counter.
+// The rule: a receiver never leaves GPU work waiting for something only the peer process can
+// provide. A stream parked on the sender's doorbell holds more than itself: lazy loading of a
+// kernel's module, cudaFree in the engine's caching allocator, cudaDeviceSynchronize or
+// torch.cuda.synchronize() wait for every stream of the context, so the engine's own step would
+// block on the host until the trainer rings - and a trainer that paces itself on the engine's
+// steps never rings (the stall this replaced; a kernel copy instead of a copy engine did not
+// help, nor did more hardware queues). Host-gated, a receive blocks its caller, the receiver's
+// own thread, never the engine's; the wait ends when the doorbell passed, when the link is
+// released (abort() from any thread, a protocol violation, a sender that closed its socket;
+// async_error() says which), or after SameHostConfig::doorbell_timeout (the transport then
+// fails, naming the chunk and the option). Whatever ends it other than the doorbell, nothing
+// more of the broadcast is enqueued.
+// The sender's wait for acks does park its stream on the receivers, but an ack needs only the
+// receivers' library threads (their receiver thread, CUDA's callback thread, their progress
+// thread) and their streams, never the trainer: see send_async. A host function needs no peer:
+// it runs on CUDA's callback thread and only queues a record and writes an eventfd.
+// SHADOWSYNC_DEBUG_SAME_HOST=1 traces every chunk on stderr.
 // A chunk's broadcast completes on the caller's stream only once every receiver copied it,
 // which is what lets the caller pack the slot again (Transport::staging_buffer).
 //
 // Failure and teardown. An abort, a protocol violation or a lost peer releases every wait at
-// once: the counter jumps past every chunk ever enqueued (later broadcasts complete at once, with
-// async_error() set). A receiver's copies already enqueued then run: each moves the slot and the
-// byte count the receiver itself chose into the buffer it was given for that update, which
-// fails; the doorbell's own numbers are never used. The destructor waits, with a deadline, until
+// once: the sender's counter jumps past every chunk ever enqueued, a receiver's caller stops
+// waiting (later broadcasts complete at once, with async_error() set). A receiver's copies
+// already enqueued had their doorbell checked; each moves the slot and the byte count the
+// receiver itself chose into the buffer it was given for that update, which fails; the
+// doorbell's own numbers are never used. The destructor waits, with a deadline, until
 // the streams passed every operation that touches this link's memory before freeing it; memory
 // a stuck stream might still touch is leaked with a warning rather than freed under it.
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -56,8 +67,10 @@ class DeviceLink {
   static std::unique_ptr<DeviceLink> create(Backend& backend, std::size_t slot_bytes);
   // Receiver: maps the sender's export for `backend`'s device. Error(kTransport) saying what was
   // tried when it cannot (another host's fd, a GPU without peer access to the sender's).
+  // `doorbell_timeout` bounds receive_async's wait for each chunk's doorbell.
   static std::unique_ptr<DeviceLink> open(Backend& backend, Fd exported, const Setup& setup,
-                                          const std::string& path);
+                                          const std::string& path,
+                                          std::chrono::milliseconds doorbell_timeout);
   ~DeviceLink();
   DeviceLink(const DeviceLink&) = delete;
   DeviceLink& operator=(const DeviceLink&) = delete;
@@ -74,9 +87,14 @@ class DeviceLink {
   // release() covers every chunk reserved before the transport died.
   std::uint64_t reserve(std::size_t bytes);
   // Enqueue a broadcast's chunks on `stream` (a CudaBackend stream of this link's device). The
-  // caller's thread only, not under the state's mutex.
+  // caller's thread only, not under the state's mutex. send_async returns at once.
   void send_async(const std::byte* buffer, std::size_t bytes, std::uint64_t first_chunk,
                   Stream& stream);
+  // Blocks the caller chunk by chunk until each chunk's doorbell passed its checks, enqueueing
+  // its copy and ack only then (host-gated, see above); returns early, having enqueued nothing
+  // more, once the link is released or a doorbell is late (the transport fails, async_error()
+  // names SameHostConfig::doorbell_timeout). Call it from a thread of your own (the Receiver's),
+  // never the engine's.
   void receive_async(std::byte* buffer, std::size_t bytes, std::uint64_t first_chunk,
                      Stream& stream);
   // Every wait of every stream is released; the progress thread stops. Any thread; idempotent.

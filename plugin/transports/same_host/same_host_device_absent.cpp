@@ -17,7 +17,8 @@ namespace {
 }  // namespace
 
 std::unique_ptr<DeviceLink> DeviceLink::create(Backend&, std::size_t) { refuse(); }
-std::unique_ptr<DeviceLink> DeviceLink::open(Backend&, Fd, const Setup&, const std::string&) {
+std::unique_ptr<DeviceLink> DeviceLink::open(Backend&, Fd, const Setup&, const std::string&,
+                                             std::chrono::milliseconds) {
   refuse();
 }
 DeviceLink::DeviceLink(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

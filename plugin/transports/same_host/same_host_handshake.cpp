@@ -236,6 +236,13 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
                                                               SameHostConfig config) {
   (void)backend;
   check_token(token);
+  if (config.doorbell_timeout <= std::chrono::milliseconds(0)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host connect: SameHostConfig::doorbell_timeout is {} ms; it must "
+                            "be positive (default {} ms)",
+                            config.doorbell_timeout.count(),
+                            SameHostConfig{}.doorbell_timeout.count()));
+  }
   if (rank < 1 || rank > 65535) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host connect: rank {} is outside 1..65535 (0 is the sender)",
@@ -355,7 +362,8 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
     state->world_size = static_cast<int>(setup.world_size);
     state->memory = SameHostMemory::kDevice;
     state->slot_bytes = static_cast<std::size_t>(setup.slot_bytes);
-    state->device = same_host::DeviceLink::open(backend, std::move(memory_file), setup, path);
+    state->device = same_host::DeviceLink::open(backend, std::move(memory_file), setup, path,
+                                                config.doorbell_timeout);
     state->wake = make_wake();
     state->peers.push_back(std::move(socket));
     state->device->start(*state);
