@@ -149,7 +149,7 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     process = ctx.Process(target=trainer, args=(child, {1: b, 2: a}, args.device, path, token,
-                                                args.bucket_bytes))
+                                                args.bucket_bytes), daemon=True)
     process.start()
     kind, specs = parent.recv()
     fingerprints = llm.collective_rpc("init_weight_update_group", kwargs=dict(

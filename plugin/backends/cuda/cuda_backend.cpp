@@ -238,6 +238,13 @@ void CudaBackend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stre
   }
   if (dsts.empty()) return;
   make_current();
+  cudaStream_t handle = cuda_stream.handle();
+  if (is_special_stream(handle)) {
+    // cudaMemcpyBatchAsync refuses the default streams (cudaErrorInvalidValue), which is
+    // where an engine that never made a stream of its own (torch's default) runs: one copy each.
+    Backend::memcpy_batch_async(copies, stream);
+    return;
+  }
   // One attribute for every copy: sources are read in stream order (they are the shadow, which
   // the receive wrote on another stream the engine stream already waited for).
   cudaMemcpyAttributes attributes{};
@@ -248,7 +255,7 @@ void CudaBackend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stre
   attributes.dstLocHint.id = device_;
   std::size_t first_index = 0;
   SHADOWSYNC_CUDA_CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
-                                             &attributes, &first_index, 1, cuda_stream.handle()),
+                                             &attributes, &first_index, 1, handle),
                         "{} copies, first dst={} src={} bytes={}, device={}", dsts.size(),
                         dsts.front(), srcs.front(), sizes.front(), device_);
 }
