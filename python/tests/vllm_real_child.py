@@ -14,8 +14,8 @@ JSON_ARGS holds ``what`` and its arguments:
   bucket by bucket, the engine generating between buckets; update 2 (``models[0]``) is one
   publish. Greedy outputs before, during and after each update, the per-request token versions
   and the receiver's counters come back.
-* ``refusals``: an engine started as ``engine`` says, then each of ``attempts`` (keyword
-  arguments of init_weight_update_group); the message each raised.
+* ``refusals``: for each of ``engines``, an engine started with its settings, then each of its
+  ``attempts`` at init_weight_update_group; the message each raised (run_refusals).
 
 Environment: ``mode`` ``inproc`` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine runs in this
 process: collective_rpc then runs in the caller's thread, so every call here comes from the
@@ -42,6 +42,7 @@ DEADLINE_S = 60.0
 EXTENSION = "shadowsync.vllm.WorkerExtension"
 TORCH_DTYPE = {"float32": "float32", "bfloat16": "bfloat16"}
 WIRE_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+BASE = "base"  # the trainer's one group
 
 
 def engine_kwargs(dtype: str) -> dict:
@@ -132,8 +133,6 @@ def trainer(conn, paths: list[str], dtype: str, socket_path: str, token: str, bu
         except OSError:
             pass
 
-
-BASE = "base"
 
 
 def expect(conn, kind: str):
