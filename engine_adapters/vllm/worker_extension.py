@@ -175,6 +175,7 @@ class WorkerExtension:
         engine_uses_cuda_graphs: bool | None = None,
         same_host: dict | None = None,
         track_request_versions: bool = False,
+        allow_partial: bool = False,
     ) -> int:
         """Sets up the weight update group; returns the layout fingerprint (the trainer compares
         it with its own). Engine thread, before stepping; once.
@@ -202,6 +203,9 @@ class WorkerExtension:
         layers, empty parameters) are refused with what to do.
         None: every parameter in the model's order, grouped by `group_of` (default "base").
         Returns the fingerprint of the trainer's layout (``Layout(specs, bucket_bytes)``).
+
+        `allow_partial`: with a receive plan, parameters no trainer tensor writes are refused
+        (named) unless this is set; then they keep the engine's values.
 
         `track_request_versions`: count each request's scheduled tokens per weight version
         (request_versions()), for the trainer's bookkeeping of which policy made which tokens.
@@ -243,7 +247,8 @@ class WorkerExtension:
                 _check_specs(specs, descs)  # the engine's own layout: zero-copy receive
                 layout = Layout(specs, bucket_bytes)
             else:
-                layout, plan, params = _receive_plan(model, specs, bucket_bytes, descs)
+                layout, plan, params = _receive_plan(model, specs, bucket_bytes, descs,
+                                                     allow_partial)
                 descs = {name: descs[name] for name in params}
 
         backend: Backend
@@ -430,7 +435,8 @@ def _names_are_parameters(specs: list[TensorSpec], descs: dict) -> bool:
     return all(s.name in descs for s in specs)
 
 
-def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict):
+def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict,
+                  allow_partial: bool):
     """(wire layout, ReceivePlan, {engine parameter name: parameter}) from the model's own
     load_weights, traced without data (loader_trace). The engine layout holds the parameters the
     plan writes, each in the group of the trainer's tensors that write it."""
@@ -446,6 +452,15 @@ def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict
             f"{type(model).__name__} has no load_weights to derive a receive plan from"
         )
     trace = trace_load_weights(model, specs)
+    if trace.unwritten_params and not allow_partial:
+        missing = trace.unwritten_params
+        shown = ", ".join(f"'{n}'" for n in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise LayoutMismatchError(
+            f"{len(missing)} parameter(s) of the model are written by none of the trainer's "
+            f"tensors: {shown}; after an update they would keep the engine's current values while "
+            f"the rest changes (a model no checkpoint of the trainer describes). Send them, or pass "
+            f"allow_partial=True to keep them deliberately (frozen weights)"
+        )
     wire = Layout(specs, bucket_bytes)
     wire_group = {s.name: s.group for s in specs}
     group_of: dict[str, str] = {}

@@ -210,9 +210,9 @@ def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(ch
 
 
 def test_a_tensor_the_trainer_omits_keeps_the_engines_value(checkpoints, references):
-    """The trainer leaves model.norm.weight out of its layout: the engine's layout then holds
-    only the parameters its loader writes from the trainer's tensors, and the norm keeps the
-    engine's value. After update 1 the engine is B with A's final norm, token for token a fresh
+    """The trainer leaves model.norm.weight out of its layout and the worker allows it
+    (allow_partial=True): the engine's layout then holds only the parameters its loader writes
+    from the trainer's tensors, and the norm keeps the engine's value. After update 1 the engine is B with A's final norm, token for token a fresh
     engine of exactly that checkpoint; after update 2 it is A again."""
     out = run_child(update_args(checkpoints, "llama", "float32", "inproc", omit=[OMITTED]))
     assert out["after_b"] == references("llama", "float32", "b_norm_of_a")
@@ -284,15 +284,13 @@ def test_fp32_tensors_into_a_bf16_engine_are_refused_naming_both_dtypes(refusals
     assert "which converts the dtype" in message
 
 
-@pytest.mark.xfail(strict=True, reason="not refused today: an omitted tensor keeps the engine's "
-                   "value (test_a_tensor_the_trainer_omits_keeps_the_engines_value); proposed: "
-                   "refuse unless the caller allows it")
 def test_a_trainer_that_omits_a_tensor_is_refused_naming_it(refusals):
     assert refusals["omitted"] is not None and OMITTED in refusals["omitted"]
+    assert "allow_partial=True" in refusals["omitted"]
 
 
 def test_init_twice_is_refused(refusals):
-    assert refusals["full"] is None or refusals["omitted"] is None  # one of them initialized
+    assert refusals["full"] is None  # the complete layout initialized
     assert refusals["again"].startswith(
         "InvalidArgumentError: init_weight_update_group: already initialized (layout 0x")
     assert "close_weight_update_group first" in refusals["again"]

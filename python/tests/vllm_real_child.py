@@ -242,7 +242,7 @@ def run_update(args: dict) -> dict:
         conn.send("serve")  # the trainer serves; init below blocks until it does
         fingerprints = llm.collective_rpc("init_weight_update_group", kwargs=dict(
             specs=specs, bucket_bytes=args["bucket_bytes"], same_host=same_host,
-            track_request_versions=True))
+            track_request_versions=True, allow_partial=bool(args.get("omit"))))
         expect(conn, "serving")
         out["fingerprints"] = [int(f) for f in fingerprints]
         out["trainer_fingerprint"] = int(trainer_fingerprint)
