@@ -58,11 +58,16 @@ def test_worker_extension_with_copy_in_binds_once_and_steps_see_each_version_who
     loopback = ss.Loopback(2)
     worker = FakeWorker()
     layout, sender = _trainer(SPECS, loopback.transport(0))
+    original = {n: p.data for n, p in worker.model_runner.model.params}
     worker.init_weight_update_group(specs=[tuple(vars(s).values()) for s in layout.specs],
                                     bucket_bytes=1024, transport=loopback.transport(1),
                                     swap_strategy="copy_in", engine_uses_cuda_graphs=True)
     try:
         bound = {n: p.data for n, p in worker.model_runner.model.params}
+        # The engine's own arrays stay the live storage (what CUDA graphs captured before the
+        # extension was initialized read): nothing was moved or rebound.
+        assert all(bound[n] is original[n] for n in bound)
+        assert worker._shadowsync.receiver.live_arena_pointer("base") is None
         handle = sender.publish(1, tensors(BASE + LORA, 1))
         worker.begin_update(handle.header_bytes)
         _step_until(worker, 1)  # steps: the swap callback waited for the copies
