@@ -108,8 +108,11 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--reference", help=argparse.SUPPRESS)
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
+    parser.add_argument("--arch", default="llama", help="llama, qwen2 (biases, tied), qwen3, phi3")
+    parser.add_argument("--multiprocess", action="store_true",
+                        help="vLLM's default engine process (collective_rpc between steps)")
     args = parser.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
     import torch  # noqa: F401  (before vLLM: one NCCL/CUDA runtime in the process)
     from vllm import LLM
 
@@ -122,11 +125,13 @@ def main() -> int:
     import shadowsync.vllm as ssv
 
     work = Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
-    a = make_tiny_model("llama", str(work / "A"), seed=1)
-    b = make_tiny_model("llama", str(work / "B"), seed=2)
+    # initializer_range 0.1: with the default 0.02 two random tied models can answer alike.
+    a = make_tiny_model(args.arch, str(work / "A"), seed=1, initializer_range=0.1)
+    b = make_tiny_model(args.arch, str(work / "B"), seed=2, initializer_range=0.1)
     started = time.monotonic()
     expected = {"A": reference(args.device, a), "B": reference(args.device, b)}
-    log(f"references of A and B from fresh engines in {time.monotonic() - started:.1f} s; "
+    log(f"{args.arch}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
+        f"references of A and B from fresh engines in {time.monotonic() - started:.1f} s; "
         f"A {expected['A'][0][:6]}..., B {expected['B'][0][:6]}...")
     if expected["A"] == expected["B"]:
         log("FAIL: A and B answer alike; the check could not tell them apart")
