@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# One device call after .vllm-gpu's two install calls (PYTHONPATH=/tmp/site holds vLLM 0.25.0):
-# builds the C library with CUDA (and EXTRA_TARGETS), runs scripts/vllm_e2e.py on the GPU (CUDA
-# graphs on), then the same-host GPU tests when built. Outputs under $OUT.
+# One device call after .vllm-gpu's two install calls (PYTHONPATH=/tmp/site holds vLLM 0.25.0;
+# ../shared/vllm-gpu/README.md): builds the C library with CUDA (and EXTRA_TARGETS), then runs what
+# the environment asks for, each with its log under $OUT:
+#   SAME_HOST=1      tests/gpu/test_same_host_gpu and the mini worker's same-host cases
+#   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
+#   E2E_RUNS="A;B"   scripts/vllm_e2e.py --device cuda with each ;-separated argument list
+#   BENCH_VLLM="..." bench/bench_vllm_update.py with these arguments
+# Each step has its own timeout; a failed step does not stop the next.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source scripts/gpu/common.sh
 gpu_unpack_deps "$PWD" >/dev/null
 gpu_configure "$PWD" build-gpu "$OUT/cfg.log" 300
-cmake --build build-gpu -j16 --target shadowsync_c ${EXTRA_TARGETS:-} >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+targets=(shadowsync_c ${EXTRA_TARGETS:-})
+[[ "${SAME_HOST:-0}" == 1 || "${MEMCHECK:-0}" == 1 ]] && targets+=(gpu_test_same_host_gpu)
+cmake --build build-gpu -j16 --target "${targets[@]}" >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 export SHADOWSYNC_LIBRARY=$PWD/build-gpu/libshadowsync_c.so VLLM_USE_FLASHINFER_SAMPLER=0
 export CUDA_DEVICE_MAX_CONNECTIONS=32
-if [[ -x build-gpu/tests/gpu/test_same_host_gpu ]]; then
+if [[ "${SAME_HOST:-0}" == 1 ]]; then
   timeout 150 ./build-gpu/tests/gpu/test_same_host_gpu >"$OUT/same-host-gpu.log" 2>&1
   echo "test_same_host_gpu exit $?: $(tail -3 "$OUT/same-host-gpu.log" | tr '\n' ' ')"
   grep -E "processes updates=|detected|synchron" "$OUT/same-host-gpu.log" | head -5
@@ -18,8 +25,23 @@ if [[ -x build-gpu/tests/gpu/test_same_host_gpu ]]; then
     -p no:cacheprovider -k same_host >"$OUT/mini-worker.log" 2>&1
   echo "mini worker same_host: exit $? $(grep -E '[0-9]+ (passed|failed)' "$OUT/mini-worker.log" | tail -1)"
 fi
-if [[ "${E2E_TIMEOUT:-0}" != 0 ]]; then
-  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "$E2E_TIMEOUT" python3 scripts/vllm_e2e.py --device cuda >"$OUT/vllm-e2e.log" 2>&1
-  echo "vllm_e2e exit $?"
-  grep -E "\[vllm-e2e\]|Error:|error:" "$OUT/vllm-e2e.log" | head -40
+if [[ "${MEMCHECK:-0}" == 1 ]]; then
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    ./build-gpu/tests/gpu/test_same_host_gpu "[conformance]" >"$OUT/memcheck.log" 2>&1
+  echo "memcheck [conformance] exit $?: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+fi
+IFS=';' read -r -a runs <<<"${E2E_RUNS:-}"
+for i in "${!runs[@]}"; do
+  read -r -a run_args <<<"${runs[$i]}"
+  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${E2E_TIMEOUT:-300}" \
+    python3 scripts/vllm_e2e.py --device cuda "${run_args[@]}" >"$OUT/vllm-e2e-$i.log" 2>&1
+  echo "vllm_e2e ${runs[$i]}: exit $?"
+  grep -E "\[vllm-e2e\]" "$OUT/vllm-e2e-$i.log" | head -20
+done
+if [[ -n "${BENCH_VLLM:-}" ]]; then
+  read -r -a bench_args <<<"$BENCH_VLLM"
+  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" \
+    python3 bench/bench_vllm_update.py --out "$OUT" "${bench_args[@]}" >"$OUT/bench-vllm.log" 2>&1
+  echo "bench_vllm_update exit $?"
+  tail -40 "$OUT/bench-vllm.log"
 fi
