@@ -175,7 +175,8 @@ def main() -> int:
                               updates=args.updates, baseline_s=args.baseline_s, gap_s=args.gap_s,
                               swap_strategy=args.swap_strategy, bucket_bytes=args.bucket_bytes,
                               vllm_packed_bytes=args.vllm_packed_bytes,
-                              vllm_pause=not args.vllm_no_pause, enforce_eager=args.enforce_eager))
+                              vllm_pause=not args.vllm_no_pause,
+                              enforce_eager=args.enforce_eager or args.device == "cpu"))
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     results: dict = {"meta": meta, "goals": GOALS, "vllm_reference_stop_ms": VLLM_REFERENCE_STOP_MS,
                      "configs": {}}
