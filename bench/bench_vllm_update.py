@@ -427,10 +427,15 @@ def child_main(args) -> int:
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()[-4000:]
         print(result["traceback"], file=sys.stderr, flush=True)
+    if STAND_IN_FOLDER:
+        shutil.rmtree(STAND_IN_FOLDER[0], ignore_errors=True)
     Path(args.result_file).write_text(json.dumps(result, indent=1))
     sys.stdout.flush()
     # vLLM's and the transport's threads must not keep a finished run alive.
     os._exit(1 if "error" in result else 0)
+
+
+STAND_IN_FOLDER: list[Path] = []
 
 
 def prepend_pythonpath(folder) -> None:
@@ -475,6 +480,7 @@ def import_ipc_engine() -> list[str]:
                 raise
             if folder is None:
                 folder = Path(tempfile.mkdtemp(prefix="bench-vllm-stand-ins-"))
+                STAND_IN_FOLDER.append(folder)  # removed when the path ends
                 sys.path.insert(0, str(folder))
                 prepend_pythonpath(folder)
             (folder / f"{e.name}.py").write_text(STAND_IN_SOURCE.format(name=e.name))
@@ -835,6 +841,7 @@ class ShadowsyncTransfer:
         self.args = args
         self.process = None
         self.conn = None
+        self.socket_dir = None
 
     def api_description(self) -> str:
         import shadowsync
@@ -857,7 +864,7 @@ class ShadowsyncTransfer:
     async def setup(self, engine) -> dict:
         import multiprocessing as mp
 
-        socket_dir = Path(tempfile.mkdtemp(prefix="ss-bench-"))
+        socket_dir = self.socket_dir = Path(tempfile.mkdtemp(prefix="ss-bench-"))
         os.chmod(socket_dir, 0o700)
         path, token = str(socket_dir / "trainer.sock"), os.urandom(32)
         ctx = mp.get_context("spawn")
@@ -909,6 +916,8 @@ class ShadowsyncTransfer:
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(10)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 # --- outputs ------------------------------------------------------------------------------------
