@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import warnings
 from typing import Any, Callable, Iterable
 
 from shadowsync import _tensors
@@ -591,23 +592,37 @@ def apply_update(llm, version: int, timeout: float | None = None,
                  reset_prefix_cache: bool = True) -> int:
     """Front end (the process that holds the ``vllm.LLM``): makes `version` live on every worker
     (``collective_rpc("wait_applied")``: the flip happens between two steps, and the next step
-    runs on it), then resets vLLM's prefix cache so that no new request reuses KV computed with
-    older weights. Returns the applied version (the lowest over the workers).
+    runs on it), then asks vLLM to reset its prefix cache so that no new request reuses KV
+    computed with older weights. Returns the applied version (the lowest over the workers).
 
-    The reset is a second call: with a synchronous ``LLM`` nothing steps between the two; an
-    engine that keeps generating (``AsyncLLM``) may admit requests in the steps between them,
-    which can still hit prefix blocks of the old version — submit with ``cache_salt`` set to the
-    policy version for exact isolation."""
+    vLLM resets the prefix cache only while no request holds KV blocks; otherwise it refuses
+    (returns False) and nothing is reset: this warns then (RuntimeWarning), since new requests may
+    reuse prefix KV of older weights. With a synchronous ``LLM`` between ``generate`` calls nothing
+    runs and the reset succeeds. An engine that keeps generating (``AsyncLLM``) almost never is
+    idle: submit each request with ``cache_salt`` set to the policy version (prefix blocks are
+    then shared only within one version) and pass ``reset_prefix_cache=False``."""
     applied = llm.collective_rpc("wait_applied", args=(int(version), timeout))
     if reset_prefix_cache:
-        llm.reset_prefix_cache()
+        _check_reset(llm.reset_prefix_cache(), version, "apply_update")
     return min(int(v) for v in applied)
 
 
 async def apply_update_async(engine, version: int, timeout: float | None = None,
                              reset_prefix_cache: bool = True) -> int:
-    """apply_update for an ``AsyncLLM``."""
+    """apply_update for an ``AsyncLLM`` (see there: under load vLLM refuses the prefix cache
+    reset; use ``cache_salt`` and ``reset_prefix_cache=False``)."""
     applied = await engine.collective_rpc("wait_applied", args=(int(version), timeout))
     if reset_prefix_cache:
-        await engine.reset_prefix_cache()
+        _check_reset(await engine.reset_prefix_cache(), version, "apply_update_async")
     return min(int(v) for v in applied)
+
+
+def _check_reset(result, version: int, caller: str) -> None:
+    """vLLM's reset_prefix_cache returns False when running requests hold KV blocks."""
+    if result is False:
+        warnings.warn(
+            f"{caller}: version {version} is live, but vLLM refused to reset its prefix cache "
+            f"(running requests hold KV blocks), so new requests may reuse prefix KV computed "
+            f"with older weights; submit requests with cache_salt set to the policy version and "
+            f"pass reset_prefix_cache=False",
+            RuntimeWarning, stacklevel=3)

@@ -171,3 +171,50 @@ def test_close_gives_the_worker_its_own_weights_and_execute_model_back():
     assert worker.execute_model("b") == "output of b"
     assert worker.steps == [{0}]
     assert worker.before_step() is None
+
+
+class _FakeFrontEnd:
+    """A vllm.LLM / AsyncLLM to apply_update: wait_applied answers the version; the prefix cache
+    reset answers `reset` (vLLM refuses, False, while requests hold KV blocks)."""
+
+    def __init__(self, reset):
+        self.reset = reset
+        self.calls = []
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return [args[0]]
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return self.reset
+
+
+class _AsyncFakeFrontEnd(_FakeFrontEnd):
+    async def collective_rpc(self, method, args=()):
+        return _FakeFrontEnd.collective_rpc(self, method, args)
+
+    async def reset_prefix_cache(self):
+        return _FakeFrontEnd.reset_prefix_cache(self)
+
+
+def test_apply_update_warns_when_vllm_refuses_the_prefix_cache_reset():
+    import asyncio
+    import warnings
+
+    from shadowsync.vllm import apply_update, apply_update_async
+
+    def apply_async(*args, **kwargs):
+        return asyncio.run(apply_update_async(*args, **kwargs))
+
+    for front_end, apply in ((_FakeFrontEnd, apply_update), (_AsyncFakeFrontEnd, apply_async)):
+        refused = front_end(reset=False)
+        with pytest.warns(RuntimeWarning, match="version 3 is live, but vLLM refused to reset"):
+            assert apply(refused, 3) == 3
+        assert refused.calls == ["wait_applied", "reset_prefix_cache"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert apply(front_end(reset=True), 4) == 4  # reset done: no warning
+            skipped = front_end(reset=False)
+            assert apply(skipped, 5, reset_prefix_cache=False) == 5
+            assert skipped.calls == ["wait_applied"]
