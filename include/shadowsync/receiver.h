@@ -30,6 +30,17 @@ namespace shadowsync {
 // The exit status of a process ended by ReceiverConfig::exit_on_stuck_abort (EX_SOFTWARE).
 inline constexpr int kStuckAbortExitStatus = 70;
 
+// When a received update goes live (DESIGN §10).
+enum class CommitMode {
+  // The step hook flips at the first step after the receive completed: one engine rank.
+  kAuto,
+  // The update is held ready (received and checked) and goes live only on commit(version), which
+  // the engine makes between two steps on every tensor-parallel rank at once: no step runs with
+  // two ranks on different versions. A ready update is never taken back: the next update's
+  // receive waits until it was committed.
+  kCoordinated,
+};
+
 struct ReceiverConfig {
   int root_rank = 0;  // the sender's rank in the transport
   // A whole update must land within this (a 14 GiB update takes ~40 ms at NVLink speed; a
@@ -70,6 +81,7 @@ struct ReceiverConfig {
   // captured with, so rebind would leave it reading the old slot: the constructor refuses rebind
   // when this is set (use copy_in or remap).
   bool engine_uses_cuda_graphs = false;
+  CommitMode commit_mode = CommitMode::kAuto;
 };
 
 enum class UpdateOutcome {
@@ -103,6 +115,8 @@ struct ReceiverStats {
   std::uint64_t updates_superseded = 0;
   std::uint64_t bytes_received = 0;
   std::uint64_t last_accepted_version = 0;
+  // kCoordinated: the update received, checked and waiting for commit(); 0: none.
+  std::uint64_t ready_version = 0;
   bool needs_transport = false;  // a failure aborted the transport; call replace_transport
   // Aborts of the transport that overran ReceiverConfig::abort_deadline (counted when they overran,
   // whether or not they returned later).
@@ -161,6 +175,14 @@ class Receiver {
   // afterwards; live_tensor() gives the engine's addresses. Throws Error(kInvalidArgument) naming
   // the strategy, the counts, or the update already accepted; nothing changes then. Engine thread.
   void use_engine_storage(std::size_t group, const std::vector<void*>& tensors);
+
+  // kCoordinated only: makes the ready update `version` live now, on `engine_stream`, and returns
+  // it; the next engine step runs on it. Call it between two steps, on every rank with the same
+  // version (vLLM's collective_rpc reaches every worker between the same two steps). Throws
+  // Error(kInvalidArgument) in kAuto mode, or when `version` is not the update this receiver holds
+  // ready (naming the ready one, or none, and the applied version); nothing changes then.
+  // Engine thread.
+  std::uint64_t commit(std::uint64_t version, Stream& engine_stream);
 
   // Called on the receiver thread once per update outcome. Set before the first update.
   void set_observer(std::function<void(const UpdateReport&)> observer);

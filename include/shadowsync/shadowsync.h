@@ -129,7 +129,13 @@ typedef struct {
                                   reported: stderr, stuck_aborts in the stats (default 10000) */
   int32_t exit_on_stuck_abort; /* 1: such an abort also ends the process with exit status
                                   SHADOWSYNC_STUCK_ABORT_EXIT_STATUS (default 0) */
+  int32_t commit_mode;         /* SHADOWSYNC_COMMIT_AUTO (default: live at the next step) or
+                                  SHADOWSYNC_COMMIT_COORDINATED (held ready until
+                                  shadowsync_receiver_commit, for tensor-parallel ranks) */
 } shadowsync_receiver_config_t;
+
+#define SHADOWSYNC_COMMIT_AUTO 0
+#define SHADOWSYNC_COMMIT_COORDINATED 1
 
 /* The exit status of a process ended by exit_on_stuck_abort (EX_SOFTWARE). */
 #define SHADOWSYNC_STUCK_ABORT_EXIT_STATUS 70
@@ -150,7 +156,7 @@ typedef enum {
         SHADOWSYNC_CONFIG_UNDEF_INT64, SHADOWSYNC_CONFIG_UNDEF_INT,                     \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT,                       \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                     \
-        SHADOWSYNC_CONFIG_UNDEF_INT                                                     \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT                        \
   }
 
 /* shadowsync::SenderConfig. */
@@ -428,10 +434,12 @@ typedef struct {
   int64_t last_failed_bucket;   /* a checksum mismatch: the bucket within that group; else -1 */
   int64_t last_failed_tensor;   /* the non-finite guard: the tensor index within that group;
                                    else -1 */
+  uint64_t ready_version;       /* commit_mode coordinated: the update received and checked,
+                                   waiting for shadowsync_receiver_commit; 0: none */
 } shadowsync_receiver_stats_t;
 
 #define SHADOWSYNC_RECEIVER_STATS_INITIALIZER \
-  { sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* One group made live by a swap. */
 typedef struct {
@@ -476,6 +484,15 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create_with_plan(
     const shadowsync_plan_copy_t* copies, size_t count, shadowsync_backend_t backend,
     shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
     shadowsync_receiver_t* receiver);
+/* commit_mode coordinated: makes the ready update `version` live now on `stream` (the engine's;
+ * the next step runs on it); call it between two steps on every rank with the same version.
+ * SHADOWSYNC_INVALID_ARGUMENT in auto mode or when `version` is not the ready one (the message
+ * names the ready and applied versions); nothing changes then. `applied_version` may be NULL.
+ * Engine thread. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_commit(shadowsync_receiver_t receiver,
+                                                              shadowsync_stream_t stream,
+                                                              uint64_t version,
+                                                              uint64_t* applied_version);
 /* Stops the thread (aborting an update in flight) and frees both slots: the engine must be done
  * with the live pointers. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_destroy(shadowsync_receiver_t receiver);

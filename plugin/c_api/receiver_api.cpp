@@ -45,6 +45,19 @@ ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
   config.abort_deadline = read_int64(c.abort_deadline_ms, config.abort_deadline);
   config.exit_on_stuck_abort =
       read_flag(c.exit_on_stuck_abort, config.exit_on_stuck_abort, kWhat, "exit_on_stuck_abort");
+  switch (c.commit_mode) {
+    case SHADOWSYNC_CONFIG_UNDEF_INT:
+    case SHADOWSYNC_COMMIT_AUTO:
+      config.commit_mode = CommitMode::kAuto;
+      break;
+    case SHADOWSYNC_COMMIT_COORDINATED:
+      config.commit_mode = CommitMode::kCoordinated;
+      break;
+    default:
+      throw_invalid(fmt::format("shadowsync_receiver_config_t: commit_mode {} is not 0 (auto) or "
+                                "1 (coordinated)",
+                                c.commit_mode));
+  }
   return config;
 }
 
@@ -208,6 +221,17 @@ shadowsync_status_t shadowsync_receiver_use_engine_storage(shadowsync_receiver_t
     }
     check_group(*object->receiver, group);
     object->receiver->use_engine_storage(group, std::vector<void*>(tensors, tensors + count));
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_commit(shadowsync_receiver_t receiver,
+                                               shadowsync_stream_t stream, uint64_t version,
+                                               uint64_t* applied_version) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    auto stream_object = engine_stream(*object, stream);
+    const std::uint64_t applied = object->receiver->commit(version, *stream_object->stream);
+    if (applied_version != nullptr) *applied_version = applied;
   });
 }
 
@@ -397,6 +421,7 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
     full.last_failed_bucket =
         failure.failed_bucket ? static_cast<int64_t>(*failure.failed_bucket) : -1;
     full.last_failed_tensor = tensor_index(layout, group, failure.failed_tensor);
+    full.ready_version = s.ready_version;
     std::memcpy(static_cast<void*>(&out), &full, std::min(out.size, sizeof(full)));
   });
 }

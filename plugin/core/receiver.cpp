@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <future>
 #include <mutex>
@@ -97,6 +98,15 @@ struct Receiver::Impl {
 
   std::mutex accept_mutex;  // begin_update callers
   std::uint64_t last_accepted_version = 0;
+
+  // kCoordinated: the update held ready until commit(). Set by the receiver thread, cleared by
+  // commit() on the engine thread.
+  std::mutex commit_mutex;
+  std::condition_variable committed;
+  const PendingUpdate* held_ready = nullptr;
+  std::uint64_t held_version = 0;
+  // Waits until no update is held ready (committed), the receiver stops, or `deadline` passes.
+  bool wait_for_commit(Clock::time_point deadline);
 
   mutable std::mutex stats_mutex;
   ReceiverStats stats;
@@ -293,6 +303,45 @@ void Receiver::Impl::resolve_offer() {
   }
 }
 
+bool Receiver::Impl::wait_for_commit(Clock::time_point deadline) {
+  std::unique_lock lock(commit_mutex);
+  while (held_ready != nullptr) {
+    if (stopping.load() || Clock::now() > deadline) return false;
+    committed.wait_for(lock, config.poll_interval);
+  }
+  return true;
+}
+
+std::uint64_t Receiver::commit(std::uint64_t version, Stream& engine_stream) {
+  if (impl_->config.commit_mode != CommitMode::kCoordinated) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("commit({}): the receiver's commit_mode is auto, where updates go live "
+                            "at the next step by themselves; set ReceiverConfig::commit_mode to "
+                            "coordinated",
+                            version));
+  }
+  std::lock_guard lock(impl_->commit_mutex);
+  if (impl_->held_ready == nullptr || impl_->held_version != version) {
+    const std::string ready = impl_->held_ready == nullptr
+                                  ? std::string("none is")
+                                  : fmt::format("update {} is", impl_->held_version);
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("commit({}): {} ready on this rank (applied version {}); commit a "
+                            "version every rank reported ready",
+                            version, ready, hook_->applied_version()));
+  }
+  hook_->publish(impl_->held_ready);
+  const std::optional<std::uint64_t> applied = hook_->apply_pending_now(engine_stream);
+  impl_->held_ready = nullptr;
+  impl_->held_version = 0;
+  {
+    std::lock_guard stats_lock(impl_->stats_mutex);
+    impl_->stats.ready_version = 0;
+  }
+  impl_->committed.notify_all();
+  return applied.value_or(version);
+}
+
 void Receiver::Impl::receive(const UpdateHeader& header) {
   const Layout& layout = owner.wire_layout();
   if (!transport) {
@@ -313,6 +362,20 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     return;
   }
 
+  if (config.commit_mode == CommitMode::kCoordinated &&
+      !wait_for_commit(Clock::now() + config.update_deadline)) {
+    UpdateReport failed;
+    failed.version = header.version;
+    failed.outcome = UpdateOutcome::kFailed;
+    failed.code = stopping.load() ? ErrorCode::kShutdown : ErrorCode::kTimeout;
+    std::lock_guard lock(commit_mutex);
+    failed.error = fmt::format(
+        "update {}: update {} is ready and was not committed within {} ms (commit_mode "
+        "coordinated keeps a ready update until commit(); its slots cannot take another)",
+        header.version, held_version, config.update_deadline.count());
+    report(failed);
+    return;
+  }
   resolve_offer();
   // From here on the previous slots may be written: rollback() is no longer possible. If the
   // engine rolled back just before, its slots are live again.
@@ -389,7 +452,16 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
 
   // Counted before the offer is visible, so that stats never lag behind what the engine applied.
   for (const UpdateReport& r : reports) count(r);
-  owner.hook_->publish(&planner.complete());
+  const PendingUpdate* completed = &planner.complete();
+  if (config.commit_mode == CommitMode::kCoordinated) {
+    std::lock_guard lock(commit_mutex);
+    held_ready = completed;  // goes live only in commit()
+    held_version = header.version;
+    std::lock_guard stats_lock(stats_mutex);
+    stats.ready_version = header.version;
+  } else {
+    owner.hook_->publish(completed);
+  }
   for (const UpdateReport& r : reports) notify(r);
 }
 

@@ -137,11 +137,13 @@ class ReceiverConfigC(Structure):
         ("reject_nonfinite", c_int32),
         ("abort_deadline_ms", c_int64),
         ("exit_on_stuck_abort", c_int32),
+        ("commit_mode", c_int32),  # COMMIT_MODES
     ]
 
 
 # shadowsync_swap_strategy_t by name (ReceiverConfig.swap_strategy).
 SWAP_STRATEGIES = {"rebind": 0, "copy_in": 1, "remap": 2}
+COMMIT_MODES = {"auto": 0, "coordinated": 1}
 
 
 class SenderConfigC(Structure):
@@ -187,6 +189,7 @@ class ReceiverStatsC(Structure):
         ("last_failed_group", c_int32),
         ("last_failed_bucket", c_int64),
         ("last_failed_tensor", c_int64),
+        ("ready_version", c_uint64),
     ]
 
 
@@ -274,6 +277,7 @@ _PROTOTYPES = {
     "shadowsync_transport_destroy": (c_int, [_H]),
     # receiver
     "shadowsync_receiver_create": (c_int, [_H, _H, _H, _P(ReceiverConfigC), _P(_H)]),
+    "shadowsync_receiver_commit": (c_int, [_H, _H, c_uint64, _P(c_uint64)]),
     "shadowsync_receiver_use_engine_storage": (c_int, [_H, c_size_t, _P(c_void_p), c_size_t]),
     "shadowsync_receiver_create_with_plan": (
         c_int,

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 from ._handle import Handle
 from ._library import (
     SWAP_CALLBACK,
+    COMMIT_MODES,
     SWAP_STRATEGIES,
     ReceiverConfigC,
     ReceiverStatsC,
@@ -51,9 +52,20 @@ class ReceiverConfig:
     abort_deadline_ms: int | None = None
     # Such an abort also ends the process, exit status 70 (False).
     exit_on_stuck_abort: bool | None = None
+    # "auto" (default: live at the next step) or "coordinated": held ready until commit(version),
+    # which every tensor-parallel rank makes between the same two steps.
+    commit_mode: str | None = None
 
     def _c_fields(self) -> dict:
         fields = vars(self).copy()
+        mode = fields["commit_mode"]
+        if mode is not None:
+            if mode not in COMMIT_MODES:
+                raise InvalidArgumentError(
+                    f"ReceiverConfig.commit_mode: {mode!r} is not one of "
+                    f"{', '.join(map(repr, COMMIT_MODES))}"
+                )
+            fields["commit_mode"] = COMMIT_MODES[mode]
         strategy = fields["swap_strategy"]
         if strategy is not None:
             if strategy not in SWAP_STRATEGIES:
@@ -77,6 +89,7 @@ class ReceiverStats:
     has_pending: bool  # a received update waits for the next step
     stuck_aborts: int  # transport aborts that overran ReceiverConfig.abort_deadline_ms
     last_failure: UpdateFailure | None  # the last update that failed; None: none did
+    ready_version: int = 0  # commit_mode "coordinated": received, checked, awaiting commit()
 
 
 @dataclass(frozen=True)
@@ -192,6 +205,7 @@ class Receiver(Handle):
             bool(s.has_pending),
             s.stuck_aborts,
             self._failure(s),
+            s.ready_version,
         )
 
     def _failure(self, s: ReceiverStatsC) -> UpdateFailure | None:
@@ -302,6 +316,19 @@ class Receiver(Handle):
         data = c_void_p()
         call("shadowsync_receiver_live_tensor", self._handle, info.group_index, info.index, byref(data))
         return data.value
+
+    def commit(self, version: int, stream: Stream | None = None) -> int:
+        """commit_mode "coordinated": makes the ready update `version` live now on the engine's
+        stream; the next step runs on it. Call it between two steps on every rank with the same
+        version. InvalidArgumentError in auto mode or when `version` is not the ready one (naming
+        the ready and applied versions); nothing changes then. Engine thread."""
+        applied = c_uint64()
+        try:
+            call("shadowsync_receiver_commit", self._handle,
+                 (stream or self.engine_stream).handle, int(version), byref(applied))
+        finally:
+            self._raise_swap_error()
+        return applied.value
 
     def use_engine_storage(self, group: str | int, addresses) -> None:
         """copy_in only, before the first update: the live storage of `group` becomes the

@@ -101,6 +101,7 @@ static void structs(void) {
   FIELD(shadowsync_receiver_config_t, reject_nonfinite);
   FIELD(shadowsync_receiver_config_t, abort_deadline_ms);
   FIELD(shadowsync_receiver_config_t, exit_on_stuck_abort);
+  FIELD(shadowsync_receiver_config_t, commit_mode);
   end_struct();
 
   STRUCT(shadowsync_sender_config_t);
@@ -141,6 +142,7 @@ static void structs(void) {
   FIELD(shadowsync_receiver_stats_t, last_failed_group);
   FIELD(shadowsync_receiver_stats_t, last_failed_bucket);
   FIELD(shadowsync_receiver_stats_t, last_failed_tensor);
+  FIELD(shadowsync_receiver_stats_t, ready_version);
   end_struct();
 
   STRUCT(shadowsync_group_swap_t);
@@ -201,6 +203,8 @@ static void constants(void) {
   CONSTANT(SHADOWSYNC_SWAP_REBIND);
   CONSTANT(SHADOWSYNC_SWAP_COPY_IN);
   CONSTANT(SHADOWSYNC_SWAP_REMAP);
+  CONSTANT(SHADOWSYNC_COMMIT_AUTO);
+  CONSTANT(SHADOWSYNC_COMMIT_COORDINATED);
   CONSTANT(SHADOWSYNC_SAME_HOST_MEMORY_HOST);
   CONSTANT(SHADOWSYNC_SAME_HOST_MEMORY_DEVICE);
 }
