@@ -39,8 +39,9 @@ def log(message: str) -> None:
     print(f"[vllm-e2e] {message}", flush=True)
 
 
-def engine_kwargs(device: str, model: str) -> dict:
-    kwargs = dict(model=model, max_model_len=256, max_num_seqs=8, seed=0, skip_tokenizer_init=True)
+def engine_kwargs(device: str, model: str, tp: int = 1) -> dict:
+    kwargs = dict(model=model, max_model_len=256, max_num_seqs=8, seed=0, skip_tokenizer_init=True,
+                  tensor_parallel_size=tp)
     if device == "cpu":
         import shadowsync.vllm.unpacked as unpacked
 
@@ -60,16 +61,18 @@ def greedy(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def reference(device: str, model: str) -> list[list[int]]:
+def reference(device: str, model: str, tp: int) -> list[list[int]]:
     """Greedy answers of a fresh vLLM of `model`, in a process of its own."""
-    out = subprocess.run([sys.executable, __file__, "--device", device, "--reference", model],
+    out = subprocess.run([sys.executable, __file__, "--device", device, "--reference", model,
+                          "--tp", str(tp)],
                          capture_output=True, text=True, timeout=400)
     if out.returncode != 0:
         raise RuntimeError(f"reference engine of {model} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int):
+def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
+            receivers: int):
     """The trainer process: HF models of every version, one Sender over the same-host transport."""
     import torch
     import transformers
@@ -87,7 +90,7 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
     backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
     layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
     transport = ss.same_host_sender_transport(
-        path, token, 1, backend, slot_bytes=layout.groups[0].bucket_bytes,
+        path, token, receivers, backend, slot_bytes=layout.groups[0].bucket_bytes,
         memory="device" if device == "cuda" else "host")
     sender = ss.Sender(layout, backend, transport)
     while True:
@@ -111,13 +114,19 @@ def main() -> int:
     parser.add_argument("--arch", default="llama", help="llama, qwen2 (biases, tied), qwen3, phi3")
     parser.add_argument("--multiprocess", action="store_true",
                         help="vLLM's default engine process (collective_rpc between steps)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor_parallel_size (> 1: multiprocess, coordinated commit)")
     args = parser.parse_args()
+    if args.tp > 1:
+        args.multiprocess = True
+        if args.device == "cpu":
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
     import torch  # noqa: F401  (before vLLM: one NCCL/CUDA runtime in the process)
     from vllm import LLM
 
     if args.reference:
-        print(json.dumps(greedy(LLM(**engine_kwargs(args.device, args.reference)))))
+        print(json.dumps(greedy(LLM(**engine_kwargs(args.device, args.reference, args.tp)))))
         return 0
 
     from vllm_models import make_tiny_model
@@ -129,7 +138,7 @@ def main() -> int:
     a = make_tiny_model(args.arch, str(work / "A"), seed=1, initializer_range=0.1)
     b = make_tiny_model(args.arch, str(work / "B"), seed=2, initializer_range=0.1)
     started = time.monotonic()
-    expected = {"A": reference(args.device, a), "B": reference(args.device, b)}
+    expected = {"A": reference(args.device, a, args.tp), "B": reference(args.device, b, args.tp)}
     log(f"{args.arch}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
         f"references of A and B from fresh engines in {time.monotonic() - started:.1f} s; "
         f"A {expected['A'][0][:6]}..., B {expected['B'][0][:6]}...")
@@ -137,7 +146,8 @@ def main() -> int:
         log("FAIL: A and B answer alike; the check could not tell them apart")
         return 1
 
-    llm = LLM(**engine_kwargs(args.device, a), worker_extension_cls="shadowsync.vllm.WorkerExtension")
+    llm = LLM(**engine_kwargs(args.device, a, args.tp),
+              worker_extension_cls="shadowsync.vllm.WorkerExtension")
     failures = 0
 
     def check(stage: str, got, want: str) -> None:
@@ -154,7 +164,7 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     process = ctx.Process(target=trainer, args=(child, {1: b, 2: a}, args.device, path, token,
-                                                args.bucket_bytes), daemon=True)
+                                                args.bucket_bytes, args.tp), daemon=True)
     process.start()
     kind, specs = parent.recv()
     fingerprints = llm.collective_rpc("init_weight_update_group", kwargs=dict(
@@ -173,10 +183,20 @@ def main() -> int:
         while not parent.poll():  # the engine keeps generating while the update streams
             during += sum(len(t) for t in greedy(llm))
         kind, seconds, nbytes = parent.recv()
-        applied = ssv.apply_update(llm, version, timeout=60)
+        if args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
+            applied = ssv.commit_update(llm, version, timeout=60)
+        else:
+            applied = ssv.apply_update(llm, version, timeout=60)
         log(f"update {version}: {nbytes} bytes sent in {seconds * 1e3:.1f} ms; {during} tokens "
             f"generated meanwhile; applied {applied}")
         check(f"after update {version}", greedy(llm), name)
+    if args.tp > 1:
+        logs = llm.collective_rpc("step_versions")
+        same = all(log == logs[0] for log in logs)
+        failures += not same
+        log(f"{'ok  ' if same else 'FAIL'} step versions of the {args.tp} ranks "
+            f"{'agree' if same else 'differ'}: {[log['transitions'] for log in logs]}, "
+            f"steps {[log['steps'] for log in logs]}")
     versions = llm.collective_rpc("request_versions")[0]
     seen = sorted({v for segments in versions.values() for v, _ in segments})
     log(f"request_versions: {len(versions)} requests, versions seen {seen}")

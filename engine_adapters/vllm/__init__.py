@@ -5,6 +5,6 @@ This folder is the subpackage ``shadowsync.vllm``: an installed package has it i
 (the wheel's build installs it there, python/CMakeLists.txt); in a source checkout ``shadowsync/__init__.py`` finds it
 here. Importing it imports neither vllm nor torch."""
 
-from .worker_extension import WorkerExtension, apply_update, apply_update_async
+from .worker_extension import WorkerExtension, apply_update, apply_update_async, commit_update
 
-__all__ = ["WorkerExtension", "apply_update", "apply_update_async"]
+__all__ = ["WorkerExtension", "apply_update", "apply_update_async", "commit_update"]

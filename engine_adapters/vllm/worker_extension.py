@@ -23,6 +23,7 @@ with numpy "parameters" on the host backend.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import warnings
@@ -69,7 +70,10 @@ class _UpdateGroup:
         self.plan_copies = len(receiver.plan.copies) if receiver.plan is not None else 0
         # track_request_versions: request id -> [[version, tokens], ...] in step order.
         self.request_versions: dict[str, list[list[int]]] | None = None
-        self.steps = 0
+        self.steps = 0  # execute_model calls since init (the hook counts them)
+        self.coordinated = False  # commit_mode "coordinated": swaps come from commit_update
+        # (first step, version) of each version made live, bounded.
+        self.step_log: collections.deque = collections.deque(maxlen=1024)
 
     def group_views(self, group: int) -> list:
         """Views of every tensor of `group` in its live slot; built once per slot (each group has
@@ -111,6 +115,8 @@ class _UpdateGroup:
             self.params[t.name].data = view
 
     def on_swap(self, version: int, swaps: list[GroupSwap]) -> None:
+        if not self.coordinated:
+            self.step_log.append((self.steps, version))  # commit_update logs its own
         for swap in swaps:
             self.bind(swap.group)  # copy_in, remap: the same views again (their address stays)
         if self.host_reads_after_copy:
@@ -177,6 +183,7 @@ class WorkerExtension:
         same_host: dict | None = None,
         track_request_versions: bool = False,
         allow_partial: bool = False,
+        commit_mode: str | None = None,
     ) -> int:
         """Sets up the weight update group; returns the layout fingerprint (the trainer compares
         it with its own). Engine thread, before stepping; once.
@@ -204,6 +211,10 @@ class WorkerExtension:
         layers, empty parameters) are refused with what to do.
         None: every parameter in the model's order, grouped by `group_of` (default "base").
         Returns the fingerprint of the trainer's layout (``Layout(specs, bucket_bytes)``).
+
+        `commit_mode`: "auto" (an update goes live at the worker's next step) or "coordinated"
+        (held ready until commit_update(version), which collective_rpc brings to every worker
+        between the same two steps); default coordinated when vLLM runs tensor-parallel.
 
         `allow_partial`: with a receive plan, parameters no trainer tensor writes are refused
         (named) unless this is set; then they keep the engine's values.
@@ -277,6 +288,13 @@ class WorkerExtension:
             receiver_config is None or receiver_config.swap_strategy == "rebind"
         ):
             swap_strategy = "copy_in"  # graphs keep their addresses: rebind would be ignored
+        if commit_mode is None and (receiver_config is None or receiver_config.commit_mode is None):
+            # Tensor parallelism: ranks that flipped each on its own could run one step on two
+            # versions; coordinated holds updates ready until commit_update on every rank.
+            commit_mode = "coordinated" if _tensor_parallel_size(self) > 1 else None
+        if commit_mode is not None:
+            receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),
+                                                  commit_mode=commit_mode)
         if swap_strategy is not None or engine_uses_cuda_graphs is not None:
             receiver_config = dataclasses.replace(receiver_config or ReceiverConfig())
             if swap_strategy is not None:
@@ -291,6 +309,7 @@ class WorkerExtension:
         state = _UpdateGroup(receiver, {t.name: params[t.name] for g in layout.groups
                                         for t in g.tensors}, kind, device)
         state.stream = stream
+        state.coordinated = receiver_config is not None and receiver_config.commit_mode == "coordinated"
         copy_in = receiver_config is not None and receiver_config.swap_strategy == "copy_in"
         state.host_reads_after_copy = device == "cpu" and copy_in
         if track_request_versions:
@@ -337,6 +356,30 @@ class WorkerExtension:
         state.receiver.wait_applied(version, timeout)
         return state.receiver.applied_version
 
+    def ready_version(self) -> int:
+        """commit_mode "coordinated": the update this worker received, checked and holds ready
+        for commit_update (0: none). Thread-safe."""
+        return self._require().receiver.stats().ready_version
+
+    def commit_update(self, version: int) -> int:
+        """commit_mode "coordinated": makes the ready update `version` live now; the next step
+        runs on it. Through collective_rpc every worker makes it between the same two steps.
+        InvalidArgumentError naming the ready and applied versions when `version` is not the
+        ready one; nothing changes then. Engine thread."""
+        state = self._require()
+        applied = state.receiver.commit(int(version))
+        state.step_log.append((state.steps, applied))
+        return applied
+
+    def step_versions(self) -> dict:
+        """What this worker ran: ``{"steps": hooked steps so far, "applied_version": ...,
+        "transitions": [[first step, version], ...]}`` (the last 1024 versions made live), which
+        a trainer or a test compares across tensor-parallel ranks. Thread-safe enough for a
+        collective_rpc between steps."""
+        state = self._require()
+        return {"steps": state.steps, "applied_version": state.receiver.applied_version,
+                "transitions": [list(t) for t in state.step_log]}
+
     def request_versions(self, request_ids: Iterable[str] | None = None, pop: bool = True) -> dict:
         """With track_request_versions: for each request id (all when None), the tokens its
         steps computed under each weight version, ``[[version, tokens], ...]`` in step order
@@ -380,6 +423,14 @@ class WorkerExtension:
                 "the weight update group is not initialized: call init_weight_update_group first"
             )
         return self._shadowsync
+
+
+def _tensor_parallel_size(worker) -> int:
+    """vLLM's tensor_parallel_size for this worker; 1 when it is not vLLM's."""
+    parallel = getattr(worker, "parallel_config", None)
+    if parallel is None:
+        parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
 
 def _address(tensor) -> int:
@@ -581,6 +632,8 @@ def _hook_execute_model(worker: WorkerExtension) -> None:
     def execute_model(*args, **kwargs):
         worker.before_step()
         state = worker._shadowsync
+        if state is not None:
+            state.steps += 1
         if state is not None and state.request_versions is not None:
             _count_tokens(state, args[0] if args else kwargs.get("scheduler_output"))
         return original(*args, **kwargs)
@@ -626,3 +679,32 @@ def _check_reset(result, version: int, caller: str) -> None:
             f"with older weights; submit requests with cache_salt set to the policy version and "
             f"pass reset_prefix_cache=False",
             RuntimeWarning, stacklevel=3)
+
+
+def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: bool = True) -> int:
+    """Front end, commit_mode "coordinated" (tensor parallelism): waits until every worker holds
+    `version` ready (collective_rpc("ready_version"), polled), then commits it on all of them in
+    one collective_rpc — vLLM brings it to every worker between the same two steps, so no step
+    runs with two ranks on different versions, and a commit never waits on a receive. Then asks
+    vLLM to reset its prefix cache (as apply_update). Raises ShadowsyncTimeoutError naming the
+    workers not ready after `timeout` seconds (nothing was committed then). Returns `version`."""
+    import time
+
+    from shadowsync.errors import ShadowsyncTimeoutError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = [int(v) for v in llm.collective_rpc("ready_version")]
+        if all(v == version for v in ready):
+            break
+        if time.monotonic() > deadline:
+            late = [f"worker {i}: {'none' if v == 0 else v}" for i, v in enumerate(ready)
+                    if v != version]
+            raise ShadowsyncTimeoutError(
+                f"commit_update({version}): not ready on every worker after {timeout} s "
+                f"({', '.join(late)} ready); nothing was committed")
+        time.sleep(0.002)
+    applied = llm.collective_rpc("commit_update", args=(int(version),))
+    if reset_prefix_cache:
+        _check_reset(llm.reset_prefix_cache(), version, "commit_update")
+    return min(int(v) for v in applied)
