@@ -218,3 +218,32 @@ def test_apply_update_warns_when_vllm_refuses_the_prefix_cache_reset():
             skipped = front_end(reset=False)
             assert apply(skipped, 5, reset_prefix_cache=False) == 5
             assert skipped.calls == ["wait_applied"]
+
+
+def test_coordinated_commit_holds_an_update_until_commit_update():
+    loopback = ss.Loopback(2)
+    worker = FakeWorker()
+    layout, sender = _trainer(SPECS, loopback.transport(0))
+    worker.init_weight_update_group(specs=[tuple(vars(s).values()) for s in layout.specs],
+                                    bucket_bytes=1024, transport=loopback.transport(1),
+                                    commit_mode="coordinated")
+    try:
+        handle = sender.publish(1, tensors(BASE + LORA, 1))
+        worker.begin_update(handle.header_bytes)
+        handle.wait(DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S
+        while worker.ready_version() != 1:
+            assert time.monotonic() < deadline, worker.weight_update_stats()
+            worker.execute_model("waiting")
+        worker.execute_model("held")
+        assert worker.steps[-1] == {0}  # ready, not live: no step flips it by itself
+        with pytest.raises(ss.InvalidArgumentError, match=r"commit\(2\): update 1 is ready"):
+            worker.commit_update(2)
+        assert worker.commit_update(1) == 1
+        worker.execute_model("after")
+        assert worker.steps[-1] == {1}
+        log = worker.step_versions()
+        assert log["transitions"] == [[log["steps"] - 1, 1]]
+    finally:
+        worker.close_weight_update_group()
+        sender.close()

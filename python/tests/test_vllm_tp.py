@@ -1,0 +1,27 @@
+"""Real vLLM CPU with tensor_parallel_size=2 (two worker processes, one core each): an update
+streams in while vLLM generates, both ranks hold it ready and shadowsync.vllm.commit_update makes
+it live on both between the same two steps; the ranks' step versions agree at every step and the
+answers equal a fresh TP=2 vLLM of the new checkpoint, back and forth (scripts/vllm_e2e.py --tp 2,
+which exits non-zero on any difference)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_e2e.py"), "--device", "cpu",
+                          "--tp", "2"], capture_output=True, text=True, timeout=900, env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[vllm-e2e]")]
+    assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
+    assert any("step versions of the 2 ranks agree" in line for line in lines), lines
+    assert sum("answers equal a fresh vLLM" in line for line in lines) == 4, lines
