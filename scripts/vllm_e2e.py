@@ -71,6 +71,15 @@ def reference(device: str, model: str, tp: int) -> list[list[int]]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
+    """Until every worker holds `version` ready (commit_mode coordinated)."""
+    deadline = time.monotonic() + timeout
+    while any(int(v) != version for v in llm.collective_rpc("ready_version")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"update {version} not ready on every worker after {timeout} s")
+        time.sleep(0.005)
+
+
 def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
             receivers: int):
     """The trainer process: HF models of every version, one Sender over the same-host transport."""
@@ -184,6 +193,15 @@ def main() -> int:
             during += sum(len(t) for t in greedy(llm))
         kind, seconds, nbytes = parent.recv()
         if args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
+            wait_ready(llm, version)
+            # A version no rank holds ready: refused on every rank, nothing flips anywhere.
+            results = llm.collective_rpc("commit_update", args=(version + 100,))
+            still = sorted({int(s["applied_version"]) for s in llm.collective_rpc("step_versions")})
+            ok = (all("nothing was committed on any rank" in r.get("refused", "") for r in results)
+                  and still == [version - 1])
+            failures += not ok
+            log(f"{'ok  ' if ok else 'FAIL'} commit_update({version + 100}) refused on every "
+                f"rank, applied versions still {still}")
             applied = ssv.commit_update(llm, version, timeout=60)
         else:
             applied = ssv.apply_update(llm, version, timeout=60)

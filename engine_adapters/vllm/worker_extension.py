@@ -361,15 +361,29 @@ class WorkerExtension:
         for commit_update (0: none). Thread-safe."""
         return self._require().receiver.stats().ready_version
 
-    def commit_update(self, version: int) -> int:
+    def commit_update(self, version: int) -> dict:
         """commit_mode "coordinated": makes the ready update `version` live now; the next step
         runs on it. Through collective_rpc every worker makes it between the same two steps.
-        InvalidArgumentError naming the ready and applied versions when `version` is not the
-        ready one; nothing changes then. Engine thread."""
+        Returns ``{"applied_version": v}``, or ``{"refused": message, "applied_version": v}``
+        when `version` is not ready on every tensor-parallel rank (checked across the TP group
+        first: then no rank flips) or on this one. A refusal is returned, not raised: vLLM's
+        multiprocess executor ends the engine when a worker raises in a collective_rpc.
+        shadowsync.vllm.commit_update raises it on the front end. Engine thread."""
         state = self._require()
-        applied = state.receiver.commit(int(version))
+        version = int(version)
+        ready = state.receiver.stats().ready_version
+        if _tensor_parallel_size(self) > 1 and not _on_every_rank(ready == version):
+            return {"refused": f"commit_update({version}): not ready on every tensor-parallel "
+                               f"rank (this rank holds {ready or 'none'} ready, applied "
+                               f"{state.receiver.applied_version}); nothing was committed on any "
+                               f"rank",
+                    "applied_version": state.receiver.applied_version}
+        try:
+            applied = state.receiver.commit(version)
+        except InvalidArgumentError as error:
+            return {"refused": str(error), "applied_version": state.receiver.applied_version}
         state.step_log.append((state.steps, applied))
-        return applied
+        return {"applied_version": applied}
 
     def step_versions(self) -> dict:
         """What this worker ran: ``{"steps": hooked steps so far, "applied_version": ...,
@@ -423,6 +437,18 @@ class WorkerExtension:
                 "the weight update group is not initialized: call init_weight_update_group first"
             )
         return self._shadowsync
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """True when `flag` holds on every rank of vLLM's tensor-parallel group (an all-reduce over
+    its CPU group: every worker runs the same collective_rpc, so all of them take part)."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return bool(value.item())
 
 
 def _tensor_parallel_size(worker) -> int:
@@ -704,7 +730,10 @@ def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: 
                 f"commit_update({version}): not ready on every worker after {timeout} s "
                 f"({', '.join(late)} ready); nothing was committed")
         time.sleep(0.002)
-    applied = llm.collective_rpc("commit_update", args=(int(version),))
+    results = llm.collective_rpc("commit_update", args=(int(version),))
+    refused = [r["refused"] for r in results if "refused" in r]
+    if refused:
+        raise InvalidArgumentError(refused[0])
     if reset_prefix_cache:
         _check_reset(llm.reset_prefix_cache(), version, "commit_update")
-    return min(int(v) for v in applied)
+    return min(int(r["applied_version"]) for r in results)

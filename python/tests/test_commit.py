@@ -66,7 +66,10 @@ def _run(mode: str, updates: int, seed: int) -> dict:
             # One step of the TP engine: each rank's hook, then a result that needs both shards.
             for r in ranks:
                 r.before_step()
-            seen = [int(r.live_array("w")[0]) for r in ranks]
+            arrays = [r.live_array("w") for r in ranks]
+            # Each rank's tensor holds one version whole (invariant 1 within a rank).
+            assert all(np.all(a == a[0]) for a in arrays), (mode, steps, arrays)
+            seen = [int(a[0]) for a in arrays]
             steps += 1
             differing += seen[0] != seen[1]
             if seen == [updates, updates]:

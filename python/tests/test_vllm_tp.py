@@ -1,6 +1,7 @@
 """Real vLLM CPU with tensor_parallel_size=2 (two worker processes, one core each): an update
 streams in while vLLM generates, both ranks hold it ready and shadowsync.vllm.commit_update makes
-it live on both between the same two steps; the ranks' step versions agree at every step and the
+it live on both between the same two steps (a commit of a version no rank holds ready is refused
+on every rank and flips none); the ranks' step versions agree at every step and the
 answers equal a fresh TP=2 vLLM of the new checkpoint, back and forth (scripts/vllm_e2e.py --tp 2,
 which exits non-zero on any difference)."""
 
@@ -25,3 +26,5 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
     assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
     assert any("step versions of the 2 ranks agree" in line for line in lines), lines
     assert sum("answers equal a fresh vLLM" in line for line in lines) == 4, lines
+    # A commit of a version no rank holds ready: refused on every rank, nothing flipped anywhere.
+    assert sum("refused on every rank" in line and line.startswith("[vllm-e2e] ok") for line in lines) == 2
