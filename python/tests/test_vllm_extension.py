@@ -248,3 +248,36 @@ def test_coordinated_commit_holds_an_update_until_commit_update():
     finally:
         worker.close_weight_update_group()
         sender.close()
+
+
+class _TwoRankFrontEnd:
+    """What commit_update sees of an LLM whose two workers report `ready` (one entry per rank)."""
+
+    def __init__(self, ready):
+        self.ready = list(ready)
+        self.calls = []
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        if method == "ready_version":
+            return list(self.ready)
+        assert method == "commit_update"
+        return [{"applied_version": args[0]} for _ in self.ready]
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return True
+
+
+def test_commit_update_waits_for_every_rank_and_names_the_late_one():
+    from shadowsync.vllm import commit_update
+
+    late = _TwoRankFrontEnd([3, 2])
+    with pytest.raises(ss.ShadowsyncTimeoutError,
+                       match=r"commit_update\(3\): not ready on every worker after 0.05 s "
+                             r"\(worker 1: 2 ready\); nothing was committed"):
+        commit_update(late, 3, timeout=0.05)
+    assert "commit_update" not in late.calls
+    ready = _TwoRankFrontEnd([3, 3])
+    assert commit_update(ready, 3) == 3
+    assert ready.calls == ["ready_version", "commit_update", "reset_prefix_cache"]
