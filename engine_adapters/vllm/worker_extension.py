@@ -476,6 +476,11 @@ def _vllm_captures_cuda_graphs(worker) -> bool | None:
     return None if enforce_eager is None else not enforce_eager
 
 
+def _names(names: list[str], shown: int = 8) -> str:
+    """'a', 'b', ... for an error message: the first `shown` names."""
+    return ", ".join(f"'{n}'" for n in names[:shown]) + (", ..." if len(names) > shown else "")
+
+
 def _refuse_packed_weights(model) -> None:
     """vLLM's CPU backend computes linear layers and the logits from packed copies of their
     weights (it gives the layer a ``cpu_linear``): an update written into the parameters would
@@ -485,10 +490,9 @@ def _refuse_packed_weights(model) -> None:
         return
     packed = [name or "<model>" for name, m in modules() if getattr(m, "cpu_linear", None) is not None]
     if packed:
-        shown = ", ".join(f"'{n}'" for n in packed[:6]) + (", ..." if len(packed) > 6 else "")
         raise LayoutMismatchError(
             f"{len(packed)} layer(s) of the model compute from a packed copy of their weights, not "
-            f"from their parameters (vLLM's CPU backend gave them a cpu_linear): {shown}; an "
+            f"from their parameters (vLLM's CPU backend gave them a cpu_linear): {_names(packed)}; an "
             f"update written into the parameters would not change the output. Start vLLM with "
             f"quantization=\"shadowsync_unpacked\" (shadowsync.vllm.unpacked: vLLM's unquantized "
             f"weights without the CPU repacking)"
@@ -500,9 +504,8 @@ def _refuse_empty(params: dict[str, Any]) -> None:
     quantized elsewhere, never allocated): refused, all named."""
     empty = [n for n, p in params.items() if 0 in tuple(getattr(_data(p), "shape", (1,)))]
     if empty:
-        shown = ", ".join(f"'{n}'" for n in empty[:6]) + (", ..." if len(empty) > 6 else "")
         raise LayoutMismatchError(
-            f"{len(empty)} parameter(s) of the model are empty: {shown}; the engine prepacked or "
+            f"{len(empty)} parameter(s) of the model are empty: {_names(empty)}; the engine prepacked or "
             f"quantized these weights, so its parameters are not the weights it computes with. On "
             f"vLLM's CPU backend start it with quantization=\"shadowsync_unpacked\""
         )
@@ -532,10 +535,9 @@ def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict
     trace = trace_load_weights(model, specs)
     if trace.unwritten_params and not allow_partial:
         missing = trace.unwritten_params
-        shown = ", ".join(f"'{n}'" for n in missing[:8]) + (", ..." if len(missing) > 8 else "")
         raise LayoutMismatchError(
             f"{len(missing)} parameter(s) of the model are written by none of the trainer's "
-            f"tensors: {shown}; after an update they would keep the engine's current values while "
+            f"tensors: {_names(missing)}; after an update they would keep the engine's current values while "
             f"the rest changes (a model no checkpoint of the trainer describes). Send them, or pass "
             f"allow_partial=True to keep them deliberately (frozen weights)"
         )

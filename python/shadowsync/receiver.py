@@ -58,22 +58,17 @@ class ReceiverConfig:
 
     def _c_fields(self) -> dict:
         fields = vars(self).copy()
-        mode = fields["commit_mode"]
-        if mode is not None:
-            if mode not in COMMIT_MODES:
+        # The fields named by a string: their C values, or an error naming the choices.
+        for name, choices in (("commit_mode", COMMIT_MODES), ("swap_strategy", SWAP_STRATEGIES)):
+            value = fields[name]
+            if value is None:
+                continue
+            if value not in choices:
                 raise InvalidArgumentError(
-                    f"ReceiverConfig.commit_mode: {mode!r} is not one of "
-                    f"{', '.join(map(repr, COMMIT_MODES))}"
+                    f"ReceiverConfig.{name}: {value!r} is not one of "
+                    f"{', '.join(map(repr, choices))}"
                 )
-            fields["commit_mode"] = COMMIT_MODES[mode]
-        strategy = fields["swap_strategy"]
-        if strategy is not None:
-            if strategy not in SWAP_STRATEGIES:
-                raise InvalidArgumentError(
-                    f"ReceiverConfig.swap_strategy: {strategy!r} is not one of "
-                    f"{', '.join(map(repr, SWAP_STRATEGIES))}"
-                )
-            fields["swap_strategy"] = SWAP_STRATEGIES[strategy]
+            fields[name] = choices[value]
         return fields
 
 
