@@ -82,12 +82,44 @@ struct ReceiverConfig {
   // when this is set (use copy_in or remap).
   bool engine_uses_cuda_graphs = false;
   CommitMode commit_mode = CommitMode::kAuto;
+  // Pacing (docs/ARCHITECTURE.md, "Pacing"): a receive shares memory bandwidth with decoding.
+  // With a budget (for example 1.05), the step hook records when each engine step starts, the
+  // receiver learns the engine's step time while no update streams in, and holds its buckets
+  // back between receives so that the median step while an update streams in stays within
+  // budget x that time; the update takes longer instead. At least 1.0, finite; unset (the
+  // default): no pacing, and the step hook records nothing.
+  std::optional<double> decode_slowdown_budget;
+  // A cap on the receive rate in bytes per second: after each bucket the receiver waits until
+  // the bucket's bytes at this rate would have taken their time. 0 (the default): none. With a
+  // budget too, the longer of the two holds. Neither makes an update miss update_deadline: the
+  // holds shrink to what the deadline leaves (PacingReport::deadline_limited).
+  std::uint64_t max_receive_bytes_per_second = 0;
 };
 
 enum class UpdateOutcome {
   kReady,       // received completely and offered to the engine
   kFailed,      // discarded; the live weights are untouched
   kSuperseded,  // a newer update took it back before the engine applied it
+};
+
+// What pacing did to one update (ReceiverConfig::decode_slowdown_budget,
+// max_receive_bytes_per_second). Durations are host wall time.
+struct PacingReport {
+  bool paced = false;  // a budget or a rate cap was set; the fields below are filled only then
+  std::optional<double> budget;
+  // The engine's median step time while no update streamed in, the baseline the budget
+  // multiplies; 0: not measured (fewer than kMinBaselineSteps steps seen outside an update yet).
+  std::chrono::nanoseconds idle_step{0};
+  // The median duration of the steps that started while this update streamed in; 0: none
+  // completed.
+  std::chrono::nanoseconds step_during{0};
+  double step_ratio = 0.0;  // step_during / idle_step; 0 when either is unknown
+  std::uint64_t steps = 0;  // engine steps that started while this update streamed in
+  std::chrono::nanoseconds busy{0};       // sum over buckets: posted -> completion observed
+  std::chrono::nanoseconds held_back{0};  // sum of the holds between buckets
+  double duty = 1.0;  // busy / (busy + held_back): the share of the window with a bucket in flight
+  bool deadline_limited = false;  // a hold was shortened so that update_deadline is met
+  static constexpr std::size_t kMinBaselineSteps = 4;
 };
 
 // One line per update, delivered on the receiver thread.
@@ -107,6 +139,7 @@ struct UpdateReport {
   std::string failed_group;
   std::optional<std::size_t> failed_bucket;
   std::string failed_tensor;
+  PacingReport pacing;  // kReady: what pacing did
 };
 
 struct ReceiverStats {
@@ -125,6 +158,8 @@ struct ReceiverStats {
   // callers that poll rather than observe (the C ABI, Python).
   UpdateReport last_failure;
   std::string last_error;
+  // The last kReady update's pacing (PacingReport::paced is false without a budget or a cap).
+  PacingReport last_pacing;
 };
 
 class Receiver {

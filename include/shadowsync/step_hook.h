@@ -17,12 +17,14 @@
 #include <cstdint>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string_view>
 #include <vector>
 
 #include "shadowsync/backend.h"
+#include "shadowsync/step_times.h"
 
 namespace shadowsync {
 
@@ -84,14 +86,18 @@ struct AppliedUpdate {
 
 class StepHook {
  public:
-  StepHook(const Layout& layout, SlotTable& slots);
+  // `record_step_times`: before_step also stamps when each step starts (step_times()), for a
+  // receiver that paces by a decode-slowdown budget.
+  StepHook(const Layout& layout, SlotTable& slots, bool record_step_times = false);
   StepHook(const StepHook&) = delete;
   StepHook& operator=(const StepHook&) = delete;
 
   // Call before each engine step. Returns the version it made live, or nothing when no update
-  // was pending (the fast path: one acquire load, no stores, no backend calls).
+  // was pending (the fast path: one acquire load, no stores, no backend calls; with a pacing
+  // budget, also a clock read and a stamp in step_times()).
   // Engine thread only; `engine_stream` is the stream the engine's steps run on.
   std::optional<std::uint64_t> before_step(Stream& engine_stream) {
+    if (step_times_ != nullptr) step_times_->record();
     if (pending_.load(std::memory_order_acquire) == nullptr) return std::nullopt;
     return apply_pending(engine_stream);
   }
@@ -132,6 +138,9 @@ class StepHook {
   // Version of the update whose bytes the group's live slot holds (0: never updated).
   std::uint64_t live_content_version(std::size_t group) const;
 
+  // When the engine's steps started; null unless constructed with record_step_times.
+  const StepTimes* step_times() const { return step_times_.get(); }
+
   // Called on the engine thread after each swap, before before_step returns: where an adapter
   // rebinds its engine's tensors to the new live pointers. Set before the first update.
   void set_swap_callback(std::function<void(const AppliedUpdate&)> callback);
@@ -160,6 +169,7 @@ class StepHook {
 
   const Layout& layout_;
   SlotTable& slots_;
+  const std::unique_ptr<StepTimes> step_times_;  // null: nothing recorded (no budget)
   std::atomic<const PendingUpdate*> pending_{nullptr};
   std::atomic<std::uint64_t> applied_version_{0};
   std::function<void(const AppliedUpdate&)> swap_callback_;

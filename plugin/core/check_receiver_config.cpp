@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+#include <optional>
 #include <string>
 
 #include "core/check_root_rank.h"
@@ -22,6 +24,14 @@ void check_receiver_config(const ReceiverConfig& config, const Transport* transp
   positive(config.poll_interval, "poll_interval (us)");
   positive(config.abort_deadline, "abort_deadline (ms)");
   check_root_rank(config.root_rank, transport, "ReceiverConfig::root_rank");
+  if (const std::optional<double> budget = config.decode_slowdown_budget;
+      budget && !(std::isfinite(*budget) && *budget >= 1.0)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("ReceiverConfig::decode_slowdown_budget is {}; it must be a finite "
+                            "number of at least 1.0 (1.05: a decode step may take 5 % longer "
+                            "while an update streams in), or unset for no pacing",
+                            *budget));
+  }
   if (config.engine_uses_cuda_graphs && config.swap_strategy == SwapStrategy::kRebind) {
     throw Error(ErrorCode::kInvalidArgument,
                 "ReceiverConfig::swap_strategy is rebind, but ReceiverConfig::"

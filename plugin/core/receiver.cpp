@@ -13,6 +13,7 @@
 
 #include "core/check_receiver_config.h"
 #include "core/check_root_rank.h"
+#include "core/pacer.h"
 #include "core/receive_checks.h"
 #include "core/receiver_abort.h"
 #include "core/refusal.h"
@@ -51,7 +52,9 @@ struct Receiver::Impl {
         planner(*owner.slots_),
         stream(backend.create_stream(StreamPriority::kLow)),
         done_event(backend.create_event()),
-        checks(owner.wire_layout(), backend, config.reject_nonfinite) {
+        checks(owner.wire_layout(), backend, config.reject_nonfinite),
+        pacer(config.decode_slowdown_budget, config.max_receive_bytes_per_second,
+              owner.hook_->step_times()) {
     std::size_t max_buckets = 0;  // of an update that carries every group
     for (const auto& g : owner.wire_layout().groups()) max_buckets += g.bucket_count();
     if (owner.plan_) bucket_buffer = DeviceBuffer(backend, owner.plan_->max_bucket_bytes());
@@ -62,8 +65,16 @@ struct Receiver::Impl {
   void run();
   void receive(const UpdateHeader& header);
   void resolve_offer();
-  // Nothing: the receive completed. Otherwise why it failed.
-  std::optional<Refusal> wait_for_buckets(std::size_t bucket_count, Clock::time_point start);
+  // Waits until the first `until` posted buckets completed (`completed` counts them; a bucket's
+  // deadline runs from `bucket_start`, the last completion or hold). Nothing: they did.
+  // Otherwise why the receive failed.
+  std::optional<Refusal> wait_for_buckets(std::size_t& completed, std::size_t until,
+                                          Clock::time_point start,
+                                          Clock::time_point& bucket_start);
+  // Pacing: waits `hold` before the next bucket is posted, watching for what ends a receive.
+  std::optional<Refusal> hold_back(std::chrono::nanoseconds hold);
+  // Why a receive stops early: shutdown, abort_update, a failed transport; nothing otherwise.
+  std::optional<Refusal> interrupted();
   // Waits for the checks enqueued while the buckets were posted and compares; nothing when they
   // pass or nothing was asked. `sent_block_done`: the event of the sender's checksum block.
   std::optional<Refusal> verify(const std::vector<ReceiveTarget>& targets, Event* sent_block_done,
@@ -90,6 +101,7 @@ struct Receiver::Impl {
   // all on `stream`, in that order.
   DeviceBuffer bucket_buffer;
   ReceiveChecks checks;  // receiver thread only
+  Pacer pacer;           // receiver thread only
 
   moodycamel::BlockingConcurrentQueue<Command> commands;
   std::atomic<bool> abort_requested{false};
@@ -114,6 +126,13 @@ struct Receiver::Impl {
 };
 
 namespace {
+
+Refusal refusal_of(ErrorCode code, std::string why) {
+  Refusal refusal;
+  refusal.code = code;
+  refusal.why = std::move(why);
+  return refusal;
+}
 
 // The plan's checks that need the receiver's config and layout; before anything is allocated.
 std::unique_ptr<const ReceivePlan> checked_plan(std::unique_ptr<const ReceivePlan> plan,
@@ -152,7 +171,9 @@ Receiver::Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backe
     : layout_((check_receiver_config(config, transport.get(), backend), std::move(layout))),
       plan_(checked_plan(std::move(plan), layout_, config)),
       slots_(std::make_unique<SlotTable>(layout_, backend, config.swap_strategy)),
-      hook_(std::make_unique<StepHook>(layout_, *slots_)),
+      hook_(std::make_unique<StepHook>(
+          layout_, *slots_,
+          config.decode_slowdown_budget.has_value() || config.max_receive_bytes_per_second != 0)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
   impl_->thread = std::thread([this] { impl_->run(); });
 }
@@ -393,12 +414,22 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   // per-tensor work. With one, into the bucket buffer, then the plan's pieces into the shadow.
   checks.begin(carries_checksums(header, layout));
   const ReceivePlan* plan = owner.plan_.get();
+  std::size_t bucket_count = 0;
+  for (const ReceiveTarget& target : targets) {
+    bucket_count += layout.groups()[target.group].bucket_count();
+  }
+  // Unpaced, every bucket is posted at once and the receive is waited for at the end. Paced, one
+  // bucket at a time: posted, waited for, then held back as long as the pacer says.
+  if (pacer.active()) pacer.begin();
   std::size_t posted = 0;
+  std::size_t completed = 0;  // buckets (and the checksum block) done
   std::size_t bytes = 0;
+  auto bucket_start = start;
+  std::optional<Refusal> failure;
   for (const ReceiveTarget& target : targets) {
     const GroupLayout& group = layout.groups()[target.group];
     std::byte* arena = owner.slots_->slot_data(target.group, target.slot);
-    for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+    for (std::size_t k = 0; k < group.bucket_count() && !failure; ++k) {
       const Bucket bucket = group.bucket(k);
       Event& bucket_done = *bucket_events[posted++];
       bytes += bucket.bytes;
@@ -406,20 +437,35 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
         transport->broadcast_async(arena + bucket.offset, bucket.bytes, config.root_rank, *stream);
         backend.event_record(bucket_done, *stream);
         if (checks.active()) checks.enqueue_bucket(group, target.group, arena, k, bucket_done);
-        continue;
+      } else {
+        std::byte* landed = bucket_buffer.data();
+        transport->broadcast_async(landed, bucket.bytes, config.root_rank, *stream);
+        if (checks.checksums()) checks.enqueue_bucket_checksum(landed, bucket.bytes, *stream);
+        for (const PlanPiece& p : plan->pieces(target.group, k)) {
+          backend.memcpy_2d_async(arena + p.dst_offset, p.dst_pitch, landed + p.src_offset,
+                                  p.src_pitch, p.row_bytes, p.rows, *stream);
+        }
+        backend.event_record(bucket_done, *stream);
       }
-      std::byte* landed = bucket_buffer.data();
-      transport->broadcast_async(landed, bucket.bytes, config.root_rank, *stream);
-      if (checks.checksums()) checks.enqueue_bucket_checksum(landed, bucket.bytes, *stream);
-      for (const PlanPiece& p : plan->pieces(target.group, k)) {
-        backend.memcpy_2d_async(arena + p.dst_offset, p.dst_pitch, landed + p.src_offset,
-                                p.src_pitch, p.row_bytes, p.rows, *stream);
+      if (!pacer.active()) continue;
+      // From the post (a same-host receive returns from broadcast_async once the sender's
+      // bytes are there) to the completion: the time the bucket competed with decoding.
+      const auto posted_at = Clock::now();
+      failure = wait_for_buckets(completed, posted, start, bucket_start);
+      if (failure) break;
+      const auto now = Clock::now();
+      const auto hold =
+          pacer.hold_after(bucket.bytes, now - posted_at, bucket_count - posted,
+                           config.update_deadline - (now - start));
+      if (posted < bucket_count && hold.count() > 0) {
+        failure = hold_back(hold);
+        bucket_start = Clock::now();
       }
-      backend.event_record(bucket_done, *stream);
     }
+    if (failure) break;
   }
   Event* sent_block_done = nullptr;
-  if (checks.checksums()) {
+  if (!failure && checks.checksums()) {
     // The sender's checksums, one per bucket, as one more broadcast (update_header.h says why).
     transport->broadcast_async(checks.sent_checksums(), posted * sizeof(std::uint64_t),
                                config.root_rank, *stream);
@@ -427,7 +473,8 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     backend.event_record(*sent_block_done, *stream);
   }
 
-  std::optional<Refusal> failure = wait_for_buckets(posted, start);
+  if (!failure) failure = wait_for_buckets(completed, posted, start, bucket_start);
+  const PacingReport pacing = pacer.active() ? pacer.finish() : PacingReport{};
   if (!failure) failure = verify(targets, sent_block_done, start);
   if (failure) {
     discard(header, *failure);
@@ -448,62 +495,80 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   for (const ReceiveTarget& target : targets) ready.groups.push_back(target.group);
   ready.bytes = bytes;
   ready.transfer = Clock::now() - start;
+  ready.pacing = pacing;
   reports.push_back(std::move(ready));
 
   // Counted before the offer is visible, so that stats never lag behind what the engine applied.
   for (const UpdateReport& r : reports) count(r);
-  const PendingUpdate* completed = &planner.complete();
+  const PendingUpdate* offered = &planner.complete();
   if (config.commit_mode == CommitMode::kCoordinated) {
     std::lock_guard lock(commit_mutex);
-    held_ready = completed;  // goes live only in commit()
+    held_ready = offered;  // goes live only in commit()
     held_version = header.version;
     std::lock_guard stats_lock(stats_mutex);
     stats.ready_version = header.version;
   } else {
-    owner.hook_->publish(completed);
+    owner.hook_->publish(offered);
   }
   for (const UpdateReport& r : reports) notify(r);
 }
 
-std::optional<Refusal> Receiver::Impl::wait_for_buckets(std::size_t bucket_count,
-                                                        Clock::time_point start) {
-  const auto failed = [](ErrorCode code, std::string why) {
-    Refusal refusal;
-    refusal.code = code;
-    refusal.why = std::move(why);
-    return refusal;
-  };
-  std::size_t completed = 0;
-  auto bucket_start = start;
-  while (completed < bucket_count) {
+std::optional<Refusal> Receiver::Impl::interrupted() {
+  if (stopping.load()) return refusal_of(ErrorCode::kShutdown, "the receiver is shutting down");
+  if (abort_requested.exchange(false)) {
+    return refusal_of(ErrorCode::kTransport, "aborted by request");
+  }
+  if (auto error = transport->async_error()) {
+    return refusal_of(ErrorCode::kTransport, fmt::format("transport failed: {}", *error));
+  }
+  return std::nullopt;
+}
+
+std::optional<Refusal> Receiver::Impl::wait_for_buckets(std::size_t& completed, std::size_t until,
+                                                        Clock::time_point start,
+                                                        Clock::time_point& bucket_start) {
+  while (completed < until) {
     if (backend.event_wait_for(*bucket_events[completed], config.poll_interval)) {
       ++completed;
       bucket_start = Clock::now();
       continue;
     }
     const auto now = Clock::now();
-    if (stopping.load()) return failed(ErrorCode::kShutdown, "the receiver is shutting down");
-    if (abort_requested.exchange(false)) return failed(ErrorCode::kTransport, "aborted by request");
-    if (auto error = transport->async_error()) {
-      return failed(ErrorCode::kTransport, fmt::format("transport failed: {}", *error));
-    }
+    if (auto refusal = interrupted()) return refusal;
     if (now - start > config.update_deadline) {
-      return failed(ErrorCode::kTimeout,
-                    fmt::format("deadline of {} ms for the whole update passed with {} of {} "
-                                "buckets done",
-                                config.update_deadline.count(), completed, bucket_count));
+      return refusal_of(ErrorCode::kTimeout,
+                        fmt::format("deadline of {} ms for the whole update passed with {} of {} "
+                                    "buckets done",
+                                    config.update_deadline.count(), completed, until));
     }
     if (now - bucket_start > config.bucket_deadline) {
-      return failed(ErrorCode::kTimeout,
-                    fmt::format("bucket {} of {} did not complete within its deadline of {} ms",
-                                completed, bucket_count, config.bucket_deadline.count()));
+      return refusal_of(ErrorCode::kTimeout,
+                        fmt::format("bucket {} of {} did not complete within its deadline of {} "
+                                    "ms",
+                                    completed, until, config.bucket_deadline.count()));
     }
   }
   // An aborted collective also completes, with garbage: completion alone proves nothing.
   if (auto error = transport->async_error()) {
-    return failed(ErrorCode::kTransport, fmt::format("transport failed: {}", *error));
+    return refusal_of(ErrorCode::kTransport, fmt::format("transport failed: {}", *error));
   }
   return std::nullopt;
+}
+
+std::optional<Refusal> Receiver::Impl::hold_back(std::chrono::nanoseconds hold) {
+  const auto from = Clock::now();
+  const auto until = from + hold;
+  std::optional<Refusal> refusal;
+  // The hold is the point of pacing, not a wait for a condition: sleep through it in slices
+  // short enough to react to a shutdown, an abort or a failed peer as fast as a receive does.
+  for (auto now = from; now < until && !refusal; now = Clock::now()) {
+    refusal = interrupted();
+    if (!refusal) {
+      std::this_thread::sleep_for(std::min<Clock::duration>(until - now, config.poll_interval));
+    }
+  }
+  pacer.held(Clock::now() - from);
+  return refusal;
 }
 
 std::optional<Refusal> Receiver::Impl::verify(const std::vector<ReceiveTarget>& targets,
@@ -600,6 +665,7 @@ void Receiver::Impl::count(const UpdateReport& update_report) {
     case UpdateOutcome::kReady:
       ++stats.updates_ready;
       stats.bytes_received += update_report.bytes;
+      stats.last_pacing = update_report.pacing;
       break;
     case UpdateOutcome::kFailed:
       ++stats.updates_failed;

@@ -9,7 +9,10 @@
 
 namespace shadowsync {
 
-StepHook::StepHook(const Layout& layout, SlotTable& slots) : layout_(layout), slots_(slots) {
+StepHook::StepHook(const Layout& layout, SlotTable& slots, bool record_step_times)
+    : layout_(layout),
+      slots_(slots),
+      step_times_(record_step_times ? std::make_unique<StepTimes>() : nullptr) {
   previous_.reserve(layout.groups().size());
 }
 

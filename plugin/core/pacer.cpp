@@ -1,0 +1,114 @@
+#include "core/pacer.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace shadowsync {
+namespace {
+
+// What the controller aims at, as a share of the budget's allowed excess: a little below the
+// budget, so that the noise of single steps does not keep it above.
+constexpr double kAimedShareOfExcess = 0.8;
+// The most duty changes by at a time: one noisy step moves it at most this much.
+constexpr double kMaxDecrease = 0.25;
+constexpr double kMaxIncrease = 2.0;
+// A share of the deadline kept free of holds, for the transfer itself to vary.
+constexpr double kDeadlineShareForHolds = 0.8;
+
+std::int64_t median(std::vector<std::int64_t> values) {
+  const auto middle = values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2);
+  std::nth_element(values.begin(), middle, values.end());
+  return *middle;
+}
+
+}  // namespace
+
+Pacer::Pacer(std::optional<double> budget, std::uint64_t max_bytes_per_second,
+             const StepTimes* steps)
+    : budget_(budget), max_bytes_per_second_(max_bytes_per_second), steps_(steps) {}
+
+void Pacer::begin() {
+  report_ = PacingReport{};
+  report_.paced = active();
+  report_.budget = budget_;
+  if (steps_ == nullptr) return;
+  const std::int64_t now = StepTimes::now_ns();
+  const std::vector<std::int64_t> idle =
+      steps_->intervals_since(last_end_ns_, StepTimes::kMaxIntervals);
+  if (idle.size() >= PacingReport::kMinBaselineSteps) idle_step_ns_ = median(idle);
+  update_start_ns_ = now;
+  last_change_ns_ = now;
+  steps_at_start_ = steps_->count();
+}
+
+void Pacer::adjust_duty() {
+  const std::vector<std::int64_t> fresh =
+      steps_->intervals_since(last_change_ns_, StepTimes::kMaxIntervals);
+  if (fresh.empty()) return;  // no step finished under the current duty yet
+  const double ratio =
+      static_cast<double>(median(fresh)) / static_cast<double>(idle_step_ns_);
+  const double aimed = 1.0 + kAimedShareOfExcess * (*budget_ - 1.0);
+  // Excess step time is about proportional to duty: scale duty by the excess aimed at over the
+  // excess seen. No excess seen: the copies cost nothing measurable now; go faster.
+  const double factor = ratio > 1.0 ? (aimed - 1.0) / (ratio - 1.0) : kMaxIncrease;
+  duty_ = std::clamp(duty_ * std::clamp(factor, kMaxDecrease, kMaxIncrease), kMinDuty, 1.0);
+  last_change_ns_ = StepTimes::now_ns();
+}
+
+std::chrono::nanoseconds Pacer::hold_after(std::size_t bytes, std::chrono::nanoseconds busy,
+                                           std::size_t remaining,
+                                           std::chrono::nanoseconds time_left) {
+  using std::chrono::nanoseconds;
+  ++buckets_;
+  report_.busy += busy;
+  nanoseconds hold{0};
+  if (budget_ && idle_step_ns_ > 0) {
+    adjust_duty();
+    hold = nanoseconds(static_cast<std::int64_t>(static_cast<double>(busy.count()) *
+                                                 (1.0 - duty_) / duty_));
+  }
+  if (max_bytes_per_second_ != 0) {
+    const auto at_cap = nanoseconds(static_cast<std::int64_t>(
+        static_cast<double>(bytes) * 1e9 / static_cast<double>(max_bytes_per_second_)));
+    hold = std::max(hold, at_cap - busy);
+  }
+  if (remaining > 0 && hold.count() > 0) {
+    // Holds for every remaining bucket, each after a bucket as long as the average so far, must
+    // fit in the share of the time left that holds may take.
+    const nanoseconds average_busy = report_.busy / static_cast<std::int64_t>(buckets_);
+    const nanoseconds allowed =
+        nanoseconds(static_cast<std::int64_t>(static_cast<double>(time_left.count()) *
+                                              kDeadlineShareForHolds)) /
+            static_cast<std::int64_t>(remaining) -
+        average_busy;
+    if (hold > allowed) {
+      hold = std::max(allowed, nanoseconds(0));
+      report_.deadline_limited = true;
+    }
+  }
+  return std::max(hold, nanoseconds(0));
+}
+
+PacingReport Pacer::finish() {
+  if (steps_ != nullptr) {
+    const std::int64_t now = StepTimes::now_ns();
+    report_.steps = steps_->count() - steps_at_start_;
+    const std::vector<std::int64_t> during =
+        steps_->intervals_since(update_start_ns_, StepTimes::kMaxIntervals);
+    report_.idle_step = std::chrono::nanoseconds(idle_step_ns_);
+    if (!during.empty()) report_.step_during = std::chrono::nanoseconds(median(during));
+    if (idle_step_ns_ > 0 && report_.step_during.count() > 0) {
+      report_.step_ratio = static_cast<double>(report_.step_during.count()) /
+                           static_cast<double>(idle_step_ns_);
+    }
+    last_end_ns_ = now;
+  }
+  const auto window = report_.busy + report_.held_back;
+  report_.duty = window.count() > 0 ? static_cast<double>(report_.busy.count()) /
+                                          static_cast<double>(window.count())
+                                    : 1.0;
+  buckets_ = 0;
+  return report_;
+}
+
+}  // namespace shadowsync

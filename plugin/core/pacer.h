@@ -1,0 +1,69 @@
+// The receiver's pacing (ReceiverConfig::decode_slowdown_budget, max_receive_bytes_per_second):
+// how long to hold the next bucket back so that decoding stays within the budget.
+//
+// The model: while a bucket is in flight the engine's steps run slower (they share memory
+// bandwidth with the copy); with a share `duty` of the time in flight, the excess step time is
+// about proportional to duty. After each bucket, the steps that started since the last change
+// give the ratio r = median step / idle step; duty is scaled by (target - 1) / (r - 1) (bounded
+// per change), aiming a little below the budget, and the next hold is busy x (1 - duty) / duty.
+// duty persists across updates, so a short update starts where the last one ended. Steps are
+// the StepHook's stamps; the idle step time is their median while no update streamed in.
+//
+// Threads: the receiver thread only. Ownership: reads the hook's StepTimes, which outlive it.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "shadowsync/receiver.h"
+#include "shadowsync/step_times.h"
+
+namespace shadowsync {
+
+class Pacer {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // `steps` must be non-null when `budget` is set (with only a rate cap it may be: the report then
+  // has no step times).
+  Pacer(std::optional<double> budget, std::uint64_t max_bytes_per_second, const StepTimes* steps);
+
+  bool active() const { return budget_.has_value() || max_bytes_per_second_ != 0; }
+
+  // A receive starts now: learns the idle step time from the steps since the last update ended.
+  void begin();
+  // Bucket `bytes` was in flight for `busy`. Returns how long to wait before posting the next
+  // one: `remaining` buckets are left and `time_left` until the update's deadline, which the
+  // holds never make it miss.
+  std::chrono::nanoseconds hold_after(std::size_t bytes, std::chrono::nanoseconds busy,
+                                      std::size_t remaining, std::chrono::nanoseconds time_left);
+  // The hold that was actually waited (the receiver may stop early, or sleep a little longer).
+  void held(std::chrono::nanoseconds waited) { report_.held_back += waited; }
+  // The receive ended (completed or not): what pacing did.
+  PacingReport finish();
+
+  double duty() const { return duty_; }
+
+ private:
+  // The smallest share of the time a bucket may be in flight: an update never takes more than
+  // 1 / kMinDuty times its unpaced time on account of a budget.
+  static constexpr double kMinDuty = 0.02;
+
+  void adjust_duty();
+
+  const std::optional<double> budget_;
+  const std::uint64_t max_bytes_per_second_;
+  const StepTimes* const steps_;
+  double duty_ = 1.0;              // learned; kept across updates
+  std::int64_t idle_step_ns_ = 0;  // learned; kept until a newer baseline is measured
+  std::int64_t update_start_ns_ = 0;
+  std::int64_t last_end_ns_ = 0;      // when the previous receive ended
+  std::int64_t last_change_ns_ = 0;   // when duty_ last changed: later steps show its effect
+  std::uint64_t steps_at_start_ = 0;
+  std::size_t buckets_ = 0;  // of this update, so far
+  PacingReport report_;
+};
+
+}  // namespace shadowsync

@@ -1,0 +1,290 @@
+// Pacing (ReceiverConfig::decode_slowdown_budget, max_receive_bytes_per_second) against an engine
+// whose steps take a known time and run at half speed while a bucket is in flight: the way a
+// memory-bound decode step shares HBM bandwidth with a copy. A budget must hold (the median step
+// while an update streams in stays within budget x the idle step) and the transfer must slow
+// down to pay for it; without a budget the same update slows the steps by far more.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "deadline.h"
+#include "shadowsync/host_backend.h"
+#include "shadowsync/receiver.h"
+#include "shadowsync/update_header.h"
+
+using namespace shadowsync;
+using namespace shadowsync::testing;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr std::size_t kBucketBytes = 4096;
+constexpr std::size_t kBuckets = 32;
+// A bucket keeps the link busy this long; unpaced, an update keeps it busy 32 x 2 ms.
+constexpr auto kBucketTime = 2ms;
+// The engine's step at full speed, and how much slower it runs while a bucket is in flight.
+constexpr auto kIdleStep = 4ms;
+constexpr double kSlowdownWhileBusy = 2.0;
+
+Layout test_layout() {
+  std::vector<TensorSpec> specs;
+  specs.push_back({"w", DType::kFloat32,
+                   {static_cast<std::int64_t>(kBuckets * kBucketBytes / sizeof(float))}});
+  return Layout::build(std::move(specs), {.bucket_bytes = kBucketBytes});
+}
+
+// Rank 1 of 2: every broadcast keeps the link busy for a fixed time on the receiver's stream
+// (a host stream task), then writes a fill byte over the bucket.
+class SimulatedLink final : public Transport {
+ public:
+  SimulatedLink(HostBackend& backend, std::atomic<int>& busy) : backend_(backend), busy_(busy) {}
+  std::string_view name() const override { return "simulated link (test)"; }
+  int rank() const override { return 1; }
+  int world_size() const override { return 2; }
+  void broadcast_async(void* buffer, std::size_t bytes, int /*root*/, Stream& stream) override {
+    backend_.launch_async(stream, [this, buffer, bytes] {
+      busy_.fetch_add(1);
+      // Simulated transfer time: the work a real link would do, not a wait for a condition.
+      std::this_thread::sleep_for(kBucketTime);
+      std::memset(buffer, 0x5a, bytes);
+      busy_.fetch_sub(1);
+    });
+  }
+  std::optional<std::string> async_error() override { return std::nullopt; }
+  void abort() noexcept override {}
+
+ private:
+  HostBackend& backend_;
+  std::atomic<int>& busy_;
+};
+
+// The engine thread: steps back to back, each calling the step hook first. A step needs
+// kIdleStep of work at full speed and progresses at 1 / kSlowdownWhileBusy speed while the link
+// is busy (checked every 100 us).
+class ContendedEngine {
+ public:
+  struct Step {
+    Clock::time_point start;
+    Clock::duration duration;
+  };
+
+  ContendedEngine(HostBackend& backend, Receiver& receiver, const std::atomic<int>& busy)
+      : receiver_(receiver), busy_(busy), stream_(backend.create_stream(StreamPriority::kNormal)) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~ContendedEngine() {
+    stop_.store(true);
+    thread_.join();
+  }
+
+  std::vector<Step> steps() const {
+    std::lock_guard lock(mutex_);
+    return steps_;
+  }
+  std::size_t step_count() const {
+    std::lock_guard lock(mutex_);
+    return steps_.size();
+  }
+
+ private:
+  void run() {
+    while (!stop_.load()) {
+      const auto start = Clock::now();
+      receiver_.step_hook().before_step(*stream_);
+      double progress = 0.0;
+      auto last = start;
+      while (progress < 1.0) {
+        std::this_thread::sleep_for(100us);  // the step's work, simulated
+        const auto now = Clock::now();
+        const double speed = busy_.load() > 0 ? 1.0 / kSlowdownWhileBusy : 1.0;
+        progress += speed * std::chrono::duration<double>(now - last).count() /
+                    std::chrono::duration<double>(kIdleStep).count();
+        last = now;
+      }
+      std::lock_guard lock(mutex_);
+      steps_.push_back({start, Clock::now() - start});
+    }
+  }
+
+  Receiver& receiver_;
+  const std::atomic<int>& busy_;
+  std::unique_ptr<Stream> stream_;
+  std::atomic<bool> stop_{false};
+  mutable std::mutex mutex_;
+  std::vector<Step> steps_;
+  std::thread thread_;
+};
+
+double median_ms(std::vector<double> values) {
+  REQUIRE(!values.empty());
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+// The median duration of the steps that started in [from, to) and ended before `to`.
+double median_step_ms(const std::vector<ContendedEngine::Step>& steps, Clock::time_point from,
+                      Clock::time_point to) {
+  std::vector<double> ms;
+  for (const auto& s : steps) {
+    if (s.start >= from && s.start + s.duration <= to) {
+      ms.push_back(std::chrono::duration<double, std::milli>(s.duration).count());
+    }
+  }
+  INFO("steps in the window: " << ms.size());
+  REQUIRE(ms.size() >= 5);
+  return median_ms(std::move(ms));
+}
+
+struct Measured {
+  double idle_step_ms;
+  double step_during_ms;
+  double ratio;
+  std::chrono::nanoseconds transfer;
+  PacingReport pacing;
+};
+
+// Lets the engine step alone for 30 steps, then streams one update while it steps, and measures
+// the engine's step times in both windows.
+Measured stream_one_update(ReceiverConfig config) {
+  HostBackend backend;
+  std::atomic<int> busy{0};
+  const Layout layout = test_layout();
+  Receiver receiver(layout, backend, std::make_unique<SimulatedLink>(backend, busy), config);
+  std::atomic<bool> ready{false};
+  UpdateReport report;
+  receiver.set_observer([&](const UpdateReport& r) {
+    report = r;
+    ready.store(true);
+  });
+  ContendedEngine engine(backend, receiver, busy);
+  wait_until([&] { return engine.step_count() >= 30; }, "30 idle engine steps");
+  const auto idle_end = Clock::now();
+  receiver.begin_update(make_update_header(layout, 1, {"base"}));
+  wait_until([&] { return ready.load(); }, "the update to be received", 60s);
+  const auto ready_at = Clock::now();
+  wait_until([&] { return receiver.step_hook().applied_version() == 1; },
+             "the engine to apply the update");
+  const auto steps = engine.steps();
+  REQUIRE(report.outcome == UpdateOutcome::kReady);
+  Measured m;
+  m.idle_step_ms = median_step_ms(steps, Clock::time_point{}, idle_end);
+  m.step_during_ms = median_step_ms(steps, ready_at - report.transfer, ready_at);
+  m.ratio = m.step_during_ms / m.idle_step_ms;
+  m.transfer = report.transfer;
+  m.pacing = report.pacing;
+  return m;
+}
+
+double ms(std::chrono::nanoseconds d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+}  // namespace
+
+TEST_CASE("a decode-slowdown budget holds, and the transfer slows down to pay for it",
+          "[pacing]") {
+  const Measured unpaced = stream_one_update({});
+  ReceiverConfig config;
+  config.decode_slowdown_budget = 1.10;
+  const Measured paced = stream_one_update(config);
+  INFO("unpaced: idle " << unpaced.idle_step_ms << " ms, during " << unpaced.step_during_ms
+                        << " ms, ratio " << unpaced.ratio << ", transfer "
+                        << ms(unpaced.transfer) << " ms");
+  INFO("budget 1.10: idle " << paced.idle_step_ms << " ms, during " << paced.step_during_ms
+                            << " ms, ratio " << paced.ratio << ", transfer "
+                            << ms(paced.transfer) << " ms; report: idle "
+                            << ms(paced.pacing.idle_step) << " ms, ratio "
+                            << paced.pacing.step_ratio << ", steps " << paced.pacing.steps
+                            << ", held " << ms(paced.pacing.held_back) << " ms, duty "
+                            << paced.pacing.duty);
+  // The engine model is real: unpaced, the update slows the steps far beyond the budget.
+  CHECK(unpaced.ratio > 1.4);
+  CHECK_FALSE(unpaced.pacing.paced);
+  // The budget holds, as the engine measured it (a little noise allowed) ...
+  CHECK(paced.ratio <= 1.10 * 1.04);
+  // ... and as the receiver reports it.
+  CHECK(paced.pacing.paced);
+  CHECK(paced.pacing.budget == 1.10);
+  CHECK(paced.pacing.step_ratio > 0.0);
+  CHECK(paced.pacing.step_ratio <= 1.10 * 1.04);
+  CHECK(paced.pacing.idle_step > 0ns);
+  CHECK(std::abs(ms(paced.pacing.idle_step) - paced.idle_step_ms) < 0.2 * paced.idle_step_ms);
+  CHECK(paced.pacing.steps >= 5);
+  CHECK_FALSE(paced.pacing.deadline_limited);
+  // The transfer paid for it: held back between buckets, several times longer than unpaced.
+  CHECK(paced.pacing.held_back > paced.pacing.busy);
+  CHECK(paced.pacing.duty < 0.5);
+  CHECK(paced.transfer > 3 * unpaced.transfer);
+}
+
+TEST_CASE("a rate cap spaces the buckets to the rate", "[pacing]") {
+  ReceiverConfig config;
+  // 5 ms per 4 KiB bucket: 2.5 times a bucket's own 2 ms.
+  config.max_receive_bytes_per_second = kBucketBytes * 200;
+  const Measured capped = stream_one_update(config);
+  INFO("transfer " << ms(capped.transfer) << " ms, held " << ms(capped.pacing.held_back)
+                   << " ms");
+  CHECK(capped.pacing.paced);
+  CHECK_FALSE(capped.pacing.budget.has_value());
+  // 31 holds follow 31 buckets, each up to 5 ms from the bucket's post; the last has none.
+  CHECK(ms(capped.transfer) >= 31 * 5.0);
+  CHECK(capped.pacing.held_back > 20 * 2ms);
+}
+
+TEST_CASE("pacing never makes an update miss its deadline", "[pacing]") {
+  ReceiverConfig config;
+  config.decode_slowdown_budget = 1.0;  // no slowdown allowed: only the deadline bounds it
+  config.update_deadline = 600ms;
+  const Measured m = stream_one_update(config);
+  INFO("transfer " << ms(m.transfer) << " ms, held " << ms(m.pacing.held_back) << " ms");
+  CHECK(m.pacing.deadline_limited);
+  CHECK(m.transfer < 600ms);
+  CHECK(m.transfer > 200ms);  // it did hold back: unpaced takes about 64 ms
+}
+
+TEST_CASE("a budget below 1.0, NaN or infinite is refused before anything is allocated",
+          "[pacing]") {
+  const Layout layout = test_layout();
+  for (const double bad : {0.95, 0.0, -1.0, std::numeric_limits<double>::quiet_NaN(),
+                           std::numeric_limits<double>::infinity()}) {
+    HostBackend backend;
+    ReceiverConfig config;
+    config.decode_slowdown_budget = bad;
+    INFO("budget " << bad);
+    try {
+      Receiver receiver(layout, backend, nullptr, config);
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kInvalidArgument);
+      CHECK_THAT(e.what(), Catch::Contains("ReceiverConfig::decode_slowdown_budget is"));
+      CHECK_THAT(e.what(), Catch::Contains("at least 1.0"));
+    }
+    CHECK(backend.bytes_allocated() == 0);
+  }
+}
+
+TEST_CASE("the step hook records step times only when pacing is set", "[pacing]") {
+  HostBackend backend;
+  const Layout layout = test_layout();
+  auto stream = backend.create_stream(StreamPriority::kNormal);
+  {
+    Receiver receiver(layout, backend, nullptr, {});
+    CHECK(receiver.step_hook().step_times() == nullptr);
+  }
+  ReceiverConfig config;
+  config.decode_slowdown_budget = 1.05;
+  Receiver receiver(layout, backend, nullptr, config);
+  const StepTimes* times = receiver.step_hook().step_times();
+  REQUIRE(times != nullptr);
+  for (int i = 0; i < 5; ++i) receiver.step_hook().before_step(*stream);
+  CHECK(times->count() == 5);
+  CHECK(times->intervals_since(0, 100).size() == 4);
+}
