@@ -804,7 +804,9 @@ class VllmTransfer:
 def trainer_process(conn, config: str, device: str, path: str, token: bytes, bucket_bytes: int):
     """The shadowsync trainer: a transformers model of `config` and one Sender over the same-host
     transport (GPU memory on cuda, a shared memory file on cpu). Answers ("publish", version)
-    with ("header", bytes) then ("sent", seconds); ("stop",) ends it."""
+    with ("header", bytes) then ("sent", seconds); ("serve", path) closes the Sender and serves
+    a new transport on `path` (a re-initialized engine group), answering ("ready", ...) again;
+    ("stop",) ends it."""
     try:
         sys.path.insert(0, str(PYTHON_DIR))
         import shadowsync as ss
@@ -815,15 +817,25 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
         conn.send(("specs", specs))
         backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
         layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
-        transport = ss.same_host_sender_transport(
-            path, token, 1, backend, slot_bytes=layout.groups[0].bucket_bytes,
-            memory="device" if device == "cuda" else "host")
-        sender = ss.Sender(layout, backend, transport)
-        conn.send(("ready", sum(g.arena_bytes for g in layout.groups), layout.groups[0].bucket_bytes))
+
+        def serve(socket_path: str):
+            transport = ss.same_host_sender_transport(
+                socket_path, token, 1, backend, slot_bytes=layout.groups[0].bucket_bytes,
+                memory="device" if device == "cuda" else "host")
+            made = ss.Sender(layout, backend, transport)
+            conn.send(("ready", sum(g.arena_bytes for g in layout.groups),
+                       layout.groups[0].bucket_bytes))
+            return made
+
+        sender = serve(path)
         while True:
             message = conn.recv()
             if message[0] == "stop":
                 break
+            if message[0] == "serve":
+                sender.close()
+                sender = serve(message[1])
+                continue
             start = time.perf_counter()
             handle = sender.publish(message[1], named)
             conn.send(("header", handle.header_bytes, time.perf_counter() - start))
@@ -861,12 +873,15 @@ class ShadowsyncTransfer:
             raise RuntimeError(f"trainer: expected '{expected}', got '{message[0]}'")
         return message[1:]
 
-    async def setup(self, engine) -> dict:
+    async def setup(self, engine, init_extra: dict | None = None) -> dict:
+        """Starts the trainer and initializes the engine's group (`init_extra`: more keyword
+        arguments of init_weight_update_group)."""
         import multiprocessing as mp
 
         socket_dir = self.socket_dir = Path(tempfile.mkdtemp(prefix="ss-bench-"))
         os.chmod(socket_dir, 0o700)
         path, token = str(socket_dir / "trainer.sock"), os.urandom(32)
+        self.token = token
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=trainer_process, daemon=True, args=(
@@ -874,16 +889,34 @@ class ShadowsyncTransfer:
         self.process.start()
         (specs,) = await self.recv("specs")
         t0 = time.monotonic()
-        kwargs = dict(specs=specs, bucket_bytes=self.args.bucket_bytes,
-                      same_host=dict(path=path, token=token))
-        if self.args.swap_strategy:
-            kwargs["swap_strategy"] = self.args.swap_strategy
+        self.specs = specs
+        kwargs = self.init_kwargs(path, init_extra)
         fingerprints = await engine.collective_rpc("init_weight_update_group", kwargs=kwargs)
         arena_bytes, bucket_bytes = await self.recv("ready")
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
         return dict(trainer="transformers model in its own process", tensors=len(specs),
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
+
+    def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
+        kwargs = dict(specs=self.specs, bucket_bytes=self.args.bucket_bytes,
+                      same_host=dict(path=path, token=self.token), **(init_extra or {}))
+        if self.args.swap_strategy:
+            kwargs["swap_strategy"] = self.args.swap_strategy
+        return kwargs
+
+    async def reinitialize(self, engine, init_extra: dict | None = None) -> float:
+        """Closes the engine's group (its weights stay) and initializes a new one with
+        `init_extra`, the trainer serving a new transport; returns the seconds it took."""
+        t0 = time.monotonic()
+        await engine.collective_rpc("close_weight_update_group", kwargs=dict(keep_weights=True))
+        self.serial = getattr(self, "serial", 0) + 1
+        path = str(self.socket_dir / f"trainer-{self.serial}.sock")
+        self.conn.send(("serve", path))
+        await engine.collective_rpc("init_weight_update_group",
+                                    kwargs=self.init_kwargs(path, init_extra))
+        await self.recv("ready")
+        return time.monotonic() - t0
 
     async def update(self, engine, version: int) -> dict:
         from shadowsync.vllm import apply_update_async
@@ -903,7 +936,9 @@ class ShadowsyncTransfer:
         ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
         return dict(version=version, update_ms=ms(t0, t4), publish_ms=ms(t0, t1),
                     begin_ms=ms(t1, t2), transfer_ms=ms(t0, t3), apply_ms=ms(t3, t4),
-                    trainer_sent_ms=round(sent_s * 1e3, 3))
+                    trainer_sent_ms=round(sent_s * 1e3, 3),
+                    # perf_counter: publish asked, every byte acked (the transfer's window)
+                    published_at=t0, sent_at=t3)
 
     async def close(self, engine) -> None:
         stats = (await engine.collective_rpc("weight_update_stats"))[0]

@@ -420,10 +420,16 @@ class WorkerExtension:
         """Stops the receiver and frees its slots. With `keep_weights` each parameter is first
         rebound to a copy of its live value, so the model stays usable (this needs the memory of
         one more copy of the weights for a moment); without, the parameters still point into the
-        freed slots and the model must not run again. Engine thread."""
+        freed slots and the model must not run again. Under copy_in into the engine's own storage
+        (the default under CUDA graphs) the parameters never left it: they stay where they are
+        either way, and the group can be initialized again. Engine thread."""
         state, self._shadowsync = self._shadowsync, None
         if state is not None:
-            if keep_weights:
+            if state.stream is not None:
+                state.stream.synchronize()  # a swap's copy out of the shadow may still run
+            # Under engine storage the parameters are the engine's own memory already (and CUDA
+            # graphs read them there): nothing to keep.
+            if keep_weights and not state.engine_storage:
                 for param in state.params.values():
                     data = _data(param)
                     param.data = data.copy() if state.kind == "numpy" else data.clone()

@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""Decode speed of a real vLLM while weights stream in, unpaced and at pacing budgets
+(ReceiverConfig.decode_slowdown_budget), and what each budget costs in update time.
+
+    python3 bench/bench_vllm_pacing.py --config llama-3-8b                      # one GPU
+    python3 bench/bench_vllm_pacing.py --device cpu --config tiny --requests 4 --max-tokens 64
+
+Outputs ``bench_vllm_pacing.json`` and ``bench_vllm_pacing.md`` in --out (default ``$OUT``, else
+./bench-vllm-pacing), every figure with the command, the machine, the commit and vLLM's version;
+``bench/plot_pacing.py`` draws the trade-off (slowdown against update time) from the JSON.
+
+**Set-up** (shared with bench/bench_vllm_update.py, whose pieces this imports): random weights at
+the real shapes of the config, one vLLM ``AsyncLLM`` with the worker extension (CUDA graphs on:
+copy_in into vLLM's own storage), the trainer in its own process on the same GPU sending over the
+same-host transport, a steady decode load of ``--requests`` requests. For each budget in
+``--budgets`` (``none`` = no pacing) the engine's update group is re-initialized with that budget
+(close_weight_update_group, then init_weight_update_group(decode_slowdown_budget=...); vLLM keeps
+its weights and graphs), one warm-up update lets the receiver learn its pacing, then a baseline
+window without updates and ``--updates`` measured updates ``--gap-s`` apart.
+
+**Figures per update.** *Transfer window*: from the trainer being asked to publish to its last
+byte acked (every bucket received); *tokens/s during the transfer*: the decode rate integrated
+over that window (bench_vllm_update.DecodeLoad.rate); *slowdown* = the baseline's tokens/s over
+it; the receiver's own view: UpdateReport.pacing (idle step, step during, step ratio, held back,
+duty) from weight_update_stats()["pacing"]; *update time*: the transfer window, and the whole
+update up to the swap. Median over the measured updates.
+
+Goals: slowdown ≤ 1.10x with no budget; ≤ 1.03x at budget 1.03, for at most 2x the unpaced
+update time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vllm_update as bvu  # noqa: E402
+
+GOALS = {"unpaced_slowdown": 1.10, "budget_1.03_slowdown": 1.03, "budget_1.03_time_factor": 2.0}
+
+
+def parse_budgets(text: str) -> list[float | None]:
+    budgets: list[float | None] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        budgets.append(None if item == "none" else float(item))
+    return budgets
+
+
+def budget_name(budget: float | None) -> str:
+    return "none" if budget is None else f"{budget:.2f}"
+
+
+async def run_child(args, result: dict) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    t0 = time.monotonic()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**bvu.engine_args(args, extension=True)))
+    result["engine_start_s"] = round(time.monotonic() - t0, 1)
+    bvu.log(f"engine up in {result['engine_start_s']} s")
+    transfer = bvu.ShadowsyncTransfer(args)
+    version = 0
+    try:
+        load = bvu.DecodeLoad(engine, args)
+        runs = result["runs"] = []
+        for index, budget in enumerate(parse_budgets(args.budgets)):
+            extra = {} if budget is None else {"decode_slowdown_budget": budget}
+            if index == 0:
+                result["setup"] = await transfer.setup(engine, init_extra=extra)
+            else:
+                seconds = await transfer.reinitialize(engine, init_extra=extra)
+                bvu.log(f"budget {budget_name(budget)}: group re-initialized in {seconds:.1f} s")
+
+            async def update(v: int) -> dict:
+                info = await transfer.update(engine, v)
+                stats = (await engine.collective_rpc("weight_update_stats"))[0]
+                info["pacing"] = stats.get("pacing")
+                info["receiver_transfer_s"] = stats.get("last_transfer_s")
+                return info
+
+            version += 1
+            warm = await update(version)
+            bvu.log(f"budget {budget_name(budget)}: warm-up update {bvu.fmt_ms(warm['update_ms'])}")
+            measured = await load.measure(update, first_version=version + 1)
+            version += args.updates
+            runs.append(summarize(load, budget, measured))
+            bvu.log(f"budget {budget_name(budget)}: {one_line(runs[-1])}")
+        await transfer.close(engine)
+    finally:
+        engine.shutdown()
+        transfer.shutdown()
+
+
+def summarize(load, budget: float | None, measured: dict) -> dict:
+    base_tps = measured["baseline"]["tokens_per_s"]
+    updates = []
+    for u in measured["updates"]:
+        tps = load.rate(u["published_at"], u["sent_at"])
+        pacing = u.get("pacing") or {}
+        updates.append(dict(
+            version=u["version"], transfer_ms=u["transfer_ms"], update_ms=u["update_ms"],
+            tokens_per_s_transfer=round(tps, 1),
+            slowdown_transfer=round(base_tps / tps, 3) if tps > 0 else None,
+            slowdown_whole_update=u.get("slowdown"), engine_stop_ms=u.get("engine_stop_ms"),
+            receiver_transfer_ms=(round(u["receiver_transfer_s"] * 1e3, 3)
+                                  if u.get("receiver_transfer_s") is not None else None),
+            pacing=pacing))
+
+    def median(key, source=updates):
+        values = [x[key] for x in source if x.get(key) is not None]
+        return round(statistics.median(values), 3) if len(values) == len(source) and values else None
+
+    pacings = [u["pacing"] for u in updates if u["pacing"]]
+    return dict(budget=budget, baseline=measured["baseline"], updates=updates,
+                median=dict(transfer_ms=median("transfer_ms"), update_ms=median("update_ms"),
+                            slowdown_transfer=median("slowdown_transfer"),
+                            slowdown_whole_update=median("slowdown_whole_update"),
+                            engine_stop_ms=median("engine_stop_ms"),
+                            step_ratio=median("step_ratio", pacings) if pacings else None,
+                            duty=median("duty", pacings) if pacings else None))
+
+
+def one_line(run: dict) -> str:
+    m = run["median"]
+    return (f"transfer {bvu.fmt_ms(m['transfer_ms'])}, slowdown during it {m['slowdown_transfer']}x "
+            f"(receiver's step ratio {m['step_ratio']}, duty {m['duty']}); whole update "
+            f"{bvu.fmt_ms(m['update_ms'])}, slowdown {m['slowdown_whole_update']}x; baseline "
+            f"{run['baseline']['tokens_per_s']} tok/s, step {run['baseline']['step_ms_median']} ms")
+
+
+def child_main(args) -> int:
+    result: dict = {"config": args.config, "budgets": args.budgets}
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    sys.path.insert(0, str(bvu.PYTHON_DIR))
+    bvu.prepend_pythonpath(bvu.PYTHON_DIR)
+    try:
+        import torch  # noqa: F401  (before vLLM: one CUDA/NCCL runtime in the process)
+
+        asyncio.run(run_child(args, result))
+    except BaseException as e:  # noqa: BLE001  (recorded; the orchestrator writes what ran)
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        print(result["traceback"], file=sys.stderr, flush=True)
+    Path(args.result_file).write_text(json.dumps(result, indent=1))
+    sys.stdout.flush()
+    os._exit(1 if "error" in result else 0)
+
+
+def write_outputs(out: Path, meta: dict, result: dict) -> None:
+    results = {"meta": meta, "goals": GOALS, "result": result}
+    (out / "bench_vllm_pacing.json").write_text(json.dumps(results, indent=1))
+    lines = ["# Decode while weights stream in: unpaced and at pacing budgets (real vLLM)", "",
+             f"* command: `{meta['command']}`", f"* machine: {meta['machine']}",
+             f"* commit: {meta['commit']}", f"* vLLM: {meta['vllm_version']}",
+             f"* date: {meta['date']}", f"* model: {meta['config']} (random weights, real shapes)",
+             f"* settings: {json.dumps(meta['settings'])}", "",
+             "Median over the measured updates. Transfer: publish asked → every byte acked. "
+             "Slowdown: the baseline's decode tokens/s over tokens/s during the transfer. "
+             "Step ratio and duty: the receiver's own UpdateReport.pacing. Whole update: up to "
+             "the swap (under CUDA graphs a copy_in of every weight on the engine stream).", "",
+             "| budget | transfer ms | × unpaced | slowdown during transfer | receiver step ratio | "
+             "duty | whole update ms | slowdown whole update | engine stop ms | baseline tok/s | "
+             "baseline step ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    runs = result.get("runs", [])
+    unpaced = next((r for r in runs if r["budget"] is None), None)
+    for r in runs:
+        m, b = r["median"], r["baseline"]
+        factor = (round(m["transfer_ms"] / unpaced["median"]["transfer_ms"], 2)
+                  if unpaced and m["transfer_ms"] and unpaced["median"]["transfer_ms"] else "-")
+        lines.append(f"| {budget_name(r['budget'])} | {m['transfer_ms']} | {factor} | "
+                     f"{m['slowdown_transfer']} | {m['step_ratio'] if m['step_ratio'] is not None else '-'} | "
+                     f"{m['duty'] if m['duty'] is not None else '-'} | {m['update_ms']} | "
+                     f"{m['slowdown_whole_update']} | {m['engine_stop_ms']} | "
+                     f"{b['tokens_per_s']} | {b['step_ms_median']} |")
+    if "error" in result:
+        lines += ["", f"FAILED: {result['error']}"]
+    lines += ["", "Goals:", ""]
+    if unpaced:
+        s = unpaced["median"]["slowdown_transfer"]
+        lines.append(f"* no budget: slowdown ≤ {GOALS['unpaced_slowdown']:.2f}x: {s}x: "
+                     f"{'met' if s is not None and s <= GOALS['unpaced_slowdown'] else 'MISSED'}")
+    tight = next((r for r in runs if r["budget"] == 1.03), None)
+    if tight and unpaced:
+        s, t = tight["median"]["slowdown_transfer"], tight["median"]["transfer_ms"]
+        factor = t / unpaced["median"]["transfer_ms"] if t and unpaced["median"]["transfer_ms"] else None
+        ok = s is not None and s <= 1.03 and factor is not None and factor <= 2.0
+        lines.append(f"* budget 1.03: slowdown ≤ 1.03x for ≤ 2x the unpaced transfer time: {s}x "
+                     f"at {factor:.2f}x the time: {'met' if ok else 'MISSED'}" if factor else
+                     f"* budget 1.03: {s}x (no unpaced time to compare)")
+    (out / "bench_vllm_pacing.md").write_text("\n".join(lines) + "\n")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="llama-3-8b", choices=sorted(bvu.CONFIGS))
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--budgets", default="none,1.10,1.05,1.03",
+                   help="comma-separated decode_slowdown_budget values; none: no pacing")
+    p.add_argument("--out", help="output folder (default $OUT, else ./bench-vllm-pacing)")
+    p.add_argument("--commit", help="the commit to name (default: git rev-parse of this checkout)")
+    p.add_argument("--requests", type=int, default=32, help="concurrent decode requests")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per request")
+    p.add_argument("--updates", type=int, default=4, help="measured updates per budget")
+    p.add_argument("--baseline-s", type=float, default=2.0, help="the no-update window")
+    p.add_argument("--gap-s", type=float, default=1.0, help="decode time between updates")
+    p.add_argument("--bucket-bytes", type=int, default=0, help="0: the layout's default")
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--timeout-s", type=float, default=560, help="deadline of the engine run")
+    p.add_argument("--work-dir", help="where the checkpoint goes (default: the system's temp)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    # What bench_vllm_update's shared pieces read.
+    args.swap_strategy, args.dummy_load = None, False
+    parse_budgets(args.budgets)  # a bad value fails here, before anything starts
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.child:
+        return child_main(args)
+    out = Path(args.out or os.environ.get("OUT") or "bench-vllm-pacing")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+                machine=bvu.machine_name(args.device), commit=args.commit or bvu.git_commit(),
+                vllm_version=bvu.vllm_version(), device=args.device, config=args.config,
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                settings=dict(budgets=args.budgets, requests=args.requests,
+                              max_tokens=args.max_tokens, updates=args.updates,
+                              baseline_s=args.baseline_s, gap_s=args.gap_s,
+                              bucket_bytes=args.bucket_bytes,
+                              enforce_eager=args.enforce_eager or args.device == "cpu"))
+    bvu.log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="bench-pacing-", dir=args.work_dir))
+    result: dict = {}
+    try:
+        model_dir = work / "model"
+        made = bvu.run_logged([sys.executable, bvu.__file__, "--make-checkpoint", str(model_dir),
+                               "--config", args.config, "--device", args.device],
+                              out / "pacing-checkpoint.log", 300)
+        if made != 0:
+            result["error"] = f"making the checkpoint failed (exit {made}): " \
+                              f"{bvu.tail(out / 'pacing-checkpoint.log')}"
+        else:
+            result_file = out / "pacing.result.json"
+            result_file.unlink(missing_ok=True)
+            command = [sys.executable, __file__, "--child", "--config", args.config,
+                       "--device", args.device, "--budgets", args.budgets,
+                       "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
+                       "--updates", str(args.updates), "--baseline-s", str(args.baseline_s),
+                       "--gap-s", str(args.gap_s), "--bucket-bytes", str(args.bucket_bytes),
+                       "--model-dir", str(model_dir), "--result-file", str(result_file)]
+            if args.gpu_memory_utilization:
+                command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            if args.enforce_eager:
+                command.append("--enforce-eager")
+            remaining = args.timeout_s - (time.monotonic() - started)
+            code = bvu.run_logged(command, out / "pacing-engine.log", remaining)
+            if result_file.exists():
+                result = json.loads(result_file.read_text())
+            if code != 0 and "error" not in result:
+                why = "timed out" if code == 124 else f"exit {code}"
+                result["error"] = f"engine run {why}: {bvu.tail(out / 'pacing-engine.log')}"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write_outputs(out, meta, result)
+    bvu.log(f"done in {time.monotonic() - started:.0f} s; {out / 'bench_vllm_pacing.md'}")
+    print((out / "bench_vllm_pacing.md").read_text())
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
