@@ -6,6 +6,7 @@
 #   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
 #   E2E_RUNS="A;B"   scripts/vllm_e2e.py --device cuda with each ;-separated argument list
 #   BENCH_VLLM="..." bench/bench_vllm_update.py with these arguments
+#   BENCH_PACING="..." bench/bench_vllm_pacing.py with these arguments (BENCH_TIMEOUT, default 420)
 # Each step has its own timeout; a failed step does not stop the next.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -44,4 +45,11 @@ if [[ -n "${BENCH_VLLM:-}" ]]; then
     python3 bench/bench_vllm_update.py --out "$OUT" "${bench_args[@]}" >"$OUT/bench-vllm.log" 2>&1
   echo "bench_vllm_update exit $?"
   tail -40 "$OUT/bench-vllm.log"
+fi
+if [[ -n "${BENCH_PACING:-}" ]]; then
+  read -r -a pacing_args <<<"$BENCH_PACING"
+  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" \
+    python3 bench/bench_vllm_pacing.py --out "$OUT" "${pacing_args[@]}" >"$OUT/bench-pacing.log" 2>&1
+  echo "bench_vllm_pacing exit $?"
+  tail -30 "$OUT/bench-pacing.log"
 fi
