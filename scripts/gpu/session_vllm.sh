@@ -52,4 +52,6 @@ if [[ -n "${BENCH_PACING:-}" ]]; then
     python3 bench/bench_vllm_pacing.py --out "$OUT" "${pacing_args[@]}" >"$OUT/bench-pacing.log" 2>&1
   echo "bench_vllm_pacing exit $?"
   tail -30 "$OUT/bench-pacing.log"
+  python3 bench/plot_pacing.py "$OUT/bench_vllm_pacing.json" >>"$OUT/bench-pacing.log" 2>&1 ||
+    echo "plot_pacing failed (see bench-pacing.log)"
 fi
