@@ -18,6 +18,9 @@
 //                Trainer-side wall time, first broadcast enqueued -> last ack in (engine-side wall
 //                time too, which adds a pipe round trip). "added" = its median minus the raw
 //                copy's.
+//                Each side's per-chunk timeline over those reps (SameHostTransport::
+//                timeline_summary: medians of slot filled -> doorbell -> copy -> ack) is printed
+//                and written to the notes and the JSON, to say where each chunk's time went.
 //   end to end   --updates updates through Sender::publish (the trainer's tensors packed into the
 //                staging slots) and a Receiver (into the shadow slot), after 2 warm-up ones:
 //                trainer-side publish -> done (the receiver had posted its receives), and
@@ -328,6 +331,7 @@ class LineReader {
 // "ok key=value ..." or "error message".
 struct Reply {
   std::map<std::string, std::string> fields;
+  std::string line;  // the whole reply, "ok ..." (for replies that are not key=value words)
 
   double number(const std::string& key) const {
     const auto it = fields.find(key);
@@ -349,6 +353,7 @@ Reply parse_reply(const std::string& command, const std::string& line) {
     throw BenchError(cat("trainer process, '", command, "': unexpected reply '", line, "'"));
   }
   Reply reply;
+  reply.line = line;
   std::istringstream words(line.substr(2));
   std::string word;
   while (words >> word) {
@@ -512,6 +517,10 @@ int trainer_main(const Options& o) {
         const double ms = bench::to_ms(Clock::now() - start);
         if (auto error = transport->async_error()) throw BenchError(*error);
         reply(cat("ok ms=", ms, " chunks=", chunk));
+      } else if (verb == "timeline") {
+        // The sender's per-chunk medians since the last "timeline" (SameHostTransport's).
+        if (!transport) throw BenchError("timeline without a served transport");
+        reply(cat("ok ", transport->timeline_summary()));
       } else if (verb == "sender") {
         if (!transport) throw BenchError("sender without a served transport");
         SenderConfig config;
@@ -807,6 +816,10 @@ struct ModelRun {
   std::string sources;  // full, shared, or empty when skipped
   std::size_t source_bytes = 0;
   std::string sources_note;
+  // The transport's per-chunk medians over the "transport alone" reps (after the warm-up one):
+  // where each chunk's time went, on each side.
+  std::string sender_timeline;
+  std::string receiver_timeline;
   std::vector<double> raw_ms;
   std::vector<double> transport_ms;          // trainer side
   std::vector<double> transport_engine_ms;   // engine side (adds a pipe round trip)
@@ -1116,8 +1129,15 @@ ModelRun run_model(const bench::ModelConfig& model, Engine& e, int index) {
       if (rep > 0) {
         r.transport_ms.push_back(sent.number("ms"));
         r.transport_engine_ms.push_back(engine_ms);
+      } else {  // the timelines start after the warm-up rep
+        (void)transport->timeline_summary();
+        (void)trainer.call("timeline");
       }
     }
+    r.receiver_timeline = transport->timeline_summary();
+    r.sender_timeline = trainer.call("timeline").line.substr(3);
+    progress(cat(r.name, ": transport alone: ", r.sender_timeline));
+    progress(cat(r.name, ": transport alone: ", r.receiver_timeline));
     progress(
         strf("%s: transport alone x%d: median %.3f ms (%.0f GB/s, %.2f of the raw copy), min "
              "%.3f ms; engine-observed median %.3f ms",
@@ -1352,7 +1372,10 @@ Json model_json(const ModelRun& r) {
                                    .set("mode", r.sources)
                                    .set("bytes", r.source_bytes)
                                    .set("note", r.sources_note))
-               .set("seconds", r.seconds);
+               .set("seconds", r.seconds)
+               .set("transport_timeline", Json::object()
+                                              .set("sender", r.sender_timeline)
+                                              .set("receiver", r.receiver_timeline));
   if (!r.raw_ms.empty()) {
     j.set("raw_copy",
           Json::object().set("ms", summary_json(r.raw_ms)).set("gbps", gbps_json(M, r.raw_ms)));
@@ -1496,6 +1519,10 @@ std::string tables(const std::vector<ModelRun>& runs) {
   for (const ModelRun& r : runs) {
     if (!r.sources_note.empty())
       notes += strf("* %s: %s.\n", r.name.c_str(), r.sources_note.c_str());
+    if (!r.sender_timeline.empty())
+      notes += strf("* %s, transport alone: %s.\n", r.name.c_str(), r.sender_timeline.c_str());
+    if (!r.receiver_timeline.empty())
+      notes += strf("* %s, transport alone: %s.\n", r.name.c_str(), r.receiver_timeline.c_str());
     for (const std::string& s : r.skipped)
       notes += strf("* %s: skipped %s.\n", r.name.c_str(), s.c_str());
     if (!r.error.empty()) notes += strf("* %s: FAILED: %s\n", r.name.c_str(), r.error.c_str());

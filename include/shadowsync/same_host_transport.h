@@ -118,6 +118,11 @@ class SameHostTransport final : public Transport {
 
   SameHostMemory memory() const;
   std::size_t slot_bytes() const;
+  // A diagnostic of the device flavour: one line of medians of this side's per-chunk timeline
+  // (sender: enqueued, slot filled, doorbell rung, acked; receiver: doorbell, gate opened, copy
+  // enqueued, copy done, ack sent) over the chunks since the last call, which it forgets. Take
+  // it once the traffic stopped. Empty for the host flavour. Any thread.
+  std::string timeline_summary();
 
   struct State;
 

@@ -112,6 +112,34 @@ TEST_CASE("same-host gate: a wait with no doorbell and no release ends at its de
   CHECK(gate.wait(0, ChunkGate::Clock::now() - 1s) == Outcome::kOpen);
 }
 
+TEST_CASE("same-host gate: a spinning wait ends on open, release or deadline as a sleeping one",
+          "[same_host][gate]") {
+  // Spinning longer than any of these takes: each outcome comes from the spinning phase.
+  constexpr auto kSpin = std::chrono::microseconds(std::chrono::seconds(20));
+  ChunkGate gate;
+  auto opened = std::async(std::launch::async,
+                           [&] { return gate.wait(0, ChunkGate::Clock::now() + kLong, kSpin); });
+  require_blocked(opened, "a spinning wait for chunk 0 went before its doorbell");
+  gate.open(1);
+  CHECK(std::string(name(require_returns(opened, "spinning chunk 0 after open(1)"))) == "open");
+
+  // The spin never outlasts the deadline.
+  const auto start = ChunkGate::Clock::now();
+  CHECK(std::string(name(gate.wait(1, start + 200ms, kSpin))) == "deadline");
+  const auto took = ChunkGate::Clock::now() - start;
+  CHECK(took >= 200ms);
+  CHECK(took < 5s);
+
+  auto released = std::async(std::launch::async,
+                             [&] { return gate.wait(1, ChunkGate::Clock::now() + kLong, kSpin); });
+  require_blocked(released, "a spinning wait for chunk 1 went before a doorbell or a release");
+  gate.release();
+  CHECK(std::string(name(require_returns(released, "spinning chunk 1 after release()"))) ==
+        "released");
+  // Released wins over open while spinning too.
+  CHECK(std::string(name(gate.wait(0, ChunkGate::Clock::now() + kLong, kSpin))) == "released");
+}
+
 TEST_CASE("same-host gate: SameHostConfig::doorbell_timeout must be positive",
           "[same_host][gate]") {
   HostBackend backend;

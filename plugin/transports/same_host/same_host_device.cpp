@@ -4,6 +4,7 @@
 
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -30,6 +31,7 @@
 #include "transports/same_host/same_host_device_staging.h"
 #include "transports/same_host/same_host_gate.h"
 #include "transports/same_host/same_host_state.h"
+#include "transports/same_host/same_host_timeline.h"
 
 namespace shadowsync::same_host {
 
@@ -40,6 +42,18 @@ namespace {
 
 // How long teardown waits for streams to pass the operations that touch a link's memory.
 constexpr auto kDrainDeadline = std::chrono::seconds(10);
+
+// Latency of the data path. A chunk's completion (its slot filled on the sender, its copy done on
+// a receiver) is an event the progress thread polls, not a host function: a host function holds
+// its stream until CUDA's callback thread ran it (the next copy cannot start), wakes that thread
+// (tens of microseconds) and, on the sender, is one more operation the GPU must switch to the
+// trainer's context for. While a chunk is in flight the progress thread spins (sockets at once,
+// the head event) for kSpinWindow after its last progress, then polls every kBusyPoll until the
+// chunk completes; idle, it blocks. A receiver's caller spins on the gate for kGateSpin before
+// it sleeps (same_host_gate.h).
+constexpr auto kSpinWindow = std::chrono::milliseconds(2);
+constexpr long kBusyPollNs = 50'000;
+constexpr auto kGateSpin = std::chrono::microseconds(1000);
 
 CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
   auto* cuda = dynamic_cast<CudaBackend*>(&backend);
@@ -103,11 +117,20 @@ struct DeviceLink::Impl {
     std::uint64_t chunk = 0;
     std::size_t bytes = 0;
   };
-  // What a host function tells the progress thread.
-  struct Note {
-    Impl* impl = nullptr;
-    DataRecord record;  // sender: the doorbell to ring; receiver: the ack to send
+  // A chunk enqueued on a stream whose completion the progress thread waits for: sender, its
+  // slot filled (then it rings `record`, the doorbell); receiver, its copy done (then it sends
+  // `record`, the ack). `event` was recorded right after the chunk's operations.
+  struct Pending {
+    cudaEvent_t event = nullptr;
+    DataRecord record;
   };
+  // A doorbell read off the socket, not yet matched with a receive; `ns`: when it was read.
+  struct Doorbell {
+    DataRecord record;
+    std::int64_t ns = 0;
+  };
+
+  explicit Impl(bool is_sender) : sender(is_sender), timeline(is_sender) {}
 
   std::unique_ptr<DeviceStaging> staging;
   int device = 0;  // the staging's, copied for the hot path
@@ -122,15 +145,17 @@ struct DeviceLink::Impl {
   CUdeviceptr counter_on_device = 0;
 
   SameHostTransport::State* state = nullptr;
-  Fd notes_ready;  // eventfd: a host function or the caller queued something
+  Fd notes_ready;  // eventfd: the caller queued a receive or a chunk's event
   std::thread progress;
 
   std::mutex mutex;             // guards the queues below
   std::deque<Receive> receives;  // receiver: waited for, not yet matched with a doorbell
-  std::deque<DataRecord> notes;  // from host functions: doorbells to ring / acks to send
+  std::deque<Pending> pending;   // in chunk order: enqueued, their doorbell / ack not yet sent
+  std::vector<cudaEvent_t> spare_events;  // events the progress thread saw complete
+  std::vector<cudaEvent_t> events;        // every event made, destroyed once drained
   std::atomic<std::uint64_t> reserved{0};  // chunks reserved so far (under the state's mutex)
-  std::atomic<int> host_functions_pending{0};
   std::atomic<bool> released{false};
+  ChunkTimeline timeline;  // per-chunk stamps of this side (same_host_timeline.h)
   // Receiver: opened by the progress thread per checked doorbell; its caller waits on it.
   ChunkGate gate;
   // The streams this link enqueued work on, each with an event recorded after its last wait.
@@ -142,7 +167,8 @@ struct DeviceLink::Impl {
     const std::uint64_t one = 1;
     [[maybe_unused]] auto written = ::write(notes_ready.get(), &one, sizeof(one));
   }
-  static void CUDART_CB on_host_function(void* data) noexcept;
+  cudaEvent_t take_event();
+  void enqueue_pending(cudaStream_t stream, const DataRecord& record);
   void wait_value(cudaStream_t stream, std::uint64_t value);
   void record_tail(cudaStream_t stream);
   std::byte* slot(std::uint32_t s) const {
@@ -150,18 +176,25 @@ struct DeviceLink::Impl {
   }
   void run_sender() noexcept;
   void run_receiver() noexcept;
+  // Whether a chunk's event is pending (it must be polled), and whether a receive waits.
+  std::pair<bool, bool> in_flight() {
+    std::lock_guard lock(mutex);
+    return {!pending.empty(), !receives.empty()};
+  }
+  int wait_for_fds(pollfd* fds, nfds_t count, bool events_pending, bool spin,
+                   std::chrono::steady_clock::time_point last_progress) noexcept;
   bool drain(std::chrono::steady_clock::time_point deadline) noexcept;
 };
 
-// True once every stream passed this link's operations and every host function ran.
+// True once every stream passed this link's operations.
 bool DeviceLink::Impl::drain(std::chrono::steady_clock::time_point deadline) noexcept {
   cuda_detail::ScopedDeviceNoThrow on_device(device);
-  std::vector<cudaEvent_t> pending;
-  for (auto& [stream, event] : tails) pending.push_back(event);
+  std::vector<cudaEvent_t> tail_events;
+  for (auto& [stream, event] : tails) tail_events.push_back(event);
   bool done = false;
   for (;;) {
-    done = host_functions_pending.load() == 0;
-    for (cudaEvent_t event : pending) done = done && cudaEventQuery(event) != cudaErrorNotReady;
+    done = true;
+    for (cudaEvent_t event : tail_events) done = done && cudaEventQuery(event) != cudaErrorNotReady;
     if (done || std::chrono::steady_clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
@@ -169,6 +202,10 @@ bool DeviceLink::Impl::drain(std::chrono::steady_clock::time_point deadline) noe
   if (!done) return false;
   for (auto& [stream, event] : tails) (void)cudaEventDestroy(event);
   tails.clear();
+  for (cudaEvent_t event : events) (void)cudaEventDestroy(event);
+  events.clear();
+  spare_events.clear();
+  pending.clear();
   return true;
 }
 
@@ -194,22 +231,61 @@ void DeviceLink::Impl::release() noexcept {
   notify();
 }
 
-void CUDART_CB DeviceLink::Impl::on_host_function(void* data) noexcept {
-  // Runs on CUDA's callback thread: no CUDA calls here, only the counter, a queue and an eventfd.
-  auto* note = static_cast<Note*>(data);
-  Impl* impl = note->impl;
-  trace("{}: host function: {} of chunk {} queued for the progress thread{}",
-        impl->sender ? "sender" : "receiver", record_name(note->record.type),
-        note->record.sequence, impl->released.load() ? " (released: dropped)" : "");
-  if (!impl->released.load()) {
-    {
-      std::lock_guard lock(impl->mutex);
-      impl->notes.push_back(note->record);
+cudaEvent_t DeviceLink::Impl::take_event() {
+  {
+    std::lock_guard lock(mutex);
+    if (!spare_events.empty()) {
+      cudaEvent_t event = spare_events.back();
+      spare_events.pop_back();
+      return event;
     }
-    impl->notify();
   }
-  delete note;
-  impl->host_functions_pending.fetch_sub(1);
+  cudaEvent_t event = nullptr;
+  SHADOWSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                        "same-host chunk event");
+  std::lock_guard lock(mutex);
+  events.push_back(event);
+  return event;
+}
+
+// Records the event of a chunk after what `stream` holds so far and hands it to the progress
+// thread, which sends `record` once the event completed. The caller's thread only.
+void DeviceLink::Impl::enqueue_pending(cudaStream_t stream, const DataRecord& record) {
+  cudaEvent_t event = take_event();
+  if (const cudaError_t status = cudaEventRecord(event, stream); status != cudaSuccess) {
+    {
+      std::lock_guard lock(mutex);
+      spare_events.push_back(event);
+    }
+    // The chunk's other operations may be enqueued already: the peer would wait for a doorbell
+    // or an ack that never comes. Out of step: the transport fails, naming the chunk.
+    state->fail(fmt::format("same-host {}: cudaEventRecord for chunk {}: {}",
+                            sender ? "sender" : fmt::format("rank {}", state->rank),
+                            record.sequence, cudaGetErrorString(status)));
+    SHADOWSYNC_CUDA_CHECK(status, "same-host {} of chunk {}", record_name(record.type),
+                          record.sequence);
+  }
+  {
+    std::lock_guard lock(mutex);
+    pending.push_back({event, record});
+  }
+  notify();
+}
+
+// Waits until one of `fds` is ready: not at all while `spin` and within kSpinWindow of the last
+// progress (the caller spins: a record due on a socket or an event due soon is seen within
+// microseconds), at most kBusyPollNs while an event is pending (an event cannot wake poll()),
+// else without a timeout (only a socket or the eventfd can bring news). poll()'s result; errno
+// as poll() left it.
+int DeviceLink::Impl::wait_for_fds(pollfd* fds, nfds_t count, bool events_pending, bool spin,
+                                   std::chrono::steady_clock::time_point last_progress) noexcept {
+  const bool spinning =
+      spin && std::chrono::steady_clock::now() - last_progress < kSpinWindow;
+  if (!spinning && !events_pending) return ::ppoll(fds, count, nullptr, nullptr);
+  const timespec timeout{0, spinning ? 0 : kBusyPollNs};
+  const int ready = ::ppoll(fds, count, &timeout, nullptr);
+  if (ready == 0 && spinning) std::this_thread::yield();
+  return ready;
 }
 
 void DeviceLink::Impl::wait_value(cudaStream_t stream, std::uint64_t value) {
@@ -234,9 +310,28 @@ void DeviceLink::Impl::record_tail(cudaStream_t stream) {
   SHADOWSYNC_CUDA_CHECK(cudaEventRecord(event, stream), "same-host stream tail");
 }
 
-// Sender: rings every receiver for each filled slot, counts acks, moves the counter.
+// The progress threads poll CUDA events: the device must be current, and sleeps must be short.
+namespace {
+std::optional<std::string> prepare_progress_thread(int device) noexcept {
+  // poll()'s timeouts while a chunk is in flight are tens of microseconds; the default timer
+  // slack (50 us) would double them.
+  (void)::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+  if (const cudaError_t status = cudaSetDevice(device); status != cudaSuccess) {
+    return fmt::format("cudaSetDevice({}) on the progress thread: {}", device,
+                       cudaGetErrorString(status));
+  }
+  return std::nullopt;
+}
+}  // namespace
+
+// Sender: rings every receiver for each filled slot (its event completed, in chunk order),
+// counts acks, moves the counter.
 void DeviceLink::Impl::run_sender() noexcept {
   SameHostTransport::State& s = *state;
+  if (auto problem = prepare_progress_thread(device)) {
+    s.fail(fmt::format("same-host sender: {}", *problem));
+    return;
+  }
   const SlotGeometry geometry{kSlotCount, slot_bytes};
   const std::size_t peers = s.peers.size();
   std::deque<DataRecord> outstanding;       // rung, not yet acked by everyone
@@ -244,12 +339,15 @@ void DeviceLink::Impl::run_sender() noexcept {
   std::uint64_t counted = 0;                 // chunks acked by every receiver
   std::vector<bool> gone(peers, false);     // per receiver: closed its socket
   std::vector<pollfd> fds;
+  auto last_progress = std::chrono::steady_clock::now();
   for (;;) {
     fds.assign({{s.wake.get(), POLLIN, 0}, {notes_ready.get(), POLLIN, 0}});
     for (std::size_t p = 0; p < peers; ++p) {
       fds.push_back({gone[p] ? -1 : s.peers[p].get(), POLLIN, 0});
     }
-    if (::poll(fds.data(), fds.size(), -1) < 0) {
+    const bool filling = in_flight().first;  // a doorbell waits for its slot's event
+    if (wait_for_fds(fds.data(), fds.size(), filling, filling || !outstanding.empty(),
+                     last_progress) < 0) {
       if (errno == EINTR) continue;
       s.fail(fmt::format("same-host sender: poll: {}", std::strerror(errno)));
       return;
@@ -258,27 +356,47 @@ void DeviceLink::Impl::run_sender() noexcept {
     if (fds[1].revents != 0) {
       std::uint64_t count = 0;
       [[maybe_unused]] auto got = ::read(notes_ready.get(), &count, sizeof(count));
-      std::deque<DataRecord> rings;
+      last_progress = std::chrono::steady_clock::now();  // a chunk was enqueued: spin for it
+    }
+    // Ring every chunk whose slot is filled, in chunk order.
+    for (;;) {
+      Pending head;
       {
         std::lock_guard lock(mutex);
-        rings.swap(notes);
+        if (pending.empty()) break;
+        head = pending.front();
       }
-      for (const DataRecord& doorbell : rings) {
-        const auto frame = encode(doorbell);
-        for (std::size_t p = 0; p < peers; ++p) {
-          const Io io = gone[p] ? Io::kClosed
-                                : write_all(s.peers[p].get(), frame, s.wake.get(), std::nullopt);
-          if (io == Io::kWoken) return;
-          if (io != Io::kOk) {
-            s.fail(fmt::format("same-host sender: doorbell {} to rank {}: {}", doorbell.sequence,
-                               p + 1, describe(io, errno)));
-            return;
-          }
+      const cudaError_t filled = cudaEventQuery(head.event);
+      if (filled == cudaErrorNotReady) break;
+      if (filled != cudaSuccess) {
+        s.fail(fmt::format("same-host sender: waiting for chunk {} to be in slot {}: "
+                           "cudaEventQuery: {}",
+                           head.record.sequence, head.record.slot, cudaGetErrorString(filled)));
+        return;
+      }
+      {
+        std::lock_guard lock(mutex);
+        pending.pop_front();
+        spare_events.push_back(head.event);
+      }
+      const DataRecord& doorbell = head.record;
+      timeline.stamp(doorbell.sequence, ChunkTimeline::SenderStep::kFilled);
+      const auto frame = encode(doorbell);
+      for (std::size_t p = 0; p < peers; ++p) {
+        const Io io = gone[p] ? Io::kClosed
+                              : write_all(s.peers[p].get(), frame, s.wake.get(), std::nullopt);
+        if (io == Io::kWoken) return;
+        if (io != Io::kOk) {
+          s.fail(fmt::format("same-host sender: doorbell {} to rank {}: {}", doorbell.sequence,
+                             p + 1, describe(io, errno)));
+          return;
         }
-        trace("sender: rang doorbell of chunk {} (slot {}, {} bytes) to {} receiver(s)",
-              doorbell.sequence, doorbell.slot, doorbell.bytes, peers);
-        outstanding.push_back(doorbell);
       }
+      timeline.stamp(doorbell.sequence, ChunkTimeline::SenderStep::kRung);
+      trace("sender: rang doorbell of chunk {} (slot {}, {} bytes) to {} receiver(s)",
+            doorbell.sequence, doorbell.slot, doorbell.bytes, peers);
+      outstanding.push_back(doorbell);
+      last_progress = std::chrono::steady_clock::now();
     }
     for (std::size_t p = 0; p < peers; ++p) {
       if (fds[2 + p].revents == 0) continue;
@@ -323,10 +441,15 @@ void DeviceLink::Impl::run_sender() noexcept {
     std::uint64_t everyone = counted + outstanding.size();
     for (std::uint64_t a : acked) everyone = std::min(everyone, a);
     if (everyone > counted) {
+      advance(std::atomic_ref<std::uint32_t>(*counter), static_cast<std::uint32_t>(everyone));
+      const std::int64_t now = ChunkTimeline::now_ns();
+      for (std::uint64_t k = 0; k < everyone - counted; ++k) {
+        timeline.stamp(outstanding[k].sequence, ChunkTimeline::SenderStep::kAcked, now);
+      }
       outstanding.erase(outstanding.begin(),
                         outstanding.begin() + static_cast<std::ptrdiff_t>(everyone - counted));
       counted = everyone;
-      advance(std::atomic_ref<std::uint32_t>(*counter), static_cast<std::uint32_t>(counted));
+      last_progress = std::chrono::steady_clock::now();
       trace("sender: every receiver acked chunks below {}: the counter opens their waits",
             counted);
     }
@@ -334,19 +457,25 @@ void DeviceLink::Impl::run_sender() noexcept {
 }
 
 // Receiver: matches doorbells with the chunks its caller waits for, checks them, opens the gate
-// of each chunk whose doorbell passed (its caller then enqueues the copy), sends the acks the
-// host functions queue.
+// of each chunk whose doorbell passed (its caller then enqueues the copy and its event), and
+// acks each chunk whose copy's event completed, in chunk order.
 void DeviceLink::Impl::run_receiver() noexcept {
   SameHostTransport::State& s = *state;
+  if (auto problem = prepare_progress_thread(device)) {
+    s.fail(fmt::format("same-host rank {}: {}", s.rank, *problem));
+    return;
+  }
   const SlotGeometry geometry{kSlotCount, slot_bytes};
   const int socket = s.peers[0].get();
-  std::deque<DataRecord> doorbells;  // received, not yet matched with a receive
+  std::deque<Doorbell> doorbells;  // received, not yet matched with a receive
   bool sender_gone = false;
+  auto last_progress = std::chrono::steady_clock::now();
   for (;;) {
     std::array<pollfd, 3> fds{{{s.wake.get(), POLLIN, 0},
                                {notes_ready.get(), POLLIN, 0},
                                {sender_gone ? -1 : socket, POLLIN, 0}}};
-    if (::poll(fds.data(), fds.size(), -1) < 0) {
+    const auto [copying, waiting] = in_flight();  // an ack waits for a copy; a receive waits
+    if (wait_for_fds(fds.data(), fds.size(), copying, copying || waiting, last_progress) < 0) {
       if (errno == EINTR) continue;
       s.fail(fmt::format("same-host rank {}: poll: {}", s.rank, std::strerror(errno)));
       return;
@@ -355,6 +484,7 @@ void DeviceLink::Impl::run_receiver() noexcept {
     if (fds[1].revents != 0) {
       std::uint64_t count = 0;
       [[maybe_unused]] auto got = ::read(notes_ready.get(), &count, sizeof(count));
+      last_progress = std::chrono::steady_clock::now();  // a receive or a copy: spin for it
     }
     if (fds[2].revents != 0) {
       std::array<std::byte, kDataRecordBytes> record{};
@@ -376,15 +506,14 @@ void DeviceLink::Impl::run_receiver() noexcept {
         }
         trace("rank {}: doorbell of chunk {} received (slot {}, {} bytes)", s.rank,
               doorbell.sequence, doorbell.slot, doorbell.bytes);
-        doorbells.push_back(doorbell);
+        doorbells.push_back({doorbell, ChunkTimeline::now_ns()});
+        last_progress = std::chrono::steady_clock::now();
       }
     }
-    std::deque<DataRecord> acks;
     std::deque<Receive> ready;
     std::optional<std::uint64_t> orphaned;  // a receive waiting for a sender that is gone
     {
       std::lock_guard lock(mutex);
-      acks.swap(notes);
       while (!receives.empty() && ready.size() < doorbells.size()) {
         ready.push_back(receives.front());
         receives.pop_front();
@@ -396,18 +525,10 @@ void DeviceLink::Impl::run_receiver() noexcept {
                          *orphaned, describe(Io::kClosed, 0)));
       return;
     }
-    for (const DataRecord& ack : acks) {
-      const Io io = write_all(socket, encode(ack), s.wake.get(), std::nullopt);
-      if (io == Io::kWoken) return;
-      if (io != Io::kOk) {
-        s.fail(fmt::format("same-host rank {}: ack of chunk {}: {}", s.rank, ack.sequence,
-                           describe(io, errno)));
-        return;
-      }
-      trace("rank {}: ack of chunk {} sent", s.rank, ack.sequence);
-    }
+    // Gates first: the sooner the next copy is enqueued, the less the copy engine idles.
     for (const Receive& receive : ready) {
-      const DataRecord doorbell = doorbells.front();
+      const Doorbell arrived = doorbells.front();
+      const DataRecord& doorbell = arrived.record;
       doorbells.pop_front();
       std::string problem = check_doorbell(doorbell, receive.chunk, receive.bytes);
       const auto expected_slot = static_cast<std::uint32_t>(receive.chunk % kSlotCount);
@@ -422,9 +543,46 @@ void DeviceLink::Impl::run_receiver() noexcept {
                            problem));
         return;
       }
+      timeline.stamp(receive.chunk, ChunkTimeline::ReceiverStep::kDoorbell, arrived.ns);
       // The caller waiting for this chunk may enqueue its copy.
       gate.open(receive.chunk + 1);
+      timeline.stamp(receive.chunk, ChunkTimeline::ReceiverStep::kOpened);
       trace("rank {}: gate of chunk {} opened", s.rank, receive.chunk);
+      last_progress = std::chrono::steady_clock::now();
+    }
+    // Ack every chunk whose copy is done, in chunk order.
+    for (;;) {
+      Pending head;
+      {
+        std::lock_guard lock(mutex);
+        if (pending.empty()) break;
+        head = pending.front();
+      }
+      const cudaError_t copied = cudaEventQuery(head.event);
+      if (copied == cudaErrorNotReady) break;
+      if (copied != cudaSuccess) {
+        s.fail(fmt::format("same-host rank {}: waiting for the copy of chunk {}: "
+                           "cudaEventQuery: {}",
+                           s.rank, head.record.sequence, cudaGetErrorString(copied)));
+        return;
+      }
+      {
+        std::lock_guard lock(mutex);
+        pending.pop_front();
+        spare_events.push_back(head.event);
+      }
+      const DataRecord& ack = head.record;
+      timeline.stamp(ack.sequence, ChunkTimeline::ReceiverStep::kCopied);
+      const Io io = write_all(socket, encode(ack), s.wake.get(), std::nullopt);
+      if (io == Io::kWoken) return;
+      if (io != Io::kOk) {
+        s.fail(fmt::format("same-host rank {}: ack of chunk {}: {}", s.rank, ack.sequence,
+                           describe(io, errno)));
+        return;
+      }
+      timeline.stamp(ack.sequence, ChunkTimeline::ReceiverStep::kAckSent);
+      trace("rank {}: ack of chunk {} sent", s.rank, ack.sequence);
+      last_progress = std::chrono::steady_clock::now();
     }
   }
 }
@@ -434,12 +592,13 @@ DeviceLink::DeviceLink(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DeviceLink::~DeviceLink() {
   impl_->release();
   if (impl_->progress.joinable()) impl_->progress.join();
+  if (tracing()) trace("{}", impl_->timeline.summarize_and_reset());
   if (impl_->drain(std::chrono::steady_clock::now() + kDrainDeadline)) {
     impl_->free_memory();
     return;
   }
-  // A host function may still run and touch the link, a stream may still read its memory: the
-  // whole link is leaked rather than freed under them.
+  // A stream may still read or write the link's memory: the whole link is leaked rather than
+  // freed under it.
   std::fprintf(stderr,
                "shadowsync: same-host device link: a stream did not pass this link's operations "
                "within %lld s; leaking its staging mapping and counter rather than freeing "
@@ -449,8 +608,7 @@ DeviceLink::~DeviceLink() {
 }
 
 std::unique_ptr<DeviceLink> DeviceLink::create(Backend& backend, std::size_t slot_bytes) {
-  auto impl = std::make_unique<Impl>();
-  impl->sender = true;
+  auto impl = std::make_unique<Impl>(true);
   impl->staging = DeviceStaging::create(cuda_backend_of(backend, "serve"), slot_bytes);
   impl->device = impl->staging->device();
   impl->slot_bytes = slot_bytes;
@@ -460,7 +618,7 @@ std::unique_ptr<DeviceLink> DeviceLink::create(Backend& backend, std::size_t slo
 std::unique_ptr<DeviceLink> DeviceLink::open(Backend& backend, Fd exported, const Setup& setup,
                                              const std::string& path,
                                              std::chrono::milliseconds doorbell_timeout) {
-  auto impl = std::make_unique<Impl>();
+  auto impl = std::make_unique<Impl>(false);
   impl->staging =
       DeviceStaging::open(cuda_backend_of(backend, "connect"), std::move(exported), setup, path);
   impl->device = impl->staging->device();
@@ -479,6 +637,8 @@ std::array<std::byte, kHandleBytes> DeviceLink::handle() const {
 }
 
 std::byte* DeviceLink::slot(std::uint32_t s) const { return impl_->slot(s); }
+
+std::string DeviceLink::timeline() { return impl_->timeline.summarize_and_reset(); }
 
 void DeviceLink::start(SameHostTransport::State& state) {
   Impl& impl = *impl_;
@@ -548,20 +708,16 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
                                             cudaMemcpyDefault, native),
                             "same-host staging, chunk {} of {} bytes", chunk, n);
     }
-    auto* note = new Impl::Note{&impl, DataRecord{RecordType::kDoorbell, chunk, s, 0, n}};
-    impl.host_functions_pending.fetch_add(1);
-    if (const cudaError_t status = cudaLaunchHostFunc(native, &Impl::on_host_function, note);
-        status != cudaSuccess) {
-      delete note;
-      impl.host_functions_pending.fetch_sub(1);
-      SHADOWSYNC_CUDA_CHECK(status, "same-host doorbell of chunk {}", chunk);
-    }
+    // The slot's event: once it completed, the progress thread rings the doorbell. No host
+    // function: it would hold this stream, and the GPU, until CUDA's callback thread ran it.
+    impl.timeline.stamp(chunk, ChunkTimeline::SenderStep::kEnqueued);
+    impl.enqueue_pending(native, DataRecord{RecordType::kDoorbell, chunk, s, 0, n});
     // This wait parks the sender's stream on its receivers. It holds only until every receiver
     // copied the chunk, which needs nothing of this (the sender's) process beyond the doorbell
     // rung just before it: each receiver's own thread enqueues the copy once doorbell `chunk`
     // arrived (it waited for the doorbells before it, which came first), its stream runs the
-    // copy (behind, at most, the engine's own GPU work), CUDA's callback thread runs the
-    // host function "copied" and the receiver's progress thread sends the ack - library threads
+    // copy (behind, at most, the engine's own GPU work), the copy's event completes and the
+    // receiver's progress thread sees it and sends the ack - library threads
     // that never wait on the engine's host code or on this process. So a context-wide wait
     // in the trainer (lazy module loading, cudaFree, a device synchronize) lasts until the
     // receivers copied the chunks rung so far; it never waits on the trainer itself. One host
@@ -597,7 +753,7 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
     // Host-gated (same_host_gate.h): this thread, not the stream, waits for the doorbell.
     trace("rank {}: waiting on the host for the doorbell of chunk {}", impl.state->rank, chunk);
     const auto deadline = ChunkGate::Clock::now() + impl.doorbell_timeout;
-    const ChunkGate::Outcome outcome = impl.gate.wait(chunk, deadline);
+    const ChunkGate::Outcome outcome = impl.gate.wait(chunk, deadline, kGateSpin);
     if (outcome == ChunkGate::Outcome::kDeadline) {
       // The ranks are out of step now: the transport is broken (async_error() says why) and
       // releases every wait; this chunk and the rest of the broadcast are never enqueued.
@@ -616,14 +772,10 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
     SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(buffer + offset, impl.slot(s), n, cudaMemcpyDefault,
                                           native),
                           "same-host receive, chunk {} of {} bytes from slot {}", chunk, n, s);
-    auto* note = new Impl::Note{&impl, DataRecord{RecordType::kAck, chunk, s, 0, n}};
-    impl.host_functions_pending.fetch_add(1);
-    if (const cudaError_t status = cudaLaunchHostFunc(native, &Impl::on_host_function, note);
-        status != cudaSuccess) {
-      delete note;
-      impl.host_functions_pending.fetch_sub(1);
-      SHADOWSYNC_CUDA_CHECK(status, "same-host ack of chunk {}", chunk);
-    }
+    // The copy's event: once it completed, the progress thread acks at once. Not a host
+    // function, which would hold this stream (the next chunk's copy) until it ran.
+    impl.enqueue_pending(native, DataRecord{RecordType::kAck, chunk, s, 0, n});
+    impl.timeline.stamp(chunk, ChunkTimeline::ReceiverStep::kEnqueued);
     enqueued = true;
     trace("rank {}: chunk {} enqueued on stream {}: copy, ack", impl.state->rank, chunk,
           static_cast<void*>(native));

@@ -8,13 +8,13 @@
 // Data path. A CUDA stream cannot wait on a socket, so each end runs a progress thread that owns
 // the sockets. Chunk c of the connection always travels in slot c % 2.
 //   sender, chunk c on the caller's stream: [copy into slot c % 2 unless the caller packed it
-//     there] -> host function "slot filled" (the progress thread rings every receiver) -> wait
+//     there] -> event "slot filled" (the progress thread rings every receiver) -> wait
 //     (cuStreamWaitValue32, "counter >= c+1" in wrap-around order, on a counter in pinned host
 //     memory that only host code writes) until every receiver acked it;
 //   receiver, chunk c: the CALLER'S THREAD waits (ChunkGate, same_host_gate.h) until the progress
 //     thread received chunk c's doorbell and it passed its checks (the chunk due, its slot and
 //     byte count); only then does it enqueue, on the caller's stream, cudaMemcpyAsync slot ->
-//     buffer and a host function "copied" (the progress thread acks). No stream of the receiver
+//     buffer and an event "copied" (the progress thread acks). No stream of the receiver
 //     ever waits on a counter.
 // The rule: a receiver never leaves GPU work waiting for something only the peer process can
 // provide. A stream parked on the sender's doorbell holds more than itself: lazy loading of a
@@ -29,10 +29,13 @@
 // fails, naming the chunk and the option). Whatever ends it other than the doorbell, nothing
 // more of the broadcast is enqueued.
 // The sender's wait for acks does park its stream on the receivers, but an ack needs only the
-// receivers' library threads (their receiver thread, CUDA's callback thread, their progress
-// thread) and their streams, never the trainer: see send_async. A host function needs no peer:
-// it runs on CUDA's callback thread and only queues a record and writes an eventfd.
-// SHADOWSYNC_DEBUG_SAME_HOST=1 traces every chunk on stderr.
+// receivers' library threads (their receiver thread, their progress thread) and their streams,
+// never the trainer: see send_async.
+// Completion is seen by polling: a chunk's operations are followed by a CUDA event (no host
+// function: it would hold the stream and wake CUDA's callback thread), which the progress thread
+// queries, spinning while a chunk is in flight, and acts on at once (the sender rings, a receiver
+// acks). SHADOWSYNC_DEBUG_SAME_HOST=1 traces every chunk on stderr and prints the per-chunk
+// timeline's medians when the link goes away; timeline() returns them on request.
 // A chunk's broadcast completes on the caller's stream only once every receiver copied it,
 // which is what lets the caller pack the slot again (Transport::staging_buffer).
 //
@@ -99,6 +102,9 @@ class DeviceLink {
                      Stream& stream);
   // Every wait of every stream is released; the progress thread stops. Any thread; idempotent.
   void release() noexcept;
+  // One line: the medians of this side's per-chunk timeline since the last call
+  // (same_host_timeline.h). Any thread; a diagnostic, exact once the traffic stopped.
+  std::string timeline();
 
   struct Impl;
 

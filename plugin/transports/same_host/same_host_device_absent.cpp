@@ -31,5 +31,6 @@ std::uint64_t DeviceLink::reserve(std::size_t) { refuse(); }
 void DeviceLink::send_async(const std::byte*, std::size_t, std::uint64_t, Stream&) { refuse(); }
 void DeviceLink::receive_async(std::byte*, std::size_t, std::uint64_t, Stream&) { refuse(); }
 void DeviceLink::release() noexcept {}
+std::string DeviceLink::timeline() { return {}; }
 
 }  // namespace shadowsync::same_host

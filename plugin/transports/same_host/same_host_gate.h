@@ -14,8 +14,15 @@
 // The progress thread opens the gate chunk by chunk; release() ends every wait, present and
 // future (an abort, a protocol violation, a peer that closed its socket: the transport records why
 // before it releases).
+//
+// Latency. A chunk's copy can start only once this thread enqueued it, so the time from open()
+// to the return of wait() is time the copy engine may sit idle. wait() therefore first spins on
+// the host for up to `spin` (a few hundred microseconds: a doorbell usually comes while the
+// previous chunk still copies) before it sleeps on the condition variable, whose wake-up costs
+// tens of microseconds.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -40,14 +47,17 @@ class ChunkGate {
 
   // The receiver's thread: blocks until chunk `chunk` is open, the gate is released, or
   // `deadline` passes, whichever comes first; released wins over open, so that nothing is
-  // enqueued once the transport died.
-  Outcome wait(std::uint64_t chunk, Clock::time_point deadline);
+  // enqueued once the transport died. Spins for at most `spin` (never past `deadline`) before
+  // it sleeps.
+  Outcome wait(std::uint64_t chunk, Clock::time_point deadline,
+               std::chrono::microseconds spin = std::chrono::microseconds(0));
 
  private:
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::uint64_t open_ = 0;  // chunks below this are open
-  bool released_ = false;
+  // Written under mutex_; atomic so that the spinning phase of wait() may read them without it.
+  std::atomic<std::uint64_t> open_{0};  // chunks below this are open
+  std::atomic<bool> released_{false};
 };
 
 }  // namespace shadowsync::same_host

@@ -141,6 +141,9 @@ int SameHostTransport::rank() const { return state_->rank; }
 int SameHostTransport::world_size() const { return state_->world_size; }
 SameHostMemory SameHostTransport::memory() const { return state_->memory; }
 std::size_t SameHostTransport::slot_bytes() const { return state_->slot_bytes; }
+std::string SameHostTransport::timeline_summary() {
+  return state_->device ? state_->device->timeline() : std::string();
+}
 
 void SameHostTransport::broadcast_async(void* buffer, std::size_t bytes, int root,
                                         Stream& stream) {
