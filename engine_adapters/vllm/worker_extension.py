@@ -184,6 +184,8 @@ class WorkerExtension:
         track_request_versions: bool = False,
         allow_partial: bool = False,
         commit_mode: str | None = None,
+        decode_slowdown_budget: float | None = None,
+        max_receive_bytes_per_second: int = 0,
     ) -> int:
         """Sets up the weight update group; returns the layout fingerprint (the trainer compares
         it with its own). Engine thread, before stepping; once.
@@ -231,12 +233,30 @@ class WorkerExtension:
         ``engine_uses_cuda_graphs=True`` (the default on a vLLM GPU worker without enforce_eager:
         copy_in). Under copy_in the parameters stay where they are, the engine's own storage is
         the live copy (Receiver.use_engine_storage: graphs captured before this call keep
-        reading it) and each swap copies the shadow into them, one batched copy."""
+        reading it) and each swap copies the shadow into them, one batched copy.
+
+        `decode_slowdown_budget` and `max_receive_bytes_per_second` set those fields of
+        `receiver_config` (pacing; None / 0: leave them as `receiver_config` has them). With a
+        budget (e.g. 1.05) this worker's hooked execute_model stamps each step's start, the
+        receiver learns the step time while no update streams in and holds its buckets back so
+        that the median step while one streams in stays within budget x that time; the update
+        takes longer instead, never past the update deadline. The cap limits the receive rate in
+        bytes per second. A budget that is not finite or below 1.0 is refused, named, before
+        anything is set up. weight_update_stats()["pacing"] reports what pacing did."""
         if self._shadowsync is not None:
             raise InvalidArgumentError(
                 f"init_weight_update_group: already initialized (layout "
                 f"{self._shadowsync.wire_fingerprint:#018x}); close_weight_update_group first"
             )
+        if decode_slowdown_budget is not None or max_receive_bytes_per_second:
+            receiver_config = dataclasses.replace(receiver_config or ReceiverConfig())
+            if decode_slowdown_budget is not None:
+                receiver_config.decode_slowdown_budget = decode_slowdown_budget
+            if max_receive_bytes_per_second:
+                receiver_config.max_receive_bytes_per_second = max_receive_bytes_per_second
+        if receiver_config is not None:
+            # Refuses bad values (a budget below 1.0, ...) before anything is set up or connected.
+            receiver_config._c_fields()
         model = self._shadowsync_model()
         _refuse_packed_weights(model)
         params = dict(_tensors.items(self._shadowsync_named_parameters()))
@@ -408,9 +428,13 @@ class WorkerExtension:
         return {i: [list(s) for s in take(i, [])] for i in ids}
 
     def weight_update_stats(self) -> dict:
-        """The receiver's counters as a dict (plain data for collective_rpc). Thread-safe."""
+        """The receiver's counters as a dict (plain data for collective_rpc), among them
+        ``"last_transfer_s"`` (the last ready update's transfer time, seconds) and ``"pacing"``
+        (what pacing did to it: the fields of shadowsync.PacingReport, ``"paced"`` False without
+        a budget or a cap). Thread-safe."""
         state = self._require()
         stats = vars(state.receiver.stats()).copy()
+        stats["pacing"] = dataclasses.asdict(stats.pop("last_pacing"))
         stats["last_update_error"] = state.receiver.last_update_error()
         stats["wire_fingerprint"] = state.wire_fingerprint
         stats["plan_copies"] = state.plan_copies  # 0: the trainer sends the engine's own tensors

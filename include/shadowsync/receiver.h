@@ -158,7 +158,9 @@ struct ReceiverStats {
   // callers that poll rather than observe (the C ABI, Python).
   UpdateReport last_failure;
   std::string last_error;
-  // The last kReady update's pacing (PacingReport::paced is false without a budget or a cap).
+  // The last kReady update's transfer time (UpdateReport::transfer; 0: none yet) and pacing
+  // (PacingReport::paced is false without a budget or a cap), for callers that poll.
+  std::chrono::nanoseconds last_transfer{0};
   PacingReport last_pacing;
 };
 

@@ -132,6 +132,10 @@ typedef struct {
   int32_t commit_mode;         /* SHADOWSYNC_COMMIT_AUTO (default: live at the next step) or
                                   SHADOWSYNC_COMMIT_COORDINATED (held ready until
                                   shadowsync_receiver_commit, for tensor-parallel ranks) */
+  double decode_slowdown_budget; /* 0 (default): no pacing; else >= 1.0, finite: the median
+                                    engine step while an update streams in stays within this
+                                    times the step without one (the receive takes longer) */
+  uint64_t max_receive_bytes_per_second; /* a cap on the receive rate; 0 (default): none */
 } shadowsync_receiver_config_t;
 
 #define SHADOWSYNC_COMMIT_AUTO 0
@@ -156,7 +160,7 @@ typedef enum {
         SHADOWSYNC_CONFIG_UNDEF_INT64, SHADOWSYNC_CONFIG_UNDEF_INT,                     \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT,                       \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                     \
-        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT                        \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT, 0.0, 0                \
   }
 
 /* shadowsync::SenderConfig. */
@@ -436,10 +440,28 @@ typedef struct {
                                    else -1 */
   uint64_t ready_version;       /* commit_mode coordinated: the update received and checked,
                                    waiting for shadowsync_receiver_commit; 0: none */
+  /* The last update that became ready: its transfer time and what pacing did to it
+   * (shadowsync::PacingReport; durations are host wall time). All 0 before the first one. */
+  int64_t last_transfer_ns;      /* first receive posted -> completion observed */
+  int32_t last_paced;            /* 1: a budget or a rate cap was set; the fields below are
+                                    filled only then */
+  int32_t last_deadline_limited; /* 1: a hold was shortened to meet update_deadline_ms */
+  double last_pacing_budget;     /* decode_slowdown_budget; 0: none (a rate cap only) */
+  int64_t last_idle_step_ns;     /* median engine step while no update streamed in; 0: not
+                                    measured yet (too few steps) */
+  int64_t last_step_during_ns;   /* median step while this update streamed in; 0: none */
+  double last_step_ratio;        /* last_step_during_ns / last_idle_step_ns; 0: unknown */
+  uint64_t last_pacing_steps;    /* engine steps that started while it streamed in */
+  int64_t last_busy_ns;          /* sum over buckets: posted -> completion observed */
+  int64_t last_held_back_ns;     /* sum of the holds between buckets */
+  double last_duty;              /* busy / (busy + held back) */
 } shadowsync_receiver_stats_t;
 
-#define SHADOWSYNC_RECEIVER_STATS_INITIALIZER \
-  { sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+#define SHADOWSYNC_RECEIVER_STATS_INITIALIZER                                                  \
+  {                                                                                            \
+    sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
+        0.0, 0, 0, 0.0, 0, 0, 0, 0.0                                                           \
+  }
 
 /* One group made live by a swap. */
 typedef struct {

@@ -58,6 +58,10 @@ ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
                                 "1 (coordinated)",
                                 c.commit_mode));
   }
+  // 0 is the C struct's "unset"; any other value, NaN and values below 1.0 included, goes to the
+  // C++ config, whose check refuses it naming ReceiverConfig::decode_slowdown_budget and the value.
+  if (c.decode_slowdown_budget != 0.0) config.decode_slowdown_budget = c.decode_slowdown_budget;
+  config.max_receive_bytes_per_second = c.max_receive_bytes_per_second;
   return config;
 }
 
@@ -422,6 +426,20 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
         failure.failed_bucket ? static_cast<int64_t>(*failure.failed_bucket) : -1;
     full.last_failed_tensor = tensor_index(layout, group, failure.failed_tensor);
     full.ready_version = s.ready_version;
+    full.last_transfer_ns = s.last_transfer.count();
+    const PacingReport& pacing = s.last_pacing;
+    if (pacing.paced) {  // unpaced: every pacing field stays 0
+      full.last_paced = 1;
+      full.last_deadline_limited = pacing.deadline_limited ? 1 : 0;
+      full.last_pacing_budget = pacing.budget.value_or(0.0);
+      full.last_idle_step_ns = pacing.idle_step.count();
+      full.last_step_during_ns = pacing.step_during.count();
+      full.last_step_ratio = pacing.step_ratio;
+      full.last_pacing_steps = pacing.steps;
+      full.last_busy_ns = pacing.busy.count();
+      full.last_held_back_ns = pacing.held_back.count();
+      full.last_duty = pacing.duty;
+    }
     std::memcpy(static_cast<void*>(&out), &full, std::min(out.size, sizeof(full)));
   });
 }

@@ -665,6 +665,7 @@ void Receiver::Impl::count(const UpdateReport& update_report) {
     case UpdateOutcome::kReady:
       ++stats.updates_ready;
       stats.bytes_received += update_report.bytes;
+      stats.last_transfer = update_report.transfer;
       stats.last_pacing = update_report.pacing;
       break;
     case UpdateOutcome::kFailed:

@@ -30,7 +30,14 @@ from .errors import (
 )
 from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
 from .receive_plan import PlanCopy, ReceivePlan
-from .receiver import GroupSwap, Receiver, ReceiverConfig, ReceiverStats, UpdateFailure
+from .receiver import (
+    GroupSwap,
+    PacingReport,
+    Receiver,
+    ReceiverConfig,
+    ReceiverStats,
+    UpdateFailure,
+)
 from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
 from .transport import (
     Loopback,
@@ -96,6 +103,7 @@ __all__ = [
     "NcclConfig",
     "NcclLibrary",
     "NotSupportedError",
+    "PacingReport",
     "PublishHandle",
     "Receiver",
     "ReceiverConfig",

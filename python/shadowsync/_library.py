@@ -30,6 +30,7 @@ from ctypes import (
     Structure,
     c_char,
     c_char_p,
+    c_double,
     c_int,
     c_int32,
     c_int64,
@@ -138,6 +139,8 @@ class ReceiverConfigC(Structure):
         ("abort_deadline_ms", c_int64),
         ("exit_on_stuck_abort", c_int32),
         ("commit_mode", c_int32),  # COMMIT_MODES
+        ("decode_slowdown_budget", c_double),  # 0: no pacing
+        ("max_receive_bytes_per_second", c_uint64),  # 0: no cap
     ]
 
 
@@ -190,6 +193,17 @@ class ReceiverStatsC(Structure):
         ("last_failed_bucket", c_int64),
         ("last_failed_tensor", c_int64),
         ("ready_version", c_uint64),
+        ("last_transfer_ns", c_int64),
+        ("last_paced", c_int32),
+        ("last_deadline_limited", c_int32),
+        ("last_pacing_budget", c_double),
+        ("last_idle_step_ns", c_int64),
+        ("last_step_during_ns", c_int64),
+        ("last_step_ratio", c_double),
+        ("last_pacing_steps", c_uint64),
+        ("last_busy_ns", c_int64),
+        ("last_held_back_ns", c_int64),
+        ("last_duty", c_double),
     ]
 
 
@@ -425,15 +439,21 @@ def library_path() -> str:
 
 def config_struct(cls, **fields):
     """A size/magic/version config struct (as its C _INITIALIZER macro fills it), with `fields`
-    set where not None; the rest stay "undefined", i.e. the library's defaults."""
+    set where not None; the rest stay "undefined", i.e. the library's defaults: the sentinels
+    for int32/int64 fields, 0 for double and uint64 fields (whose 0 means "none")."""
     c = cls()
     c.size = ctypes.sizeof(cls)
     c.magic = CONFIG_MAGIC
     c.version = CONFIG_VERSION
     for name, ctype in cls._fields_[3:]:
-        undefined = CONFIG_UNDEF_INT64 if ctype is c_int64 else CONFIG_UNDEF_INT
         value = fields.pop(name, None)
-        setattr(c, name, undefined if value is None else int(value))
+        if ctype is c_double:
+            setattr(c, name, 0.0 if value is None else float(value))
+        elif ctype is c_uint64:
+            setattr(c, name, 0 if value is None else int(value))
+        else:
+            undefined = CONFIG_UNDEF_INT64 if ctype is c_int64 else CONFIG_UNDEF_INT
+            setattr(c, name, undefined if value is None else int(value))
     if fields:
         raise TypeError(f"{cls.__name__}: unknown fields {sorted(fields)}")
     return c

@@ -3,12 +3,14 @@
 The receive runs on the library's own native thread: begin_update() validates the header, queues
 it and returns; the Python interpreter is never on the receive path (a receive driven from a
 Python thread was measured to stall decoding for the whole transfer). The engine thread only calls
-the step hook: before_step(), with nothing pending, is one handle lookup and one atomic load in C.
+the step hook: before_step(), with nothing pending, is one handle lookup and one atomic load in C
+(plus one timestamp of the step when ReceiverConfig.decode_slowdown_budget is set).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from ctypes import byref, c_size_t, c_uint64, c_void_p
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -55,8 +57,20 @@ class ReceiverConfig:
     # "auto" (default: live at the next step) or "coordinated": held ready until commit(version),
     # which every tensor-parallel rank makes between the same two steps.
     commit_mode: str | None = None
+    # Pacing (README "Pacing"): a receive shares memory bandwidth with decoding. With a budget
+    # (e.g. 1.05) the step hook stamps each step's start, the receiver learns the engine's step
+    # time while no update streams in, and holds its buckets back so that the median step while
+    # one streams in stays within budget x that time; the update takes longer instead. Finite, at
+    # least 1.0; None (the default): no pacing, and the step hook stamps nothing.
+    decode_slowdown_budget: float | None = None
+    # A cap on the receive rate in bytes per second (0, the default: none). With a budget too, the
+    # longer hold of the two wins; neither makes an update miss update_deadline_ms. None: as 0.
+    max_receive_bytes_per_second: int | None = 0
 
     def _c_fields(self) -> dict:
+        """The C struct's fields; raises InvalidArgumentError naming the field and its value
+        (before anything is created) for a value the library would refuse."""
+        _check_pacing(self.decode_slowdown_budget, self.max_receive_bytes_per_second)
         fields = vars(self).copy()
         # The fields named by a string: their C values, or an error naming the choices.
         for name, choices in (("commit_mode", COMMIT_MODES), ("swap_strategy", SWAP_STRATEGIES)):
@@ -72,6 +86,65 @@ class ReceiverConfig:
         return fields
 
 
+def _check_pacing(budget, max_bytes_per_second) -> None:
+    """ReceiverConfig's pacing fields, refused as the C++ ReceiverConfig check refuses them (the C
+    struct cannot carry "unset" and 0 apart for the budget: 0.0 there means none)."""
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise InvalidArgumentError(
+                f"ReceiverConfig.decode_slowdown_budget is {budget!r} ({type(budget).__name__}); "
+                f"it must be a number (a float of at least 1.0), or None for no pacing")
+        if not (math.isfinite(budget) and budget >= 1.0):
+            raise InvalidArgumentError(
+                f"ReceiverConfig.decode_slowdown_budget is {budget!r}; it must be a finite number "
+                f"of at least 1.0 (1.05: a decode step may take 5 % longer while an update streams "
+                f"in), or None for no pacing")
+    if max_bytes_per_second is None:  # as 0: no cap
+        return
+    if (isinstance(max_bytes_per_second, bool) or not isinstance(max_bytes_per_second, int)
+            or not 0 <= max_bytes_per_second < 1 << 64):
+        raise InvalidArgumentError(
+            f"ReceiverConfig.max_receive_bytes_per_second is {max_bytes_per_second!r}; it must be "
+            f"an integer from 0 (no cap) to 2**64 - 1")
+
+
+@dataclass(frozen=True)
+class PacingReport:
+    """What pacing did to one update that became ready (ReceiverConfig.decode_slowdown_budget,
+    max_receive_bytes_per_second). Durations are host wall time in seconds. Without a budget or a
+    cap `paced` is False and every other field is 0 / None."""
+
+    paced: bool = False
+    budget: float | None = None  # the budget; None: a rate cap only, or unpaced
+    # The engine's median step time while no update streamed in, the baseline the budget
+    # multiplies; 0: not measured (too few steps seen outside an update yet).
+    idle_step_s: float = 0.0
+    step_during_s: float = 0.0  # the median step while this update streamed in; 0: none completed
+    step_ratio: float = 0.0  # step_during_s / idle_step_s; 0 when either is unknown
+    steps: int = 0  # engine steps that started while this update streamed in
+    busy_s: float = 0.0  # sum over buckets: posted -> completion observed
+    held_back_s: float = 0.0  # sum of the holds between buckets
+    duty: float = 0.0  # busy / (busy + held back): the share of the window with a bucket in flight
+    deadline_limited: bool = False  # a hold was shortened so that update_deadline_ms is met
+
+    @classmethod
+    def _from_c(cls, s: ReceiverStatsC) -> PacingReport:
+        if not s.last_paced:
+            return cls()
+        return cls(
+            paced=True,
+            budget=s.last_pacing_budget or None,
+            idle_step_s=s.last_idle_step_ns / 1e9,
+            step_during_s=s.last_step_during_ns / 1e9,
+            step_ratio=s.last_step_ratio,
+            steps=s.last_pacing_steps,
+            busy_s=s.last_busy_ns / 1e9,
+            held_back_s=s.last_held_back_ns / 1e9,
+            duty=s.last_duty,
+            deadline_limited=bool(s.last_deadline_limited),
+        )
+
+
 @dataclass(frozen=True)
 class ReceiverStats:
     updates_ready: int
@@ -85,6 +158,10 @@ class ReceiverStats:
     stuck_aborts: int  # transport aborts that overran ReceiverConfig.abort_deadline_ms
     last_failure: UpdateFailure | None  # the last update that failed; None: none did
     ready_version: int = 0  # commit_mode "coordinated": received, checked, awaiting commit()
+    # The last update that became ready: its transfer time in seconds (first receive posted ->
+    # completion observed; 0.0: none yet) and what pacing did to it.
+    last_transfer_s: float = 0.0
+    last_pacing: PacingReport = PacingReport()
 
 
 @dataclass(frozen=True)
@@ -201,6 +278,8 @@ class Receiver(Handle):
             s.stuck_aborts,
             self._failure(s),
             s.ready_version,
+            s.last_transfer_ns / 1e9,
+            PacingReport._from_c(s),
         )
 
     def _failure(self, s: ReceiverStatsC) -> UpdateFailure | None:

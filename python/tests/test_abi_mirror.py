@@ -66,6 +66,7 @@ CTYPE_NAMES = {
     ctypes.c_uint32: "uint32",
     ctypes.c_int64: "int64",
     ctypes.c_uint64: "uint64",
+    ctypes.c_double: "double",
     ctypes.c_size_t: "uint64",
     ctypes.c_char_p: "char_p",
     ctypes.c_void_p: "void_p",
@@ -153,3 +154,7 @@ def test_struct_initializers_match_the_header(c_abi):
     assert config.size == c_abi["structs"]["shadowsync_sender_config_t"]["size"]
     assert config.root_rank == c_abi["constants"]["SHADOWSYNC_CONFIG_UNDEF_INT"]
     assert config.update_deadline_ms == c_abi["constants"]["SHADOWSYNC_CONFIG_UNDEF_INT64"]
+    # The pacing fields' "none" is 0, as in SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER.
+    receiver = _library.config_struct(_library.ReceiverConfigC)
+    assert receiver.size == c_abi["structs"]["shadowsync_receiver_config_t"]["size"]
+    assert (receiver.decode_slowdown_budget, receiver.max_receive_bytes_per_second) == (0.0, 0)

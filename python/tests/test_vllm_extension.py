@@ -101,6 +101,40 @@ def test_worker_takes_updates_between_steps(setup):
     assert [version_of(n, params[n].data) for n in BASE + LORA] == [1, 1, 1, 2, 2]
     stats = worker.weight_update_stats()
     assert (stats["applied_version"], stats["updates_ready"], stats["last_update_error"]) == (2, 2, "")
+    assert stats["last_transfer_s"] > 0 and stats["pacing"]["paced"] is False  # no budget
+
+
+def test_pacing_a_bad_budget_is_refused_before_setup_a_good_one_is_reported():
+    loopback = ss.Loopback(2)
+    worker = FakeWorker()
+    layout, sender = _trainer(SPECS, loopback.transport(0))
+    transport = loopback.transport(1)
+    specs = [tuple(vars(s).values()) for s in layout.specs]
+    with pytest.raises(ss.InvalidArgumentError,
+                       match=r"ReceiverConfig\.decode_slowdown_budget is 0\.5; it must be a finite "
+                             r"number of at least 1\.0"):
+        worker.init_weight_update_group(specs=specs, bucket_bytes=1024, transport=transport,
+                                        decode_slowdown_budget=0.5)
+    # Nothing was set up: no group, execute_model not hooked, the transport still the caller's.
+    assert worker._shadowsync is None and "execute_model" not in vars(worker)
+    worker.init_weight_update_group(specs=specs, bucket_bytes=1024, transport=transport,
+                                    decode_slowdown_budget=1.5, max_receive_bytes_per_second=10**9)
+    try:
+        for _ in range(8):  # idle steps: the hooked execute_model stamps each one
+            worker.execute_model("idle")
+        handle = sender.publish(1, tensors(BASE + LORA, 1))
+        worker.begin_update(handle.header_bytes)
+        _step_until(worker, 1)
+        handle.wait(DEADLINE_S)
+        stats = worker.weight_update_stats()
+    finally:
+        worker.close_weight_update_group()
+        sender.close()
+    pacing = stats["pacing"]
+    assert type(pacing) is dict and "last_pacing" not in stats  # plain data for collective_rpc
+    assert pacing["paced"] is True and pacing["budget"] == 1.5
+    assert pacing["idle_step_s"] > 0  # learned from the stamps of the hooked steps
+    assert stats["last_transfer_s"] > 0
 
 
 def test_versions_increase_and_bad_headers_change_nothing(setup):

@@ -11,7 +11,8 @@ again. Every engine runs vLLM's unquantized weights without the CPU repacking
 kernels, the same numerics. In-process for every architecture (VLLM_ENABLE_V1_MULTIPROCESSING=0:
 fast), and once with vLLM's default engine-core and worker processes (llama). The references are
 in-process engines; the multiprocess engine's output before its first update equals them, which
-shows the two modes compute the same tokens.
+shows the two modes compute the same tokens. The in-process llama engine's receiver is paced
+(decode_slowdown_budget 1.5): the same tokens, and its stats report the pacing.
 
 Each engine runs in a child process of its own (vllm_real_child.py): vLLM's configuration and
 parallel state are process-global, and its worker_extension_cls is mixed into vLLM's worker class
@@ -150,7 +151,10 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
                                                                       arch, dtype, mode):
     ref_a = references(arch, dtype, "a")
     ref_b = references(arch, dtype, "b")
-    out = run_child(update_args(checkpoints, arch, dtype, mode))
+    # One engine runs paced: the token-for-token oracle below must hold with pacing too.
+    paced = (arch, mode) == ("llama", "inproc")
+    out = run_child(update_args(checkpoints, arch, dtype, mode,
+                                **(dict(decode_slowdown_budget=1.5) if paced else {})))
     print(f"{arch} {dtype} {mode}: engine start {out['start_s']:.1f} s, child {out['child_s']:.1f} s")
 
     # The trainer's HF tensors are not the engine's (fused q/k/v, gate/up): a receive plan.
@@ -185,6 +189,14 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     stats = out["stats"]
     assert (stats["updates_ready"], stats["updates_failed"], stats["applied_version"]) == (2, 0, 2)
     assert stats["last_update_error"] == "" and stats["last_failure"] is None
+    # The last ready update (2) and what pacing did to it.
+    assert stats["last_transfer_s"] > 0
+    if paced:
+        assert stats["pacing"]["paced"] is True and stats["pacing"]["budget"] == 1.5
+        # Learned from the stamps of vLLM's steps through the hooked execute_model.
+        assert stats["pacing"]["idle_step_s"] > 0, stats["pacing"]
+    else:
+        assert stats["pacing"]["paced"] is False
 
     # Refusals reach the caller with their message, in either mode (multiprocess: as a plain
     # Exception carrying the worker's message).

@@ -10,7 +10,8 @@ JSON_ARGS holds ``what`` and its arguments:
   the greedy token ids of ``prompts`` on each: the reference.
 * ``update``: an engine of ``models[0]`` with the worker extension, and a trainer process
   (multiprocessing, spawn) that holds the Hugging Face weights of ``models[1]`` and ``models[0]``
-  and serves a Sender over the same-host transport (host memory). Update 1 (``models[1]``) streams
+  and serves a Sender over the same-host transport (host memory); ``decode_slowdown_budget``, if
+  given, paces the receiver. Update 1 (``models[1]``) streams
   bucket by bucket, the engine generating between buckets; update 2 (``models[0]``) is one
   publish. Greedy outputs before, during and after each update, the per-request token versions
   and the receiver's counters come back.
@@ -240,9 +241,10 @@ def run_update(args: dict) -> dict:
             specs=specs + [[EXTRA, specs[0][1], [16]]], bucket_bytes=args["bucket_bytes"]))
 
         conn.send("serve")  # the trainer serves; init below blocks until it does
+        pacing = {k: args[k] for k in ("decode_slowdown_budget",) if k in args}
         fingerprints = llm.collective_rpc("init_weight_update_group", kwargs=dict(
             specs=specs, bucket_bytes=args["bucket_bytes"], same_host=same_host,
-            track_request_versions=True, allow_partial=bool(args.get("omit"))))
+            track_request_versions=True, allow_partial=bool(args.get("omit")), **pacing))
         expect(conn, "serving")
         out["fingerprints"] = [int(f) for f in fingerprints]
         out["trainer_fingerprint"] = int(trainer_fingerprint)

@@ -17,6 +17,7 @@
       uint32_t: "uint32",        \
       int64_t: "int64",          \
       uint64_t: "uint64",        \
+      double: "double",          \
       const char*: "char_p",     \
       const void*: "void_p",     \
       const int64_t*: "int64_p", \
@@ -102,6 +103,8 @@ static void structs(void) {
   FIELD(shadowsync_receiver_config_t, abort_deadline_ms);
   FIELD(shadowsync_receiver_config_t, exit_on_stuck_abort);
   FIELD(shadowsync_receiver_config_t, commit_mode);
+  FIELD(shadowsync_receiver_config_t, decode_slowdown_budget);
+  FIELD(shadowsync_receiver_config_t, max_receive_bytes_per_second);
   end_struct();
 
   STRUCT(shadowsync_sender_config_t);
@@ -143,6 +146,17 @@ static void structs(void) {
   FIELD(shadowsync_receiver_stats_t, last_failed_bucket);
   FIELD(shadowsync_receiver_stats_t, last_failed_tensor);
   FIELD(shadowsync_receiver_stats_t, ready_version);
+  FIELD(shadowsync_receiver_stats_t, last_transfer_ns);
+  FIELD(shadowsync_receiver_stats_t, last_paced);
+  FIELD(shadowsync_receiver_stats_t, last_deadline_limited);
+  FIELD(shadowsync_receiver_stats_t, last_pacing_budget);
+  FIELD(shadowsync_receiver_stats_t, last_idle_step_ns);
+  FIELD(shadowsync_receiver_stats_t, last_step_during_ns);
+  FIELD(shadowsync_receiver_stats_t, last_step_ratio);
+  FIELD(shadowsync_receiver_stats_t, last_pacing_steps);
+  FIELD(shadowsync_receiver_stats_t, last_busy_ns);
+  FIELD(shadowsync_receiver_stats_t, last_held_back_ns);
+  FIELD(shadowsync_receiver_stats_t, last_duty);
   end_struct();
 
   STRUCT(shadowsync_group_swap_t);

@@ -89,6 +89,8 @@ static int run_update(void) {
   rconfig.update_deadline_ms = 20000;
   rconfig.swap_strategy = SHADOWSYNC_SWAP_REBIND; /* the appended fields compile as C11 */
   rconfig.engine_uses_cuda_graphs = 0;
+  rconfig.decode_slowdown_budget = 4.0; /* paced: the step hook stamps each step */
+  rconfig.max_receive_bytes_per_second = 0;
   OK(shadowsync_receiver_create(layout, backend, t1, &rconfig, &receiver));
   OK(shadowsync_sender_create(layout, backend, t0, &sconfig, &sender));
   /* The transports were taken. */
@@ -114,6 +116,7 @@ static int run_update(void) {
   OK(shadowsync_receiver_stats(receiver, &stats));
   CHECK(stats.updates_ready == 1 && stats.applied_version == 1);
   CHECK(stats.stuck_aborts == 0 && stats.last_failed_version == 0 && stats.last_failed_group == -1);
+  CHECK(stats.last_paced == 1 && stats.last_pacing_budget == 4.0 && stats.last_transfer_ns > 0);
   OK(shadowsync_receiver_rollback(receiver, engine_stream, &applied)); /* back to the zero slots */
   CHECK(applied == 1);
 

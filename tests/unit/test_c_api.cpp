@@ -5,17 +5,21 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <future>
+#include <limits>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <stdlib.h>
 
+#include "deadline.h"
 #include "pattern.h"
 #include "shadowsync/shadowsync.h"
 #include "c_api/shadowsync_testing.h"
@@ -354,6 +358,31 @@ TEST_CASE("C ABI: config structs are copied by size; an uninitialized one is ref
     config.swap_strategy = SHADOWSYNC_SWAP_REMAP;  // beyond the old size: must not be read
     config.engine_uses_cuda_graphs = 1;
     config.size = offsetof(shadowsync_receiver_config_t, swap_strategy);
+    REQUIRE_OK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver));
+    REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+    transport = nullptr;  // taken
+  }
+  SECTION("a decode_slowdown_budget the receiver refuses is named with its value") {
+    const std::pair<double, const char*> bad[] = {
+        {std::numeric_limits<double>::quiet_NaN(), "is nan"},
+        {0.5, "is 0.5"},
+        {-1.0, "is -1"},
+        {std::numeric_limits<double>::infinity(), "is inf"}};
+    for (const auto& [budget, shown] : bad) {
+      shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+      config.decode_slowdown_budget = budget;
+      CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+            SHADOWSYNC_INVALID_ARGUMENT);
+      CHECK_THAT(last_error(), Catch::Contains("ReceiverConfig::decode_slowdown_budget") &&
+                                   Catch::Contains(shown) && Catch::Contains("at least 1.0"));
+      CHECK(receiver == nullptr);  // nothing was created
+    }
+  }
+  SECTION("a caller built before the pacing fields existed gets no pacing") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.decode_slowdown_budget = 0.5;  // beyond the old size: must not be read
+    config.max_receive_bytes_per_second = 1;
+    config.size = offsetof(shadowsync_receiver_config_t, decode_slowdown_budget);
     REQUIRE_OK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver));
     REQUIRE_OK(shadowsync_receiver_destroy(receiver));
     transport = nullptr;  // taken
@@ -1060,4 +1089,86 @@ TEST_CASE("C ABI: same-host transports across threads carry updates; bad input i
   REQUIRE_OK(shadowsync_backend_destroy(sender_backend));
   REQUIRE_OK(shadowsync_backend_destroy(receiver_backend));
   REQUIRE_OK(shadowsync_layout_destroy(c_layout));
+}
+
+TEST_CASE("C ABI: the stats carry the last ready update's transfer time and pacing") {
+  const Layout layout = cpp_layout();
+  CTensors v1(layout, {"base"}, 1);
+  SECTION("unpaced: the transfer time, and every pacing field 0") {
+    Pair pair;
+    shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+    REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+    CHECK(stats.last_transfer_ns == 0);  // no update yet
+    REQUIRE_OK(send_update(pair, 1, {"base"}, v1));
+    REQUIRE_OK(shadowsync_receiver_wait_applied(pair.receiver, 1, 20000, pair.engine));
+    REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+    CHECK(stats.last_transfer_ns > 0);
+    CHECK(stats.last_paced == 0);
+    CHECK(stats.last_pacing_budget == 0.0);
+    CHECK(stats.last_pacing_steps == 0);
+    CHECK(stats.last_idle_step_ns == 0);
+    CHECK(stats.last_duty == 0.0);
+  }
+  SECTION("paced: a budget and a rate cap, an engine thread stepping at a known pace") {
+    constexpr auto kStep = std::chrono::milliseconds(2);
+    constexpr std::uint64_t kBytesPerSecond = 50'000;  // the update's ~3.4 KB take ~70 ms
+    shadowsync_receiver_config_t rconfig = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    rconfig.update_deadline_ms = 20000;
+    rconfig.decode_slowdown_budget = 1.05;
+    rconfig.max_receive_bytes_per_second = kBytesPerSecond;
+    Pair pair(&rconfig);
+    std::atomic<bool> stop{false};
+    std::atomic<std::uint64_t> steps{0};
+    std::atomic<int> step_failures{0};
+    // The engine thread: the step hook, then a step of kStep (simulated work, not a wait).
+    std::thread engine([&] {
+      while (!stop.load()) {
+        uint64_t applied = 0;
+        if (shadowsync_receiver_before_step(pair.receiver, pair.engine, &applied) !=
+            SHADOWSYNC_SUCCESS) {
+          ++step_failures;
+        }
+        std::this_thread::sleep_for(kStep);
+        ++steps;
+      }
+    });
+    try {
+      // A baseline of idle steps first.
+      wait_until([&] { return steps.load() >= 16; }, "16 idle engine steps");
+      REQUIRE_OK(send_update(pair, 1, {"base"}, v1));
+      wait_until(
+          [&] {
+            uint64_t applied = 0;
+            return shadowsync_receiver_applied_version(pair.receiver, &applied) ==
+                       SHADOWSYNC_SUCCESS &&
+                   applied == 1;
+          },
+          "update 1 applied by the engine thread");
+    } catch (...) {
+      stop = true;
+      engine.join();
+      throw;
+    }
+    stop = true;
+    engine.join();
+    CHECK(step_failures.load() == 0);
+    shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+    REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+    CHECK(stats.updates_ready == 1);
+    CHECK(stats.last_paced == 1);
+    CHECK(stats.last_pacing_budget == 1.05);
+    CHECK(stats.last_deadline_limited == 0);
+    // A step is kStep of sleep plus the hook: never shorter; on a loaded machine much longer.
+    CHECK(stats.last_idle_step_ns >= std::chrono::nanoseconds(kStep).count());
+    CHECK(stats.last_idle_step_ns < std::chrono::nanoseconds(std::chrono::milliseconds(500)).count());
+    // The cap held the buckets back: the engine stepped meanwhile.
+    CHECK(stats.last_held_back_ns > 0);
+    CHECK(stats.last_pacing_steps > 0);
+    CHECK(stats.last_step_during_ns > 0);
+    CHECK(stats.last_step_ratio > 0.0);
+    CHECK(stats.last_busy_ns > 0);
+    CHECK(stats.last_duty > 0.0);
+    CHECK(stats.last_duty < 1.0);
+    CHECK(stats.last_transfer_ns >= stats.last_held_back_ns);
+  }
 }
