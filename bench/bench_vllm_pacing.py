@@ -124,7 +124,7 @@ def summarize(load, budget: float | None, measured: dict) -> dict:
         values = [x[key] for x in source if x.get(key) is not None]
         return round(statistics.median(values), 3) if len(values) == len(source) and values else None
 
-    pacings = [u["pacing"] for u in updates if u["pacing"]]
+    pacings = [u["pacing"] for u in updates if u["pacing"] and u["pacing"].get("paced")]
     return dict(budget=budget, baseline=measured["baseline"], updates=updates,
                 median=dict(transfer_ms=median("transfer_ms"), update_ms=median("update_ms"),
                             slowdown_transfer=median("slowdown_transfer"),

@@ -581,6 +581,7 @@ class DecodeLoad:
 
     async def measure(self, update, first_version: int) -> dict:
         args = self.args
+        self.stopping = False  # a later call starts the load again
         tasks = [asyncio.create_task(self.slot(i)) for i in range(args.requests)]
         try:
             await self.ramp(tasks)
