@@ -305,7 +305,7 @@ class WorkerExtension:
         if engine_uses_cuda_graphs is None and device != "cpu":
             engine_uses_cuda_graphs = _vllm_captures_cuda_graphs(self)
         if engine_uses_cuda_graphs and swap_strategy is None and (
-            receiver_config is None or receiver_config.swap_strategy == "rebind"
+            receiver_config is None or receiver_config.swap_strategy in (None, "rebind")
         ):
             swap_strategy = "copy_in"  # graphs keep their addresses: rebind would be ignored
         if commit_mode is None and (receiver_config is None or receiver_config.commit_mode is None):
