@@ -509,6 +509,7 @@ int trainer_main(const Options& o) {
             transport->broadcast_async(slot, n, 0, *stream);
           }
         }
+        transport->flush();  // every receiver copied every chunk out
         backend->event_record(*sent, *stream);
         if (!backend->event_wait_for(*sent, bench::kWaitLimit)) {
           throw BenchError(

@@ -9,7 +9,7 @@
 # Each mutation is a patch, tests/mutations/NN-name.patch (a unified diff against the tree, applied
 # with patch -p1 --fuzz=0: its context must match exactly). Its header names the invariant, and two
 # lines tell this script what to run:
-#   Test: test_invariants          the executable, tests/integration/<name>
+#   Test: test_invariants          the executable, tests/integration/<name> (or tests/unit/)
 #   Filter: invariant 1*           the Catch2 test filter that selects the guarding test
 # The shipped code holds no trace of the mutations.
 #
@@ -101,11 +101,14 @@ for m in "${mutations[@]}"; do
   log="$work/mutation-$m.log"
   echo "==> mutation $m ($(basename "$patch")): building $test"
   patch -p1 --fuzz=0 --batch --forward --silent --no-backup-if-mismatch -d "$src" <"$patch"
+  # The guarding test lives in tests/integration or tests/unit (its CMake target is prefixed so).
+  kind=integration
+  [[ -f "tests/integration/$test.cpp" ]] || kind=unit
   built=0
-  cmake --build "$build" -j 2 --target "integration_$test" >"$work/build.log" 2>&1 || built=$?
+  cmake --build "$build" -j 2 --target "${kind}_$test" >"$work/build.log" 2>&1 || built=$?
   rc=0
   if ((built == 0)); then
-    timeout 180 "$build/tests/integration/$test" "$filter" >"$log" 2>&1 || rc=$?
+    timeout 180 "$build/tests/$kind/$test" "$filter" >"$log" 2>&1 || rc=$?
   fi
   patch -p1 -R --batch --silent --no-backup-if-mismatch -d "$src" <"$patch"
   if ((built != 0)); then

@@ -113,6 +113,9 @@ class SameHostTransport final : public Transport {
   // blocks the calling thread until each chunk's doorbell came (see "Streams" above).
   void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override;
   void* staging_buffer(int index, std::size_t bytes) override;
+  // Device flavour, sender: waits until every receiver acked every chunk (broadcast_async returns
+  // before the last chunk of a broadcast was copied out). Nothing otherwise.
+  void flush() override;
   std::optional<std::string> async_error() override;
   void abort() noexcept override;
 

@@ -38,8 +38,10 @@ class Transport {
   // Optional: memory this transport sends from without a copy. Rank `root`'s caller may pack the
   // bytes of its next broadcast into staging buffer `index` (0 or 1, each at least `bytes` long)
   // and pass that pointer to broadcast_async. The caller writes buffer `index` only after the
-  // previous broadcast from it completed on its stream, and only while no broadcast of another
-  // buffer is in flight that could bounce through it. nullptr (the default): the transport has
+  // previous broadcast from it completed on its stream, with work enqueued after the
+  // broadcast_async call that followed that broadcast returned (a transport whose receivers
+  // copy out of the buffer later may hold that call until they did), and only while no
+  // broadcast of another buffer is in flight that could bounce through it. nullptr (the default): the transport has
   // none, the caller uses memory of its own. The memory lives as long as the transport, and
   // streams that write it must be synchronized before the transport is destroyed.
   virtual void* staging_buffer(int index, std::size_t bytes) {
@@ -47,6 +49,12 @@ class Transport {
     (void)bytes;
     return nullptr;
   }
+
+  // Root rank: blocks until every broadcast enqueued so far reached every receiver, for a
+  // transport whose broadcasts complete on the root's stream before that (the same-host device
+  // flavour: its receivers copy the last chunk out of a staging slot after its doorbell). The
+  // default does nothing: completion on the stream says it. One thread at a time.
+  virtual void flush() {}
 
   // Brackets several broadcasts that are launched as one (ncclGroupStart/End). Optional.
   virtual void group_begin() {}

@@ -36,6 +36,7 @@ class ForwardingTransport final : public Transport {
   void* staging_buffer(int index, std::size_t bytes) override {
     return inner_->staging_buffer(index, bytes);
   }
+  void flush() override { inner_->flush(); }
   void group_begin() override { inner_->group_begin(); }
   void group_end() override { inner_->group_end(); }
   std::optional<std::string> async_error() override { return inner_->async_error(); }

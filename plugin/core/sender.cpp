@@ -409,6 +409,7 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
     // After every bucket's checksum: the comm stream waited for each bucket's packed event.
     broadcast(checksums.data(), next_checksum * sizeof(std::uint64_t));
   }
+  transport->flush();  // "done" means every receiver has every byte
   backend.event_record(*done_event, *comm_stream);
 }
 

@@ -100,8 +100,8 @@ const char* record_name(RecordType type) noexcept {
   return type == RecordType::kDoorbell ? "doorbell" : "ack";
 }
 
-// `counter` reaches at least `value` in wrap-around order (as cuStreamWaitValue32's GEQ reads
-// it); never moves it back.
+// `counter` reaches at least `value` in wrap-around order (as wait_acked reads it); never moves
+// it back.
 void advance(std::atomic_ref<std::uint32_t> counter, std::uint32_t value) noexcept {
   std::uint32_t current = counter.load();
   while (static_cast<std::int32_t>(value - current) > 0 &&
@@ -136,13 +136,14 @@ struct DeviceLink::Impl {
   int device = 0;  // the staging's, copied for the hot path
   bool sender = false;
   std::size_t slot_bytes = 0;
-  // Receiver: how long its caller waits for each chunk's doorbell (SameHostConfig).
+  // How long its caller waits for the other side without progress (SameHostConfig::
+  // doorbell_timeout): receiver, each chunk's doorbell; sender, the next ack.
   std::chrono::milliseconds doorbell_timeout{0};
 
-  // Sender: the counter its streams wait on, "chunks acked by every receiver". Pinned, mapped
-  // host memory, written only by host code.
-  std::uint32_t* counter = nullptr;
-  CUdeviceptr counter_on_device = 0;
+  // Sender: "chunks acked by every receiver", which its caller waits on. Written by the progress
+  // thread (and release()), read by the caller; through std::atomic_ref.
+  alignas(std::atomic_ref<std::uint32_t>::required_alignment) std::uint32_t acked_chunks = 0;
+  std::uint32_t* const counter = &acked_chunks;
 
   SameHostTransport::State* state = nullptr;
   Fd notes_ready;  // eventfd: the caller queued a receive or a chunk's event
@@ -169,7 +170,10 @@ struct DeviceLink::Impl {
   }
   cudaEvent_t take_event();
   void enqueue_pending(cudaStream_t stream, const DataRecord& record);
-  void wait_value(cudaStream_t stream, std::uint64_t value);
+  // Sender's caller: waits until `counter` reaches `value` (wrap-around order). True then;
+  // false once the link was released, or when the counter did not move for doorbell_timeout
+  // (the transport fails, naming the chunk it waited for).
+  bool wait_acked(std::uint64_t value);
   void record_tail(cudaStream_t stream);
   std::byte* slot(std::uint32_t s) const {
     return staging->slot(s);
@@ -211,8 +215,6 @@ bool DeviceLink::Impl::drain(std::chrono::steady_clock::time_point deadline) noe
 
 void DeviceLink::Impl::free_memory() noexcept {
   cuda_detail::ScopedDeviceNoThrow on_device(device);
-  if (counter != nullptr) (void)cudaFreeHost(counter);
-  counter = nullptr;
   staging.reset();
   cuda_detail::clear_last_error();
 }
@@ -223,7 +225,7 @@ void DeviceLink::Impl::release() noexcept {
         sender ? "sender" : "receiver", reserved.load());
   // Past every chunk ever enqueued: the caller reserves chunks under the state's mutex after
   // checking that the transport is alive, and the transport is marked dead before this runs.
-  if (counter != nullptr) {
+  if (sender) {
     advance(std::atomic_ref<std::uint32_t>(*counter),
             static_cast<std::uint32_t>(reserved.load() + (std::uint64_t{1} << 30)));
   }
@@ -288,12 +290,34 @@ int DeviceLink::Impl::wait_for_fds(pollfd* fds, nfds_t count, bool events_pendin
   return ready;
 }
 
-void DeviceLink::Impl::wait_value(cudaStream_t stream, std::uint64_t value) {
-  check_driver(driver_api().stream_wait_value32(reinterpret_cast<CUstream>(stream),
-                                                counter_on_device,
-                                                static_cast<std::uint32_t>(value),
-                                                CU_STREAM_WAIT_VALUE_GEQ),
-               "cuStreamWaitValue32", fmt::format("value={} (same-host counter)", value));
+bool DeviceLink::Impl::wait_acked(std::uint64_t value) {
+  const std::atomic_ref<std::uint32_t> acked(*counter);
+  const auto reached = [&] {
+    return static_cast<std::int32_t>(acked.load() - static_cast<std::uint32_t>(value)) >= 0;
+  };
+  auto last = acked.load();
+  auto progress_at = std::chrono::steady_clock::now();
+  for (;;) {
+    if (released.load()) return false;
+    if (reached()) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (const auto seen = acked.load(); seen != last) {
+      last = seen;
+      progress_at = now;
+    } else if (now - progress_at > doorbell_timeout) {
+      state->fail(fmt::format("same-host sender: no receiver ack moved on within {} ms "
+                              "(SameHostConfig::doorbell_timeout) while chunk {} waited for it; "
+                              "{} chunks acked",
+                              doorbell_timeout.count(), value, last));
+      return false;
+    }
+    // An ack comes within a copy's time (hundreds of microseconds): spin first, then nap.
+    if (now - progress_at < kGateSpin) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
 }
 
 void DeviceLink::Impl::record_tail(cudaStream_t stream) {
@@ -607,8 +631,10 @@ DeviceLink::~DeviceLink() {
   (void)impl_.release();
 }
 
-std::unique_ptr<DeviceLink> DeviceLink::create(Backend& backend, std::size_t slot_bytes) {
+std::unique_ptr<DeviceLink> DeviceLink::create(Backend& backend, std::size_t slot_bytes,
+                                               std::chrono::milliseconds ack_timeout) {
   auto impl = std::make_unique<Impl>(true);
+  impl->doorbell_timeout = ack_timeout;
   impl->staging = DeviceStaging::create(cuda_backend_of(backend, "serve"), slot_bytes);
   impl->device = impl->staging->device();
   impl->slot_bytes = slot_bytes;
@@ -644,17 +670,6 @@ void DeviceLink::start(SameHostTransport::State& state) {
   Impl& impl = *impl_;
   impl.state = &state;
   SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);
-  if (impl.sender) {  // a receiver's streams never wait on a counter (same_host_gate.h)
-    void* counter = nullptr;
-    SHADOWSYNC_CUDA_CHECK(
-        cudaHostAlloc(&counter, 64, cudaHostAllocMapped | cudaHostAllocPortable),
-        "same-host counter");
-    impl.counter = static_cast<std::uint32_t*>(counter);
-    *impl.counter = 0;
-    void* on_device = nullptr;
-    SHADOWSYNC_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, counter, 0), "same-host counter");
-    impl.counter_on_device = reinterpret_cast<CUdeviceptr>(on_device);
-  }
   impl.notes_ready = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!impl.notes_ready) {
     throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
@@ -692,17 +707,24 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
   Impl& impl = *impl_;
   const cudaStream_t native = stream_of(stream, impl.device, 0);
   SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);
-  // Packed straight into a slot by the caller (staging_buffer()): no copy.
+  // Packed straight into a slot by the caller (staging_buffer()): no copy. The caller wrote it
+  // after our previous return, which waited for the ack of that slot's last chunk.
   std::optional<std::uint32_t> own_slot;
   for (std::uint32_t s = 0; s < kSlotCount; ++s) {
     if (buffer == impl.slot(s) && bytes <= impl.slot_bytes) own_slot = s;
   }
+  std::optional<std::uint64_t> last;  // the last chunk enqueued
   for (std::size_t offset = 0; offset < bytes; offset += impl.slot_bytes) {
     const std::size_t n = std::min(impl.slot_bytes, bytes - offset);
     const std::uint64_t chunk = first_chunk + offset / impl.slot_bytes;
-    // Chunk c travels in slot c % 2 (receivers enqueue their copy before its doorbell comes). The
-    // slot is free: the previous chunk's broadcast waited until every receiver copied it out.
+    // Chunk c travels in slot c % 2. The slot is free once every receiver acked chunk c - 2
+    // (copied it out): the counter says so. Waited for here, on the host (see the header).
     const auto s = static_cast<std::uint32_t>(chunk % kSlotCount);
+    if (chunk >= kSlotCount && !impl.wait_acked(chunk - kSlotCount + 1)) {
+      trace("sender: chunk {} not enqueued: {}", chunk,
+            impl.released.load() ? "released" : "ack deadline");
+      break;
+    }
     if (own_slot != s) {
       SHADOWSYNC_CUDA_CHECK(cudaMemcpyAsync(impl.slot(s), buffer + offset, n,
                                             cudaMemcpyDefault, native),
@@ -712,27 +734,20 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
     // function: it would hold this stream, and the GPU, until CUDA's callback thread ran it.
     impl.timeline.stamp(chunk, ChunkTimeline::SenderStep::kEnqueued);
     impl.enqueue_pending(native, DataRecord{RecordType::kDoorbell, chunk, s, 0, n});
-    // This wait parks the sender's stream on its receivers. It holds only until every receiver
-    // copied the chunk, which needs nothing of this (the sender's) process beyond the doorbell
-    // rung just before it: each receiver's own thread enqueues the copy once doorbell `chunk`
-    // arrived (it waited for the doorbells before it, which came first), its stream runs the
-    // copy (behind, at most, the engine's own GPU work), the copy's event completes and the
-    // receiver's progress thread sees it and sends the ack - library threads
-    // that never wait on the engine's host code or on this process. So a context-wide wait
-    // in the trainer (lazy module loading, cudaFree, a device synchronize) lasts until the
-    // receivers copied the chunks rung so far; it never waits on the trainer itself. One host
-    // decision of the engine's process does gate it: the receiver must have taken the update
-    // (the engine called begin_update with the header, which the trainer sent before these
-    // chunks) for its thread to post the receive at all. An engine that calls begin_update only
-    // after something the trainer's host must still do would deadlock with a trainer blocked in
-    // a context-wide wait; short of that, a receiver that never posts holds this wait until its
-    // own deadline aborts its transport (its socket closes; the progress thread here releases
-    // every wait).
-    impl.wait_value(native, chunk + 1);
-    trace("sender: chunk {} enqueued on stream {}: {}doorbell, wait for its ack", chunk,
+    last = chunk;
+    trace("sender: chunk {} enqueued on stream {}: {}doorbell", chunk,
           static_cast<void*>(native), own_slot == s ? "packed in slot, " : "copy into slot, ");
   }
   impl.record_tail(native);
+  // The caller may pack the other slot once we return: its last chunk (the one before our last)
+  // must be acked. The last chunk itself is still being copied out: its slot's next user waits
+  // for it in the next call, or flush() does.
+  if (last && *last >= 1) (void)impl.wait_acked(*last);
+}
+
+void DeviceLink::flush() {
+  Impl& impl = *impl_;
+  (void)impl.wait_acked(impl.reserved.load());
 }
 
 void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64_t first_chunk,

@@ -67,7 +67,9 @@ class DeviceLink {
  public:
   // Sender: the staging slots on `backend`'s device; `backend` must be a CudaBackend
   // (Error(kInvalidArgument) otherwise, Error(kBackend) when the device cannot export memory).
-  static std::unique_ptr<DeviceLink> create(Backend& backend, std::size_t slot_bytes);
+  // `ack_timeout` bounds send_async's and flush()'s waits for acks without progress.
+  static std::unique_ptr<DeviceLink> create(Backend& backend, std::size_t slot_bytes,
+                                            std::chrono::milliseconds ack_timeout);
   // Receiver: maps the sender's export for `backend`'s device. Error(kTransport) saying what was
   // tried when it cannot (another host's fd, a GPU without peer access to the sender's).
   // `doorbell_timeout` bounds receive_async's wait for each chunk's doorbell.
@@ -89,10 +91,20 @@ class DeviceLink {
   // transport calls it under its state's mutex, having checked that it is alive, so that
   // release() covers every chunk reserved before the transport died.
   std::uint64_t reserve(std::size_t bytes);
-  // Enqueue a broadcast's chunks on `stream` (a CudaBackend stream of this link's device). The
-  // caller's thread only, not under the state's mutex. send_async returns at once.
+  // Enqueue a broadcast's chunks on `stream` (a CudaBackend stream of this link's device), each
+  // copied into its slot unless the caller packed it there, its doorbell rung once that is done.
+  // Host-gated like a receive: before chunk c reuses slot c % 2, the caller's thread waits until
+  // every receiver acked chunk c - 2; before it returns, until they acked the chunk before its
+  // last. The stream never waits on the receivers (a stream parked on another process makes two
+  // processes' contexts share the GPU by time slices for as long as it waits, and slows the
+  // engine's decode the whole time). Returns early, enqueueing nothing more, once the link is
+  // released or an ack is late (the transport fails, naming SameHostConfig::doorbell_timeout).
+  // The caller's thread only, not under the state's mutex.
   void send_async(const std::byte* buffer, std::size_t bytes, std::uint64_t first_chunk,
                   Stream& stream);
+  // Sender: blocks until every receiver acked every chunk reserved so far (or the link is
+  // released, or an ack is late: the transport fails). The caller's thread only.
+  void flush();
   // Blocks the caller chunk by chunk until each chunk's doorbell passed its checks, enqueueing
   // its copy and ack only then (host-gated, see above); returns early, having enqueued nothing
   // more, once the link is released or a doorbell is late (the transport fails, async_error()

@@ -16,7 +16,9 @@ namespace {
 }
 }  // namespace
 
-std::unique_ptr<DeviceLink> DeviceLink::create(Backend&, std::size_t) { refuse(); }
+std::unique_ptr<DeviceLink> DeviceLink::create(Backend&, std::size_t, std::chrono::milliseconds) {
+  refuse();
+}
 std::unique_ptr<DeviceLink> DeviceLink::open(Backend&, Fd, const Setup&, const std::string&,
                                              std::chrono::milliseconds) {
   refuse();
@@ -29,6 +31,7 @@ std::byte* DeviceLink::slot(std::uint32_t) const { return nullptr; }
 void DeviceLink::start(SameHostTransport::State&) {}
 std::uint64_t DeviceLink::reserve(std::size_t) { refuse(); }
 void DeviceLink::send_async(const std::byte*, std::size_t, std::uint64_t, Stream&) { refuse(); }
+void DeviceLink::flush() { refuse(); }
 void DeviceLink::receive_async(std::byte*, std::size_t, std::uint64_t, Stream&) { refuse(); }
 void DeviceLink::release() noexcept {}
 std::string DeviceLink::timeline() { return {}; }

@@ -154,7 +154,7 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
   state->wake = make_wake();
   Fd memory_file;  // host flavour; the device flavour's link holds its exported fd
   if (memory == SameHostMemory::kDevice) {
-    state->device = same_host::DeviceLink::create(backend, slot_bytes);
+    state->device = same_host::DeviceLink::create(backend, slot_bytes, config.doorbell_timeout);
   } else {
     state->mapped_bytes = same_host::kSlotCount * slot_bytes;
     memory_file = Fd(::memfd_create("shadowsync-same-host-staging", MFD_CLOEXEC));

@@ -197,6 +197,10 @@ void* SameHostTransport::staging_buffer(int index, std::size_t bytes) {
   return state_->slot(static_cast<std::uint32_t>(index));
 }
 
+void SameHostTransport::flush() {
+  if (state_->rank == 0 && state_->device) state_->device->flush();
+}
+
 std::optional<std::string> SameHostTransport::async_error() {
   std::lock_guard lock(state_->mutex);
   return state_->error;
