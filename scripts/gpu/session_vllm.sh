@@ -39,19 +39,18 @@ for i in "${!runs[@]}"; do
   echo "vllm_e2e ${runs[$i]}: exit $?"
   grep -E "\[vllm-e2e\]" "$OUT/vllm-e2e-$i.log" | head -20
 done
-if [[ -n "${BENCH_VLLM:-}" ]]; then
-  read -r -a bench_args <<<"$BENCH_VLLM"
+# run_bench SCRIPT LOG "ARGS": one benchmark with vLLM on the path, its log under $OUT, its tail.
+run_bench() {
+  local script=$1 log=$2 args
+  read -r -a args <<<"$3"
   PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" \
-    python3 bench/bench_vllm_update.py --out "$OUT" "${bench_args[@]}" >"$OUT/bench-vllm.log" 2>&1
-  echo "bench_vllm_update exit $?"
-  tail -40 "$OUT/bench-vllm.log"
-fi
+    python3 "$script" --out "$OUT" "${args[@]}" >"$OUT/$log" 2>&1
+  echo "$(basename "$script") exit $?"
+  tail -30 "$OUT/$log"
+}
+[[ -n "${BENCH_VLLM:-}" ]] && run_bench bench/bench_vllm_update.py bench-vllm.log "$BENCH_VLLM"
 if [[ -n "${BENCH_PACING:-}" ]]; then
-  read -r -a pacing_args <<<"$BENCH_PACING"
-  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" \
-    python3 bench/bench_vllm_pacing.py --out "$OUT" "${pacing_args[@]}" >"$OUT/bench-pacing.log" 2>&1
-  echo "bench_vllm_pacing exit $?"
-  tail -30 "$OUT/bench-pacing.log"
+  run_bench bench/bench_vllm_pacing.py bench-pacing.log "$BENCH_PACING"
   python3 bench/plot_pacing.py "$OUT/bench_vllm_pacing.json" >>"$OUT/bench-pacing.log" 2>&1 ||
     echo "plot_pacing failed (see bench-pacing.log)"
 fi
