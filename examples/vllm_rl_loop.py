@@ -18,9 +18,9 @@ Two processes take part:
 
 The worker joins the trainer once, from plain data sent through ``collective_rpc``:
 
-    engine.collective_rpc("init_weight_update_group", kwargs=dict(
+    await shadowsync.vllm.init_weight_update_group_async(engine,
         specs=<the trainer's named_parameters() specs>, same_host=dict(path=..., token=...),
-        track_request_versions=True))
+        track_request_versions=True)   # collective_rpc on every worker; a refusal is raised
 
 and then, per update:
 
@@ -324,13 +324,13 @@ async def run(args, model_path: str, work: Path) -> int:
         # there: the trainer serves while the worker connects.
         _, specs, fingerprint = await receive(conn, "specs")
         conn.send(("serve",))
-        fingerprints = await engine.collective_rpc("init_weight_update_group", kwargs=dict(
-            specs=specs, bucket_bytes=args.bucket_mib << 20,
-            same_host=dict(path=socket_path, token=token), track_request_versions=True))
+        worker_fingerprint = await ssv.init_weight_update_group_async(
+            engine, specs=specs, bucket_bytes=args.bucket_mib << 20,
+            same_host=dict(path=socket_path, token=token), track_request_versions=True)
         await receive(conn, "ready")
-        if set(fingerprints) != {fingerprint}:
-            raise RuntimeError(f"layout fingerprints differ: worker(s) {fingerprints}, trainer "
-                               f"{fingerprint}")
+        if worker_fingerprint != fingerprint:
+            raise RuntimeError(f"layout fingerprints differ: worker(s) {worker_fingerprint:#x}, "
+                               f"trainer {fingerprint:#x}")
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
         log(f"worker joined the trainer: {len(specs)} trainer tensors, {stats['plan_copies']} "
             f"copies into vLLM's parameters per update")

@@ -140,6 +140,7 @@ def main() -> int:
 
     from vllm_models import make_tiny_model
 
+    import shadowsync as ss
     import shadowsync.vllm as ssv
 
     work = Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
@@ -176,12 +177,26 @@ def main() -> int:
                                                 args.bucket_bytes, args.tp), daemon=True)
     process.start()
     kind, specs = parent.recv()
-    fingerprints = llm.collective_rpc("init_weight_update_group", kwargs=dict(
-        specs=specs, bucket_bytes=args.bucket_bytes, same_host=dict(path=path, token=token),
-        track_request_versions=True))
+    settings = dict(bucket_bytes=args.bucket_bytes, same_host=dict(path=path, token=token),
+                    track_request_versions=True)
+    # Bad input first: a trainer tensor the model's load_weights does not take. Refused with its
+    # name on every worker (under TP as a returned refusal: a raise would end vLLM's engine),
+    # nothing set up, and the engine goes on answering.
+    extra = ("model.layers.0.mlp.not_a_weight", specs[0][1], (4,))
+    try:
+        ssv.init_weight_update_group(llm, specs=specs + [extra], **settings)
+        refused = "not refused"
+    except ss.ShadowsyncError as error:
+        refused = str(error)
+    ok = extra[0] in refused and not any(llm.collective_rpc("has_weight_update_group"))
+    failures += not ok
+    log(f"{'ok  ' if ok else 'FAIL'} init with a tensor load_weights does not take refused, "
+        f"nothing set up: {refused[:160]}")
+    check("after the refused set-up", greedy(llm), "A")
+    fingerprint = ssv.init_weight_update_group(llm, specs=specs, **settings)
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"set-up: {len(specs)} trainer tensors, {stats['plan_copies']} plan copies, "
-        f"fingerprint {fingerprints[0]:#018x}")
+        f"fingerprint {fingerprint:#018x}")
     check("after set-up, before any update", greedy(llm), "A")
 
     for version, source, name in ((1, 1, "B"), (2, 2, "A")):

@@ -5,6 +5,14 @@ This folder is the subpackage ``shadowsync.vllm``: an installed package has it i
 (the wheel's build installs it there, python/CMakeLists.txt); in a source checkout ``shadowsync/__init__.py`` finds it
 here. Importing it imports neither vllm nor torch."""
 
-from .worker_extension import WorkerExtension, apply_update, apply_update_async, commit_update
+from .worker_extension import (
+    WorkerExtension,
+    apply_update,
+    apply_update_async,
+    commit_update,
+    init_weight_update_group,
+    init_weight_update_group_async,
+)
 
-__all__ = ["WorkerExtension", "apply_update", "apply_update_async", "commit_update"]
+__all__ = ["WorkerExtension", "apply_update", "apply_update_async", "commit_update",
+           "init_weight_update_group", "init_weight_update_group_async"]

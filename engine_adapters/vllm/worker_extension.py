@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -139,6 +140,53 @@ def _data(param):
     return param.data
 
 
+# How many times the tensor-parallel ranks agree during init_weight_update_group.
+_SET_UP_ROUNDS = 2
+
+
+class _RefusedOnAnotherRank(Exception):
+    """Another tensor-parallel rank refused init_weight_update_group."""
+
+
+def _all_tensor_parallel_ranks_or_none(set_up):
+    """init_weight_update_group under tensor parallelism: every rank is set up or none is, and a
+    refusal is returned, not raised (vLLM's multiprocess executor ends the engine when a worker
+    raises in a collective_rpc). The set-up calls its `_agree` once everything is checked and
+    once it is set up; here that is an all-reduce over vLLM's TP group."""
+
+    @functools.wraps(set_up)
+    def init(self, *args, **kwargs):
+        if _tensor_parallel_size(self) == 1:
+            return set_up(self, *args, **kwargs)
+        group_before = self._shadowsync  # an "already initialized" refusal leaves it alone
+        rounds_passed = 0
+
+        def agree() -> None:
+            nonlocal rounds_passed
+            if not _on_every_rank(True):
+                raise _RefusedOnAnotherRank()
+            rounds_passed += 1
+
+        try:
+            return set_up(self, *args, _agree=agree, **kwargs)
+        except _RefusedOnAnotherRank:
+            if self._shadowsync is not group_before:  # set up here; another rank failed to connect
+                self.close_weight_update_group()
+            return {"refused": "init_weight_update_group: refused on another tensor-parallel "
+                               "rank (its message says why); nothing was set up on any rank",
+                    "error": "InvalidArgumentError"}
+        except Exception as error:  # noqa: BLE001 - returned: a raise here ends vLLM's engine
+            if self._shadowsync is not group_before:
+                self.close_weight_update_group()
+            # The other ranks wait in the round this rank did not reach; a refusal ends the
+            # set-up on every rank, so that round is their last.
+            if rounds_passed < _SET_UP_ROUNDS:
+                _on_every_rank(False)
+            return {"refused": getattr(error, "detail", str(error)), "error": type(error).__name__}
+
+    return init
+
+
 class WorkerExtension:
     """Mixed into a vLLM worker (``worker_extension_cls``); see the module's doc."""
 
@@ -166,6 +214,7 @@ class WorkerExtension:
 
     # --- the methods the trainer calls through collective_rpc ------------------------------
 
+    @_all_tensor_parallel_ranks_or_none
     def init_weight_update_group(
         self,
         unique_id: bytes | None = None,
@@ -186,6 +235,7 @@ class WorkerExtension:
         commit_mode: str | None = None,
         decode_slowdown_budget: float | None = None,
         max_receive_bytes_per_second: int = 0,
+        _agree: Callable[[], None] = lambda: None,
     ) -> int:
         """Sets up the weight update group; returns the layout fingerprint (the trainer compares
         it with its own). Engine thread, before stepping; once.
@@ -242,7 +292,15 @@ class WorkerExtension:
         that the median step while one streams in stays within budget x that time; the update
         takes longer instead, never past the update deadline. The cap limits the receive rate in
         bytes per second. A budget that is not finite or below 1.0 is refused, named, before
-        anything is set up. weight_update_stats()["pacing"] reports what pacing did."""
+        anything is set up. weight_update_stats()["pacing"] reports what pacing did.
+
+        Under tensor parallelism a refusal is returned, not raised (vLLM's multiprocess executor
+        ends the engine when a worker raises in a collective_rpc): every rank returns
+        ``{"refused": message, "error": class name}`` and none is set up. The ranks agree over
+        vLLM's TP group twice: before any transport connects (no rank waits for a peer that
+        refused) and once set up (a rank set up while another failed to connect closes its group
+        again). shadowsync.vllm.init_weight_update_group(llm, ...) raises the refusal on the
+        front end."""
         if self._shadowsync is not None:
             raise InvalidArgumentError(
                 f"init_weight_update_group: already initialized (layout "
@@ -294,13 +352,9 @@ class WorkerExtension:
             backend = CudaBackend(index)
             # The stream execute_model runs on: release events are recorded there.
             stream = backend.wrap_stream(torch.cuda.current_stream(index).cuda_stream)
-        if transport is None and unique_id is not None:
-            if device == "cpu":
-                raise InvalidArgumentError(
-                    "init_weight_update_group: NCCL needs CUDA parameters, the model's are on cpu"
-                )
-            rank = int(rank_offset) + int(getattr(self, "rank", 0))
-            transport = nccl_transport(unique_id, rank, int(world_size), int(device.split(":")[1]))
+        if transport is None and unique_id is not None and device == "cpu":
+            raise InvalidArgumentError(
+                "init_weight_update_group: NCCL needs CUDA parameters, the model's are on cpu")
 
         if engine_uses_cuda_graphs is None and device != "cpu":
             engine_uses_cuda_graphs = _vllm_captures_cuda_graphs(self)
@@ -321,6 +375,10 @@ class WorkerExtension:
                 receiver_config.swap_strategy = swap_strategy
             if engine_uses_cuda_graphs is not None:
                 receiver_config.engine_uses_cuda_graphs = engine_uses_cuda_graphs
+        _agree()  # every rank checked its part: now the transports may connect
+        if transport is None and unique_id is not None:
+            rank = int(rank_offset) + int(getattr(self, "rank", 0))
+            transport = nccl_transport(unique_id, rank, int(world_size), int(device.split(":")[1]))
         if transport is None and same_host is not None:
             transport = _same_host_receiver(same_host, rank_offset, getattr(self, "rank", 0), backend)
 
@@ -347,7 +405,12 @@ class WorkerExtension:
         self._shadowsync = state
         if hook_execute_model and hasattr(self, "execute_model"):
             _hook_execute_model(self)
+        _agree()  # every rank is set up (one that failed to connect takes the others back)
         return state.wire_fingerprint
+
+    def has_weight_update_group(self) -> bool:
+        """Whether init_weight_update_group set this worker up (and it was not closed since)."""
+        return self._shadowsync is not None
 
     def begin_update(self, header_bytes: bytes) -> int:
         """Announces an update: validates the header (BadHeaderError, LayoutMismatchError,
@@ -699,8 +762,51 @@ def _hook_execute_model(worker: WorkerExtension) -> None:
     worker.execute_model = execute_model
 
 
+def init_weight_update_group(llm, **kwargs) -> int:
+    """Front end (the process that holds the ``vllm.LLM``): ``collective_rpc(
+    "init_weight_update_group", kwargs=kwargs)`` on every worker. Under tensor parallelism the
+    workers return a refusal rather than raise it (a raise would end vLLM's engine); this raises
+    it, as the error the refusing worker named, with its index. Returns the layout fingerprint
+    (every worker's is the trainer's)."""
+    return _fingerprint(llm.collective_rpc("init_weight_update_group", kwargs=kwargs))
+
+
+async def init_weight_update_group_async(engine, **kwargs) -> int:
+    """init_weight_update_group for an ``AsyncLLM``."""
+    return _fingerprint(await engine.collective_rpc("init_weight_update_group", kwargs=kwargs))
+
+
+def _fingerprint(results: list) -> int:
+    """The workers' answers to init_weight_update_group: a refusal raised, else the fingerprint."""
+    import builtins
+
+    from shadowsync import errors
+
+    refusals = [(i, r) for i, r in enumerate(results) if isinstance(r, dict)]
+    if refusals:
+        # The rank that refused for a reason of its own; the others say another rank refused.
+        own = [(i, r) for i, r in refusals
+               if "on another tensor-parallel rank" not in r["refused"]] or refusals
+        worker, refusal = own[0]
+        message = f"worker {worker}: {refusal['refused']}"
+        name = refusal.get("error", "")
+        error = getattr(errors, name, None)
+        if isinstance(error, type) and issubclass(error, errors.ShadowsyncError):
+            raise error(message)
+        error = getattr(builtins, name, None)
+        if isinstance(error, type) and issubclass(error, Exception):
+            raise error(f"{name}: {message}")
+        raise RuntimeError(f"{name}: {message}")
+    fingerprints = sorted({int(r) for r in results})
+    if len(fingerprints) != 1:
+        raise LayoutMismatchError(
+            f"init_weight_update_group: the workers' layout fingerprints differ: "
+            f"{', '.join(f'{f:#018x}' for f in fingerprints)}")
+    return fingerprints[0]
+
+
 def apply_update(llm, version: int, timeout: float | None = None,
-                 reset_prefix_cache: bool = True) -> int:
+                 reset_prefix_cache: bool = True, preempt_running: bool = False) -> int:
     """Front end (the process that holds the ``vllm.LLM``): makes `version` live on every worker
     (``collective_rpc("wait_applied")``: the flip happens between two steps, and the next step
     runs on it), then asks vLLM to reset its prefix cache so that no new request reuses KV
@@ -711,21 +817,37 @@ def apply_update(llm, version: int, timeout: float | None = None,
     reuse prefix KV of older weights. With a synchronous ``LLM`` between ``generate`` calls nothing
     runs and the reset succeeds. An engine that keeps generating (``AsyncLLM``) almost never is
     idle: submit each request with ``cache_salt`` set to the policy version (prefix blocks are
-    then shared only within one version) and pass ``reset_prefix_cache=False``."""
+    then shared only within one version) and pass ``reset_prefix_cache=False``; or pass
+    `preempt_running`: vLLM then first preempts the running requests (they go back to its queue
+    and recompute their KV, prompt and tokens so far, with the new weights), so the reset always
+    happens, at the cost of that recompute."""
     applied = llm.collective_rpc("wait_applied", args=(int(version), timeout))
     if reset_prefix_cache:
-        _check_reset(llm.reset_prefix_cache(), version, "apply_update")
+        _reset_prefix_cache(llm, version, "apply_update", preempt_running)
     return min(int(v) for v in applied)
 
 
 async def apply_update_async(engine, version: int, timeout: float | None = None,
-                             reset_prefix_cache: bool = True) -> int:
+                             reset_prefix_cache: bool = True, preempt_running: bool = False) -> int:
     """apply_update for an ``AsyncLLM`` (see there: under load vLLM refuses the prefix cache
-    reset; use ``cache_salt`` and ``reset_prefix_cache=False``)."""
+    reset; use ``cache_salt`` and ``reset_prefix_cache=False``, or `preempt_running`)."""
     applied = await engine.collective_rpc("wait_applied", args=(int(version), timeout))
     if reset_prefix_cache:
-        _check_reset(await engine.reset_prefix_cache(), version, "apply_update_async")
+        if preempt_running:
+            await engine.reset_prefix_cache(reset_running_requests=True)
+        else:
+            _check_reset(await engine.reset_prefix_cache(), version, "apply_update_async")
     return min(int(v) for v in applied)
+
+
+def _reset_prefix_cache(llm, version: int, caller: str, preempt_running: bool) -> None:
+    """vLLM's prefix cache reset after `version` went live. With `preempt_running` vLLM preempts
+    the running requests first, so that no block is held and the reset cannot be refused (vLLM
+    raises if it still fails)."""
+    if preempt_running:
+        llm.reset_prefix_cache(reset_running_requests=True)
+    else:
+        _check_reset(llm.reset_prefix_cache(), version, caller)
 
 
 def _check_reset(result, version: int, caller: str) -> None:
@@ -735,16 +857,17 @@ def _check_reset(result, version: int, caller: str) -> None:
             f"{caller}: version {version} is live, but vLLM refused to reset its prefix cache "
             f"(running requests hold KV blocks), so new requests may reuse prefix KV computed "
             f"with older weights; submit requests with cache_salt set to the policy version and "
-            f"pass reset_prefix_cache=False",
+            f"pass reset_prefix_cache=False, or pass preempt_running=True",
             RuntimeWarning, stacklevel=3)
 
 
-def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: bool = True) -> int:
+def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: bool = True,
+                  preempt_running: bool = False) -> int:
     """Front end, commit_mode "coordinated" (tensor parallelism): waits until every worker holds
     `version` ready (collective_rpc("ready_version"), polled), then commits it on all of them in
     one collective_rpc — vLLM brings it to every worker between the same two steps, so no step
     runs with two ranks on different versions, and a commit never waits on a receive. Then asks
-    vLLM to reset its prefix cache (as apply_update). Raises ShadowsyncTimeoutError naming the
+    vLLM to reset its prefix cache (as apply_update, `preempt_running` too). Raises ShadowsyncTimeoutError naming the
     workers not ready after `timeout` seconds (nothing was committed then). Returns `version`."""
     import time
 
@@ -767,5 +890,5 @@ def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: 
     if refused:
         raise InvalidArgumentError(refused[0])
     if reset_prefix_cache:
-        _check_reset(llm.reset_prefix_cache(), version, "commit_update")
+        _reset_prefix_cache(llm, version, "commit_update", preempt_running)
     return min(int(r["applied_version"]) for r in results)

@@ -315,3 +315,114 @@ def test_commit_update_waits_for_every_rank_and_names_the_late_one():
     ready = _TwoRankFrontEnd([3, 3])
     assert commit_update(ready, 3) == 3
     assert ready.calls == ["ready_version", "commit_update", "reset_prefix_cache"]
+
+
+class _ThreadRanks:
+    """Tensor-parallel ranks as threads: each runs a worker method at once, and the extension's
+    cross-rank check (an all-reduce over vLLM's TP group) is a barrier among them."""
+
+    def __init__(self, size, monkeypatch):
+        import shadowsync.vllm.worker_extension as extension
+
+        self._barrier = threading.Barrier(size, timeout=DEADLINE_S)  # a hang fails loudly
+        self._flags = []
+        self.rounds = 0
+        monkeypatch.setattr(extension, "_tensor_parallel_size", lambda worker: size)
+        monkeypatch.setattr(extension, "_on_every_rank", self._on_every_rank)
+
+    def _on_every_rank(self, flag):
+        self._flags.append(flag)
+        self._barrier.wait()
+        result = all(self._flags)
+        if self._barrier.wait() == 0:
+            self._flags.clear()
+            self.rounds += 1
+        self._barrier.wait()
+        return result
+
+    def run(self, workers, method, per_rank_kwargs):
+        results = [None] * len(workers)
+
+        def call(rank):
+            results[rank] = getattr(workers[rank], method)(**per_rank_kwargs[rank])
+
+        threads = [threading.Thread(target=call, args=(r,)) for r in range(len(workers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+        assert not any(t.is_alive() for t in threads), "a rank hangs in init_weight_update_group"
+        return results
+
+
+def _untouched(worker, params_before):
+    """Nothing of a refused init stays: no group, no hook, the model's own arrays."""
+    assert worker._shadowsync is None
+    assert "execute_model" not in vars(worker)
+    assert all(p.data is params_before[n] for n, p in worker.model_runner.model.params)
+
+
+def test_under_tensor_parallelism_a_refusal_on_one_rank_sets_up_no_rank(monkeypatch):
+    ranks = _ThreadRanks(2, monkeypatch)
+    workers = [FakeWorker(), FakeWorker()]
+    before = [{n: p.data for n, p in w.model_runner.model.params} for w in workers]
+    loopback = ss.Loopback(3)
+    good = [tuple(s) for s in SPECS]
+    bad = [("embed", "fp32", (300, 5))] + good[1:]  # rank 1's model does not match
+    results = ranks.run(workers, "init_weight_update_group",
+                        [dict(specs=good, transport=loopback.transport(1)),
+                         dict(specs=bad, transport=loopback.transport(2))])
+    # Returned, not raised (a raise in a worker ends vLLM's multiprocess engine), on both ranks.
+    assert results[1]["error"] == "LayoutMismatchError"
+    assert "tensor 'embed': shape [300, 5] of the trainer's layout does not match" in results[1]["refused"]
+    assert "refused on another tensor-parallel rank" in results[0]["refused"]
+    assert ranks.rounds == 1  # the ranks agreed before any transport connected
+    for worker, params_before in zip(workers, before):
+        _untouched(worker, params_before)
+
+    # The front end raises the refusing rank's own error, named.
+    from shadowsync.vllm import init_weight_update_group
+
+    front_end = SimpleNamespace(collective_rpc=lambda method, kwargs: results)
+    with pytest.raises(ss.LayoutMismatchError, match=r"worker 1: tensor 'embed': shape \[300, 5\]"):
+        init_weight_update_group(front_end, specs=bad)
+
+
+def test_under_tensor_parallelism_a_rank_that_cannot_connect_takes_the_others_back(
+        monkeypatch, tmp_path):
+    ranks = _ThreadRanks(2, monkeypatch)
+    workers = [FakeWorker(), FakeWorker()]
+    before = [{n: p.data for n, p in w.model_runner.model.params} for w in workers]
+    nobody = dict(path=str(tmp_path / "nobody.sock"), token=b"t" * 32, connect_timeout_ms=200)
+    results = ranks.run(workers, "init_weight_update_group",
+                        [dict(transport=ss.Loopback(2).transport(1)), dict(same_host=nobody)])
+    assert "nobody.sock" in results[1]["refused"], results
+    assert "refused on another tensor-parallel rank" in results[0]["refused"]
+    assert ranks.rounds == 2  # rank 0 was set up, then closed its group again
+    for worker, params_before in zip(workers, before):
+        assert worker._shadowsync is None
+        assert "execute_model" not in vars(worker)
+        # A set-up rank adopted its weights into the library's slot; closing gave it copies.
+        for name, param in worker.model_runner.model.params:
+            np.testing.assert_array_equal(param.data, params_before[name])
+
+
+def test_under_tensor_parallelism_init_twice_keeps_the_group_it_has(monkeypatch):
+    ranks = _ThreadRanks(2, monkeypatch)
+    workers = [FakeWorker(), FakeWorker()]
+    loopback = ss.Loopback(3)
+    first = ranks.run(workers, "init_weight_update_group",
+                      [dict(transport=loopback.transport(1)), dict(transport=loopback.transport(2))])
+    assert first[0] == first[1] and isinstance(first[0], int)
+    groups = [w._shadowsync for w in workers]
+    again = ranks.run(workers, "init_weight_update_group",
+                      [dict(transport=ss.Loopback(2).transport(1))] * 2)
+    assert all("already initialized" in r["refused"] for r in again), again
+    assert [w._shadowsync for w in workers] == groups  # the refusal left them alone
+    from shadowsync.vllm import init_weight_update_group
+
+    with pytest.raises(ss.InvalidArgumentError, match="worker 0: init_weight_update_group: "
+                                                      "already initialized"):
+        init_weight_update_group(SimpleNamespace(collective_rpc=lambda method, kwargs: again))
+    for w in workers:
+        w.close_weight_update_group()

@@ -3,7 +3,8 @@ streams in while vLLM generates, both ranks hold it ready and shadowsync.vllm.co
 it live on both between the same two steps (a commit of a version no rank holds ready is refused
 on every rank and flips none); the ranks' step versions agree at every step and the
 answers equal a fresh TP=2 vLLM of the new checkpoint, back and forth (scripts/vllm_e2e.py --tp 2,
-which exits non-zero on any difference)."""
+which exits non-zero on any difference). Before that, a set-up the workers refuse is raised on
+the front end and leaves every rank as it was."""
 
 import os
 import subprocess
@@ -25,6 +26,11 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
     lines = [line for line in out.stdout.splitlines() if line.startswith("[vllm-e2e]")]
     assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
     assert any("step versions of the 2 ranks agree" in line for line in lines), lines
-    assert sum("answers equal a fresh vLLM" in line for line in lines) == 4, lines
+    assert sum("answers equal a fresh vLLM" in line for line in lines) == 5, lines
+    # A set-up the workers refuse (a trainer tensor load_weights does not take) is raised on the
+    # front end with the tensor's name; no rank is set up and the engine goes on (a worker that
+    # raised would have ended vLLM's TP engine).
+    assert any(line.startswith("[vllm-e2e] ok") and "does not take refused" in line
+               for line in lines), lines
     # A commit of a version no rank holds ready: refused on every rank, nothing flipped anywhere.
     assert sum("refused on every rank" in line and line.startswith("[vllm-e2e] ok") for line in lines) == 2
