@@ -221,6 +221,32 @@ def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(ch
             assert tokens == ref_b[i], PROMPTS[i]
 
 
+def test_under_load_vllm_refuses_the_reset_and_apply_update_says_so(checkpoints, references):
+    """A request runs (holds KV blocks) when update 1 goes live: vLLM refuses the prefix cache
+    reset, apply_update warns, and the long prompts are then computed on version 0's KV."""
+    ref_b = references("llama", "float32", "b")
+    out = run_child(update_args(checkpoints, "llama", "float32", "inproc", under_load=True))
+    assert out["applied1"] == 1
+    assert any("refused to reset its prefix cache" in w and "preempt_running=True" in w
+               for w in out["load_warnings"]), out["load_warnings"]
+    assert out["load_finished"] == ["running"] and out["load_tokens"] == [MAX_TOKENS]
+    for i, tokens in enumerate(out["after_b"]):
+        assert (tokens != ref_b[i]) if i in LONG else (tokens == ref_b[i]), PROMPTS[i]
+
+
+def test_under_load_preempt_running_resets_the_prefix_cache_anyway(checkpoints, references):
+    """The same, with apply_update(preempt_running=True): vLLM preempts the running request
+    (it recomputes and finishes), the reset happens, and every answer equals a fresh engine of
+    the new weights."""
+    ref_b = references("llama", "float32", "b")
+    out = run_child(update_args(checkpoints, "llama", "float32", "inproc", under_load=True,
+                                preempt_running=True))
+    assert out["applied1"] == 1
+    assert not out["load_warnings"], out["load_warnings"]
+    assert out["load_finished"] == ["running"] and out["load_tokens"] == [MAX_TOKENS]
+    assert out["after_b"] == ref_b
+
+
 def test_a_tensor_the_trainer_omits_keeps_the_engines_value(checkpoints, references):
     """The trainer leaves model.norm.weight out of its layout and the worker allows it
     (allow_partial=True): the engine's layout then holds only the parameters its loader writes

@@ -267,7 +267,11 @@ def run_update(args: dict) -> dict:
         out["update1"] = dict(begun=begun, buckets=buckets, during=during, trainer_done=done,
                               applied_during=applied_during)
         out["versions_during"] = llm.collective_rpc("request_versions")[0]
-        out["applied1"] = apply_update(llm, 1, DEADLINE_S, reset_prefix_cache=reset)
+        if args.get("under_load"):
+            out.update(apply_under_load(llm, prompts[-1], max_tokens,
+                                        preempt_running=args.get("preempt_running", False)))
+        else:
+            out["applied1"] = apply_update(llm, 1, DEADLINE_S, reset_prefix_cache=reset)
         out["after_b"] = greedy(llm, prompts, max_tokens)
         out["versions_after_b"] = llm.collective_rpc("request_versions")[0]
 
@@ -288,6 +292,35 @@ def run_update(args: dict) -> dict:
     finally:
         stop_trainer(process, conn, directory)
     return out
+
+
+def apply_under_load(llm, prompt: str, max_tokens: int, preempt_running: bool) -> dict:
+    """apply_update(llm, 1) while a request runs (it holds KV blocks, so vLLM refuses a plain
+    prefix cache reset), then runs that request to its end."""
+    import warnings
+
+    from vllm import SamplingParams
+
+    from shadowsync.vllm import apply_update
+
+    engine = llm.llm_engine
+    engine.add_request("running", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                         ignore_eos=True))
+    steps = 0
+    while steps < 3:  # prefill and a few tokens: the request holds its blocks
+        engine.step()
+        steps += 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        applied = apply_update(llm, 1, DEADLINE_S, preempt_running=preempt_running)
+    finished = []
+    deadline = time.monotonic() + DEADLINE_S
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the running request did not finish"
+        finished += [o for o in engine.step() if o.finished]
+    return dict(applied1=applied, load_warnings=[str(w.message) for w in caught],
+                load_finished=[o.request_id for o in finished],
+                load_tokens=[len(o.outputs[0].token_ids) for o in finished])
 
 
 def run_refusals(args: dict) -> dict:
