@@ -37,6 +37,8 @@ from shadowsync.layout import BASE_GROUP, Layout, TensorSpec, UpdateHeader, form
 from shadowsync.receiver import GroupSwap, Receiver, ReceiverConfig
 from shadowsync.transport import Transport, nccl_transport
 
+from .lora_plan import is_lora_tensor, lora_receive_plan
+
 __all__ = ["WorkerExtension"]
 
 
@@ -235,6 +237,7 @@ class WorkerExtension:
         commit_mode: str | None = None,
         decode_slowdown_budget: float | None = None,
         max_receive_bytes_per_second: int = 0,
+        lora_adapter: int | None = None,
         _agree: Callable[[], None] = lambda: None,
     ) -> int:
         """Sets up the weight update group; returns the layout fingerprint (the trainer compares
@@ -294,6 +297,16 @@ class WorkerExtension:
         bytes per second. A budget that is not finite or below 1.0 is refused, named, before
         anything is set up. weight_update_stats()["pacing"] reports what pacing did.
 
+        `lora_adapter`: the lora_int_id of a LoRA adapter vLLM serves (started with
+        ``enable_lora=True`` and ``max_lora_rank`` = the adapter's rank; the adapter loaded once,
+        by a request with its LoRARequest or add_lora) that the trainer's PEFT tensors
+        (``...<module>.lora_A.weight``, ``lora_B``, in their own group, e.g. "lora") update in
+        place: they land in the adapter's slot of vLLM's stacked LoRA buffers (lora_plan.py; the
+        slicing and packing learned from vLLM's own set_lora), which become the live storage, so
+        the swap strategy is copy_in (a LoRA-only update copies only the adapter at the swap).
+        The adapter is pinned in its slot. lora_B is sent as vLLM computes with it, scaled by
+        lora_alpha / r (shadowsync.vllm.scaled_lora_b on the trainer's side).
+
         Under tensor parallelism a refusal is returned, not raised (vLLM's multiprocess executor
         ends the engine when a worker raises in a collective_rpc): every rank returns
         ``{"refused": message, "error": class name}`` and none is set up. The ranks agree over
@@ -333,7 +346,10 @@ class WorkerExtension:
             layout = Layout(specs, bucket_bytes)
         else:
             specs = [TensorSpec.coerce(s) for s in specs]
-            if _names_are_parameters(specs, descs):
+            if lora_adapter is not None or any(is_lora_tensor(s.name) for s in specs):
+                layout, plan, params, descs = _receive_plan_with_lora(
+                    self, model, specs, lora_adapter, bucket_bytes, descs, allow_partial)
+            elif _names_are_parameters(specs, descs):
                 _check_specs(specs, descs)  # the engine's own layout: zero-copy receive
                 layout = Layout(specs, bucket_bytes)
             else:
@@ -358,6 +374,16 @@ class WorkerExtension:
 
         if engine_uses_cuda_graphs is None and device != "cpu":
             engine_uses_cuda_graphs = _vllm_captures_cuda_graphs(self)
+        if lora_adapter is not None:
+            # The live LoRA weights are slots of vLLM's stacked buffers: they can only be copied
+            # into, never rebound.
+            chosen = swap_strategy if swap_strategy is not None else (
+                receiver_config.swap_strategy if receiver_config is not None else None)
+            if chosen not in (None, "copy_in"):
+                raise InvalidArgumentError(
+                    f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
+                    f"adapter lives in vLLM's stacked LoRA buffers), got {chosen!r}")
+            swap_strategy = "copy_in"
         if engine_uses_cuda_graphs and swap_strategy is None and (
             receiver_config is None or receiver_config.swap_strategy in (None, "rebind")
         ):
@@ -648,6 +674,49 @@ def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict
     names = sorted(trace.engine_params, key=lambda n: order[group_of[n]])  # stable: model order
     engine = Layout([TensorSpec(n, descs[n].dtype, descs[n].shape, group_of[n]) for n in names])
     return engine, ReceivePlan(wire, trace.copies), {n: trace.engine_params[n] for n in names}
+
+
+def _receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter: int | None,
+                            bucket_bytes: int, descs: dict, allow_partial: bool):
+    """(engine layout, ReceivePlan, params, descs) for a trainer that sends a LoRA adapter's
+    tensors (and maybe base weights): the base through _receive_plan, the adapter into its vLLM
+    slot (lora_plan.py). Both in one plan over the trainer's layout as it sends it."""
+    from shadowsync.receive_plan import ReceivePlan
+
+    lora_specs = [s for s in specs if is_lora_tensor(s.name)]
+    if lora_adapter is None:
+        raise LayoutMismatchError(
+            f"{len(lora_specs)} of the trainer's tensors are LoRA tensors "
+            f"({_names([s.name for s in lora_specs], 2)}): pass lora_adapter=<the lora_int_id of "
+            f"the vLLM adapter they update>")
+    if not lora_specs:
+        raise LayoutMismatchError(f"lora_adapter={lora_adapter}: none of the trainer's "
+                                  f"{len(specs)} tensors is a LoRA tensor ('...lora_A.weight')")
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if manager is None:
+        raise InvalidArgumentError(f"lora_adapter={lora_adapter}: this vLLM serves no LoRA "
+                                   f"adapters (start it with enable_lora=True)")
+    lora = lora_receive_plan(manager, int(lora_adapter), lora_specs)
+    copies = list(lora.copies)
+    group_of = {s.name: s.group for s in specs}
+    engine_specs = []
+    for c in lora.copies:
+        desc = _tensors.describe(c.engine, lora.engine_tensors[c.engine])
+        engine_specs.append(TensorSpec(c.engine, desc.dtype, desc.shape, group_of[c.wire]))
+    params: dict[str, Any] = dict(lora.engine_tensors)
+    base_specs = [s for s in specs if not is_lora_tensor(s.name)]
+    if base_specs:
+        base_layout, base_plan, base_params = _receive_plan(model, base_specs, bucket_bytes,
+                                                            descs, allow_partial)
+        copies += base_plan.copies
+        engine_specs = list(base_layout.specs) + engine_specs
+        params.update(base_params)
+    manager.pin_adapter(int(lora_adapter))  # vLLM must not evict it: its slot is the live copy
+    wire = Layout(specs, bucket_bytes)
+    order = {g.name: i for i, g in enumerate(wire.groups)}
+    engine = Layout(sorted(engine_specs, key=lambda t: order[t.group]))
+    descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
+    return engine, ReceivePlan(wire, copies), params, descs
 
 
 def _same_host_receiver(same_host: dict, rank_offset: int, worker_rank: int, backend):

@@ -32,7 +32,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from vllm_models import make_tiny_model  # noqa: E402
+from vllm_models import make_tiny_lora, make_tiny_model  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "vllm_real_child.py"
 CHILD_TIMEOUT_S = 300
@@ -338,3 +338,52 @@ def test_an_engine_without_the_extension_says_the_method_is_not_implemented(refu
     # vLLM's own words: the method is looked up on its worker, which lacks it.
     assert refusals["no_extension"] == (
         "NotImplementedError: Method 'init_weight_update_group' is not implemented.")
+
+
+# --- a LoRA adapter vLLM serves, updated in place ------------------------------------------------
+
+LORA_R, LORA_ALPHA = 8, 16  # scaling 2: vLLM multiplies lora_B by it, so the trainer sends B x 2
+
+
+def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoints,
+                                                                         tmp_path_factory):
+    """vLLM CPU with enable_lora serves adapter 1 (PEFT, every projection, r 8, alpha 16) on
+    checkpoint A. The trainer's layout is A's HF tensors ("base") and the adapter's PEFT tensors
+    ("lora", lora_B scaled). A LoRA-only update to adapter L2, then a base+LoRA update to
+    checkpoint B with L1: after each, requests with the adapter answer as a fresh vLLM that
+    loaded that adapter from its directory onto that checkpoint, and requests without it as the
+    checkpoint alone, token for token. Bad LoRA set-ups are refused, named, and change nothing."""
+    a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
+    root = tmp_path_factory.mktemp("lora")
+    l1 = make_tiny_lora(a, root / "L1", seed=11, r=LORA_R, lora_alpha=LORA_ALPHA)
+    l2 = make_tiny_lora(a, root / "L2", seed=12, r=LORA_R, lora_alpha=LORA_ALPHA)
+    common = dict(mode="inproc", dtype="float32", prompts=PROMPTS, max_tokens=MAX_TOKENS,
+                  r=LORA_R)
+    refs = run_child(dict(common, what="lora_references",
+                          engines=[[a, [None, l1, l2]], [b, [None, l1]]]))["outputs"]
+    ref = {(r["model"], r["adapter"]): r["tokens"] for r in refs}
+    # The oracle tells every pair apart.
+    distinct = [ref[(a, None)], ref[(a, l1)], ref[(a, l2)], ref[(b, None)], ref[(b, l1)]]
+    assert all(x != y for i, x in enumerate(distinct) for y in distinct[i + 1:])
+
+    out = run_child(dict(common, what="lora", base=a, base_b=b, adapters=[l1, l2],
+                         lora_alpha=LORA_ALPHA, bucket_bytes=BUCKET_BYTES))
+    for stage in ("before", "after_refusals", "after_init"):
+        assert out[stage] == dict(lora=ref[(a, l1)], plain=ref[(a, None)]), stage
+    assert out["fingerprint_matches"]
+    # 2 layers x (q, k, v, o, gate, up, down) x (A, B) slot blocks, plus the base plan's copies.
+    assert out["plan_copies"] == 2 * 7 * 2 + 21
+    assert out["applied1"] == 1
+    assert out["after1"] == dict(lora=ref[(a, l2)], plain=ref[(a, None)])  # base untouched
+    assert out["applied2"] == 2
+    assert out["after2"] == dict(lora=ref[(b, l1)], plain=ref[(b, None)])
+
+    refused = out["refused"]
+    assert refused["no_adapter_id"].startswith("LayoutMismatchError: 28 of the trainer's "
+                                               "tensors are LoRA tensors"), refused
+    assert "pass lora_adapter=" in refused["no_adapter_id"]
+    assert ("lora_adapter=7: vLLM holds no LoRA adapter with that lora_int_id in its slots "
+            "(they hold [1])" in refused["not_loaded"]), refused
+    assert "dtype bf16 of the trainer's layout does not match fp32 of vLLM's LoRA slot" in \
+        refused["dtype"], refused
+    assert "lora_adapter needs swap_strategy 'copy_in'" in refused["rebind"], refused

@@ -128,3 +128,39 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_tiny_lora(base: str | os.PathLike, path: str | os.PathLike, seed: int, r: int = 8,
+                   lora_alpha: int = 16, std: float = 0.2) -> str:
+    """Writes a random PEFT LoRA adapter for the checkpoint `base` (every linear projection of
+    every layer; adapter_config.json and adapter_model.safetensors, PEFT's names) into `path` and
+    returns str(path). Unlike PEFT's initialization (lora_B = 0) both A and B are random, so the
+    adapter changes the output; same seed, same adapter."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in LORA_TARGETS:
+            out_features, in_features = module.weight.shape
+            prefix = f"base_model.model.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = std * torch.randn(r, in_features,
+                                                                   generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = std * torch.randn(out_features, r,
+                                                                   generator=generator)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=r, lora_alpha=lora_alpha,
+                  target_modules=list(LORA_TARGETS), bias="none", lora_dropout=0.0,
+                  base_model_name_or_path=str(base))
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path)

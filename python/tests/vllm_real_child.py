@@ -323,6 +323,107 @@ def apply_under_load(llm, prompt: str, max_tokens: int, preempt_running: bool) -
                 load_tokens=[len(o.outputs[0].token_ids) for o in finished])
 
 
+def run_lora(args: dict) -> dict:
+    """A LoRA adapter vLLM serves, updated in place (in-process engine, a loopback trainer in this
+    process: the transport is not what this shows). The engine starts on checkpoint ``base``
+    and serves adapter ``adapters[0]`` as lora_int_id 1; the trainer's layout is the base's HF
+    tensors (group "base") and the adapter's PEFT tensors (group "lora", lora_B scaled as vLLM
+    computes with it). Update 1 carries the LoRA group only (``adapters[1]``), update 2 both
+    groups (checkpoint ``base_b`` and ``adapters[0]``). Answers with the adapter and without it
+    after each, and the refusals of bad LoRA set-ups."""
+    from safetensors.torch import load_file
+    from vllm.lora.request import LoRARequest
+
+    import shadowsync as ss
+    import shadowsync.vllm as ssv
+
+    prompts, max_tokens = args["prompts"], args["max_tokens"]
+    base, base_b = args["base"], args["base_b"]
+    scaling = args["lora_alpha"] / args["r"]
+    adapters = [ssv.scaled_lora_b(load_file(os.path.join(p, "adapter_model.safetensors")),
+                                  scaling) for p in args["adapters"]]
+    bases = {p: hf_tensors(p, args["dtype"]) for p in (base, base_b)}
+    lora_settings = dict(enable_lora=True, max_lora_rank=args["r"], max_loras=1)
+    request = LoRARequest("policy", 1, args["adapters"][0])  # the adapter's first version
+
+    def answers(llm) -> dict:
+        return dict(lora=greedy_lora(llm, prompts, max_tokens, request),
+                    plain=greedy(llm, prompts, max_tokens))
+
+    out: dict = {}
+    llm = make_llm(args, base, quantization="shadowsync_unpacked", worker_extension_cls=EXTENSION,
+                   **lora_settings)
+    out["before"] = answers(llm)
+    wire = ss.TensorSpec
+    base_specs = [wire(n, WIRE_DTYPE[args["dtype"]], tuple(t.shape), "base")
+                  for n, t in bases[base].items()]
+    lora_specs = [wire(n, WIRE_DTYPE[args["dtype"]], tuple(t.shape), "lora")
+                  for n, t in adapters[0].items()]
+    refused = {}
+    for case, kwargs in (
+            ("no_adapter_id", dict(specs=lora_specs)),
+            ("not_loaded", dict(specs=lora_specs, lora_adapter=7)),
+            ("dtype", dict(specs=[wire(s.name, "bf16", s.shape, s.group) for s in lora_specs],
+                           lora_adapter=1)),
+            ("rebind", dict(specs=lora_specs, lora_adapter=1, swap_strategy="rebind"))):
+        try:
+            ssv.init_weight_update_group(llm, **kwargs)
+            refused[case] = None
+        except ss.ShadowsyncError as error:
+            refused[case] = f"{type(error).__name__}: {error}"
+    out["refused"] = refused
+    out["after_refusals"] = answers(llm)
+
+    layout = ss.Layout(base_specs + lora_specs, args["bucket_bytes"])
+    loopback = ss.Loopback(2)
+    sender = ss.Sender(layout, ss.HostBackend(), loopback.transport(0),
+                       ss.SenderConfig(update_deadline_ms=int(DEADLINE_S * 1000)))
+    try:
+        out["fingerprint_matches"] = layout.fingerprint == ssv.init_weight_update_group(
+            llm, specs=base_specs + lora_specs, bucket_bytes=args["bucket_bytes"],
+            transport=loopback.transport(1), lora_adapter=1)
+        stats = llm.collective_rpc("weight_update_stats")[0]
+        out["plan_copies"] = stats["plan_copies"]
+        out["after_init"] = answers(llm)
+        for version, tensors in ((1, adapters[1]), (2, {**bases[base_b], **adapters[0]})):
+            handle = sender.publish(version, tensors)
+            llm.collective_rpc("begin_update", args=(handle.header_bytes,))
+            handle.wait(DEADLINE_S)
+            out[f"applied{version}"] = ssv.apply_update(llm, version, DEADLINE_S)
+            out[f"after{version}"] = answers(llm)
+        llm.collective_rpc("close_weight_update_group")
+    finally:
+        sender.close()
+    return out
+
+
+def greedy_lora(llm, prompts: list[str], max_tokens: int, lora_request) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run_lora_references(args: dict) -> dict:
+    """Fresh engines: for each (checkpoint, adapter or None), greedy answers with the adapter
+    loaded from its directory by vLLM itself."""
+    from vllm.lora.request import LoRARequest
+
+    results = []
+    for model, cases in args["engines"]:
+        llm = make_llm(args, model, quantization="shadowsync_unpacked", enable_lora=True,
+                       max_lora_rank=args["r"], max_loras=1)
+        for number, adapter in enumerate(cases, start=1):
+            # Its own lora_int_id each: vLLM takes an id it holds as that adapter, whatever path.
+            request = LoRARequest(f"reference-{number}", number, adapter) if adapter else None
+            results.append(dict(model=model, adapter=adapter, tokens=greedy_lora(
+                llm, args["prompts"], args["max_tokens"], request)))
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return dict(outputs=results)
+
+
 def run_refusals(args: dict) -> dict:
     """For each of ``engines`` (one after the other, each shut down before the next): an engine
     started with its settings, then each of its ``attempts`` at init_weight_update_group. An
@@ -354,7 +455,8 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     if args["mode"] == "inproc":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    what = {"generate": run_generate, "update": run_update, "refusals": run_refusals}
+    what = {"generate": run_generate, "update": run_update, "refusals": run_refusals,
+            "lora": run_lora, "lora_references": run_lora_references}
     started = time.monotonic()
     result = what[args["what"]](args)
     result["wall_s"] = time.monotonic() - started
