@@ -164,10 +164,11 @@ step_vllm() {
     failed=1
     return 0
   fi
-  log "[vllm] pytest test_vllm_real.py test_vllm_example.py test_vllm_tp.py test_loader_trace.py with $dir/venv"
+  log "[vllm] pytest test_vllm_real.py test_vllm_example.py test_vllm_tp.py test_loader_trace.py test_lora_plan.py with $dir/venv"
   SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c.so" PYTHONDONTWRITEBYTECODE=1 \
     "$dir/venv/bin/python" -m pytest python/tests/test_vllm_real.py \
-    python/tests/test_vllm_example.py python/tests/test_vllm_tp.py python/tests/test_loader_trace.py -q -rs -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" ||
+    python/tests/test_vllm_example.py python/tests/test_vllm_tp.py python/tests/test_loader_trace.py \
+    python/tests/test_lora_plan.py -q -rs -p no:cacheprovider 2>&1 | tee "$dir/pytest.log" ||
     rc=$?
   result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$dir/pytest.log" | tail -n 1 || true)
   summary+=("vllm: ${result:-no pytest result line}")

@@ -1,0 +1,190 @@
+"""shadowsync.vllm.lora_plan: the receive plan of a LoRA adapter, learned by probing each LoRA
+layer's own set_lora with element indices.
+
+The layers here are small torch stand-ins written for these tests, with the shapes of vLLM's
+LoRA layers (stacked buffers [slots, 1, rank, in] and [slots, 1, out, rank]) and the slicing
+their set_lora does under tensor parallelism: a fused q/k/v layer that keeps this rank's rows of
+each B (three slices), a merged gate/up layer (two slices), a row-parallel layer that keeps this
+rank's columns of A. The oracle: the plan, replayed on real tensors, fills the adapter's slot
+exactly as the layer's own set_lora does with the same tensors, bit for bit. Real vLLM with a
+LoRA adapter: test_vllm_real.py. Skipped, visibly, where torch is not installed."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import shadowsync as ss  # noqa: E402
+from shadowsync.vllm.lora_plan import lora_receive_plan, scaled_lora_b  # noqa: E402
+
+HIDDEN, Q_ROWS, KV_ROWS, INTER, RANK, SLOTS = 8, 8, 4, 6, 2, 3
+
+
+class StackedLayer:
+    """What the plan sees of a vLLM LoRA layer: its stacked buffers and its set_lora."""
+
+    def __init__(self, a_shapes, b_shapes, rank, world):
+        self.tp_rank, self.tp_size = rank, world
+        self.lora_a_stacked = tuple(torch.zeros(SLOTS, 1, RANK, c) for c in a_shapes)
+        self.lora_b_stacked = tuple(torch.zeros(SLOTS, 1, r, RANK) for r in b_shapes)
+
+    def place(self, index, slices_a, slices_b):
+        for s, (a, b) in enumerate(zip(slices_a, slices_b)):
+            self.lora_a_stacked[s][index] = 0
+            self.lora_b_stacked[s][index] = 0
+            if a is not None:
+                self.lora_a_stacked[s][index, 0, :a.shape[0], :a.shape[1]].copy_(a)
+                self.lora_b_stacked[s][index, 0, :b.shape[0], :b.shape[1]].copy_(b)
+
+
+class FusedColumnLayer(StackedLayer):
+    """q/k/v (or gate/up) fused, column-parallel: each slice keeps this rank's rows of its B."""
+
+    def __init__(self, rows, rank, world):
+        super().__init__([HIDDEN] * len(rows), [r // world for r in rows], rank, world)
+        self.rows = rows
+
+    def set_lora(self, index, lora_a, lora_b):
+        sliced = [b[self.tp_rank * (r // self.tp_size):(self.tp_rank + 1) * (r // self.tp_size)]
+                  if b is not None else None for b, r in zip(lora_b, self.rows)]
+        self.place(index, lora_a, sliced)
+
+
+class RowParallelLayer(StackedLayer):
+    """o/down: row-parallel, keeps this rank's input columns of A; one slice."""
+
+    def __init__(self, inputs, outputs, rank, world):
+        super().__init__([inputs // world], [outputs], rank, world)
+        self.inputs = inputs
+
+    def set_lora(self, index, lora_a, lora_b):
+        shard = self.inputs // self.tp_size
+        self.place(index, [lora_a[:, self.tp_rank * shard:(self.tp_rank + 1) * shard]], [lora_b])
+
+
+class Manager:
+    """What the plan reads of vLLM's WorkerLoRAManager and its LoRAModelManager."""
+
+    def __init__(self, rank, world, slot_ids=(None, 7, None)):
+        self._adapter_manager = self
+        self.lora_index_to_id = list(slot_ids)
+        attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+        self.packed_modules = {f"{attn}.qkv_proj": [f"{attn}.q_proj", f"{attn}.k_proj",
+                                                    f"{attn}.v_proj"],
+                               f"{mlp}.gate_up_proj": [f"{mlp}.gate_proj", f"{mlp}.up_proj"]}
+        self.modules = {
+            f"{attn}.qkv_proj": FusedColumnLayer([Q_ROWS, KV_ROWS, KV_ROWS], rank, world),
+            f"{attn}.o_proj": RowParallelLayer(Q_ROWS, HIDDEN, rank, world),
+            f"{mlp}.gate_up_proj": FusedColumnLayer([INTER, INTER], rank, world),
+            f"{mlp}.down_proj": RowParallelLayer(INTER, HIDDEN, rank, world),
+        }
+
+
+SHAPES = {"self_attn.q_proj": (Q_ROWS, HIDDEN), "self_attn.k_proj": (KV_ROWS, HIDDEN),
+          "self_attn.v_proj": (KV_ROWS, HIDDEN), "self_attn.o_proj": (HIDDEN, Q_ROWS),
+          "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN),
+          "mlp.down_proj": (HIDDEN, INTER)}
+
+
+def adapter(seed, modules=SHAPES):
+    """PEFT tensors of one adapter: lora_A [r, in] and lora_B [out, r] per module."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (out, inp) in modules.items():
+        prefix = f"base_model.model.model.layers.0.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, inp, generator=generator)
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, RANK, generator=generator)
+    return tensors
+
+
+def specs_of(tensors):
+    return [ss.TensorSpec(n, "fp32", tuple(t.shape), "lora") for n, t in tensors.items()]
+
+
+def replay(plan, tensors):
+    """Each engine tensor as the plan's copies fill it from `tensors` (zeros elsewhere)."""
+    out = {name: torch.zeros_like(live) for name, live in plan.engine_tensors.items()}
+    for c in plan.copies:
+        src = tensors[c.wire].reshape(-1).as_strided(c.shape, c.src_strides, c.src_offset)
+        out[c.engine].reshape(-1).as_strided(c.shape, c.dst_strides, c.dst_offset).copy_(src)
+    return out
+
+
+def by_set_lora(manager, index, tensors):
+    """What vLLM's own path puts in the slot: each layer's set_lora with the real tensors."""
+    layers = {}
+    for name, layer in manager.modules.items():
+        parts = manager.packed_modules.get(name, [name])
+        a = [tensors.get(f"base_model.model.{p}.lora_A.weight") for p in parts]
+        b = [tensors.get(f"base_model.model.{p}.lora_B.weight") for p in parts]
+        if all(x is None for x in a):
+            continue
+        layer.set_lora(index, a, b) if len(parts) > 1 else layer.set_lora(index, a[0], b[0])
+        layers[name] = layer
+    return {f"{name}.lora_{which}.{s}": stacked[s][index, 0]
+            for name, layer in layers.items()
+            for which, stacked in (("a", layer.lora_a_stacked), ("b", layer.lora_b_stacked))
+            for s in range(len(stacked)) if bool(stacked[s][index, 0].any())}
+
+
+@pytest.mark.parametrize("rank,world", [(0, 1), (0, 2), (1, 2)])
+def test_replayed_plan_fills_the_slot_as_set_lora_does_bit_for_bit(rank, world):
+    tensors = adapter(seed=rank + 10 * world)
+    plan = lora_receive_plan(Manager(rank, world), 7, specs_of(tensors))
+    expected = by_set_lora(Manager(rank, world), 1, tensors)
+    got = replay(plan, tensors)
+    assert sorted(got) == sorted(expected)  # q, k, v, gate, up, o, down: A and B blocks each
+    assert len(got) == 2 * 7
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    # The live storage is the slot itself (slot 1 holds adapter 7), never a copy of it.
+    manager = Manager(rank, world)
+    plan = lora_receive_plan(manager, 7, specs_of(tensors))
+    qkv = manager.modules["model.layers.0.self_attn.qkv_proj"]
+    live = plan.engine_tensors["model.layers.0.self_attn.qkv_proj.lora_b.1"]
+    assert live.data_ptr() == qkv.lora_b_stacked[1][1, 0].data_ptr()
+
+
+def test_projections_the_adapter_leaves_out_are_not_written():
+    tensors = adapter(seed=1, modules={k: v for k, v in SHAPES.items() if k != "self_attn.k_proj"})
+    plan = lora_receive_plan(Manager(0, 1), 7, specs_of(tensors))
+    assert not [c for c in plan.copies if c.engine.endswith("qkv_proj.lora_a.1")]
+    assert len(plan.copies) == 2 * 6
+
+
+def test_scaled_lora_b_scales_only_b():
+    tensors = adapter(seed=2)
+    scaled = scaled_lora_b(tensors, 2.0)
+    for name, t in tensors.items():
+        assert torch.equal(scaled[name], t * 2.0 if ".lora_B." in name else t), name
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t | {"base_model.model.model.layers.0.mlp.fc9.lora_A.weight": torch.zeros(2, 8),
+                    "base_model.model.model.layers.0.mlp.fc9.lora_B.weight": torch.zeros(8, 2)},
+     "module 'model.layers.0.mlp.fc9' has no LoRA layer in vLLM"),
+    (lambda t: {n: v for n, v in t.items() if "o_proj.lora_B" not in n},
+     "tensor 'base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight' comes without its "
+     "lora_B"),
+    (lambda t: t | {"model.layers.0.mlp.up_proj.weight": torch.zeros(6, 8)},
+     "tensor 'model.layers.0.mlp.up_proj.weight' is not a LoRA tensor"),
+    (lambda t: {n: (v[:1] if ".lora_A." in n else v[:, :1]) for n, v in t.items()},
+     "vLLM's max_lora_rank must equal the adapter's rank"),
+])
+def test_bad_adapters_are_refused_naming_the_tensor(change, message):
+    tensors = change(adapter(seed=3))
+    with pytest.raises(ss.LayoutMismatchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        lora_receive_plan(Manager(0, 1), 7, specs_of(tensors))
+
+
+def test_an_adapter_vllm_does_not_hold_is_refused_naming_what_it_holds():
+    with pytest.raises(ss.InvalidArgumentError, match=r"lora_adapter=3: vLLM holds no LoRA adapter "
+                                                      r"with that lora_int_id in its slots \(they "
+                                                      r"hold \[None, 7, None\]\)"):
+        lora_receive_plan(Manager(0, 1), 3, specs_of(adapter(seed=4)))
+
+
+def test_a_dtype_other_than_the_slots_is_refused_naming_both():
+    specs = [ss.TensorSpec(s.name, "bf16", s.shape, s.group) for s in specs_of(adapter(seed=5))]
+    with pytest.raises(ss.LayoutMismatchError, match="dtype bf16 of the trainer's layout does not "
+                                                     "match fp32 of vLLM's LoRA slot"):
+        lora_receive_plan(Manager(0, 1), 7, specs)
