@@ -14,6 +14,11 @@ load_weights). Then: answers unchanged after set-up; update 1 (B) streams while 
 generating; after apply_update the answers equal B's fresh vLLM token for token; update 2 (A)
 back again. Exits non-zero on any difference; prints one line per stage. vLLM runs in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that collective_rpc runs between generate calls.
+
+--lora: vLLM also serves a LoRA adapter (enable_lora; lora_int_id 1, loaded from adapter L1 by
+the first request) and every update carries a new adapter with the base (B with adapter L2, then
+A with L1), as PEFT tensors in their own group (lora_adapter=1); the answers are those of
+requests with the adapter, against fresh vLLMs that loaded the adapter from its directory.
 """
 
 from __future__ import annotations
@@ -39,9 +44,14 @@ def log(message: str) -> None:
     print(f"[vllm-e2e] {message}", flush=True)
 
 
-def engine_kwargs(device: str, model: str, tp: int = 1) -> dict:
+LORA_R, LORA_ALPHA = 8, 16
+
+
+def engine_kwargs(device: str, model: str, tp: int = 1, lora: bool = False) -> dict:
     kwargs = dict(model=model, max_model_len=256, max_num_seqs=8, seed=0, skip_tokenizer_init=True,
                   tensor_parallel_size=tp)
+    if lora:
+        kwargs.update(enable_lora=True, max_lora_rank=LORA_R, max_loras=1)
     if device == "cpu":
         import shadowsync.vllm.unpacked as unpacked
 
@@ -53,22 +63,33 @@ def engine_kwargs(device: str, model: str, tp: int = 1) -> dict:
     return kwargs
 
 
-def greedy(llm) -> list[list[int]]:
+def greedy(llm, adapter: str | None = None) -> list[list[int]]:
+    """Greedy answers; with `adapter`, requests with LoRA adapter lora_int_id 1 (vLLM loads it
+    from that directory the first time; afterwards id 1 is whatever its slot holds)."""
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
 
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    request = LoRARequest("policy", 1, adapter) if adapter else None
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+                           lora_request=request)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def reference(device: str, model: str, tp: int) -> list[list[int]]:
-    """Greedy answers of a fresh vLLM of `model`, in a process of its own."""
+def reference(device: str, model: str, tp: int, adapter: str | None) -> list[list[int]]:
+    """Greedy answers of a fresh vLLM of `model` (with LoRA `adapter`), in a process of its
+    own."""
+    extra = ["--reference-adapter", adapter] if adapter else []
     out = subprocess.run([sys.executable, __file__, "--device", device, "--reference", model,
-                          "--tp", str(tp)],
+                          "--tp", str(tp)] + extra,
                          capture_output=True, text=True, timeout=400)
     if out.returncode != 0:
         raise RuntimeError(f"reference engine of {model} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    answers = [line for line in out.stdout.splitlines() if line.startswith("ANSWERS ")]
+    if not answers:
+        raise RuntimeError(f"reference engine of {model} printed no answers:\n"
+                           f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return json.loads(answers[-1][len("ANSWERS "):])
 
 
 def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
@@ -81,20 +102,33 @@ def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
 
 
 def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
-            receivers: int):
-    """The trainer process: HF models of every version, one Sender over the same-host transport."""
+            receivers: int, adapters: dict):
+    """The trainer process: HF models of every version (and its LoRA adapter's PEFT tensors, in
+    group "lora", lora_B scaled as vLLM computes with it), one Sender over the same-host
+    transport."""
     import torch
     import transformers
+    from safetensors.torch import load_file
 
     import shadowsync as ss
+    import shadowsync.vllm as ssv
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    where = "cuda:0" if device == "cuda" else "cpu"
     models = {}
     for version, checkpoint in checkpoints.items():
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
-        models[version] = model.to("cuda:0" if device == "cuda" else "cpu")
+        models[version] = model.to(where)
     named = {v: dict(m.named_parameters()) for v, m in models.items()}
-    specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in named[min(named)].items()]
+    groups = {}
+    for version, adapter in adapters.items():
+        # In the engine's dtype first, then scaled: the order vLLM loads an adapter in.
+        peft = {n: t.to(device=where, dtype=dtype)
+                for n, t in load_file(os.path.join(adapter, "adapter_model.safetensors")).items()}
+        named[version].update(ssv.scaled_lora_b(peft, LORA_ALPHA / LORA_R))
+        groups.update({n: "lora" for n in peft})
+    specs = [(n, str(p.dtype), tuple(p.shape), groups.get(n, "base"))
+             for n, p in named[min(named)].items()]
     conn.send(("specs", specs))
     backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
     layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
@@ -119,6 +153,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--reference", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-adapter", help=argparse.SUPPRESS)
+    parser.add_argument("--lora", action="store_true",
+                        help="vLLM serves a LoRA adapter that every update carries too")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--arch", default="llama", help="llama, qwen2 (biases, tied), qwen3, phi3")
     parser.add_argument("--multiprocess", action="store_true",
@@ -135,10 +172,12 @@ def main() -> int:
     from vllm import LLM
 
     if args.reference:
-        print(json.dumps(greedy(LLM(**engine_kwargs(args.device, args.reference, args.tp)))))
+        llm = LLM(**engine_kwargs(args.device, args.reference, args.tp,
+                                  lora=bool(args.reference_adapter)))
+        print("ANSWERS " + json.dumps(greedy(llm, args.reference_adapter)), flush=True)
         return 0
 
-    from vllm_models import make_tiny_model
+    from vllm_models import make_tiny_lora, make_tiny_model
 
     import shadowsync as ss
     import shadowsync.vllm as ssv
@@ -147,8 +186,14 @@ def main() -> int:
     # initializer_range 0.1: with the default 0.02 two random tied models can answer alike.
     a = make_tiny_model(args.arch, str(work / "A"), seed=1, initializer_range=0.1)
     b = make_tiny_model(args.arch, str(work / "B"), seed=2, initializer_range=0.1)
+    # --lora: A is served with adapter L1, B with L2 (an update carries both groups).
+    adapter = {"A": None, "B": None}
+    if args.lora:
+        adapter = {"A": make_tiny_lora(a, work / "L1", seed=11, r=LORA_R, lora_alpha=LORA_ALPHA),
+                   "B": make_tiny_lora(a, work / "L2", seed=12, r=LORA_R, lora_alpha=LORA_ALPHA)}
     started = time.monotonic()
-    expected = {"A": reference(args.device, a, args.tp), "B": reference(args.device, b, args.tp)}
+    expected = {"A": reference(args.device, a, args.tp, adapter["A"]),
+                "B": reference(args.device, b, args.tp, adapter["B"])}
     log(f"{args.arch}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
         f"references of A and B from fresh engines in {time.monotonic() - started:.1f} s; "
         f"A {expected['A'][0][:6]}..., B {expected['B'][0][:6]}...")
@@ -156,7 +201,7 @@ def main() -> int:
         log("FAIL: A and B answer alike; the check could not tell them apart")
         return 1
 
-    llm = LLM(**engine_kwargs(args.device, a, args.tp),
+    llm = LLM(**engine_kwargs(args.device, a, args.tp, lora=args.lora),
               worker_extension_cls="shadowsync.vllm.WorkerExtension")
     failures = 0
 
@@ -165,20 +210,22 @@ def main() -> int:
         same = got == expected[want]
         failures += not same
         log(f"{'ok  ' if same else 'FAIL'} {stage}: answers {'equal' if same else 'differ from'} "
-            f"a fresh vLLM of {want}" + ("" if same else f" (got {got[0][:8]}, want {expected[want][0][:8]})"))
+            f"a fresh vLLM of {want}" + (f" with adapter {Path(adapter[want]).name}"
+                                         if adapter[want] else "") + ("" if same else f" (got {got[0][:8]}, want {expected[want][0][:8]})"))
 
-    check("before set-up", greedy(llm), "A")
+    check("before set-up", greedy(llm, adapter["A"]), "A")
     socket_dir = Path(tempfile.mkdtemp(prefix="ss-"))
     os.chmod(socket_dir, 0o700)
     path, token = str(socket_dir / "trainer.sock"), os.urandom(32)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    adapters = {1: adapter["B"], 2: adapter["A"]} if args.lora else {}
     process = ctx.Process(target=trainer, args=(child, {1: b, 2: a}, args.device, path, token,
-                                                args.bucket_bytes, args.tp), daemon=True)
+                                                args.bucket_bytes, args.tp, adapters), daemon=True)
     process.start()
     kind, specs = parent.recv()
     settings = dict(bucket_bytes=args.bucket_bytes, same_host=dict(path=path, token=token),
-                    track_request_versions=True)
+                    track_request_versions=True, lora_adapter=1 if args.lora else None)
     # Bad input first: a trainer tensor the model's load_weights does not take. Refused with its
     # name on every worker (under TP as a returned refusal: a raise would end vLLM's engine),
     # nothing set up, and the engine goes on answering.
@@ -192,12 +239,12 @@ def main() -> int:
     failures += not ok
     log(f"{'ok  ' if ok else 'FAIL'} init with a tensor load_weights does not take refused, "
         f"nothing set up: {refused[:160]}")
-    check("after the refused set-up", greedy(llm), "A")
+    check("after the refused set-up", greedy(llm, adapter["A"]), "A")
     fingerprint = ssv.init_weight_update_group(llm, specs=specs, **settings)
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"set-up: {len(specs)} trainer tensors, {stats['plan_copies']} plan copies, "
         f"fingerprint {fingerprint:#018x}")
-    check("after set-up, before any update", greedy(llm), "A")
+    check("after set-up, before any update", greedy(llm, adapter["A"]), "A")
 
     for version, source, name in ((1, 1, "B"), (2, 2, "A")):
         parent.send(("publish", version, source))
@@ -205,7 +252,7 @@ def main() -> int:
         llm.collective_rpc("begin_update", args=(header,))
         during = 0
         while not parent.poll():  # the engine keeps generating while the update streams
-            during += sum(len(t) for t in greedy(llm))
+            during += sum(len(t) for t in greedy(llm, adapter["A"]))
         kind, seconds, nbytes = parent.recv()
         if args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
             wait_ready(llm, version)
@@ -222,7 +269,7 @@ def main() -> int:
             applied = ssv.apply_update(llm, version, timeout=60)
         log(f"update {version}: {nbytes} bytes sent in {seconds * 1e3:.1f} ms; {during} tokens "
             f"generated meanwhile; applied {applied}")
-        check(f"after update {version}", greedy(llm), name)
+        check(f"after update {version}", greedy(llm, adapter["A"]), name)
     if args.tp > 1:
         logs = llm.collective_rpc("step_versions")
         same = all(log == logs[0] for log in logs)

@@ -16,6 +16,7 @@ trainer sends that product (``scaled_lora_b``), since a receive only copies.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from dataclasses import dataclass
@@ -44,6 +45,34 @@ def scaled_lora_b(tensors: dict, scaling: float) -> dict:
     lora_B, the others as they are."""
     return {n: (t * scaling if _LORA_TENSOR.match(n) and _LORA_TENSOR.match(n)["which"] == "B"
                 else t) for n, t in tensors.items()}
+
+
+def is_lora_layer(module) -> bool:
+    """Whether `module` is one of vLLM's LoRA wrappers (BaseLayerWithLoRA: the loaded layer as
+    ``base_layer``, the adapters' slots through ``set_lora``)."""
+    return hasattr(module, "base_layer") and callable(getattr(module, "set_lora", None))
+
+
+@contextlib.contextmanager
+def lora_layers_unwrapped(model):
+    """The model as vLLM loaded it, for the duration: with enable_lora vLLM wraps layers after
+    loading (``embed_tokens.weight`` becomes ``embed_tokens.base_layer.weight``), and some
+    versions' load_weights (0.25's embedding) then find no parameter by the checkpoint's name.
+    Each wrapper is swapped for its base layer (the same parameter objects the wrapper computes
+    with) and put back on the way out, also on an error. Thread: the model's, while idle."""
+    wrapped = [(name, module) for name, module in model.named_modules()
+               if name and is_lora_layer(module)]
+    swapped = []
+    try:
+        for name, module in wrapped:
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attribute, module.base_layer)
+            swapped.append((parent, attribute, module))
+        yield model
+    finally:
+        for parent, attribute, module in reversed(swapped):
+            setattr(parent, attribute, module)
 
 
 @dataclass

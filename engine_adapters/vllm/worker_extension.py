@@ -37,7 +37,7 @@ from shadowsync.layout import BASE_GROUP, Layout, TensorSpec, UpdateHeader, form
 from shadowsync.receiver import GroupSwap, Receiver, ReceiverConfig
 from shadowsync.transport import Transport, nccl_transport
 
-from .lora_plan import is_lora_tensor, lora_receive_plan
+from .lora_plan import is_lora_tensor, lora_layers_unwrapped, lora_receive_plan
 
 __all__ = ["WorkerExtension"]
 
@@ -348,14 +348,13 @@ class WorkerExtension:
             specs = [TensorSpec.coerce(s) for s in specs]
             if lora_adapter is not None or any(is_lora_tensor(s.name) for s in specs):
                 layout, plan, params, descs = _receive_plan_with_lora(
-                    self, model, specs, lora_adapter, bucket_bytes, descs, allow_partial)
+                    self, model, specs, lora_adapter, bucket_bytes, allow_partial)
             elif _names_are_parameters(specs, descs):
                 _check_specs(specs, descs)  # the engine's own layout: zero-copy receive
                 layout = Layout(specs, bucket_bytes)
             else:
-                layout, plan, params = _receive_plan(model, specs, bucket_bytes, descs,
-                                                     allow_partial)
-                descs = {name: descs[name] for name in params}
+                layout, plan, params = _receive_plan(model, specs, bucket_bytes, allow_partial)
+                descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
 
         backend: Backend
         if device == "cpu":
@@ -635,8 +634,7 @@ def _names_are_parameters(specs: list[TensorSpec], descs: dict) -> bool:
     return all(s.name in descs for s in specs)
 
 
-def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict,
-                  allow_partial: bool):
+def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partial: bool):
     """(wire layout, ReceivePlan, {engine parameter name: parameter}) from the model's own
     load_weights, traced without data (loader_trace). The engine layout holds the parameters the
     plan writes, each in the group of the trainer's tensors that write it."""
@@ -645,13 +643,15 @@ def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict
     from .loader_trace import trace_load_weights
 
     if not callable(getattr(model, "load_weights", None)):
-        foreign = [s.name for s in specs if s.name not in descs]
+        known = {name for name, _ in model.named_parameters()}
+        foreign = [s.name for s in specs if s.name not in known]
         raise LayoutMismatchError(
             f"tensor '{foreign[0]}' of the trainer's layout is not a parameter of the worker "
-            f"({len(descs)} parameters; {len(foreign)} of the trainer's tensors are not), and "
+            f"({len(known)} parameters; {len(foreign)} of the trainer's tensors are not), and "
             f"{type(model).__name__} has no load_weights to derive a receive plan from"
         )
-    trace = trace_load_weights(model, specs)
+    with lora_layers_unwrapped(model):  # checkpoint names, as load_weights knows them
+        trace = trace_load_weights(model, specs)
     if trace.unwritten_params and not allow_partial:
         missing = trace.unwritten_params
         raise LayoutMismatchError(
@@ -672,12 +672,16 @@ def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, descs: dict
             )
     order = {g.name: i for i, g in enumerate(wire.groups)}
     names = sorted(trace.engine_params, key=lambda n: order[group_of[n]])  # stable: model order
+    params = {n: trace.engine_params[n] for n in names}
+    # Described here: with LoRA on, a parameter's name in the trace (the checkpoint's) is not its
+    # name among the wrapped model's parameters.
+    descs = {n: _tensors.describe(n, _data(p)) for n, p in params.items()}
     engine = Layout([TensorSpec(n, descs[n].dtype, descs[n].shape, group_of[n]) for n in names])
-    return engine, ReceivePlan(wire, trace.copies), {n: trace.engine_params[n] for n in names}
+    return engine, ReceivePlan(wire, trace.copies), params
 
 
 def _receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter: int | None,
-                            bucket_bytes: int, descs: dict, allow_partial: bool):
+                            bucket_bytes: int, allow_partial: bool):
     """(engine layout, ReceivePlan, params, descs) for a trainer that sends a LoRA adapter's
     tensors (and maybe base weights): the base through _receive_plan, the adapter into its vLLM
     slot (lora_plan.py). Both in one plan over the trainer's layout as it sends it."""
@@ -707,7 +711,7 @@ def _receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter
     base_specs = [s for s in specs if not is_lora_tensor(s.name)]
     if base_specs:
         base_layout, base_plan, base_params = _receive_plan(model, base_specs, bucket_bytes,
-                                                            descs, allow_partial)
+                                                            allow_partial)
         copies += base_plan.copies
         engine_specs = list(base_layout.specs) + engine_specs
         params.update(base_params)

@@ -188,3 +188,55 @@ def test_a_dtype_other_than_the_slots_is_refused_naming_both():
     with pytest.raises(ss.LayoutMismatchError, match="dtype bf16 of the trainer's layout does not "
                                                      "match fp32 of vLLM's LoRA slot"):
         lora_receive_plan(Manager(0, 1), 7, specs)
+
+
+class _Wrapper(torch.nn.Module):
+    """A stand-in of vLLM's LoRA wrapper: the loaded layer as base_layer, slots via set_lora."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+
+    def set_lora(self, index, lora_a, lora_b):
+        raise AssertionError("not called here")
+
+
+class _CheckpointNamedModel(torch.nn.Module):
+    """A model whose load_weights finds parameters by the checkpoint's names only (as vLLM
+    0.25's embedding does): after wrapping, 'embed.weight' is 'embed.base_layer.weight'."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(4, 3)
+        self.proj = torch.nn.Linear(3, 3, bias=False)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"no parameter named '{name}'")
+            params[name].data.copy_(tensor)
+
+
+def test_lora_wrappers_are_unwrapped_for_load_weights_and_put_back_also_on_error():
+    from shadowsync.vllm.loader_trace import trace_load_weights
+    from shadowsync.vllm.lora_plan import lora_layers_unwrapped
+
+    model = _CheckpointNamedModel()
+    embed, proj = model.embed, model.proj
+    model.embed, model.proj = _Wrapper(embed), _Wrapper(proj)
+    wrappers = (model.embed, model.proj)
+    specs = [("embed.weight", "fp32", (4, 3)), ("proj.weight", "fp32", (3, 3))]
+    with pytest.raises(ss.LayoutMismatchError, match="no parameter named 'embed.weight'"):
+        trace_load_weights(model, specs)  # wrapped: the loader does not find its names
+    with lora_layers_unwrapped(model):
+        assert model.embed is embed and model.proj is proj
+        trace = trace_load_weights(model, specs)
+    assert (model.embed, model.proj) == wrappers
+    # The plan writes the parameters the wrappers compute with, under the checkpoint's names.
+    assert trace.engine_params["embed.weight"] is embed.weight
+    assert trace.engine_params["proj.weight"] is proj.weight
+    with pytest.raises(RuntimeError, match="inside"):
+        with lora_layers_unwrapped(model):
+            raise RuntimeError("inside")
+    assert (model.embed, model.proj) == wrappers

@@ -4,7 +4,12 @@ it live on both between the same two steps (a commit of a version no rank holds 
 on every rank and flips none); the ranks' step versions agree at every step and the
 answers equal a fresh TP=2 vLLM of the new checkpoint, back and forth (scripts/vllm_e2e.py --tp 2,
 which exits non-zero on any difference). Before that, a set-up the workers refuse is raised on
-the front end and leaves every rank as it was."""
+the front end and leaves every rank as it was.
+
+With LoRA: vLLM also serves adapter lora_int_id 1 and every update carries a new adapter in its
+own group (PEFT tensors) with the base; each rank's LoRA shards land in its slot of vLLM's
+stacked LoRA buffers, and the answers of requests with the adapter equal a fresh TP=2 vLLM that
+loaded the new checkpoint and adapter (--lora)."""
 
 import os
 import subprocess
@@ -19,14 +24,18 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "base_and_lora"])
+def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step(lora):
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_e2e.py"), "--device", "cpu",
-                          "--tp", "2"], capture_output=True, text=True, timeout=900, env=env)
+                          "--tp", "2"] + (["--lora"] if lora else []),
+                         capture_output=True, text=True, timeout=900, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("[vllm-e2e]")]
     assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
     assert any("step versions of the 2 ranks agree" in line for line in lines), lines
     assert sum("answers equal a fresh vLLM" in line for line in lines) == 5, lines
+    if lora:  # every answer is that of a request with the adapter, against one with it
+        assert sum("with adapter L" in line for line in lines) == 5, lines
     # A set-up the workers refuse (a trainer tensor load_weights does not take) is raised on the
     # front end with the tensor's name; no rank is set up and the engine goes on (a worker that
     # raised would have ended vLLM's TP engine).
