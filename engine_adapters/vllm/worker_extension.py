@@ -281,10 +281,10 @@ class WorkerExtension:
         not carry keeps the current weights.
 
         `swap_strategy` and `engine_uses_cuda_graphs` set those fields of `receiver_config`: an
-        engine that replays CUDA graphs (vLLM without ``enforce_eager``) passes
-        ``swap_strategy="copy_in"`` (or ``"remap"`` on a GPU with VMM) and
-        ``engine_uses_cuda_graphs=True`` (the default on a vLLM GPU worker without enforce_eager:
-        copy_in). Under copy_in the parameters stay where they are, the engine's own storage is
+        engine that replays CUDA graphs (vLLM without ``enforce_eager``) gets
+        ``swap_strategy="copy_in"`` and ``engine_uses_cuda_graphs=True`` by default; "remap" is
+        refused there (vLLM captured its graphs over its own storage before this call; remap
+        would make the receiver's memory live instead), as the library refuses "rebind". Under copy_in the parameters stay where they are, the engine's own storage is
         the live copy (Receiver.use_engine_storage: graphs captured before this call keep
         reading it) and each swap copies the shadow into them, one batched copy.
 
@@ -373,19 +373,27 @@ class WorkerExtension:
 
         if engine_uses_cuda_graphs is None and device != "cpu":
             engine_uses_cuda_graphs = _vllm_captures_cuda_graphs(self)
+        chosen = swap_strategy if swap_strategy is not None else (
+            receiver_config.swap_strategy if receiver_config is not None else None)
         if lora_adapter is not None:
             # The live LoRA weights are slots of vLLM's stacked buffers: they can only be copied
             # into, never rebound.
-            chosen = swap_strategy if swap_strategy is not None else (
-                receiver_config.swap_strategy if receiver_config is not None else None)
             if chosen not in (None, "copy_in"):
                 raise InvalidArgumentError(
                     f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
                     f"adapter lives in vLLM's stacked LoRA buffers), got {chosen!r}")
-            swap_strategy = "copy_in"
-        if engine_uses_cuda_graphs and swap_strategy is None and (
-            receiver_config is None or receiver_config.swap_strategy in (None, "rebind")
-        ):
+            swap_strategy = chosen = "copy_in"
+        if engine_uses_cuda_graphs and chosen == "remap":
+            # remap keeps one virtual range live, but it is the receiver's: vLLM captured its
+            # graphs at start-up over its own parameter storage and would go on reading that.
+            raise InvalidArgumentError(
+                "init_weight_update_group: swap_strategy 'remap' with engine_uses_cuda_graphs: "
+                "vLLM captured its CUDA graphs at start-up over its own parameter storage, and "
+                "remap makes the receiver's memory live instead, which those graphs never read "
+                "(every step after would compute with the old weights). Use 'copy_in' (the "
+                "default under CUDA graphs: the engine's storage stays live), or start vLLM with "
+                "enforce_eager=True to use 'remap'")
+        if engine_uses_cuda_graphs and swap_strategy is None and chosen in (None, "rebind"):
             swap_strategy = "copy_in"  # graphs keep their addresses: rebind would be ignored
         if commit_mode is None and (receiver_config is None or receiver_config.commit_mode is None):
             # Tensor parallelism: ranks that flipped each on its own could run one step on two

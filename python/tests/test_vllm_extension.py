@@ -426,3 +426,20 @@ def test_under_tensor_parallelism_init_twice_keeps_the_group_it_has(monkeypatch)
         init_weight_update_group(SimpleNamespace(collective_rpc=lambda method, kwargs: again))
     for w in workers:
         w.close_weight_update_group()
+
+
+def test_remap_under_cuda_graphs_is_refused_naming_the_way_out():
+    # vLLM captures its graphs at start-up over its own parameters: remap would make the
+    # receiver's memory live, which those graphs never read. Refused before anything is set up,
+    # whether remap comes as the argument or in receiver_config.
+    for kwargs in (dict(swap_strategy="remap"),
+                   dict(receiver_config=ss.ReceiverConfig(swap_strategy="remap"))):
+        worker = FakeWorker()
+        before = {n: p.data for n, p in worker.model_runner.model.params}
+        with pytest.raises(ss.InvalidArgumentError,
+                           match=r"swap_strategy 'remap' with engine_uses_cuda_graphs: vLLM "
+                                 r"captured its CUDA graphs.*Use 'copy_in'.*enforce_eager=True"):
+            worker.init_weight_update_group(transport=ss.Loopback(2).transport(1),
+                                            engine_uses_cuda_graphs=True, **kwargs)
+        assert worker._shadowsync is None
+        assert all(p.data is before[n] for n, p in worker.model_runner.model.params)
