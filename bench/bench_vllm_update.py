@@ -57,7 +57,8 @@ down before the next path starts, so two engines never coexist. A path that fail
   ``collective_rpc("begin_update", header)`` queues it, the engine keeps generating while it
   streams, ``apply_update_async`` returns when it is live (the step hook flips it between two
   steps; under CUDA graphs the swap is copy_in: one batched device copy into vLLM's own
-  storage; ``--swap-strategy remap`` tries the VMM strategy). The prefix cache is not reset
+  storage; ``--swap-strategy remap`` is the VMM strategy, accepted only with
+  ``--enforce-eager``: the extension refuses it under vLLM's graphs). The prefix cache is not reset
   (apply_update_async(reset_prefix_cache=False)): vLLM's path here keeps its caches too.
 
 **Load and figures.** A steady decode load: ``--requests`` request slots (32), each generating
