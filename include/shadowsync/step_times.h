@@ -40,9 +40,17 @@ class StepTimes {
   // Steps recorded so far. Thread-safe.
   std::uint64_t count() const { return count_.load(std::memory_order_acquire); }
 
-  // The durations (ns) of the newest steps that started at or after `since_ns` and were followed
-  // by another step (a step's duration is the time to the next step's start), oldest first, at
-  // most min(max, kMaxIntervals). Thread-safe.
+  // A step that was followed by another: when it started and how long it took (the time to
+  // the next step's start), steady-clock nanoseconds.
+  struct Step {
+    std::int64_t start_ns;
+    std::int64_t duration_ns;
+  };
+
+  // The newest steps that started at or after `since_ns` and were followed by another step,
+  // oldest first, at most min(max, kMaxIntervals). Thread-safe.
+  std::vector<Step> steps_since(std::int64_t since_ns, std::size_t max) const;
+  // The same steps' durations only.
   std::vector<std::int64_t> intervals_since(std::int64_t since_ns, std::size_t max) const;
 
  private:

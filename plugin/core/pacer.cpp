@@ -36,9 +36,18 @@ void Pacer::begin() {
   const std::vector<std::int64_t> idle =
       steps_->intervals_since(last_end_ns_, StepTimes::kMaxIntervals);
   if (idle.size() >= PacingReport::kMinBaselineSteps) idle_step_ns_ = median(idle);
-  update_start_ns_ = now;
   last_change_ns_ = now;
   steps_at_start_ = steps_->count();
+  during_.clear();
+  collect_from_ns_ = now;
+}
+
+void Pacer::collect_steps() {
+  for (const StepTimes::Step& step :
+       steps_->steps_since(collect_from_ns_, StepTimes::kMaxIntervals)) {
+    if (during_.size() < kMaxCollectedSteps) during_.push_back(step.duration_ns);
+    collect_from_ns_ = step.start_ns + 1;
+  }
 }
 
 void Pacer::adjust_duty() {
@@ -61,6 +70,7 @@ std::chrono::nanoseconds Pacer::hold_after(std::size_t bytes, std::chrono::nanos
   using std::chrono::nanoseconds;
   ++buckets_;
   report_.busy += busy;
+  if (steps_ != nullptr) collect_steps();
   nanoseconds hold{0};
   if (budget_ && idle_step_ns_ > 0) {
     adjust_duty();
@@ -93,10 +103,9 @@ PacingReport Pacer::finish() {
   if (steps_ != nullptr) {
     const std::int64_t now = StepTimes::now_ns();
     report_.steps = steps_->count() - steps_at_start_;
-    const std::vector<std::int64_t> during =
-        steps_->intervals_since(update_start_ns_, StepTimes::kMaxIntervals);
+    collect_steps();
     report_.idle_step = std::chrono::nanoseconds(idle_step_ns_);
-    if (!during.empty()) report_.step_during = std::chrono::nanoseconds(median(during));
+    if (!during_.empty()) report_.step_during = std::chrono::nanoseconds(median(during_));
     if (idle_step_ns_ > 0 && report_.step_during.count() > 0) {
       report_.step_ratio = static_cast<double>(report_.step_during.count()) /
                            static_cast<double>(idle_step_ns_);

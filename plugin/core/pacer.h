@@ -7,7 +7,9 @@
 // give the ratio r = median step / idle step; duty is scaled by (target - 1) / (r - 1) (bounded
 // per change), aiming a little below the budget, and the next hold is busy x (1 - duty) / duty.
 // duty persists across updates, so a short update starts where the last one ended. Steps are
-// the StepHook's stamps; the idle step time is their median while no update streamed in.
+// the StepHook's stamps; the idle step time is their median while no update streamed in. The
+// report's step_during is the median of every step of the update, collected after each bucket
+// (the hook's ring holds only the newest few dozen).
 //
 // Threads: the receiver thread only. Ownership: reads the hook's StepTimes, which outlive it.
 #pragma once
@@ -16,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "shadowsync/receiver.h"
 #include "shadowsync/step_times.h"
@@ -52,16 +55,23 @@ class Pacer {
   static constexpr double kMinDuty = 0.02;
 
   void adjust_duty();
+  // Adds the steps that completed since the last call to during_ (the ring keeps only the
+  // newest kMaxIntervals, so this runs after every bucket and at the end).
+  void collect_steps();
+
+  // during_ holds at most this many steps (128 KiB); later ones are left out of the report.
+  static constexpr std::size_t kMaxCollectedSteps = 16384;
 
   const std::optional<double> budget_;
   const std::uint64_t max_bytes_per_second_;
   const StepTimes* const steps_;
   double duty_ = 1.0;              // learned; kept across updates
   std::int64_t idle_step_ns_ = 0;  // learned; kept until a newer baseline is measured
-  std::int64_t update_start_ns_ = 0;
   std::int64_t last_end_ns_ = 0;      // when the previous receive ended
   std::int64_t last_change_ns_ = 0;   // when duty_ last changed: later steps show its effect
   std::uint64_t steps_at_start_ = 0;
+  std::vector<std::int64_t> during_;  // durations of this update's steps, for the report
+  std::int64_t collect_from_ns_ = 0;  // steps that started from here on are not in during_ yet
   std::size_t buckets_ = 0;  // of this update, so far
   PacingReport report_;
 };

@@ -225,15 +225,14 @@ TEST_CASE("a decode-slowdown budget holds, and the transfer slows down to pay fo
   CHECK_FALSE(unpaced.pacing.paced);
   // The budget holds, as the engine measured it (a little noise allowed) ...
   CHECK(paced.ratio <= 1.10 * kStepNoise);
-  // ... and well below unpaced as the receiver reports it. The report is the median of the
-  // newest 32 steps only (StepTimes::kMaxIntervals), and paced steps are bimodal (a step either
-  // overlaps a bucket or not), so on a loaded 2-core machine it swings more than the engine's
-  // median over the whole update (CI: engine 1.08 while the report said 1.23): it is held to
-  // "far below unpaced", not to the budget.
+  // ... and as the receiver reports it: the median of every step of the update (Pacer collects
+  // them after each bucket; until it did, the report took the newest 32 only and, paced steps
+  // being bimodal, said 1.23 where the engine measured 1.08 on a loaded CI machine).
   CHECK(paced.pacing.paced);
   CHECK(paced.pacing.budget == 1.10);
   CHECK(paced.pacing.step_ratio > 0.0);
-  CHECK(paced.pacing.step_ratio < 1.0 + 0.5 * (unpaced.ratio - 1.0));
+  CHECK(paced.pacing.step_ratio <= 1.10 * kStepNoise);
+  // Whatever the noise, paced is well below unpaced.
   CHECK(paced.ratio < 1.0 + 0.5 * (unpaced.ratio - 1.0));
   CHECK(paced.pacing.idle_step > 0ns);
   CHECK(std::abs(ms(paced.pacing.idle_step) - paced.idle_step_ms) < 0.2 * paced.idle_step_ms);
