@@ -99,8 +99,9 @@ def adapter_slot(lora_manager, adapter_id: int) -> int:
 def lora_receive_plan(lora_manager, adapter_id: int, specs: list[TensorSpec]) -> LoraPlan:
     """The plan that puts the trainer's LoRA tensors `specs` into adapter `adapter_id`'s slot.
     Refused, named: a tensor that is not a PEFT LoRA tensor, a module vLLM has no LoRA layer for,
-    lora_A without its lora_B, a dtype other than the slot's, a rank other than vLLM's
-    max_lora_rank, a placement that is not a strided view."""
+    two tensors for one slot, lora_A without its lora_B, shapes vLLM's set_lora does not take (a
+    rank above max_lora_rank, ...), a rank below it, a dtype other than the slot's, a placement
+    that is not a strided view, a tensor that lands nowhere, an embedding or lm_head layer."""
     import torch
 
     manager = lora_manager._adapter_manager
@@ -122,19 +123,42 @@ def lora_receive_plan(lora_manager, adapter_id: int, specs: list[TensorSpec]) ->
             raise LayoutMismatchError(
                 f"tensor '{spec.name}': module '{module}' has no LoRA layer in vLLM (its LoRA "
                 f"layers: {', '.join(list(manager.modules)[:4])}, ...)")
-        per_layer.setdefault(layer, {})[(part, match["which"])] = number
+        wires = per_layer.setdefault(layer, {})
+        if (part, match["which"]) in wires:
+            raise LayoutMismatchError(
+                f"tensors '{specs[wires[(part, match['which'])]].name}' and '{spec.name}' both "
+                f"go to lora_{match['which']} of slice {part} of vLLM's LoRA layer '{layer}'")
+        wires[(part, match["which"])] = number
 
     copies: list[PlanCopy] = []
     engine_tensors: dict[str, Any] = {}
     for layer_name, wires in per_layer.items():
         layer = manager.modules[layer_name]
+        if not isinstance(layer.lora_a_stacked, tuple):
+            raise LayoutMismatchError(
+                f"vLLM's LoRA layer '{layer_name}' ({type(layer).__name__}) keeps its slots in "
+                f"another form (an embedding or lm_head adapter): not supported")
         slices = len(layer.lora_a_stacked)
         for (part, which), number in wires.items():
             if (part, "B" if which == "A" else "A") not in wires:
                 other = "lora_B" if which == "A" else "lora_A"
                 raise LayoutMismatchError(f"tensor '{specs[number].name}' comes without its "
                                           f"{other}: vLLM sets a LoRA layer's A and B together")
-        probe = _probe(layer, index, slices, wires, specs, torch)
+        beyond = [specs[n].name for (part, _), n in wires.items() if part >= slices]
+        if beyond:
+            raise LayoutMismatchError(f"tensor '{beyond[0]}' goes to a slice vLLM's LoRA layer "
+                                      f"'{layer_name}' does not have ({slices} slices)")
+        try:
+            probe = _probe(layer, index, slices, wires, specs, torch)
+        except (RuntimeError, ValueError, TypeError, AssertionError, IndexError) as e:
+            # vLLM's own set_lora refused the shapes (a rank above max_lora_rank, another
+            # in_features): its message names the sizes.
+            shapes = ", ".join(f"'{specs[n].name}' {list(specs[n].shape)}"
+                               for n in wires.values())
+            raise LayoutMismatchError(
+                f"vLLM's LoRA layer '{layer_name}' does not take the trainer's tensors ({shapes}): "
+                f"its set_lora raised {type(e).__name__}: {e}; check the adapter's rank against "
+                f"vLLM's max_lora_rank and the shapes against the model") from e
         for which, stacked, probed in (("a", layer.lora_a_stacked, probe.lora_a_stacked),
                                        ("b", layer.lora_b_stacked, probe.lora_b_stacked)):
             for s in range(slices):
@@ -145,6 +169,12 @@ def lora_receive_plan(lora_manager, adapter_id: int, specs: list[TensorSpec]) ->
                 live = stacked[s][index, 0]
                 copies.append(_copy_of(name, block, specs, live, torch))
                 engine_tensors[name] = live
+    placed = {c.wire for c in copies}
+    unplaced = [s.name for s in specs if s.name not in placed]
+    if unplaced:
+        raise LayoutMismatchError(
+            f"{len(unplaced)} of the trainer's LoRA tensors land nowhere in vLLM's slots "
+            f"(e.g. '{unplaced[0]}'): an update would not change what they describe")
     return LoraPlan(copies, engine_tensors)
 
 

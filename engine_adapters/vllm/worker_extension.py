@@ -169,22 +169,33 @@ def _all_tensor_parallel_ranks_or_none(set_up):
                 raise _RefusedOnAnotherRank()
             rounds_passed += 1
 
+        def take_back(detail: str) -> str:
+            """Closes a group set up here; says so in `detail` if that fails too (never raises:
+            a raise here would end vLLM's engine)."""
+            try:
+                if self._shadowsync is not group_before:
+                    self.close_weight_update_group()
+            except Exception as close_error:  # noqa: BLE001
+                detail += f"; closing the group set up on this rank failed too: {close_error}"
+            return detail
+
         try:
             return set_up(self, *args, _agree=agree, **kwargs)
-        except _RefusedOnAnotherRank:
-            if self._shadowsync is not group_before:  # set up here; another rank failed to connect
-                self.close_weight_update_group()
-            return {"refused": "init_weight_update_group: refused on another tensor-parallel "
-                               "rank (its message says why); nothing was set up on any rank",
+        except _RefusedOnAnotherRank:  # set up here, maybe; another rank refused or failed
+            return {"refused": take_back("init_weight_update_group: refused on another "
+                                         "tensor-parallel rank (its message says why); nothing "
+                                         "was set up on any rank"),
                     "error": "InvalidArgumentError"}
         except Exception as error:  # noqa: BLE001 - returned: a raise here ends vLLM's engine
-            if self._shadowsync is not group_before:
-                self.close_weight_update_group()
+            detail = take_back(getattr(error, "detail", str(error)))
             # The other ranks wait in the round this rank did not reach; a refusal ends the
             # set-up on every rank, so that round is their last.
             if rounds_passed < _SET_UP_ROUNDS:
-                _on_every_rank(False)
-            return {"refused": getattr(error, "detail", str(error)), "error": type(error).__name__}
+                try:
+                    _on_every_rank(False)
+                except Exception as agree_error:  # noqa: BLE001
+                    detail += f"; telling the other ranks failed too: {agree_error}"
+            return {"refused": detail, "error": type(error).__name__}
 
     return init
 
@@ -284,7 +295,7 @@ class WorkerExtension:
         engine that replays CUDA graphs (vLLM without ``enforce_eager``) gets
         ``swap_strategy="copy_in"`` and ``engine_uses_cuda_graphs=True`` by default; "remap" is
         refused there (vLLM captured its graphs over its own storage before this call; remap
-        would make the receiver's memory live instead), as the library refuses "rebind". Under copy_in the parameters stay where they are, the engine's own storage is
+        would make the receiver's memory live instead), and so is "rebind" (by the library). Under copy_in the parameters stay where they are, the engine's own storage is
         the live copy (Receiver.use_engine_storage: graphs captured before this call keep
         reading it) and each swap copies the shadow into them, one batched copy.
 
@@ -338,6 +349,11 @@ class WorkerExtension:
         kind, device = _placement(descs)
 
         plan = None
+        if specs is None and lora_adapter is not None:
+            raise InvalidArgumentError(
+                f"init_weight_update_group: lora_adapter={lora_adapter} needs specs (the "
+                f"trainer's PEFT tensors, and base tensors if it sends them): without specs the "
+                f"layout is the engine's own parameters, which hold no adapter")
         if specs is None:
             specs = [
                 TensorSpec(n, d.dtype, d.shape, group_of(n) if group_of else BASE_GROUP)
@@ -393,7 +409,7 @@ class WorkerExtension:
                 "(every step after would compute with the old weights). Use 'copy_in' (the "
                 "default under CUDA graphs: the engine's storage stays live), or start vLLM with "
                 "enforce_eager=True to use 'remap'")
-        if engine_uses_cuda_graphs and swap_strategy is None and chosen in (None, "rebind"):
+        if engine_uses_cuda_graphs and chosen is None:
             swap_strategy = "copy_in"  # graphs keep their addresses: rebind would be ignored
         if commit_mode is None and (receiver_config is None or receiver_config.commit_mode is None):
             # Tensor parallelism: ranks that flipped each on its own could run one step on two
@@ -439,6 +455,11 @@ class WorkerExtension:
         if hook_execute_model and hasattr(self, "execute_model"):
             _hook_execute_model(self)
         _agree()  # every rank is set up (one that failed to connect takes the others back)
+        if lora_adapter is not None:
+            # vLLM must not evict it: its slot is the live copy. Pinned once every rank is set
+            # up, so a refused set-up pins nothing; it stays pinned after close (vLLM has no
+            # unpin), as an adapter that is being trained would be.
+            _lora_manager(self).pin_adapter(int(lora_adapter))
         return state.wire_fingerprint
 
     def has_weight_update_group(self) -> bool:
@@ -704,7 +725,7 @@ def _receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter
     if not lora_specs:
         raise LayoutMismatchError(f"lora_adapter={lora_adapter}: none of the trainer's "
                                   f"{len(specs)} tensors is a LoRA tensor ('...lora_A.weight')")
-    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    manager = _lora_manager(worker)
     if manager is None:
         raise InvalidArgumentError(f"lora_adapter={lora_adapter}: this vLLM serves no LoRA "
                                    f"adapters (start it with enable_lora=True)")
@@ -723,12 +744,16 @@ def _receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter
         copies += base_plan.copies
         engine_specs = list(base_layout.specs) + engine_specs
         params.update(base_params)
-    manager.pin_adapter(int(lora_adapter))  # vLLM must not evict it: its slot is the live copy
     wire = Layout(specs, bucket_bytes)
     order = {g.name: i for i, g in enumerate(wire.groups)}
     engine = Layout(sorted(engine_specs, key=lambda t: order[t.group]))
     descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
     return engine, ReceivePlan(wire, copies), params, descs
+
+
+def _lora_manager(worker):
+    """vLLM's worker LoRA manager (None without enable_lora)."""
+    return getattr(getattr(worker, "model_runner", None), "lora_manager", None)
 
 
 def _same_host_receiver(same_host: dict, rank_offset: int, worker_rank: int, backend):

@@ -30,10 +30,12 @@ class StepTimes {
         .count();
   }
 
-  // Engine thread: a step starts now. Two relaxed stores and a release store; no allocation.
+  // Engine thread: a step starts now. A relaxed load and two release stores (plain stores on
+  // x86); no allocation. The stamp's release store orders it after the previous count: a reader
+  // that sees this stamp also sees that count, which its check for overwritten entries needs.
   void record() noexcept {
     const std::uint64_t n = count_.load(std::memory_order_relaxed);
-    stamps_[n % kCapacity].store(now_ns(), std::memory_order_relaxed);
+    stamps_[n % kCapacity].store(now_ns(), std::memory_order_release);
     count_.store(n + 1, std::memory_order_release);
   }
 

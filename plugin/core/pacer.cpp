@@ -40,9 +40,11 @@ void Pacer::begin() {
   steps_at_start_ = steps_->count();
   during_.clear();
   collect_from_ns_ = now;
+  collected_count_ = steps_at_start_;
 }
 
 void Pacer::collect_steps() {
+  collected_count_ = steps_->count();
   for (const StepTimes::Step& step :
        steps_->steps_since(collect_from_ns_, StepTimes::kMaxIntervals)) {
     if (during_.size() < kMaxCollectedSteps) during_.push_back(step.duration_ns);

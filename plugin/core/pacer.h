@@ -42,6 +42,13 @@ class Pacer {
   // holds never make it miss.
   std::chrono::nanoseconds hold_after(std::size_t bytes, std::chrono::nanoseconds busy,
                                       std::size_t remaining, std::chrono::nanoseconds time_left);
+  // The receiver waits (a hold, a bucket in flight): takes in the steps completed meanwhile
+  // before the hook's ring drops them. One atomic load unless half the ring's window is new.
+  void poll() {
+    if (steps_ != nullptr && steps_->count() - collected_count_ >= StepTimes::kMaxIntervals / 2) {
+      collect_steps();
+    }
+  }
   // The hold that was actually waited (the receiver may stop early, or sleep a little longer).
   void held(std::chrono::nanoseconds waited) { report_.held_back += waited; }
   // The receive ended (completed or not): what pacing did.
@@ -55,8 +62,9 @@ class Pacer {
   static constexpr double kMinDuty = 0.02;
 
   void adjust_duty();
-  // Adds the steps that completed since the last call to during_ (the ring keeps only the
-  // newest kMaxIntervals, so this runs after every bucket and at the end).
+  // Adds the steps that completed since the last call to during_ (the ring gives only the
+  // newest kMaxIntervals, so this runs after every bucket, while the receiver waits, and at the
+  // end).
   void collect_steps();
 
   // during_ holds at most this many steps (128 KiB); later ones are left out of the report.
@@ -72,6 +80,7 @@ class Pacer {
   std::uint64_t steps_at_start_ = 0;
   std::vector<std::int64_t> during_;  // durations of this update's steps, for the report
   std::int64_t collect_from_ns_ = 0;  // steps that started from here on are not in during_ yet
+  std::uint64_t collected_count_ = 0;  // steps_->count() at the last collection
   std::size_t buckets_ = 0;  // of this update, so far
   PacingReport report_;
 };

@@ -533,6 +533,7 @@ std::optional<Refusal> Receiver::Impl::wait_for_buckets(std::size_t& completed, 
       bucket_start = Clock::now();
       continue;
     }
+    pacer.poll();
     const auto now = Clock::now();
     if (auto refusal = interrupted()) return refusal;
     if (now - start > config.update_deadline) {
@@ -565,6 +566,7 @@ std::optional<Refusal> Receiver::Impl::hold_back(std::chrono::nanoseconds hold) 
     refusal = interrupted();
     if (!refusal) {
       std::this_thread::sleep_for(std::min<Clock::duration>(until - now, config.poll_interval));
+      pacer.poll();
     }
   }
   pacer.held(Clock::now() - from);

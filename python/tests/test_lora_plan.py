@@ -169,6 +169,14 @@ def test_scaled_lora_b_scales_only_b():
      "tensor 'model.layers.0.mlp.up_proj.weight' is not a LoRA tensor"),
     (lambda t: {n: (v[:1] if ".lora_A." in n else v[:, :1]) for n, v in t.items()},
      "vLLM's max_lora_rank must equal the adapter's rank"),
+    # A rank above max_lora_rank: vLLM's own set_lora refuses the shapes; named, not a raw error.
+    (lambda t: {n: (torch.cat([v, v]) if ".lora_A." in n else torch.cat([v, v], 1))
+                for n, v in t.items()},
+     "vLLM's LoRA layer 'model.layers.0.self_attn.qkv_proj' does not take the trainer's tensors"),
+    # Two names for one slot (with and without PEFT's prefix): one would be lost.
+    (lambda t: t | {"model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(RANK, HIDDEN)},
+     "tensors 'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight' and "
+     "'model.layers.0.mlp.up_proj.lora_A.weight' both go to lora_A of slice 1"),
 ])
 def test_bad_adapters_are_refused_naming_the_tensor(change, message):
     tensors = change(adapter(seed=3))
@@ -188,6 +196,26 @@ def test_a_dtype_other_than_the_slots_is_refused_naming_both():
     with pytest.raises(ss.LayoutMismatchError, match="dtype bf16 of the trainer's layout does not "
                                                      "match fp32 of vLLM's LoRA slot"):
         lora_receive_plan(Manager(0, 1), 7, specs)
+
+
+def test_a_tensor_set_lora_puts_nowhere_is_refused_not_dropped():
+    manager = Manager(0, 1)
+    manager.modules["model.layers.0.self_attn.o_proj"].set_lora = lambda *args: None
+    with pytest.raises(ss.LayoutMismatchError, match=r"2 of the trainer's LoRA tensors land "
+                                                     r"nowhere in vLLM's slots \(e.g. "
+                                                     r"'base_model.model.model.layers.0.self_attn."
+                                                     r"o_proj.lora_A.weight'\)"):
+        lora_receive_plan(manager, 7, specs_of(adapter(seed=6)))
+
+
+def test_an_embedding_style_lora_layer_is_refused_naming_it():
+    manager = Manager(0, 1)
+    layer = manager.modules["model.layers.0.self_attn.o_proj"]
+    layer.lora_a_stacked = layer.lora_a_stacked[0]  # one tensor, not a tuple of slices
+    with pytest.raises(ss.LayoutMismatchError, match=r"LoRA layer 'model.layers.0.self_attn.o_proj' "
+                                                     r"\(RowParallelLayer\) keeps its slots in "
+                                                     r"another form"):
+        lora_receive_plan(manager, 7, specs_of(adapter(seed=7)))
 
 
 class _Wrapper(torch.nn.Module):

@@ -443,3 +443,11 @@ def test_remap_under_cuda_graphs_is_refused_naming_the_way_out():
                                             engine_uses_cuda_graphs=True, **kwargs)
         assert worker._shadowsync is None
         assert all(p.data is before[n] for n, p in worker.model_runner.model.params)
+
+
+def test_a_lora_adapter_without_specs_is_refused():
+    # Without specs the layout is the engine's own parameters: an adapter would never be written.
+    worker = FakeWorker()
+    with pytest.raises(ss.InvalidArgumentError, match=r"lora_adapter=1 needs specs"):
+        worker.init_weight_update_group(transport=ss.Loopback(2).transport(1), lora_adapter=1)
+    assert worker._shadowsync is None

@@ -387,3 +387,7 @@ def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoi
     assert "dtype bf16 of the trainer's layout does not match fp32 of vLLM's LoRA slot" in \
         refused["dtype"], refused
     assert "lora_adapter needs swap_strategy 'copy_in'" in refused["rebind"], refused
+    # A refused set-up pins nothing (the rebind case is refused after the plan was made); a set-up
+    # pins the adapter, so that vLLM never evicts the slot that is the live copy.
+    assert out["pinned_after_refusals"] is False
+    assert out["pinned_after_init"] is True

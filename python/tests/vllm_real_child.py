@@ -323,6 +323,15 @@ def apply_under_load(llm, prompt: str, max_tokens: int, preempt_running: bool) -
                 load_tokens=[len(o.outputs[0].token_ids) for o in finished])
 
 
+def _adapter_pinned(llm, lora_int_id: int) -> bool:
+    """Whether vLLM pinned the adapter in its cache (so that it is never evicted)."""
+    def pinned(worker):
+        manager = worker.model_runner.lora_manager._adapter_manager
+        return lora_int_id in manager._registered_adapters.pinned_items
+
+    return all(llm.collective_rpc(pinned))
+
+
 def run_lora(args: dict) -> dict:
     """A LoRA adapter vLLM serves, updated in place (in-process engine, a loopback trainer in this
     process: the transport is not what this shows). The engine starts on checkpoint ``base``
@@ -373,6 +382,7 @@ def run_lora(args: dict) -> dict:
             refused[case] = f"{type(error).__name__}: {error}"
     out["refused"] = refused
     out["after_refusals"] = answers(llm)
+    out["pinned_after_refusals"] = _adapter_pinned(llm, 1)
 
     layout = ss.Layout(base_specs + lora_specs, args["bucket_bytes"])
     loopback = ss.Loopback(2)
@@ -384,6 +394,7 @@ def run_lora(args: dict) -> dict:
             transport=loopback.transport(1), lora_adapter=1)
         stats = llm.collective_rpc("weight_update_stats")[0]
         out["plan_copies"] = stats["plan_copies"]
+        out["pinned_after_init"] = _adapter_pinned(llm, 1)
         out["after_init"] = answers(llm)
         for version, tensors in ((1, adapters[1]), (2, {**bases[base_b], **adapters[0]})):
             handle = sender.publish(version, tensors)
