@@ -295,9 +295,10 @@ class WorkerExtension:
         engine that replays CUDA graphs (vLLM without ``enforce_eager``) gets
         ``swap_strategy="copy_in"`` and ``engine_uses_cuda_graphs=True`` by default; "remap" is
         refused there (vLLM captured its graphs over its own storage before this call; remap
-        would make the receiver's memory live instead), and so is "rebind" (by the library). Under copy_in the parameters stay where they are, the engine's own storage is
-        the live copy (Receiver.use_engine_storage: graphs captured before this call keep
-        reading it) and each swap copies the shadow into them, one batched copy.
+        would make the receiver's memory live instead), and so is "rebind" (by the library).
+        Under copy_in the parameters stay where they are, the engine's own storage is the live
+        copy (Receiver.use_engine_storage: graphs captured before this call keep reading it) and
+        each swap copies the shadow into them, one batched copy.
 
         `decode_slowdown_budget` and `max_receive_bytes_per_second` set those fields of
         `receiver_config` (pacing; None / 0: leave them as `receiver_config` has them). With a

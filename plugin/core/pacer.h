@@ -9,7 +9,7 @@
 // duty persists across updates, so a short update starts where the last one ended. Steps are
 // the StepHook's stamps; the idle step time is their median while no update streamed in. The
 // report's step_during is the median of every step of the update, collected after each bucket
-// (the hook's ring holds only the newest few dozen).
+// and while the receiver waits (the hook's ring holds only the newest few dozen).
 //
 // Threads: the receiver thread only. Ownership: reads the hook's StepTimes, which outlive it.
 #pragma once
