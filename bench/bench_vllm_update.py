@@ -138,6 +138,9 @@ CONFIGS: dict[str, dict] = {
 # (15.0 weights, the KV cache of 32 x 592 tokens is 2.3), receiver 2 x 15.0 at its peak, trainer
 # 15.0 + 2 staging slots of 0.5, CUDA contexts ~1.5: ~72.
 GPU_MEMORY_UTILIZATION = {"qwen2.5-0.5b": 0.25, "llama-3-8b": 0.30, "tiny": 0.15}
+# With --live-arena vLLM counts the weights it loaded and the arena's two copies of them when it
+# sizes its KV cache: the same KV cache takes twice the weights' share (80 GiB GPU) more.
+LIVE_ARENA_GPU_MEMORY_UTILIZATION = {"qwen2.5-0.5b": 0.28, "llama-3-8b": 0.70, "tiny": 0.15}
 GOALS = {"engine_stop_ms": 1.0, "slowdown": 1.10}
 VLLM_REFERENCE_STOP_MS = {"qwen2.5-0.5b": 119.0, "llama-3-8b": 239.0}
 PATHS = ("vllm", "shadowsync")
@@ -177,7 +180,8 @@ def main() -> int:
                               swap_strategy=args.swap_strategy, bucket_bytes=args.bucket_bytes,
                               vllm_packed_bytes=args.vllm_packed_bytes,
                               vllm_pause=not args.vllm_no_pause,
-                              enforce_eager=args.enforce_eager or args.device == "cpu"))
+                              enforce_eager=args.enforce_eager or args.device == "cpu",
+                              live_arena=args.live_arena))
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     results: dict = {"meta": meta, "goals": GOALS, "vllm_reference_stop_ms": VLLM_REFERENCE_STOP_MS,
                      "configs": {}}
@@ -267,7 +271,7 @@ def child_passthrough(args) -> list[str]:
         flags += ["--swap-strategy", args.swap_strategy]
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load"):
+    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena"):
         if getattr(args, flag):
             flags.append("--" + flag.replace("_", "-"))
     return flags
@@ -396,10 +400,14 @@ def engine_args(args, extension: bool) -> dict:
         kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
                       quantization=unpacked.NAME)
     else:
+        table = LIVE_ARENA_GPU_MEMORY_UTILIZATION if extension and args.live_arena else \
+            GPU_MEMORY_UTILIZATION
         kwargs.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization
-                      or GPU_MEMORY_UTILIZATION[args.config])
+                      or table[args.config])
     if extension:
         kwargs["worker_extension_cls"] = "shadowsync.vllm.WorkerExtension"
+        if args.live_arena:
+            kwargs["weight_transfer_config"] = {"backend": "shadowsync"}
     else:
         kwargs["weight_transfer_config"] = {"backend": "ipc"}
     return kwargs
@@ -898,6 +906,7 @@ class ShadowsyncTransfer:
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
         return dict(trainer="transformers model in its own process", tensors=len(specs),
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
+                    swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
@@ -1056,6 +1065,9 @@ def parse_args():
     p.add_argument("--vllm-no-pause", action="store_true",
                    help="do not pause vLLM's scheduler around its update (not its documented flow)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on)")
+    p.add_argument("--live-arena", action="store_true",
+                   help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'} (weights "
+                        "in a remap arena before graph capture; swaps by remap)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help=f"vLLM's share of the GPU (default per config: {GPU_MEMORY_UTILIZATION})")
     p.add_argument("--dummy-load", action="store_true",

@@ -158,6 +158,10 @@ def main() -> int:
                         help="vLLM serves a LoRA adapter that every update carries too")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--arch", default="llama", help="llama, qwen2 (biases, tied), qwen3, phi3")
+    parser.add_argument("--live-arena", action="store_true",
+                        help="the engine under test starts with weight_transfer_config "
+                             "{'backend': 'shadowsync'}: weights in a remap arena before graph "
+                             "capture, swaps by remap (CUDA)")
     parser.add_argument("--multiprocess", action="store_true",
                         help="vLLM's default engine process (collective_rpc between steps)")
     parser.add_argument("--tp", type=int, default=1,
@@ -202,7 +206,8 @@ def main() -> int:
         return 1
 
     llm = LLM(**engine_kwargs(args.device, a, args.tp, lora=args.lora),
-              worker_extension_cls="shadowsync.vllm.WorkerExtension")
+              worker_extension_cls="shadowsync.vllm.WorkerExtension",
+              **({"weight_transfer_config": {"backend": "shadowsync"}} if args.live_arena else {}))
     failures = 0
 
     def check(stage: str, got, want: str) -> None:
@@ -243,7 +248,12 @@ def main() -> int:
     fingerprint = ssv.init_weight_update_group(llm, specs=specs, **settings)
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"set-up: {len(specs)} trainer tensors, {stats['plan_copies']} plan copies, "
+        f"swap strategy {stats['swap_strategy']}, live arena {stats['live_arena']}, "
         f"fingerprint {fingerprint:#018x}")
+    if args.live_arena:
+        ok = stats["live_arena"] and stats["swap_strategy"] == "remap"
+        failures += not ok
+        log(f"{'ok  ' if ok else 'FAIL'} the receiver swaps the live arena by remap")
     check("after set-up, before any update", greedy(llm, adapter["A"]), "A")
 
     for version, source, name in ((1, 1, "B"), (2, 2, "A")):
@@ -283,6 +293,7 @@ def main() -> int:
     parent.send(("stop",))
     process.join(60)
     llm.collective_rpc("close_weight_update_group")
+    check("after close_weight_update_group", greedy(llm, adapter["A"]), "A")
     log("PASSED" if failures == 0 else f"FAILED ({failures} stage(s))")
     return 1 if failures else 0
 

@@ -3,7 +3,12 @@
 
 This folder is the subpackage ``shadowsync.vllm``: an installed package has it in place
 (the wheel's build installs it there, python/CMakeLists.txt); in a source checkout ``shadowsync/__init__.py`` finds it
-here. Importing it imports neither vllm nor torch."""
+here. Importing it imports neither vllm nor torch; in a process that has imported vllm (its
+workers, which import the worker extension before they load the model) it registers the
+"shadowsync" weight-transfer backend (live_arena.py) with vLLM."""
+
+import sys as _sys
+
 
 from .worker_extension import (
     WorkerExtension,
@@ -17,3 +22,23 @@ from .lora_plan import scaled_lora_b
 
 __all__ = ["WorkerExtension", "apply_update", "apply_update_async", "commit_update",
            "init_weight_update_group", "init_weight_update_group_async", "scaled_lora_b"]
+
+
+def _register_live_arena_with_vllm() -> None:
+    """Registers live_arena.LiveArenaEngine as vLLM's weight-transfer backend "shadowsync"
+    (lazily: vLLM imports the module only when an engine asks for that backend). Only where vLLM
+    is already imported, and only a vLLM with weight-transfer engines (0.25 and later)."""
+    if "vllm" not in _sys.modules:
+        return
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(
+            "shadowsync", "shadowsync.vllm.live_arena", "LiveArenaEngine")
+    except ValueError:
+        pass  # registered already (this module imported again under another name)
+
+
+_register_live_arena_with_vllm()

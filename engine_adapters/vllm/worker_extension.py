@@ -71,6 +71,8 @@ class _UpdateGroup:
         self.engine_storage = False
         self.wire_fingerprint = receiver.wire_layout.fingerprint
         self.plan_copies = len(receiver.plan.copies) if receiver.plan is not None else 0
+        self.swap_strategy = "rebind"  # the receiver's: what a swap does
+        self.live_arena = False  # the live memory is the live-arena engine's (live_arena.py)
         # track_request_versions: request id -> [[version, tokens], ...] in step order.
         self.request_versions: dict[str, list[list[int]]] | None = None
         self.steps = 0  # execute_model calls since init (the hook counts them)
@@ -392,6 +394,20 @@ class WorkerExtension:
             engine_uses_cuda_graphs = _vllm_captures_cuda_graphs(self)
         chosen = swap_strategy if swap_strategy is not None else (
             receiver_config.swap_strategy if receiver_config is not None else None)
+        live_arena = _live_arena(self)
+        if live_arena is not None:
+            if lora_adapter is not None:
+                raise InvalidArgumentError(
+                    "init_weight_update_group: lora_adapter with the 'shadowsync' weight-transfer "
+                    "backend (live arena): the adapter lives in vLLM's stacked LoRA buffers and "
+                    "can only be copied into (copy_in), the base weights are swapped by remap, "
+                    "and one receiver has one swap strategy. Start vLLM without "
+                    "weight_transfer_config to update LoRA adapters")
+            if chosen in (None, "remap"):
+                _check_fits_live_arena(layout, live_arena.layout)
+                swap_strategy = chosen = "remap"
+            else:
+                live_arena = None  # copy_in into the arena's live range, as into any storage
         if lora_adapter is not None:
             # The live LoRA weights are slots of vLLM's stacked buffers: they can only be copied
             # into, never rebound.
@@ -400,16 +416,18 @@ class WorkerExtension:
                     f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
                     f"adapter lives in vLLM's stacked LoRA buffers), got {chosen!r}")
             swap_strategy = chosen = "copy_in"
-        if engine_uses_cuda_graphs and chosen == "remap":
+        if engine_uses_cuda_graphs and chosen == "remap" and live_arena is None:
             # remap keeps one virtual range live, but it is the receiver's: vLLM captured its
             # graphs at start-up over its own parameter storage and would go on reading that.
             raise InvalidArgumentError(
                 "init_weight_update_group: swap_strategy 'remap' with engine_uses_cuda_graphs: "
                 "vLLM captured its CUDA graphs at start-up over its own parameter storage, and "
                 "remap makes the receiver's memory live instead, which those graphs never read "
-                "(every step after would compute with the old weights). Use 'copy_in' (the "
-                "default under CUDA graphs: the engine's storage stays live), or start vLLM with "
-                "enforce_eager=True to use 'remap'")
+                "(every step after would compute with the old weights). Start vLLM with "
+                "weight_transfer_config={'backend': 'shadowsync'} (the weights move into a remap "
+                "arena before the graphs are captured), or use 'copy_in' (the default under "
+                "CUDA graphs: the engine's storage stays live), or start vLLM with "
+                "enforce_eager=True")
         if engine_uses_cuda_graphs and chosen is None:
             swap_strategy = "copy_in"  # graphs keep their addresses: rebind would be ignored
         if commit_mode is None and (receiver_config is None or receiver_config.commit_mode is None):
@@ -433,12 +451,15 @@ class WorkerExtension:
             transport = _same_host_receiver(same_host, rank_offset, getattr(self, "rank", 0), backend)
 
         receiver = Receiver(layout, backend, transport, receiver_config, engine_stream=stream,
-                            plan=plan)
+                            plan=plan, arenas={0: live_arena.arena} if live_arena else None)
         state = _UpdateGroup(receiver, {t.name: params[t.name] for g in layout.groups
                                         for t in g.tensors}, kind, device)
         state.stream = stream
         state.coordinated = receiver_config is not None and receiver_config.commit_mode == "coordinated"
-        copy_in = receiver_config is not None and receiver_config.swap_strategy == "copy_in"
+        if receiver_config is not None and receiver_config.swap_strategy is not None:
+            state.swap_strategy = receiver_config.swap_strategy
+        state.live_arena = live_arena is not None
+        copy_in = state.swap_strategy == "copy_in"
         state.host_reads_after_copy = device == "cpu" and copy_in
         if track_request_versions:
             state.request_versions = {}
@@ -449,6 +470,10 @@ class WorkerExtension:
             for group in layout.groups:
                 receiver.use_engine_storage(
                     group.index, [_address(_data(state.params[t.name])) for t in group.tensors])
+            state.engine_storage = True
+        elif live_arena is not None:
+            # The parameters already live in the arena's live range (moved there at load, before
+            # vLLM captured its graphs): a swap remaps it, nothing is rebound.
             state.engine_storage = True
         elif adopt_current_weights:
             _adopt(state, layout, stream)
@@ -556,6 +581,8 @@ class WorkerExtension:
         stats["last_update_error"] = state.receiver.last_update_error()
         stats["wire_fingerprint"] = state.wire_fingerprint
         stats["plan_copies"] = state.plan_copies  # 0: the trainer sends the engine's own tensors
+        stats["swap_strategy"] = state.swap_strategy
+        stats["live_arena"] = state.live_arena
         return stats
 
     def close_weight_update_group(self, keep_weights: bool = True) -> None:
@@ -612,6 +639,40 @@ def _address(tensor) -> int:
     if hasattr(tensor, "data_ptr"):
         return tensor.data_ptr()
     return tensor.ctypes.data
+
+
+def _live_arena(worker):
+    """The live-arena weight-transfer engine vLLM made for this worker at load (live_arena.py:
+    the weights sit in its remap arena), or None."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine if getattr(engine, "shadowsync_live_arena", False) else None
+
+
+def _check_fits_live_arena(layout: Layout, arena_layout: Layout) -> None:
+    """The receiver's slots must be laid out as the live arena is: one group holding the same
+    parameters in the same order (then the offsets are the same)."""
+    arena_tensors = [(t.name, t.dtype, tuple(t.shape)) for t in arena_layout.groups[0].tensors]
+    if len(layout.groups) != 1:
+        raise InvalidArgumentError(
+            f"init_weight_update_group: the live arena holds the model's parameters as one "
+            f"group, but the update has {len(layout.groups)} groups "
+            f"({', '.join(repr(g.name) for g in layout.groups)}); send every parameter in one "
+            f"group, or use swap_strategy='copy_in'")
+    tensors = [(t.name, t.dtype, tuple(t.shape)) for t in layout.groups[0].tensors]
+    if tensors == arena_tensors:
+        return
+    for i, (have, want) in enumerate(zip(tensors, arena_tensors)):
+        if have != want:
+            raise InvalidArgumentError(
+                f"init_weight_update_group: the update's parameter {i} is {have[0]!r} "
+                f"({have[1]}, {list(have[2])}), but the live arena holds {want[0]!r} ({want[1]}, "
+                f"{list(want[2])}) there: the trainer's tensors must write every parameter of "
+                f"the model, in the model's order, to swap by remap; or use "
+                f"swap_strategy='copy_in'")
+    raise InvalidArgumentError(
+        f"init_weight_update_group: the update writes {len(tensors)} parameters, the live arena "
+        f"holds {len(arena_tensors)}: the trainer's tensors must write every parameter of the "
+        f"model to swap by remap (allow_partial cannot); or use swap_strategy='copy_in'")
 
 
 def _vllm_captures_cuda_graphs(worker) -> bool | None:

@@ -39,6 +39,10 @@ class RemappableArena {
   virtual ~RemappableArena() = default;
   // What the engine (and its captured CUDA graphs) read: the same for the object's lifetime.
   virtual std::byte* live_address() const = 0;
+  // The bytes asked for at creation (each slot holds at least these).
+  virtual std::size_t bytes() const = 0;
+  // The slot the live range shows now (0 at creation).
+  virtual int live_slot() const = 0;
   // Slot `slot`'s own mapping (slot 0 or 1): always that slot's bytes, whatever is live. The
   // receiver writes the shadow through it.
   virtual std::byte* slot_address(int slot) const = 0;

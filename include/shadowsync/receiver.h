@@ -164,6 +164,11 @@ struct ReceiverStats {
   PacingReport last_pacing;
 };
 
+// Remap arenas an engine made before it met the receiver, by group index (a null entry, or
+// none: the receiver makes its own). Shared: the engine keeps reading the live range after the
+// receiver is gone, and a later receiver can take the same arena again.
+using EngineArenas = std::vector<std::shared_ptr<RemappableArena>>;
+
 class Receiver {
  public:
   // Allocates two zero-filled slots per group and starts the receiver thread. The engine reads
@@ -171,8 +176,16 @@ class Receiver {
   // Throws Error(kInvalidArgument), before allocating anything, for a bad config: among others
   // rebind with engine_uses_cuda_graphs, and remap on a backend that cannot remap (the message
   // names the reason and suggests copy_in).
+  //
+  // `engine_arenas` (remap only): the live memory of group g is engine_arenas[g], made with
+  // backend.create_remappable_arena(<the group's arena bytes>) and holding the engine's current
+  // weights in its live slot, laid out as the layout's group; its other slot becomes the shadow.
+  // For an engine that captures CUDA graphs after it moved its weights into such an arena and
+  // before it meets the receiver (vLLM: shadowsync.vllm's live arena): swaps are zero-copy
+  // remaps that the graphs see. The arena must not serve two receivers at once. Throws
+  // Error(kInvalidArgument) naming the group and both sizes, or the strategy, before allocating.
   Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
-           ReceiverConfig config = {});
+           ReceiverConfig config = {}, EngineArenas engine_arenas = {});
   // The same for an engine whose layout is not the trainer's: the slots have `layout` (the
   // engine's), updates come in `plan.wire()` (the trainer's; headers are checked against it) and
   // each received wire bucket lands in a bucket buffer of the receiver (plan.max_bucket_bytes(),
@@ -182,7 +195,7 @@ class Receiver {
   // Error(kInvalidArgument) for ReceiverConfig::reject_nonfinite (its per-tensor counts need the
   // trainer's tensors whole in one place; checksums work).
   Receiver(Layout layout, ReceivePlan plan, Backend& backend, std::unique_ptr<Transport> transport,
-           ReceiverConfig config = {});
+           ReceiverConfig config = {}, EngineArenas engine_arenas = {});
   // shutdown(), then frees every slot, event and stream and joins every thread it started. The
   // engine must have stopped calling the step hook and its stream must be done reading the slots.
   ~Receiver();
@@ -244,7 +257,8 @@ class Receiver {
  private:
   struct Impl;
   Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backend& backend,
-           std::unique_ptr<Transport> transport, ReceiverConfig config);
+           std::unique_ptr<Transport> transport, ReceiverConfig config,
+           EngineArenas engine_arenas);
 
   Layout layout_;
   std::unique_ptr<const ReceivePlan> plan_;

@@ -97,6 +97,7 @@ typedef struct shadowsync_loopback* shadowsync_loopback_t;
 typedef struct shadowsync_receiver* shadowsync_receiver_t;
 typedef struct shadowsync_sender* shadowsync_sender_t;
 typedef struct shadowsync_publish* shadowsync_publish_t;
+typedef struct shadowsync_remap_arena* shadowsync_remap_arena_t;
 
 /* ---------------------------------------------------------------------------------------------
  * Config structs
@@ -504,6 +505,39 @@ typedef struct {
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create_with_plan(
     shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
     const shadowsync_plan_copy_t* copies, size_t count, shadowsync_backend_t backend,
+    shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
+    shadowsync_receiver_t* receiver);
+/* A remap arena an engine makes before it meets a receiver (Backend::create_remappable_arena):
+ * a live address range that never moves over two physical slots, each also mapped at an address
+ * of its own. The engine moves its weights into the live range (slot 0 at creation, zero-filled)
+ * and captures its CUDA graphs over it; a receiver made later with
+ * shadowsync_receiver_create_with_arenas swaps by remapping the range, which the graphs see.
+ * SHADOWSYNC_NOT_SUPPORTED naming why where the backend cannot remap (the host backend, a device
+ * without CUDA VMM); SHADOWSYNC_INVALID_ARGUMENT for 0 bytes. Thread-safe. */
+typedef struct {
+  void* live;        /* what the engine reads: fixed for the arena's life */
+  void* slot[2];     /* each slot's own mapping: its bytes, whatever is live */
+  size_t bytes;      /* asked for at creation */
+  int live_slot;     /* the slot the live range shows now */
+} shadowsync_remap_arena_info_t;
+SHADOWSYNC_API shadowsync_status_t shadowsync_remap_arena_create(shadowsync_backend_t backend,
+                                                                 size_t bytes,
+                                                                 shadowsync_remap_arena_t* arena);
+SHADOWSYNC_API shadowsync_status_t shadowsync_remap_arena_info(
+    shadowsync_remap_arena_t arena, shadowsync_remap_arena_info_t* info);
+/* Releases the handle; the memory lives on while a receiver holds the arena. The engine must not
+ * read the live range once both are gone. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_remap_arena_destroy(shadowsync_remap_arena_t arena);
+/* As shadowsync_receiver_create(_with_plan) (`wire_layout` NULL: no plan, `copies` ignored), with
+ * `arenas[g]` (NULL entries allowed; `count` at most the layout's groups) as the live memory of
+ * group g: swap_strategy must be remap, each arena holds exactly its group's arena bytes, laid out
+ * as the group, comes from `backend`, and serves no other live receiver (each is refused, naming
+ * the group and both values, before anything is allocated). The receiver shares the arenas; the
+ * handles stay the caller's. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create_with_arenas(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, size_t copy_count,
+    const shadowsync_remap_arena_t* arenas, size_t count, shadowsync_backend_t backend,
     shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
     shadowsync_receiver_t* receiver);
 /* commit_mode coordinated: makes the ready update `version` live now on `stream` (the engine's;

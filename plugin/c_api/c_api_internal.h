@@ -85,6 +85,7 @@ enum class Kind : std::uint8_t {
   kReceiver,
   kSender,
   kPublish,
+  kRemapArena,
 };
 const char* kind_name(Kind kind) noexcept;  // "shadowsync_layout_t", ...
 
@@ -113,10 +114,25 @@ struct LoopbackObject {
   LoopbackCommunicator communicator;
 };
 
+struct RemapArenaObject {
+  std::shared_ptr<BackendObject> backend;  // first: outlives the arena
+  std::shared_ptr<RemappableArena> arena;
+  std::atomic<bool> in_use{false};  // the live memory of a receiver now
+};
+
 struct ReceiverObject {
   std::shared_ptr<BackendObject> backend;  // first: outlives the receiver
+  std::vector<std::shared_ptr<RemapArenaObject>> arenas;  // engine arenas it took (in_use)
   std::unique_ptr<Receiver> receiver;
   std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> by_name;
+
+  ReceiverObject() = default;
+  ReceiverObject(const ReceiverObject&) = delete;
+  ReceiverObject& operator=(const ReceiverObject&) = delete;
+  ~ReceiverObject() {
+    receiver.reset();  // first: a later receiver may take the arenas once this one is gone
+    for (auto& arena : arenas) arena->in_use.store(false);
+  }
 };
 
 struct SenderObject {
@@ -140,6 +156,7 @@ template <> struct KindOf<LoopbackObject> { static constexpr Kind value = Kind::
 template <> struct KindOf<ReceiverObject> { static constexpr Kind value = Kind::kReceiver; };
 template <> struct KindOf<SenderObject> { static constexpr Kind value = Kind::kSender; };
 template <> struct KindOf<PublishObject> { static constexpr Kind value = Kind::kPublish; };
+template <> struct KindOf<RemapArenaObject> { static constexpr Kind value = Kind::kRemapArena; };
 
 // ---------------------------------------------------------------------------------------------
 // The handle registry

@@ -16,6 +16,7 @@ const char* kind_name(Kind kind) noexcept {
     case Kind::kReceiver: return "shadowsync_receiver_t";
     case Kind::kSender: return "shadowsync_sender_t";
     case Kind::kPublish: return "shadowsync_publish_t";
+    case Kind::kRemapArena: return "shadowsync_remap_arena_t";
   }
   return "handle";
 }

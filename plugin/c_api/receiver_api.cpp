@@ -132,19 +132,74 @@ shadowsync_status_t apply_on_engine_stream(
   });
 }
 
-// The receiver of shadowsync_receiver_create(_with_plan), after its own arguments were read.
+// Claims the engine arenas of shadowsync_receiver_create_with_arenas for `object` (each from the
+// receiver's backend and in no other live receiver's use); released again if the receiver is not
+// made. EngineArenas in group order.
+class ArenaClaim {
+ public:
+  ArenaClaim(ReceiverObject& object, const shadowsync_remap_arena_t* arenas, std::size_t count)
+      : object_(object) {
+    if (count > 0 && arenas == nullptr) {
+      throw_invalid(fmt::format("'arenas' is NULL but the count is {}", count));
+    }
+    for (std::size_t g = 0; g < count; ++g) {
+      if (arenas[g] == nullptr) {
+        engine_arenas_.emplace_back();
+        continue;
+      }
+      const std::string argument = fmt::format("arenas[{}]", g);
+      auto arena = lookup<RemapArenaObject>(arenas[g], argument.c_str());
+      if (arena->backend != object.backend) {
+        throw_invalid(fmt::format("'{}' was made on another backend ('{}') than the receiver's "
+                                  "('{}')",
+                                  argument, arena->backend->backend->name(),
+                                  object.backend->backend->name()));
+      }
+      if (arena->in_use.exchange(true)) {
+        throw_invalid(fmt::format("'{}' is the live memory of another receiver: destroy that "
+                                  "receiver first",
+                                  argument));
+      }
+      object.arenas.push_back(arena);
+      engine_arenas_.push_back(arena->arena);
+    }
+  }
+  ~ArenaClaim() {
+    if (committed_) return;
+    for (auto& arena : object_.arenas) arena->in_use.store(false);
+    object_.arenas.clear();
+  }
+  ArenaClaim(const ArenaClaim&) = delete;
+  ArenaClaim& operator=(const ArenaClaim&) = delete;
+
+  const EngineArenas& engine_arenas() const { return engine_arenas_; }
+  void commit() { committed_ = true; }
+
+ private:
+  ReceiverObject& object_;
+  EngineArenas engine_arenas_;
+  bool committed_ = false;
+};
+
+// The receiver of shadowsync_receiver_create(_with_plan, _with_arenas), after its own arguments
+// were read.
 shadowsync_receiver_t create_receiver(const Layout& layout, std::optional<ReceivePlan> plan,
                                       shadowsync_backend_t backend,
                                       shadowsync_transport_t transport,
-                                      const shadowsync_receiver_config_t* config) {
+                                      const shadowsync_receiver_config_t* config,
+                                      const shadowsync_remap_arena_t* arenas = nullptr,
+                                      std::size_t arena_count = 0) {
   auto object = std::make_shared<ReceiverObject>();
   object->backend = lookup<BackendObject>(backend, "backend");
   const ReceiverConfig cpp_config = receiver_config(config);
+  ArenaClaim arena_claim(*object, arenas, arena_count);
   TransportClaim claim(transport, /*allow_null=*/true);
   Backend& device = *object->backend->backend;
-  object->receiver = plan ? std::make_unique<Receiver>(layout, std::move(*plan), device,
-                                                       claim.take(), cpp_config)
-                          : std::make_unique<Receiver>(layout, device, claim.take(), cpp_config);
+  object->receiver =
+      plan ? std::make_unique<Receiver>(layout, std::move(*plan), device, claim.take(), cpp_config,
+                                        arena_claim.engine_arenas())
+           : std::make_unique<Receiver>(layout, device, claim.take(), cpp_config,
+                                        arena_claim.engine_arenas());
   const auto& groups = layout.groups();
   for (std::size_t g = 0; g < groups.size(); ++g) {
     for (std::size_t t = 0; t < groups[g].tensors().size(); ++t) {
@@ -153,6 +208,7 @@ shadowsync_receiver_t create_receiver(const Layout& layout, std::optional<Receiv
   }
   auto handle = to_handle<shadowsync_receiver_t>(std::move(object));
   claim.commit();
+  arena_claim.commit();
   return handle;
 }
 
@@ -212,6 +268,26 @@ shadowsync_status_t shadowsync_receiver_create_with_plan(
     ReceivePlan plan =
         ReceivePlan::build(wire_object->layout, layout_object->layout, plan_copies_arg(copies, count));
     out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_create_with_arenas(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, size_t copy_count,
+    const shadowsync_remap_arena_t* arenas, size_t count, shadowsync_backend_t backend,
+    shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
+    shadowsync_receiver_t* receiver) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(receiver, "receiver");
+    auto layout_object = lookup<LayoutObject>(layout, "layout");
+    std::optional<ReceivePlan> plan;
+    if (wire_layout != nullptr) {
+      auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
+      plan = ReceivePlan::build(wire_object->layout, layout_object->layout,
+                                plan_copies_arg(copies, copy_count));
+    }
+    out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config,
+                          arenas, count);
   });
 }
 

@@ -3,6 +3,7 @@
 #include <blockingconcurrentqueue.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -154,23 +155,56 @@ std::unique_ptr<const ReceivePlan> checked_plan(std::unique_ptr<const ReceivePla
   return plan;
 }
 
+// The engine's remap arenas against the config and the layout; before anything is allocated.
+void check_engine_arenas(const EngineArenas& arenas, const Layout& layout,
+                         const ReceiverConfig& config) {
+  const auto given = std::count_if(arenas.begin(), arenas.end(),
+                                   [](const auto& arena) { return arena != nullptr; });
+  if (given == 0) return;
+  if (config.swap_strategy != SwapStrategy::kRemap) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("engine arenas were given for {} group(s), but swap_strategy is {}: "
+                            "an engine arena is swapped by remapping it (swap_strategy remap)",
+                            given, swap_strategy_name(config.swap_strategy)));
+  }
+  if (arenas.size() > layout.groups().size()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{} engine arena entries were given, but the layout has {} groups",
+                            arenas.size(), layout.groups().size()));
+  }
+  for (std::size_t g = 0; g < arenas.size(); ++g) {
+    if (!arenas[g]) continue;
+    const GroupLayout& group = layout.groups()[g];
+    if (arenas[g]->bytes() != group.arena_bytes()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("the engine arena of group '{}' holds {} bytes, but the layout's "
+                              "group needs {}: the arena must be laid out as the group is",
+                              group.name(), arenas[g]->bytes(), group.arena_bytes()));
+    }
+  }
+}
+
 }  // namespace
 
 Receiver::Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
-                   ReceiverConfig config)
-    : Receiver(std::move(layout), nullptr, backend, std::move(transport), config) {}
+                   ReceiverConfig config, EngineArenas engine_arenas)
+    : Receiver(std::move(layout), nullptr, backend, std::move(transport), config,
+               std::move(engine_arenas)) {}
 
 Receiver::Receiver(Layout layout, ReceivePlan plan, Backend& backend,
-                   std::unique_ptr<Transport> transport, ReceiverConfig config)
+                   std::unique_ptr<Transport> transport, ReceiverConfig config,
+                   EngineArenas engine_arenas)
     : Receiver(std::move(layout), std::make_unique<const ReceivePlan>(std::move(plan)), backend,
-               std::move(transport), config) {}
+               std::move(transport), config, std::move(engine_arenas)) {}
 
 Receiver::Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backend& backend,
-                   std::unique_ptr<Transport> transport, ReceiverConfig config)
-    // The config is checked first, before the slots are allocated.
-    : layout_((check_receiver_config(config, transport.get(), backend), std::move(layout))),
+                   std::unique_ptr<Transport> transport, ReceiverConfig config,
+                   EngineArenas engine_arenas)
+    // The config and the engine's arenas are checked first, before the slots are allocated.
+    : layout_((check_receiver_config(config, transport.get(), backend),
+               check_engine_arenas(engine_arenas, layout, config), std::move(layout))),
       plan_(checked_plan(std::move(plan), layout_, config)),
-      slots_(std::make_unique<SlotTable>(layout_, backend, config.swap_strategy)),
+      slots_(std::make_unique<SlotTable>(layout_, backend, config.swap_strategy, engine_arenas)),
       hook_(std::make_unique<StepHook>(
           layout_, *slots_,
           config.decode_slowdown_budget.has_value() || config.max_receive_bytes_per_second != 0)),

@@ -2,13 +2,17 @@
 
 namespace shadowsync {
 
-SlotTable::SlotTable(const Layout& layout, Backend& backend, SwapStrategy strategy)
+SlotTable::SlotTable(const Layout& layout, Backend& backend, SwapStrategy strategy,
+                     const std::vector<std::shared_ptr<RemappableArena>>& engine_arenas)
     : backend_(backend), strategy_(strategy) {
   groups_.resize(layout.groups().size());
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     Group& group = groups_[g];
     group.bytes = layout.groups()[g].arena_bytes();
-    if (strategy == SwapStrategy::kRemap) {
+    if (strategy == SwapStrategy::kRemap && g < engine_arenas.size() && engine_arenas[g]) {
+      group.remap = engine_arenas[g];
+      group.live = group.remap->live_slot();  // an earlier receiver may have swapped it
+    } else if (strategy == SwapStrategy::kRemap) {
       group.remap = backend.create_remappable_arena(group.bytes);
     } else {
       for (int s = 0; s < 2; ++s) group.arena[s] = DeviceBuffer(backend, group.bytes);

@@ -7,7 +7,9 @@
 //   copy_in  two arenas; slot 0 is the live storage and never moves, slot 1 the shadow; a swap
 //            copies slot 1 into slot 0 on the engine stream (one copy per group arena)
 //   remap    a RemappableArena: a live range that never moves over two physical slots; a swap
-//            remaps the live range onto the other slot
+//            remaps the live range onto the other slot. The arena is the table's own, or one the
+//            engine made before it met the receiver (EngineArenas, receiver.h): then it is shared,
+//            outlives the table, and its live slot is whichever it shows
 //
 // The table is the one record of which slot of each group is live; the receiver's SlotPlanner
 // asks it (live_slot) rather than keeping a copy. Only the engine thread changes it (make_live,
@@ -16,8 +18,8 @@
 // took it) and closed the rollback window, and before it offers the next update. The step hook's
 // atomics order those reads after the engine's writes.
 //
-// Ownership: the table owns both slots and their events for the receiver's life; the backend
-// must outlive it.
+// Ownership: the table owns both slots and their events for the receiver's life (an engine arena
+// it shares with the engine); the backend must outlive it.
 #pragma once
 
 #include <cstddef>
@@ -35,7 +37,7 @@ class SlotTable {
  public:
   struct Group {
     DeviceBuffer arena[2];                   // rebind, copy_in
-    std::unique_ptr<RemappableArena> remap;  // remap
+    std::shared_ptr<RemappableArena> remap;  // remap
     std::unique_ptr<Event> release[2];
     std::size_t bytes = 0;  // the layout's arena size
     // copy_in with the engine's own storage (use_engine_storage): where each tensor of the group
@@ -49,9 +51,12 @@ class SlotTable {
     int live = 0;  // under copy_in always 0
   };
 
-  // Allocates both slots of every group (zero-filled) and their events; slot 0 is live. The
-  // strategy must fit the backend (the receiver checks that first, with a clearer message).
-  SlotTable(const Layout& layout, Backend& backend, SwapStrategy strategy);
+  // Allocates both slots of every group (zero-filled) and their events; slot 0 is live. Under
+  // remap a group g with a non-null `engine_arenas[g]` takes that arena instead (its live slot
+  // stays live; the receiver checked its size). The strategy must fit the backend (the receiver
+  // checks that first, with a clearer message).
+  SlotTable(const Layout& layout, Backend& backend, SwapStrategy strategy,
+            const std::vector<std::shared_ptr<RemappableArena>>& engine_arenas = {});
 
   Backend& backend() const { return backend_; }
   SwapStrategy strategy() const { return strategy_; }

@@ -30,6 +30,7 @@ from .errors import (
 )
 from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
 from .receive_plan import PlanCopy, ReceivePlan
+from .remap_arena import RemapArena
 from .receiver import (
     GroupSwap,
     PacingReport,
@@ -108,6 +109,7 @@ __all__ = [
     "Receiver",
     "ReceiverConfig",
     "ReceiverStats",
+    "RemapArena",
     "Sender",
     "SenderConfig",
     "ShadowsyncError",

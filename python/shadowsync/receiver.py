@@ -190,12 +190,33 @@ class GroupSwap(NamedTuple):
     content_version: int
 
 
+def _arena_array(layout: Layout, arenas: dict):
+    """{group name or index: RemapArena} as the C array of handles in group order."""
+    index = {g.name: g.index for g in layout.groups}
+    handles = [None] * len(layout.groups)
+    for key, arena in arenas.items():
+        g = index.get(key) if isinstance(key, str) else key
+        if g is None or not 0 <= g < len(handles):
+            raise InvalidArgumentError(
+                f"arenas: {key!r} is not a group of the layout (groups: "
+                f"{', '.join(repr(n) for n in index)})")
+        handles[g] = arena.handle
+    return (c_void_p * len(handles))(*[h.value if h is not None else None for h in handles])
+
+
 class Receiver(Handle):
     """Allocates both slots of every group of `layout` on `backend` and starts the receiver
     thread. `transport` (taken) may be None until a rendezvous: replace_transport() then.
 
     `plan` (a ReceivePlan): the trainer sends another layout than `layout` (the engine's, which
     the slots have); each received bucket is copied into the shadow by the plan.
+
+    `arenas` ({group name or index: RemapArena}; swap_strategy "remap" only): the live memory of
+    those groups is the engine's arena, which holds its current weights laid out as the group
+    (each exactly the group's arena_bytes), typically under CUDA graphs captured before this
+    receiver existed; its other slot becomes the shadow and a swap remaps. The receiver shares
+    each arena (a later receiver may take it once this one is closed); refused, naming the group
+    and both values, before anything is allocated.
 
     The step hook calls run on the engine's stream: `engine_stream` (a stream of `backend`),
     default a new stream of `backend`; each call may name another."""
@@ -210,12 +231,20 @@ class Receiver(Handle):
         config: ReceiverConfig | None = None,
         engine_stream: Stream | None = None,
         plan: ReceivePlan | None = None,
+        arenas: dict | None = None,
     ):
         c_config = config_struct(ReceiverConfigC, **config._c_fields()) if config is not None else None
         c_config_ref = byref(c_config) if c_config is not None else None
         c_transport = transport.handle if transport is not None else None
         handle = c_void_p()
-        if plan is None:
+        if arenas:
+            c_arenas = _arena_array(layout, arenas)
+            copies, _keep = plan._c_array() if plan is not None else (None, None)
+            call("shadowsync_receiver_create_with_arenas", layout.handle,
+                 plan.wire.handle if plan is not None else None, copies,
+                 len(plan.copies) if plan is not None else 0, c_arenas, len(c_arenas),
+                 backend.handle, c_transport, c_config_ref, byref(handle))
+        elif plan is None:
             call("shadowsync_receiver_create", layout.handle, backend.handle, c_transport,
                  c_config_ref, byref(handle))
         else:

@@ -13,6 +13,7 @@ tracing its own shard of the model.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def main(workdir: str, port: int, rank: int, world: int, archs: list[str]) -> No
                             max_model_len=256).create_engine_config()
         with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
             if not started:
+                # vLLM's CPU worker names the ranks' shared-memory group so; its CPU communicator
+                # reads it where vLLM's shared-memory ops are built for this CPU.
+                os.environ.setdefault("VLLM_DIST_IDENT", f"shadowsync-trace-{port}")
                 init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                              distributed_init_method=f"tcp://127.0.0.1:{port}",
                                              backend="gloo")

@@ -2,6 +2,7 @@
 # One device call after .vllm-gpu's two install calls (PYTHONPATH=/tmp/site holds vLLM 0.25.0;
 # ../shared/vllm-gpu/README.md): builds the C library with CUDA (and EXTRA_TARGETS), then runs what
 # the environment asks for, each with its log under $OUT:
+#   GPU_TESTS="a b"  tests/gpu/<a>, tests/gpu/<b> (built as gpu_<a>; Catch2 filters: GPU_TEST_ARGS)
 #   SAME_HOST=1      tests/gpu/test_same_host_gpu and the mini worker's same-host cases
 #   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
 #   E2E_RUNS="A;B"   scripts/vllm_e2e.py --device cuda with each ;-separated argument list
@@ -15,9 +16,14 @@ gpu_unpack_deps "$PWD" >/dev/null
 gpu_configure "$PWD" build-gpu "$OUT/cfg.log" 300
 targets=(shadowsync_c ${EXTRA_TARGETS:-})
 [[ "${SAME_HOST:-0}" == 1 || "${MEMCHECK:-0}" == 1 ]] && targets+=(gpu_test_same_host_gpu)
+for t in ${GPU_TESTS:-}; do targets+=("gpu_$t"); done
 cmake --build build-gpu -j16 --target "${targets[@]}" >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 export SHADOWSYNC_LIBRARY=$PWD/build-gpu/libshadowsync_c.so VLLM_USE_FLASHINFER_SAMPLER=0
 export CUDA_DEVICE_MAX_CONNECTIONS=32
+for t in ${GPU_TESTS:-}; do
+  timeout 240 "./build-gpu/tests/gpu/$t" ${GPU_TEST_ARGS:-} >"$OUT/$t.log" 2>&1
+  echo "$t exit $?: $(grep -E "swaps|test cases" "$OUT/$t.log" | tr '\n' ' ')"
+done
 if [[ "${SAME_HOST:-0}" == 1 ]]; then
   timeout 150 ./build-gpu/tests/gpu/test_same_host_gpu >"$OUT/same-host-gpu.log" 2>&1
   echo "test_same_host_gpu exit $?: $(tail -3 "$OUT/same-host-gpu.log" | tr '\n' ' ')"

@@ -5,6 +5,11 @@
 // output equals that of the same kernel run eagerly over the trainer's bytes of that version.
 // rebind, declared under graphs, is refused.
 //
+// Remap with engine arenas (EngineArenas, receiver.h): the engine makes the remappable arenas and
+// captures its graph over them BEFORE any receiver exists (vLLM captures at start-up); a receiver
+// made later takes them; halfway it is destroyed and a second receiver takes the same arenas,
+// whose live slot is then whichever the first left live. The same checks hold throughout.
+//
 // The trainer is this test: it fills a device arena per group with the oracle's pattern and a
 // small in-process transport copies bucket by bucket from it into the receiver's shadow, on the
 // receiver's stream (NCCL needs two GPUs; what is tested here is the swap, not the transport).
@@ -114,7 +119,9 @@ Results read_results(const std::uint64_t* device, std::size_t groups, cudaStream
   return r;
 }
 
-void run_graph_swaps(SwapStrategy strategy) {
+enum class ArenaOwner { kReceivers, kEngine };
+
+void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kReceivers) {
   Watchdog watchdog(240s);
   const Layout layout = graph_layout();
   const std::size_t groups = layout.groups().size();
@@ -125,14 +132,25 @@ void run_graph_swaps(SwapStrategy strategy) {
     INFO("remap unavailable: " << why);
     REQUIRE(why.empty());
   }
-  auto transport_owned = std::make_unique<DeviceCopyTransport>();
-  DeviceCopyTransport& transport = *transport_owned;
   ReceiverConfig config;
   config.root_rank = 0;
   config.swap_strategy = strategy;
   config.engine_uses_cuda_graphs = true;
-  Receiver receiver(layout, backend, std::move(transport_owned), config);
-  StepHook& hook = receiver.step_hook();
+  EngineArenas engine_arenas;
+  if (owner == ArenaOwner::kEngine) {
+    for (const auto& group : layout.groups()) {
+      engine_arenas.push_back(backend.create_remappable_arena(group.arena_bytes()));
+    }
+  }
+  DeviceCopyTransport* transport = nullptr;
+  const auto make_receiver = [&] {
+    auto transport_owned = std::make_unique<DeviceCopyTransport>();
+    transport = transport_owned.get();
+    return std::make_unique<Receiver>(layout, backend, std::move(transport_owned), config,
+                                      engine_arenas);
+  };
+  // With engine arenas the graph is captured before the first receiver is made.
+  std::unique_ptr<Receiver> receiver = owner == ArenaOwner::kEngine ? nullptr : make_receiver();
 
   std::vector<TensorEntry> entries;
   for (std::size_t g = 0; g < groups; ++g) {
@@ -161,7 +179,8 @@ void run_graph_swaps(SwapStrategy strategy) {
   // The decode step, captured once over the live addresses of this moment.
   Arenas live{};
   for (std::size_t g = 0; g < groups; ++g) {
-    live.group[g] = reinterpret_cast<const std::uint64_t*>(hook.live_arena(g));
+    live.group[g] = reinterpret_cast<const std::uint64_t*>(
+        receiver ? receiver->step_hook().live_arena(g) : engine_arenas[g]->live_address());
   }
   auto* graph_out = reinterpret_cast<std::uint64_t*>(graph_results.data());
   cudaGraph_t graph = nullptr;
@@ -172,6 +191,10 @@ void run_graph_swaps(SwapStrategy strategy) {
   REQUIRE_CUDA(cudaStreamEndCapture(engine_handle, &graph));
   cudaGraphExec_t exec = nullptr;
   REQUIRE_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  if (!receiver) receiver = make_receiver();
+  // The version each group's live bytes hold, carried over from one receiver to the next (a new
+  // receiver's live_content_version starts at 0 over bytes an earlier one made live).
+  std::vector<std::uint64_t> carried(groups, 0);
 
   std::vector<std::string> all_groups;
   for (const auto& g : layout.groups()) all_groups.push_back(g.name());
@@ -179,6 +202,20 @@ void run_graph_swaps(SwapStrategy strategy) {
   std::uint64_t replays = 0;
   std::string first_torn;
   for (std::uint64_t v = 1; v <= kSwaps; ++v) {
+    if (owner == ArenaOwner::kEngine && v == kSwaps / 2 + 1) {
+      // Halfway: a second receiver takes the arenas the first one swapped.
+      for (std::size_t g = 0; g < groups; ++g) {
+        carried[g] = receiver->step_hook().live_content_version(g);
+      }
+      receiver.reset();
+      receiver = make_receiver();
+      for (std::size_t g = 0; g < groups; ++g) {
+        INFO("group " << g);
+        REQUIRE(receiver->step_hook().live_arena(g) ==
+                reinterpret_cast<const std::byte*>(live.group[g]));
+      }
+    }
+    StepHook& hook = receiver->step_hook();
     // The trainer's bytes of version v, and the eager reference over them.
     Arenas reference{};
     for (std::size_t g = 0; g < groups; ++g) {
@@ -194,10 +231,10 @@ void run_graph_swaps(SwapStrategy strategy) {
     for (std::size_t g = 0; g < groups; ++g) {
       const GroupLayout& group = layout.groups()[g];
       for (std::size_t k = 0; k < group.bucket_count(); ++k) {
-        transport.queue(trainer[g].data() + group.bucket(k).offset);
+        transport->queue(trainer[g].data() + group.bucket(k).offset);
       }
     }
-    receiver.begin_update(make_update_header(layout, v, all_groups));
+    receiver->begin_update(make_update_header(layout, v, all_groups));
 
     // Engine: step hook, then replay, with no host wait between them, until v is live.
     const auto deadline = std::chrono::steady_clock::now() + 60s;
@@ -208,7 +245,8 @@ void run_graph_swaps(SwapStrategy strategy) {
       ++replays;
       seen = read_results(graph_out, groups, engine_handle);
       for (std::size_t g = 0; g < groups; ++g) {
-        const std::uint64_t want = hook.live_content_version(g);
+        const std::uint64_t live_version = hook.live_content_version(g);
+        const std::uint64_t want = live_version != 0 ? live_version : carried[g];
         if (seen.lo[g] != want || seen.hi[g] != want) {
           if (torn++ == 0) {
             first_torn = "update " + std::to_string(v) + ", group " + std::to_string(g) +
@@ -223,7 +261,7 @@ void run_graph_swaps(SwapStrategy strategy) {
       REQUIRE(std::chrono::steady_clock::now() < deadline);
     }
     INFO("update " << v);
-    REQUIRE(receiver.stats().updates_failed == 0);
+    REQUIRE(receiver->stats().updates_failed == 0);
     for (std::size_t g = 0; g < groups; ++g) {
       REQUIRE(seen.lo[g] == v);
       REQUIRE(seen.out[g] == expected.out[g]);  // equal to eager mode at the same version
@@ -231,15 +269,16 @@ void run_graph_swaps(SwapStrategy strategy) {
   }
   INFO(first_torn);
   CHECK(torn == 0);
-  CHECK(hook.applied_version() == kSwaps);
-  std::printf("%s: %d swaps, %llu graph replays, %llu torn\n",
-              std::string(swap_strategy_name(strategy)).c_str(), kSwaps,
+  CHECK(receiver->step_hook().applied_version() == kSwaps);
+  std::printf("%s%s: %d swaps, %llu graph replays, %llu torn\n",
+              std::string(swap_strategy_name(strategy)).c_str(),
+              owner == ArenaOwner::kEngine ? " (engine arenas, 2 receivers)" : "", kSwaps,
               static_cast<unsigned long long>(replays), static_cast<unsigned long long>(torn));
 
   REQUIRE_CUDA(cudaStreamSynchronize(engine_handle));
   REQUIRE_CUDA(cudaGraphExecDestroy(exec));
   REQUIRE_CUDA(cudaGraphDestroy(graph));
-  receiver.shutdown();
+  receiver->shutdown();
   watchdog.stop();
 }
 
@@ -251,6 +290,11 @@ TEST_CASE("graph swaps: copy_in, 200 swaps under a graph captured once") {
 
 TEST_CASE("graph swaps: remap, 200 swaps under a graph captured once") {
   run_graph_swaps(SwapStrategy::kRemap);
+}
+
+TEST_CASE("graph swaps: remap over engine arenas captured before any receiver, two receivers "
+          "in turn") {
+  run_graph_swaps(SwapStrategy::kRemap, ArenaOwner::kEngine);
 }
 
 TEST_CASE("graph swaps: rebind is refused when the engine declares CUDA graphs") {

@@ -21,6 +21,8 @@ class VmmRemappableArena final : public RemappableArena {
   std::byte* live_address() const override {
     return static_cast<std::byte*>(slots_.live_address());
   }
+  std::size_t bytes() const override { return slots_.requested_bytes(); }
+  int live_slot() const override { return slots_.live_slot(); }
   std::byte* slot_address(int slot) const override {
     return static_cast<std::byte*>(slots_.slot_address(slot));
   }

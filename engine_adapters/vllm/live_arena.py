@@ -1,0 +1,125 @@
+"""The live arena: vLLM's weights moved into a remap arena before vLLM captures its CUDA graphs.
+
+vLLM captures its CUDA graphs at start-up, over its parameters' storage, before any RPC can reach
+the worker. A receiver set up later can then only copy the new weights into that storage at the
+swap (copy_in), and the engine waits for the copy: about 22 ms per update at Llama-3-8B on an
+H100. vLLM 0.25 makes its weight-transfer engine right after it loads the model, before it
+profiles memory and captures graphs. This module is a weight-transfer engine that does one thing
+there: it moves every parameter of the model into one shadowsync.RemapArena (a live address
+range over two physical slots, laid out as a Layout of the parameters in the model's order) and
+points the parameters at it. The graphs are then captured over the arena's live range, and
+init_weight_update_group hands the arena to the receiver (swap strategy "remap"): a swap remaps
+the live range onto the slot the update landed in, nothing is copied, and the graphs read the new
+weights.
+
+    llm = vllm.LLM(model=..., worker_extension_cls="shadowsync.vllm.WorkerExtension",
+                   weight_transfer_config={"backend": "shadowsync"})
+
+``import shadowsync.vllm`` registers the engine with vLLM as "shadowsync" in a process that has
+imported vLLM (vLLM's workers import the worker extension before they load the model). Memory: the
+arena is two copies of the weights (the live one and the shadow), allocated before vLLM sizes its
+KV cache; vLLM counts the weights it loaded as well, so its KV cache is smaller by one copy of the
+weights than the memory left would allow (gpu_memory_utilization as with copy_in).
+
+vLLM's own weight-transfer calls (init_weight_transfer_engine, update_weights, ...) are refused:
+updates go through the worker extension's init_weight_update_group and begin_update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shadowsync import _tensors
+from shadowsync.backend import CudaBackend
+from shadowsync.errors import InvalidArgumentError
+from shadowsync.layout import BASE_GROUP, Layout, TensorSpec
+from shadowsync.remap_arena import RemapArena
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from .worker_extension import _CudaBytes
+
+__all__ = ["LiveArenaEngine"]
+
+# The name under which import shadowsync.vllm registers the engine with vLLM.
+BACKEND_NAME = "shadowsync"
+
+
+class LiveArenaEngine(WeightTransferEngine):
+    """vLLM's weight-transfer engine "shadowsync": places the weights in a remap arena at load."""
+
+    init_info_cls = dict
+    update_info_cls = dict
+    # What the worker extension looks for on vLLM's weight_transfer_engine (it imports no vLLM).
+    shadowsync_live_arena = True
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.layout, self.arena = _move_into_arena(model)
+
+    def _refuse(self, call: str):
+        raise InvalidArgumentError(
+            f"{call}: the 'shadowsync' weight-transfer backend only places vLLM's weights for "
+            f"zero-copy swaps; updates go through the worker extension "
+            f"(shadowsync.vllm.init_weight_update_group, then apply_update or begin_update)")
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        self._refuse("init_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._refuse("start_weight_update")
+
+    def finish_weight_update(self) -> None:
+        self._refuse("finish_weight_update")
+
+    def receive_weights(self, update_info: Any) -> None:
+        self._refuse("update_weights")
+
+    def shutdown(self) -> None:
+        pass  # the arena lives as long as the model reads it: freed with this object
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        raise InvalidArgumentError(
+            "trainer_send_weights: the 'shadowsync' weight-transfer backend has no sender of "
+            "vLLM's kind; the trainer sends with shadowsync (a Sender over NCCL or the same-host "
+            "transport)")
+
+
+def _move_into_arena(model) -> tuple[Layout, RemapArena]:
+    """Copies every parameter of `model` into a new remap arena laid out as one "base" group of
+    the parameters in the model's order, points each parameter at its place in the live range
+    and frees the old storage. CUDA only (the host backend cannot remap: NotSupportedError)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    if not params:
+        raise InvalidArgumentError("the 'shadowsync' weight-transfer backend: the model has no "
+                                   "parameters")
+    descs = {name: _tensors.describe(name, p.data) for name, p in params.items()}
+    devices = {d.device for d in descs.values()}
+    if len(devices) != 1 or not next(iter(devices)).startswith("cuda:"):
+        raise InvalidArgumentError(
+            f"the 'shadowsync' weight-transfer backend needs every parameter on one CUDA device "
+            f"(a live arena is CUDA virtual memory); the model's are on {sorted(devices)}")
+    for name, d in descs.items():
+        if not d.contiguous or not d.shape or 0 in d.shape:
+            raise InvalidArgumentError(
+                f"the 'shadowsync' weight-transfer backend: parameter '{name}' (shape "
+                f"{list(d.shape)}) is not a non-empty contiguous tensor")
+    layout = Layout([TensorSpec(n, d.dtype, d.shape, BASE_GROUP) for n, d in descs.items()])
+    group = layout.groups[0]
+    device = int(next(iter(devices)).split(":")[1])
+    arena = RemapArena(CudaBackend(device), group.arena_bytes)
+    live = torch.as_tensor(_CudaBytes(arena.live_address, group.arena_bytes), device=f"cuda:{device}")
+    with torch.no_grad():
+        for t in group.tensors:
+            param = params[t.name]
+            view = live[t.offset:t.offset + t.bytes].view(param.dtype).reshape(param.shape)
+            view.copy_(param.data)
+            param.data = view
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the old storage goes back to the device before vLLM profiles
+    print(f"[shadowsync] live arena: {len(group.tensors)} parameters, "
+          f"{group.arena_bytes / 2**30:.2f} GiB, moved into a remap arena (two slots) before "
+          f"CUDA graph capture", flush=True)
+    return layout, arena
