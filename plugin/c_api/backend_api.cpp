@@ -28,6 +28,7 @@ shadowsync_status_t shadowsync_cuda_backend_create(int device, shadowsync_backen
     auto object = std::make_shared<BackendObject>();
     object->backend = std::make_unique<CudaBackend>(device);
     object->cuda = true;
+    object->device = device;
     out = to_handle<shadowsync_backend_t>(std::move(object));
 #else
     (void)out;

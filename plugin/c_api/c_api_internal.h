@@ -97,6 +97,12 @@ struct LayoutObject {
 struct BackendObject {
   std::unique_ptr<Backend> backend;
   bool cuda = false;
+  int device = -1;  // the CUDA device; -1 for the host backend
+
+  // "CUDA device 0", "the host backend": where its memory is, for messages.
+  std::string where() const {
+    return cuda ? fmt::format("CUDA device {}", device) : std::string("the host backend");
+  }
 };
 
 struct StreamObject {

@@ -149,11 +149,11 @@ class ArenaClaim {
       }
       const std::string argument = fmt::format("arenas[{}]", g);
       auto arena = lookup<RemapArenaObject>(arenas[g], argument.c_str());
-      if (arena->backend != object.backend) {
-        throw_invalid(fmt::format("'{}' was made on another backend ('{}') than the receiver's "
-                                  "('{}')",
-                                  argument, arena->backend->backend->name(),
-                                  object.backend->backend->name()));
+      // Another backend object of the same device is fine (a worker makes its own).
+      if (arena->backend->cuda != object.backend->cuda ||
+          arena->backend->device != object.backend->device) {
+        throw_invalid(fmt::format("'{}' lies on {}, but the receiver's backend is {}", argument,
+                                  arena->backend->where(), object.backend->where()));
       }
       if (arena->in_use.exchange(true)) {
         throw_invalid(fmt::format("'{}' is the live memory of another receiver: destroy that "
