@@ -181,7 +181,8 @@ def main() -> int:
                               vllm_packed_bytes=args.vllm_packed_bytes,
                               vllm_pause=not args.vllm_no_pause,
                               enforce_eager=args.enforce_eager or args.device == "cpu",
-                              live_arena=args.live_arena))
+                              live_arena=args.live_arena,
+                              decode_slowdown_budget=args.decode_slowdown_budget))
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     results: dict = {"meta": meta, "goals": GOALS, "vllm_reference_stop_ms": VLLM_REFERENCE_STOP_MS,
                      "configs": {}}
@@ -269,6 +270,8 @@ def child_passthrough(args) -> list[str]:
              "--vllm-packed-bytes", str(args.vllm_packed_bytes)]
     if args.swap_strategy:
         flags += ["--swap-strategy", args.swap_strategy]
+    if args.decode_slowdown_budget:
+        flags += ["--decode-slowdown-budget", str(args.decode_slowdown_budget)]
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena"):
@@ -914,6 +917,8 @@ class ShadowsyncTransfer:
                       same_host=dict(path=path, token=self.token), **(init_extra or {}))
         if self.args.swap_strategy:
             kwargs["swap_strategy"] = self.args.swap_strategy
+        if self.args.decode_slowdown_budget:
+            kwargs["decode_slowdown_budget"] = self.args.decode_slowdown_budget
         return kwargs
 
     async def reinitialize(self, engine, init_extra: dict | None = None) -> float:
@@ -1065,6 +1070,8 @@ def parse_args():
     p.add_argument("--vllm-no-pause", action="store_true",
                    help="do not pause vLLM's scheduler around its update (not its documented flow)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on)")
+    p.add_argument("--decode-slowdown-budget", type=float,
+                   help="shadowsync path: pace the receive to this decode slowdown (e.g. 1.05)")
     p.add_argument("--live-arena", action="store_true",
                    help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'} (weights "
                         "in a remap arena before graph capture; swaps by remap)")
