@@ -342,6 +342,13 @@ class WorkerExtension:
         if receiver_config is not None:
             # Refuses bad values (a budget below 1.0, ...) before anything is set up or connected.
             receiver_config._c_fields()
+        if lora_adapter is not None and _live_arena(self) is not None:
+            raise InvalidArgumentError(
+                "init_weight_update_group: lora_adapter with the 'shadowsync' weight-transfer "
+                "backend (live arena): the adapter lives in vLLM's stacked LoRA buffers and can "
+                "only be copied into (copy_in), the base weights are swapped by remap, and one "
+                "receiver has one swap strategy. Start vLLM without weight_transfer_config to "
+                "update LoRA adapters")
         model = self._shadowsync_model()
         _refuse_packed_weights(model)
         params = dict(_tensors.items(self._shadowsync_named_parameters()))
@@ -396,13 +403,6 @@ class WorkerExtension:
             receiver_config.swap_strategy if receiver_config is not None else None)
         live_arena = _live_arena(self)
         if live_arena is not None:
-            if lora_adapter is not None:
-                raise InvalidArgumentError(
-                    "init_weight_update_group: lora_adapter with the 'shadowsync' weight-transfer "
-                    "backend (live arena): the adapter lives in vLLM's stacked LoRA buffers and "
-                    "can only be copied into (copy_in), the base weights are swapped by remap, "
-                    "and one receiver has one swap strategy. Start vLLM without "
-                    "weight_transfer_config to update LoRA adapters")
             if chosen in (None, "remap"):
                 _check_fits_live_arena(layout, live_arena.layout)
                 swap_strategy = chosen = "remap"

@@ -438,11 +438,47 @@ def test_remap_under_cuda_graphs_is_refused_naming_the_way_out():
         before = {n: p.data for n, p in worker.model_runner.model.params}
         with pytest.raises(ss.InvalidArgumentError,
                            match=r"swap_strategy 'remap' with engine_uses_cuda_graphs: vLLM "
-                                 r"captured its CUDA graphs.*Use 'copy_in'.*enforce_eager=True"):
+                                 r"captured its CUDA graphs.*weight_transfer_config="
+                                 r"\{'backend': 'shadowsync'\}.*'copy_in'.*enforce_eager=True"):
             worker.init_weight_update_group(transport=ss.Loopback(2).transport(1),
                                             engine_uses_cuda_graphs=True, **kwargs)
         assert worker._shadowsync is None
         assert all(p.data is before[n] for n, p in worker.model_runner.model.params)
+
+
+def _with_live_arena(worker: FakeWorker, specs) -> FakeWorker:
+    """What vLLM's worker holds when it started with the 'shadowsync' weight-transfer backend: the
+    live-arena engine, its arena laid out as `specs` (a stand-in: the refusals below come before
+    any receiver would take it)."""
+    worker.weight_transfer_engine = SimpleNamespace(shadowsync_live_arena=True,
+                                                    layout=ss.Layout(specs), arena=None)
+    return worker
+
+
+def test_with_the_live_arena_parameters_in_another_order_are_refused_naming_both():
+    # remap swaps the arena as a whole: the receiver's slots must be laid out exactly as it is.
+    worker = _with_live_arena(FakeWorker(), list(reversed(SPECS)))
+    before = {n: p.data for n, p in worker.model_runner.model.params}
+    with pytest.raises(ss.InvalidArgumentError,
+                       match=rf"the update's parameter 0 is '{SPECS[0][0]}'.*but the live arena "
+                             rf"holds '(?!{SPECS[0][0]}')[^']+' .* there.*swap_strategy='copy_in'"):
+        worker.init_weight_update_group(transport=ss.Loopback(2).transport(1),
+                                        engine_uses_cuda_graphs=True)
+    assert worker._shadowsync is None
+    assert all(p.data is before[n] for n, p in worker.model_runner.model.params)
+
+
+def test_with_the_live_arena_two_groups_and_a_lora_adapter_are_refused():
+    worker = _with_live_arena(FakeWorker(), SPECS)
+    with pytest.raises(ss.InvalidArgumentError, match=r"live arena holds the model's parameters "
+                                                      r"as one group, but the update has 2"):
+        worker.init_weight_update_group(transport=ss.Loopback(2).transport(1),
+                                        group_of=lambda n: "a" if n == SPECS[0][0] else "b")
+    with pytest.raises(ss.InvalidArgumentError, match=r"lora_adapter with the 'shadowsync' "
+                                                      r"weight-transfer backend"):
+        worker.init_weight_update_group(specs=SPECS, lora_adapter=1,
+                                        transport=ss.Loopback(2).transport(1))
+    assert worker._shadowsync is None
 
 
 def test_a_lora_adapter_without_specs_is_refused():

@@ -391,3 +391,38 @@ def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoi
     # pins the adapter, so that vLLM never evicts the slot that is the live copy.
     assert out["pinned_after_refusals"] is False
     assert out["pinned_after_init"] is True
+
+
+LIVE_ARENA_CHILD = """
+import json, os, sys
+if os.environ.get("SHADOWSYNC_TEST_INSTALLED") != "1":
+    sys.path.insert(0, sys.argv[2])  # shadowsync of this checkout, as vllm_real_child.py does
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
+from vllm import LLM
+import shadowsync.vllm  # registers the 'shadowsync' weight-transfer backend with vLLM
+try:
+    LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=128,
+        kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True,
+        worker_extension_cls="shadowsync.vllm.WorkerExtension",
+        weight_transfer_config={"backend": "shadowsync"})
+    print("RESULT " + json.dumps({"started": True, "message": ""}))
+except Exception as error:  # the engine's start-up must fail, saying why
+    print("RESULT " + json.dumps({"started": False, "message": f"{type(error).__name__}: {error}"}))
+"""
+
+
+def test_the_live_arena_backend_reaches_vllm_and_refuses_cpu_weights_naming_why(checkpoints):
+    # vLLM's own factory finds the backend import shadowsync.vllm registered and makes it at
+    # load; a live arena is CUDA virtual memory, so vLLM CPU's start-up fails with the reason
+    # (never an engine whose swaps would silently do nothing).
+    proc = subprocess.run([sys.executable, "-c", LIVE_ARENA_CHILD, checkpoints.get("llama", "a"),
+                           str(CHILD.parent.parent)],
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    assert not result["started"]
+    assert "'shadowsync' weight-transfer backend needs every parameter on one CUDA device" in \
+        result["message"] + proc.stderr, result["message"]
+    assert "['cpu']" in result["message"] + proc.stderr
