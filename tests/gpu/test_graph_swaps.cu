@@ -202,11 +202,13 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
   std::uint64_t replays = 0;
   std::string first_torn;
   for (std::uint64_t v = 1; v <= kSwaps; ++v) {
-    if (owner == ArenaOwner::kEngine && v == kSwaps / 2 + 1) {
-      // Halfway: a second receiver takes the arenas the first one swapped.
+    if (owner == ArenaOwner::kEngine && v == kSwaps / 2 + 2) {
+      // Past halfway, after an odd number of swaps: a second receiver takes the arenas the
+      // first one left with slot 1 live.
       for (std::size_t g = 0; g < groups; ++g) {
         carried[g] = receiver->step_hook().live_content_version(g);
       }
+      REQUIRE(engine_arenas[0]->live_slot() == 1);  // the new receiver must start from slot 1
       receiver.reset();
       receiver = make_receiver();
       for (std::size_t g = 0; g < groups; ++g) {
