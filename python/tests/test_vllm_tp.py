@@ -2,8 +2,8 @@
 streams in while vLLM generates, both ranks hold it ready and shadowsync.vllm.commit_update makes
 it live on both between the same two steps (a commit of a version no rank holds ready is refused
 on every rank and flips none); the ranks' step versions agree at every step and the
-answers equal a fresh TP=2 vLLM of the new checkpoint, back and forth (scripts/vllm_e2e.py --tp 2,
-which exits non-zero on any difference). Before that, a set-up the workers refuse is raised on
+answers equal a fresh TP=2 vLLM of the new checkpoint, back and forth, and still do after
+close_weight_update_group (scripts/vllm_e2e.py --tp 2, which exits non-zero on any difference). Before that, a set-up the workers refuse is raised on
 the front end and leaves every rank as it was.
 
 With LoRA: vLLM also serves adapter lora_int_id 1 and every update carries a new adapter in its
@@ -33,9 +33,10 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step(lora):
     lines = [line for line in out.stdout.splitlines() if line.startswith("[vllm-e2e]")]
     assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
     assert any("step versions of the 2 ranks agree" in line for line in lines), lines
-    assert sum("answers equal a fresh vLLM" in line for line in lines) == 5, lines
+    # set-up, 4 updates, and after close_weight_update_group
+    assert sum("answers equal a fresh vLLM" in line for line in lines) == 6, lines
     if lora:  # every answer is that of a request with the adapter, against one with it
-        assert sum("with adapter L" in line for line in lines) == 5, lines
+        assert sum("with adapter L" in line for line in lines) == 6, lines
     # A set-up the workers refuse (a trainer tensor load_weights does not take) is raised on the
     # front end with the tensor's name; no rank is set up and the engine goes on (a worker that
     # raised would have ended vLLM's TP engine).
