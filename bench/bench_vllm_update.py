@@ -82,6 +82,13 @@ the update's first call to the return of its last call:
   written null, shown as ∞);
 * vLLM: the wall time from start_weight_update to finish_weight_update returned, and pause/resume.
 
+For the shadowsync path, after each window (outside it) the worker's weight_update_stats say
+what the engine thread spent on the update and when (the worker stamps each start): its swap
+(``swap_ms``), ``begin_update_ms`` and ``wait_applied_ms``; ``gap_at_<event>_ms`` is the longest
+inter-token gap the event's start fell into, ``largest_other_gap_ms`` the longest one overlapping
+the window that none fell into: which of them sets the engine stop says where generation stood
+still.
+
 Median and max over the measured updates. Goals printed next to shadowsync's figures: engine stop
 at most 1 ms per update at 8B, decode slowdown during the update at most 1.10x. vLLM's reported
 reference for its path: 119 ms stop at Qwen2.5-0.5B, 239 ms at Llama-3-8B.
@@ -142,6 +149,10 @@ GPU_MEMORY_UTILIZATION = {"qwen2.5-0.5b": 0.25, "llama-3-8b": 0.30, "tiny": 0.15
 # sizes its KV cache: the same KV cache takes twice the weights' share (80 GiB GPU) more.
 LIVE_ARENA_GPU_MEMORY_UTILIZATION = {"qwen2.5-0.5b": 0.28, "llama-3-8b": 0.70, "tiny": 0.15}
 GOALS = {"engine_stop_ms": 1.0, "slowdown": 1.10}
+# What the shadowsync path's engine thread did for an update (ShadowsyncPath.engine_times): each
+# has <event>_ms (its length) and, in the analysis, gap_at_<event>_ms (the gap it fell into).
+ENGINE_EVENTS = ("swap", "begin_update", "wait_applied")
+ENGINE_TIMES = tuple(f"{e}_ms" for e in ENGINE_EVENTS) + tuple(f"gap_at_{e}_ms" for e in ENGINE_EVENTS)
 VLLM_REFERENCE_STOP_MS = {"qwen2.5-0.5b": 119.0, "llama-3-8b": 239.0}
 PATHS = ("vllm", "shadowsync")
 PROMPT_LEN = 16
@@ -528,7 +539,9 @@ async def run_child(args, result: dict) -> dict:
         result["output_changed_by_update"] = before != after
         log(f"{path}: warm-up update {fmt_ms(warm['update_ms'])}; greedy output "
             f"{'changed' if before != after else 'UNCHANGED'} ({before[:6]} -> {after[:6]})")
-        measured = await load.measure(lambda v: driver.update(engine, v), first_version=2)
+        measured = await load.measure(lambda v: driver.update(engine, v), first_version=2,
+                                      engine_times=getattr(driver, "engine_times", None) and
+                                      (lambda: driver.engine_times(engine)))
         result.update(measured)
         await driver.close(engine)
     finally:
@@ -591,7 +604,9 @@ class DecodeLoad:
                         self.gaps.append((previous, now, new))
                     previous = now
 
-    async def measure(self, update, first_version: int) -> dict:
+    async def measure(self, update, first_version: int, engine_times=None) -> dict:
+        """`engine_times`: after each update's window, what the engine thread spent on it (the
+        shadowsync path: its swap and RPCs), asked for outside the window."""
         args = self.args
         self.stopping = False  # a later call starts the load again
         tasks = [asyncio.create_task(self.slot(i)) for i in range(args.requests)]
@@ -607,8 +622,11 @@ class DecodeLoad:
                 w0 = time.perf_counter()
                 info = await update(first_version + k)
                 w1 = time.perf_counter()
+                if engine_times is not None:
+                    info = dict(info, **await engine_times())
                 windows.append((w0, w1, info))
-                log(f"update {k + 1}/{args.updates}: {fmt_ms((w1 - w0) * 1e3)}")
+                log(f"update {k + 1}/{args.updates}: {fmt_ms((w1 - w0) * 1e3)}"
+                    + "".join(f"; {key} {fmt_ms(info[key])}" for key in ENGINE_TIMES if key in info))
             await asyncio.sleep(max(0.5, 3 * self.step_estimate(base0, base1)))
             self.check(tasks)
         finally:
@@ -664,9 +682,19 @@ class DecodeLoad:
         for w0, w1, info in windows:
             overlapping = [b - a for a, b, _ in self.gaps if b >= w0 and w0 - lead <= a <= w1]
             max_gap = max(overlapping) if overlapping else float("nan")
+            entry = dict(info)
+            # The gaps each engine-thread event fell into, and the largest gap none did.
+            starts = {e: entry.pop(f"{e}_started_at") for e in ENGINE_EVENTS
+                      if f"{e}_started_at" in entry}
+            for event, at in starts.items():
+                hit = [b - a for a, b, _ in self.gaps if a <= at <= b]
+                entry[f"gap_at_{event}_ms"] = round(max(hit, default=float("nan")) * 1e3, 3)
+            if starts:
+                others = [b - a for a, b, _ in self.gaps if b >= w0 and w0 - lead <= a <= w1
+                          and not any(a <= at <= b for at in starts.values())]
+                entry["largest_other_gap_ms"] = round(max(others, default=float("nan")) * 1e3, 3)
             tokens = sum(n for t, n in self.tokens if w0 <= t <= w1)
             tps = self.rate(w0, w1)
-            entry = dict(info)
             entry.update(window_ms=round((w1 - w0) * 1e3, 3), max_token_gap_ms=round(max_gap * 1e3, 3),
                          engine_stop_ms=round(max(0.0, max_gap - step) * 1e3, 3),
                          tokens_in_window=tokens, tokens_per_s=round(tps, 1),
@@ -674,7 +702,8 @@ class DecodeLoad:
             updates.append(entry)
         summary = {}
         for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
-                    "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms"):
+                    "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
+                    "largest_other_gap_ms") + ENGINE_TIMES:
             values = [u.get(key) for u in updates if key in u]
             if not values:
                 continue
@@ -956,6 +985,19 @@ class ShadowsyncTransfer:
                     # perf_counter: publish asked, every byte acked (the transfer's window)
                     published_at=t0, sent_at=t3)
 
+    async def engine_times(self, engine) -> dict:
+        """The engine thread's time on the last update: its swap (and when it started, on this
+        process's perf_counter clock), begin_update and wait_applied."""
+        stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        # The worker stamps time.monotonic(); the gaps are on perf_counter (one clock from
+        # Python 3.13 on, the same CLOCK_MONOTONIC on Linux before; the offset covers both).
+        offset = time.perf_counter() - time.monotonic()
+        times = {}
+        for event in ENGINE_EVENTS:
+            times[f"{event}_ms"] = round(stats[f"last_{event}_s"] * 1e3, 3)
+            times[f"{event}_started_at"] = stats[f"last_{event}_started_s"] + offset
+        return times
+
     async def close(self, engine) -> None:
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
         log(f"shadowsync receiver: {({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
@@ -1038,6 +1080,21 @@ def write_outputs(out: Path, results: dict) -> None:
                 f"{tps.get('median', '-')} (min {tps.get('min', '-')}) | "
                 f"{pair(s, 'slowdown', 3)} | {pair(s, 'update_ms')} | "
                 f"{pair(s, 'start_to_finish_ms') if path == 'vllm' else '-'} | {goal} |")
+    where = [(config, entry["shadowsync"]["summary"]) for config, entry in results["configs"].items()
+             if isinstance(entry.get("shadowsync"), dict) and "summary" in entry["shadowsync"]]
+    if where:
+        lines += ["", "Where the longest gap was (shadowsync; median / max): the engine thread's "
+                  "time in the swap (swap callback and, for remap, the engine-stream "
+                  "synchronization included), in begin_update and in wait_applied (both run "
+                  "between two steps); the inter-token gap each fell into; the largest gap "
+                  "overlapping the update that none fell into.", "",
+                  "| model | swap ms | gap at the swap ms | begin_update ms | gap at it ms | "
+                  "wait_applied ms | gap at it ms | largest other gap ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {config} | "
+                  + "".join(f"{pair(s, f'{e}_ms', 3)} | {pair(s, f'gap_at_{e}_ms', 2)} | "
+                            for e in ENGINE_EVENTS)
+                  + f"{pair(s, 'largest_other_gap_ms', 2)} |" for config, s in where]
     lines += ["", "Paths: " + "; ".join(
         f"{config} {path}: {r.get('api', '-')}; weights changed by the update: "
         f"{r.get('output_changed_by_update', '-')}; stand-ins: {r.get('stand_ins', [])}"

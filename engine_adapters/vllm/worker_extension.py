@@ -27,6 +27,7 @@ import collections
 import ctypes
 import dataclasses
 import functools
+import time
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -79,6 +80,11 @@ class _UpdateGroup:
         self.coordinated = False  # commit_mode "coordinated": swaps come from commit_update
         # (first step, version) of each version made live, bounded.
         self.step_log: collections.deque = collections.deque(maxlen=1024)
+        # The last begin_update and wait_applied: when each started (time.monotonic) and the
+        # seconds the engine thread spent in it. Both run between two steps (collective_rpc), so
+        # they add to how long generation stands still.
+        self.last_begin_update = (0.0, 0.0)
+        self.last_wait_applied = (0.0, 0.0)
 
     def group_views(self, group: int) -> list:
         """Views of every tensor of `group` in its live slot; built once per slot (each group has
@@ -498,8 +504,10 @@ class WorkerExtension:
         and returns its version at once. The receive runs on the library's native thread.
         Thread-safe."""
         state = self._require()
+        started = time.monotonic()
         header_bytes = bytes(header_bytes)
         state.receiver.begin_update(header_bytes)
+        state.last_begin_update = (started, time.monotonic() - started)
         return UpdateHeader.from_bytes(header_bytes).version
 
     def before_step(self) -> int | None:
@@ -516,7 +524,11 @@ class WorkerExtension:
         the parameters; ShadowsyncTimeoutError after `timeout` seconds. Returns the applied
         version. Engine thread only (collective_rpc runs between steps)."""
         state = self._require()
-        state.receiver.wait_applied(version, timeout)
+        started = time.monotonic()
+        try:
+            state.receiver.wait_applied(version, timeout)
+        finally:
+            state.last_wait_applied = (started, time.monotonic() - started)
         return state.receiver.applied_version
 
     def ready_version(self) -> int:
@@ -572,9 +584,12 @@ class WorkerExtension:
 
     def weight_update_stats(self) -> dict:
         """The receiver's counters as a dict (plain data for collective_rpc), among them
-        ``"last_transfer_s"`` (the last ready update's transfer time, seconds) and ``"pacing"``
+        ``"last_transfer_s"`` (the last ready update's transfer time, seconds), ``"pacing"``
         (what pacing did to it: the fields of shadowsync.PacingReport, ``"paced"`` False without
-        a budget or a cap). Thread-safe."""
+        a budget or a cap), and what the engine thread spent on the last update, in seconds, with
+        when it started on time.monotonic's clock: its swap (``"last_swap_s"``,
+        ``"last_swap_started_s"``), begin_update (``"last_begin_update_s"``, ``..._started_s``)
+        and wait_applied (``"last_wait_applied_s"``, ``..._started_s``). Thread-safe."""
         state = self._require()
         stats = vars(state.receiver.stats()).copy()
         stats["pacing"] = dataclasses.asdict(stats.pop("last_pacing"))
@@ -583,6 +598,8 @@ class WorkerExtension:
         stats["plan_copies"] = state.plan_copies  # 0: the trainer sends the engine's own tensors
         stats["swap_strategy"] = state.swap_strategy
         stats["live_arena"] = state.live_arena
+        stats["last_begin_update_started_s"], stats["last_begin_update_s"] = state.last_begin_update
+        stats["last_wait_applied_started_s"], stats["last_wait_applied_s"] = state.last_wait_applied
         return stats
 
     def close_weight_update_group(self, keep_weights: bool = True) -> None:

@@ -456,12 +456,17 @@ typedef struct {
   int64_t last_busy_ns;          /* sum over buckets: posted -> completion observed */
   int64_t last_held_back_ns;     /* sum of the holds between buckets */
   double last_duty;              /* busy / (busy + held back) */
+  /* The last swap that made an update live (shadowsync::StepHook::last_swap_duration): the
+   * engine thread's time in it, swap callback included, and when it started (CLOCK_MONOTONIC,
+   * the clock of Python's time.monotonic). Both 0 before the first. */
+  int64_t last_swap_ns;
+  int64_t last_swap_started_ns;
 } shadowsync_receiver_stats_t;
 
 #define SHADOWSYNC_RECEIVER_STATS_INITIALIZER                                                  \
   {                                                                                            \
     sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
-        0.0, 0, 0, 0.0, 0, 0, 0, 0.0                                                           \
+        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0                                                     \
   }
 
 /* One group made live by a swap. */

@@ -141,6 +141,18 @@ class StepHook {
   // When the engine's steps started; null unless constructed with record_step_times.
   const StepTimes* step_times() const { return step_times_.get(); }
 
+  // The last swap that made an update live (before_step, apply_pending_now, wait_applied):
+  // when it started and how long the engine thread spent in it, swap callback included: the
+  // host side of the engine's stop (for remap, its engine-stream synchronization too). Zero
+  // before the first. Measured on the swap path only. Thread-safe (each field on its own).
+  std::chrono::steady_clock::time_point last_swap_started() const {
+    return std::chrono::steady_clock::time_point(
+        std::chrono::nanoseconds(last_swap_started_ns_.load(std::memory_order_acquire)));
+  }
+  std::chrono::nanoseconds last_swap_duration() const {
+    return std::chrono::nanoseconds(last_swap_ns_.load(std::memory_order_acquire));
+  }
+
   // Called on the engine thread after each swap, before before_step returns: where an adapter
   // rebinds its engine's tensors to the new live pointers. Set before the first update.
   void set_swap_callback(std::function<void(const AppliedUpdate&)> callback);
@@ -172,6 +184,8 @@ class StepHook {
   const std::unique_ptr<StepTimes> step_times_;  // null: nothing recorded (no budget)
   std::atomic<const PendingUpdate*> pending_{nullptr};
   std::atomic<std::uint64_t> applied_version_{0};
+  std::atomic<std::int64_t> last_swap_started_ns_{0};  // steady_clock, since its epoch
+  std::atomic<std::int64_t> last_swap_ns_{0};
   std::function<void(const AppliedUpdate&)> swap_callback_;
   // Engine thread: per group of the last swap, the slot (and its content version) it replaced;
   // after a rollback, the slots it made live again (read by the receiver thread once

@@ -516,6 +516,11 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
       full.last_held_back_ns = pacing.held_back.count();
       full.last_duty = pacing.duty;
     }
+    const StepHook& hook = object->receiver->step_hook();
+    full.last_swap_ns = hook.last_swap_duration().count();
+    full.last_swap_started_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    hook.last_swap_started().time_since_epoch())
+                                    .count();
     std::memcpy(static_cast<void*>(&out), &full, std::min(out.size, sizeof(full)));
   });
 }

@@ -22,6 +22,7 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
   const PendingUpdate* update = pending_.exchange(nullptr, std::memory_order_acq_rel);
   if (update == nullptr) return std::nullopt;
 
+  const auto started = std::chrono::steady_clock::now();
   previous_.clear();
   for (const GroupSwap& swap : update->swaps) {
     SlotTable::Group& group = slots_.group(swap.group);
@@ -35,6 +36,11 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
   // Before applied_version_: the receiver closes the window only after it saw this swap finish.
   rollback_window_.store(rollback_word(kOpen, version), std::memory_order_release);
   if (swap_callback_) swap_callback_(AppliedUpdate{version, &update->swaps});
+  using std::chrono::duration_cast, std::chrono::nanoseconds;
+  last_swap_started_ns_.store(duration_cast<nanoseconds>(started.time_since_epoch()).count(),
+                              std::memory_order_release);
+  last_swap_ns_.store(duration_cast<nanoseconds>(std::chrono::steady_clock::now() - started).count(),
+                      std::memory_order_release);
 
   // The record belongs to the receiver again once this store is seen: touch it no more.
   applied_version_.store(version, std::memory_order_release);

@@ -204,6 +204,8 @@ class ReceiverStatsC(Structure):
         ("last_busy_ns", c_int64),
         ("last_held_back_ns", c_int64),
         ("last_duty", c_double),
+        ("last_swap_ns", c_int64),
+        ("last_swap_started_ns", c_int64),
     ]
 
 

@@ -162,6 +162,10 @@ class ReceiverStats:
     # completion observed; 0.0: none yet) and what pacing did to it.
     last_transfer_s: float = 0.0
     last_pacing: PacingReport = PacingReport()
+    # The last swap that made an update live: the engine thread's seconds in it (swap callback
+    # included) and when it started, on the clock of time.monotonic(). 0.0 before the first.
+    last_swap_s: float = 0.0
+    last_swap_started_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -309,6 +313,8 @@ class Receiver(Handle):
             s.ready_version,
             s.last_transfer_ns / 1e9,
             PacingReport._from_c(s),
+            s.last_swap_ns / 1e9,
+            s.last_swap_started_ns / 1e9,
         )
 
     def _failure(self, s: ReceiverStatsC) -> UpdateFailure | None:

@@ -95,13 +95,23 @@ def test_worker_takes_updates_between_steps(setup):
     base_binding = {n: p.data for n, p in worker.model_runner.model.params if n in BASE}
     handle = sender.publish(2, tensors(LORA, 2))
     worker.begin_update(handle.header_bytes)
+    before = time.monotonic()
     assert worker.wait_applied(2, DEADLINE_S) == 2  # an idle engine, without a step
+    after = time.monotonic()
     params = dict(worker.model_runner.model.params)
     assert all(params[n].data is base_binding[n] for n in BASE)
     assert [version_of(n, params[n].data) for n in BASE + LORA] == [1, 1, 1, 2, 2]
     stats = worker.weight_update_stats()
     assert (stats["applied_version"], stats["updates_ready"], stats["last_update_error"]) == (2, 2, "")
     assert stats["last_transfer_s"] > 0 and stats["pacing"]["paced"] is False  # no budget
+    # The engine thread's time on update 2: its swap happened inside wait_applied, on the clock
+    # of time.monotonic.
+    assert 0 < stats["last_wait_applied_s"] <= after - before, stats
+    assert before <= stats["last_swap_started_s"] <= after, (before, stats, after)
+    assert 0 < stats["last_swap_s"] <= stats["last_wait_applied_s"], stats
+    assert before <= stats["last_wait_applied_started_s"] <= stats["last_swap_started_s"], stats
+    assert 0 < stats["last_begin_update_started_s"] < before, stats
+    assert stats["last_begin_update_s"] > 0, stats
 
 
 def test_pacing_a_bad_budget_is_refused_before_setup_a_good_one_is_reported():

@@ -6,7 +6,8 @@
 #   SAME_HOST=1      tests/gpu/test_same_host_gpu and the mini worker's same-host cases
 #   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
 #   E2E_RUNS="A;B"   scripts/vllm_e2e.py --device cuda with each ;-separated argument list
-#   BENCH_VLLM="..." bench/bench_vllm_update.py with these arguments
+#   BENCH_VLLM="A;B" bench/bench_vllm_update.py with each ;-separated argument list (one run:
+#                    outputs in $OUT; several: in $OUT/bench-vllm-<i>/)
 #   BENCH_PACING="..." bench/bench_vllm_pacing.py with these arguments (BENCH_TIMEOUT, default 420)
 # Each step has its own timeout; a failed step does not stop the next.
 set -uo pipefail
@@ -45,16 +46,25 @@ for i in "${!runs[@]}"; do
   echo "vllm_e2e ${runs[$i]}: exit $?"
   grep -E "\[vllm-e2e\]" "$OUT/vllm-e2e-$i.log" | head -20
 done
-# run_bench SCRIPT LOG "ARGS": one benchmark with vLLM on the path, its log under $OUT, its tail.
+# run_bench SCRIPT LOG "ARGS" [OUT_DIR]: one benchmark with vLLM on the path, its log and outputs
+# under OUT_DIR (default $OUT), its tail.
 run_bench() {
-  local script=$1 log=$2 args
+  local script=$1 log=$2 out=${4:-$OUT} args
   read -r -a args <<<"$3"
+  mkdir -p "$out"
   PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" \
-    python3 "$script" --out "$OUT" "${args[@]}" >"$OUT/$log" 2>&1
-  echo "$(basename "$script") exit $?"
-  tail -30 "$OUT/$log"
+    python3 "$script" --out "$out" "${args[@]}" >"$out/$log" 2>&1
+  echo "$(basename "$script") ${args[*]}: exit $?"
+  tail -${BENCH_TAIL:-30} "$out/$log"
 }
-[[ -n "${BENCH_VLLM:-}" ]] && run_bench bench/bench_vllm_update.py bench-vllm.log "$BENCH_VLLM"
+IFS=';' read -r -a benches <<<"${BENCH_VLLM:-}"
+for i in "${!benches[@]}"; do
+  if (( ${#benches[@]} == 1 )); then
+    run_bench bench/bench_vllm_update.py bench-vllm.log "${benches[$i]}"
+  else
+    run_bench bench/bench_vllm_update.py bench-vllm.log "${benches[$i]}" "$OUT/bench-vllm-$i"
+  fi
+done
 if [[ -n "${BENCH_PACING:-}" ]]; then
   run_bench bench/bench_vllm_pacing.py bench-pacing.log "$BENCH_PACING"
   python3 bench/plot_pacing.py "$OUT/bench_vllm_pacing.json" >>"$OUT/bench-pacing.log" 2>&1 ||

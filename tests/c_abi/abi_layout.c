@@ -157,6 +157,8 @@ static void structs(void) {
   FIELD(shadowsync_receiver_stats_t, last_busy_ns);
   FIELD(shadowsync_receiver_stats_t, last_held_back_ns);
   FIELD(shadowsync_receiver_stats_t, last_duty);
+  FIELD(shadowsync_receiver_stats_t, last_swap_ns);
+  FIELD(shadowsync_receiver_stats_t, last_swap_started_ns);
   end_struct();
 
   STRUCT(shadowsync_group_swap_t);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <stdlib.h>
+#include <time.h>
 
 #include "deadline.h"
 #include "pattern.h"
@@ -1108,6 +1109,42 @@ TEST_CASE("C ABI: the stats carry the last ready update's transfer time and paci
     CHECK(stats.last_pacing_steps == 0);
     CHECK(stats.last_idle_step_ns == 0);
     CHECK(stats.last_duty == 0.0);
+  }
+  SECTION("the last swap: how long the engine thread spent in it, callback included, and when") {
+    Pair pair;
+    // The swap callback stands in for an adapter's rebinding work of a known length.
+    static constexpr auto kCallbackWork = std::chrono::milliseconds(30);
+    REQUIRE_OK(shadowsync_receiver_set_swap_callback(
+        pair.receiver,
+        [](void*, uint64_t, const shadowsync_group_swap_t*, size_t) {
+          std::this_thread::sleep_for(kCallbackWork);
+        },
+        nullptr));
+    shadowsync_receiver_stats_t stats = SHADOWSYNC_RECEIVER_STATS_INITIALIZER;
+    REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+    CHECK(stats.last_swap_ns == 0);  // no swap yet
+    CHECK(stats.last_swap_started_ns == 0);
+    REQUIRE_OK(send_update(pair, 1, {"base"}, v1));
+    wait_until([&] {
+      return shadowsync_receiver_stats(pair.receiver, &stats) == SHADOWSYNC_SUCCESS &&
+             stats.has_pending == 1;
+    }, "update 1 received and waiting for a step");
+    // The documented clock: CLOCK_MONOTONIC, so a caller can place the swap among its own times.
+    const auto monotonic_ns = [] {
+      timespec now{};
+      clock_gettime(CLOCK_MONOTONIC, &now);
+      return static_cast<int64_t>(now.tv_sec) * 1'000'000'000 + now.tv_nsec;
+    };
+    const int64_t before = monotonic_ns();
+    uint64_t applied = 0;
+    REQUIRE_OK(shadowsync_receiver_before_step(pair.receiver, pair.engine, &applied));
+    const int64_t after = monotonic_ns();
+    REQUIRE(applied == 1);
+    REQUIRE_OK(shadowsync_receiver_stats(pair.receiver, &stats));
+    CHECK(stats.last_swap_ns >= std::chrono::nanoseconds(kCallbackWork).count());
+    CHECK(stats.last_swap_ns <= after - before);
+    CHECK(stats.last_swap_started_ns >= before);
+    CHECK(stats.last_swap_started_ns + stats.last_swap_ns <= after);
   }
   SECTION("paced: a budget and a rate cap, an engine thread stepping at a known pace") {
     constexpr auto kStep = std::chrono::milliseconds(2);
