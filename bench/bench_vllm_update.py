@@ -72,9 +72,14 @@ the update's first call to the return of its last call:
 * *whole update*: the window's length (vLLM: pause to resume returned; shadowsync: publish to
   apply_update returned);
 * *max token gap*: the longest interval between two consecutive output tokens of one request that
-  overlaps the window (and began at most two p99 baseline steps before it); *engine stop* =
-  that gap minus the baseline's median inter-token interval
-  (the step time): how much longer than a normal step generation stood still;
+  overlaps the window (and began at most two p99 baseline steps before it); compare it with the
+  baseline's longest (``step_ms_max``: steps that admit new requests are longer without any update);
+* *engine stop*: how much longer than a normal step (the baseline's median inter-token interval)
+  generation stood still to change weights. vLLM's path pauses: its stop is the max token gap
+  minus the step. The shadowsync path's engine thread stamps its swap (below): its stop is the
+  longest of the gap the swap began in and that request's next gap, minus the step. The other
+  gaps of its window are steps that ran, slowed by the bytes streaming beside them: they are the
+  slowdown's, and the max token gap shows the longest;
 * *tokens/s during the update*: each request's token rate (its tokens over the interval
   between two of its tokens) integrated over the window, summed over requests (``rate``; the
   plain count of tokens arriving inside the window is ``tokens_in_window``); the baseline's
@@ -693,17 +698,29 @@ class DecodeLoad:
                 others = [b - a for a, b, _ in self.gaps if b >= w0 and w0 - lead <= a <= w1
                           and not any(a <= at <= b for at in starts.values())]
                 entry["largest_other_gap_ms"] = round(max(others, default=float("nan")) * 1e3, 3)
+            # Where the engine stood still for the update: the pause (vLLM's path: its longest
+            # gap), or, when the engine thread's swap is known (shadowsync), the gap the swap began
+            # in and the same request's next one (a swap that blocks the engine thread also delays
+            # the step after it). The window's other gaps are steps that ran while bytes streamed:
+            # slower ones count in the slowdown (and max_token_gap_ms shows the longest).
+            stop_gap = max_gap
+            if "swap" in starts:
+                began = [(a, b) for a, b, _ in self.gaps if a <= starts["swap"] <= b]
+                ends = {b for _, b in began}
+                stop_gap = max([b - a for a, b in began] +
+                               [b - a for a, b, _ in self.gaps if a in ends], default=float("nan"))
+                entry["swap_gaps_ms"] = round(stop_gap * 1e3, 3)
             tokens = sum(n for t, n in self.tokens if w0 <= t <= w1)
             tps = self.rate(w0, w1)
             entry.update(window_ms=round((w1 - w0) * 1e3, 3), max_token_gap_ms=round(max_gap * 1e3, 3),
-                         engine_stop_ms=round(max(0.0, max_gap - step) * 1e3, 3),
+                         engine_stop_ms=round(max(0.0, stop_gap - step) * 1e3, 3),
                          tokens_in_window=tokens, tokens_per_s=round(tps, 1),
                          slowdown=round(base_tps / tps, 3) if tps > 0 else None)
             updates.append(entry)
         summary = {}
         for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
                     "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
-                    "largest_other_gap_ms") + ENGINE_TIMES:
+                    "largest_other_gap_ms", "swap_gaps_ms") + ENGINE_TIMES:
             values = [u.get(key) for u in updates if key in u]
             if not values:
                 continue
@@ -1035,11 +1052,15 @@ def write_outputs(out: Path, results: dict) -> None:
              f"* command: `{meta['command']}`", f"* machine: {meta['machine']}",
              f"* commit: {meta['commit']}", f"* vLLM: {meta['vllm_version']}",
              f"* date: {meta['date']}", f"* settings: {json.dumps(meta['settings'])}", "",
-             "Per update (median / max over the measured updates). Engine stop: the longest gap "
-             "between two tokens of one request overlapping the update, minus the baseline step. "
+             "Per update (median / max over the measured updates). Engine stop: how much longer "
+             "than the baseline step generation stood still to change weights (vLLM: the longest "
+             "gap between two tokens of one request overlapping the update; shadowsync: the gap "
+             "its swap began in and the next one). Max token gap: the longest gap overlapping the "
+             "update (baseline: median and longest step without one). "
              "Slowdown: baseline tokens/s over tokens/s during the update (∞: generation paused).",
              "",
-             "| model | path | updates | engine stop ms | max token gap ms | baseline step ms | "
+             "| model | path | updates | engine stop ms | max token gap ms | baseline step ms, "
+             "median / max | "
              "baseline tok/s | tok/s during update | slowdown | whole update ms | "
              "vLLM start→finish ms | goal / reference |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -1075,7 +1096,8 @@ def write_outputs(out: Path, results: dict) -> None:
             tps = s.get("tokens_per_s", {})
             lines.append(
                 f"| {config} | {path} | {len(r.get('updates', []))} | {pair(s, 'engine_stop_ms', 2)} | "
-                f"{pair(s, 'max_token_gap_ms', 2)} | {b.get('step_ms_median', '-')} | "
+                f"{pair(s, 'max_token_gap_ms', 2)} | {b.get('step_ms_median', '-')} / "
+                f"{b.get('step_ms_max', '-')} | "
                 f"{b.get('tokens_per_s', '-')} | "
                 f"{tps.get('median', '-')} (min {tps.get('min', '-')}) | "
                 f"{pair(s, 'slowdown', 3)} | {pair(s, 'update_ms')} | "
