@@ -531,6 +531,12 @@ class WorkerExtension:
             state.last_wait_applied = (started, time.monotonic() - started)
         return state.receiver.applied_version
 
+    def update_progress(self) -> dict:
+        """``{"applied_version": v, "pending": whether a received update waits for a step}``:
+        what apply_update_async polls. Swaps nothing; thread-safe."""
+        stats = self._require().receiver.stats()
+        return {"applied_version": stats.applied_version, "pending": stats.has_pending}
+
     def ready_version(self) -> int:
         """commit_mode "coordinated": the update this worker received, checked and holds ready
         for commit_update (0: none). Thread-safe."""
@@ -621,6 +627,10 @@ class WorkerExtension:
                     param.data = data.copy() if state.kind == "numpy" else data.clone()
             if self.__dict__.pop("_shadowsync_original_execute_model", None) is not None:
                 del self.__dict__["execute_model"]  # the class's method again
+            runner = getattr(self, "model_runner", None)
+            if runner is not None and runner.__dict__.pop("_shadowsync_original_model_forward",
+                                                          None) is not None:
+                del runner.__dict__["_model_forward"]
             state.receiver.close()
 
     def _require(self) -> _UpdateGroup:
@@ -929,22 +939,50 @@ def _adopt(state: _UpdateGroup, layout: Layout, stream: Stream) -> None:
 
 
 def _hook_execute_model(worker: WorkerExtension) -> None:
-    """Runs before_step() before every execute_model, by shadowing the method on the instance
-    (vLLM looks execute_model up on the worker object for each step); with
-    track_request_versions also counts each scheduled request's tokens under the live version."""
+    """Runs before_step() once per step, by shadowing methods on the instances (vLLM looks them up
+    on the object for each step); with track_request_versions also counts each scheduled
+    request's tokens under the version the step runs on.
+
+    Where the model runner has vLLM's ``_model_forward`` (its documented override point for the
+    forward call), the step hook runs there: after vLLM prepared the step's inputs, right before
+    it launches the forward. A swap that must wait for the previous step's kernels (remap) then
+    waits only for the GPU, and vLLM's input preparation still overlaps the previous step; at the
+    start of execute_model the same swap also stalled that preparation. Without that method,
+    before execute_model. A step that runs no forward (nothing scheduled) swaps nothing: an idle
+    engine applies an update with wait_applied."""
     original = worker.execute_model
     worker.__dict__["_shadowsync_original_execute_model"] = original
+    runner = getattr(worker, "model_runner", None)
+    forward = getattr(runner, "_model_forward", None) if runner is not None else None
+    if forward is not None:
+        runner.__dict__["_shadowsync_original_model_forward"] = forward
+    pending_step = []  # this step's scheduler output, until its forward takes it
+
+    def step_starts(scheduler_output) -> None:
+        worker.before_step()
+        state = worker._shadowsync
+        if state is not None and state.request_versions is not None:
+            _count_tokens(state, scheduler_output)
 
     def execute_model(*args, **kwargs):
-        worker.before_step()
         state = worker._shadowsync
         if state is not None:
             state.steps += 1
-        if state is not None and state.request_versions is not None:
-            _count_tokens(state, args[0] if args else kwargs.get("scheduler_output"))
+        scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        if forward is None:
+            step_starts(scheduler_output)
+            return original(*args, **kwargs)
+        pending_step[:] = [scheduler_output]
         return original(*args, **kwargs)
 
+    def model_forward(*args, **kwargs):
+        if pending_step:
+            step_starts(pending_step.pop())
+        return forward(*args, **kwargs)
+
     worker.execute_model = execute_model
+    if forward is not None:
+        runner._model_forward = model_forward
 
 
 def init_weight_update_group(llm, **kwargs) -> int:
@@ -1012,17 +1050,56 @@ def apply_update(llm, version: int, timeout: float | None = None,
     return min(int(v) for v in applied)
 
 
+# apply_update_async: how often it asks the workers whether the update is live, and how long a
+# received update may wait for a step before the engine counts as idle (then wait_applied
+# applies it between two steps).
+_PROGRESS_POLL_S = 0.001
+_IDLE_AFTER_S = 0.2
+
+
 async def apply_update_async(engine, version: int, timeout: float | None = None,
                              reset_prefix_cache: bool = True, preempt_running: bool = False) -> int:
     """apply_update for an ``AsyncLLM`` (see there: under load vLLM refuses the prefix cache
-    reset; use ``cache_salt`` and ``reset_prefix_cache=False``, or `preempt_running`)."""
-    applied = await engine.collective_rpc("wait_applied", args=(int(version), timeout))
+    reset; use ``cache_salt`` and ``reset_prefix_cache=False``, or `preempt_running`).
+
+    Returns once `version` is live on every worker. While the engine generates, the step hook
+    makes it live right before a step's forward, and this only polls (``update_progress``, a
+    thread-safe call that swaps nothing): no RPC blocks the engine thread while the last bytes
+    arrive, and the swap is not moved ahead of vLLM's input preparation. When a received update
+    has waited ``_IDLE_AFTER_S`` for a step (an idle engine), ``wait_applied`` applies it.
+    ShadowsyncTimeoutError after `timeout` seconds (None: no limit) names the versions seen."""
+    import asyncio
+
+    from shadowsync.errors import ShadowsyncTimeoutError
+
+    version = int(version)
+    started = time.monotonic()
+    pending_since = None
+    while True:
+        progress = await engine.collective_rpc("update_progress")
+        applied = min(int(p["applied_version"]) for p in progress)
+        if applied >= version:
+            break
+        now = time.monotonic()
+        if timeout is not None and now - started > timeout:
+            raise ShadowsyncTimeoutError(
+                f"apply_update_async: version {version} not live after {timeout} s (workers' "
+                f"applied versions {[p['applied_version'] for p in progress]}, an update pending "
+                f"on {[p['pending'] for p in progress]})")
+        if all(p["pending"] or p["applied_version"] >= version for p in progress):
+            pending_since = now if pending_since is None else pending_since
+            if now - pending_since >= _IDLE_AFTER_S:  # no step took it: an idle engine
+                left = None if timeout is None else max(0.0, timeout - (now - started))
+                applied = min(int(v) for v in await engine.collective_rpc(
+                    "wait_applied", args=(version, left)))
+                break
+        await asyncio.sleep(_PROGRESS_POLL_S)
     if reset_prefix_cache:
         if preempt_running:
             await engine.reset_prefix_cache(reset_running_requests=True)
         else:
             _check_reset(await engine.reset_prefix_cache(), version, "apply_update_async")
-    return min(int(v) for v in applied)
+    return applied
 
 
 def _reset_prefix_cache(llm, version: int, caller: str, preempt_running: bool) -> None:

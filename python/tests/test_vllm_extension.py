@@ -42,6 +42,32 @@ class FakeWorker(WorkerExtension):
         return f"output of {batch}"
 
 
+class _ForwardRunner(SimpleNamespace):
+    """vLLM's model runner as far as the hook cares: execute_model prepares the step's inputs,
+    then calls _model_forward, which reads the weights."""
+
+    def _model_forward(self, batch):
+        self.events.append(("forward", batch))
+        return {version_of(name, p.data) for name, p in self.model.params}
+
+
+class ForwardHookWorker(FakeWorker):
+    """A worker whose runner has vLLM's _model_forward: the step hook must run right before it,
+    after the inputs were prepared, and a step without a forward swaps nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.model_runner = _ForwardRunner(model=FakeModel(version=0), events=[])
+
+    def execute_model(self, batch):
+        self.model_runner.events.append(("prepare inputs", batch))
+        if batch == "nothing scheduled":
+            return None
+        seen = self.model_runner._model_forward(batch)
+        self.steps.append(seen)
+        return f"output of {batch}"
+
+
 def _trainer(specs, rank0):
     layout = ss.Layout(specs, bucket_bytes=1024)
     return layout, ss.Sender(layout, ss.HostBackend(), rank0,
@@ -235,7 +261,17 @@ class _FakeFrontEnd:
 
 
 class _AsyncFakeFrontEnd(_FakeFrontEnd):
+    """An AsyncLLM to apply_update_async: update_progress answers from `progress` (one answer
+    per poll, the last one repeated); wait_applied answers the version asked for."""
+
+    def __init__(self, reset, progress=({"applied_version": 0, "pending": False},)):
+        super().__init__(reset)
+        self.progress = list(progress)
+
     async def collective_rpc(self, method, args=()):
+        if method == "update_progress":
+            self.calls.append(method)
+            return [self.progress.pop(0) if len(self.progress) > 1 else self.progress[0]]
         return _FakeFrontEnd.collective_rpc(self, method, args)
 
     async def reset_prefix_cache(self):
@@ -251,17 +287,96 @@ def test_apply_update_warns_when_vllm_refuses_the_prefix_cache_reset():
     def apply_async(*args, **kwargs):
         return asyncio.run(apply_update_async(*args, **kwargs))
 
-    for front_end, apply in ((_FakeFrontEnd, apply_update), (_AsyncFakeFrontEnd, apply_async)):
-        refused = front_end(reset=False)
+    def live(version):  # a generating engine: the step hook made it live already
+        return lambda reset: _AsyncFakeFrontEnd(reset, [{"applied_version": version,
+                                                         "pending": False}])
+
+    for apply_call, front_end, apply in (
+            ("wait_applied", lambda v: _FakeFrontEnd, apply_update),
+            ("update_progress", live, apply_async)):
+        refused = front_end(3)(reset=False)
         with pytest.warns(RuntimeWarning, match="version 3 is live, but vLLM refused to reset"):
             assert apply(refused, 3) == 3
-        assert refused.calls == ["wait_applied", "reset_prefix_cache"]
+        assert refused.calls == [apply_call, "reset_prefix_cache"]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert apply(front_end(reset=True), 4) == 4  # reset done: no warning
-            skipped = front_end(reset=False)
+            assert apply(front_end(4)(reset=True), 4) == 4  # reset done: no warning
+            skipped = front_end(5)(reset=False)
             assert apply(skipped, 5, reset_prefix_cache=False) == 5
-            assert skipped.calls == ["wait_applied"]
+            assert skipped.calls == [apply_call]
+
+
+def test_with_a_model_forward_the_step_hook_swaps_after_the_inputs_are_prepared():
+    loopback = ss.Loopback(2)
+    worker = ForwardHookWorker()
+    runner = worker.model_runner
+    layout, sender = _trainer(SPECS, loopback.transport(0))
+    worker.init_weight_update_group(specs=[tuple(vars(s).values()) for s in layout.specs],
+                                    bucket_bytes=1024, transport=loopback.transport(1),
+                                    track_request_versions=True)
+    swapped_at = []
+    original = worker.before_step
+
+    def before_step():  # where in the step each swap happened
+        applied = original()
+        if applied is not None:
+            swapped_at.append((applied, list(runner.events)))
+        return applied
+
+    worker.before_step = before_step
+    try:
+        handle = sender.publish(1, tensors(BASE + LORA, 1))
+        worker.begin_update(handle.header_bytes)
+        handle.wait(DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S
+        while not worker.update_progress()["pending"]:
+            assert time.monotonic() < deadline, worker.weight_update_stats()
+        # A step with nothing to run: no forward, so no swap.
+        assert worker.execute_model("nothing scheduled") is None
+        assert worker.update_progress() == {"applied_version": 0, "pending": True}
+        runner.events.clear()
+        assert worker.execute_model(SimpleNamespace(num_scheduled_tokens={"r1": 3})) is not None
+        # The swap ran inside the step, after its inputs were prepared and before its forward;
+        # the forward read version 1 only, and the step's tokens count under version 1.
+        assert [(v, [e for e, _ in events]) for v, events in swapped_at] == [(1, ["prepare inputs"])]
+        assert worker.steps[-1] == {1}
+        assert worker.request_versions() == {"r1": [[1, 3]]}
+        assert worker.update_progress() == {"applied_version": 1, "pending": False}
+        assert worker.step_versions()["steps"] == 2  # both execute_model calls count as steps
+    finally:
+        worker.close_weight_update_group()
+        sender.close()
+    assert "_model_forward" not in vars(runner)  # the class's method again
+    assert runner._model_forward("x") == {1}  # still the live values (kept on close)
+
+
+def test_apply_update_async_lets_the_step_hook_swap_and_applies_only_for_an_idle_engine(monkeypatch):
+    import asyncio
+
+    import shadowsync.vllm as ssv
+    from shadowsync.vllm import worker_extension as worker_extension_module
+
+    run = lambda front_end, *a, **k: asyncio.run(ssv.apply_update_async(front_end, *a, **k))  # noqa: E731
+    streaming = {"applied_version": 1, "pending": False}
+    # Generating: the bytes stream in, then a step's hook makes version 2 live. No call blocks
+    # the engine thread (wait_applied is never called).
+    generating = _AsyncFakeFrontEnd(True, [streaming, streaming, {"applied_version": 1, "pending": True},
+                                           {"applied_version": 2, "pending": False}])
+    assert run(generating, 2, timeout=DEADLINE_S, reset_prefix_cache=False) == 2
+    assert generating.calls == ["update_progress"] * 4
+    # Idle: received, but no step comes to take it; after the idle wait wait_applied applies it.
+    monkeypatch.setattr(worker_extension_module, "_IDLE_AFTER_S", 0.02)
+    idle = _AsyncFakeFrontEnd(True, [streaming, {"applied_version": 1, "pending": True}])
+    assert run(idle, 2, timeout=DEADLINE_S, reset_prefix_cache=False) == 2
+    assert idle.calls[-1] == "wait_applied" and idle.calls.count("wait_applied") == 1
+    assert idle.calls[:2] == ["update_progress", "update_progress"]
+    # Never received: a timeout naming what the workers hold, and no wait_applied.
+    never = _AsyncFakeFrontEnd(True, [streaming])
+    with pytest.raises(ss.ShadowsyncTimeoutError,
+                       match=r"version 2 not live after 0\.05 s \(workers' applied versions \[1\], "
+                             r"an update pending on \[False\]\)"):
+        run(never, 2, timeout=0.05)
+    assert "wait_applied" not in never.calls
 
 
 def test_coordinated_commit_holds_an_update_until_commit_update():
