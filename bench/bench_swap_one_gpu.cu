@@ -11,6 +11,10 @@
 //   stream ms  = CUDA-event time on the engine stream from just before to just after before_step
 //                (for copy_in: the copy itself; rebind and remap enqueue only an event record).
 // raw copy ms  = cudaMemcpyAsync of the same bytes between two plain cudaMalloc buffers, events.
+// read ms      = after the swap, a kernel that reads every live byte once (what a decode step's
+//                weight reads cost), timed with events on the engine stream: first right after the
+//                swap, then once more. A swap that leaves work for the GPU beyond its own calls
+//                (remap: the new mappings' page tables) shows as a first read slower than the next.
 //
 //   bench_swap_one_gpu [--swaps N] [--models name,name]      (default 10; every known model)
 // Exit status: 0, 1 on an error, 77 without a GPU.
@@ -38,6 +42,18 @@ namespace {
 using namespace shadowsync;
 using Clock = std::chrono::steady_clock;
 
+// Reads `bytes` (a multiple of 16) once, 16 bytes per load, and folds them into `sink` so that
+// the loads are not optimized away.
+__global__ void read_all(const uint4* data, std::size_t count, unsigned* sink) {
+  unsigned fold = 0;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = data[i];
+    fold ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (fold == 0x9e3779b9u) atomicAdd(sink, 1u);  // almost never: only keeps the loads
+}
+
 constexpr int kWarmup = 2;
 
 double raw_copy_ms(std::size_t bytes, int reps) {
@@ -60,6 +76,8 @@ struct StallFigures {
   double host_us_median = 0;
   double host_us_p99 = 0;
   double stream_ms_median = 0;
+  double first_read_ms_median = 0;  // every live byte read once, right after the swap
+  double next_read_ms_median = 0;   // the same read again
 };
 
 StallFigures measure(const Layout& layout, CudaBackend& backend, SwapStrategy strategy,
@@ -87,6 +105,22 @@ StallFigures measure(const Layout& layout, CudaBackend& backend, SwapStrategy st
 
   std::vector<double> host_us;
   std::vector<double> stream_ms;
+  std::vector<double> first_read_ms;
+  std::vector<double> next_read_ms;
+  unsigned* sink = nullptr;
+  BENCH_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
+  int sms = 0;
+  BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const auto read_live = [&] {
+    return bench::time_on_stream(engine_handle, 1, [&] {
+      for (std::size_t g = 0; g < layout.groups().size(); ++g) {
+        const std::size_t bytes = layout.groups()[g].arena_bytes();
+        read_all<<<sms * 4, 512, 0, engine_handle>>>(
+            reinterpret_cast<const uint4*>(hook.live_arena(g)), bytes / sizeof(uint4), sink);
+      }
+      BENCH_CUDA(cudaGetLastError());
+    })[0];
+  };
   for (int i = 0; i < kWarmup + swaps; ++i) {
     const std::uint64_t version = static_cast<std::uint64_t>(i) + 1;
     for (std::size_t g = 0; g < layout.groups().size(); ++g) {
@@ -117,15 +151,21 @@ StallFigures measure(const Layout& layout, CudaBackend& backend, SwapStrategy st
     }
     float elapsed = 0;
     BENCH_CUDA(cudaEventElapsedTime(&elapsed, before, after));
+    const double first_read = read_live();
+    const double next_read = read_live();
     if (i >= kWarmup) {
       host_us.push_back(std::chrono::duration<double, std::micro>(host).count());
       stream_ms.push_back(elapsed);
+      first_read_ms.push_back(first_read);
+      next_read_ms.push_back(next_read);
     }
   }
   cudaEventDestroy(before);
   cudaEventDestroy(after);
+  cudaFree(sink);
   const bench::Summary host = bench::summarize(host_us);
-  return {host.median, host.p99, bench::summarize(stream_ms).median};
+  return {host.median, host.p99, bench::summarize(stream_ms).median,
+          bench::summarize(first_read_ms).median, bench::summarize(next_read_ms).median};
 }
 
 }  // namespace
@@ -159,8 +199,9 @@ int main(int argc, char** argv) {
     std::printf("device 0: %s; %d measured swaps per row after %d warm-up\n", prop.name, swaps,
                 kWarmup);
     std::printf("| model | bytes | tensors | strategy | host µs median / p99 | engine stream ms "
-                "median | raw device copy ms | stream / raw |\n");
-    std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+                "median | raw device copy ms | stream / raw | read after the swap ms | read "
+                "again ms |\n");
+    std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for (const auto& model : bench::models_named(only)) {
       const Layout layout = bench::model_layout(model, 1, kDefaultBucketBytes);
       std::size_t bytes = 0;
@@ -174,10 +215,11 @@ int main(int argc, char** argv) {
       for (const SwapStrategy strategy :
            {SwapStrategy::kRebind, SwapStrategy::kCopyIn, SwapStrategy::kRemap}) {
         const StallFigures f = measure(layout, backend, strategy, swaps);
-        std::printf("| %s | %.2f GB | %zu | %s | %.1f / %.1f | %.3f | %.3f | %.2f |\n",
+        std::printf("| %s | %.2f GB | %zu | %s | %.1f / %.1f | %.3f | %.3f | %.2f | %.3f | %.3f |\n",
                     model.name.c_str(), static_cast<double>(bytes) / 1e9, tensors,
                     std::string(swap_strategy_name(strategy)).c_str(), f.host_us_median,
-                    f.host_us_p99, f.stream_ms_median, raw, f.stream_ms_median / raw);
+                    f.host_us_p99, f.stream_ms_median, raw, f.stream_ms_median / raw,
+                    f.first_read_ms_median, f.next_read_ms_median);
         std::fflush(stdout);
       }
     }
