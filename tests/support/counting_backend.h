@@ -18,8 +18,9 @@ namespace shadowsync::testing {
 // tests that count the copies a swap enqueues (copy_calls, copy_bytes: the non-empty
 // memcpy_async calls and their bytes). Either it owns its HostBackend or it wraps one the caller
 // keeps alive (and may go on using directly: only calls through the wrapper count). Thread-safe
-// as the backend it wraps.
-class CountingBackend final : public Backend {
+// as the backend it wraps. Not final: a test double that adds one capability (remap arenas in
+// host memory, test_engine_arenas.cpp) overrides only that.
+class CountingBackend : public Backend {
  public:
   CountingBackend() : owned_(std::make_unique<HostBackend>()), inner_(*owned_) {}
   explicit CountingBackend(HostBackend& inner) : inner_(inner) {}

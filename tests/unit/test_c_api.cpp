@@ -1209,3 +1209,80 @@ TEST_CASE("C ABI: the stats carry the last ready update's transfer time and paci
     CHECK(stats.last_transfer_ns >= stats.last_held_back_ns);
   }
 }
+
+TEST_CASE("C ABI: remap arenas on the host backend, and receivers made with engine arenas") {
+  shadowsync_layout_t layout = make_layout();
+  shadowsync_backend_t backend = nullptr;
+  REQUIRE_OK(shadowsync_host_backend_create(&backend));
+  shadowsync_loopback_t loopback = nullptr;
+  REQUIRE_OK(shadowsync_loopback_create(2, &loopback));
+  shadowsync_transport_t transport = nullptr;
+  REQUIRE_OK(shadowsync_loopback_transport(loopback, 1, &transport));
+
+  SECTION("an arena on the host backend is not supported, naming why") {
+    shadowsync_remap_arena_t arena = nullptr;
+    CHECK(shadowsync_remap_arena_create(backend, 4096, &arena) == SHADOWSYNC_NOT_SUPPORTED);
+    CHECK_THAT(last_error(), Catch::Contains("shadowsync_remap_arena_create") &&
+                                 Catch::Contains("a remap arena of 4096 bytes on backend 'host'") &&
+                                 Catch::Contains("no virtual memory remapping"));
+    CHECK(arena == nullptr);
+  }
+  SECTION("an arena of 0 bytes is an invalid argument (before the backend is asked)") {
+    shadowsync_remap_arena_t arena = nullptr;
+    CHECK(shadowsync_remap_arena_create(backend, 0, &arena) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'bytes' is 0"));
+    CHECK(arena == nullptr);
+  }
+  SECTION("NULL arenas with a count are refused; the transport stays the caller's") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.swap_strategy = SHADOWSYNC_SWAP_REMAP;
+    shadowsync_receiver_t receiver = nullptr;
+    CHECK(shadowsync_receiver_create_with_arenas(layout, nullptr, nullptr, 0, nullptr, 1, backend,
+                                                 transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("shadowsync_receiver_create_with_arenas") &&
+                                 Catch::Contains("'arenas' is NULL but the count is 1"));
+    CHECK(receiver == nullptr);
+    REQUIRE_OK(shadowsync_transport_destroy(transport));  // not taken
+    transport = nullptr;
+  }
+  SECTION("a handle of another kind in the arenas is refused, naming its index") {
+    shadowsync_remap_arena_t arenas[2] = {nullptr,
+                                          reinterpret_cast<shadowsync_remap_arena_t>(layout)};
+    shadowsync_receiver_t receiver = nullptr;
+    CHECK(shadowsync_receiver_create_with_arenas(layout, nullptr, nullptr, 0, arenas, 2, backend,
+                                                 transport, nullptr, &receiver) ==
+          SHADOWSYNC_INVALID_HANDLE);
+    CHECK_THAT(last_error(), Catch::Contains("arenas[1]"));
+    CHECK(receiver == nullptr);
+    REQUIRE_OK(shadowsync_transport_destroy(transport));  // not taken
+    transport = nullptr;
+  }
+  SECTION("no arenas and no wire layout: as shadowsync_receiver_create") {
+    shadowsync_receiver_t receiver = nullptr;
+    REQUIRE_OK(shadowsync_receiver_create_with_arenas(layout, nullptr, nullptr, 0, nullptr, 0,
+                                                      backend, transport, nullptr, &receiver));
+    CHECK(receiver != nullptr);
+    void* live = nullptr;
+    REQUIRE_OK(shadowsync_receiver_live_arena(receiver, 0, &live));
+    CHECK(live != nullptr);
+    REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+    // The transport was taken, as by shadowsync_receiver_create.
+    CHECK(shadowsync_transport_destroy(transport) == SHADOWSYNC_INVALID_HANDLE);
+    transport = nullptr;
+  }
+  SECTION("only NULL arenas, with copy_in: accepted, nothing changes") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.swap_strategy = SHADOWSYNC_SWAP_COPY_IN;
+    shadowsync_remap_arena_t arenas[2] = {nullptr, nullptr};
+    shadowsync_receiver_t receiver = nullptr;
+    REQUIRE_OK(shadowsync_receiver_create_with_arenas(layout, nullptr, nullptr, 0, arenas, 2,
+                                                      backend, transport, &config, &receiver));
+    REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+    transport = nullptr;  // taken
+  }
+  if (transport != nullptr) REQUIRE_OK(shadowsync_transport_destroy(transport));
+  REQUIRE_OK(shadowsync_loopback_destroy(loopback));
+  REQUIRE_OK(shadowsync_backend_destroy(backend));
+  REQUIRE_OK(shadowsync_layout_destroy(layout));
+}
