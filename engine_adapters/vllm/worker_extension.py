@@ -532,10 +532,13 @@ class WorkerExtension:
         return state.receiver.applied_version
 
     def update_progress(self) -> dict:
-        """``{"applied_version": v, "pending": whether a received update waits for a step}``:
-        what apply_update_async polls. Swaps nothing; thread-safe."""
-        stats = self._require().receiver.stats()
-        return {"applied_version": stats.applied_version, "pending": stats.has_pending}
+        """``{"applied_version": v, "pending": whether a received update waits for a step,
+        "coordinated": commit_mode "coordinated"}``: what apply_update_async polls. Swaps
+        nothing; thread-safe."""
+        state = self._require()
+        stats = state.receiver.stats()
+        return {"applied_version": stats.applied_version, "pending": stats.has_pending,
+                "coordinated": state.coordinated}
 
     def ready_version(self) -> int:
         """commit_mode "coordinated": the update this worker received, checked and holds ready
@@ -1077,6 +1080,11 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
     pending_since = None
     while True:
         progress = await engine.collective_rpc("update_progress")
+        if any(p.get("coordinated") for p in progress):  # no step takes an update by itself
+            raise InvalidArgumentError(
+                f"apply_update_async({version}): the workers' commit_mode is \"coordinated\" "
+                f"(tensor parallelism): an update goes live by shadowsync.vllm.commit_update, "
+                f"not by waiting")
         applied = min(int(p["applied_version"]) for p in progress)
         if applied >= version:
             break

@@ -333,7 +333,7 @@ def test_with_a_model_forward_the_step_hook_swaps_after_the_inputs_are_prepared(
             assert time.monotonic() < deadline, worker.weight_update_stats()
         # A step with nothing to run: no forward, so no swap.
         assert worker.execute_model("nothing scheduled") is None
-        assert worker.update_progress() == {"applied_version": 0, "pending": True}
+        assert worker.update_progress() == {"applied_version": 0, "pending": True, "coordinated": False}
         runner.events.clear()
         assert worker.execute_model(SimpleNamespace(num_scheduled_tokens={"r1": 3})) is not None
         # The swap ran inside the step, after its inputs were prepared and before its forward;
@@ -341,7 +341,7 @@ def test_with_a_model_forward_the_step_hook_swaps_after_the_inputs_are_prepared(
         assert [(v, [e for e, _ in events]) for v, events in swapped_at] == [(1, ["prepare inputs"])]
         assert worker.steps[-1] == {1}
         assert worker.request_versions() == {"r1": [[1, 3]]}
-        assert worker.update_progress() == {"applied_version": 1, "pending": False}
+        assert worker.update_progress() == {"applied_version": 1, "pending": False, "coordinated": False}
         assert worker.step_versions()["steps"] == 2  # both execute_model calls count as steps
     finally:
         worker.close_weight_update_group()
@@ -377,6 +377,12 @@ def test_apply_update_async_lets_the_step_hook_swap_and_applies_only_for_an_idle
                              r"an update pending on \[False\]\)"):
         run(never, 2, timeout=0.05)
     assert "wait_applied" not in never.calls
+    # Coordinated workers (tensor parallelism) hold an update for commit_update: refused at once.
+    coordinated = _AsyncFakeFrontEnd(True, [dict(streaming, coordinated=True)])
+    with pytest.raises(ss.InvalidArgumentError, match=r"apply_update_async\(2\): the workers' "
+                                                      r"commit_mode is \"coordinated\""):
+        run(coordinated, 2, timeout=None)
+    assert coordinated.calls == ["update_progress"]
 
 
 def test_coordinated_commit_holds_an_update_until_commit_update():
