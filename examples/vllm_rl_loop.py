@@ -40,7 +40,8 @@ trainer needs no knowledge of vLLM's internals.
 The output is one line per update: its version, the bytes received, the transfer time (the
 trainer's publish until the worker had every byte), the engine's stall (the largest gap between
 two tokens of a request during the update, less the median gap: what the receive and the swap
-cost the requests) and the tokens generated while the update streamed. Then a summary, and a
+cost the requests), the engine thread's time in the swap itself (``swap_ms``, from
+``weight_update_stats``) and the tokens generated while the update streamed. Then a summary, and a
 check: the engine applied every version and its requests ran on all of them
 (``request_versions``: the tokens each request computed under each weight version, what an RL
 trainer needs to know which policy made which tokens). The exit status is 0 when it passed.
@@ -370,6 +371,7 @@ async def run(args, model_path: str, work: Path) -> int:
             stalls.append(stall)
             log(f"update version={version} bytes={nbytes} "
                 f"transfer_ms={transfer * 1e3:.1f} stall_ms={stall * 1e3:.1f} "
+                f"swap_ms={stats['last_swap_s'] * 1e3:.2f} "
                 f"tokens_during_transfer={traffic.tokens_between(begun, sent)} "
                 f"(trainer steps {train_steps}; largest inter-token gap "
                 f"{traffic.max_gap(begun, done) * 1e3:.1f} ms vs median "
