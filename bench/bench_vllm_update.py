@@ -956,6 +956,7 @@ class ShadowsyncTransfer:
         return dict(trainer="transformers model in its own process", tensors=len(specs),
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
                     swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
+                    step_hook_at=stats.get("step_hook_at"),
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:

@@ -85,6 +85,9 @@ class _UpdateGroup:
         # they add to how long generation stands still.
         self.last_begin_update = (0.0, 0.0)
         self.last_wait_applied = (0.0, 0.0)
+        # Where the step hook runs: "model_runner._model_forward", "execute_model", or None (not
+        # hooked: the engine calls before_step itself).
+        self.step_hook_at: str | None = None
 
     def group_views(self, group: int) -> list:
         """Views of every tensor of `group` in its live slot; built once per slot (each group has
@@ -485,7 +488,7 @@ class WorkerExtension:
             _adopt(state, layout, stream)
         self._shadowsync = state
         if hook_execute_model and hasattr(self, "execute_model"):
-            _hook_execute_model(self)
+            state.step_hook_at = _hook_execute_model(self)
         _agree()  # every rank is set up (one that failed to connect takes the others back)
         if lora_adapter is not None:
             # vLLM must not evict it: its slot is the live copy. Pinned once every rank is set
@@ -598,7 +601,8 @@ class WorkerExtension:
         a budget or a cap), and what the engine thread spent on the last update, in seconds, with
         when it started on time.monotonic's clock: its swap (``"last_swap_s"``,
         ``"last_swap_started_s"``), begin_update (``"last_begin_update_s"``, ``..._started_s``)
-        and wait_applied (``"last_wait_applied_s"``, ``..._started_s``). Thread-safe."""
+        and wait_applied (``"last_wait_applied_s"``, ``..._started_s``); and where the step hook
+        runs (``"step_hook_at"``). Thread-safe."""
         state = self._require()
         stats = vars(state.receiver.stats()).copy()
         stats["pacing"] = dataclasses.asdict(stats.pop("last_pacing"))
@@ -607,6 +611,7 @@ class WorkerExtension:
         stats["plan_copies"] = state.plan_copies  # 0: the trainer sends the engine's own tensors
         stats["swap_strategy"] = state.swap_strategy
         stats["live_arena"] = state.live_arena
+        stats["step_hook_at"] = state.step_hook_at
         stats["last_begin_update_started_s"], stats["last_begin_update_s"] = state.last_begin_update
         stats["last_wait_applied_started_s"], stats["last_wait_applied_s"] = state.last_wait_applied
         return stats
@@ -941,7 +946,7 @@ def _adopt(state: _UpdateGroup, layout: Layout, stream: Stream) -> None:
         state.bind(group.index)
 
 
-def _hook_execute_model(worker: WorkerExtension) -> None:
+def _hook_execute_model(worker: WorkerExtension) -> str:
     """Runs before_step() once per step, by shadowing methods on the instances (vLLM looks them up
     on the object for each step); with track_request_versions also counts each scheduled
     request's tokens under the version the step runs on.
@@ -952,7 +957,7 @@ def _hook_execute_model(worker: WorkerExtension) -> None:
     waits only for the GPU, and vLLM's input preparation still overlaps the previous step; at the
     start of execute_model the same swap also stalled that preparation. Without that method,
     before execute_model. A step that runs no forward (nothing scheduled) swaps nothing: an idle
-    engine applies an update with wait_applied."""
+    engine applies an update with wait_applied. Returns where the hook runs."""
     original = worker.execute_model
     worker.__dict__["_shadowsync_original_execute_model"] = original
     runner = getattr(worker, "model_runner", None)
@@ -984,8 +989,10 @@ def _hook_execute_model(worker: WorkerExtension) -> None:
         return forward(*args, **kwargs)
 
     worker.execute_model = execute_model
-    if forward is not None:
-        runner._model_forward = model_forward
+    if forward is None:
+        return "execute_model"
+    runner._model_forward = model_forward
+    return "model_runner._model_forward"
 
 
 def init_weight_update_group(llm, **kwargs) -> int:

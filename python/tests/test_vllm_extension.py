@@ -138,6 +138,7 @@ def test_worker_takes_updates_between_steps(setup):
     assert before <= stats["last_wait_applied_started_s"] <= stats["last_swap_started_s"], stats
     assert 0 < stats["last_begin_update_started_s"] < before, stats
     assert stats["last_begin_update_s"] > 0, stats
+    assert stats["step_hook_at"] == "execute_model"  # FakeWorker's runner has no _model_forward
 
 
 def test_pacing_a_bad_budget_is_refused_before_setup_a_good_one_is_reported():
@@ -343,6 +344,7 @@ def test_with_a_model_forward_the_step_hook_swaps_after_the_inputs_are_prepared(
         assert worker.request_versions() == {"r1": [[1, 3]]}
         assert worker.update_progress() == {"applied_version": 1, "pending": False, "coordinated": False}
         assert worker.step_versions()["steps"] == 2  # both execute_model calls count as steps
+        assert worker.weight_update_stats()["step_hook_at"] == "model_runner._model_forward"
     finally:
         worker.close_weight_update_group()
         sender.close()

@@ -187,6 +187,8 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     assert only_versions(out["versions_after_a"]) == {2}
 
     stats = out["stats"]
+    # vLLM's runner has the _model_forward override point: the swaps above ran right before it.
+    assert stats["step_hook_at"] == "model_runner._model_forward"
     assert (stats["updates_ready"], stats["updates_failed"], stats["applied_version"]) == (2, 0, 2)
     assert stats["last_update_error"] == "" and stats["last_failure"] is None
     # The last ready update (2) and what pacing did to it.
