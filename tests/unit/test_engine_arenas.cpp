@@ -100,6 +100,12 @@ Error refusal(const Layout& layout, B& backend, const ReceiverConfig& config,
   throw;  // unreachable: FAIL throws
 }
 
+// What the size refusal says of a group's arena: the group, the arena's bytes and the group's.
+std::string size_refusal(const std::string& group, std::size_t held, std::size_t needed) {
+  return "the engine arena of group '" + group + "' holds " + std::to_string(held) +
+         " bytes, but the layout's group needs " + std::to_string(needed);
+}
+
 }  // namespace
 
 TEST_CASE("engine arenas: refused with swap_strategy copy_in or rebind, before anything is "
@@ -200,29 +206,19 @@ TEST_CASE("engine arenas: an arena whose size is not its group's is refused, nam
     auto base = std::make_shared<HostArena>(base_bytes + 1);
     const Error e = refusal(layout, backend, remap_config(), {base});
     CHECK(e.code() == ErrorCode::kInvalidArgument);
-    CHECK_THAT(e.what(),
-               Catch::Contains("the engine arena of group 'base' holds " +
-                               std::to_string(base_bytes + 1) +
-                               " bytes, but the layout's group needs " +
-                               std::to_string(base_bytes)) &&
-                   Catch::Contains("laid out as the group is"));
+    CHECK_THAT(e.what(), Catch::Contains(size_refusal("base", base_bytes + 1, base_bytes)) &&
+                             Catch::Contains("laid out as the group is"));
   }
   SECTION("the groups' arenas swapped: 'base' is named first") {
     auto base = std::make_shared<HostArena>(lora_bytes);
     auto lora = std::make_shared<HostArena>(base_bytes);
     const Error e = refusal(layout, backend, remap_config(), {base, lora});
-    CHECK_THAT(e.what(), Catch::Contains("the engine arena of group 'base' holds " +
-                                         std::to_string(lora_bytes) +
-                                         " bytes, but the layout's group needs " +
-                                         std::to_string(base_bytes)));
+    CHECK_THAT(e.what(), Catch::Contains(size_refusal("base", lora_bytes, base_bytes)));
   }
   SECTION("'lora' too small behind a null 'base'") {
     auto lora = std::make_shared<HostArena>(lora_bytes - 2);
     const Error e = refusal(layout, backend, remap_config(), {nullptr, lora});
-    CHECK_THAT(e.what(), Catch::Contains("the engine arena of group 'lora' holds " +
-                                         std::to_string(lora_bytes - 2) +
-                                         " bytes, but the layout's group needs " +
-                                         std::to_string(lora_bytes)));
+    CHECK_THAT(e.what(), Catch::Contains(size_refusal("lora", lora_bytes - 2, lora_bytes)));
   }
   CHECK(backend.calls == 0);  // not even the other group's own arena was made
   CHECK(backend.arenas_made == 0);
