@@ -6,11 +6,10 @@
 // Per model and strategy: --swaps measured swaps (after 2 warm-up ones). Before each, the update is
 // received and offered (StepHook::has_pending) and the engine stream is idle, as at a step
 // boundary. Then, on the engine thread:
-//   host µs    = wall time of before_step() (for remap: enqueueing the remap in the engine
-//                stream's order; for copy_in: enqueueing the copy);
+//   host µs    = wall time of before_step() (for remap: includes synchronizing the engine stream
+//                and the unmap/map/set-access calls; for copy_in: enqueueing the copy);
 //   stream ms  = CUDA-event time on the engine stream from just before to just after before_step
-//                (for copy_in: the copy itself; for remap: the engine stream's wait while the
-//                arena's thread unmaps, maps and sets access; rebind enqueues only an event record).
+//                (for copy_in: the copy itself; rebind and remap enqueue only an event record).
 // raw copy ms  = cudaMemcpyAsync of the same bytes between two plain cudaMalloc buffers, events.
 // read ms      = after the swap, a kernel that reads every live byte once (what a decode step's
 //                weight reads cost), timed with events on the engine stream: first right after the

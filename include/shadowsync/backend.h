@@ -46,11 +46,9 @@ class RemappableArena {
   // Slot `slot`'s own mapping (slot 0 or 1): always that slot's bytes, whatever is live. The
   // receiver writes the shadow through it.
   virtual std::byte* slot_address(int slot) const = 0;
-  // Points the live range at `slot`'s memory at this point of `engine_stream`'s order: work
-  // enqueued on it before the call reads the old slot, work enqueued after reads the new one
-  // (other streams see the new slot once they are ordered after the engine stream's later work).
-  // May return before the remap happened (CUDA: it does; the engine thread does not wait for the
-  // step in flight). Engine thread only.
+  // Points the live range at `slot`'s memory. Waits first until `engine_stream` has no work in
+  // flight (work still reading the live range must not see its pages go away): free when the
+  // engine already synchronized at the step boundary. Engine thread only.
   virtual void remap_live(int slot, Stream& engine_stream) = 0;
 };
 

@@ -98,10 +98,8 @@ class CudaBackend final : public Backend {
 
   // The remap swap strategy's memory (plugin/backends/cuda/cuda_remap.cpp over VmmSlots): the reason is
   // empty where the device and driver support CUDA virtual memory management. The arena's slots
-  // are rounded up to the VMM granularity and zero-filled; remap_live returns at once and the
-  // arena's own thread unmaps and maps the live range at that point of the engine stream (after
-  // the work enqueued so far, before the work enqueued next: cuStreamWaitValue32 on a host word,
-  // plugin/backends/cuda/stream_gate.h). Thread-safe.
+  // are rounded up to the VMM granularity and zero-filled; remap_live synchronizes the engine
+  // stream, then unmaps and maps the live range. Thread-safe.
   std::string remap_unsupported_reason() const override;
   std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes) override;
 

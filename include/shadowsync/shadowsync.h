@@ -523,7 +523,7 @@ typedef struct {
   void* live;        /* what the engine reads: fixed for the arena's life */
   void* slot[2];     /* each slot's own mapping: its bytes, whatever is live */
   size_t bytes;      /* asked for at creation */
-  int live_slot;     /* the slot the live range shows to the engine stream's next work */
+  int live_slot;     /* the slot the live range shows now */
 } shadowsync_remap_arena_info_t;
 SHADOWSYNC_API shadowsync_status_t shadowsync_remap_arena_create(shadowsync_backend_t backend,
                                                                  size_t bytes,

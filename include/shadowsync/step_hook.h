@@ -43,12 +43,10 @@ enum class SwapStrategy {
   kCopyIn,
   // The live weights sit at a reserved virtual range (CUDA VMM) that the swap remaps onto the
   // other slot's physical memory: the address stays (live_arena() is fixed), no byte is copied.
-  // CUDA graphs included; CUDA backend on a device with VMM only. The remap is ordered on the
-  // engine stream (RemappableArena::remap_live): kernels enqueued before the swap read the old
-  // pages to the end, kernels enqueued after it read the new ones; the engine thread does not wait
-  // for the step in flight, and the engine stream stands still only while the arena's thread
-  // remaps (about 0.8 ms for 16 GB on an H100). Work the engine puts on OTHER streams sees the
-  // new slot once it is ordered after the engine stream's later work.
+  // CUDA graphs included; CUDA backend on a device with VMM only. Contract: the swap first
+  // synchronizes the engine stream (a kernel still reading the live range must not see its pages
+  // unmapped), so the host blocks until the engine's enqueued work is done: free when the engine
+  // already synchronized at the step boundary, a stall of the work in flight otherwise.
   kRemap,
 };
 
@@ -120,7 +118,7 @@ class StepHook {
   // callback (AppliedUpdate::rollback), and returns the version undone. applied_version() stays
   // (versions made live only increase); live_content_version() tells what each group holds now.
   // Not under copy_in, which keeps no previous bytes: throws Error(kInvalidArgument) naming the
-  // strategy, nothing changes. Under remap it remaps back, in the engine stream's order.
+  // strategy, nothing changes. Under remap it remaps back (synchronizing the engine stream).
   // One level: throws Error(kInvalidArgument) when nothing was applied yet or the last swap was
   // already undone, and Error(kSuperseded) naming the update once a newer update started writing
   // the previous slots; nothing changes then. Engine thread only.
@@ -145,8 +143,7 @@ class StepHook {
 
   // The last swap that made an update live (before_step, apply_pending_now, wait_applied):
   // when it started and how long the engine thread spent in it, swap callback included: the
-  // host side of the engine's stop (for remap, enqueueing the remap; the remap itself runs on
-  // the arena's thread in the engine stream's order). Zero
+  // host side of the engine's stop (for remap, its engine-stream synchronization too). Zero
   // before the first. Measured on the swap path only. Thread-safe (each field on its own).
   std::chrono::steady_clock::time_point last_swap_started() const {
     return std::chrono::steady_clock::time_point(

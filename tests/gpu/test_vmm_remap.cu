@@ -1,23 +1,18 @@
 // The remap building block (plugin/backends/cuda/vmm_slots.h) on one GPU: the live address never moves, a
 // CUDA graph captured before a remap reads the new slot's bytes after it, the receiver's own
-// mapping of a slot is independent of what is live, and bad arguments change nothing. And the
-// remap swap's arena (CudaBackend::create_remappable_arena): remap_live is ordered on the engine
-// stream and does not wait for the kernel in flight.
+// mapping of a slot is independent of what is live, and bad arguments change nothing.
 // Skips (77) without a GPU; fails, with the reason, on a device without VMM support.
 #include <cuda_runtime_api.h>
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <thread>
 #include <vector>
 
 #include "backends/cuda/vmm_slots.h"
-#include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
 
 namespace {
@@ -27,20 +22,6 @@ using shadowsync::ErrorCode;
 using shadowsync::cuda_detail::VmmSlots;
 
 #define REQUIRE_CUDA(call) REQUIRE((call) == cudaSuccess)
-
-// Spins until the host sets *release (pinned, mapped memory), then reduces the live range as
-// min_max_words does: a kernel in flight that only the test can end.
-__global__ void min_max_after_release(const volatile std::uint32_t* release,
-                                      const std::uint32_t* words, std::size_t count,
-                                      std::uint32_t* min_max) {
-  while (*release == 0) {
-  }
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    atomicMin(&min_max[0], words[i]);
-    atomicMax(&min_max[1], words[i]);
-  }
-}
 
 // Reduces every 32-bit word of [words, words + count) to its minimum and maximum: both equal the
 // fill value exactly when every word was read from the expected slot.
@@ -115,7 +96,7 @@ TEST_CASE("remap: a graph captured before the remap reads the new slot at the sa
   for (int swap = 1; swap <= 200; ++swap) {
     const int slot = swap % 2;
     const auto start = std::chrono::steady_clock::now();
-    slots.map_live_onto(slot);  // replay() synchronized: nothing reads the live range
+    slots.remap_live(slot, stream);
     longest_remap_ms = std::max(
         longest_remap_ms,
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
@@ -138,7 +119,7 @@ TEST_CASE("remap: a graph captured before the remap reads the new slot at the sa
   CHECK(seen.max == 0x11111111u);
 
   // A slot that does not exist: refused, naming both numbers; nothing changes.
-  CHECK_THROWS_WITH(slots.map_live_onto(2), "VMM slots: cannot make slot 2 live (there are 2)");
+  CHECK_THROWS_WITH(slots.remap_live(2, stream), "VMM slots: cannot make slot 2 live (there are 2)");
   CHECK(slots.live_slot() == 0);
   seen = replay(exec, stream, min_max);
   CHECK(seen.min == 0x11111111u);
@@ -167,70 +148,4 @@ TEST_CASE("remap: bad sizes and slot counts are refused before anything is alloc
   int count = 0;
   REQUIRE_CUDA(cudaGetDeviceCount(&count));
   CHECK_THAT(VmmSlots::unsupported_reason(count), Catch::Contains("no CUDA device"));
-}
-
-TEST_CASE("remap arena: remap_live is ordered on the engine stream and does not wait for it") {
-  using namespace std::chrono_literals;
-  constexpr int kDevice = 0;
-  shadowsync::CudaBackend backend(kDevice);
-  if (const auto why = backend.remap_unsupported_reason(); !why.empty()) {
-    FAIL("CUDA VMM unavailable: " << why);
-  }
-  constexpr std::size_t kBytes = std::size_t{32} << 20;
-  const auto arena = backend.create_remappable_arena(kBytes);
-  const auto engine = backend.create_stream(shadowsync::StreamPriority::kNormal);
-  const cudaStream_t stream = shadowsync::CudaBackend::native(*engine);
-  REQUIRE_CUDA(cudaMemset(arena->slot_address(0), 0x11, kBytes));
-  REQUIRE_CUDA(cudaMemset(arena->slot_address(1), 0x22, kBytes));
-  std::uint32_t* release = nullptr;
-  REQUIRE_CUDA(cudaHostAlloc(&release, sizeof *release, cudaHostAllocMapped));
-  *release = 0;
-  std::uint32_t* device_release = nullptr;
-  REQUIRE_CUDA(cudaHostGetDevicePointer(&device_release, release, 0));
-  std::uint32_t* min_max = nullptr;  // [0..1]: the kernel before the remap, [2..3]: after
-  REQUIRE_CUDA(cudaMalloc(&min_max, 4 * sizeof(std::uint32_t)));
-  const auto* live = reinterpret_cast<const std::uint32_t*>(arena->live_address());
-  const std::size_t words = kBytes / sizeof(std::uint32_t);
-
-  for (int swap = 1; swap <= 20; ++swap) {
-    INFO("swap " << swap);
-    const int slot = swap % 2;
-    *release = 0;
-    reset_min_max<<<1, 1, 0, stream>>>(min_max);
-    reset_min_max<<<1, 1, 0, stream>>>(min_max + 2);
-    // In flight, reading the live range, until the test releases it.
-    min_max_after_release<<<132, 256, 0, stream>>>(device_release, live, words, min_max);
-    // The remap must come back while that kernel still runs. A remap that waited for the engine
-    // stream would wait for a kernel that waits for this thread: the deadline catches that.
-    std::atomic<bool> returned{false};
-    std::thread engine_thread([&] {
-      arena->remap_live(slot, *engine);
-      returned = true;
-    });
-    const auto deadline = std::chrono::steady_clock::now() + 20s;
-    while (!returned && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
-    const bool came_back = returned;
-    *release = 1;  // ends the kernel either way, so that the test can finish
-    engine_thread.join();
-    REQUIRE(came_back);
-    CHECK(arena->live_slot() == slot);
-    min_max_words<<<132, 256, 0, stream>>>(live, words, min_max + 2);
-    std::uint32_t host[4] = {};
-    REQUIRE_CUDA(cudaMemcpyAsync(host, min_max, sizeof host, cudaMemcpyDeviceToHost, stream));
-    REQUIRE_CUDA(cudaStreamSynchronize(stream));
-    const std::uint32_t old_bytes = slot == 1 ? 0x11111111u : 0x22222222u;
-    const std::uint32_t new_bytes = slot == 1 ? 0x22222222u : 0x11111111u;
-    // Enqueued before the remap: the old slot to the end; after it: the new slot, every word.
-    CHECK(host[0] == old_bytes);
-    CHECK(host[1] == old_bytes);
-    CHECK(host[2] == new_bytes);
-    CHECK(host[3] == new_bytes);
-  }
-  // A slot that does not exist: refused on the calling thread, naming both numbers; nothing
-  // changes.
-  CHECK_THROWS_WITH(arena->remap_live(2, *engine),
-                    "VMM slots: cannot make slot 2 live (there are 2)");
-  CHECK(arena->live_slot() == 0);
-  REQUIRE_CUDA(cudaFree(min_max));
-  REQUIRE_CUDA(cudaFreeHost(release));
 }

@@ -121,7 +121,7 @@ void* VmmSlots::slot_address(int slot) const {
   return reinterpret_cast<void*>(slot_ranges_[static_cast<std::size_t>(slot)]);
 }
 
-void VmmSlots::map_live_onto(int slot) {
+void VmmSlots::remap_live(int slot, cudaStream_t engine_stream) {
   if (slot < 0 || slot >= slot_count()) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("VMM slots: cannot make slot {} live (there are {})", slot,
@@ -131,6 +131,8 @@ void VmmSlots::map_live_onto(int slot) {
     throw Error(ErrorCode::kBackend, "VMM slots: an earlier remap failed; the live range is gone");
   }
   if (slot == live_slot_) return;
+  // Kernels still reading the live range must finish before its pages go away.
+  SHADOWSYNC_CUDA_CHECK(cudaStreamSynchronize(engine_stream), "engine stream before a remap");
   const DriverApi& d = driver_api();
   const CUmemAccessDesc access = read_write(device_);
   live_slot_ = -1;  // until the new mapping is complete

@@ -9,13 +9,8 @@
 //
 //   VmmSlots slots(device, bytes);          // live range mapped onto slot 0
 //   write(slots.slot_address(1));           // the receiver fills the shadow through its mapping
-//   finish(work_reading_the_live_range);    // nothing may read it while it is remapped
-//   slots.map_live_onto(1);
+//   slots.remap_live(1, engine_stream);     // waits for the engine stream, then remaps
 //   read(slots.live_address());             // the same address now reads slot 1's bytes
-//
-// Who orders the remap against the engine's kernels is the caller's business: the remap swap
-// strategy runs map_live_onto on a StreamGate's thread, at its point of the engine stream
-// (cuda_remap.cpp).
 //
 // The driver's VMM calls are reached through cudaGetDriverEntryPointByVersion, so nothing links
 // libcuda directly (CPU-only machines load the library and skip GPU work).
@@ -57,11 +52,12 @@ class VmmSlots {
   void* slot_address(int slot) const;
   int live_slot() const noexcept { return live_slot_; }
 
-  // Points the live range at `slot`'s physical memory. No work may be reading the live range
-  // meanwhile (its pages go away for a moment): the caller sees to that. Throws Error
+  // Points the live range at `slot`'s physical memory. Synchronizes `engine_stream` first: work
+  // still in flight on the live range must not see the unmap (the contract of the remap strategy;
+  // free when the engine already synchronized at the step boundary). Throws Error
   // (kInvalidArgument naming the slot and the count, before anything changes; kBackend for a
   // failing driver call, after which the live range is left unmapped and the object unusable).
-  void map_live_onto(int slot);
+  void remap_live(int slot, cudaStream_t engine_stream);
 
  private:
   void release() noexcept;
