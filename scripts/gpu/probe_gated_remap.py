@@ -23,9 +23,10 @@ HANG_LIMIT_S is reported as BLOCKED (the counter is then opened to let the strea
 Then, each in a child process with a deadline (a hang is an answer too): while the engine stream
 waits on the gate, the engine thread calls what waits for the whole device or takes the driver's
 memory locks - torch.cuda.synchronize() (cudaDeviceSynchronize), cuMemFree of a fresh cuMemAlloc
-(an implicit device synchronization), torch.cuda.empty_cache() (cudaFree of cached blocks). A
-gated remap deadlocks if the remap thread's driver calls wait for such a call that waits for the
-gated stream.
+(an implicit device synchronization), torch.cuda.empty_cache() (cudaFree of cached blocks), a copy
+of a tensor of the gated stream into pinned memory then a stream synchronize, and `.cpu()` (a
+cudaMemcpyAsync into pageable memory). A gated remap deadlocks if the remap thread's driver calls
+wait for such a call that waits for the gated stream.
 Needs no shadowsync: torch and the driver API through ctypes.
 """
 
@@ -92,7 +93,7 @@ ctx_get = fn("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
 ctx_set = fn("cuCtxSetCurrent", c_void_p)
 mem_alloc = fn("cuMemAlloc", ctypes.POINTER(c_uint64), c_size_t)
 mem_free = fn("cuMemFree", c_uint64)
-INTERFERENCE_DEADLINE_S = 60
+INTERFERENCE_DEADLINE_S = 30
 
 
 def interfere(kind):
@@ -106,6 +107,12 @@ def interfere(kind):
     elif kind == "empty_cache":
         torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # freed at once: cached
         torch.cuda.empty_cache()
+    elif kind == "pageable_copy":  # .cpu() of a tensor on the gated stream: cudaMemcpyAsync to
+        torch.ones(4, device="cuda").cpu()  # pageable memory, which waits for the stream
+    elif kind == "pinned_copy":  # the same into pinned memory, then an event: what vLLM does
+        out = torch.empty(4, pin_memory=True)
+        out.copy_(torch.ones(4, device="cuda"), non_blocking=True)
+        torch.cuda.current_stream().synchronize()
     elif kind:
         raise ValueError(kind)
 
@@ -164,7 +171,7 @@ def main():
     gib = float(sys.argv[1]) if len(sys.argv) > 1 else 8.0
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
     measure(gib, reps, ("sync", "gated"), "")
-    for kind in ("device_synchronize", "cuMemFree", "empty_cache"):
+    for kind in ("device_synchronize", "cuMemFree", "empty_cache", "pinned_copy", "pageable_copy"):
         try:
             child = subprocess.run([sys.executable, __file__, "--interfere", kind],
                                    capture_output=True, text=True, timeout=INTERFERENCE_DEADLINE_S)
