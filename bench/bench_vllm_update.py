@@ -120,6 +120,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON_DIR = ROOT / "python"
+BENCH_DIR = ROOT / "bench"
 
 # Public configs' shapes (random weights). transformers config kwargs; "model_type" picks the class.
 CONFIGS: dict[str, dict] = {
@@ -290,7 +291,7 @@ def child_passthrough(args) -> list[str]:
         flags += ["--decode-slowdown-budget", str(args.decode_slowdown_budget)]
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena"):
+    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "trace_steps"):
         if getattr(args, flag):
             flags.append("--" + flag.replace("_", "-"))
     return flags
@@ -443,8 +444,12 @@ def child_main(args) -> int:
     sys.path.insert(0, str(PYTHON_DIR))
     # vLLM's engine process imports the worker extension: the package on its path too.
     prepend_pythonpath(PYTHON_DIR)
-    if args.child == "vllm":
+    if args.child == "vllm" or args.trace_steps:
+        # vllm: its IPC handles; --trace-steps: the tracer travels as a callable
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if args.trace_steps:
+        sys.path.insert(0, str(BENCH_DIR))
+        prepend_pythonpath(BENCH_DIR)
     try:
         import torch  # noqa: F401  (before vLLM: one CUDA/NCCL runtime in the process)
 
@@ -632,6 +637,8 @@ class DecodeLoad:
                 windows.append((w0, w1, info))
                 log(f"update {k + 1}/{args.updates}: {fmt_ms((w1 - w0) * 1e3)}"
                     + "".join(f"; {key} {fmt_ms(info[key])}" for key in ENGINE_TIMES if key in info))
+                if "trace" in info:
+                    log(trace_line(info["trace"]))
             await asyncio.sleep(max(0.5, 3 * self.step_estimate(base0, base1)))
             self.check(tasks)
         finally:
@@ -736,6 +743,23 @@ class DecodeLoad:
                                   step_ms_p99=round(percentile(base_gaps, 99) * 1e3, 3),
                                   step_ms_max=round(max(base_gaps) * 1e3, 3)),
                     updates=updates, summary=summary)
+
+
+def trace_line(rows: list) -> str:
+    """--trace-steps: the forward calls from 3 before the swap's to 5 after it, each as
+    host ms since the previous call's start / host ms in the call / GPU ms start→end of its
+    forward / GPU ms from the previous forward's end to its start, and the version after it."""
+    at = next((i for i, r in enumerate(rows) if r[0] <= 0 <= r[0] + r[1] / 1e3), None)
+    if at is None:
+        return f"trace: no forward call contains the swap ({len(rows)} calls traced)"
+    cells = []
+    for i in range(max(0, at - 3), min(len(rows), at + 6)):
+        began, took, gpu, before, version = rows[i]
+        since = f"{(began - rows[i - 1][0]) * 1e3:.2f}" if i > 0 else "-"
+        mark = "*" if i == at else ""
+        cells.append(f"{mark}{since}/{took:.2f}/{gpu:.2f}/{'-' if before is None else f'{before:.2f}'} v{version}")
+    return "trace (ms: since previous call / in the call / GPU call / GPU before; * the swap): " + \
+        " | ".join(cells)
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -953,6 +977,14 @@ class ShadowsyncTransfer:
         fingerprints = await engine.collective_rpc("init_weight_update_group", kwargs=kwargs)
         arena_bytes, bucket_bytes = await self.recv("ready")
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        if self.args.trace_steps:
+            import vllm_step_trace
+
+            try:
+                await engine.collective_rpc(vllm_step_trace.install)
+            except Exception as e:  # noqa: BLE001  (a diagnostic: the measurement goes on)
+                log(f"--trace-steps: the tracer could not be installed ({type(e).__name__}: {e})")
+                self.args.trace_steps = False
         return dict(trainer="transformers model in its own process", tensors=len(specs),
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
                     swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
@@ -1014,6 +1046,17 @@ class ShadowsyncTransfer:
         for event in ENGINE_EVENTS:
             times[f"{event}_ms"] = round(stats[f"last_{event}_s"] * 1e3, 3)
             times[f"{event}_started_at"] = stats[f"last_{event}_started_s"] + offset
+        if self.args.trace_steps:
+            import vllm_step_trace
+
+            swap = stats["last_swap_started_s"]
+            await asyncio.sleep(0.2)  # the steps after the swap run first
+            try:
+                rows = (await engine.collective_rpc(vllm_step_trace.collect,
+                                                    args=(swap - 0.1, swap + 0.15)))[0]
+                times["trace"] = [[round(r[0] - swap, 6)] + r[1:] for r in rows]
+            except Exception as e:  # noqa: BLE001
+                log(f"--trace-steps: no trace ({type(e).__name__}: {e})")
         return times
 
     async def close(self, engine) -> None:
@@ -1155,6 +1198,9 @@ def parse_args():
     p.add_argument("--live-arena", action="store_true",
                    help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'} (weights "
                         "in a remap arena before graph capture; swaps by remap)")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="shadowsync path: trace vLLM's forward calls around each swap "
+                        "(bench/vllm_step_trace.py; host and CUDA-event times per step, logged)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help=f"vLLM's share of the GPU (default per config: {GPU_MEMORY_UTILIZATION})")
     p.add_argument("--dummy-load", action="store_true",
