@@ -751,7 +751,7 @@ def trace_line(rows: list) -> str:
     forward / GPU ms from the previous forward's end to its start, and the version after it."""
     at = next((i for i, r in enumerate(rows) if r[0] <= 0 <= r[0] + r[1] / 1e3), None)
     if at is None:
-        return f"trace: no forward call contains the swap ({len(rows)} calls traced)"
+        return f"trace: no traced call contains the swap ({len(rows)} calls traced)"
     cells = []
     for i in range(max(0, at - 3), min(len(rows), at + 6)):
         began, took, gpu, before, version = rows[i]

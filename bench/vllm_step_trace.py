@@ -3,14 +3,14 @@ cost, to see where the time around a swap goes. Installed in vLLM's engine proce
 ``collective_rpc(install)`` (a callable: VLLM_ALLOW_INSECURE_SERIALIZATION=1, and this folder on
 the engine process's path); nothing of it is in the library.
 
-It wraps the model runner's ``_model_forward`` as the worker has it (the shadowsync step hook's
-wrapper, so the swap happens inside the traced call) and keeps, per call: the host time it
-started (time.monotonic), the host seconds the call took (the swap's wait and remap included, the
-forward's launch), two CUDA events on the forward's stream around it, and the version live after
-it. From the events: the GPU time from the call's start to the end of its forward (for the swap's
-step: the remap's idle GPU and the forward) and the GPU time between the end of the previous
-forward and this call's start (the previous step's sampling and whatever else ran, idle time
-included)."""
+It wraps the model runner's ``execute_model`` (V1 and V2 runners alike; the shadowsync step hook
+runs inside it, right before the forward, so the swap happens inside the traced call) and keeps,
+per call: the host time it started (time.monotonic), the host seconds the call took (input
+preparation, the swap's wait and remap, the forward's launch), two CUDA events on the current
+stream around it, and the version live after it. From the events: the GPU time from the call's
+start to the end of its forward (for the swap's step: the remap's idle GPU and the forward) and
+the GPU time between the end of the previous call's work and this call's start (the previous
+step's sampling and whatever else ran, idle time included)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def install(worker, capacity: int = 8192) -> bool:
     import torch
 
     runner = worker.model_runner
-    inner = runner._model_forward
+    inner = runner.execute_model
     ring = collections.deque(maxlen=capacity)
 
     def traced(*args, **kwargs):
@@ -37,7 +37,7 @@ def install(worker, capacity: int = 8192) -> bool:
         ring.append((began, took, start, end, state.receiver.applied_version if state else -1))
         return out
 
-    runner._model_forward = traced
+    runner.execute_model = traced
     worker._bench_step_trace = (ring, inner)
     return True
 
@@ -61,5 +61,5 @@ def collect(worker, since: float, until: float) -> list[list]:
 def remove(worker) -> bool:
     ring, inner = worker.__dict__.pop("_bench_step_trace", (None, None))
     if inner is not None:
-        worker.model_runner._model_forward = inner
+        del worker.model_runner.__dict__["execute_model"]
     return True

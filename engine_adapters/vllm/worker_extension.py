@@ -85,7 +85,8 @@ class _UpdateGroup:
         # they add to how long generation stands still.
         self.last_begin_update = (0.0, 0.0)
         self.last_wait_applied = (0.0, 0.0)
-        # Where the step hook runs: "model_runner._model_forward", "execute_model", or None (not
+        # Where the step hook runs: "model_runner._model_forward", "model_runner.kv_connector.
+        # pre_forward" (vLLM's V2 GPU runner), "execute_model", or None (not
         # hooked: the engine calls before_step itself).
         self.step_hook_at: str | None = None
 
@@ -633,12 +634,7 @@ class WorkerExtension:
                 for param in state.params.values():
                     data = _data(param)
                     param.data = data.copy() if state.kind == "numpy" else data.clone()
-            if self.__dict__.pop("_shadowsync_original_execute_model", None) is not None:
-                del self.__dict__["execute_model"]  # the class's method again
-            runner = getattr(self, "model_runner", None)
-            if runner is not None and runner.__dict__.pop("_shadowsync_original_model_forward",
-                                                          None) is not None:
-                del runner.__dict__["_model_forward"]
+            _unhook_execute_model(self)
             state.receiver.close()
 
     def _require(self) -> _UpdateGroup:
@@ -946,24 +942,49 @@ def _adopt(state: _UpdateGroup, layout: Layout, stream: Stream) -> None:
         state.bind(group.index)
 
 
+class _ConnectorWithStepHook:
+    """vLLM's V2 GPU model runner calls ``kv_connector.pre_forward(scheduler_output)`` right
+    before every forward (CUDA graph replay, piecewise or eager) and nowhere else: the step hook
+    runs there. A stand-in for that runner's own connector (often vLLM's shared no-op one, which
+    must not be changed), delegating everything else to it."""
+
+    def __init__(self, connector, before_forward):
+        self._shadowsync_connector = connector
+        self._before_forward = before_forward
+
+    def pre_forward(self, scheduler_output):
+        self._before_forward()
+        return self._shadowsync_connector.pre_forward(scheduler_output)
+
+    def __getattr__(self, name):
+        return getattr(self._shadowsync_connector, name)
+
+
 def _hook_execute_model(worker: WorkerExtension) -> str:
     """Runs before_step() once per step, by shadowing methods on the instances (vLLM looks them up
     on the object for each step); with track_request_versions also counts each scheduled
     request's tokens under the version the step runs on.
 
-    Where the model runner has vLLM's ``_model_forward`` (its documented override point for the
-    forward call), the step hook runs there: after vLLM prepared the step's inputs, right before
-    it launches the forward. A swap that must wait for the previous step's kernels (remap) then
-    waits only for the GPU, and vLLM's input preparation still overlaps the previous step; at the
-    start of execute_model the same swap also stalled that preparation. Without that method,
-    before execute_model. A step that runs no forward (nothing scheduled) swaps nothing: an idle
-    engine applies an update with wait_applied. Returns where the hook runs."""
+    The step hook runs right before the step's forward, after vLLM prepared the step's inputs: a
+    swap that must wait for the previous step's kernels (remap) then waits only for the GPU, and
+    vLLM's input preparation still overlaps the previous step; at the start of execute_model the
+    same swap also stalled that preparation. Where: vLLM's V1 model runner (the CPU's, and the
+    GPU's for some models) has ``_model_forward``, its documented override point for the forward
+    call; the V2 GPU runner (vLLM's default on GPUs for most models) calls its KV connector's
+    ``pre_forward`` right before every forward (_ConnectorWithStepHook). Without either, before
+    execute_model. A step that runs no forward (nothing scheduled) swaps nothing: an idle engine
+    applies an update with wait_applied. Returns where the hook runs."""
     original = worker.execute_model
     worker.__dict__["_shadowsync_original_execute_model"] = original
     runner = getattr(worker, "model_runner", None)
     forward = getattr(runner, "_model_forward", None) if runner is not None else None
+    connector = getattr(runner, "kv_connector", None) if runner is not None else None
     if forward is not None:
-        runner.__dict__["_shadowsync_original_model_forward"] = forward
+        where = "model_runner._model_forward"
+    elif callable(getattr(connector, "pre_forward", None)):
+        where = "model_runner.kv_connector.pre_forward"
+    else:
+        where = "execute_model"
     pending_step = []  # this step's scheduler output, until its forward takes it
 
     def step_starts(scheduler_output) -> None:
@@ -977,22 +998,42 @@ def _hook_execute_model(worker: WorkerExtension) -> str:
         if state is not None:
             state.steps += 1
         scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-        if forward is None:
+        if where == "execute_model":
             step_starts(scheduler_output)
             return original(*args, **kwargs)
         pending_step[:] = [scheduler_output]
         return original(*args, **kwargs)
 
-    def model_forward(*args, **kwargs):
-        if pending_step:
+    def before_forward() -> None:
+        if pending_step:  # vLLM's own dummy and warm-up forwards come with no step
             step_starts(pending_step.pop())
+
+    def model_forward(*args, **kwargs):
+        before_forward()
         return forward(*args, **kwargs)
 
     worker.execute_model = execute_model
-    if forward is None:
-        return "execute_model"
-    runner._model_forward = model_forward
-    return "model_runner._model_forward"
+    if where == "model_runner._model_forward":
+        runner.__dict__["_shadowsync_original_model_forward"] = forward
+        runner._model_forward = model_forward
+    elif where == "model_runner.kv_connector.pre_forward":
+        runner.__dict__["_shadowsync_original_kv_connector"] = connector
+        runner.kv_connector = _ConnectorWithStepHook(connector, before_forward)
+    return where
+
+
+def _unhook_execute_model(worker: WorkerExtension) -> None:
+    """Undoes _hook_execute_model: the class's methods and the runner's own connector again."""
+    if worker.__dict__.pop("_shadowsync_original_execute_model", None) is not None:
+        del worker.__dict__["execute_model"]
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return
+    if runner.__dict__.pop("_shadowsync_original_model_forward", None) is not None:
+        del runner.__dict__["_model_forward"]
+    connector = runner.__dict__.pop("_shadowsync_original_kv_connector", None)
+    if connector is not None:
+        runner.kv_connector = connector
 
 
 def init_weight_update_group(llm, **kwargs) -> int:

@@ -68,6 +68,45 @@ class ForwardHookWorker(FakeWorker):
         return f"output of {batch}"
 
 
+class _NoOpConnector:
+    """vLLM's shared no-op KV connector: the hook must not change it."""
+
+    def pre_forward(self, scheduler_output):
+        return None
+
+    def set_disabled(self, disabled):
+        self.disabled = disabled
+
+
+SHARED_NO_OP_CONNECTOR = _NoOpConnector()
+
+
+class _ConnectorRunner(SimpleNamespace):
+    """vLLM's V2 GPU model runner as far as the hook cares: no _model_forward; execute_model
+    prepares the inputs, calls kv_connector.pre_forward, then runs the forward."""
+
+    def forward(self, batch):
+        self.events.append(("forward", batch))
+        return {version_of(name, p.data) for name, p in self.model.params}
+
+
+class ConnectorHookWorker(FakeWorker):
+    def __init__(self):
+        super().__init__()
+        self.model_runner = _ConnectorRunner(model=FakeModel(version=0), events=[],
+                                             kv_connector=SHARED_NO_OP_CONNECTOR)
+
+    def execute_model(self, batch):
+        runner = self.model_runner
+        runner.events.append(("prepare inputs", batch))
+        if batch == "nothing scheduled":
+            return None
+        runner.kv_connector.pre_forward(batch)
+        seen = runner.forward(batch)
+        self.steps.append(seen)
+        return f"output of {batch}"
+
+
 def _trainer(specs, rank0):
     layout = ss.Layout(specs, bucket_bytes=1024)
     return layout, ss.Sender(layout, ss.HostBackend(), rank0,
@@ -307,9 +346,14 @@ def test_apply_update_warns_when_vllm_refuses_the_prefix_cache_reset():
             assert skipped.calls == [apply_call]
 
 
-def test_with_a_model_forward_the_step_hook_swaps_after_the_inputs_are_prepared():
+@pytest.mark.parametrize("make_worker,hook_at", [
+    (ForwardHookWorker, "model_runner._model_forward"),
+    (ConnectorHookWorker, "model_runner.kv_connector.pre_forward"),
+])
+def test_the_step_hook_swaps_after_the_inputs_are_prepared_right_before_the_forward(
+        make_worker, hook_at):
     loopback = ss.Loopback(2)
-    worker = ForwardHookWorker()
+    worker = make_worker()
     runner = worker.model_runner
     layout, sender = _trainer(SPECS, loopback.transport(0))
     worker.init_weight_update_group(specs=[tuple(vars(s).values()) for s in layout.specs],
@@ -344,12 +388,22 @@ def test_with_a_model_forward_the_step_hook_swaps_after_the_inputs_are_prepared(
         assert worker.request_versions() == {"r1": [[1, 3]]}
         assert worker.update_progress() == {"applied_version": 1, "pending": False, "coordinated": False}
         assert worker.step_versions()["steps"] == 2  # both execute_model calls count as steps
-        assert worker.weight_update_stats()["step_hook_at"] == "model_runner._model_forward"
+        assert worker.weight_update_stats()["step_hook_at"] == hook_at
+        if hook_at == "model_runner.kv_connector.pre_forward":
+            # The runner's connector is a stand-in; vLLM's shared one is untouched.
+            assert runner.kv_connector is not SHARED_NO_OP_CONNECTOR
+            assert "pre_forward" not in vars(SHARED_NO_OP_CONNECTOR)
+            runner.kv_connector.set_disabled(True)  # anything else reaches the real one
+            assert SHARED_NO_OP_CONNECTOR.disabled is True
     finally:
         worker.close_weight_update_group()
         sender.close()
-    assert "_model_forward" not in vars(runner)  # the class's method again
-    assert runner._model_forward("x") == {1}  # still the live values (kept on close)
+    if hook_at == "model_runner._model_forward":
+        assert "_model_forward" not in vars(runner)  # the class's method again
+        assert runner._model_forward("x") == {1}  # still the live values (kept on close)
+    else:
+        assert runner.kv_connector is SHARED_NO_OP_CONNECTOR  # the runner's own again
+        assert runner.forward("x") == {1}
 
 
 def test_apply_update_async_lets_the_step_hook_swap_and_applies_only_for_an_idle_engine(monkeypatch):
