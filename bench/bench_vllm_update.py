@@ -717,6 +717,8 @@ class DecodeLoad:
                 stop_gap = max([b - a for a, b in began] +
                                [b - a for a, b, _ in self.gaps if a in ends], default=float("nan"))
                 entry["swap_gaps_ms"] = round(stop_gap * 1e3, 3)
+            if entry.get("trace"):
+                entry["swap_gpu_excess_ms"] = swap_gpu_excess(entry["trace"])
             tokens = sum(n for t, n in self.tokens if w0 <= t <= w1)
             tps = self.rate(w0, w1)
             entry.update(window_ms=round((w1 - w0) * 1e3, 3), max_token_gap_ms=round(max_gap * 1e3, 3),
@@ -727,7 +729,7 @@ class DecodeLoad:
         summary = {}
         for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
                     "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
-                    "largest_other_gap_ms", "swap_gaps_ms") + ENGINE_TIMES:
+                    "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms") + ENGINE_TIMES:
             values = [u.get(key) for u in updates if key in u]
             if not values:
                 continue
@@ -743,6 +745,17 @@ class DecodeLoad:
                                   step_ms_p99=round(percentile(base_gaps, 99) * 1e3, 3),
                                   step_ms_max=round(max(base_gaps) * 1e3, 3)),
                     updates=updates, summary=summary)
+
+
+def swap_gpu_excess(rows: list) -> float | None:
+    """--trace-steps: how much longer the GPU took for the step the swap ran in than the median
+    traced step around it (CUDA events, start of execute_model to the end of its forward): the
+    GPU's stop for the swap, seen from the GPU. None when no traced call contains the swap."""
+    at = next((i for i, r in enumerate(rows) if r[0] <= 0 <= r[0] + r[1] / 1e3), None)
+    others = [r[2] for i, r in enumerate(rows) if i != at]
+    if at is None or not others:
+        return None
+    return round(rows[at][2] - statistics.median(others), 3)
 
 
 def trace_line(rows: list) -> str:
