@@ -747,11 +747,17 @@ class DecodeLoad:
                     updates=updates, summary=summary)
 
 
+def swap_row(rows: list) -> int | None:
+    """--trace-steps: the index of the traced call the swap ran in (rows' times are relative to
+    the swap's start), or None."""
+    return next((i for i, r in enumerate(rows) if r[0] <= 0 <= r[0] + r[1] / 1e3), None)
+
+
 def swap_gpu_excess(rows: list) -> float | None:
     """--trace-steps: how much longer the GPU took for the step the swap ran in than the median
     traced step around it (CUDA events, start of execute_model to the end of its forward): the
     GPU's stop for the swap, seen from the GPU. None when no traced call contains the swap."""
-    at = next((i for i, r in enumerate(rows) if r[0] <= 0 <= r[0] + r[1] / 1e3), None)
+    at = swap_row(rows)
     others = [r[2] for i, r in enumerate(rows) if i != at]
     if at is None or not others:
         return None
@@ -762,7 +768,7 @@ def trace_line(rows: list) -> str:
     """--trace-steps: the forward calls from 3 before the swap's to 5 after it, each as
     host ms since the previous call's start / host ms in the call / GPU ms start→end of its
     forward / GPU ms from the previous forward's end to its start, and the version after it."""
-    at = next((i for i, r in enumerate(rows) if r[0] <= 0 <= r[0] + r[1] / 1e3), None)
+    at = swap_row(rows)
     if at is None:
         return f"trace: no traced call contains the swap ({len(rows)} calls traced)"
     cells = []
