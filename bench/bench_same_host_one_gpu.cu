@@ -13,7 +13,9 @@
 //   raw copy     --reps cudaMemcpyAsync device-to-device of the model's bytes, CUDA events: the
 //                reference (median, min).
 //   transport    --reps transfers through the transport alone: the engine posts one receive per
-//                bucket into a buffer of the model's size, the trainer broadcasts every bucket
+//                bucket into a buffer of the model's size (its posting thread runs before the
+//                trainer is told to send, as a Receiver waits for an update), the trainer
+//                broadcasts every bucket
 //                straight from its staging slots (Transport::staging_buffer: nothing packed).
 //                Trainer-side wall time, first broadcast enqueued -> last ack in (engine-side wall
 //                time too, which adds a pipe round trip). "added" = its median minus the raw
@@ -1106,9 +1108,13 @@ ModelRun run_model(const bench::ModelConfig& model, Engine& e, int index) {
     std::unique_ptr<Event> received = e.backend.create_event();
     for (int rep = 0; rep < o.reps + 1; ++rep) {
       const auto start = Clock::now();
-      // Posted from a thread of their own: an enqueue may block while the stream's queue is
-      // full, until the trainer (told to send below) moves the receives along.
+      // Posted from a thread of their own: a receive waits on the host for its chunk's doorbell,
+      // which the trainer (told to send below) rings. The trainer is told only once that thread
+      // runs: its start-up (tens of microseconds) is the bench's, and a receiver that posts its
+      // receives late is not what the transport's figure is about.
+      std::atomic<bool> posting_started{false};
       auto posting = std::async(std::launch::async, [&] {
+        posting_started.store(true);
         std::size_t base = 0;
         for (const GroupLayout& group : layout.groups()) {
           for (std::size_t k = 0; k < group.bucket_count(); ++k) {
@@ -1119,6 +1125,12 @@ ModelRun run_model(const bench::ModelConfig& model, Engine& e, int index) {
         }
         e.backend.event_record(*received, *receive_stream);
       });
+      for (const auto deadline = Clock::now() + std::chrono::seconds(10);
+           !posting_started.load();) {
+        if (Clock::now() > deadline) throw BenchError("transport alone: the posting thread did "
+                                                      "not start within 10 s");
+        std::this_thread::yield();
+      }
       const Reply sent = trainer.call("send");
       posting.get();
       if (!e.backend.event_wait_for(*received, bench::kWaitLimit)) {

@@ -316,7 +316,7 @@ class WorkerExtension:
         `receiver_config` (pacing; None / 0: leave them as `receiver_config` has them). With a
         budget (e.g. 1.05) this worker's hooked execute_model stamps each step's start, the
         receiver learns the step time while no update streams in and holds its buckets back so
-        that the median step while one streams in stays within budget x that time; the update
+        that the mean step while one streams in stays within budget x that time; the update
         takes longer instead, never past the update deadline. The cap limits the receive rate in
         bytes per second. A budget that is not finite or below 1.0 is refused, named, before
         anything is set up. weight_update_stats()["pacing"] reports what pacing did.

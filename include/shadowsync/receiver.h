@@ -85,8 +85,8 @@ struct ReceiverConfig {
   // Pacing (docs/ARCHITECTURE.md, "Pacing"): a receive shares memory bandwidth with decoding.
   // With a budget (for example 1.05), the step hook records when each engine step starts, the
   // receiver learns the engine's step time while no update streams in, and holds its buckets
-  // back between receives so that the median step while an update streams in stays within
-  // budget x that time; the update takes longer instead. At least 1.0, finite; unset (the
+  // back between receives so that the mean step while an update streams in (what decode
+  // tokens/s sees) stays within budget x that time; the update takes longer instead. At least 1.0, finite; unset (the
   // default): no pacing, and the step hook records nothing.
   std::optional<double> decode_slowdown_budget;
   // A cap on the receive rate in bytes per second: after each bucket the receiver waits until
@@ -107,10 +107,11 @@ enum class UpdateOutcome {
 struct PacingReport {
   bool paced = false;  // a budget or a rate cap was set; the fields below are filled only then
   std::optional<double> budget;
-  // The engine's median step time while no update streamed in, the baseline the budget
+  // The engine's mean step time while no update streamed in, the baseline the budget
   // multiplies; 0: not measured (fewer than kMinBaselineSteps steps seen outside an update yet).
+  // In both means a step counts at most 4 median idle steps (a pause of the engine is not a step).
   std::chrono::nanoseconds idle_step{0};
-  // The median duration of the steps that started while this update streamed in; 0: none
+  // The mean duration of the steps that started while this update streamed in; 0: none
   // completed.
   std::chrono::nanoseconds step_during{0};
   double step_ratio = 0.0;  // step_during / idle_step; 0 when either is unknown

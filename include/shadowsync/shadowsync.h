@@ -133,7 +133,7 @@ typedef struct {
   int32_t commit_mode;         /* SHADOWSYNC_COMMIT_AUTO (default: live at the next step) or
                                   SHADOWSYNC_COMMIT_COORDINATED (held ready until
                                   shadowsync_receiver_commit, for tensor-parallel ranks) */
-  double decode_slowdown_budget; /* 0 (default): no pacing; else >= 1.0, finite: the median
+  double decode_slowdown_budget; /* 0 (default): no pacing; else >= 1.0, finite: the mean
                                     engine step while an update streams in stays within this
                                     times the step without one (the receive takes longer) */
   uint64_t max_receive_bytes_per_second; /* a cap on the receive rate; 0 (default): none */
@@ -448,9 +448,9 @@ typedef struct {
                                     filled only then */
   int32_t last_deadline_limited; /* 1: a hold was shortened to meet update_deadline_ms */
   double last_pacing_budget;     /* decode_slowdown_budget; 0: none (a rate cap only) */
-  int64_t last_idle_step_ns;     /* median engine step while no update streamed in; 0: not
+  int64_t last_idle_step_ns;     /* mean engine step while no update streamed in; 0: not
                                     measured yet (too few steps) */
-  int64_t last_step_during_ns;   /* median step while this update streamed in; 0: none */
+  int64_t last_step_during_ns;   /* mean step while this update streamed in; 0: none */
   double last_step_ratio;        /* last_step_during_ns / last_idle_step_ns; 0: unknown */
   uint64_t last_pacing_steps;    /* engine steps that started while it streamed in */
   int64_t last_busy_ns;          /* sum over buckets: posted -> completion observed */

@@ -15,10 +15,25 @@ constexpr double kMaxIncrease = 2.0;
 // A share of the deadline kept free of holds, for the transfer itself to vary.
 constexpr double kDeadlineShareForHolds = 0.8;
 
+// A step counts at most this many idle steps in a mean: a pause of the engine (no requests) or
+// a rare long step (a prefill) must not stand for many steps, while a step slowed by a copy
+// (about 2.5x at worst, measured on an 8B decode) counts in full.
+constexpr std::int64_t kStepCapInIdleSteps = 4;
+
 std::int64_t median(std::vector<std::int64_t> values) {
   const auto middle = values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2);
   std::nth_element(values.begin(), middle, values.end());
   return *middle;
+}
+
+// The mean of `values`, each counted at most `cap`. The mean, not the median: decode tokens/s
+// is the inverse of the mean step, and the steps a copy slows are few and long, which a median
+// does not see (measured: median step ratio 1.03 while tokens/s fell 1.11x, H100, Llama-3-8B).
+std::int64_t capped_mean(const std::vector<std::int64_t>& values, std::int64_t cap) {
+  if (values.empty()) return 0;
+  std::int64_t sum = 0;
+  for (const std::int64_t v : values) sum += std::min(v, cap);
+  return sum / static_cast<std::int64_t>(values.size());
 }
 
 }  // namespace
@@ -35,10 +50,13 @@ void Pacer::begin() {
   const std::int64_t now = StepTimes::now_ns();
   const std::vector<std::int64_t> idle =
       steps_->intervals_since(last_end_ns_, StepTimes::kMaxIntervals);
-  if (idle.size() >= PacingReport::kMinBaselineSteps) idle_step_ns_ = median(idle);
-  last_change_ns_ = now;
+  if (idle.size() >= PacingReport::kMinBaselineSteps) {
+    step_cap_ns_ = kStepCapInIdleSteps * median(idle);
+    idle_step_ns_ = capped_mean(idle, step_cap_ns_);
+  }
   steps_at_start_ = steps_->count();
-  during_.clear();
+  during_ = {};
+  fresh_ = {};
   collect_from_ns_ = now;
   collected_count_ = steps_at_start_;
 }
@@ -47,23 +65,25 @@ void Pacer::collect_steps() {
   collected_count_ = steps_->count();
   for (const StepTimes::Step& step :
        steps_->steps_since(collect_from_ns_, StepTimes::kMaxIntervals)) {
-    if (during_.size() < kMaxCollectedSteps) during_.push_back(step.duration_ns);
+    // Each step counts once, when it ended: the step a bucket slowed is often still running
+    // when the bucket completes, and it is the one that matters.
+    const std::int64_t counted = step_cap_ns_ > 0 ? std::min(step.duration_ns, step_cap_ns_)
+                                                  : step.duration_ns;
+    during_.add(counted);
+    fresh_.add(counted);
     collect_from_ns_ = step.start_ns + 1;
   }
 }
 
 void Pacer::adjust_duty() {
-  const std::vector<std::int64_t> fresh =
-      steps_->intervals_since(last_change_ns_, StepTimes::kMaxIntervals);
-  if (fresh.empty()) return;  // no step finished under the current duty yet
-  const double ratio =
-      static_cast<double>(median(fresh)) / static_cast<double>(idle_step_ns_);
+  if (fresh_.count == 0) return;  // no step ended since the last change
+  const double ratio = fresh_.mean() / static_cast<double>(idle_step_ns_);
+  fresh_ = {};
   const double aimed = 1.0 + kAimedShareOfExcess * (*budget_ - 1.0);
   // Excess step time is about proportional to duty: scale duty by the excess aimed at over the
   // excess seen. No excess seen: the copies cost nothing measurable now; go faster.
   const double factor = ratio > 1.0 ? (aimed - 1.0) / (ratio - 1.0) : kMaxIncrease;
   duty_ = std::clamp(duty_ * std::clamp(factor, kMaxDecrease, kMaxIncrease), kMinDuty, 1.0);
-  last_change_ns_ = StepTimes::now_ns();
 }
 
 std::chrono::nanoseconds Pacer::hold_after(std::size_t bytes, std::chrono::nanoseconds busy,
@@ -107,7 +127,9 @@ PacingReport Pacer::finish() {
     report_.steps = steps_->count() - steps_at_start_;
     collect_steps();
     report_.idle_step = std::chrono::nanoseconds(idle_step_ns_);
-    if (!during_.empty()) report_.step_during = std::chrono::nanoseconds(median(during_));
+    if (during_.count > 0) {
+      report_.step_during = std::chrono::nanoseconds(static_cast<std::int64_t>(during_.mean()));
+    }
     if (idle_step_ns_ > 0 && report_.step_during.count() > 0) {
       report_.step_ratio = static_cast<double>(report_.step_during.count()) /
                            static_cast<double>(idle_step_ns_);

@@ -3,13 +3,16 @@
 //
 // The model: while a bucket is in flight the engine's steps run slower (they share memory
 // bandwidth with the copy); with a share `duty` of the time in flight, the excess step time is
-// about proportional to duty. After each bucket, the steps that started since the last change
-// give the ratio r = median step / idle step; duty is scaled by (target - 1) / (r - 1) (bounded
+// about proportional to duty. After each bucket, the steps that ended since the last change
+// give the ratio r = mean step / idle step (a step counts when it ended: the step a bucket slows
+// is often still running when the bucket completes); duty is scaled by (target - 1) / (r - 1) (bounded
 // per change), aiming a little below the budget, and the next hold is busy x (1 - duty) / duty.
 // duty persists across updates, so a short update starts where the last one ended. Steps are
-// the StepHook's stamps; the idle step time is their median while no update streamed in. The
-// report's step_during is the median of every step of the update, collected after each bucket
-// and while the receiver waits (the hook's ring holds only the newest few dozen).
+// the StepHook's stamps; the idle step time is their mean while no update streamed in. Means,
+// because decode tokens/s is the inverse of the mean step; each step counts at most 4 median
+// idle steps, so that a pause of the engine does not stand for many steps. The report's
+// step_during is that mean over every step of the update, collected after each bucket and while
+// the receiver waits (the hook's ring holds only the newest few dozen).
 //
 // Threads: the receiver thread only. Ownership: reads the hook's StepTimes, which outlive it.
 #pragma once
@@ -18,7 +21,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
-#include <vector>
 
 #include "shadowsync/receiver.h"
 #include "shadowsync/step_times.h"
@@ -61,25 +63,33 @@ class Pacer {
   // 1 / kMinDuty times its unpaced time on account of a budget.
   static constexpr double kMinDuty = 0.02;
 
-  void adjust_duty();
-  // Adds the steps that completed since the last call to during_ (the ring gives only the
-  // newest kMaxIntervals, so this runs after every bucket, while the receiver waits, and at the
-  // end).
-  void collect_steps();
+  // Durations of steps, summed: their mean without keeping them.
+  struct StepSum {
+    std::int64_t total_ns = 0;
+    std::uint64_t count = 0;
+    void add(std::int64_t ns) {
+      total_ns += ns;
+      ++count;
+    }
+    double mean() const { return static_cast<double>(total_ns) / static_cast<double>(count); }
+  };
 
-  // during_ holds at most this many steps (128 KiB); later ones are left out of the report.
-  static constexpr std::size_t kMaxCollectedSteps = 16384;
+  void adjust_duty();
+  // Counts the steps that ended since the last call (the ring gives only the newest
+  // kMaxIntervals, so this runs after every bucket, while the receiver waits, and at the end).
+  void collect_steps();
 
   const std::optional<double> budget_;
   const std::uint64_t max_bytes_per_second_;
   const StepTimes* const steps_;
   double duty_ = 1.0;              // learned; kept across updates
   std::int64_t idle_step_ns_ = 0;  // learned; kept until a newer baseline is measured
+  std::int64_t step_cap_ns_ = 0;   // the longest a step counts in a mean; learned with it
   std::int64_t last_end_ns_ = 0;      // when the previous receive ended
-  std::int64_t last_change_ns_ = 0;   // when duty_ last changed: later steps show its effect
   std::uint64_t steps_at_start_ = 0;
-  std::vector<std::int64_t> during_;  // durations of this update's steps, for the report
-  std::int64_t collect_from_ns_ = 0;  // steps that started from here on are not in during_ yet
+  StepSum during_;  // this update's steps, for the report
+  StepSum fresh_;   // the steps that ended since duty_ last changed: they show its effect
+  std::int64_t collect_from_ns_ = 0;  // steps that started from here on are not counted yet
   std::uint64_t collected_count_ = 0;  // steps_->count() at the last collection
   std::size_t buckets_ = 0;  // of this update, so far
   PacingReport report_;

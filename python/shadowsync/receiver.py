@@ -59,8 +59,8 @@ class ReceiverConfig:
     commit_mode: str | None = None
     # Pacing (README "Pacing"): a receive shares memory bandwidth with decoding. With a budget
     # (e.g. 1.05) the step hook stamps each step's start, the receiver learns the engine's step
-    # time while no update streams in, and holds its buckets back so that the median step while
-    # one streams in stays within budget x that time; the update takes longer instead. Finite, at
+    # time while no update streams in, and holds its buckets back so that the mean step while
+    # one streams in (what decode tokens/s sees) stays within budget x that time; the update takes longer instead. Finite, at
     # least 1.0; None (the default): no pacing, and the step hook stamps nothing.
     decode_slowdown_budget: float | None = None
     # A cap on the receive rate in bytes per second (0, the default: none). With a budget too, the
@@ -116,10 +116,11 @@ class PacingReport:
 
     paced: bool = False
     budget: float | None = None  # the budget; None: a rate cap only, or unpaced
-    # The engine's median step time while no update streamed in, the baseline the budget
-    # multiplies; 0: not measured (too few steps seen outside an update yet).
+    # The engine's mean step time while no update streamed in, the baseline the budget
+    # multiplies; 0: not measured (too few steps seen outside an update yet). In both means a
+    # step counts at most 4 median idle steps.
     idle_step_s: float = 0.0
-    step_during_s: float = 0.0  # the median step while this update streamed in; 0: none completed
+    step_during_s: float = 0.0  # the mean step while this update streamed in; 0: none completed
     step_ratio: float = 0.0  # step_during_s / idle_step_s; 0 when either is unknown
     steps: int = 0  # engine steps that started while this update streamed in
     busy_s: float = 0.0  # sum over buckets: posted -> completion observed

@@ -1,8 +1,10 @@
 // Pacing (ReceiverConfig::decode_slowdown_budget, max_receive_bytes_per_second) against an engine
 // whose steps take a known time and run at half speed while a bucket is in flight: the way a
-// memory-bound decode step shares HBM bandwidth with a copy. A budget must hold (the median step
-// while an update streams in stays within budget x the idle step) and the transfer must slow
-// down to pay for it; without a budget the same update slows the steps by far more.
+// memory-bound decode step shares HBM bandwidth with a copy. A budget must hold (the mean step
+// while an update streams in, what decode tokens/s sees, stays within budget x the idle step) and
+// the transfer must slow down to pay for it; without a budget the same update slows the steps by
+// far more. The mean, not the median: here, as on a GPU, only the steps that meet a bucket run
+// slower, and a median can stay at the idle step while the mean is well over the budget.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -32,11 +34,14 @@ constexpr std::size_t kBucketBytes = 4096;
 constexpr std::size_t kBuckets = 32;
 // A bucket keeps the link busy this long; unpaced, an update keeps it busy 32 x 2 ms.
 constexpr auto kBucketTime = 2ms;
-// The engine's step at full speed, and how much slower it runs while a bucket is in flight.
-constexpr auto kIdleStep = 4ms;
-constexpr double kSlowdownWhileBusy = 2.0;
+// The engine, unless a test says otherwise: its step at full speed, and how much slower it runs
+// while a bucket is in flight.
+struct EngineModel {
+  std::chrono::milliseconds idle_step = 4ms;
+  double slowdown_while_busy = 2.0;
+};
 
-// How far over the budget the engine's median step may be, for the noise of a shared CPU. Under
+// How far over the budget the engine's mean step may be, for the noise of a shared CPU. Under
 // a sanitizer the threads run several times slower and are scheduled unevenly, so the budget
 // gets more room there; the unpaced update still measures far above it (about 1.9).
 #if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
@@ -50,6 +55,10 @@ constexpr double kStepNoise = 1.08;
 #else
 constexpr double kStepNoise = 1.08;
 #endif
+
+// How far the receiver's step ratio may be from the engine's own: the two count nearly the same
+// steps (the receiver from its receive's start, the engine over the transfer before ready).
+constexpr double kReportAgreement = 0.04;
 
 Layout test_layout() {
   std::vector<TensorSpec> specs;
@@ -84,7 +93,7 @@ class SimulatedLink final : public Transport {
 };
 
 // The engine thread: steps back to back, each calling the step hook first. A step needs
-// kIdleStep of work at full speed and progresses at 1 / kSlowdownWhileBusy speed while the link
+// `idle_step` of work at full speed and progresses at 1 / slowdown_while_busy speed while the link
 // is busy (checked every 100 us).
 class ContendedEngine {
  public:
@@ -93,8 +102,12 @@ class ContendedEngine {
     Clock::duration duration;
   };
 
-  ContendedEngine(HostBackend& backend, Receiver& receiver, const std::atomic<int>& busy)
-      : receiver_(receiver), busy_(busy), stream_(backend.create_stream(StreamPriority::kNormal)) {
+  ContendedEngine(HostBackend& backend, Receiver& receiver, const std::atomic<int>& busy,
+                  EngineModel model)
+      : receiver_(receiver),
+        busy_(busy),
+        model_(model),
+        stream_(backend.create_stream(StreamPriority::kNormal)) {
     thread_ = std::thread([this] { run(); });
   }
   ~ContendedEngine() {
@@ -121,9 +134,9 @@ class ContendedEngine {
       while (progress < 1.0) {
         std::this_thread::sleep_for(100us);  // the step's work, simulated
         const auto now = Clock::now();
-        const double speed = busy_.load() > 0 ? 1.0 / kSlowdownWhileBusy : 1.0;
+        const double speed = busy_.load() > 0 ? 1.0 / model_.slowdown_while_busy : 1.0;
         progress += speed * std::chrono::duration<double>(now - last).count() /
-                    std::chrono::duration<double>(kIdleStep).count();
+                    std::chrono::duration<double>(model_.idle_step).count();
         last = now;
       }
       std::lock_guard lock(mutex_);
@@ -133,6 +146,7 @@ class ContendedEngine {
 
   Receiver& receiver_;
   const std::atomic<int>& busy_;
+  const EngineModel model_;
   std::unique_ptr<Stream> stream_;
   std::atomic<bool> stop_{false};
   mutable std::mutex mutex_;
@@ -140,14 +154,8 @@ class ContendedEngine {
   std::thread thread_;
 };
 
-double median_ms(std::vector<double> values) {
-  REQUIRE(!values.empty());
-  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
-  return values[values.size() / 2];
-}
-
-// The median duration of the steps that started in [from, to) and ended before `to`.
-double median_step_ms(const std::vector<ContendedEngine::Step>& steps, Clock::time_point from,
+// The mean duration of the steps that started in [from, to) and ended before `to`.
+double mean_step_ms(const std::vector<ContendedEngine::Step>& steps, Clock::time_point from,
                       Clock::time_point to) {
   std::vector<double> ms;
   for (const auto& s : steps) {
@@ -157,7 +165,9 @@ double median_step_ms(const std::vector<ContendedEngine::Step>& steps, Clock::ti
   }
   INFO("steps in the window: " << ms.size());
   REQUIRE(ms.size() >= 5);
-  return median_ms(std::move(ms));
+  double sum = 0.0;
+  for (const double v : ms) sum += v;
+  return sum / static_cast<double>(ms.size());
 }
 
 struct Measured {
@@ -169,8 +179,9 @@ struct Measured {
 };
 
 // Lets the engine step alone for 30 steps, then streams one update while it steps, and measures
-// the engine's step times in both windows.
-Measured stream_one_update(ReceiverConfig config) {
+// the engine's step times in both windows. With `warmups`, that many updates go first, each after
+// 30 idle steps, as a receiver that has paced before (its duty persists across updates).
+Measured stream_one_update(ReceiverConfig config, EngineModel model = {}, int warmups = 0) {
   HostBackend backend;
   std::atomic<int> busy{0};
   const Layout layout = test_layout();
@@ -181,23 +192,32 @@ Measured stream_one_update(ReceiverConfig config) {
     report = r;
     ready.store(true);
   });
-  ContendedEngine engine(backend, receiver, busy);
-  wait_until([&] { return engine.step_count() >= 30; }, "30 idle engine steps");
-  const auto idle_end = Clock::now();
-  receiver.begin_update(make_update_header(layout, 1, {"base"}));
-  wait_until([&] { return ready.load(); }, "the update to be received", 60s);
-  const auto ready_at = Clock::now();
-  wait_until([&] { return receiver.step_hook().applied_version() == 1; },
-             "the engine to apply the update");
-  const auto steps = engine.steps();
-  REQUIRE(report.outcome == UpdateOutcome::kReady);
-  Measured m;
-  m.idle_step_ms = median_step_ms(steps, Clock::time_point{}, idle_end);
-  m.step_during_ms = median_step_ms(steps, ready_at - report.transfer, ready_at);
-  m.ratio = m.step_during_ms / m.idle_step_ms;
-  m.transfer = report.transfer;
-  m.pacing = report.pacing;
-  return m;
+  ContendedEngine engine(backend, receiver, busy, model);
+  Clock::time_point idle_start{};
+  for (std::uint64_t version = 1;; ++version) {
+    const std::size_t idle_from = engine.step_count();
+    wait_until([&] { return engine.step_count() >= idle_from + 30; }, "30 idle engine steps");
+    const auto idle_end = Clock::now();
+    ready.store(false);
+    receiver.begin_update(make_update_header(layout, version, {"base"}));
+    wait_until([&] { return ready.load(); }, "the update to be received", 60s);
+    const auto ready_at = Clock::now();
+    wait_until([&] { return receiver.step_hook().applied_version() == version; },
+               "the engine to apply the update");
+    REQUIRE(report.outcome == UpdateOutcome::kReady);
+    if (version <= static_cast<std::uint64_t>(warmups)) {
+      idle_start = Clock::now();
+      continue;
+    }
+    const auto steps = engine.steps();
+    Measured m;
+    m.idle_step_ms = mean_step_ms(steps, idle_start, idle_end);
+    m.step_during_ms = mean_step_ms(steps, ready_at - report.transfer, ready_at);
+    m.ratio = m.step_during_ms / m.idle_step_ms;
+    m.transfer = report.transfer;
+    m.pacing = report.pacing;
+    return m;
+  }
 }
 
 double ms(std::chrono::nanoseconds d) { return std::chrono::duration<double, std::milli>(d).count(); }
@@ -225,13 +245,14 @@ TEST_CASE("a decode-slowdown budget holds, and the transfer slows down to pay fo
   CHECK_FALSE(unpaced.pacing.paced);
   // The budget holds, as the engine measured it (a little noise allowed) ...
   CHECK(paced.ratio <= 1.10 * kStepNoise);
-  // ... and as the receiver reports it: the median of every step of the update (Pacer collects
+  // ... and as the receiver reports it: the mean of every step of the update (Pacer collects
   // them after each bucket; until it did, the report took the newest 32 only and, paced steps
   // being bimodal, said 1.23 where the engine measured 1.08 on a loaded CI machine).
   CHECK(paced.pacing.paced);
   CHECK(paced.pacing.budget == 1.10);
   CHECK(paced.pacing.step_ratio > 0.0);
   CHECK(paced.pacing.step_ratio <= 1.10 * kStepNoise);
+  CHECK(std::abs(paced.pacing.step_ratio - paced.ratio) <= kReportAgreement);
   // Whatever the noise, paced is well below unpaced.
   CHECK(paced.ratio < 1.0 + 0.5 * (unpaced.ratio - 1.0));
   CHECK(paced.pacing.idle_step > 0ns);
@@ -242,6 +263,25 @@ TEST_CASE("a decode-slowdown budget holds, and the transfer slows down to pay fo
   CHECK(paced.pacing.held_back > paced.pacing.busy);
   CHECK(paced.pacing.duty < 0.5);
   CHECK(paced.transfer > 3 * unpaced.transfer);
+}
+
+// Few steps slowed, each by much: a bucket (2 ms) slows the step it meets to 4x, most steps
+// meet none. That is how the steps looked in real vLLM on a GPU (a copy or the trainer's pack
+// beside a step makes it far longer; the others are normal). The median step stays at the idle
+// step while the mean, what tokens/s sees, does not: a pacer that held the median within the
+// budget let the mean run far past it. After one warm-up update, as a receiver that paced before.
+TEST_CASE("a budget holds when the few steps a bucket meets run much slower", "[pacing]") {
+  ReceiverConfig config;
+  config.decode_slowdown_budget = 1.10;
+  const Measured paced = stream_one_update(config, {.idle_step = 4ms, .slowdown_while_busy = 4.0}, 1);
+  INFO("budget 1.10, steps 4x slower while a bucket is in flight: idle " << paced.idle_step_ms
+       << " ms, during " << paced.step_during_ms << " ms, ratio " << paced.ratio << ", transfer "
+       << ms(paced.transfer) << " ms; report: ratio " << paced.pacing.step_ratio << ", duty "
+       << paced.pacing.duty);
+  CHECK(paced.ratio <= 1.10 * kStepNoise);
+  CHECK(paced.pacing.step_ratio <= 1.10 * kStepNoise);
+  // The report says what the engine saw (a median said 1.0 here while the engine ran 1.09-1.17x).
+  CHECK(std::abs(paced.pacing.step_ratio - paced.ratio) <= kReportAgreement);
 }
 
 TEST_CASE("a rate cap spaces the buckets to the rate", "[pacing]") {
