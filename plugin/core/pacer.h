@@ -61,7 +61,7 @@ class Pacer {
  private:
   // The smallest share of the time a bucket may be in flight: an update never takes more than
   // 1 / kMinDuty times its unpaced time on account of a budget.
-  static constexpr double kMinDuty = 0.02;
+  static constexpr double kMinDuty = 0.01;
 
   // Durations of steps, summed: their mean without keeping them.
   struct StepSum {
