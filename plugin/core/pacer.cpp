@@ -9,9 +9,13 @@ namespace {
 // What the controller aims at, as a share of the budget's allowed excess: a little below the
 // budget, so that the noise of single steps does not keep it above.
 constexpr double kAimedShareOfExcess = 0.8;
-// The most duty changes by at a time: one noisy step moves it at most this much.
+// The most duty changes by at a time: an estimate from the first few steps moves it at most
+// this much.
 constexpr double kMaxDecrease = 0.25;
 constexpr double kMaxIncrease = 2.0;
+// What each update keeps of the evidence before it: the cost of a busy second changes with the
+// engine's load, so older updates count less.
+constexpr double kEvidenceKeptPerUpdate = 0.5;
 // A share of the deadline kept free of holds, for the transfer itself to vary.
 constexpr double kDeadlineShareForHolds = 0.8;
 
@@ -56,7 +60,13 @@ void Pacer::begin() {
   }
   steps_at_start_ = steps_->count();
   during_ = {};
-  fresh_ = {};
+  excess_ns_ *= kEvidenceKeptPerUpdate;
+  busy_ns_ *= kEvidenceKeptPerUpdate;
+  if (!duty_learned_ && budget_) {
+    // Before any evidence: as if a step ran at half speed while a bucket is in flight (the
+    // excess then equals duty), rather than the first buckets back to back.
+    duty_ = std::clamp(kAimedShareOfExcess * (*budget_ - 1.0), kMinDuty, 1.0);
+  }
   collect_from_ns_ = now;
   collected_count_ = steps_at_start_;
 }
@@ -70,20 +80,25 @@ void Pacer::collect_steps() {
     const std::int64_t counted = step_cap_ns_ > 0 ? std::min(step.duration_ns, step_cap_ns_)
                                                   : step.duration_ns;
     during_.add(counted);
-    fresh_.add(counted);
+    if (idle_step_ns_ > 0) excess_ns_ += static_cast<double>(counted - idle_step_ns_);
     collect_from_ns_ = step.start_ns + 1;
   }
 }
 
 void Pacer::adjust_duty() {
-  if (fresh_.count == 0) return;  // no step ended since the last change
-  const double ratio = fresh_.mean() / static_cast<double>(idle_step_ns_);
-  fresh_ = {};
+  if (during_.count == 0 || busy_ns_ <= 0.0) return;  // no step ended in this update yet
   const double aimed = 1.0 + kAimedShareOfExcess * (*budget_ - 1.0);
-  // Excess step time is about proportional to duty: scale duty by the excess aimed at over the
-  // excess seen. No excess seen: the copies cost nothing measurable now; go faster.
-  const double factor = ratio > 1.0 ? (aimed - 1.0) / (ratio - 1.0) : kMaxIncrease;
-  duty_ = std::clamp(duty_ * std::clamp(factor, kMaxDecrease, kMaxIncrease), kMinDuty, 1.0);
+  double wanted = duty_ * kMaxIncrease;  // no excess seen: the copies cost nothing measurable
+  if (excess_ns_ > 0.0) {
+    // cost: step time in excess per second with a bucket in flight. Over a window W with busy
+    // time B (duty = B / W) the steps' excess E = cost x B, and the step ratio r satisfies
+    // E = W (r - 1) / r; so the duty that gives r = aimed is (aimed - 1) / (aimed x cost).
+    const double cost = excess_ns_ / busy_ns_;
+    wanted = (aimed - 1.0) / (aimed * cost);
+  }
+  duty_ = std::clamp(std::clamp(wanted, duty_ * kMaxDecrease, duty_ * kMaxIncrease), kMinDuty,
+                     1.0);
+  duty_learned_ = true;
 }
 
 std::chrono::nanoseconds Pacer::hold_after(std::size_t bytes, std::chrono::nanoseconds busy,
@@ -92,6 +107,7 @@ std::chrono::nanoseconds Pacer::hold_after(std::size_t bytes, std::chrono::nanos
   using std::chrono::nanoseconds;
   ++buckets_;
   report_.busy += busy;
+  busy_ns_ += static_cast<double>(busy.count());
   if (steps_ != nullptr) collect_steps();
   nanoseconds hold{0};
   if (budget_ && idle_step_ns_ > 0) {

@@ -2,17 +2,21 @@
 // how long to hold the next bucket back so that decoding stays within the budget.
 //
 // The model: while a bucket is in flight the engine's steps run slower (they share memory
-// bandwidth with the copy); with a share `duty` of the time in flight, the excess step time is
-// about proportional to duty. After each bucket, the steps that ended since the last change
-// give the ratio r = mean step / idle step (a step counts when it ended: the step a bucket slows
-// is often still running when the bucket completes); duty is scaled by (target - 1) / (r - 1) (bounded
-// per change), aiming a little below the budget, and the next hold is busy x (1 - duty) / duty.
-// duty persists across updates, so a short update starts where the last one ended. Steps are
-// the StepHook's stamps; the idle step time is their mean while no update streamed in. Means,
-// because decode tokens/s is the inverse of the mean step; each step counts at most 4 median
-// idle steps, so that a pause of the engine does not stand for many steps. The report's
-// step_during is that mean over every step of the update, collected after each bucket and while
-// the receiver waits (the hook's ring holds only the newest few dozen).
+// bandwidth with the copy, and on one GPU the trainer's packing shares the GPU); the steps'
+// excess time is about proportional to the time with a bucket in flight. The Pacer measures that
+// cost (the steps' excess over the idle step, summed, per second of bucket in flight: every step
+// counted once, when it ended, so that the step a bucket slowed counts even when it outlasts
+// the bucket) over the update so far and, halved per update, the ones before; after each bucket
+// it sets the share of time with a bucket in flight (`duty`) that this cost says gives the
+// aimed step ratio (a little below the budget), moving at most x0.25 .. x2 at a time, and holds
+// the next bucket back busy x (1 - duty) / duty. Sums over many steps, not a ratio of the newest
+// few: a step or two per bucket is too noisy to steer by. Before any evidence, duty starts as
+// if a step ran at half speed beside a copy. Steps are the StepHook's stamps; the idle step time
+// is their mean while no update streamed in. Means, because decode tokens/s is the inverse of
+// the mean step; each step counts at most 4 median idle steps, so that a pause of the engine
+// does not stand for many steps. The report's step_during is that mean over every step of the
+// update, collected after each bucket and while the receiver waits (the hook's ring holds only
+// the newest few dozen).
 //
 // Threads: the receiver thread only. Ownership: reads the hook's StepTimes, which outlive it.
 #pragma once
@@ -83,12 +87,16 @@ class Pacer {
   const std::uint64_t max_bytes_per_second_;
   const StepTimes* const steps_;
   double duty_ = 1.0;              // learned; kept across updates
+  bool duty_learned_ = false;      // duty_ came from evidence, not from the starting guess
   std::int64_t idle_step_ns_ = 0;  // learned; kept until a newer baseline is measured
   std::int64_t step_cap_ns_ = 0;   // the longest a step counts in a mean; learned with it
   std::int64_t last_end_ns_ = 0;      // when the previous receive ended
   std::uint64_t steps_at_start_ = 0;
   StepSum during_;  // this update's steps, for the report
-  StepSum fresh_;   // the steps that ended since duty_ last changed: they show its effect
+  // The evidence: steps' time over the idle step, and time with a bucket in flight (ns; this
+  // update's, plus the earlier ones' at kEvidenceKeptPerUpdate per update).
+  double excess_ns_ = 0.0;
+  double busy_ns_ = 0.0;
   std::int64_t collect_from_ns_ = 0;  // steps that started from here on are not counted yet
   std::uint64_t collected_count_ = 0;  // steps_->count() at the last collection
   std::size_t buckets_ = 0;  // of this update, so far
