@@ -108,3 +108,26 @@ TEST_CASE("a pause of the engine counts as at most 4 idle steps", "[pacer]") {
   CHECK(report.step_during >= 200us);
   CHECK(report.step_during < 400us);
 }
+
+TEST_CASE("an update without a baseline is no evidence that copies are free", "[pacer]") {
+  StepTimes times;
+  Pacer pacer(1.10, 0, &times);
+  // The first update starts before the engine stepped: no idle step time, so its buckets' busy
+  // time says nothing about what they cost.
+  pacer.begin();
+  for (int i = 0; i < 3; ++i) pacer.hold_after(4096, 100ms, 2 - i, 60s);
+  (void)pacer.finish();
+  for (int i = 0; i < 8; ++i) step(times, 200us);
+  pacer.begin();
+  const double guess = pacer.duty();
+  // Five steps 3x slower beside each 1 ms bucket: 2 ms of excess per ms in flight, the duty for
+  // a ratio of 1.08 is 0.037. Counted with the first update's 150 ms of busy time (halved), the
+  // cost would look 75 times smaller and duty would double at every bucket.
+  for (int bucket = 0; bucket < 3; ++bucket) {
+    for (int i = 0; i < 5; ++i) step(times, 600us);
+    pacer.hold_after(4096, 1ms, static_cast<std::size_t>(2 - bucket), 60s);
+  }
+  INFO("guess " << guess << ", duty " << pacer.duty());
+  CHECK(guess == Approx(0.08));
+  CHECK(pacer.duty() < 0.06);
+}
