@@ -46,14 +46,14 @@ Pacer::Pacer(std::optional<double> budget, std::uint64_t max_bytes_per_second,
              const StepTimes* steps)
     : budget_(budget), max_bytes_per_second_(max_bytes_per_second), steps_(steps) {}
 
-void Pacer::begin() {
+void Pacer::begin(std::int64_t quiet_since_ns) {
   report_ = PacingReport{};
   report_.paced = active();
   report_.budget = budget_;
   if (steps_ == nullptr) return;
   const std::int64_t now = StepTimes::now_ns();
   const std::vector<std::int64_t> idle =
-      steps_->intervals_since(last_end_ns_, StepTimes::kMaxIntervals);
+      steps_->intervals_since(std::max(last_end_ns_, quiet_since_ns), StepTimes::kMaxIntervals);
   if (idle.size() >= PacingReport::kMinBaselineSteps) {
     step_cap_ns_ = kStepCapInIdleSteps * median(idle);
     idle_step_ns_ = capped_mean(idle, step_cap_ns_);

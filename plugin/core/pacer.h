@@ -41,8 +41,10 @@ class Pacer {
 
   bool active() const { return budget_.has_value() || max_bytes_per_second_ != 0; }
 
-  // A receive starts now: learns the idle step time from the steps since the last update ended.
-  void begin();
+  // A receive starts now: learns the idle step time from the steps since the last update ended
+  // that started at or after `quiet_since_ns` (StepTimes' clock; the end of the engine's last
+  // swap: the swap's step, longer by the swap, is not an idle step; 0: no swap yet).
+  void begin(std::int64_t quiet_since_ns);
   // Bucket `bytes` was in flight for `busy`. Returns how long to wait before posting the next
   // one: `remaining` buckets are left and `time_left` until the update's deadline, which the
   // holds never make it miss.

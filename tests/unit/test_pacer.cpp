@@ -29,7 +29,7 @@ TEST_CASE("the report's step time is the mean of all the update's steps", "[pace
   StepTimes times;
   Pacer pacer(1.10, 0, &times);
   for (int i = 0; i < 8; ++i) step(times, 200us);  // idle steps: the baseline
-  pacer.begin();
+  pacer.begin(0);
   // 10 buckets: during the first 7, 20 short steps each (140); during the last 3, 20 long ones
   // (60, 3x short: under the cap of 4). The newest 32 steps are all long (600 us); the mean of
   // the update is 320 us.
@@ -51,7 +51,7 @@ TEST_CASE("a step is counted once however often the steps are collected", "[pace
   StepTimes times;
   Pacer pacer(1.10, 0, &times);
   for (int i = 0; i < 8; ++i) step(times, 100us);
-  pacer.begin();
+  pacer.begin(0);
   // 20 short steps, collected six times over; then 30 long ones (300 us, under the cap of 4
   // idle steps). Counted once each, the mean is 220 us; counted again at every collection, the
   // short ones would pull it to 140 us.
@@ -71,7 +71,7 @@ TEST_CASE("steps are taken in while the receiver waits, before the ring drops th
   StepTimes times;
   Pacer pacer(1.10, 0, &times);
   for (int i = 0; i < 8; ++i) step(times, 100us);
-  pacer.begin();
+  pacer.begin(0);
   // One long wait (a hold, a bucket in flight) with 100 short steps and then 30 long ones
   // (350 us): the receiver polls as it waits. Taken in as they come, the mean is 158 us; only
   // after the wait, the ring would give the newest 32 (30 long): 334 us.
@@ -95,7 +95,7 @@ TEST_CASE("a pause of the engine counts as at most 4 idle steps", "[pacer]") {
   StepTimes times;
   Pacer pacer(1.10, 0, &times);
   for (int i = 0; i < 8; ++i) step(times, 200us);
-  pacer.begin();
+  pacer.begin(0);
   // 19 normal steps and one 40 ms pause (the engine had no requests): counted in full the mean
   // would be 2.2 ms, 11 idle steps; capped at 4 idle steps (800 us) it is 230 us.
   for (int i = 0; i < 19; ++i) step(times, 200us);
@@ -114,11 +114,11 @@ TEST_CASE("an update without a baseline is no evidence that copies are free", "[
   Pacer pacer(1.10, 0, &times);
   // The first update starts before the engine stepped: no idle step time, so its buckets' busy
   // time says nothing about what they cost.
-  pacer.begin();
+  pacer.begin(0);
   for (int i = 0; i < 3; ++i) pacer.hold_after(4096, 100ms, 2 - i, 60s);
   (void)pacer.finish();
   for (int i = 0; i < 8; ++i) step(times, 200us);
-  pacer.begin();
+  pacer.begin(0);
   const double guess = pacer.duty();
   // Five steps 3x slower beside each 1 ms bucket: 2 ms of excess per ms in flight, the duty for
   // a ratio of 1.08 is 0.037. Counted with the first update's 150 ms of busy time (halved), the
@@ -130,4 +130,21 @@ TEST_CASE("an update without a baseline is no evidence that copies are free", "[
   INFO("guess " << guess << ", duty " << pacer.duty());
   CHECK(guess == Approx(0.08));
   CHECK(pacer.duty() < 0.06);
+}
+
+TEST_CASE("the baseline leaves out the steps up to the end of the last swap", "[pacer]") {
+  StepTimes times;
+  Pacer pacer(1.10, 0, &times);
+  // 8 idle steps, the swap's step (2 ms: a copy_in of every weight), 8 idle steps.
+  for (int i = 0; i < 8; ++i) step(times, 200us);
+  step(times, 2ms);
+  const std::int64_t swap_end = StepTimes::now_ns();
+  for (int i = 0; i < 8; ++i) step(times, 200us);
+  pacer.begin(swap_end);
+  times.record();
+  const PacingReport report = pacer.finish();
+  INFO("idle " << report.idle_step.count() << " ns");
+  // With the swap's step (counted at most 4 median idle steps, 800 us): 235 us.
+  CHECK(report.idle_step >= 200us);
+  CHECK(report.idle_step < 215us);
 }
