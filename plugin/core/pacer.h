@@ -12,7 +12,8 @@
 // the next bucket back busy x (1 - duty) / duty. Sums over many steps, not a ratio of the newest
 // few: a step or two per bucket is too noisy to steer by. Before any evidence, duty starts as
 // if a step ran at half speed beside a copy. Steps are the StepHook's stamps; the idle step time
-// is their mean while no update streamed in. Means, because decode tokens/s is the inverse of
+// is their mean while no update streamed in (since the end of the last swap; the earlier gaps
+// between updates count too, halved per update). Means, because decode tokens/s is the inverse of
 // the mean step; each step counts at most 4 median idle steps, so that a pause of the engine
 // does not stand for many steps. The report's step_during is that mean over every step of the
 // update, collected after each bucket and while the receiver waits (the hook's ring holds only
@@ -91,6 +92,8 @@ class Pacer {
   double duty_ = 1.0;              // learned; kept across updates
   bool duty_learned_ = false;      // duty_ came from evidence, not from the starting guess
   std::int64_t idle_step_ns_ = 0;  // learned; kept until a newer baseline is measured
+  double idle_total_ns_ = 0.0;     // idle steps' time and count behind it (earlier gaps halved)
+  double idle_count_ = 0.0;
   std::int64_t step_cap_ns_ = 0;   // the longest a step counts in a mean; learned with it
   std::int64_t last_end_ns_ = 0;      // when the previous receive ended
   std::uint64_t steps_at_start_ = 0;

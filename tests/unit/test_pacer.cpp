@@ -148,3 +148,19 @@ TEST_CASE("the baseline leaves out the steps up to the end of the last swap", "[
   CHECK(report.idle_step >= 200us);
   CHECK(report.idle_step < 215us);
 }
+
+TEST_CASE("the baseline keeps the earlier gaps' idle steps, halved per update", "[pacer]") {
+  StepTimes times;
+  Pacer pacer(1.10, 0, &times);
+  for (int i = 0; i < 9; ++i) step(times, 200us);
+  pacer.begin(0);  // 8 steps of 200 us
+  times.record();
+  (void)pacer.finish();
+  for (int i = 0; i < 9; ++i) step(times, 300us);
+  pacer.begin(0);  // 8 steps of 300 us, and the first gap's 8 at half weight: 267 us
+  times.record();
+  const PacingReport report = pacer.finish();
+  INFO("idle " << report.idle_step.count() << " ns");
+  CHECK(report.idle_step > 250us);
+  CHECK(report.idle_step < 285us);
+}
