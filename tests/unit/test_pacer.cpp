@@ -23,6 +23,16 @@ void step(StepTimes& times, std::chrono::nanoseconds duration) {
   }
 }
 
+// A pacer (budget 1.10) whose receive began after 8 engine steps of `idle` each.
+struct ReceiveAfterIdleSteps {
+  explicit ReceiveAfterIdleSteps(std::chrono::nanoseconds idle) {
+    for (int i = 0; i < 8; ++i) step(times, idle);
+    pacer.begin(0);
+  }
+  StepTimes times;
+  Pacer pacer{1.10, 0, &times};
+};
+
 }  // namespace
 
 TEST_CASE("the report's step time is the mean of all the update's steps", "[pacer]") {
@@ -48,10 +58,9 @@ TEST_CASE("the report's step time is the mean of all the update's steps", "[pace
 }
 
 TEST_CASE("a step is counted once however often the steps are collected", "[pacer]") {
-  StepTimes times;
-  Pacer pacer(1.10, 0, &times);
-  for (int i = 0; i < 8; ++i) step(times, 100us);
-  pacer.begin(0);
+  ReceiveAfterIdleSteps receive(100us);
+  StepTimes& times = receive.times;
+  Pacer& pacer = receive.pacer;
   // 20 short steps, collected six times over; then 30 long ones (300 us, under the cap of 4
   // idle steps). Counted once each, the mean is 220 us; counted again at every collection, the
   // short ones would pull it to 140 us.
@@ -68,10 +77,9 @@ TEST_CASE("a step is counted once however often the steps are collected", "[pace
 }
 
 TEST_CASE("steps are taken in while the receiver waits, before the ring drops them", "[pacer]") {
-  StepTimes times;
-  Pacer pacer(1.10, 0, &times);
-  for (int i = 0; i < 8; ++i) step(times, 100us);
-  pacer.begin(0);
+  ReceiveAfterIdleSteps receive(100us);
+  StepTimes& times = receive.times;
+  Pacer& pacer = receive.pacer;
   // One long wait (a hold, a bucket in flight) with 100 short steps and then 30 long ones
   // (350 us): the receiver polls as it waits. Taken in as they come, the mean is 158 us; only
   // after the wait, the ring would give the newest 32 (30 long): 334 us.
@@ -92,10 +100,9 @@ TEST_CASE("steps are taken in while the receiver waits, before the ring drops th
 }
 
 TEST_CASE("a pause of the engine counts as at most 4 idle steps", "[pacer]") {
-  StepTimes times;
-  Pacer pacer(1.10, 0, &times);
-  for (int i = 0; i < 8; ++i) step(times, 200us);
-  pacer.begin(0);
+  ReceiveAfterIdleSteps receive(200us);
+  StepTimes& times = receive.times;
+  Pacer& pacer = receive.pacer;
   // 19 normal steps and one 40 ms pause (the engine had no requests): counted in full the mean
   // would be 2.2 ms, 11 idle steps; capped at 4 idle steps (800 us) it is 230 us.
   for (int i = 0; i < 19; ++i) step(times, 200us);
