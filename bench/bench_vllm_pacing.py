@@ -231,8 +231,8 @@ def parse_args():
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     args = p.parse_args()
     # What bench_vllm_update's shared pieces read.
-    args.swap_strategy, args.dummy_load, args.live_arena, args.trace_steps = None, False, False, False
-    args.vllm_no_pause, args.decode_slowdown_budget = False, None
+    args.swap_strategy, args.dummy_load, args.live_arena = None, False, False
+    args.trace_steps, args.vllm_no_pause, args.decode_slowdown_budget = False, False, None
     parse_budgets(args.budgets)  # a bad value fails here, before anything starts
     return args
 

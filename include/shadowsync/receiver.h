@@ -86,8 +86,8 @@ struct ReceiverConfig {
   // With a budget (for example 1.05), the step hook records when each engine step starts, the
   // receiver learns the engine's step time while no update streams in, and holds its buckets
   // back between receives so that the mean step while an update streams in (what decode
-  // tokens/s sees) stays within budget x that time; the update takes longer instead. At least 1.0, finite; unset (the
-  // default): no pacing, and the step hook records nothing.
+  // tokens/s sees) stays within budget x that time; the update takes longer instead. At least
+  // 1.0, finite; unset (the default): no pacing, and the step hook records nothing.
   std::optional<double> decode_slowdown_budget;
   // A cap on the receive rate in bytes per second: after each bucket the receiver waits until
   // the bucket's bytes at this rate would have taken their time. 0 (the default): none. With a

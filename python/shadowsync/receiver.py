@@ -60,8 +60,9 @@ class ReceiverConfig:
     # Pacing (README "Pacing"): a receive shares memory bandwidth with decoding. With a budget
     # (e.g. 1.05) the step hook stamps each step's start, the receiver learns the engine's step
     # time while no update streams in, and holds its buckets back so that the mean step while
-    # one streams in (what decode tokens/s sees) stays within budget x that time; the update takes longer instead. Finite, at
-    # least 1.0; None (the default): no pacing, and the step hook stamps nothing.
+    # one streams in (what decode tokens/s sees) stays within budget x that time; the update
+    # takes longer instead. Finite, at least 1.0; None (the default): no pacing, and the step
+    # hook stamps nothing.
     decode_slowdown_budget: float | None = None
     # A cap on the receive rate in bytes per second (0, the default: none). With a budget too, the
     # longer hold of the two wins; neither makes an update miss update_deadline_ms. None: as 0.

@@ -273,7 +273,8 @@ TEST_CASE("a decode-slowdown budget holds, and the transfer slows down to pay fo
 TEST_CASE("a budget holds when the few steps a bucket meets run much slower", "[pacing]") {
   ReceiverConfig config;
   config.decode_slowdown_budget = 1.10;
-  const Measured paced = stream_one_update(config, {.idle_step = 4ms, .slowdown_while_busy = 4.0}, 1);
+  const Measured paced =
+      stream_one_update(config, {.idle_step = 4ms, .slowdown_while_busy = 4.0}, 1);
   INFO("budget 1.10, steps 4x slower while a bucket is in flight: idle " << paced.idle_step_ms
        << " ms, during " << paced.step_during_ms << " ms, ratio " << paced.ratio << ", transfer "
        << ms(paced.transfer) << " ms; report: ratio " << paced.pacing.step_ratio << ", duty "
