@@ -27,6 +27,15 @@ Layout invariant_layout() {
                        {.bucket_bytes = 1024});
 }
 
+// Every step the engine ran read each group whole and at a version the trainer published, in
+// order (the oracle's verdict over the publish history).
+void check_every_step_whole(LoopbackRig& rig, HostFakeEngine& engine) {
+  engine.synchronize();
+  INFO(engine.first_torn());
+  CHECK(engine.torn_steps() == 0);
+  CHECK(rig.history().check(engine.records()) == "");
+}
+
 }  // namespace
 
 // Mutation 1 (01-swap-one-group-per-step.patch) makes this fail: steps see base and adapter at
@@ -40,10 +49,7 @@ TEST_CASE("invariant 1: no torn step, every step sees each group at its last app
     rig.wait_offered(v);
     for (int i = 0; i < 3; ++i) engine.step();
   }
-  engine.synchronize();
-  CHECK(engine.torn_steps() == 0);
-  INFO(engine.first_torn());
-  CHECK(rig.history().check(engine.records()) == "");
+  check_every_step_whole(rig, engine);
   CHECK(rig.receiver().step_hook().applied_version() == 40);
 }
 
@@ -76,10 +82,7 @@ TEST_CASE("invariant 2: the receiver never writes a slot the engine stream still
   third.wait();
   REQUIRE(rig.receiver().step_hook().wait_applied(3, deadline_from_now(), engine.stream()));
   engine.step();
-  engine.synchronize();
-  INFO(engine.first_torn());
-  CHECK(engine.torn_steps() == 0);
-  CHECK(rig.history().check(engine.records()) == "");
+  check_every_step_whole(rig, engine);
 }
 
 // Mutation 3 (03-publish-before-complete.patch) makes this fail: the engine swaps to a slot whose
@@ -96,10 +99,7 @@ TEST_CASE("invariant 3: the engine never reads a slot before its receive complet
   while (!first.done()) engine.step();  // the engine keeps generating throughout
   REQUIRE(rig.receiver().step_hook().wait_applied(1, deadline_from_now(), engine.stream()));
   for (int i = 0; i < 3; ++i) engine.step();
-  engine.synchronize();
-  INFO(engine.first_torn());
-  CHECK(engine.torn_steps() == 0);
-  CHECK(rig.history().check(engine.records()) == "");
+  check_every_step_whole(rig, engine);
 }
 
 // Mutation 4 (04-work-on-fast-path.patch) makes this fail: the fast path calls the backend.
@@ -133,10 +133,7 @@ TEST_CASE("invariant 5: latest wins, and a superseded update's groups stay in th
   CHECK(rig.receiver().step_hook().live_content_version(1) == 3);
   CHECK(rig.receiver().stats().updates_superseded == 2);
   engine.step();
-  engine.synchronize();
-  INFO(engine.first_torn());
-  CHECK(engine.torn_steps() == 0);
-  CHECK(rig.history().check(engine.records()) == "");
+  check_every_step_whole(rig, engine);
 }
 
 // Mutation 6 (06-offer-failed-update.patch) makes this fail: the half-received update becomes live.
@@ -184,10 +181,7 @@ TEST_CASE("invariant 6: a failed update is discarded and the live weights are un
   rig.publish(3, {"lora_a"}).wait();
   REQUIRE(rig.receiver().step_hook().wait_applied(3, deadline_from_now(), engine.stream()));
   engine.step();
-  engine.synchronize();
-  INFO(engine.first_torn());
-  CHECK(engine.torn_steps() == 0);
-  CHECK(rig.history().check(engine.records()) == "");
+  check_every_step_whole(rig, engine);
 }
 
 // Mutation 7 (07-wait-applied-never-applies.patch) makes this fail: the idle engine never swaps.
