@@ -47,6 +47,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vllm_update as bvu  # noqa: E402
 
+# --checksums: which SenderConfig.checksums settings to run every budget with, in order.
+CHECKSUM_SERIES = {"on": (True,), "off": (False,), "both": (True, False)}
+
 GOALS = {"unpaced_slowdown": 1.10, "budget_1.03_slowdown": 1.03, "budget_1.03_time_factor": 2.0}
 
 
@@ -77,13 +80,18 @@ async def run_child(args, result: dict) -> None:
     try:
         load = bvu.DecodeLoad(engine, args)
         runs = result["runs"] = []
-        for index, budget in enumerate(parse_budgets(args.budgets)):
+        series = [(checksums, budget) for checksums in CHECKSUM_SERIES[args.checksums]
+                  for budget in parse_budgets(args.budgets)]
+        for index, (checksums, budget) in enumerate(series):
             extra = {} if budget is None else {"decode_slowdown_budget": budget}
             if index == 0:
-                result["setup"] = await transfer.setup(engine, init_extra=extra)
+                result["setup"] = await transfer.setup(engine, init_extra=extra,
+                                                       checksums=checksums)
             else:
-                seconds = await transfer.reinitialize(engine, init_extra=extra)
-                bvu.log(f"budget {budget_name(budget)}: group re-initialized in {seconds:.1f} s")
+                seconds = await transfer.reinitialize(engine, init_extra=extra,
+                                                      checksums=checksums)
+                bvu.log(f"budget {budget_name(budget)}, checksums {checksums}: group "
+                        f"re-initialized in {seconds:.1f} s")
 
             async def update(v: int) -> dict:
                 info = await transfer.update(engine, v)
@@ -97,7 +105,7 @@ async def run_child(args, result: dict) -> None:
             bvu.log(f"budget {budget_name(budget)}: warm-up update {bvu.fmt_ms(warm['update_ms'])}")
             measured = await load.measure(update, first_version=version + 1)
             version += args.updates
-            runs.append(summarize(load, budget, measured))
+            runs.append(summarize(load, budget, measured, checksums))
             bvu.log(f"budget {budget_name(budget)}: {one_line(runs[-1])}")
         await transfer.close(engine)
     finally:
@@ -105,7 +113,7 @@ async def run_child(args, result: dict) -> None:
         transfer.shutdown()
 
 
-def summarize(load, budget: float | None, measured: dict) -> dict:
+def summarize(load, budget: float | None, measured: dict, checksums: bool) -> dict:
     base_tps = measured["baseline"]["tokens_per_s"]
     updates = []
     for u in measured["updates"]:
@@ -116,6 +124,7 @@ def summarize(load, budget: float | None, measured: dict) -> dict:
             tokens_per_s_transfer=round(tps, 1),
             slowdown_transfer=round(base_tps / tps, 3) if tps > 0 else None,
             slowdown_whole_update=u.get("slowdown"), engine_stop_ms=u.get("engine_stop_ms"),
+            header_buckets=u.get("header_buckets"),
             receiver_transfer_ms=(round(u["receiver_transfer_s"] * 1e3, 3)
                                   if u.get("receiver_transfer_s") is not None else None),
             pacing=pacing))
@@ -125,7 +134,7 @@ def summarize(load, budget: float | None, measured: dict) -> dict:
         return round(statistics.median(values), 3) if len(values) == len(source) and values else None
 
     pacings = [u["pacing"] for u in updates if u["pacing"] and u["pacing"].get("paced")]
-    return dict(budget=budget, baseline=measured["baseline"], updates=updates,
+    return dict(budget=budget, checksums=checksums, baseline=measured["baseline"], updates=updates,
                 median=dict(transfer_ms=median("transfer_ms"), update_ms=median("update_ms"),
                             slowdown_transfer=median("slowdown_transfer"),
                             slowdown_whole_update=median("slowdown_whole_update"),
@@ -174,17 +183,24 @@ def write_outputs(out: Path, meta: dict, result: dict) -> None:
              "Slowdown: the baseline's decode tokens/s over tokens/s during the transfer. "
              "Step ratio and duty: the receiver's own UpdateReport.pacing. Whole update: up to "
              "the swap (under CUDA graphs a copy_in of every weight on the engine stream).", "",
-             "| budget | transfer ms | × unpaced | slowdown during transfer | receiver step ratio | "
-             "duty | whole update ms | slowdown whole update | engine stop ms | baseline tok/s | "
-             "baseline step ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "Checksums: SenderConfig.checksums (on: the trainer checksums every bucket, the "
+             "receiver verifies it; × unpaced compares runs of the same setting).", "",
+             "| budget | checksums | transfer ms | × unpaced | slowdown during transfer | "
+             "receiver step ratio | duty | whole update ms | slowdown whole update | "
+             "engine stop ms | baseline tok/s | baseline step ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     runs = result.get("runs", [])
-    unpaced = next((r for r in runs if r["budget"] is None), None)
+
+    def unpaced_of(run):
+        return next((r for r in runs if r["budget"] is None
+                     and r.get("checksums", True) == run.get("checksums", True)), None)
+
     for r in runs:
-        m, b = r["median"], r["baseline"]
+        m, b, unpaced = r["median"], r["baseline"], unpaced_of(r)
         factor = (round(m["transfer_ms"] / unpaced["median"]["transfer_ms"], 2)
                   if unpaced and m["transfer_ms"] and unpaced["median"]["transfer_ms"] else "-")
-        lines.append(f"| {budget_name(r['budget'])} | {m['transfer_ms']} | {factor} | "
+        lines.append(f"| {budget_name(r['budget'])} | {'on' if r.get('checksums', True) else 'off'} | "
+                     f"{m['transfer_ms']} | {factor} | "
                      f"{m['slowdown_transfer']} | {m['step_ratio'] if m['step_ratio'] is not None else '-'} | "
                      f"{m['duty'] if m['duty'] is not None else '-'} | {m['update_ms']} | "
                      f"{m['slowdown_whole_update']} | {m['engine_stop_ms']} | "
@@ -192,18 +208,25 @@ def write_outputs(out: Path, meta: dict, result: dict) -> None:
     if "error" in result:
         lines += ["", f"FAILED: {result['error']}"]
     lines += ["", "Goals:", ""]
-    if unpaced:
-        s = unpaced["median"]["slowdown_transfer"]
-        lines.append(f"* no budget: slowdown ≤ {GOALS['unpaced_slowdown']:.2f}x: {s}x: "
-                     f"{'met' if s is not None and s <= GOALS['unpaced_slowdown'] else 'MISSED'}")
-    tight = next((r for r in runs if r["budget"] == 1.03), None)
-    if tight and unpaced:
-        s, t = tight["median"]["slowdown_transfer"], tight["median"]["transfer_ms"]
-        factor = t / unpaced["median"]["transfer_ms"] if t and unpaced["median"]["transfer_ms"] else None
-        ok = s is not None and s <= 1.03 and factor is not None and factor <= 2.0
-        lines.append(f"* budget 1.03: slowdown ≤ 1.03x for ≤ 2x the unpaced transfer time: {s}x "
-                     f"at {factor:.2f}x the time: {'met' if ok else 'MISSED'}" if factor else
-                     f"* budget 1.03: {s}x (no unpaced time to compare)")
+    for checksums in (True, False):
+        unpaced = next((r for r in runs if r["budget"] is None
+                        and r.get("checksums", True) == checksums), None)
+        setting = f"checksums {'on' if checksums else 'off'}"
+        if unpaced:
+            s = unpaced["median"]["slowdown_transfer"]
+            lines.append(f"* {setting}, no budget: slowdown ≤ {GOALS['unpaced_slowdown']:.2f}x: "
+                         f"{s}x: {'met' if s is not None and s <= GOALS['unpaced_slowdown'] else 'MISSED'}")
+        tight = next((r for r in runs if r["budget"] == 1.03
+                      and r.get("checksums", True) == checksums), None)
+        if tight and unpaced:
+            s, t = tight["median"]["slowdown_transfer"], tight["median"]["transfer_ms"]
+            factor = (t / unpaced["median"]["transfer_ms"]
+                      if t and unpaced["median"]["transfer_ms"] else None)
+            ok = s is not None and s <= 1.03 and factor is not None and factor <= 2.0
+            lines.append(f"* {setting}, budget 1.03: slowdown ≤ 1.03x for ≤ 2x the unpaced "
+                         f"transfer time: {s}x at {factor:.2f}x the time: "
+                         f"{'met' if ok else 'MISSED'}" if factor else
+                         f"* {setting}, budget 1.03: {s}x (no unpaced time to compare)")
     (out / "bench_vllm_pacing.md").write_text("\n".join(lines) + "\n")
 
 
@@ -214,6 +237,9 @@ def parse_args():
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--budgets", default="none,1.10,1.05,1.03",
                    help="comma-separated decode_slowdown_budget values; none: no pacing")
+    p.add_argument("--checksums", choices=sorted(CHECKSUM_SERIES), default="on",
+                   help="SenderConfig.checksums for every budget: on (the default), off, or "
+                        "both (every budget with checksums on, then off)")
     p.add_argument("--out", help="output folder (default $OUT, else ./bench-vllm-pacing)")
     p.add_argument("--commit", help="the commit to name (default: git rev-parse of this checkout)")
     p.add_argument("--requests", type=int, default=32, help="concurrent decode requests")
@@ -247,7 +273,8 @@ def main() -> int:
                 machine=bvu.machine_name(args.device), commit=args.commit or bvu.git_commit(),
                 vllm_version=bvu.vllm_version(), device=args.device, config=args.config,
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                settings=dict(budgets=args.budgets, requests=args.requests,
+                settings=dict(budgets=args.budgets, checksums=args.checksums,
+                              requests=args.requests,
                               max_tokens=args.max_tokens, updates=args.updates,
                               baseline_s=args.baseline_s, gap_s=args.gap_s,
                               bucket_bytes=args.bucket_bytes,
@@ -272,6 +299,7 @@ def main() -> int:
                        "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
                        "--updates", str(args.updates), "--baseline-s", str(args.baseline_s),
                        "--gap-s", str(args.gap_s), "--bucket-bytes", str(args.bucket_bytes),
+                       "--checksums", args.checksums,
                        "--model-dir", str(model_dir), "--result-file", str(result_file)]
             if args.gpu_memory_utilization:
                 command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]

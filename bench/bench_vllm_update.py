@@ -903,11 +903,13 @@ class VllmTransfer:
 
 # --- shadowsync (same-host transport, worker extension) ------------------------------------------
 
-def trainer_process(conn, config: str, device: str, path: str, token: bytes, bucket_bytes: int):
+def trainer_process(conn, config: str, device: str, path: str, token: bytes, bucket_bytes: int,
+                    checksums: bool = True):
     """The shadowsync trainer: a transformers model of `config` and one Sender over the same-host
-    transport (GPU memory on cuda, a shared memory file on cpu). Answers ("publish", version)
-    with ("header", bytes) then ("sent", seconds); ("serve", path) closes the Sender and serves
-    a new transport on `path` (a re-initialized engine group), answering ("ready", ...) again;
+    transport (GPU memory on cuda, a shared memory file on cpu), sending per-bucket checksums
+    when `checksums` (SenderConfig.checksums). Answers ("publish", version) with ("header",
+    bytes, seconds, the header's bucket count: one more with checksums) then ("sent", seconds); ("serve", path[, checksums]) closes the Sender and serves a
+    new transport on `path` (a re-initialized engine group), answering ("ready", ...) again;
     ("stop",) ends it."""
     try:
         sys.path.insert(0, str(PYTHON_DIR))
@@ -920,27 +922,30 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
         backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
         layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
 
-        def serve(socket_path: str):
+        def serve(socket_path: str, with_checksums: bool):
             transport = ss.same_host_sender_transport(
                 socket_path, token, 1, backend, slot_bytes=layout.groups[0].bucket_bytes,
                 memory="device" if device == "cuda" else "host")
-            made = ss.Sender(layout, backend, transport)
+            made = ss.Sender(layout, backend, transport,
+                             ss.SenderConfig(checksums=with_checksums))
             conn.send(("ready", sum(g.arena_bytes for g in layout.groups),
                        layout.groups[0].bucket_bytes))
             return made
 
-        sender = serve(path)
+        sender = serve(path, checksums)
         while True:
             message = conn.recv()
             if message[0] == "stop":
                 break
             if message[0] == "serve":
                 sender.close()
-                sender = serve(message[1])
+                checksums = message[2] if len(message) > 2 else checksums
+                sender = serve(message[1], checksums)
                 continue
             start = time.perf_counter()
             handle = sender.publish(message[1], named)
-            conn.send(("header", handle.header_bytes, time.perf_counter() - start))
+            conn.send(("header", handle.header_bytes, time.perf_counter() - start,
+                       handle.header.bucket_count))
             handle.wait(120)
             conn.send(("sent", time.perf_counter() - start))
         sender.close()
@@ -975,9 +980,9 @@ class ShadowsyncTransfer:
             raise RuntimeError(f"trainer: expected '{expected}', got '{message[0]}'")
         return message[1:]
 
-    async def setup(self, engine, init_extra: dict | None = None) -> dict:
-        """Starts the trainer and initializes the engine's group (`init_extra`: more keyword
-        arguments of init_weight_update_group)."""
+    async def setup(self, engine, init_extra: dict | None = None, checksums: bool = True) -> dict:
+        """Starts the trainer (sending checksums or not) and initializes the engine's group
+        (`init_extra`: more keyword arguments of init_weight_update_group)."""
         import multiprocessing as mp
 
         socket_dir = self.socket_dir = Path(tempfile.mkdtemp(prefix="ss-bench-"))
@@ -987,7 +992,8 @@ class ShadowsyncTransfer:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=trainer_process, daemon=True, args=(
-            child, self.args.config, self.args.device, path, token, self.args.bucket_bytes))
+            child, self.args.config, self.args.device, path, token, self.args.bucket_bytes,
+            checksums))
         self.process.start()
         (specs,) = await self.recv("specs")
         t0 = time.monotonic()
@@ -1019,14 +1025,16 @@ class ShadowsyncTransfer:
             kwargs["decode_slowdown_budget"] = self.args.decode_slowdown_budget
         return kwargs
 
-    async def reinitialize(self, engine, init_extra: dict | None = None) -> float:
+    async def reinitialize(self, engine, init_extra: dict | None = None,
+                           checksums: bool = True) -> float:
         """Closes the engine's group (its weights stay) and initializes a new one with
-        `init_extra`, the trainer serving a new transport; returns the seconds it took."""
+        `init_extra`, the trainer serving a new transport (sending checksums or not); returns
+        the seconds it took."""
         t0 = time.monotonic()
         await engine.collective_rpc("close_weight_update_group", kwargs=dict(keep_weights=True))
         self.serial = getattr(self, "serial", 0) + 1
         path = str(self.socket_dir / f"trainer-{self.serial}.sock")
-        self.conn.send(("serve", path))
+        self.conn.send(("serve", path, checksums))
         await engine.collective_rpc("init_weight_update_group",
                                     kwargs=self.init_kwargs(path, init_extra))
         await self.recv("ready")
@@ -1037,7 +1045,7 @@ class ShadowsyncTransfer:
 
         t0 = time.perf_counter()
         self.conn.send(("publish", version))
-        header, publish_s = await self.recv("header")
+        header, publish_s, header_buckets = await self.recv("header")
         t1 = time.perf_counter()
         await engine.collective_rpc("begin_update", args=(header,))
         t2 = time.perf_counter()
@@ -1050,7 +1058,7 @@ class ShadowsyncTransfer:
         ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
         return dict(version=version, update_ms=ms(t0, t4), publish_ms=ms(t0, t1),
                     begin_ms=ms(t1, t2), transfer_ms=ms(t0, t3), apply_ms=ms(t3, t4),
-                    trainer_sent_ms=round(sent_s * 1e3, 3),
+                    trainer_sent_ms=round(sent_s * 1e3, 3), header_buckets=header_buckets,
                     # perf_counter: publish asked, every byte acked (the transfer's window)
                     published_at=t0, sent_at=t3)
 

@@ -27,6 +27,14 @@ def name(budget):
     return "none" if budget is None else f"{budget:.2f}"
 
 
+def label(run, runs):
+    """The budget, and the checksum setting where the file holds runs of both."""
+    both = len({r.get("checksums", True) for r in runs}) > 1
+    checksums = "" if not both else (" (checksums on)" if run.get("checksums", True)
+                                     else " (checksums off)")
+    return name(run["budget"]) + checksums
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results")
@@ -38,7 +46,8 @@ def main() -> int:
     out = args.out or os.path.splitext(args.results)[0] + ".png"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
 
-    unpaced_ms = next((r["median"]["transfer_ms"] for r in runs if r["budget"] is None), None)
+    unpaced_ms = next((r["median"]["transfer_ms"] for r in runs
+                       if r["budget"] is None and r.get("checksums", True)), None)
     for r in runs:
         xs = [u["transfer_ms"] for u in r["updates"]]
         ys = [u["slowdown_transfer"] for u in r["updates"] if u["slowdown_transfer"] is not None]
@@ -48,7 +57,8 @@ def main() -> int:
         ax1.errorbar([m["transfer_ms"]], [m["slowdown_transfer"]],
                      yerr=[[m["slowdown_transfer"] - min(ys)], [max(ys) - m["slowdown_transfer"]]],
                      xerr=[[m["transfer_ms"] - min(xs)], [max(xs) - m["transfer_ms"]]],
-                     fmt="o", capsize=3, label=f"budget {name(r['budget'])}")
+                     fmt="o" if r.get("checksums", True) else "s", capsize=3,
+                     label=f"budget {label(r, runs)}")
         if r["budget"] is not None:
             ax1.axhline(r["budget"], linestyle=":", linewidth=0.8, color="grey")
     ax1.axhline(data["goals"]["unpaced_slowdown"], color="red", linewidth=0.8,
@@ -62,13 +72,13 @@ def main() -> int:
     ax1.set_title("slowdown against update time, per budget")
     ax1.legend(fontsize=8)
 
-    labels = [name(r["budget"]) for r in runs]
+    labels = [label(r, runs) for r in runs]
     ratios = [r["median"]["step_ratio"] or 0 for r in runs]
     duties = [r["median"]["duty"] or 0 for r in runs]
     xs = range(len(runs))
     ax2.bar([x - 0.2 for x in xs], ratios, width=0.4, label="receiver's step ratio (median)")
     ax2.bar([x + 0.2 for x in xs], duties, width=0.4, label="duty: share of time in flight")
-    ax2.set_xticks(list(xs), labels)
+    ax2.set_xticks(list(xs), labels, rotation=15, fontsize=8)
     ax2.set_xlabel("budget")
     ax2.set_title("what the receiver saw and did (UpdateReport.pacing)")
     ax2.legend(fontsize=8)

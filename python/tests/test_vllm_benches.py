@@ -33,15 +33,21 @@ def run_bench(script: str, out: Path, *args: str) -> dict:
 
 
 def test_pacing_bench_runs_every_budget(tmp_path):
-    report = run_bench("bench_vllm_pacing.py", tmp_path, "--budgets", "none,1.5", "--updates", "1")
+    report = run_bench("bench_vllm_pacing.py", tmp_path, "--budgets", "none,1.5", "--updates", "1",
+                       "--checksums", "both")
+    assert "error" not in report["result"], report["result"]["error"]
     runs = report["result"]["runs"]
-    assert [run["budget"] for run in runs] == [None, 1.5], runs
+    assert [(run["checksums"], run["budget"]) for run in runs] == [
+        (True, None), (True, 1.5), (False, None), (False, 1.5)], runs
+    buckets = {}
     for run in runs:
         assert len(run["updates"]) == 1, run
         update = run["updates"][0]
         assert update["transfer_ms"] > 0, update
         assert update["pacing"]["paced"] is (run["budget"] is not None), update
-    assert "error" not in report["result"], report["result"]["error"]
+        buckets.setdefault(run["checksums"], set()).add(update["header_buckets"])
+    # The trainer really sent (or left out) its checksum block: one bucket more with checksums.
+    assert len(buckets[False]) == 1 and buckets[True] == {b + 1 for b in buckets[False]}, buckets
 
 
 def test_update_bench_runs_both_paths(tmp_path):
