@@ -98,6 +98,8 @@ async def run_child(args, result: dict) -> None:
                 stats = (await engine.collective_rpc("weight_update_stats"))[0]
                 info["pacing"] = stats.get("pacing")
                 info["receiver_transfer_s"] = stats.get("last_transfer_s")
+                # time.monotonic, the tracer's clock (--trace-steps)
+                info["begin_update_started_s"] = stats.get("last_begin_update_started_s")
                 return info
 
             version += 1
@@ -106,11 +108,74 @@ async def run_child(args, result: dict) -> None:
             measured = await load.measure(update, first_version=version + 1)
             version += args.updates
             runs.append(summarize(load, budget, measured, checksums))
+            if args.trace_steps:
+                runs[-1]["steps"] = await traced_steps(engine, measured)
+                bvu.log(f"budget {budget_name(budget)}: traced steps {one_trace_line(runs[-1])}")
             bvu.log(f"budget {budget_name(budget)}: {one_line(runs[-1])}")
         await transfer.close(engine)
     finally:
         engine.shutdown()
         transfer.shutdown()
+
+
+async def traced_steps(engine, measured: dict) -> dict:
+    """--trace-steps: the engine's steps (bench/vllm_step_trace.py) from the baseline window to
+    the last update, and per window the mean step as the step hook's clock sees it, next to what
+    the receiver's pacing reported and the clients' tokens/s say."""
+    import vllm_step_trace
+
+    # perf_counter (the bench's stamps) and time.monotonic (the tracer's) differ by an offset.
+    offset = time.perf_counter() - time.monotonic()
+    base = measured["baseline"]
+    since, until = base["started_at"] - offset, measured["updates"][-1]["sent_at"] - offset + 0.2
+    rows = (await engine.collective_rpc(vllm_step_trace.collect, args=(since, until)))[0]
+    starts = [r[0] for r in rows]
+    # A step's length on the host: from its start to the next step's start (what the step hook
+    # measures), with its GPU time (start -> end of its forward) beside it.
+    steps = [(starts[i], starts[i + 1] - starts[i], rows[i][2]) for i in range(len(rows) - 1)]
+
+    def window(t0: float, t1: float) -> dict:
+        inside = [(length, gpu) for start, length, gpu in steps if t0 <= start and start + length <= t1]
+        if not inside:
+            return dict(steps=0)
+        return dict(steps=len(inside),
+                    mean_ms=round(1e3 * statistics.fmean(x[0] for x in inside), 3),
+                    median_ms=round(1e3 * statistics.median(x[0] for x in inside), 3),
+                    gpu_mean_ms=(round(statistics.fmean(x[1] for x in inside), 3)
+                                 if all(x[1] is not None for x in inside) else None))
+
+    result = dict(baseline=window(since, base["ended_at"] - offset), updates=[])
+    previous_end = base["ended_at"] - offset
+    for u in measured["updates"]:
+        published, sent = u["published_at"] - offset, u["sent_at"] - offset
+
+        def last_32(until: float | None) -> dict:
+            if until is None:
+                return dict(steps=0, mean_ms=None)
+            before = [st for st in steps if st[0] + st[1] <= until][-32:]
+            return dict(steps=len(before), mean_ms=round(
+                1e3 * statistics.fmean(x[1] for x in before), 3) if before else None)
+
+        result["updates"].append(dict(
+            version=u["version"],
+            gap=window(previous_end, published),
+            # Before the trainer was asked to publish, and before the engine's begin_update
+            # (the trainer's first packs and the header's trip fall between the two).
+            last_32_before=last_32(published),
+            last_32_before_begin=last_32(u.get("begin_update_started_s")),
+            during=window(published, sent)))
+        previous_end = sent
+    result["rows"] = [[round(r[0] - since, 6)] + r[1:] for r in rows]
+    return result
+
+
+def one_trace_line(run: dict) -> str:
+    steps = run["steps"]
+    med = lambda key, sub: statistics.median(  # noqa: E731
+        [u[key][sub] for u in steps["updates"] if u[key].get(sub) is not None] or [float("nan")])
+    return (f"baseline mean step {steps['baseline'].get('mean_ms')} ms; per update (median): gap "
+            f"{med('gap', 'mean_ms'):.3f} ms, last 32 before {med('last_32_before', 'mean_ms'):.3f}"
+            f" ms, during {med('during', 'mean_ms'):.3f} ms")
 
 
 def summarize(load, budget: float | None, measured: dict, checksums: bool) -> dict:
@@ -158,6 +223,10 @@ def child_main(args) -> int:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     sys.path.insert(0, str(bvu.PYTHON_DIR))
     bvu.prepend_pythonpath(bvu.PYTHON_DIR)
+    if args.trace_steps:  # the tracer travels to vLLM's engine process as a callable
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        sys.path.insert(0, str(bvu.BENCH_DIR))
+        bvu.prepend_pythonpath(bvu.BENCH_DIR)
     try:
         import torch  # noqa: F401  (before vLLM: one CUDA/NCCL runtime in the process)
 
@@ -205,6 +274,38 @@ def write_outputs(out: Path, meta: dict, result: dict) -> None:
                      f"{m['duty'] if m['duty'] is not None else '-'} | {m['update_ms']} | "
                      f"{m['slowdown_whole_update']} | {m['engine_stop_ms']} | "
                      f"{b['tokens_per_s']} | {b['step_ms_median']} |")
+    traced = [r for r in runs if r.get("steps")]
+    if traced:
+        lines += ["", "Steps as traced (--trace-steps; host time from one step's start to the "
+                  "next, as the step hook sees it; medians over the updates): the baseline "
+                  "window's mean step, the mean step between the previous update and this one, "
+                  "over the 32 steps before it (the most the receiver's step ring holds) and "
+                  "before the engine's begin_update, and "
+                  "during the transfer; the receiver's own idle and during means beside them.", "",
+                  "| budget | checksums | baseline mean ms | gap mean ms | last 32 mean ms | "
+                  "last 32 before begin_update mean ms | during mean ms | receiver idle ms | "
+                  "receiver during ms | during / baseline | slowdown (tokens/s) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in traced:
+            st, ups = r["steps"], r["steps"]["updates"]
+
+            def med(values):
+                values = [v for v in values if v is not None]
+                return round(statistics.median(values), 3) if values else None
+
+            during = med([u["during"].get("mean_ms") for u in ups])
+            base = st["baseline"].get("mean_ms")
+            idle = med([1e3 * u["pacing"]["idle_step_s"] for u in r["updates"]
+                        if u["pacing"] and u["pacing"].get("paced")])
+            busy = med([1e3 * u["pacing"]["step_during_s"] for u in r["updates"]
+                        if u["pacing"] and u["pacing"].get("paced")])
+            lines.append(f"| {budget_name(r['budget'])} | {'on' if r.get('checksums', True) else 'off'} | "
+                         f"{base} | {med([u['gap'].get('mean_ms') for u in ups])} | "
+                         f"{med([u['last_32_before'].get('mean_ms') for u in ups])} | "
+                         f"{med([u['last_32_before_begin'].get('mean_ms') for u in ups])} | {during} | "
+                         f"{idle if idle is not None else '-'} | {busy if busy is not None else '-'} | "
+                         f"{round(during / base, 3) if during and base else '-'} | "
+                         f"{r['median']['slowdown_transfer']} |")
     if "error" in result:
         lines += ["", f"FAILED: {result['error']}"]
     lines += ["", "Goals:", ""]
@@ -250,6 +351,10 @@ def parse_args():
     p.add_argument("--bucket-bytes", type=int, default=0, help="0: the layout's default")
     p.add_argument("--gpu-memory-utilization", type=float)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="trace every engine step (bench/vllm_step_trace.py) and report the mean "
+                        "step in the baseline, between updates and during each, as the step "
+                        "hook's clock sees them")
     p.add_argument("--timeout-s", type=float, default=560, help="deadline of the engine run")
     p.add_argument("--work-dir", help="where the checkpoint goes (default: the system's temp)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -258,7 +363,7 @@ def parse_args():
     args = p.parse_args()
     # What bench_vllm_update's shared pieces read.
     args.swap_strategy, args.dummy_load, args.live_arena = None, False, False
-    args.trace_steps, args.vllm_no_pause, args.decode_slowdown_budget = False, False, None
+    args.vllm_no_pause, args.decode_slowdown_budget = False, None
     parse_budgets(args.budgets)  # a bad value fails here, before anything starts
     return args
 
@@ -277,7 +382,7 @@ def main() -> int:
                               requests=args.requests,
                               max_tokens=args.max_tokens, updates=args.updates,
                               baseline_s=args.baseline_s, gap_s=args.gap_s,
-                              bucket_bytes=args.bucket_bytes,
+                              bucket_bytes=args.bucket_bytes, trace_steps=args.trace_steps,
                               enforce_eager=args.enforce_eager or args.device == "cpu"))
     bvu.log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     started = time.monotonic()
@@ -305,6 +410,8 @@ def main() -> int:
                 command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
             if args.enforce_eager:
                 command.append("--enforce-eager")
+            if args.trace_steps:
+                command.append("--trace-steps")
             remaining = args.timeout_s - (time.monotonic() - started)
             code = bvu.run_logged(command, out / "pacing-engine.log", remaining)
             if result_file.exists():

@@ -739,7 +739,8 @@ class DecodeLoad:
                 max=round(max(finite), 3) if len(finite) == len(values) else None,
                 min=round(min(finite), 3) if finite else None)
         arrivals = sum(n for t, n in self.tokens if base0 <= t <= base1) / (base1 - base0)
-        return dict(baseline=dict(seconds=round(base1 - base0, 2), tokens_per_s=round(base_tps, 1),
+        return dict(baseline=dict(seconds=round(base1 - base0, 2), started_at=base0, ended_at=base1,
+                                  tokens_per_s=round(base_tps, 1),
                                   tokens_per_s_by_arrivals=round(arrivals, 1),
                                   step_ms_median=round(step * 1e3, 3),
                                   step_ms_p99=round(percentile(base_gaps, 99) * 1e3, 3),
@@ -758,8 +759,8 @@ def swap_gpu_excess(rows: list) -> float | None:
     traced step around it (CUDA events, start of execute_model to the end of its forward): the
     GPU's stop for the swap, seen from the GPU. None when no traced call contains the swap."""
     at = swap_row(rows)
-    others = [r[2] for i, r in enumerate(rows) if i != at]
-    if at is None or not others:
+    others = [r[2] for i, r in enumerate(rows) if i != at and r[2] is not None]
+    if at is None or not others or rows[at][2] is None:  # no GPU (vLLM CPU): host times only
         return None
     return round(rows[at][2] - statistics.median(others), 3)
 
@@ -776,7 +777,8 @@ def trace_line(rows: list) -> str:
         began, took, gpu, before, version = rows[i]
         since = f"{(began - rows[i - 1][0]) * 1e3:.2f}" if i > 0 else "-"
         mark = "*" if i == at else ""
-        cells.append(f"{mark}{since}/{took:.2f}/{gpu:.2f}/{'-' if before is None else f'{before:.2f}'} v{version}")
+        gpu_text = "-" if gpu is None else f"{gpu:.2f}"
+        cells.append(f"{mark}{since}/{took:.2f}/{gpu_text}/{'-' if before is None else f'{before:.2f}'} v{version}")
     return "trace (ms: since previous call / in the call / GPU call / GPU before; * the swap): " + \
         " | ".join(cells)
 

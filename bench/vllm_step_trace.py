@@ -24,14 +24,17 @@ def install(worker, capacity: int = 8192) -> bool:
     runner = worker.model_runner
     inner = runner.execute_model
     ring = collections.deque(maxlen=capacity)
+    gpu = torch.cuda.is_available()  # vLLM's CPU build: host times only
 
     def traced(*args, **kwargs):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True) if gpu else None
+        end = torch.cuda.Event(enable_timing=True) if gpu else None
         began = time.monotonic()
-        start.record()
+        if gpu:
+            start.record()
         out = inner(*args, **kwargs)
-        end.record()
+        if gpu:
+            end.record()
         took = time.monotonic() - began
         state = getattr(worker, "_shadowsync", None)
         ring.append((began, took, start, end, state.receiver.applied_version if state else -1))
@@ -44,16 +47,17 @@ def install(worker, capacity: int = 8192) -> bool:
 
 def collect(worker, since: float, until: float) -> list[list]:
     """``[host start, host ms in the call, GPU ms start→end, GPU ms previous end→start,
-    version]`` for the calls that started in [since, until] (time.monotonic) and completed."""
+    version]`` for the calls that started in [since, until] (time.monotonic) and completed
+    (without a GPU the two GPU times are None)."""
     ring, _ = worker._bench_step_trace
     rows = []
     previous_end = None
     for began, took, start, end, version in list(ring):
-        if since <= began <= until and end.query():
+        if since <= began <= until and (end is None or end.query()):
+            gpu_ms = round(start.elapsed_time(end), 3) if end is not None else None
             before = (round(previous_end.elapsed_time(start), 3)
                       if previous_end is not None and previous_end.query() else None)
-            rows.append([began, round(took * 1e3, 3), round(start.elapsed_time(end), 3), before,
-                         version])
+            rows.append([began, round(took * 1e3, 3), gpu_ms, before, version])
         previous_end = end
     return rows
 

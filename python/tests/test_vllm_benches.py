@@ -34,7 +34,7 @@ def run_bench(script: str, out: Path, *args: str) -> dict:
 
 def test_pacing_bench_runs_every_budget(tmp_path):
     report = run_bench("bench_vllm_pacing.py", tmp_path, "--budgets", "none,1.5", "--updates", "1",
-                       "--checksums", "both")
+                       "--checksums", "both", "--trace-steps")
     assert "error" not in report["result"], report["result"]["error"]
     runs = report["result"]["runs"]
     assert [(run["checksums"], run["budget"]) for run in runs] == [
@@ -46,6 +46,12 @@ def test_pacing_bench_runs_every_budget(tmp_path):
         assert update["transfer_ms"] > 0, update
         assert update["pacing"]["paced"] is (run["budget"] is not None), update
         buckets.setdefault(run["checksums"], set()).add(update["header_buckets"])
+        # --trace-steps: the engine's steps from the baseline to the update, split into windows.
+        steps = run["steps"]
+        assert steps["baseline"]["steps"] > 0 and steps["baseline"]["mean_ms"] > 0, steps["baseline"]
+        (traced,) = steps["updates"]
+        assert traced["last_32_before"]["steps"] > 0, traced
+        assert traced["last_32_before_begin"]["steps"] >= traced["last_32_before"]["steps"], traced
     # The trainer really sent (or left out) its checksum block: one bucket more with checksums.
     assert len(buckets[False]) == 1 and buckets[True] == {b + 1 for b in buckets[False]}, buckets
 
