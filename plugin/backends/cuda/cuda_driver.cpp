@@ -42,7 +42,6 @@ const DriverApi& driver_api() {
     look_up("cuMemSetAccess", d.set_access, d.missing);
     look_up("cuMemExportToShareableHandle", d.export_handle, d.missing);
     look_up("cuMemImportFromShareableHandle", d.import_handle, d.missing);
-    look_up("cuStreamWaitValue32", d.stream_wait_value32, d.missing);
     look_up("cuGetErrorName", d.error_name, d.missing);
     look_up("cuDeviceGet", d.device_get, d.missing);
     look_up("cuDeviceGetAttribute", d.device_attribute, d.missing);

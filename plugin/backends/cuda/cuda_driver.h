@@ -1,6 +1,6 @@
 // Internal to the CUDA backend and the transports built on it: the CUDA driver API entry points
 // the library calls (virtual memory management, exporting memory to a file descriptor and
-// importing it, waiting on a memory word from a stream). They are looked up once through
+// importing it, error names, device attributes). They are looked up once through
 // cudaGetDriverEntryPointByVersion, so nothing links libcuda directly: CPU-only machines load the
 // library and skip GPU work. Not installed.
 #pragma once
@@ -24,7 +24,6 @@ struct DriverApi {
   PFN_cuMemSetAccess_v10020 set_access = nullptr;
   PFN_cuMemExportToShareableHandle_v10020 export_handle = nullptr;
   PFN_cuMemImportFromShareableHandle_v10020 import_handle = nullptr;
-  PFN_cuStreamWaitValue32_v11070 stream_wait_value32 = nullptr;
   PFN_cuGetErrorName_v6000 error_name = nullptr;
   PFN_cuDeviceGet_v2000 device_get = nullptr;
   PFN_cuDeviceGetAttribute_v2000 device_attribute = nullptr;

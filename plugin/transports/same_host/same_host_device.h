@@ -7,10 +7,12 @@
 //
 // Data path. A CUDA stream cannot wait on a socket, so each end runs a progress thread that owns
 // the sockets. Chunk c of the connection always travels in slot c % 2.
-//   sender, chunk c on the caller's stream: [copy into slot c % 2 unless the caller packed it
-//     there] -> event "slot filled" (the progress thread rings every receiver) -> wait
-//     (cuStreamWaitValue32, "counter >= c+1" in wrap-around order, on a counter in pinned host
-//     memory that only host code writes) until every receiver acked it;
+//   sender, chunk c: the CALLER'S THREAD first waits until every receiver acked chunk c - 2
+//     (slot c % 2 is free again: the progress thread counts the acks in "acked chunks", a word
+//     only host code writes), then enqueues on the caller's stream [copy into slot c % 2 unless
+//     the caller packed it there] -> event "slot filled" (the progress thread rings every
+//     receiver once it completed); before send_async returns, it waits for the ack of the
+//     chunk before its last, so that the caller may pack the other slot;
 //   receiver, chunk c: the CALLER'S THREAD waits (ChunkGate, same_host_gate.h) until the progress
 //     thread received chunk c's doorbell and it passed its checks (the chunk due, its slot and
 //     byte count); only then does it enqueue, on the caller's stream, cudaMemcpyAsync slot ->
@@ -28,9 +30,10 @@
 // async_error() says which), or after SameHostConfig::doorbell_timeout (the transport then
 // fails, naming the chunk and the option). Whatever ends it other than the doorbell, nothing
 // more of the broadcast is enqueued.
-// The sender's wait for acks does park its stream on the receivers, but an ack needs only the
-// receivers' library threads (their receiver thread, their progress thread) and their streams,
-// never the trainer: see send_async.
+// The sender's wait for acks is on its caller's thread too (a stream parked on the receivers'
+// acks made the GPU time-slice the two processes for as long as it waited); an ack needs only
+// the receivers' library threads (their receiver thread, their progress thread) and their
+// streams, never the trainer: see send_async.
 // Completion is seen by polling: a chunk's operations are followed by a CUDA event (no host
 // function: it would hold the stream and wake CUDA's callback thread), which the progress thread
 // queries, spinning while a chunk is in flight, and acts on at once (the sender rings, a receiver
