@@ -25,6 +25,12 @@ it; the receiver's own view: UpdateReport.pacing (idle step, step during, step r
 duty) from weight_update_stats()["pacing"]; *update time*: the transfer window, and the whole
 update up to the swap. Median over the measured updates.
 
+``--checksums on|off|both``: every budget with the trainer's per-bucket checksums on (the
+default), off, or both in turn. ``--trace-steps``: every engine step traced
+(bench/vllm_step_trace.py), and per update the mean step of the baseline window, of the gap
+before it, of the 32 steps before it and before begin_update, and during it, beside the
+receiver's own idle and during means.
+
 Goals: slowdown ≤ 1.10x with no budget; ≤ 1.03x at budget 1.03, for at most 2x the unpaced
 update time.
 """
