@@ -53,6 +53,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vllm_update as bvu  # noqa: E402
 
+# --trace-steps: the most steps the receiver's step ring gives the Pacer for its baseline
+# (StepTimes::kMaxIntervals).
+RING_STEPS = 32
+
 # --checksums: which SenderConfig.checksums settings to run every budget with, in order.
 CHECKSUM_SERIES = {"on": (True,), "off": (False,), "both": (True, False)}
 
@@ -150,18 +154,18 @@ async def traced_steps(engine, measured: dict) -> dict:
                     gpu_mean_ms=(round(statistics.fmean(x[1] for x in inside), 3)
                                  if all(x[1] is not None for x in inside) else None))
 
+    def last_32(until: float | None) -> dict:
+        """The newest RING_STEPS steps that ended by `until`: what the receiver's ring holds."""
+        if until is None:
+            return dict(steps=0, mean_ms=None)
+        before = [st for st in steps if st[0] + st[1] <= until][-RING_STEPS:]
+        return dict(steps=len(before), mean_ms=round(
+            1e3 * statistics.fmean(x[1] for x in before), 3) if before else None)
+
     result = dict(baseline=window(since, base["ended_at"] - offset), updates=[])
     previous_end = base["ended_at"] - offset
     for u in measured["updates"]:
         published, sent = u["published_at"] - offset, u["sent_at"] - offset
-
-        def last_32(until: float | None) -> dict:
-            if until is None:
-                return dict(steps=0, mean_ms=None)
-            before = [st for st in steps if st[0] + st[1] <= until][-32:]
-            return dict(steps=len(before), mean_ms=round(
-                1e3 * statistics.fmean(x[1] for x in before), 3) if before else None)
-
         result["updates"].append(dict(
             version=u["version"],
             gap=window(previous_end, published),

@@ -910,8 +910,9 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
     """The shadowsync trainer: a transformers model of `config` and one Sender over the same-host
     transport (GPU memory on cuda, a shared memory file on cpu), sending per-bucket checksums
     when `checksums` (SenderConfig.checksums). Answers ("publish", version) with ("header",
-    bytes, seconds, the header's bucket count: one more with checksums) then ("sent", seconds); ("serve", path[, checksums]) closes the Sender and serves a
-    new transport on `path` (a re-initialized engine group), answering ("ready", ...) again;
+    bytes, seconds, the header's bucket count: one more with checksums) then ("sent", seconds);
+    ("serve", path[, checksums]) closes the Sender and serves a new transport on `path` (a
+    re-initialized engine group), answering ("ready", ...) again;
     ("stop",) ends it."""
     try:
         sys.path.insert(0, str(PYTHON_DIR))
