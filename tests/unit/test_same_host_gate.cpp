@@ -140,34 +140,6 @@ TEST_CASE("same-host gate: a spinning wait ends on open, release or deadline as 
   CHECK(std::string(name(gate.wait(0, ChunkGate::Clock::now() + kLong, kSpin))) == "released");
 }
 
-TEST_CASE("same-host gate: a wait that sleeps in slices ends on open, release or deadline",
-          "[same_host][gate]") {
-  // Slices far shorter than the waits: each outcome comes after many slices have run out.
-  constexpr auto kSlice = std::chrono::nanoseconds(200us);
-  ChunkGate gate;
-  auto opened = std::async(std::launch::async, [&] {
-    return gate.wait(0, ChunkGate::Clock::now() + kLong, 0us, kSlice);
-  });
-  require_blocked(opened, "a sliced wait for chunk 0 went before its doorbell");
-  gate.open(1);
-  CHECK(std::string(name(require_returns(opened, "sliced chunk 0 after open(1)"))) == "open");
-
-  // The last slice is cut to the deadline: it ends there, not a slice or a timeout later.
-  const auto start = ChunkGate::Clock::now();
-  CHECK(std::string(name(gate.wait(1, start + 200ms, 0us, kSlice))) == "deadline");
-  const auto took = ChunkGate::Clock::now() - start;
-  CHECK(took >= 200ms);
-  CHECK(took < 5s);
-
-  auto released = std::async(std::launch::async, [&] {
-    return gate.wait(1, ChunkGate::Clock::now() + kLong, 0us, kSlice);
-  });
-  require_blocked(released, "a sliced wait for chunk 1 went before a doorbell or a release");
-  gate.release();
-  CHECK(std::string(name(require_returns(released, "sliced chunk 1 after release()"))) ==
-        "released");
-}
-
 TEST_CASE("same-host gate: SameHostConfig::doorbell_timeout must be positive",
           "[same_host][gate]") {
   HostBackend backend;

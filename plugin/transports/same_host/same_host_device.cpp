@@ -49,17 +49,16 @@ constexpr auto kDrainDeadline = std::chrono::seconds(10);
 // (tens of microseconds) and, on the sender, is one more operation the GPU must switch to the
 // trainer's context for. While a chunk is in flight the progress thread spins (sockets at once,
 // the head event) for kSpinWindow after its last progress, then polls every kBusyPoll until the
-// chunk completes. Idle, it sleeps in poll() for at most kIdlePoll at a time, never without a
-// timeout: a thread blocked with no timer lets its core sink into a deep idle state, and on the
-// H100 machines the trainer's progress thread then took 35-47 us to wake for an update's first
-// chunk (the same-host bench's "enqueued -> filled"), 5-7 % of a 0.5B model's whole transfer.
-// The price is kIdlePoll's wake-ups per second per progress thread while a link is up. A
-// receiver's caller spins on the gate for kGateSpin before it sleeps (same_host_gate.h), in
-// slices of kIdlePoll too.
+// chunk completes; idle, it blocks. Blocked without a timer, its core sinks into a deep idle
+// state: on the H100 machines the trainer's progress thread took 35-47 us to wake for an
+// update's first chunk (the same-host bench's "enqueued -> filled"), 5-7 % of a 0.5B model's
+// transfer. Sleeping in 200 us slices instead woke it in 13-16 us, but an idle link then cost
+// 4.2-4.6 % of a core per process (scripts/gpu/probe_idle_link_cpu.py, docs/gpu.md): a price
+// paid all the time between updates for tens of microseconds per update (0.11 % blocked), so
+// idle means blocked. A receiver's caller spins on the gate for kGateSpin before it sleeps
+// (same_host_gate.h).
 constexpr auto kSpinWindow = std::chrono::milliseconds(2);
 constexpr long kBusyPollNs = 50'000;
-constexpr long kIdlePollNs = 200'000;
-constexpr auto kIdlePoll = std::chrono::nanoseconds(kIdlePollNs);
 constexpr auto kGateSpin = std::chrono::microseconds(1000);
 
 CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
@@ -284,14 +283,14 @@ void DeviceLink::Impl::enqueue_pending(cudaStream_t stream, const DataRecord& re
 // Waits until one of `fds` is ready: not at all while `spin` and within kSpinWindow of the last
 // progress (the caller spins: a record due on a socket or an event due soon is seen within
 // microseconds), at most kBusyPollNs while an event is pending (an event cannot wake poll()),
-// else at most kIdlePollNs (only a socket or the eventfd can bring news, but a sleep without a
-// timeout wakes slowly: see kIdlePollNs). poll()'s result, 0 after a timeout (the caller
-// loops); errno as poll() left it.
+// else without a timeout (only a socket or the eventfd can bring news). poll()'s result; errno
+// as poll() left it.
 int DeviceLink::Impl::wait_for_fds(pollfd* fds, nfds_t count, bool events_pending, bool spin,
                                    std::chrono::steady_clock::time_point last_progress) noexcept {
   const bool spinning =
       spin && std::chrono::steady_clock::now() - last_progress < kSpinWindow;
-  const timespec timeout{0, spinning ? 0 : events_pending ? kBusyPollNs : kIdlePollNs};
+  if (!spinning && !events_pending) return ::ppoll(fds, count, nullptr, nullptr);
+  const timespec timeout{0, spinning ? 0 : kBusyPollNs};
   const int ready = ::ppoll(fds, count, &timeout, nullptr);
   if (ready == 0 && spinning) std::this_thread::yield();
   return ready;
@@ -775,7 +774,7 @@ void DeviceLink::receive_async(std::byte* buffer, std::size_t bytes, std::uint64
     // Host-gated (same_host_gate.h): this thread, not the stream, waits for the doorbell.
     trace("rank {}: waiting on the host for the doorbell of chunk {}", impl.state->rank, chunk);
     const auto deadline = ChunkGate::Clock::now() + impl.doorbell_timeout;
-    const ChunkGate::Outcome outcome = impl.gate.wait(chunk, deadline, kGateSpin, kIdlePoll);
+    const ChunkGate::Outcome outcome = impl.gate.wait(chunk, deadline, kGateSpin);
     if (outcome == ChunkGate::Outcome::kDeadline) {
       // The ranks are out of step now: the transport is broken (async_error() says why) and
       // releases every wait; this chunk and the rest of the broadcast are never enqueued.

@@ -25,8 +25,7 @@ void ChunkGate::release() noexcept {
 bool ChunkGate::released() const { return released_.load(); }
 
 ChunkGate::Outcome ChunkGate::wait(std::uint64_t chunk, Clock::time_point deadline,
-                                   std::chrono::microseconds spin,
-                                   std::chrono::nanoseconds sleep_slice) {
+                                   std::chrono::microseconds spin) {
   if (spin.count() > 0) {
     const Clock::time_point until = std::min(deadline, Clock::now() + spin);
     for (unsigned round = 0;; ++round) {
@@ -37,17 +36,7 @@ ChunkGate::Outcome ChunkGate::wait(std::uint64_t chunk, Clock::time_point deadli
     }
   }
   std::unique_lock lock(mutex_);
-  const auto done = [&] { return released_.load() || open_.load() > chunk; };
-  if (sleep_slice.count() <= 0) {
-    changed_.wait_until(lock, deadline, done);
-  } else {
-    // In slices: a sleep with a near timer keeps the core in a shallow idle state, so that an
-    // open() wakes this thread in microseconds (same_host_gate.h).
-    while (!done() && Clock::now() < deadline) {
-      changed_.wait_until(lock, std::min<Clock::time_point>(deadline, Clock::now() + sleep_slice),
-                          done);
-    }
-  }
+  changed_.wait_until(lock, deadline, [&] { return released_.load() || open_.load() > chunk; });
   if (released_.load()) return Outcome::kReleased;
   return open_.load() > chunk ? Outcome::kOpen : Outcome::kDeadline;
 }

@@ -19,8 +19,7 @@
 // to the return of wait() is time the copy engine may sit idle. wait() therefore first spins on
 // the host for up to `spin` (a few hundred microseconds: a doorbell usually comes while the
 // previous chunk still copies) before it sleeps on the condition variable, whose wake-up costs
-// tens of microseconds when the thread's core went into a deep idle state; sleeping in slices
-// of `sleep_slice` (a near timer keeps the core in a shallow one) shortens that.
+// tens of microseconds.
 #pragma once
 
 #include <atomic>
@@ -49,10 +48,9 @@ class ChunkGate {
   // The receiver's thread: blocks until chunk `chunk` is open, the gate is released, or
   // `deadline` passes, whichever comes first; released wins over open, so that nothing is
   // enqueued once the transport died. Spins for at most `spin` (never past `deadline`) before
-  // it sleeps, in slices of at most `sleep_slice` when that is positive.
+  // it sleeps.
   Outcome wait(std::uint64_t chunk, Clock::time_point deadline,
-               std::chrono::microseconds spin = std::chrono::microseconds(0),
-               std::chrono::nanoseconds sleep_slice = std::chrono::nanoseconds(0));
+               std::chrono::microseconds spin = std::chrono::microseconds(0));
 
  private:
   mutable std::mutex mutex_;
