@@ -55,7 +55,8 @@ constexpr auto kDrainDeadline = std::chrono::seconds(10);
 // transfer. Sleeping in 200 us slices instead woke it in 13-16 us, but an idle link then cost
 // 4.2-4.6 % of a core per process (scripts/gpu/probe_idle_link_cpu.py, docs/gpu.md): a price
 // paid all the time between updates for tens of microseconds per update (0.11 % blocked), so
-// idle means blocked. A receiver's caller spins on the gate for kGateSpin before it sleeps
+// idle means blocked, and the sender's caller, which spins for acks anyway, rings a filled slot
+// itself (wait_acked). A receiver's caller spins on the gate for kGateSpin before it sleeps
 // (same_host_gate.h).
 constexpr auto kSpinWindow = std::chrono::milliseconds(2);
 constexpr long kBusyPollNs = 50'000;
@@ -165,6 +166,13 @@ struct DeviceLink::Impl {
   ChunkTimeline timeline;  // per-chunk stamps of this side (same_host_timeline.h)
   // Receiver: opened by the progress thread per checked doorbell; its caller waits on it.
   ChunkGate gate;
+  // Sender: who rings. The progress thread does, and so does the caller's thread while it spins
+  // for acks (wait_acked): a caller that waits anyway rings the moment its slot is filled, where
+  // an idle progress thread first has to wake (35-60 us on the H100 machines, most of what a
+  // 0.5B model's transfer added to a raw copy). Guards the two below and the ringing itself.
+  std::mutex ring_mutex;
+  std::deque<DataRecord> outstanding;  // rung, not yet acked by everyone
+  std::vector<bool> gone;              // per receiver: closed its socket (the progress thread)
   // The streams this link enqueued work on, each with an event recorded after its last wait.
   std::vector<std::pair<cudaStream_t, cudaEvent_t>> tails;
 
@@ -184,6 +192,9 @@ struct DeviceLink::Impl {
   std::byte* slot(std::uint32_t s) const {
     return staging->slot(s);
   }
+  // Sender, ring_mutex held: rings every chunk whose slot is filled, in chunk order, and moves
+  // it to `outstanding`. False once the transport failed (recorded) or the link was released.
+  bool ring_filled() noexcept;
   void run_sender() noexcept;
   void run_receiver() noexcept;
   // Whether a chunk's event is pending (it must be polled), and whether a receive waits.
@@ -317,6 +328,11 @@ bool DeviceLink::Impl::wait_acked(std::uint64_t value) {
                               doorbell_timeout.count(), value, last));
       return false;
     }
+    // A slot this caller filled may be due its doorbell: ring it rather than wait for the
+    // progress thread to wake. Never blocks on the progress thread: it may be ringing already.
+    if (std::unique_lock ringing(ring_mutex, std::try_to_lock); ringing.owns_lock()) {
+      if (!ring_filled()) return false;
+    }
     // An ack comes within a copy's time (hundreds of microseconds): spin first, then nap.
     if (now - progress_at < kGateSpin) {
       std::this_thread::yield();
@@ -354,8 +370,50 @@ std::optional<std::string> prepare_progress_thread(int device) noexcept {
 }
 }  // namespace
 
-// Sender: rings every receiver for each filled slot (its event completed, in chunk order),
-// counts acks, moves the counter.
+bool DeviceLink::Impl::ring_filled() noexcept {
+  SameHostTransport::State& s = *state;
+  for (;;) {
+    Pending head;
+    {
+      std::lock_guard lock(mutex);
+      if (pending.empty()) return true;
+      head = pending.front();
+    }
+    const cudaError_t filled = cudaEventQuery(head.event);
+    if (filled == cudaErrorNotReady) return true;
+    if (filled != cudaSuccess) {
+      s.fail(fmt::format("same-host sender: waiting for chunk {} to be in slot {}: "
+                         "cudaEventQuery: {}",
+                         head.record.sequence, head.record.slot, cudaGetErrorString(filled)));
+      return false;
+    }
+    {
+      std::lock_guard lock(mutex);
+      pending.pop_front();
+      spare_events.push_back(head.event);
+    }
+    const DataRecord& doorbell = head.record;
+    timeline.stamp(doorbell.sequence, ChunkTimeline::SenderStep::kFilled);
+    const auto frame = encode(doorbell);
+    for (std::size_t p = 0; p < s.peers.size(); ++p) {
+      const Io io = gone[p] ? Io::kClosed
+                            : write_all(s.peers[p].get(), frame, s.wake.get(), std::nullopt);
+      if (io == Io::kWoken) return false;
+      if (io != Io::kOk) {
+        s.fail(fmt::format("same-host sender: doorbell {} to rank {}: {}", doorbell.sequence,
+                           p + 1, describe(io, errno)));
+        return false;
+      }
+    }
+    timeline.stamp(doorbell.sequence, ChunkTimeline::SenderStep::kRung);
+    trace("sender: rang doorbell of chunk {} (slot {}, {} bytes) to {} receiver(s)",
+          doorbell.sequence, doorbell.slot, doorbell.bytes, s.peers.size());
+    outstanding.push_back(doorbell);
+  }
+}
+
+// Sender: rings every receiver for each filled slot (its event completed, in chunk order) unless
+// its caller rang first (wait_acked), counts acks, moves the counter.
 void DeviceLink::Impl::run_sender() noexcept {
   SameHostTransport::State& s = *state;
   if (auto problem = prepare_progress_thread(device)) {
@@ -364,19 +422,22 @@ void DeviceLink::Impl::run_sender() noexcept {
   }
   const SlotGeometry geometry{kSlotCount, slot_bytes};
   const std::size_t peers = s.peers.size();
-  std::deque<DataRecord> outstanding;       // rung, not yet acked by everyone
   std::vector<std::uint64_t> acked(peers, 0);  // per receiver: chunks it acked
   std::uint64_t counted = 0;                 // chunks acked by every receiver
-  std::vector<bool> gone(peers, false);     // per receiver: closed its socket
   std::vector<pollfd> fds;
   auto last_progress = std::chrono::steady_clock::now();
   for (;;) {
+    bool awaiting_acks = false;
     fds.assign({{s.wake.get(), POLLIN, 0}, {notes_ready.get(), POLLIN, 0}});
-    for (std::size_t p = 0; p < peers; ++p) {
-      fds.push_back({gone[p] ? -1 : s.peers[p].get(), POLLIN, 0});
+    {
+      std::lock_guard ringing(ring_mutex);
+      for (std::size_t p = 0; p < peers; ++p) {
+        fds.push_back({gone[p] ? -1 : s.peers[p].get(), POLLIN, 0});
+      }
+      awaiting_acks = !outstanding.empty();
     }
     const bool filling = in_flight().first;  // a doorbell waits for its slot's event
-    if (wait_for_fds(fds.data(), fds.size(), filling, filling || !outstanding.empty(),
+    if (wait_for_fds(fds.data(), fds.size(), filling, filling || awaiting_acks,
                      last_progress) < 0) {
       if (errno == EINTR) continue;
       s.fail(fmt::format("same-host sender: poll: {}", std::strerror(errno)));
@@ -388,51 +449,18 @@ void DeviceLink::Impl::run_sender() noexcept {
       [[maybe_unused]] auto got = ::read(notes_ready.get(), &count, sizeof(count));
       last_progress = std::chrono::steady_clock::now();  // a chunk was enqueued: spin for it
     }
-    // Ring every chunk whose slot is filled, in chunk order.
-    for (;;) {
-      Pending head;
-      {
-        std::lock_guard lock(mutex);
-        if (pending.empty()) break;
-        head = pending.front();
-      }
-      const cudaError_t filled = cudaEventQuery(head.event);
-      if (filled == cudaErrorNotReady) break;
-      if (filled != cudaSuccess) {
-        s.fail(fmt::format("same-host sender: waiting for chunk {} to be in slot {}: "
-                           "cudaEventQuery: {}",
-                           head.record.sequence, head.record.slot, cudaGetErrorString(filled)));
-        return;
-      }
-      {
-        std::lock_guard lock(mutex);
-        pending.pop_front();
-        spare_events.push_back(head.event);
-      }
-      const DataRecord& doorbell = head.record;
-      timeline.stamp(doorbell.sequence, ChunkTimeline::SenderStep::kFilled);
-      const auto frame = encode(doorbell);
-      for (std::size_t p = 0; p < peers; ++p) {
-        const Io io = gone[p] ? Io::kClosed
-                              : write_all(s.peers[p].get(), frame, s.wake.get(), std::nullopt);
-        if (io == Io::kWoken) return;
-        if (io != Io::kOk) {
-          s.fail(fmt::format("same-host sender: doorbell {} to rank {}: {}", doorbell.sequence,
-                             p + 1, describe(io, errno)));
-          return;
-        }
-      }
-      timeline.stamp(doorbell.sequence, ChunkTimeline::SenderStep::kRung);
-      trace("sender: rang doorbell of chunk {} (slot {}, {} bytes) to {} receiver(s)",
-            doorbell.sequence, doorbell.slot, doorbell.bytes, peers);
-      outstanding.push_back(doorbell);
-      last_progress = std::chrono::steady_clock::now();
+    {
+      std::unique_lock ringing(ring_mutex);
+      const std::size_t before = outstanding.size();
+      if (!ring_filled()) return;
+      if (outstanding.size() != before) last_progress = std::chrono::steady_clock::now();
     }
     for (std::size_t p = 0; p < peers; ++p) {
       if (fds[2 + p].revents == 0) continue;
       std::array<std::byte, kDataRecordBytes> record{};
       const Io io = read_exact(s.peers[p].get(), record, s.wake.get(), std::nullopt);
       if (io == Io::kWoken) return;
+      std::lock_guard ringing(ring_mutex);
       if (io == Io::kClosed && acked[p] == counted + outstanding.size()) {
         trace("sender: rank {} closed its socket between chunks (after {} acks)", p + 1,
               acked[p]);
@@ -468,6 +496,7 @@ void DeviceLink::Impl::run_sender() noexcept {
       ++acked[p];
       trace("sender: rank {} acked chunk {}", p + 1, ack.sequence);
     }
+    std::lock_guard ringing(ring_mutex);
     std::uint64_t everyone = counted + outstanding.size();
     for (std::uint64_t a : acked) everyone = std::min(everyone, a);
     if (everyone > counted) {
@@ -681,6 +710,7 @@ void DeviceLink::start(SameHostTransport::State& state) {
     throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
   }
   if (impl.sender) {
+    impl.gone.assign(state.peers.size(), false);  // before anyone may ring
     impl.progress = std::thread([&impl] { impl.run_sender(); });
   } else {
     impl.progress = std::thread([&impl] { impl.run_receiver(); });
@@ -736,7 +766,7 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
                                             cudaMemcpyDefault, native),
                             "same-host staging, chunk {} of {} bytes", chunk, n);
     }
-    // The slot's event: once it completed, the progress thread rings the doorbell. No host
+    // The slot's event: once it completed, the doorbell is rung (ring_filled). No host
     // function: it would hold this stream, and the GPU, until CUDA's callback thread ran it.
     impl.timeline.stamp(chunk, ChunkTimeline::SenderStep::kEnqueued);
     impl.enqueue_pending(native, DataRecord{RecordType::kDoorbell, chunk, s, 0, n});
@@ -753,6 +783,7 @@ void DeviceLink::send_async(const std::byte* buffer, std::size_t bytes, std::uin
 
 void DeviceLink::flush() {
   Impl& impl = *impl_;
+  SHADOWSYNC_CUDA_CHECK(cudaSetDevice(impl.device), "device={}", impl.device);  // it may ring
   (void)impl.wait_acked(impl.reserved.load());
 }
 

@@ -10,9 +10,10 @@
 //   sender, chunk c: the CALLER'S THREAD first waits until every receiver acked chunk c - 2
 //     (slot c % 2 is free again: the progress thread counts the acks in "acked chunks", a word
 //     only host code writes), then enqueues on the caller's stream [copy into slot c % 2 unless
-//     the caller packed it there] -> event "slot filled" (the progress thread rings every
-//     receiver once it completed); before send_async returns, it waits for the ack of the
-//     chunk before its last, so that the caller may pack the other slot;
+//     the caller packed it there] -> event "slot filled" (once it completed, every receiver is
+//     rung by whichever sees it first: the progress thread, or the caller's thread while it
+//     spins for acks); before send_async returns, it waits for the ack of the chunk before its
+//     last, so that the caller may pack the other slot;
 //   receiver, chunk c: the CALLER'S THREAD waits (ChunkGate, same_host_gate.h) until the progress
 //     thread received chunk c's doorbell and it passed its checks (the chunk due, its slot and
 //     byte count); only then does it enqueue, on the caller's stream, cudaMemcpyAsync slot ->

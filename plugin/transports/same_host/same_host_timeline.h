@@ -3,9 +3,9 @@
 // so that a benchmark run says where each chunk's time went. Not installed; no CUDA.
 //
 // Steps, per side (each stamped by the one thread that observes it):
-//   sender:   enqueued (the caller's thread) -> filled (the progress thread saw the slot's event
-//             complete) -> rung (doorbell written to every receiver) -> acked (every receiver's
-//             ack counted, the counter moved);
+//   sender:   enqueued (the caller's thread) -> filled (the thread that rings - the progress
+//             thread or the caller's - saw the slot's event complete) -> rung (doorbell written to
+//             every receiver) -> acked (every receiver's ack counted, the counter moved);
 //   receiver: doorbell (read off the socket) -> opened (checked, gate opened) -> enqueued (the
 //             caller's thread enqueued the copy) -> copied (the progress thread saw the copy's
 //             event complete) -> ack sent.
