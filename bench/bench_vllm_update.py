@@ -49,6 +49,11 @@ down before the next path starts, so two engines never coexist. A path that fail
   stand-ins used (``stand_ins``).
   On a CPU build CUDA IPC cannot run: the path then drives only the control sequence (pause,
   start_weight_update, finish_weight_update, resume; no weights sent) to exercise it, and says so.
+* ``copy`` (only with ``--paths``): a reference, not an update. Another process on the same
+  device copies the model's bytes ``--copy-passes`` times (2: shadowsync's pack and receive)
+  bucket by bucket with torch's ``copy_`` while vLLM decodes; nothing reaches the engine. Its
+  slowdown, next to shadowsync's, says how much of a decode's slowdown the bytes moving through
+  the GPU's memory in another context cause by themselves.
 * ``shadowsync``: the trainer in a process of its own (transformers model on the same GPU, a
   Sender over ``same_host_sender_transport(memory="device")``); the engine with
   ``worker_extension_cls="shadowsync.vllm.WorkerExtension"`` joins it through
@@ -160,7 +165,8 @@ GOALS = {"engine_stop_ms": 1.0, "slowdown": 1.10}
 ENGINE_EVENTS = ("swap", "begin_update", "wait_applied")
 ENGINE_TIMES = tuple(f"{e}_ms" for e in ENGINE_EVENTS) + tuple(f"gap_at_{e}_ms" for e in ENGINE_EVENTS)
 VLLM_REFERENCE_STOP_MS = {"qwen2.5-0.5b": 119.0, "llama-3-8b": 239.0}
-PATHS = ("vllm", "shadowsync")
+PATHS = ("vllm", "shadowsync", "copy")
+DEFAULT_PATHS = ("vllm", "shadowsync")  # "copy" is a reference, run when asked for
 PROMPT_LEN = 16
 
 
@@ -291,6 +297,7 @@ def child_passthrough(args) -> list[str]:
         flags += ["--decode-slowdown-budget", str(args.decode_slowdown_budget)]
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    flags += ["--copy-passes", str(args.copy_passes)]
     for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "trace_steps"):
         if getattr(args, flag):
             flags.append("--" + flag.replace("_", "-"))
@@ -528,7 +535,8 @@ async def run_child(args, result: dict) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     path = args.child
-    driver = VllmTransfer(args) if path == "vllm" else ShadowsyncTransfer(args)
+    driver = {"vllm": VllmTransfer, "shadowsync": ShadowsyncTransfer,
+              "copy": CopyReference}[path](args)
     result["api"] = driver.api_description()
     log(f"{path}: {result['api']}")
     t0 = time.monotonic()
@@ -956,6 +964,93 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
         conn.send(("error", f"trainer: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
+def copier_process(conn, config: str, device: str, bucket_bytes: int, passes: int):
+    """The copy path's other process: two buffers of the model's bytes on the engine's device;
+    ("copy",) copies one into the other `passes` times, bucket by bucket (torch's copy_, a
+    cudaMemcpyAsync on cuda: what the same-host transport's receive is), and answers ("sent",
+    seconds); ("stop",) ends it."""
+    try:
+        import torch
+
+        model_bytes = parameter_bytes(config, device)
+        on = torch.device("cuda:0" if device == "cuda" else "cpu")
+        buffers = [torch.ones(model_bytes, dtype=torch.uint8, device=on),
+                   torch.zeros(model_bytes, dtype=torch.uint8, device=on)]
+        conn.send(("ready", model_bytes, bucket_bytes))
+        while conn.recv()[0] != "stop":
+            start = time.perf_counter()
+            for k in range(passes):
+                src, dst = buffers[k % 2], buffers[(k + 1) % 2]
+                for offset in range(0, model_bytes, bucket_bytes):
+                    dst[offset:offset + bucket_bytes].copy_(src[offset:offset + bucket_bytes])
+            if on.type == "cuda":
+                torch.cuda.synchronize()
+            conn.send(("sent", time.perf_counter() - start))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("error", f"copier: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def parameter_bytes(config: str, device: str) -> int:
+    """The bytes of `config`'s parameters in the benchmark's dtype, counted on the meta device."""
+    import torch
+    import transformers
+
+    kwargs = dict(CONFIGS[config])
+    hf_config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    element = 2 if device == "cuda" else 4  # bf16 on cuda, fp32 on cpu (make_model)
+    return sum(p.numel() for p in model.parameters()) * element
+
+
+class CopyReference:
+    """A reference, not a transfer: what a decode loses while another process on the same GPU
+    only copies the model's bytes (--copy-passes times per "update", nothing sent to the engine,
+    no weights change). Next to the shadowsync path's slowdown it says how much of that comes
+    from the bytes moving through the GPU's memory and another context's work at all."""
+
+    def __init__(self, args):
+        self.args = args
+        self.process = None
+        self.conn = None
+
+    def api_description(self) -> str:
+        return (f"reference: the model's bytes copied {self.args.copy_passes}x per update by "
+                f"torch in another process on the same device; nothing reaches the engine")
+
+    recv = None  # set below: ShadowsyncTransfer.recv (same pipe protocol)
+
+    async def setup(self, engine) -> dict:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        bucket = self.args.bucket_bytes or 512 << 20
+        self.process = ctx.Process(target=copier_process, daemon=True, args=(
+            child, self.args.config, self.args.device, bucket, self.args.copy_passes))
+        self.process.start()
+        model_bytes, bucket_bytes = await self.recv("ready")
+        return dict(copier="torch in its own process", bytes=model_bytes,
+                    bucket_bytes=bucket_bytes, passes=self.args.copy_passes)
+
+    async def update(self, engine, version: int) -> dict:
+        t0 = time.perf_counter()
+        self.conn.send(("copy",))
+        (seconds,) = await self.recv("sent")
+        t1 = time.perf_counter()
+        return dict(version=version, update_ms=round((t1 - t0) * 1e3, 3),
+                    copier_ms=round(seconds * 1e3, 3), published_at=t0, sent_at=t1)
+
+    async def close(self, engine) -> None:
+        self.conn.send(("stop",))
+        await asyncio.to_thread(self.process.join, 60)
+
+    def shutdown(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
 class ShadowsyncTransfer:
     """shadowsync's path: the trainer in its own process, the extension in vLLM's worker."""
 
@@ -1104,6 +1199,9 @@ class ShadowsyncTransfer:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
+CopyReference.recv = ShadowsyncTransfer.recv
+
+
 # --- outputs ------------------------------------------------------------------------------------
 
 def fmt_ms(value) -> str:
@@ -1162,6 +1260,8 @@ def write_outputs(out: Path, results: dict) -> None:
             if path == "shadowsync":
                 goal = (f"stop ≤ {GOALS['engine_stop_ms']:g} ms (8B), slowdown ≤ "
                         f"{GOALS['slowdown']:.2f}x")
+            elif path == "copy":
+                goal = "reference: bytes copied in another process, no update"
             else:
                 ref = VLLM_REFERENCE_STOP_MS.get(config)
                 goal = f"vLLM reported {ref:g} ms stop" if ref else "-"
@@ -1205,7 +1305,12 @@ def parse_args():
     p.add_argument("--config", default="qwen2.5-0.5b,llama-3-8b",
                    help=f"comma-separated, of {sorted(CONFIGS)}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated: vllm, shadowsync")
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                   help="comma-separated: vllm, shadowsync, copy (a reference: the model's bytes "
+                        "copied in another process, no weights change)")
+    p.add_argument("--copy-passes", type=int, default=2,
+                   help="copy path: passes over the model's bytes per update (2: as many as "
+                        "shadowsync's pack and receive)")
     p.add_argument("--out", help="output folder (default $OUT, else ./bench-vllm-update)")
     p.add_argument("--commit", help="the commit to name (default: git rev-parse of this checkout)")
     p.add_argument("--requests", type=int, default=32, help="concurrent decode requests")
