@@ -435,7 +435,7 @@ def engine_args(args, extension: bool) -> dict:
         kwargs["worker_extension_cls"] = "shadowsync.vllm.WorkerExtension"
         if args.live_arena:
             kwargs["weight_transfer_config"] = {"backend": "shadowsync"}
-    else:
+    elif args.child == "vllm":  # its worker loads vLLM's IPC engine (and its stand-ins)
         kwargs["weight_transfer_config"] = {"backend": "ipc"}
     return kwargs
 
