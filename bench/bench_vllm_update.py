@@ -964,6 +964,20 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
         conn.send(("error", f"trainer: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
+async def pipe_recv(conn, who: str, expected: str, timeout: float = 300):
+    """The next message from a helper process (`who`): its fields after the name `expected`; its
+    error raised; anything else, or nothing within `timeout`, an error naming both."""
+    ready = await asyncio.to_thread(conn.poll, timeout)
+    if not ready:
+        raise TimeoutError(f"{who}: no '{expected}' message in {timeout} s")
+    message = conn.recv()
+    if message[0] == "error":
+        raise RuntimeError(message[1])
+    if message[0] != expected:
+        raise RuntimeError(f"{who}: expected '{expected}', got '{message[0]}'")
+    return message[1:]
+
+
 def copier_process(conn, config: str, device: str, bucket_bytes: int, passes: int):
     """The copy path's other process: two buffers of the model's bytes on the engine's device;
     ("copy",) copies one into the other `passes` times, bucket by bucket (torch's copy_, a
@@ -1018,7 +1032,8 @@ class CopyReference:
         return (f"reference: the model's bytes copied {self.args.copy_passes}x per update by "
                 f"torch in another process on the same device; nothing reaches the engine")
 
-    recv = None  # set below: ShadowsyncTransfer.recv (same pipe protocol)
+    async def recv(self, expected: str, timeout: float = 300):
+        return await pipe_recv(self.conn, "copier", expected, timeout)
 
     async def setup(self, engine) -> dict:
         import multiprocessing as mp
@@ -1068,15 +1083,7 @@ class ShadowsyncTransfer:
                 f"apply_update_async; library {shadowsync.library_path()}")
 
     async def recv(self, expected: str, timeout: float = 300):
-        ready = await asyncio.to_thread(self.conn.poll, timeout)
-        if not ready:
-            raise TimeoutError(f"trainer: no '{expected}' message in {timeout} s")
-        message = self.conn.recv()
-        if message[0] == "error":
-            raise RuntimeError(message[1])
-        if message[0] != expected:
-            raise RuntimeError(f"trainer: expected '{expected}', got '{message[0]}'")
-        return message[1:]
+        return await pipe_recv(self.conn, "trainer", expected, timeout)
 
     async def setup(self, engine, init_extra: dict | None = None, checksums: bool = True) -> dict:
         """Starts the trainer (sending checksums or not) and initializes the engine's group
@@ -1197,9 +1204,6 @@ class ShadowsyncTransfer:
             self.process.join(10)
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
-
-
-CopyReference.recv = ShadowsyncTransfer.recv
 
 
 # --- outputs ------------------------------------------------------------------------------------
