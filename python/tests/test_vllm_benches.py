@@ -56,10 +56,19 @@ def test_pacing_bench_runs_every_budget(tmp_path):
     assert len(buckets[False]) == 1 and buckets[True] == {b + 1 for b in buckets[False]}, buckets
 
 
-def test_update_bench_runs_both_paths(tmp_path):
-    report = run_bench("bench_vllm_update.py", tmp_path, "--updates", "2", "--trace-steps")
+def test_update_bench_runs_every_path(tmp_path):
+    report = run_bench("bench_vllm_update.py", tmp_path, "--updates", "2", "--trace-steps",
+                       "--paths", "vllm,shadowsync,copy")
     paths = report["configs"]["tiny"]
-    assert sorted(paths) == ["shadowsync", "vllm"], sorted(paths)
+    assert sorted(paths) == ["copy", "shadowsync", "vllm"], sorted(paths)
     for name, path in paths.items():
         assert "error" not in path, f"{name}: {path.get('error')}"
         assert len(path["updates"]) == 2, f"{name}: {path['updates']}"
+    # shadowsync's updates reach the engine; the copy reference's bytes never do, and it copied
+    # the whole model each time.
+    assert paths["shadowsync"]["output_changed_by_update"] is True, paths["shadowsync"]
+    copy = paths["copy"]
+    assert copy["output_changed_by_update"] is False, copy
+    assert copy["setup"]["bytes"] == paths["shadowsync"]["setup"]["bytes"] > 0, (
+        copy["setup"], paths["shadowsync"]["setup"])
+    assert all(update["copier_ms"] > 0 for update in copy["updates"]), copy["updates"]
