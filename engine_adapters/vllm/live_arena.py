@@ -55,6 +55,9 @@ class LiveArenaEngine(WeightTransferEngine):
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.layout, self.arena = _move_into_arena(model)
+        # The parameter objects at the arena's places, in its order: what init_weight_update_group
+        # matches the update's parameters against (names differ once vLLM wraps LoRA layers).
+        self.params = list(dict(model.named_parameters()).values())
 
     def _refuse(self, call: str):
         raise InvalidArgumentError(

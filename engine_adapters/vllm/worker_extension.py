@@ -352,13 +352,6 @@ class WorkerExtension:
         if receiver_config is not None:
             # Refuses bad values (a budget below 1.0, ...) before anything is set up or connected.
             receiver_config._c_fields()
-        if lora_adapter is not None and _live_arena(self) is not None:
-            raise InvalidArgumentError(
-                "init_weight_update_group: lora_adapter with the 'shadowsync' weight-transfer "
-                "backend (live arena): the adapter lives in vLLM's stacked LoRA buffers and can "
-                "only be copied into (copy_in), the base weights are swapped by remap, and one "
-                "receiver has one swap strategy. Start vLLM without weight_transfer_config to "
-                "update LoRA adapters")
         model = self._shadowsync_model()
         _refuse_packed_weights(model)
         params = dict(_tensors.items(self._shadowsync_named_parameters()))
@@ -412,19 +405,26 @@ class WorkerExtension:
         chosen = swap_strategy if swap_strategy is not None else (
             receiver_config.swap_strategy if receiver_config is not None else None)
         live_arena = _live_arena(self)
-        if live_arena is not None:
-            if chosen in (None, "remap"):
-                _check_fits_live_arena(layout, live_arena.layout)
+        # The groups of a LoRA adapter's tensors: their live copy is the adapter's slot in vLLM's
+        # stacked LoRA buffers, which can only be copied into, never rebound or remapped.
+        lora_groups = {s.group for s in specs if is_lora_tensor(s.name)}
+        arena_group = None  # the group swapped by remapping the live arena
+        if live_arena is not None and chosen in (None, "remap"):
+            base = [g for g in layout.groups if g.name not in lora_groups]
+            if base:
+                _check_fits_live_arena(base, params, live_arena)
+                arena_group = base[0].index
                 swap_strategy = chosen = "remap"
-            else:
-                live_arena = None  # copy_in into the arena's live range, as into any storage
-        if lora_adapter is not None:
-            # The live LoRA weights are slots of vLLM's stacked buffers: they can only be copied
-            # into, never rebound.
-            if chosen not in (None, "copy_in"):
-                raise InvalidArgumentError(
-                    f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
-                    f"adapter lives in vLLM's stacked LoRA buffers), got {chosen!r}")
+        if arena_group is None:
+            # copy_in into the arena's live range (or nothing of the arena at all: an adapter
+            # only), as into any storage.
+            live_arena = None
+        if lora_groups and chosen not in (None, "copy_in") and arena_group is None:
+            raise InvalidArgumentError(
+                f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
+                f"adapter lives in vLLM's stacked LoRA buffers), or 'remap' with the live "
+                f"arena for the base weights beside it; got {chosen!r}")
+        if lora_groups and arena_group is None:
             swap_strategy = chosen = "copy_in"
         if engine_uses_cuda_graphs and chosen == "remap" and live_arena is None:
             # remap keeps one virtual range live, but it is the receiver's: vLLM captured its
@@ -461,7 +461,8 @@ class WorkerExtension:
             transport = _same_host_receiver(same_host, rank_offset, getattr(self, "rank", 0), backend)
 
         receiver = Receiver(layout, backend, transport, receiver_config, engine_stream=stream,
-                            plan=plan, arenas={0: live_arena.arena} if live_arena else None)
+                            plan=plan,
+                            arenas={arena_group: live_arena.arena} if live_arena else None)
         state = _UpdateGroup(receiver, {t.name: params[t.name] for g in layout.groups
                                         for t in g.tensors}, kind, device)
         state.stream = stream
@@ -483,7 +484,12 @@ class WorkerExtension:
             state.engine_storage = True
         elif live_arena is not None:
             # The parameters already live in the arena's live range (moved there at load, before
-            # vLLM captured its graphs): a swap remaps it, nothing is rebound.
+            # vLLM captured its graphs): a swap remaps it, nothing is rebound. An adapter's groups
+            # beside it are copied into vLLM's LoRA slots at the same swap.
+            for group in layout.groups:
+                if group.index != arena_group:
+                    receiver.use_engine_storage(
+                        group.index, [_address(_data(state.params[t.name])) for t in group.tensors])
             state.engine_storage = True
         elif adopt_current_weights:
             _adopt(state, layout, stream)
@@ -679,31 +685,36 @@ def _live_arena(worker):
     return engine if getattr(engine, "shadowsync_live_arena", False) else None
 
 
-def _check_fits_live_arena(layout: Layout, arena_layout: Layout) -> None:
-    """The receiver's slots must be laid out as the live arena is: one group holding the same
-    parameters in the same order (then the offsets are the same)."""
-    arena_tensors = [(t.name, t.dtype, tuple(t.shape)) for t in arena_layout.groups[0].tensors]
-    if len(layout.groups) != 1:
+def _check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> None:
+    """The groups of the update that are not a LoRA adapter's (`base`) must be laid out as the
+    live arena is: one group holding the model's parameters, each the very parameter the arena
+    holds at that place, in the arena's order (then the offsets are the same). Compared by
+    object, not by name: with LoRA on, the receive plan knows a parameter by its checkpoint name
+    and the arena by its name in the wrapped model."""
+    arena_tensors = live_arena.layout.groups[0].tensors
+    if len(base) != 1:
         raise InvalidArgumentError(
             f"init_weight_update_group: the live arena holds the model's parameters as one "
-            f"group, but the update has {len(layout.groups)} groups "
-            f"({', '.join(repr(g.name) for g in layout.groups)}); send every parameter in one "
+            f"group, but the update has {len(base)} groups of them "
+            f"({', '.join(repr(g.name) for g in base)}); send every parameter in one "
             f"group, or use swap_strategy='copy_in'")
-    tensors = [(t.name, t.dtype, tuple(t.shape)) for t in layout.groups[0].tensors]
-    if tensors == arena_tensors:
-        return
+    tensors = base[0].tensors
     for i, (have, want) in enumerate(zip(tensors, arena_tensors)):
-        if have != want:
+        same = (params[have.name] is live_arena.params[i] and have.dtype == want.dtype
+                and tuple(have.shape) == tuple(want.shape))
+        if not same:
             raise InvalidArgumentError(
-                f"init_weight_update_group: the update's parameter {i} is {have[0]!r} "
-                f"({have[1]}, {list(have[2])}), but the live arena holds {want[0]!r} ({want[1]}, "
-                f"{list(want[2])}) there: the trainer's tensors must write every parameter of "
-                f"the model, in the model's order, to swap by remap; or use "
+                f"init_weight_update_group: the update's parameter {i} is {have.name!r} "
+                f"({have.dtype}, {list(have.shape)}), but the live arena holds {want.name!r} "
+                f"({want.dtype}, {list(want.shape)}) there: the trainer's tensors must write "
+                f"every parameter of the model, in the model's order, to swap by remap; or use "
                 f"swap_strategy='copy_in'")
-    raise InvalidArgumentError(
-        f"init_weight_update_group: the update writes {len(tensors)} parameters, the live arena "
-        f"holds {len(arena_tensors)}: the trainer's tensors must write every parameter of the "
-        f"model to swap by remap (allow_partial cannot); or use swap_strategy='copy_in'")
+    if len(tensors) != len(arena_tensors):
+        raise InvalidArgumentError(
+            f"init_weight_update_group: the update writes {len(tensors)} parameters, the live "
+            f"arena holds {len(arena_tensors)}: the trainer's tensors must write every parameter "
+            f"of the model to swap by remap (allow_partial cannot); or use "
+            f"swap_strategy='copy_in'")
 
 
 def _vllm_captures_cuda_graphs(worker) -> bool | None:

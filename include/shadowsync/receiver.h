@@ -216,15 +216,18 @@ class Receiver {
   // behind earlier commands. Thread-safe.
   void replace_transport(std::unique_ptr<Transport> transport);
 
-  // copy_in only, before the first update: the live storage of group `group` becomes the engine's
-  // own tensors (`tensors[t]`: where tensor t of the group, in layout order, lives; each at least
+  // copy_in, or remap for a group without an engine arena (vLLM's LoRA buffers beside its live
+  // arena: the base group remaps, this one is copied at the same swap); before the first update:
+  // the live storage of group `group` becomes the engine's own tensors (`tensors[t]`: where tensor t of the group, in layout order, lives; each at least
   // its bytes long, on the backend's device) instead of the receiver's live arena, which is freed.
   // For an engine that captured CUDA graphs over its own parameters before it met the library
   // (vLLM): they keep reading where they were captured. A swap copies every tensor of the shadow
   // to its place, one batched copy on the engine stream (Backend::memcpy_batch_async). A swap
   // writes only the groups its update carries. live_arena() of the group is null
-  // afterwards; live_tensor() gives the engine's addresses. Throws Error(kInvalidArgument) naming
-  // the strategy, the counts, or the update already accepted; nothing changes then. Engine thread.
+  // afterwards; live_tensor() gives the engine's addresses. rollback is refused while any group
+  // is copied into. Throws Error(kInvalidArgument) naming the strategy (rebind), the group with
+  // an engine arena, the counts, or the update already accepted; nothing changes then. Engine
+  // thread.
   void use_engine_storage(std::size_t group, const std::vector<void*>& tensors);
 
   // kCoordinated only: makes the ready update `version` live now, on `engine_stream`, and returns

@@ -602,10 +602,11 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_tensor_by_name(
     shadowsync_receiver_t receiver, const char* name, void** data);
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_live_arena(shadowsync_receiver_t receiver,
                                                                   size_t group, void** data);
-/* copy_in only, before the first update: the live storage of `group` becomes the engine's own
- * tensors (tensors[t]: tensor t of the group in layout order), for engines whose CUDA graphs were
- * captured over their own parameters; a swap copies the shadow into them (one batched copy). The
- * group's live arena is freed (live_arena gives NULL). Engine thread. */
+/* copy_in (or remap, for a group without an engine arena), before the first update: the live
+ * storage of `group` becomes the engine's own tensors (tensors[t]: tensor t of the group in layout
+ * order), for engines whose CUDA graphs were captured over their own parameters; a swap copies
+ * the shadow into them (one batched copy). The group's live arena is freed (live_arena gives
+ * NULL); rollback is refused from then on. Engine thread. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_use_engine_storage(
     shadowsync_receiver_t receiver, size_t group, void* const* tensors, size_t count);
 /* Version of the update whose bytes the group's live slot holds (0: never updated). Engine

@@ -251,15 +251,21 @@ void Receiver::use_engine_storage(std::size_t group, const std::vector<void*>& t
   const auto refuse = [&](const std::string& why) {
     throw Error(ErrorCode::kInvalidArgument, fmt::format("use_engine_storage: {}", why));
   };
-  if (impl_->config.swap_strategy != SwapStrategy::kCopyIn) {
-    refuse(fmt::format("swap_strategy is {}; only copy_in copies into the engine's storage",
-                       swap_strategy_name(impl_->config.swap_strategy)));
+  const SwapStrategy strategy = impl_->config.swap_strategy;
+  if (strategy == SwapStrategy::kRebind) {
+    refuse("swap_strategy is rebind; copy_in (or remap, for a group without an engine arena) "
+           "copies into the engine's storage");
   }
   if (group >= layout_.groups().size()) {
     refuse(fmt::format("group index {} out of range (the layout has {} groups)", group,
                        layout_.groups().size()));
   }
   const GroupLayout& g = layout_.groups()[group];
+  if (slots_->group(group).engine_arena) {
+    refuse(fmt::format("group '{}' is swapped by remapping the engine arena it was given; its "
+                       "live memory is that arena, not tensors of the engine",
+                       g.name()));
+  }
   if (tensors.size() != g.tensors().size()) {
     refuse(fmt::format("group '{}' has {} tensors but {} addresses were given", g.name(),
                        g.tensors().size(), tensors.size()));

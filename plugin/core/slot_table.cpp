@@ -11,6 +11,7 @@ SlotTable::SlotTable(const Layout& layout, Backend& backend, SwapStrategy strate
     group.bytes = layout.groups()[g].arena_bytes();
     if (strategy == SwapStrategy::kRemap && g < engine_arenas.size() && engine_arenas[g]) {
       group.remap = engine_arenas[g];
+      group.engine_arena = true;
       group.live = group.remap->live_slot();  // an earlier receiver may have swapped it
     } else if (strategy == SwapStrategy::kRemap) {
       group.remap = backend.create_remappable_arena(group.bytes);
@@ -40,6 +41,13 @@ void* SlotTable::live_tensor(std::size_t g, std::size_t t, std::size_t offset) c
 void SlotTable::use_engine_storage(std::size_t g, const Layout& layout,
                                    const std::vector<void*>& tensors) {
   Group& group = groups_[g];
+  if (group.remap) {
+    // Under remap, a group the engine keeps in its own tensors (vLLM's LoRA buffers beside a live
+    // arena) has no use for a remap arena: one plain shadow is all it needs.
+    group.remap.reset();
+    group.arena[1] = DeviceBuffer(backend_, group.bytes);
+    group.live = 0;
+  }
   const auto& placements = layout.groups()[g].tensors();
   std::vector<Backend::CopyRegion> copies;
   for (std::size_t t = 0; t < placements.size(); ++t) {
@@ -50,9 +58,13 @@ void SlotTable::use_engine_storage(std::size_t g, const Layout& layout,
   group.arena[0].reset();  // nothing reads or writes the live arena any more
 }
 
+bool SlotTable::copies_in(std::size_t g) const {
+  return strategy_ == SwapStrategy::kCopyIn || !groups_[g].engine_storage.empty();
+}
+
 void SlotTable::make_live(std::size_t g, int slot, Stream& engine_stream) {
   Group& group = groups_[g];
-  switch (strategy_) {
+  switch (copies_in(g) ? SwapStrategy::kCopyIn : strategy_) {
     case SwapStrategy::kRebind:
       // Everything the engine enqueued so far read the old live slot; once this event passes the
       // receiver may overwrite it.

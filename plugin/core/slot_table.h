@@ -11,6 +11,10 @@
 //            engine made before it met the receiver (EngineArenas, receiver.h): then it is shared,
 //            outlives the table, and its live slot is whichever it shows
 //
+// A group whose live storage is the engine's own tensors (use_engine_storage) is swapped as under
+// copy_in whatever the strategy: under remap that is a group the engine could not place in a remap
+// arena (vLLM's LoRA buffers beside its live arena), copied at the swap that remaps the others.
+//
 // The table is the one record of which slot of each group is live; the receiver's SlotPlanner
 // asks it (live_slot) rather than keeping a copy. Only the engine thread changes it (make_live,
 // from the step hook's swaps and rollbacks). The receiver thread reads it only while no swap can
@@ -38,6 +42,7 @@ class SlotTable {
   struct Group {
     DeviceBuffer arena[2];                   // rebind, copy_in
     std::shared_ptr<RemappableArena> remap;  // remap
+    bool engine_arena = false;               // remap is one the engine made (EngineArenas)
     std::unique_ptr<Event> release[2];
     std::size_t bytes = 0;  // the layout's arena size
     // copy_in with the engine's own storage (use_engine_storage): where each tensor of the group
@@ -81,11 +86,15 @@ class SlotTable {
   // Engine thread only.
   void make_live(std::size_t g, int slot, Stream& engine_stream);
 
-  // copy_in only: the live storage of group `g` becomes the engine's own tensors, `tensors[t]`
-  // holding tensor t of the group (layout order) from now on; slot 0's arena is freed. A swap
-  // then copies each tensor of the shadow to its address, one batched copy. Before the first
+  // copy_in, or remap for a group without an engine arena: the live storage of group `g` becomes
+  // the engine's own tensors, `tensors[t]` holding tensor t of the group (layout order) from now
+  // on; slot 0's arena (under remap: the group's remap arena) is freed and slot 1 is the shadow. A
+  // swap then copies each tensor of the shadow to its address, one batched copy. Before the first
   // receive (the receiver checks that). Engine thread.
   void use_engine_storage(std::size_t g, const Layout& layout, const std::vector<void*>& tensors);
+  // Whether a swap of group `g` copies the shadow into the live storage (copy_in, or a group in
+  // the engine's own storage): its previous live bytes are then not kept.
+  bool copies_in(std::size_t g) const;
   // Where tensor `t` of group `g` is live: in the live arena, or the engine's own storage.
   void* live_tensor(std::size_t g, std::size_t t, std::size_t offset) const;
 

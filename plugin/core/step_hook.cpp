@@ -57,6 +57,15 @@ std::uint64_t StepHook::rollback(Stream& engine_stream) {
                 "copied the update over the live weights; their previous bytes are not kept); "
                 "use rebind or remap to roll back");
   }
+  for (std::size_t g = 0; g < slots_.size(); ++g) {
+    if (!slots_.copies_in(g)) continue;
+    // A group in the engine's own storage is copied into at each swap, as under copy_in.
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("rollback: not supported while group '{}' lives in the engine's own "
+                            "storage (Receiver::use_engine_storage under swap_strategy {}: its "
+                            "swap copied the update over the live bytes, which are not kept)",
+                            layout_.groups()[g].name(), swap_strategy_name(slots_.strategy())));
+  }
   std::uint64_t window = rollback_window_.load(std::memory_order_acquire);
   for (;;) {
     const auto kind = static_cast<RollbackKind>(window & 3);

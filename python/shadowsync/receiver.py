@@ -442,7 +442,8 @@ class Receiver(Handle):
         return applied.value
 
     def use_engine_storage(self, group: str | int, addresses) -> None:
-        """copy_in only, before the first update: the live storage of `group` becomes the
+        """copy_in (or remap, for a group without an engine arena: vLLM's LoRA buffers beside
+        its live arena), before the first update: the live storage of `group` becomes the
         engine's own tensors (`addresses[t]`: where tensor t of the group lives, layout order), so
         CUDA graphs captured over them keep working; a swap copies the shadow into them (one
         batched copy on the engine stream). The group's live arena is freed. Engine thread."""

@@ -635,10 +635,12 @@ def test_remap_under_cuda_graphs_is_refused_naming_the_way_out():
 
 def _with_live_arena(worker: FakeWorker, specs) -> FakeWorker:
     """What vLLM's worker holds when it started with the 'shadowsync' weight-transfer backend: the
-    live-arena engine, its arena laid out as `specs` (a stand-in: the refusals below come before
-    any receiver would take it)."""
-    worker.weight_transfer_engine = SimpleNamespace(shadowsync_live_arena=True,
-                                                    layout=ss.Layout(specs), arena=None)
+    live-arena engine, its arena laid out as `specs`, holding the worker's parameters of those
+    names (a stand-in: the refusals below come before any receiver would take it)."""
+    params = dict(worker.model_runner.model.params)
+    worker.weight_transfer_engine = SimpleNamespace(
+        shadowsync_live_arena=True, layout=ss.Layout(specs), arena=None,
+        params=[params[s[0]] for s in specs])
     return worker
 
 
@@ -655,16 +657,26 @@ def test_with_the_live_arena_parameters_in_another_order_are_refused_naming_both
     assert all(p.data is before[n] for n, p in worker.model_runner.model.params)
 
 
-def test_with_the_live_arena_two_groups_and_a_lora_adapter_are_refused():
+def test_with_the_live_arena_two_groups_of_parameters_are_refused():
     worker = _with_live_arena(FakeWorker(), SPECS)
     with pytest.raises(ss.InvalidArgumentError, match=r"live arena holds the model's parameters "
-                                                      r"as one group, but the update has 2"):
+                                                      r"as one group, but the update has 2 "
+                                                      r"groups of them \('a', 'b'\)"):
         worker.init_weight_update_group(transport=ss.Loopback(2).transport(1),
                                         group_of=lambda n: "a" if n == SPECS[0][0] else "b")
-    with pytest.raises(ss.InvalidArgumentError, match=r"lora_adapter with the 'shadowsync' "
-                                                      r"weight-transfer backend"):
-        worker.init_weight_update_group(specs=SPECS, lora_adapter=1,
-                                        transport=ss.Loopback(2).transport(1))
+    assert worker._shadowsync is None
+
+
+def test_with_the_live_arena_a_parameter_the_arena_does_not_hold_is_refused_naming_both():
+    # Same names, dtypes and shapes, but not the parameters the arena holds (the arena was made
+    # for another model object): compared by object, refused.
+    worker = _with_live_arena(FakeWorker(), SPECS)
+    worker.weight_transfer_engine.params[1] = Param(np.zeros(257, np.int32))
+    with pytest.raises(ss.InvalidArgumentError, match=rf"the update's parameter 1 is "
+                                                      rf"'{SPECS[1][0]}'.*but the live arena "
+                                                      rf"holds '{SPECS[1][0]}'"):
+        worker.init_weight_update_group(transport=ss.Loopback(2).transport(1),
+                                        engine_uses_cuda_graphs=True)
     assert worker._shadowsync is None
 
 

@@ -19,7 +19,7 @@ namespace shadowsync::testing {
 // memcpy_async calls and their bytes). Either it owns its HostBackend or it wraps one the caller
 // keeps alive (and may go on using directly: only calls through the wrapper count). Thread-safe
 // as the backend it wraps. Not final: a test double that adds one capability (remap arenas in
-// host memory, test_engine_arenas.cpp) overrides only that.
+// host memory, remap_host_backend.h) overrides only that.
 class CountingBackend : public Backend {
  public:
   CountingBackend() : owned_(std::make_unique<HostBackend>()), inner_(*owned_) {}

@@ -47,6 +47,12 @@ std::optional<std::uint64_t> HostFakeEngine::step() {
   std::vector<std::uint64_t> expected(groups);
   for (std::size_t g = 0; g < groups; ++g) {
     arenas[g] = hook.live_arena(g);
+    if (arenas[g] == nullptr) {
+      // The group lives in the engine's own storage (Receiver::use_engine_storage): the tests
+      // give it one buffer laid out as the group's arena, so its first tensor locates it.
+      const std::size_t offset = receiver_.layout().groups()[g].tensors()[0].offset;
+      arenas[g] = static_cast<const std::byte*>(hook.live_tensor(g, 0)) - offset;
+    }
     expected[g] = hook.live_content_version(g);
   }
   const bool full = options_.full_check_every != 0 && steps_enqueued_ % options_.full_check_every == 0;

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "deadline.h"
+#include "remap_host_backend.h"
 
 namespace shadowsync::testing {
 
@@ -10,8 +11,9 @@ LoopbackRig::LoopbackRig(const Layout& layout, RigOptions options)
     : layout_(layout),
       options_(options),
       backend_(options.backend),
-      counting_(options.count_backend_calls ? std::make_unique<CountingBackend>(backend_)
-                                            : nullptr),
+      counting_(options.remap_on_host         ? std::make_unique<RemapHostBackend>(backend_)
+                : options.count_backend_calls ? std::make_unique<CountingBackend>(backend_)
+                                              : nullptr),
       communicator_(std::make_unique<LoopbackCommunicator>(options.receivers + 1)),
       reports_(options.receivers) {
   Backend& endpoints = counting_ ? static_cast<Backend&>(*counting_) : backend_;
@@ -21,8 +23,8 @@ LoopbackRig::LoopbackRig(const Layout& layout, RigOptions options)
   for (int r = 0; r < options.receivers; ++r) {
     ReceiverConfig config = options.receiver;
     config.root_rank = 0;
-    auto receiver =
-        std::make_unique<Receiver>(layout, endpoints, communicator_->transport(r + 1), config);
+    auto receiver = std::make_unique<Receiver>(layout, endpoints, communicator_->transport(r + 1),
+                                               config, options.engine_arenas);
     receiver->set_observer([this, r](const UpdateReport& report) {
       std::lock_guard lock(mutex_);
       reports_[r].push_back(report);

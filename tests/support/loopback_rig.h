@@ -28,6 +28,11 @@ struct RigOptions {
   // that a test can count what they ask of the backend (the copies a swap enqueues). The engine
   // keeps using backend() directly: its own calls are not counted.
   bool count_backend_calls = false;
+  // Build them on a RemapHostBackend wrapping backend() instead (remap_host_backend.h; counting()
+  // is then that backend): swap_strategy remap runs on the CPU.
+  bool remap_on_host = false;
+  // The engine's own remap arenas, by group (ReceiverConfig remap; one receiver).
+  EngineArenas engine_arenas;
 };
 
 class LoopbackRig {
@@ -36,7 +41,8 @@ class LoopbackRig {
   ~LoopbackRig();
 
   HostBackend& backend() { return backend_; }
-  // The wrapper the sender and receivers use; only with RigOptions::count_backend_calls.
+  // The wrapper the sender and receivers use; only with RigOptions::count_backend_calls or
+  // remap_on_host.
   CountingBackend& counting() { return *counting_; }
   LoopbackCommunicator& communicator() { return *communicator_; }
   Sender& sender() { return *sender_; }

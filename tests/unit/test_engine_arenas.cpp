@@ -5,9 +5,9 @@
 // with the engine.
 //
 // The host backend cannot remap, and check_receiver_config refuses remap on it before the arenas
-// are looked at; the remap cases run on RemapHostBackend below: a HostBackend that claims it can
-// remap and makes HostArenas (plain host memory; remap_live copies the slot into the live range,
-// which no refusal test reaches).
+// are looked at; the remap cases run on RemapHostBackend (remap_host_backend.h): a HostBackend
+// that claims it can remap and makes HostArenas (plain host memory; remap_live copies the slot
+// into the live range, which no refusal test reaches).
 //
 // Checked to fail without their behaviour (each broken by hand once, then restored): the strategy
 // check, the entry count check and the size check in check_engine_arenas.
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "counting_backend.h"
+#include "remap_host_backend.h"
 #include "shadowsync/error.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/receiver.h"
@@ -38,47 +38,6 @@ Layout two_group_layout() {
                         {"a.B", DType::kBFloat16, {96}, "lora"}},
                        {.bucket_bytes = 1024});
 }
-
-// A remap arena in host memory: a live range and two slots, each a vector of its own.
-class HostArena final : public RemappableArena {
- public:
-  explicit HostArena(std::size_t bytes, int live_slot = 0)
-      : bytes_(bytes), live_(bytes), slots_{std::vector<std::byte>(bytes),
-                                            std::vector<std::byte>(bytes)},
-        live_slot_(live_slot) {}
-
-  std::byte* live_address() const override { return live_.data(); }
-  std::size_t bytes() const override { return bytes_; }
-  int live_slot() const override { return live_slot_.load(); }
-  std::byte* slot_address(int slot) const override { return slots_[slot].data(); }
-  void remap_live(int slot, Stream&) override {
-    ++remaps;
-    std::memcpy(live_.data(), slots_[slot].data(), bytes_);
-    live_slot_.store(slot);
-  }
-
-  std::atomic<int> remaps{0};
-
- private:
-  std::size_t bytes_;
-  mutable std::vector<std::byte> live_;
-  mutable std::vector<std::byte> slots_[2];
-  std::atomic<int> live_slot_;
-};
-
-// A counting HostBackend that can "remap", with HostArenas.
-class RemapHostBackend final : public CountingBackend {
- public:
-  std::atomic<int> arenas_made{0};
-
-  std::string_view name() const override { return "host-remap"; }
-  std::string remap_unsupported_reason() const override { return ""; }
-  std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes) override {
-    ++calls;
-    ++arenas_made;
-    return std::make_unique<HostArena>(bytes);
-  }
-};
 
 ReceiverConfig remap_config() {
   ReceiverConfig config;
