@@ -19,6 +19,11 @@ back again. Exits non-zero on any difference; prints one line per stage. vLLM ru
 the first request) and every update carries a new adapter with the base (B with adapter L2, then
 A with L1), as PEFT tensors in their own group (lora_adapter=1); the answers are those of
 requests with the adapter, against fresh vLLMs that loaded the adapter from its directory.
+
+--omit NAME (repeatable): the trainer leaves tensor NAME out and the worker allows it
+(allow_partial=True): the engine keeps its own NAME, so after update 1 it must answer as a fresh
+vLLM of B with A's NAME, and as A after update 2. With --live-arena the unsent parameters are
+the receive plan's kept tensors (the arena is swapped whole).
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
 
 
 def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
-            receivers: int, adapters: dict):
+            receivers: int, adapters: dict, omit: list[str]):
     """The trainer process: HF models of every version (and its LoRA adapter's PEFT tensors, in
     group "lora", lora_B scaled as vLLM computes with it), one Sender over the same-host
     transport."""
@@ -119,7 +124,8 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
     for version, checkpoint in checkpoints.items():
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
         models[version] = model.to(where)
-    named = {v: dict(m.named_parameters()) for v, m in models.items()}
+    named = {v: {n: p for n, p in m.named_parameters() if n not in omit}
+             for v, m in models.items()}
     groups = {}
     for version, adapter in adapters.items():
         # In the engine's dtype first, then scaled: the order vLLM loads an adapter in.
@@ -162,6 +168,9 @@ def main() -> int:
                         help="the engine under test starts with weight_transfer_config "
                              "{'backend': 'shadowsync'}: weights in a remap arena before graph "
                              "capture, swaps by remap (CUDA)")
+    parser.add_argument("--omit", action="append", default=[], metavar="NAME",
+                        help="the trainer leaves this tensor out (allow_partial): the engine "
+                             "keeps its own (repeatable)")
     parser.add_argument("--multiprocess", action="store_true",
                         help="vLLM's default engine process (collective_rpc between steps)")
     parser.add_argument("--tp", type=int, default=1,
@@ -181,7 +190,7 @@ def main() -> int:
         print("ANSWERS " + json.dumps(greedy(llm, args.reference_adapter)), flush=True)
         return 0
 
-    from vllm_models import make_tiny_lora, make_tiny_model
+    from vllm_models import make_tiny_lora, make_tiny_model, with_tensors_of
 
     import shadowsync as ss
     import shadowsync.vllm as ssv
@@ -195,9 +204,11 @@ def main() -> int:
     if args.lora:
         adapter = {"A": make_tiny_lora(a, work / "L1", seed=11, r=LORA_R, lora_alpha=LORA_ALPHA),
                    "B": make_tiny_lora(a, work / "L2", seed=12, r=LORA_R, lora_alpha=LORA_ALPHA)}
+    # What the engine holds after update 1: B, with A's tensors where the trainer omits them.
+    b_kept = with_tensors_of(b, a, args.omit, work / "B-kept") if args.omit else b
     started = time.monotonic()
     expected = {"A": reference(args.device, a, args.tp, adapter["A"]),
-                "B": reference(args.device, b, args.tp, adapter["B"])}
+                "B": reference(args.device, b_kept, args.tp, adapter["B"])}
     log(f"{args.arch}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
         f"references of A and B from fresh engines in {time.monotonic() - started:.1f} s; "
         f"A {expected['A'][0][:6]}..., B {expected['B'][0][:6]}...")
@@ -226,11 +237,13 @@ def main() -> int:
     parent, child = ctx.Pipe()
     adapters = {1: adapter["B"], 2: adapter["A"]} if args.lora else {}
     process = ctx.Process(target=trainer, args=(child, {1: b, 2: a}, args.device, path, token,
-                                                args.bucket_bytes, args.tp, adapters), daemon=True)
+                                                args.bucket_bytes, args.tp, adapters,
+                                                args.omit), daemon=True)
     process.start()
     kind, specs = parent.recv()
     settings = dict(bucket_bytes=args.bucket_bytes, same_host=dict(path=path, token=token),
-                    track_request_versions=True, lora_adapter=1 if args.lora else None)
+                    track_request_versions=True, lora_adapter=1 if args.lora else None,
+                    allow_partial=bool(args.omit))
     # Bad input first: a trainer tensor the model's load_weights does not take. Refused with its
     # name on every worker (under TP as a returned refusal: a raise would end vLLM's engine),
     # nothing set up, and the engine goes on answering.
@@ -248,7 +261,8 @@ def main() -> int:
     fingerprint = ssv.init_weight_update_group(llm, specs=specs, **settings)
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"set-up: {len(specs)} trainer tensors, {stats['plan_copies']} plan copies, "
-        f"swap strategy {stats['swap_strategy']}, live arena {stats['live_arena']}, "
+        f"{stats['kept_params']} kept, swap strategy {stats['swap_strategy']}, "
+        f"live arena {stats['live_arena']}, "
         f"fingerprint {fingerprint:#018x}")
     if args.live_arena:
         ok = stats["live_arena"] and stats["swap_strategy"] == "remap"

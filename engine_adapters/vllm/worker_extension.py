@@ -72,6 +72,7 @@ class _UpdateGroup:
         self.engine_storage = False
         self.wire_fingerprint = receiver.wire_layout.fingerprint
         self.plan_copies = len(receiver.plan.copies) if receiver.plan is not None else 0
+        self.kept_params = len(receiver.plan.kept) if receiver.plan is not None else 0
         self.swap_strategy = "rebind"  # the receiver's: what a swap does
         self.live_arena = False  # the live memory is the live-arena engine's (live_arena.py)
         # track_request_versions: request id -> [[version, tokens], ...] in step order.
@@ -295,7 +296,10 @@ class WorkerExtension:
         between the same two steps); default coordinated when vLLM runs tensor-parallel.
 
         `allow_partial`: with a receive plan, parameters no trainer tensor writes are refused
-        (named) unless this is set; then they keep the engine's values.
+        (named) unless this is set; then they keep the engine's values. With the live arena
+        (swapped whole) they stay in the receiver's layout as the plan's kept tensors: their live
+        bytes are copied into the shadow once, before its first receive
+        (weight_update_stats()["kept_params"] counts them).
 
         `track_request_versions`: count each request's scheduled tokens per weight version
         (request_versions()), for the trainer's bookkeeping of which policy made which tokens.
@@ -326,8 +330,10 @@ class WorkerExtension:
         by a request with its LoRARequest or add_lora) that the trainer's PEFT tensors
         (``...<module>.lora_A.weight``, ``lora_B``, in their own group, e.g. "lora") update in
         place: they land in the adapter's slot of vLLM's stacked LoRA buffers (lora_plan.py; the
-        slicing and packing learned from vLLM's own set_lora), which become the live storage, so
-        the swap strategy is copy_in (a LoRA-only update copies only the adapter at the swap).
+        slicing and packing learned from vLLM's own set_lora), which become the live storage: the
+        adapter's group is copied in at the swap (a LoRA-only update copies only the adapter).
+        The base weights beside it are copied in too, or, with the live arena, swapped by remap
+        at the same swap.
         The adapter is pinned in its slot. lora_B is sent as vLLM computes with it, scaled by
         lora_alpha / r (shadowsync.vllm.scaled_lora_b on the trainer's side).
 
@@ -361,6 +367,11 @@ class WorkerExtension:
         descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
         kind, device = _placement(descs)
 
+        chosen = swap_strategy if swap_strategy is not None else (
+            receiver_config.swap_strategy if receiver_config is not None else None)
+        live_arena = _live_arena(self)
+        # The live arena is swapped whole: a plan for it keeps what the trainer does not send.
+        arena_for_plan = live_arena if chosen in (None, "remap") else None
         plan = None
         if specs is None and lora_adapter is not None:
             raise InvalidArgumentError(
@@ -377,12 +388,13 @@ class WorkerExtension:
             specs = [TensorSpec.coerce(s) for s in specs]
             if lora_adapter is not None or any(is_lora_tensor(s.name) for s in specs):
                 layout, plan, params, descs = _receive_plan_with_lora(
-                    self, model, specs, lora_adapter, bucket_bytes, allow_partial)
+                    self, model, specs, lora_adapter, bucket_bytes, allow_partial, arena_for_plan)
             elif _names_are_parameters(specs, descs):
                 _check_specs(specs, descs)  # the engine's own layout: zero-copy receive
                 layout = Layout(specs, bucket_bytes)
             else:
-                layout, plan, params = _receive_plan(model, specs, bucket_bytes, allow_partial)
+                layout, plan, params = _receive_plan(model, specs, bucket_bytes, allow_partial,
+                                                     arena_for_plan)
                 descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
 
         backend: Backend
@@ -402,9 +414,6 @@ class WorkerExtension:
 
         if engine_uses_cuda_graphs is None and device != "cpu":
             engine_uses_cuda_graphs = _vllm_captures_cuda_graphs(self)
-        chosen = swap_strategy if swap_strategy is not None else (
-            receiver_config.swap_strategy if receiver_config is not None else None)
-        live_arena = _live_arena(self)
         # The groups of a LoRA adapter's tensors: their live copy is the adapter's slot in vLLM's
         # stacked LoRA buffers, which can only be copied into, never rebound or remapped.
         lora_groups = {s.group for s in specs if is_lora_tensor(s.name)}
@@ -616,6 +625,7 @@ class WorkerExtension:
         stats["last_update_error"] = state.receiver.last_update_error()
         stats["wire_fingerprint"] = state.wire_fingerprint
         stats["plan_copies"] = state.plan_copies  # 0: the trainer sends the engine's own tensors
+        stats["kept_params"] = state.kept_params  # parameters the plan keeps (live arena, partial)
         stats["swap_strategy"] = state.swap_strategy
         stats["live_arena"] = state.live_arena
         stats["step_hook_at"] = state.step_hook_at
@@ -712,9 +722,9 @@ def _check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> No
     if len(tensors) != len(arena_tensors):
         raise InvalidArgumentError(
             f"init_weight_update_group: the update writes {len(tensors)} parameters, the live "
-            f"arena holds {len(arena_tensors)}: the trainer's tensors must write every parameter "
-            f"of the model to swap by remap (allow_partial cannot); or use "
-            f"swap_strategy='copy_in'")
+            f"arena holds {len(arena_tensors)}: to swap by remap the trainer's tensors must write "
+            f"every parameter of the model, or, with a receive plan and allow_partial=True, the "
+            f"ones they do not write are kept; or use swap_strategy='copy_in'")
 
 
 def _vllm_captures_cuda_graphs(worker) -> bool | None:
@@ -767,10 +777,14 @@ def _names_are_parameters(specs: list[TensorSpec], descs: dict) -> bool:
     return all(s.name in descs for s in specs)
 
 
-def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partial: bool):
-    """(wire layout, ReceivePlan, {engine parameter name: parameter}) from the model's own
+def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partial: bool,
+                  live_arena=None):
+    """(engine layout, ReceivePlan, {engine parameter name: parameter}) from the model's own
     load_weights, traced without data (loader_trace). The engine layout holds the parameters the
-    plan writes, each in the group of the trainer's tensors that write it."""
+    plan writes, each in the group of the trainer's tensors that write it. With `live_arena`
+    (the live-arena engine the receiver will swap by remap) and allow_partial, it holds every
+    parameter in the model's order, as the arena does: the ones no trainer tensor writes are the
+    plan's kept tensors (the receiver copies their live bytes into each slot once)."""
     from shadowsync.receive_plan import ReceivePlan
 
     from .loader_trace import trace_load_weights
@@ -785,6 +799,7 @@ def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_parti
         )
     with lora_layers_unwrapped(model):  # checkpoint names, as load_weights knows them
         trace = trace_load_weights(model, specs)
+        every = dict(model.named_parameters())
     if trace.unwritten_params and not allow_partial:
         missing = trace.unwritten_params
         raise LayoutMismatchError(
@@ -803,18 +818,24 @@ def _receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_parti
                 f"parameter '{c.engine}' is written from tensors of two groups ('{group}' and, "
                 f"through '{c.wire}', '{wire_group[c.wire]}'): a parameter belongs to one group"
             )
+    engine_params, kept = trace.engine_params, []
+    if trace.unwritten_params and live_arena is not None and len(set(group_of.values())) == 1:
+        # The arena's slots are swapped whole: they must hold the unwritten parameters too.
+        kept = list(trace.unwritten_params)
+        group_of.update({n: next(iter(group_of.values())) for n in kept})
+        engine_params = every
     order = {g.name: i for i, g in enumerate(wire.groups)}
-    names = sorted(trace.engine_params, key=lambda n: order[group_of[n]])  # stable: model order
-    params = {n: trace.engine_params[n] for n in names}
+    names = sorted(engine_params, key=lambda n: order[group_of[n]])  # stable: model order
+    params = {n: engine_params[n] for n in names}
     # Described here: with LoRA on, a parameter's name in the trace (the checkpoint's) is not its
     # name among the wrapped model's parameters.
     descs = {n: _tensors.describe(n, _data(p)) for n, p in params.items()}
     engine = Layout([TensorSpec(n, descs[n].dtype, descs[n].shape, group_of[n]) for n in names])
-    return engine, ReceivePlan(wire, trace.copies), params
+    return engine, ReceivePlan(wire, trace.copies, kept), params
 
 
 def _receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter: int | None,
-                            bucket_bytes: int, allow_partial: bool):
+                            bucket_bytes: int, allow_partial: bool, live_arena=None):
     """(engine layout, ReceivePlan, params, descs) for a trainer that sends a LoRA adapter's
     tensors (and maybe base weights): the base through _receive_plan, the adapter into its vLLM
     slot (lora_plan.py). Both in one plan over the trainer's layout as it sends it."""
@@ -841,18 +862,20 @@ def _receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter
         desc = _tensors.describe(c.engine, lora.engine_tensors[c.engine])
         engine_specs.append(TensorSpec(c.engine, desc.dtype, desc.shape, group_of[c.wire]))
     params: dict[str, Any] = dict(lora.engine_tensors)
+    kept: list[str] = []
     base_specs = [s for s in specs if not is_lora_tensor(s.name)]
     if base_specs:
         base_layout, base_plan, base_params = _receive_plan(model, base_specs, bucket_bytes,
-                                                            allow_partial)
+                                                            allow_partial, live_arena)
         copies += base_plan.copies
+        kept = base_plan.kept
         engine_specs = list(base_layout.specs) + engine_specs
         params.update(base_params)
     wire = Layout(specs, bucket_bytes)
     order = {g.name: i for i, g in enumerate(wire.groups)}
     engine = Layout(sorted(engine_specs, key=lambda t: order[t.group]))
     descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
-    return engine, ReceivePlan(wire, copies), params, descs
+    return engine, ReceivePlan(wire, copies, kept), params, descs
 
 
 def _lora_manager(worker):

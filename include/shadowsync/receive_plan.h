@@ -9,6 +9,11 @@
 // update before the last one: silently wrong weights), and splits the copies into pieces per wire
 // bucket, so that the receiver runs a bucket's pieces on its stream as soon as the bucket landed.
 //
+// An engine tensor no trainer tensor describes (frozen weights) may be declared *kept*: no copy
+// writes it, and the receiver copies its live bytes into each slot once, before that slot's first
+// receive, so that every swap shows it unchanged. Needed where the engine's memory is one arena of
+// every parameter (vLLM's live arena), which a layout of the written tensors alone cannot match.
+//
 // Immutable once built; thread-safe to read.
 #pragma once
 
@@ -54,8 +59,11 @@ class ReceivePlan {
   // tensors of different groups or dtypes; Error(kInvalidArgument) for a copy whose shape and
   // strides disagree in rank, that reaches outside either tensor, whose last dimension is not
   // contiguous on both sides (the plan copies rows), or when an engine tensor is not written
-  // exactly once (each message names the tensors and the counts).
-  static ReceivePlan build(Layout wire, const Layout& engine, const std::vector<PlanCopy>& copies);
+  // exactly once (each message names the tensors and the counts). `kept` names engine tensors
+  // that no copy writes (see above); a kept tensor that is not in the engine layout, named twice,
+  // or also written by a copy is refused (kLayoutMismatch / kInvalidArgument), named.
+  static ReceivePlan build(Layout wire, const Layout& engine, const std::vector<PlanCopy>& copies,
+                           const std::vector<std::string>& kept = {});
 
   const Layout& wire() const { return wire_; }
   std::uint64_t engine_fingerprint() const { return engine_fingerprint_; }
@@ -67,6 +75,8 @@ class ReceivePlan {
   // The largest wire bucket: the size of the receiver's bucket buffer.
   std::size_t max_bucket_bytes() const { return max_bucket_bytes_; }
   std::size_t piece_count() const { return piece_count_; }
+  // The kept tensors of engine group `group`, as indices into its tensors (layout order).
+  const std::vector<std::size_t>& kept(std::size_t group) const { return kept_[group]; }
 
  private:
   ReceivePlan(Layout wire) : wire_(std::move(wire)) {}
@@ -74,6 +84,7 @@ class ReceivePlan {
   Layout wire_;
   std::uint64_t engine_fingerprint_ = 0;
   std::vector<std::vector<std::vector<PlanPiece>>> pieces_;  // [group][bucket]
+  std::vector<std::vector<std::size_t>> kept_;               // [engine group] -> tensor indices
   std::size_t max_bucket_bytes_ = 0;
   std::size_t piece_count_ = 0;
 };

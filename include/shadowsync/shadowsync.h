@@ -489,7 +489,9 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create(
     const shadowsync_receiver_config_t* config, shadowsync_receiver_t* receiver);
 /* One strided copy of a receive plan (receive_plan.h), in elements: `shape` elements from the
  * wire tensor named `wire` (from element `src_offset`, strides `src_strides`) into the engine
- * tensor named `engine` (`dst_offset`, `dst_strides`). The three arrays have `ndim` entries. */
+ * tensor named `engine` (`dst_offset`, `dst_strides`). The three arrays have `ndim` entries.
+ * With `wire` NULL the entry names an engine tensor the plan keeps (frozen: no copy writes it;
+ * each slot gets its live bytes once, before its first receive); the other fields are ignored. */
 typedef struct {
   const char* wire;
   const char* engine;
@@ -505,8 +507,8 @@ typedef struct {
  * `layout` (the engine's); updates come in `wire_layout` (the trainer's: headers are checked
  * against it) and each received bucket is copied into the shadow by the receive plan built from
  * `copies` (checked first: SHADOWSYNC_ERROR_LAYOUT_MISMATCH or INVALID_ARGUMENT naming the tensors
- * when a copy does not fit or an engine tensor is not written exactly once; nothing is
- * allocated then). The copies are read during the call only. Thread-safe. */
+ * when a copy does not fit or an engine tensor is neither written exactly once nor kept; nothing
+ * is allocated then). The copies are read during the call only. Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create_with_plan(
     shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
     const shadowsync_plan_copy_t* copies, size_t count, shadowsync_backend_t backend,

@@ -212,15 +212,22 @@ shadowsync_receiver_t create_receiver(const Layout& layout, std::optional<Receiv
   return handle;
 }
 
-std::vector<PlanCopy> plan_copies_arg(const shadowsync_plan_copy_t* copies, std::size_t count) {
+// The plan the entries describe: each a copy, or (wire NULL) an engine tensor the plan keeps.
+ReceivePlan plan_arg(const Layout& wire, const Layout& engine,
+                     const shadowsync_plan_copy_t* copies, std::size_t count) {
   if (count > 0 && copies == nullptr) {
     throw_invalid(fmt::format("'copies' is NULL but the count is {}", count));
   }
   std::vector<PlanCopy> out;
+  std::vector<std::string> kept;
   out.reserve(count);
   for (std::size_t i = 0; i < count; ++i) {
     const shadowsync_plan_copy_t& c = copies[i];
     const std::string argument = fmt::format("copies[{}]", i);
+    if (c.wire == nullptr) {
+      kept.push_back(string_arg(c.engine, argument + ".engine"));
+      continue;
+    }
     const auto dims = [&](const std::int64_t* values, const char* field) {
       if (c.ndim > 0 && values == nullptr) {
         throw_invalid(fmt::format("'{}.{}' is NULL but ndim is {}", argument, field, c.ndim));
@@ -237,7 +244,7 @@ std::vector<PlanCopy> plan_copies_arg(const shadowsync_plan_copy_t* copies, std:
     copy.dst_strides = dims(c.dst_strides, "dst_strides");
     out.push_back(std::move(copy));
   }
-  return out;
+  return ReceivePlan::build(wire, engine, out, kept);
 }
 
 }  // namespace
@@ -265,8 +272,7 @@ shadowsync_status_t shadowsync_receiver_create_with_plan(
     auto& out = out_arg(receiver, "receiver");
     auto layout_object = lookup<LayoutObject>(layout, "layout");
     auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
-    ReceivePlan plan =
-        ReceivePlan::build(wire_object->layout, layout_object->layout, plan_copies_arg(copies, count));
+    ReceivePlan plan = plan_arg(wire_object->layout, layout_object->layout, copies, count);
     out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config);
   });
 }
@@ -283,8 +289,7 @@ shadowsync_status_t shadowsync_receiver_create_with_arenas(
     std::optional<ReceivePlan> plan;
     if (wire_layout != nullptr) {
       auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
-      plan = ReceivePlan::build(wire_object->layout, layout_object->layout,
-                                plan_copies_arg(copies, copy_count));
+      plan = plan_arg(wire_object->layout, layout_object->layout, copies, copy_count);
     }
     out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config,
                           arenas, count);

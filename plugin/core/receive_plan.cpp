@@ -83,8 +83,28 @@ class PlanBuilder {
     split(src.group, n);
   }
 
-  // Every engine tensor written exactly once: no byte twice (record_destination collected the
-  // ranges), and as many bytes as it has.
+  // The engine tensors no copy may write: by (group, tensor index), checked against the layout.
+  void keep(const std::vector<std::string>& names) {
+    kept_.assign(engine_.groups().size(), {});
+    for (const std::string& name : names) {
+      const auto it = engine_index_.find(name);
+      if (it == engine_index_.end()) {
+        throw Error(ErrorCode::kLayoutMismatch,
+                    fmt::format("kept tensor '{}' is not a tensor of the engine layout ({} "
+                                "tensors)",
+                                name, engine_index_.size()));
+      }
+      auto& group = kept_[it->second.group];
+      if (std::find(group.begin(), group.end(), it->second.tensor) != group.end()) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    fmt::format("kept tensor '{}' is named twice", name));
+      }
+      group.push_back(it->second.tensor);
+    }
+  }
+
+  // Every engine tensor written exactly once, or kept and not written at all: no byte twice
+  // (record_destination collected the ranges), and as many bytes as it has.
   void check_coverage(const std::vector<PlanCopy>& copies) {
     for (std::size_t g = 0; g < intervals_.size(); ++g) {
       auto& ranges = intervals_[g];
@@ -108,6 +128,14 @@ class PlanBuilder {
       for (std::size_t t = 0; t < tensors.size(); ++t) {
         const auto it = written_.find({g, t});
         const std::size_t written = it == written_.end() ? 0 : it->second;
+        const auto& kept = kept_[g];
+        if (std::find(kept.begin(), kept.end(), t) != kept.end()) {
+          if (written == 0) continue;
+          throw Error(ErrorCode::kInvalidArgument,
+                      fmt::format("engine tensor '{}' is kept, but the plan writes {} of its {} "
+                                  "bytes; a kept tensor is written by no copy",
+                                  tensors[t].spec.name, written, tensors[t].bytes));
+        }
         if (written == tensors[t].bytes) continue;
         ++missing_count;
         if (missing.size() < 8) {
@@ -126,6 +154,7 @@ class PlanBuilder {
   }
 
   std::vector<std::vector<std::vector<PlanPiece>>> take_pieces() { return std::move(pieces_); }
+  std::vector<std::vector<std::size_t>> take_kept() { return std::move(kept_); }
   std::size_t piece_count() const { return piece_count_; }
 
  private:
@@ -338,19 +367,23 @@ class PlanBuilder {
   std::vector<std::vector<std::vector<PlanPiece>>> pieces_;
   std::vector<std::vector<Interval>> intervals_;                       // per engine group
   std::map<std::pair<std::size_t, std::size_t>, std::size_t> written_;  // (group, tensor) -> bytes
+  std::vector<std::vector<std::size_t>> kept_;                          // per engine group
   std::size_t piece_count_ = 0;
 };
 
 }  // namespace
 
 ReceivePlan ReceivePlan::build(Layout wire, const Layout& engine,
-                               const std::vector<PlanCopy>& copies) {
+                               const std::vector<PlanCopy>& copies,
+                               const std::vector<std::string>& kept) {
   PlanBuilder builder(wire, engine);
+  builder.keep(kept);
   for (std::size_t i = 0; i < copies.size(); ++i) builder.add(i, copies[i]);
   builder.check_coverage(copies);
   ReceivePlan plan(std::move(wire));
   plan.engine_fingerprint_ = engine.fingerprint();
   plan.pieces_ = builder.take_pieces();
+  plan.kept_ = builder.take_kept();
   plan.piece_count_ = builder.piece_count();
   for (const auto& g : plan.wire_.groups()) {
     if (g.bucket_count() > 0) plan.max_bucket_bytes_ = std::max(plan.max_bucket_bytes_, g.bucket(0).bytes);

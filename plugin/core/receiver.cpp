@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -76,6 +77,9 @@ struct Receiver::Impl {
   std::optional<Refusal> hold_back(std::chrono::nanoseconds hold);
   // Why a receive stops early: shutdown, abort_update, a failed transport; nothing otherwise.
   std::optional<Refusal> interrupted();
+  // A plan's kept tensors (receive_plan.h): copies their live bytes into each target slot that
+  // has not had them yet, on `stream`, before anything lands there.
+  void seed_kept(const std::vector<ReceiveTarget>& targets);
   // Waits for the checks enqueued while the buckets were posted and compares; nothing when they
   // pass or nothing was asked. `sent_block_done`: the event of the sender's checksum block.
   std::optional<Refusal> verify(const std::vector<ReceiveTarget>& targets, Event* sent_block_done,
@@ -101,6 +105,8 @@ struct Receiver::Impl {
   // enough: the receive, the checksum and the pieces of a bucket and the next bucket's receive are
   // all on `stream`, in that order.
   DeviceBuffer bucket_buffer;
+  // Per group and slot: the slot holds the plan's kept tensors. Empty until the first receive.
+  std::vector<std::array<bool, 2>> kept_seeded;  // receiver thread only
   ReceiveChecks checks;  // receiver thread only
   Pacer pacer;           // receiver thread only
 
@@ -450,6 +456,7 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   for (const ReceiveTarget& target : targets) {
     backend.stream_wait_event(*stream, *owner.slots_->group(target.group).release[target.slot]);
   }
+  seed_kept(targets);
   // Without a plan straight into the shadow arena: one broadcast per bucket, no staging, no
   // per-tensor work. With one, into the bucket buffer, then the plan's pieces into the shadow.
   checks.begin(carries_checksums(header, layout));
@@ -558,6 +565,31 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     owner.hook_->publish(offered);
   }
   for (const UpdateReport& r : reports) notify(r);
+}
+
+void Receiver::Impl::seed_kept(const std::vector<ReceiveTarget>& targets) {
+  const ReceivePlan* plan = owner.plan_.get();
+  if (plan == nullptr) return;
+  SlotTable& slots = *owner.slots_;
+  if (kept_seeded.empty()) {
+    // The live slots hold the engine's weights, kept tensors included, by the first receive
+    // (the engine put them there, or adopted them into the live arena, before any update).
+    kept_seeded.assign(slots.size(), {false, false});
+    for (std::size_t g = 0; g < slots.size(); ++g) kept_seeded[g][slots.live_slot(g)] = true;
+  }
+  for (const ReceiveTarget& target : targets) {
+    bool& seeded = kept_seeded[target.group][target.slot];
+    if (seeded) continue;
+    const auto& tensors = owner.layout_.groups()[target.group].tensors();
+    std::byte* slot = slots.slot_data(target.group, target.slot);
+    for (const std::size_t t : plan->kept(target.group)) {
+      const TensorPlacement& kept = tensors[t];
+      // The receiver thread may read the table now: no swap can run (see slot_table.h).
+      backend.memcpy_async(slot + kept.offset, slots.live_tensor(target.group, t, kept.offset),
+                           kept.bytes, *stream);
+    }
+    seeded = true;  // on `stream`, before every later write to the slot
+  }
 }
 
 std::optional<Refusal> Receiver::Impl::interrupted() {

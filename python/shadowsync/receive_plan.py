@@ -30,12 +30,15 @@ class PlanCopy:
 class ReceivePlan:
     """The trainer's layout (`wire`, a Layout of its tensors as it sends them) and the copies
     that put them into the engine's layout. Given to Receiver(plan=...), which checks it against
-    the engine's layout (bounds, dtypes, groups, every engine byte written exactly once) and
-    raises LayoutMismatchError or InvalidArgumentError naming the tensors otherwise."""
+    the engine's layout (bounds, dtypes, groups, every engine byte written exactly once, or the
+    tensor named in `kept`) and raises LayoutMismatchError or InvalidArgumentError naming the tensors otherwise."""
 
-    def __init__(self, wire, copies):
+    def __init__(self, wire, copies, kept=()):
         self.wire = wire
         self.copies = [c if isinstance(c, PlanCopy) else PlanCopy(*c) for c in copies]
+        # Engine tensors no copy writes (frozen weights): the receiver copies their live bytes
+        # into each slot once, before its first receive, so every swap shows them unchanged.
+        self.kept = [str(name) for name in kept]
         if not self.copies:
             from .errors import InvalidArgumentError
 
@@ -48,7 +51,7 @@ class ReceivePlan:
         from ._library import PlanCopyC
 
         keep = []
-        array = (PlanCopyC * len(self.copies))()
+        array = (PlanCopyC * (len(self.copies) + len(self.kept)))()
         for entry, c in zip(array, self.copies):
             dims = []
             for values in (c.shape, c.src_strides, c.dst_strides):
@@ -64,4 +67,8 @@ class ReceivePlan:
             )
             entry.src_offset = c.src_offset
             entry.dst_offset = c.dst_offset
+        for entry, name in zip(array[len(self.copies):], self.kept):
+            engine = name.encode()  # wire NULL: a kept tensor
+            keep.append(engine)
+            entry.engine = engine
         return array, keep

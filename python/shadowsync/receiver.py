@@ -248,7 +248,7 @@ class Receiver(Handle):
             copies, _keep = plan._c_array() if plan is not None else (None, None)
             call("shadowsync_receiver_create_with_arenas", layout.handle,
                  plan.wire.handle if plan is not None else None, copies,
-                 len(plan.copies) if plan is not None else 0, c_arenas, len(c_arenas),
+                 len(copies) if plan is not None else 0, c_arenas, len(c_arenas),
                  backend.handle, c_transport, c_config_ref, byref(handle))
         elif plan is None:
             call("shadowsync_receiver_create", layout.handle, backend.handle, c_transport,
@@ -256,7 +256,7 @@ class Receiver(Handle):
         else:
             copies, _keep = plan._c_array()
             call("shadowsync_receiver_create_with_plan", layout.handle, plan.wire.handle, copies,
-                 len(plan.copies), backend.handle, c_transport, c_config_ref, byref(handle))
+                 len(copies), backend.handle, c_transport, c_config_ref, byref(handle))
         super().__init__(handle.value)
         if transport is not None:
             transport._disown()

@@ -674,3 +674,49 @@ def test_vllm_tensor_parallel_ranks_trace_their_own_shards(tmp_path):
     assert plans[1][k] == ([32, 128], 32 * 128, 64 * 128)
     assert plans[0][o] == ([128, 64], 0, 0) and plans[1][o] == ([128, 64], 64, 0)
     assert plans[0][embed] == ([160, 128], 0, 0) and plans[1][embed] == ([160, 128], 160 * 128, 0)
+
+
+def test_a_plan_for_the_live_arena_keeps_what_the_trainer_does_not_send():
+    """With the live arena (swapped whole by remap) and allow_partial, the engine layout is every
+    parameter in the model's order, as the arena's, and the ones no trainer tensor writes are the
+    plan's kept tensors; without it they stay out of the layout. Then a receiver (host backend,
+    rebind: both slots take updates in turn) takes the plan through the C API and two updates:
+    the kept norm reads as the engine had it after each swap, the rest as the loader would."""
+    from types import SimpleNamespace
+
+    from shadowsync.layout import TensorSpec
+    from shadowsync.vllm.worker_extension import _receive_plan
+
+    engine = Engine()
+    randomize(engine)
+    specs = [TensorSpec.coerce(s) for s in hf_specs() if s[0] != "norm.weight"]
+    arena = SimpleNamespace(params=list(engine.parameters()))
+    layout, plan, params = _receive_plan(engine, specs, 0, True, live_arena=arena)
+    names = [n for n, _ in engine.named_parameters()]
+    assert [t.name for t in layout.groups[0].tensors] == names
+    assert plan.kept == ["norm.weight"]
+    assert [params[n] for n in names] == arena.params
+    alone, alone_plan, _ = _receive_plan(engine, specs, 0, True)
+    assert "norm.weight" not in [t.name for t in alone.groups[0].tensors]
+    assert alone_plan.kept == []
+
+    backend = ss.HostBackend()
+    loopback = ss.Loopback(2)
+    sender = ss.Sender(plan.wire, backend, loopback.transport(0))
+    receiver = ss.Receiver(layout, backend, loopback.transport(1), plan=plan)
+    norm = engine.norm.weight.detach().clone()
+    for t in layout.groups[0].tensors:  # the engine's weights in the live slot (adopted)
+        receiver.live_array(t.name)[...] = params[t.name].detach().numpy()
+    for version in (1, 2):
+        sources = real_sources([(s.name, "fp32", s.shape) for s in specs], seed=version)
+        handle = sender.publish(version, {n: t.numpy() for n, t in sources.items()})
+        receiver.begin_update(handle.header_bytes)
+        handle.wait(30)
+        receiver.wait_applied(version, 30)
+        reference = Engine()
+        reference.load_weights(sources.items())
+        for name, p in reference.named_parameters():
+            want = norm if name == "norm.weight" else p.detach()
+            assert torch.equal(torch.from_numpy(receiver.live_array(name).copy()), want), name
+    receiver.close()
+    sender.close()

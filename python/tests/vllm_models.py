@@ -131,12 +131,17 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The input embedding and the output head: PEFT adapts the embedding with lora_embedding_A
+# [r, vocab] and lora_embedding_B [hidden, r] (bare parameters), lm_head as a linear layer.
+LORA_EMBEDDING_TARGETS = ("embed_tokens", "lm_head")
 
 
 def make_tiny_lora(base: str | os.PathLike, path: str | os.PathLike, seed: int, r: int = 8,
-                   lora_alpha: int = 16, std: float = 0.2) -> str:
-    """Writes a random PEFT LoRA adapter for the checkpoint `base` (every linear projection of
-    every layer; adapter_config.json and adapter_model.safetensors, PEFT's names) into `path` and
+                   lora_alpha: int = 16, std: float = 0.2,
+                   targets: tuple[str, ...] = LORA_TARGETS) -> str:
+    """Writes a random PEFT LoRA adapter for the checkpoint `base` (the modules named `targets`:
+    by default every linear projection of every layer; LORA_EMBEDDING_TARGETS adds the embedding
+    and lm_head; adapter_config.json and adapter_model.safetensors, PEFT's names) into `path` and
     returns str(path). Unlike PEFT's initialization (lora_B = 0) both A and B are random, so the
     adapter changes the output; same seed, same adapter."""
     import json
@@ -149,9 +154,17 @@ def make_tiny_lora(base: str | os.PathLike, path: str | os.PathLike, seed: int, 
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, module in model.named_modules():
-        if name.split(".")[-1] in LORA_TARGETS:
+        if name.split(".")[-1] not in targets:
+            continue
+        prefix = f"base_model.model.{name}"
+        if isinstance(module, torch.nn.Embedding):
+            vocab, hidden = module.weight.shape
+            tensors[f"{prefix}.lora_embedding_A"] = std * torch.randn(r, vocab,
+                                                                      generator=generator)
+            tensors[f"{prefix}.lora_embedding_B"] = std * torch.randn(hidden, r,
+                                                                      generator=generator)
+        else:
             out_features, in_features = module.weight.shape
-            prefix = f"base_model.model.{name}"
             tensors[f"{prefix}.lora_A.weight"] = std * torch.randn(r, in_features,
                                                                    generator=generator)
             tensors[f"{prefix}.lora_B.weight"] = std * torch.randn(out_features, r,
@@ -160,7 +173,27 @@ def make_tiny_lora(base: str | os.PathLike, path: str | os.PathLike, seed: int, 
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=r, lora_alpha=lora_alpha,
-                  target_modules=list(LORA_TARGETS), bias="none", lora_dropout=0.0,
+                  target_modules=list(targets), bias="none", lora_dropout=0.0,
                   base_model_name_or_path=str(base))
     (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def with_tensors_of(base: str | os.PathLike, donor: str | os.PathLike, names: list[str],
+                    path: str | os.PathLike) -> str:
+    """A copy of checkpoint `base` at `path` whose tensors `names` are `donor`'s: what an engine
+    of `donor` holds after an update of `base` that leaves `names` out (kept, frozen)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    shutil.copytree(base, path)
+    tensors = load_file(str(Path(base) / "model.safetensors"))
+    given = load_file(str(Path(donor) / "model.safetensors"))
+    missing = [n for n in names if n not in given or n not in tensors]
+    if missing:
+        raise ValueError(f"tensors {missing} are not in both checkpoints")
+    tensors.update({n: given[n] for n in names})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return str(path)

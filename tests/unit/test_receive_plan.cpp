@@ -258,3 +258,98 @@ TEST_CASE("a receiver refuses a plan of another engine layout and the non-finite
              Catch::Contains("reject_nonfinite is not available with a receive plan"));
   CHECK(backend.bytes_allocated() == 0);
 }
+
+TEST_CASE("a plan refuses kept tensors it cannot keep, naming them") {
+  FusedModel m;
+  auto copies = m.copies();
+  const auto refused = [&](const std::vector<PlanCopy>& c, const std::vector<std::string>& kept) {
+    return message_of([&] { ReceivePlan::build(m.wire, m.engine, c, kept); });
+  };
+  SECTION("a kept tensor the engine layout does not have") {
+    CHECK_THAT(refused(copies, {"model.norm"}),
+               Catch::Contains("kept tensor 'model.norm' is not a tensor of the engine layout (3 "
+                               "tensors)"));
+  }
+  SECTION("a kept tensor named twice") {
+    copies.pop_back();  // nothing writes the norm
+    CHECK_THAT(refused(copies, {"norm", "norm"}), Catch::Contains("kept tensor 'norm' is named "
+                                                                  "twice"));
+  }
+  SECTION("a kept tensor a copy writes") {
+    CHECK_THAT(refused(copies, {"norm"}),
+               Catch::Contains("engine tensor 'norm' is kept, but the plan writes 64 of its 64 "
+                               "bytes"));
+  }
+  SECTION("a tensor neither written nor kept") {
+    copies.pop_back();
+    CHECK_THAT(refused(copies, {}), Catch::Contains("'norm' (0 of 64 bytes)"));
+    CHECK_NOTHROW(ReceivePlan::build(m.wire, m.engine, copies, {"norm"}));
+  }
+}
+
+TEST_CASE("a kept tensor keeps the engine's bytes through every swap, under each strategy") {
+  // The trainer does not send the norm (frozen); the engine's layout holds it. Updates land in
+  // both slots in turn (rebind) or in the shadow that is copied into the live storage (copy_in,
+  // the receiver's arena or the engine's own tensors): the norm must read as the engine had it
+  // after every swap, while the rest follows the updates.
+  FusedModel m;
+  const Layout wire = Layout::build({{"q_proj", DType::kBFloat16, {16, 16}, "base"},
+                                     {"k_proj", DType::kBFloat16, {8, 16}, "base"},
+                                     {"v_proj", DType::kBFloat16, {8, 16}, "base"},
+                                     {"o_proj", DType::kBFloat16, {16, 16}, "base"}},
+                                    {.bucket_bytes = 256});
+  std::vector<PlanCopy> copies = m.copies();
+  copies.pop_back();  // the norm's
+  struct Strategy {
+    const char* name;
+    SwapStrategy swap;
+    bool engine_storage;
+  };
+  const Strategy strategy = GENERATE(Strategy{"rebind", SwapStrategy::kRebind, false},
+                                     Strategy{"copy_in", SwapStrategy::kCopyIn, false},
+                                     Strategy{"copy_in, engine storage", SwapStrategy::kCopyIn, true});
+  INFO("strategy " << strategy.name);
+  HostBackend backend;
+  LoopbackCommunicator world(2);
+  Sender sender(wire, backend, world.transport(0));
+  ReceiverConfig config;
+  config.update_deadline = std::chrono::seconds(20);
+  config.swap_strategy = strategy.swap;
+  Receiver receiver(m.engine, ReceivePlan::build(wire, m.engine, copies, {"norm"}), backend,
+                    world.transport(1), config);
+  auto engine_stream = backend.create_stream(StreamPriority::kNormal);
+  const GroupLayout& group = m.engine.groups()[0];
+  std::vector<std::byte> engine_tensors(group.arena_bytes());
+  if (strategy.engine_storage) {
+    std::vector<void*> addresses;
+    for (const auto& t : group.tensors()) addresses.push_back(engine_tensors.data() + t.offset);
+    receiver.use_engine_storage(0, addresses);
+  }
+  // The engine's weights, the norm among them, in the live storage before the first update.
+  const std::size_t norm = *group.find_tensor("norm");
+  const TensorPlacement& norm_place = group.tensors()[norm];
+  const auto norm_bytes = random_bytes(norm_place.bytes, 7);
+  std::memcpy(receiver.step_hook().live_tensor(0, norm), norm_bytes.data(), norm_place.bytes);
+
+  for (unsigned version = 1; version <= 4; ++version) {
+    const auto wire_arena = random_bytes(wire.groups()[0].arena_bytes(), 200 + version);
+    std::vector<SourceTensor> tensors;
+    for (const auto& t : wire.groups()[0].tensors()) {
+      tensors.push_back({t.spec.name, wire_arena.data() + t.offset, t.spec.dtype, t.spec.shape});
+    }
+    const PublishHandle handle = sender.publish(version, {"base"}, tensors);
+    receiver.begin_update(handle.header());
+    REQUIRE(handle.wait_for(std::chrono::seconds(20)));
+    REQUIRE(receiver.step_hook().wait_applied(
+        version, std::chrono::steady_clock::now() + std::chrono::seconds(20), *engine_stream));
+    backend.stream_synchronize(*engine_stream);
+    const auto expected = reference(wire, m.engine, copies, wire_arena);
+    for (std::size_t t = 0; t < group.tensors().size(); ++t) {
+      const TensorPlacement& p = group.tensors()[t];
+      INFO("version " << version << " tensor " << p.spec.name);
+      const auto* live = static_cast<const std::byte*>(receiver.step_hook().live_tensor(0, t));
+      const std::byte* want = t == norm ? norm_bytes.data() : expected.data() + p.offset;
+      CHECK(std::memcmp(live, want, p.bytes) == 0);
+    }
+  }
+}
