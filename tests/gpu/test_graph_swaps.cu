@@ -10,6 +10,11 @@
 // made later takes them; halfway it is destroyed and a second receiver takes the same arenas,
 // whose live slot is then whichever the first left live. The same checks hold throughout.
 //
+// vLLM's live arena with a LoRA adapter: the engine's arena holds the base group only, and the
+// adapters live in the engine's own buffers (vLLM's stacked LoRA slots), which each receiver is
+// given with use_engine_storage. A swap remaps the base and copies the adapters on the engine
+// stream; the graph, captured over both before any receiver, must see both at one version.
+//
 // The trainer is this test: it fills a device arena per group with the oracle's pattern and a
 // small in-process transport copies bucket by bucket from it into the receiver's shadow, on the
 // receiver's stream (NCCL needs two GPUs; what is tested here is the swap, not the transport).
@@ -119,7 +124,22 @@ Results read_results(const std::uint64_t* device, std::size_t groups, cudaStream
   return r;
 }
 
-enum class ArenaOwner { kReceivers, kEngine };
+enum class ArenaOwner {
+  kReceivers,          // each receiver makes its own arenas
+  kEngine,             // the engine made every group's arena
+  kEngineBaseStorage,  // the engine made the base group's arena; the adapters are its own buffers
+};
+
+// What the engine reads for group `g` now: its live arena, or its own storage (laid out as the
+// group's arena here), located by its first tensor.
+const std::uint64_t* live_words(const StepHook& hook, const Layout& layout, std::size_t g) {
+  const std::byte* arena = hook.live_arena(g);
+  if (arena == nullptr) {
+    arena = static_cast<const std::byte*>(hook.live_tensor(g, 0)) -
+            layout.groups()[g].tensors()[0].offset;
+  }
+  return reinterpret_cast<const std::uint64_t*>(arena);
+}
 
 void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kReceivers) {
   Watchdog watchdog(240s);
@@ -137,20 +157,35 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
   config.swap_strategy = strategy;
   config.engine_uses_cuda_graphs = true;
   EngineArenas engine_arenas;
+  std::vector<DeviceBuffer> adapter_storage(groups);  // kEngineBaseStorage: groups 1.. only
   if (owner == ArenaOwner::kEngine) {
     for (const auto& group : layout.groups()) {
       engine_arenas.push_back(backend.create_remappable_arena(group.arena_bytes()));
+    }
+  } else if (owner == ArenaOwner::kEngineBaseStorage) {
+    engine_arenas.push_back(backend.create_remappable_arena(layout.groups()[0].arena_bytes()));
+    for (std::size_t g = 1; g < groups; ++g) {
+      adapter_storage[g] = DeviceBuffer(backend, layout.groups()[g].arena_bytes());
     }
   }
   DeviceCopyTransport* transport = nullptr;
   const auto make_receiver = [&] {
     auto transport_owned = std::make_unique<DeviceCopyTransport>();
     transport = transport_owned.get();
-    return std::make_unique<Receiver>(layout, backend, std::move(transport_owned), config,
-                                      engine_arenas);
+    auto made = std::make_unique<Receiver>(layout, backend, std::move(transport_owned), config,
+                                           engine_arenas);
+    for (std::size_t g = 1; g < groups && owner == ArenaOwner::kEngineBaseStorage; ++g) {
+      std::vector<void*> tensors;
+      for (const auto& t : layout.groups()[g].tensors()) {
+        tensors.push_back(adapter_storage[g].data() + t.offset);
+      }
+      made->use_engine_storage(g, tensors);
+    }
+    return made;
   };
   // With engine arenas the graph is captured before the first receiver is made.
-  std::unique_ptr<Receiver> receiver = owner == ArenaOwner::kEngine ? nullptr : make_receiver();
+  std::unique_ptr<Receiver> receiver =
+      owner == ArenaOwner::kReceivers ? make_receiver() : nullptr;
 
   std::vector<TensorEntry> entries;
   for (std::size_t g = 0; g < groups; ++g) {
@@ -180,7 +215,9 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
   Arenas live{};
   for (std::size_t g = 0; g < groups; ++g) {
     live.group[g] = reinterpret_cast<const std::uint64_t*>(
-        receiver ? receiver->step_hook().live_arena(g) : engine_arenas[g]->live_address());
+        receiver                 ? receiver->step_hook().live_arena(g)
+        : g < engine_arenas.size() ? engine_arenas[g]->live_address()
+                                   : adapter_storage[g].data());
   }
   auto* graph_out = reinterpret_cast<std::uint64_t*>(graph_results.data());
   cudaGraph_t graph = nullptr;
@@ -202,7 +239,7 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
   std::uint64_t replays = 0;
   std::string first_torn;
   for (std::uint64_t v = 1; v <= kSwaps; ++v) {
-    if (owner == ArenaOwner::kEngine && v == kSwaps / 2 + 2) {
+    if (owner != ArenaOwner::kReceivers && v == kSwaps / 2 + 2) {
       // Past halfway, after an odd number of swaps: a second receiver takes the arenas the
       // first one left with slot 1 live.
       for (std::size_t g = 0; g < groups; ++g) {
@@ -213,8 +250,7 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
       receiver = make_receiver();
       for (std::size_t g = 0; g < groups; ++g) {
         INFO("group " << g);
-        REQUIRE(receiver->step_hook().live_arena(g) ==
-                reinterpret_cast<const std::byte*>(live.group[g]));
+        REQUIRE(live_words(receiver->step_hook(), layout, g) == live.group[g]);
       }
     }
     StepHook& hook = receiver->step_hook();
@@ -257,7 +293,7 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
           }
         }
         // The addresses the graph baked in are still what the engine reads.
-        REQUIRE(reinterpret_cast<const std::uint64_t*>(hook.live_arena(g)) == live.group[g]);
+        REQUIRE(live_words(hook, layout, g) == live.group[g]);
       }
       if (hook.applied_version() >= v) break;
       REQUIRE(std::chrono::steady_clock::now() < deadline);
@@ -274,7 +310,11 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
   CHECK(receiver->step_hook().applied_version() == kSwaps);
   std::printf("%s%s: %d swaps, %llu graph replays, %llu torn\n",
               std::string(swap_strategy_name(strategy)).c_str(),
-              owner == ArenaOwner::kEngine ? " (engine arenas, 2 receivers)" : "", kSwaps,
+              owner == ArenaOwner::kEngine              ? " (engine arenas, 2 receivers)"
+              : owner == ArenaOwner::kEngineBaseStorage ? " (engine's base arena, adapters in "
+                                                          "its storage, 2 receivers)"
+                                                        : "",
+              kSwaps,
               static_cast<unsigned long long>(replays), static_cast<unsigned long long>(torn));
 
   REQUIRE_CUDA(cudaStreamSynchronize(engine_handle));
@@ -297,6 +337,11 @@ TEST_CASE("graph swaps: remap, 200 swaps under a graph captured once") {
 TEST_CASE("graph swaps: remap over engine arenas captured before any receiver, two receivers "
           "in turn") {
   run_graph_swaps(SwapStrategy::kRemap, ArenaOwner::kEngine);
+}
+
+TEST_CASE("graph swaps: remap of the engine's base arena and copies into its adapter buffers at "
+          "the same swaps (vLLM's live arena with LoRA), two receivers in turn") {
+  run_graph_swaps(SwapStrategy::kRemap, ArenaOwner::kEngineBaseStorage);
 }
 
 TEST_CASE("graph swaps: rebind is refused when the engine declares CUDA graphs") {
