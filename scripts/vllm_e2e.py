@@ -19,6 +19,7 @@ back again. Exits non-zero on any difference; prints one line per stage. vLLM ru
 the first request) and every update carries a new adapter with the base (B with adapter L2, then
 A with L1), as PEFT tensors in their own group (lora_adapter=1); the answers are those of
 requests with the adapter, against fresh vLLMs that loaded the adapter from its directory.
+--lora-embeddings: the adapters adapt the embedding and lm_head too (PEFT's lora_embedding_A/B).
 
 --omit NAME (repeatable): the trainer leaves tensor NAME out and the worker allows it
 (allow_partial=True): the engine keeps its own NAME, so after update 1 it must answer as a fresh
@@ -162,6 +163,8 @@ def main() -> int:
     parser.add_argument("--reference-adapter", help=argparse.SUPPRESS)
     parser.add_argument("--lora", action="store_true",
                         help="vLLM serves a LoRA adapter that every update carries too")
+    parser.add_argument("--lora-embeddings", action="store_true",
+                        help="with --lora: the adapters also adapt embed_tokens and lm_head")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--arch", default="llama", help="llama, qwen2 (biases, tied), qwen3, phi3")
     parser.add_argument("--live-arena", action="store_true",
@@ -190,7 +193,8 @@ def main() -> int:
         print("ANSWERS " + json.dumps(greedy(llm, args.reference_adapter)), flush=True)
         return 0
 
-    from vllm_models import make_tiny_lora, make_tiny_model, with_tensors_of
+    from vllm_models import (LORA_EMBEDDING_TARGETS, LORA_TARGETS, make_tiny_lora,
+                             make_tiny_model, with_tensors_of)
 
     import shadowsync as ss
     import shadowsync.vllm as ssv
@@ -202,8 +206,10 @@ def main() -> int:
     # --lora: A is served with adapter L1, B with L2 (an update carries both groups).
     adapter = {"A": None, "B": None}
     if args.lora:
-        adapter = {"A": make_tiny_lora(a, work / "L1", seed=11, r=LORA_R, lora_alpha=LORA_ALPHA),
-                   "B": make_tiny_lora(a, work / "L2", seed=12, r=LORA_R, lora_alpha=LORA_ALPHA)}
+        targets = LORA_TARGETS + (LORA_EMBEDDING_TARGETS if args.lora_embeddings else ())
+        adapter = {name: make_tiny_lora(a, work / f"L{seed - 10}", seed=seed, r=LORA_R,
+                                        lora_alpha=LORA_ALPHA, targets=targets)
+                   for name, seed in (("A", 11), ("B", 12))}
     # What the engine holds after update 1: B, with A's tensors where the trainer omits them.
     b_kept = with_tensors_of(b, a, args.omit, work / "B-kept") if args.omit else b
     started = time.monotonic()

@@ -1,14 +1,16 @@
 """A receive plan for a LoRA adapter that vLLM serves: the trainer's PEFT tensors (``lora_A`` and
-``lora_B`` of each adapted module, Hugging Face names) land in the adapter's slot of vLLM's
-stacked LoRA buffers (``lora_a_stacked`` / ``lora_b_stacked`` of each LoRA layer: a fused layer
-has one slice per packed projection; tensor parallelism shards them per rank), which vLLM's LoRA
-kernels read at every step.
+``lora_B`` of each adapted module, ``lora_embedding_A`` / ``lora_embedding_B`` of an adapted
+embedding, Hugging Face names) land in the adapter's slot of vLLM's stacked LoRA buffers
+(``lora_a_stacked`` / ``lora_b_stacked`` of each LoRA layer: a linear layer keeps a tuple of them,
+one slice per packed projection, sharded per rank under tensor parallelism; the embedding and the
+lm_head layers keep one tensor each), which vLLM's LoRA kernels read at every step.
 
 Where each element goes is learned from vLLM itself, without data: each LoRA layer's own
 ``set_lora`` runs once, on a copy of the layer whose stacked buffers are int64, with inputs that
 hold the element indices of the wire tensors. Whatever slicing and packing it does, per
 architecture and per rank, shows in where the indices land; each slot block is then read back
-as a strided view of one wire tensor (one PlanCopy). No per-architecture table here.
+as a strided view of one wire tensor (one PlanCopy; the embedding's lora_A, which vLLM keeps
+transposed, is one too, copied a column at a time). No per-architecture table here.
 
 vLLM computes with ``lora_B x lora_alpha / r`` (it scales B when it loads an adapter): the
 trainer sends that product (``scaled_lora_b``), since a receive only copies.
@@ -27,24 +29,38 @@ from shadowsync.errors import InvalidArgumentError, LayoutMismatchError
 from shadowsync.layout import TensorSpec, canonical_dtype
 from shadowsync.receive_plan import PlanCopy
 
-# base_model.model.<module>.lora_A[.<adapter name>].weight (PEFT's state dict and parameters).
-_LORA_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])"
-                          r"(?:\.[^.]+)?\.weight$")
+# base_model.model.<module>.lora_A[.<adapter name>].weight (PEFT's state dict and parameters); an
+# adapted embedding's are bare parameters: base_model.model.<module>.lora_embedding_A[.<adapter>].
+_LORA_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_"
+                          r"(?:(?P<which>[AB])(?:\.[^.]+)?\.weight"
+                          r"|embedding_(?P<embedding_which>[AB])(?:\.[^.]+)?)$")
 # A probe value: (wire tensor number + 1) << 32 | element index; 0 means "not written".
 _ELEMENT_BITS = 32
 
 
+def _lora_tensor(name: str) -> tuple[str, str] | None:
+    """(module, "A" or "B") of a PEFT LoRA tensor's name, None for any other name."""
+    match = _LORA_TENSOR.match(name)
+    if match is None:
+        return None
+    return match["module"], match["which"] or match["embedding_which"]
+
+
 def is_lora_tensor(name: str) -> bool:
-    """Whether `name` is a PEFT LoRA tensor (``...<module>.lora_A.weight`` or ``lora_B``)."""
-    return _LORA_TENSOR.match(name) is not None
+    """Whether `name` is a PEFT LoRA tensor (``...<module>.lora_A.weight`` or ``lora_B``, or an
+    embedding's ``...<module>.lora_embedding_A`` or ``lora_embedding_B``)."""
+    return _lora_tensor(name) is not None
 
 
 def scaled_lora_b(tensors: dict, scaling: float) -> dict:
-    """The trainer's side: `tensors` with every ``lora_B`` multiplied by `scaling` (PEFT's
-    ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA): what vLLM computes with. New tensors for
-    lora_B, the others as they are."""
-    return {n: (t * scaling if _LORA_TENSOR.match(n) and _LORA_TENSOR.match(n)["which"] == "B"
-                else t) for n, t in tensors.items()}
+    """The trainer's side: `tensors` with every ``lora_B`` (and ``lora_embedding_B``) multiplied
+    by `scaling` (PEFT's ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA): what vLLM computes
+    with. New tensors for lora_B, the others as they are."""
+    scaled = {}
+    for name, tensor in tensors.items():
+        parsed = _lora_tensor(name)
+        scaled[name] = tensor * scaling if parsed is not None and parsed[1] == "B" else tensor
+    return scaled
 
 
 def is_lora_layer(module) -> bool:
@@ -100,8 +116,9 @@ def lora_receive_plan(lora_manager, adapter_id: int, specs: list[TensorSpec]) ->
     """The plan that puts the trainer's LoRA tensors `specs` into adapter `adapter_id`'s slot.
     Refused, named: a tensor that is not a PEFT LoRA tensor, a module vLLM has no LoRA layer for,
     two tensors for one slot, lora_A without its lora_B, shapes vLLM's set_lora does not take (a
-    rank above max_lora_rank, ...), a rank below it, a dtype other than the slot's, a placement
-    that is not a strided view, a tensor that lands nowhere, an embedding or lm_head layer."""
+    rank above max_lora_rank, a vocabulary larger than the model's, ...), a rank below it (or a
+    smaller vocabulary), a dtype other than the slot's, a placement that is not a strided view, a
+    tensor that lands nowhere, a layer whose slots are neither tensors nor tuples of them."""
     import torch
 
     manager = lora_manager._adapter_manager
@@ -113,32 +130,38 @@ def lora_receive_plan(lora_manager, adapter_id: int, specs: list[TensorSpec]) ->
             owner[part] = (fused, i)
     per_layer: dict[str, dict[tuple[int, str], int]] = {}  # layer -> (slice, A|B) -> wire number
     for number, spec in enumerate(specs):
-        match = _LORA_TENSOR.match(spec.name)
-        if match is None:
+        parsed = _lora_tensor(spec.name)
+        if parsed is None:
             raise LayoutMismatchError(f"tensor '{spec.name}' is not a LoRA tensor "
-                                      f"('<module>.lora_A.weight' or 'lora_B')")
-        module = match["module"]
+                                      f"('<module>.lora_A.weight' or 'lora_B', or an embedding's "
+                                      f"'<module>.lora_embedding_A' or 'lora_embedding_B')")
+        module, which = parsed
         layer, part = owner.get(module, (module, 0))
         if layer not in manager.modules:
             raise LayoutMismatchError(
                 f"tensor '{spec.name}': module '{module}' has no LoRA layer in vLLM (its LoRA "
                 f"layers: {', '.join(list(manager.modules)[:4])}, ...)")
         wires = per_layer.setdefault(layer, {})
-        if (part, match["which"]) in wires:
+        if (part, which) in wires:
             raise LayoutMismatchError(
-                f"tensors '{specs[wires[(part, match['which'])]].name}' and '{spec.name}' both "
-                f"go to lora_{match['which']} of slice {part} of vLLM's LoRA layer '{layer}'")
-        wires[(part, match["which"])] = number
+                f"tensors '{specs[wires[(part, which)]].name}' and '{spec.name}' both "
+                f"go to lora_{which} of slice {part} of vLLM's LoRA layer '{layer}'")
+        wires[(part, which)] = number
 
     copies: list[PlanCopy] = []
     engine_tensors: dict[str, Any] = {}
     for layer_name, wires in per_layer.items():
         layer = manager.modules[layer_name]
-        if not isinstance(layer.lora_a_stacked, tuple):
+        raw_a = getattr(layer, "lora_a_stacked", None)
+        raw_b = getattr(layer, "lora_b_stacked", None)
+        stacked_a, stacked_b = _slices(raw_a), _slices(raw_b)
+        if (stacked_a is None or stacked_b is None or len(stacked_a) != len(stacked_b)
+                or isinstance(raw_a, tuple) != isinstance(raw_b, tuple)):
             raise LayoutMismatchError(
                 f"vLLM's LoRA layer '{layer_name}' ({type(layer).__name__}) keeps its slots in "
-                f"another form (an embedding or lm_head adapter): not supported")
-        slices = len(layer.lora_a_stacked)
+                f"another form (lora_a_stacked / lora_b_stacked are not tensors or tuples of "
+                f"them, one per slice): not supported")
+        slices = len(stacked_a)
         for (part, which), number in wires.items():
             if (part, "B" if which == "A" else "A") not in wires:
                 other = "lora_B" if which == "A" else "lora_A"
@@ -159,14 +182,14 @@ def lora_receive_plan(lora_manager, adapter_id: int, specs: list[TensorSpec]) ->
                 f"vLLM's LoRA layer '{layer_name}' does not take the trainer's tensors ({shapes}): "
                 f"its set_lora raised {type(e).__name__}: {e}; check the adapter's rank against "
                 f"vLLM's max_lora_rank and the shapes against the model") from e
-        for which, stacked, probed in (("a", layer.lora_a_stacked, probe.lora_a_stacked),
-                                       ("b", layer.lora_b_stacked, probe.lora_b_stacked)):
+        for which, stacked, probed in (("a", stacked_a, _slices(probe.lora_a_stacked)),
+                                       ("b", stacked_b, _slices(probe.lora_b_stacked))):
             for s in range(slices):
-                block = probed[s][index, 0]
+                block = _slot(probed[s], index)
                 if not bool(block.any()):
                     continue  # a projection this adapter does not adapt: vLLM keeps it zero
                 name = f"{layer_name}.lora_{which}.{s}"
-                live = stacked[s][index, 0]
+                live = _slot(stacked[s], index)
                 copies.append(_copy_of(name, block, specs, live, torch))
                 engine_tensors[name] = live
     placed = {c.wire for c in copies}
@@ -178,14 +201,34 @@ def lora_receive_plan(lora_manager, adapter_id: int, specs: list[TensorSpec]) ->
     return LoraPlan(copies, engine_tensors)
 
 
+def _slices(stacked) -> tuple | None:
+    """A LoRA layer's stacked buffer as a tuple of slices: a linear layer keeps one per packed
+    projection; the embedding and the lm_head layers keep one tensor (one slice). None for any
+    other form."""
+    if isinstance(stacked, tuple) and stacked and all(hasattr(t, "shape") for t in stacked):
+        return stacked
+    return (stacked,) if hasattr(stacked, "shape") and hasattr(stacked, "dtype") else None
+
+
+def _slot(buffer, index: int):
+    """Slot `index` of one stacked buffer ([slots, ..., columns]) as a 2-D view of its storage:
+    rows x the last dimension. Linear layers keep [slots, 1, rank, in] and [slots, 1, out, rank],
+    the embedding its lora_A as [slots, vocab, rank] (vLLM stores it transposed)."""
+    return buffer[index].view(-1, buffer.shape[-1])
+
+
 def _probe(layer, index: int, slices: int, wires: dict, specs: list[TensorSpec], torch):
-    """A copy of `layer` with int64 stacked buffers after its own set_lora ran on the element
-    indices of the wire tensors."""
+    """A copy of `layer` with int64 stacked buffers, in the layer's own form (a tuple of slices
+    or one tensor), after its own set_lora ran on the element indices of the wire tensors."""
     probe = copy.copy(layer)  # shares the layer's settings (tp rank, sizes); own buffers below
-    probe.lora_a_stacked = tuple(torch.zeros(t.shape, dtype=torch.int64)
-                                 for t in layer.lora_a_stacked)
-    probe.lora_b_stacked = tuple(torch.zeros(t.shape, dtype=torch.int64)
-                                 for t in layer.lora_b_stacked)
+
+    def int64_like(stacked):
+        if isinstance(stacked, tuple):
+            return tuple(torch.zeros(t.shape, dtype=torch.int64) for t in stacked)
+        return torch.zeros(stacked.shape, dtype=torch.int64)
+
+    probe.lora_a_stacked = int64_like(layer.lora_a_stacked)
+    probe.lora_b_stacked = int64_like(layer.lora_b_stacked)
 
     def indices(number: int):
         spec = specs[number]
@@ -207,13 +250,16 @@ def _probe(layer, index: int, slices: int, wires: dict, specs: list[TensorSpec],
 def _copy_of(engine: str, block, specs: list[TensorSpec], live, torch) -> PlanCopy:
     """The block as one strided view of one wire tensor (or refused, named)."""
     values = block.reshape(block.shape[0], -1)
-    numbers = torch.unique(values >> _ELEMENT_BITS)
+    numbers = torch.unique(values[values != 0] >> _ELEMENT_BITS)
     if bool((values == 0).any()):
         written = int((values != 0).sum())
+        sources = ", ".join(f"'{specs[int(n) - 1].name}' {list(specs[int(n) - 1].shape)}"
+                            for n in numbers)
         raise LayoutMismatchError(
-            f"LoRA slot block '{engine}' {list(block.shape)}: the trainer's tensors fill "
-            f"{written} of its {values.numel()} elements; vLLM's max_lora_rank must equal the "
-            f"adapter's rank (start vLLM with max_lora_rank=<the adapter's r>)")
+            f"LoRA slot block '{engine}' {list(block.shape)}: the trainer's tensors ({sources}) "
+            f"fill {written} of its {values.numel()} elements; vLLM's max_lora_rank must equal "
+            f"the adapter's rank (start vLLM with max_lora_rank=<the adapter's r>), and an "
+            f"embedding or lm_head adapter must span the model's vocabulary (no new tokens)")
     if numbers.numel() != 1:
         raise LayoutMismatchError(f"LoRA slot block '{engine}': vLLM fills it from "
                                   f"{numbers.numel()} tensors; one strided view is supported")
@@ -234,6 +280,15 @@ def _copy_of(engine: str, block, specs: list[TensorSpec], live, torch) -> PlanCo
     if not bool((elements == expected).all()):
         raise LayoutMismatchError(f"LoRA slot block '{engine}': vLLM places tensor "
                                   f"'{spec.name}' in it in a way that is not a strided view")
-    return PlanCopy(wire=spec.name, engine=engine, shape=(rows, cols), src_offset=offset,
-                    src_strides=(row_stride, col_stride), dst_offset=0, dst_strides=(cols, 1))
+    if col_stride == 1 or cols == 1:
+        return PlanCopy(wire=spec.name, engine=engine, shape=(rows, cols), src_offset=offset,
+                        src_strides=(row_stride, col_stride), dst_offset=0,
+                        dst_strides=(cols, 1))
+    # The block's rows are not runs of the wire tensor (vLLM keeps the embedding's lora_A
+    # transposed): a receive plan copies rows, so each element is a row of one (the trailing
+    # unit dimension), and the block is filled a column at a time, each column one 2-D copy of
+    # `rows` elements.
+    return PlanCopy(wire=spec.name, engine=engine, shape=(cols, rows, 1), src_offset=offset,
+                    src_strides=(col_stride, row_stride, 1), dst_offset=0,
+                    dst_strides=(1, cols, 1))
 

@@ -5,9 +5,14 @@ The layers here are small torch stand-ins written for these tests, with the shap
 LoRA layers (stacked buffers [slots, 1, rank, in] and [slots, 1, out, rank]) and the slicing
 their set_lora does under tensor parallelism: a fused q/k/v layer that keeps this rank's rows of
 each B (three slices), a merged gate/up layer (two slices), a row-parallel layer that keeps this
-rank's columns of A. The oracle: the plan, replayed on real tensors, fills the adapter's slot
-exactly as the layer's own set_lora does with the same tensors, bit for bit. Real vLLM with a
-LoRA adapter: test_vllm_real.py. Skipped, visibly, where torch is not installed."""
+rank's columns of A. The embedding and lm_head layers are vLLM's own classes
+(VocabParallelEmbeddingWithLoRA, LogitsProcessorWithLoRA: one stacked tensor each, the
+embedding's lora_A stored transposed), over stand-in base layers. The oracle: the plan, replayed
+on real tensors, fills the adapter's slot exactly as the layer's own set_lora does with the same
+tensors, bit for bit. Real vLLM with a LoRA adapter: test_vllm_real.py. Skipped, visibly, where
+torch (vllm, for vLLM's classes) is not installed."""
+
+import re
 
 import pytest
 
@@ -152,10 +157,12 @@ def test_projections_the_adapter_leaves_out_are_not_written():
 
 
 def test_scaled_lora_b_scales_only_b():
-    tensors = adapter(seed=2)
+    tensors = adapter(seed=2) | embedding_adapter(seed=2)
     scaled = scaled_lora_b(tensors, 2.0)
     for name, t in tensors.items():
-        assert torch.equal(scaled[name], t * 2.0 if ".lora_B." in name else t), name
+        is_b = ".lora_B." in name or name.endswith(".lora_embedding_B")
+        assert torch.equal(scaled[name], t * 2.0 if is_b else t), name
+    assert sum(not torch.equal(scaled[n], t) for n, t in tensors.items()) == 7 + 2
 
 
 @pytest.mark.parametrize("change,message", [
@@ -208,14 +215,182 @@ def test_a_tensor_set_lora_puts_nowhere_is_refused_not_dropped():
         lora_receive_plan(manager, 7, specs_of(adapter(seed=6)))
 
 
-def test_an_embedding_style_lora_layer_is_refused_naming_it():
+@pytest.mark.parametrize("form", ["mixed", "missing"])
+def test_a_lora_layer_whose_slots_are_in_another_form_is_refused_naming_it(form):
     manager = Manager(0, 1)
     layer = manager.modules["model.layers.0.self_attn.o_proj"]
-    layer.lora_a_stacked = layer.lora_a_stacked[0]  # one tensor, not a tuple of slices
+    if form == "mixed":
+        layer.lora_a_stacked = layer.lora_a_stacked[0]  # one tensor; lora_b a tuple of slices
+    else:
+        del layer.lora_a_stacked  # as a layer that keeps its slots under other names
     with pytest.raises(ss.LayoutMismatchError, match=r"LoRA layer 'model.layers.0.self_attn.o_proj' "
                                                      r"\(RowParallelLayer\) keeps its slots in "
                                                      r"another form"):
         lora_receive_plan(manager, 7, specs_of(adapter(seed=7)))
+
+
+# --- the embedding and lm_head layers: vLLM's own classes ---------------------------------------
+
+VOCAB, DIM, VLLM_RANK = 24, 16, 8  # vLLM's LoRAConfig takes max_lora_rank 1, 8, 16, ...
+EMBED, HEAD = "model.embed_tokens", "lm_head"
+
+
+def embedding_adapter(seed, adapter_name="", vocab=VOCAB, rank=RANK):
+    """PEFT tensors of an adapter of embed_tokens (lora_embedding_A [r, vocab], lora_embedding_B
+    [dim, r]: bare parameters, `adapter_name` as in a live PEFT model's names) and lm_head
+    (lora_A [r, dim], lora_B [vocab, r])."""
+    generator = torch.Generator().manual_seed(seed)
+    embed, head = f"base_model.model.{EMBED}", f"base_model.model.{HEAD}"
+    return {f"{embed}.lora_embedding_A{adapter_name}": torch.randn(rank, vocab,
+                                                                  generator=generator),
+            f"{embed}.lora_embedding_B{adapter_name}": torch.randn(DIM, rank, generator=generator),
+            f"{head}.lora_A.weight": torch.randn(rank, DIM, generator=generator),
+            f"{head}.lora_B.weight": torch.randn(vocab, rank, generator=generator)}
+
+
+@pytest.fixture
+def vllm_manager(monkeypatch):
+    """A Manager over vLLM's own embedding and lm_head LoRA layers (stand-in base layers: the
+    classes' set_lora and create_lora_weights are what the plan reads); a new one per call."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    import vllm.lora.layers.logits_processor as logits_module
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.layers import LogitsProcessorWithLoRA, VocabParallelEmbeddingWithLoRA
+
+    # One rank: the logits layer reads vLLM's parallel state, which a test process has not set up.
+    monkeypatch.setattr(logits_module, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(logits_module, "get_tensor_model_parallel_rank", lambda: 0)
+    config = LoRAConfig(max_lora_rank=VLLM_RANK, max_loras=SLOTS, lora_dtype=torch.float32)
+
+    def make(slot_ids=(None, 7, None)):
+        manager = Manager(0, 1, slot_ids)
+        manager.packed_modules = {}
+        embed = VocabParallelEmbeddingWithLoRA(SimpleNamespace(
+            org_vocab_size=VOCAB, embedding_dim=DIM, weight=torch.zeros(1)))
+        head = LogitsProcessorWithLoRA(SimpleNamespace(vocab_size=VOCAB), DIM, torch.float32,
+                                       torch.device("cpu"), None)
+        manager.modules = {EMBED: embed, HEAD: head}
+        for layer in manager.modules.values():
+            layer.create_lora_weights(SLOTS, config, None)
+        return manager
+
+    return make
+
+
+@pytest.mark.parametrize("adapter_name", ["", ".default"])
+def test_embedding_and_lm_head_plans_fill_vllms_slots_as_its_set_lora_does(vllm_manager,
+                                                                           adapter_name):
+    tensors = embedding_adapter(seed=20, adapter_name=adapter_name, rank=VLLM_RANK)
+    planned, direct = vllm_manager(), vllm_manager()
+    plan = lora_receive_plan(planned, 7, specs_of(tensors))
+    # Replayed into the live slot views the plan hands out (slot 1 holds adapter 7; as_strided
+    # counts from the storage's start, the plan from the view's first element).
+    for c in plan.copies:
+        src = tensors[c.wire].reshape(-1).as_strided(c.shape, c.src_strides, c.src_offset)
+        live = plan.engine_tensors[c.engine]
+        live.as_strided(c.shape, c.dst_strides, live.storage_offset() + c.dst_offset).copy_(src)
+    # vLLM's own path: each layer's set_lora with the real tensors, as its model manager calls it.
+    names = list(tensors)  # embed A, embed B, lm_head A, lm_head B
+    direct.modules[EMBED].set_lora(1, tensors[names[0]], tensors[names[1]])
+    direct.modules[HEAD].set_lora(1, tensors[names[2]], tensors[names[3]])
+    for name in (EMBED, HEAD):
+        for buffer in ("lora_a_stacked", "lora_b_stacked"):
+            got = getattr(planned.modules[name], buffer)
+            assert torch.equal(got, getattr(direct.modules[name], buffer)), (name, buffer)
+            assert bool(got[1].any()) and not bool(got[0].any()) and not bool(got[2].any())
+    assert len(plan.copies) == 4
+    # vLLM keeps the embedding's lora_A transposed ([vocab, r]): one strided view of the wire's
+    # [r, vocab], no computation; a column of the slot (a row of the wire) at a time, since the
+    # receiver copies rows (here rows of one element).
+    (embed_a,) = [c for c in plan.copies if c.engine == f"{EMBED}.lora_a.0"]
+    assert (embed_a.shape, embed_a.src_strides, embed_a.dst_strides) == (
+        (VLLM_RANK, VOCAB, 1), (VOCAB, 1, 1), (1, VLLM_RANK, 1))
+    live = plan.engine_tensors[f"{EMBED}.lora_a.0"]
+    assert live.data_ptr() == planned.modules[EMBED].lora_a_stacked[1].data_ptr()
+    # The forward reads the same storage through its 2-D view of every slot.
+    assert torch.equal(planned.modules[EMBED].lora_a_stacked_2d[VOCAB:2 * VOCAB],
+                       tensors[names[0]].T)
+
+
+def test_embedding_and_lm_head_plans_run_through_the_receiver_bit_for_bit(vllm_manager):
+    # The native receive plan takes the copies (it copies rows: the transposed lora_A's rows are
+    # one element) and fills the engine's slot blocks as vLLM's set_lora does; host backend.
+    from support import DEADLINE_S
+
+    tensors = embedding_adapter(seed=23, rank=VLLM_RANK)
+    planned, direct = vllm_manager(), vllm_manager()
+    plan = lora_receive_plan(planned, 7, specs_of(tensors))
+    names = list(tensors)
+    direct.modules[EMBED].set_lora(1, tensors[names[0]], tensors[names[1]])
+    direct.modules[HEAD].set_lora(1, tensors[names[2]], tensors[names[3]])
+    wire = ss.Layout(specs_of(tensors), bucket_bytes=256)  # runs cross bucket boundaries
+    engine = ss.Layout([ss.TensorSpec(n, "fp32", tuple(t.shape), "lora")
+                        for n, t in plan.engine_tensors.items()])
+    loopback = ss.Loopback(2)
+    receiver = ss.Receiver(engine, ss.HostBackend(), loopback.transport(1),
+                           ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000)),
+                           plan=ss.ReceivePlan(wire, plan.copies))
+    sender = ss.Sender(wire, ss.HostBackend(), loopback.transport(0))
+    try:
+        handle = sender.publish(1, {n: t.numpy() for n, t in tensors.items()})
+        receiver.begin_update(handle.header_bytes)
+        receiver.wait_applied(1, DEADLINE_S)
+        handle.wait(DEADLINE_S)
+        for layer, which, buffer in ((EMBED, "a", "lora_a_stacked"), (EMBED, "b", "lora_b_stacked"),
+                                     (HEAD, "a", "lora_a_stacked"), (HEAD, "b", "lora_b_stacked")):
+            expected = getattr(direct.modules[layer], buffer)[1].reshape(
+                receiver.live_array(f"{layer}.lora_{which}.0").shape)
+            got = torch.from_numpy(receiver.live_array(f"{layer}.lora_{which}.0").copy())
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (layer, which)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_embedding_tensor_names_are_lora_tensors():
+    from shadowsync.vllm.lora_plan import is_lora_tensor
+
+    assert is_lora_tensor("base_model.model.model.embed_tokens.lora_embedding_A")
+    assert is_lora_tensor("base_model.model.model.embed_tokens.lora_embedding_B.default")
+    assert is_lora_tensor("base_model.model.lm_head.lora_B.weight")
+    assert not is_lora_tensor("model.embed_tokens.weight")
+    assert not is_lora_tensor("base_model.model.model.embed_tokens.lora_embedding_C")
+
+
+@pytest.mark.parametrize("change,message", [
+    # A vocabulary larger than the model's: vLLM's set_lora refuses the shapes.
+    (lambda t: embedding_adapter(seed=21, vocab=VOCAB + 8, rank=VLLM_RANK),
+     "vLLM's LoRA layer 'model.embed_tokens' does not take the trainer's tensors "
+     "('base_model.model.model.embed_tokens.lora_embedding_A' [8, 32]"),
+    # A smaller one (new tokens left out, or a vocabulary of another model): part of the slot.
+    (lambda t: embedding_adapter(seed=21, vocab=VOCAB - 8, rank=VLLM_RANK),
+     "LoRA slot block 'model.embed_tokens.lora_a.0' [24, 8]: the trainer's tensors "
+     "('base_model.model.model.embed_tokens.lora_embedding_A' [8, 16]) fill 128 of its 192 "
+     "elements"),
+    (lambda t: {n: v for n, v in t.items() if not n.endswith("lora_embedding_B")},
+     "tensor 'base_model.model.model.embed_tokens.lora_embedding_A' comes without its lora_B"),
+    # PEFT's linear names for the embedding go to the same slot as its embedding names.
+    (lambda t: t | {f"{EMBED}.lora_A.weight": torch.zeros(VLLM_RANK, VOCAB)},
+     "tensors 'base_model.model.model.embed_tokens.lora_embedding_A' and "
+     "'model.embed_tokens.lora_A.weight' both go to lora_A of slice 0 of vLLM's LoRA layer "
+     "'model.embed_tokens'"),
+])
+def test_bad_embedding_adapters_are_refused_naming_the_tensor(vllm_manager, change, message):
+    tensors = change(embedding_adapter(seed=21, rank=VLLM_RANK))
+    with pytest.raises(ss.LayoutMismatchError, match=re.escape(message)):
+        lora_receive_plan(vllm_manager(), 7, specs_of(tensors))
+
+
+def test_an_embedding_adapter_in_another_dtype_is_refused_naming_both(vllm_manager):
+    specs = [ss.TensorSpec(s.name, "bf16", s.shape, s.group)
+             for s in specs_of(embedding_adapter(seed=22, rank=VLLM_RANK))]
+    with pytest.raises(ss.LayoutMismatchError, match=re.escape(
+            "tensor 'base_model.model.model.embed_tokens.lora_embedding_A': dtype bf16 of the "
+            "trainer's layout does not match fp32 of vLLM's LoRA slot "
+            "'model.embed_tokens.lora_a.0'")):
+        lora_receive_plan(vllm_manager(), 7, specs)
 
 
 class _Wrapper(torch.nn.Module):

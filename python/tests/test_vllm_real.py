@@ -32,7 +32,13 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from vllm_models import make_tiny_lora, make_tiny_model  # noqa: E402
+from vllm_models import (  # noqa: E402
+    LORA_EMBEDDING_TARGETS,
+    LORA_TARGETS,
+    make_tiny_lora,
+    make_tiny_model,
+    with_tensors_of,
+)
 
 CHILD = Path(__file__).resolve().parent / "vllm_real_child.py"
 CHILD_TIMEOUT_S = 300
@@ -79,25 +85,13 @@ class Checkpoints:
         if key not in self.paths:
             path = self.root / f"{arch}-{which}"
             if which == "b_norm_of_a":
-                self.paths[key] = _mixed(self.get(arch, "a"), self.get(arch, "b"), path)
+                # B with A's OMITTED tensor: an engine of A after an update of B that omits it.
+                self.paths[key] = with_tensors_of(self.get(arch, "b"), self.get(arch, "a"),
+                                                  [OMITTED], path)
             else:
                 self.paths[key] = make_tiny_model(arch, path, seed={"a": 1, "b": 2}[which],
                                                   initializer_range=INIT_RANGE)
         return self.paths[key]
-
-
-def _mixed(a: str, b: str, path: Path) -> str:
-    """B's checkpoint with A's OMITTED tensor: what an engine of A holds after an update of B
-    that leaves OMITTED out, if leaving out means keeping the engine's value."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(b, path)
-    tensors = load_file(str(Path(b) / "model.safetensors"))
-    tensors[OMITTED] = load_file(str(Path(a) / "model.safetensors"))[OMITTED]
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -345,22 +339,32 @@ def test_an_engine_without_the_extension_says_the_method_is_not_implemented(refu
 # --- a LoRA adapter vLLM serves, updated in place ------------------------------------------------
 
 LORA_R, LORA_ALPHA = 8, 16  # scaling 2: vLLM multiplies lora_B by it, so the trainer sends B x 2
+# Every projection, the input embedding (PEFT's lora_embedding_A/B, which vLLM keeps transposed)
+# and lm_head (vLLM's logits layer): every kind of LoRA layer a Llama has in vLLM.
+LORA_MODULES = LORA_TARGETS + LORA_EMBEDDING_TARGETS
+# Two slots, the adapter in the first: vLLM CPU 0.32 computes the logits of a request without an
+# adapter with the lm_head adapter of its last slot (punica_cpu.py add_lora_logits indexes the
+# slots with the sampler index -1), so with one slot a request without the adapter would get it.
+LORA_SLOTS = 2
 
 
 def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoints,
                                                                          tmp_path_factory):
-    """vLLM CPU with enable_lora serves adapter 1 (PEFT, every projection, r 8, alpha 16) on
-    checkpoint A. The trainer's layout is A's HF tensors ("base") and the adapter's PEFT tensors
-    ("lora", lora_B scaled). A LoRA-only update to adapter L2, then a base+LoRA update to
+    """vLLM CPU with enable_lora (two slots) serves adapter 1 (PEFT, every projection,
+    embed_tokens and lm_head, r 8, alpha 16) on checkpoint A. The trainer's layout is A's HF
+    tensors ("base") and the adapter's PEFT tensors ("lora", lora_B and lora_embedding_B
+    scaled). A LoRA-only update to adapter L2, then a base+LoRA update to
     checkpoint B with L1: after each, requests with the adapter answer as a fresh vLLM that
     loaded that adapter from its directory onto that checkpoint, and requests without it as the
     checkpoint alone, token for token. Bad LoRA set-ups are refused, named, and change nothing."""
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
     root = tmp_path_factory.mktemp("lora")
-    l1 = make_tiny_lora(a, root / "L1", seed=11, r=LORA_R, lora_alpha=LORA_ALPHA)
-    l2 = make_tiny_lora(a, root / "L2", seed=12, r=LORA_R, lora_alpha=LORA_ALPHA)
+    l1 = make_tiny_lora(a, root / "L1", seed=11, r=LORA_R, lora_alpha=LORA_ALPHA,
+                        targets=LORA_MODULES)
+    l2 = make_tiny_lora(a, root / "L2", seed=12, r=LORA_R, lora_alpha=LORA_ALPHA,
+                        targets=LORA_MODULES)
     common = dict(mode="inproc", dtype="float32", prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                  r=LORA_R)
+                  r=LORA_R, max_loras=LORA_SLOTS)
     refs = run_child(dict(common, what="lora_references",
                           engines=[[a, [None, l1, l2]], [b, [None, l1]]]))["outputs"]
     ref = {(r["model"], r["adapter"]): r["tokens"] for r in refs}
@@ -373,19 +377,20 @@ def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoi
     for stage in ("before", "after_refusals", "after_init"):
         assert out[stage] == dict(lora=ref[(a, l1)], plain=ref[(a, None)]), stage
     assert out["fingerprint_matches"]
-    # 2 layers x (q, k, v, o, gate, up, down) x (A, B) slot blocks, plus the base plan's copies.
-    assert out["plan_copies"] == 2 * 7 * 2 + 21
+    # 2 layers x (q, k, v, o, gate, up, down) x (A, B) slot blocks, embed_tokens' and lm_head's
+    # A and B, plus the base plan's copies.
+    assert out["plan_copies"] == 2 * 7 * 2 + 2 * 2 + 21
     assert out["applied1"] == 1
     assert out["after1"] == dict(lora=ref[(a, l2)], plain=ref[(a, None)])  # base untouched
     assert out["applied2"] == 2
     assert out["after2"] == dict(lora=ref[(b, l1)], plain=ref[(b, None)])
 
     refused = out["refused"]
-    assert refused["no_adapter_id"].startswith("LayoutMismatchError: 28 of the trainer's "
+    assert refused["no_adapter_id"].startswith("LayoutMismatchError: 32 of the trainer's "
                                                "tensors are LoRA tensors"), refused
     assert "pass lora_adapter=" in refused["no_adapter_id"]
     assert ("lora_adapter=7: vLLM holds no LoRA adapter with that lora_int_id in its slots "
-            "(they hold [1])" in refused["not_loaded"]), refused
+            "(they hold [1, None])" in refused["not_loaded"]), refused
     assert "dtype bf16 of the trainer's layout does not match fp32 of vLLM's LoRA slot" in \
         refused["dtype"], refused
     assert "lora_adapter needs swap_strategy 'copy_in'" in refused["rebind"], refused

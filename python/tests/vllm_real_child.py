@@ -352,7 +352,7 @@ def run_lora(args: dict) -> dict:
     adapters = [ssv.scaled_lora_b(load_file(os.path.join(p, "adapter_model.safetensors")),
                                   scaling) for p in args["adapters"]]
     bases = {p: hf_tensors(p, args["dtype"]) for p in (base, base_b)}
-    lora_settings = dict(enable_lora=True, max_lora_rank=args["r"], max_loras=1)
+    lora_settings = dict(enable_lora=True, max_lora_rank=args["r"], max_loras=args["max_loras"])
     request = LoRARequest("policy", 1, args["adapters"][0])  # the adapter's first version
 
     def answers(llm) -> dict:
@@ -424,7 +424,7 @@ def run_lora_references(args: dict) -> dict:
     results = []
     for model, cases in args["engines"]:
         llm = make_llm(args, model, quantization="shadowsync_unpacked", enable_lora=True,
-                       max_lora_rank=args["r"], max_loras=1)
+                       max_lora_rank=args["r"], max_loras=args["max_loras"])
         for number, adapter in enumerate(cases, start=1):
             # Its own lora_int_id each: vLLM takes an id it holds as that adapter, whatever path.
             request = LoRARequest(f"reference-{number}", number, adapter) if adapter else None
