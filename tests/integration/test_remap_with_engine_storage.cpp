@@ -47,9 +47,9 @@ Layout base_and_lora_layout() {
 // A rig whose receiver remaps the engine's arena for the base and copies the adapter into
 // `adapter` (the engine's own buffer, laid out as the group's arena).
 struct HybridRig {
-  explicit HybridRig(const Layout& layout, std::chrono::microseconds compute_time = {},
-                     bool jitter = false)
-      : adapter(layout.groups()[kLora].arena_bytes()),
+  explicit HybridRig(std::chrono::microseconds compute_time = {}, bool jitter = false)
+      : layout(base_and_lora_layout()),
+        adapter(layout.groups()[kLora].arena_bytes()),
         base_arena(std::make_shared<HostArena>(layout.groups()[kBase].arena_bytes())),
         rig(layout, options(jitter)),
         engine(rig.backend(), rig.receiver(), {.full_check_every = 2, .compute_time = compute_time}) {
@@ -74,6 +74,9 @@ struct HybridRig {
     return o;
   }
 
+  StepHook& hook() { return rig.receiver().step_hook(); }
+
+  const Layout layout;
   std::vector<std::byte> adapter;
   std::shared_ptr<HostArena> base_arena;
   LoopbackRig rig;
@@ -95,15 +98,14 @@ std::uint64_t tensor_bytes(const GroupLayout& group) {
 
 TEST_CASE("remap with an adapter in the engine's storage: each swap remaps the base and copies "
           "the adapter; nothing the engine reads moves") {
-  const Layout layout = base_and_lora_layout();
-  HybridRig h(layout);
+  HybridRig h;
   LoopbackRig& rig = h.rig;
-  StepHook& hook = rig.receiver().step_hook();
+  StepHook& hook = h.hook();
   const std::byte* base_live = h.base_arena->live_address();
   REQUIRE(hook.live_arena(kBase) == base_live);
   REQUIRE(hook.live_arena(kLora) == nullptr);  // the engine's own storage
   REQUIRE(hook.live_tensor(kLora, 0) == h.adapter.data());
-  const std::uint64_t adapter_bytes = tensor_bytes(layout.groups()[kLora]);
+  const std::uint64_t adapter_bytes = tensor_bytes(h.layout.groups()[kLora]);
 
   struct Case {
     std::uint64_t version;
@@ -140,12 +142,11 @@ TEST_CASE("remap with an adapter in the engine's storage: each swap remaps the b
 
 TEST_CASE("remap with an adapter in the engine's storage: 1000 mixed updates while the engine "
           "decodes; no torn step") {
-  const Layout layout = base_and_lora_layout();
   // Slow steps keep a swap's copy queued on the engine stream while the next update receives: a
   // shadow released before its copy ran would be overwritten under it.
-  HybridRig h(layout, std::chrono::microseconds(100), /*jitter=*/true);
+  HybridRig h(std::chrono::microseconds(100), /*jitter=*/true);
   LoopbackRig& rig = h.rig;
-  StepHook& hook = rig.receiver().step_hook();
+  StepHook& hook = h.hook();
 
   constexpr std::uint64_t kUpdates = 1'000;
   const std::vector<std::vector<std::string>> kinds = {{"base"}, {"lora"}, {"base", "lora"}};
@@ -162,17 +163,13 @@ TEST_CASE("remap with an adapter in the engine's storage: 1000 mixed updates whi
     }
   });
   std::mt19937_64 rng(9);
-  const auto deadline = deadline_from_now(std::chrono::minutes(4));
-  while (hook.applied_version() < kUpdates) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      trainer.join();
-      FAIL("final version " << kUpdates << " not applied before the deadline; applied "
-                            << hook.applied_version());
-    }
-    h.engine.step();
-    if (rng() % 8 == 0) h.engine.synchronize();
-  }
+  const bool in_time = h.engine.step_until_applied(
+      kUpdates, deadline_from_now(std::chrono::minutes(4)), [&](std::optional<std::uint64_t>) {
+        if (rng() % 8 == 0) h.engine.synchronize();
+      });
   trainer.join();
+  INFO("applied " << hook.applied_version());
+  REQUIRE(in_time);  // the final version, before the deadline
   h.engine.step();
   h.engine.synchronize();
 
@@ -187,10 +184,9 @@ TEST_CASE("remap with an adapter in the engine's storage: 1000 mixed updates whi
 
 TEST_CASE("remap with an adapter in the engine's storage: rollback is refused, naming the group; "
           "nothing changes") {
-  const Layout layout = base_and_lora_layout();
-  HybridRig h(layout);
+  HybridRig h;
   LoopbackRig& rig = h.rig;
-  StepHook& hook = rig.receiver().step_hook();
+  StepHook& hook = h.hook();
   rig.publish(1, {"base", "lora"}).wait();
   REQUIRE(hook.wait_applied(1, deadline_from_now(), h.engine.stream()));
   rig.publish(2, {"base"}).wait();
@@ -217,8 +213,8 @@ TEST_CASE("remap with an adapter in the engine's storage: rollback is refused, n
 
 TEST_CASE("use_engine_storage under remap: refused for a group swapped by the engine's arena, and "
           "under rebind; nothing changes") {
-  const Layout layout = base_and_lora_layout();
-  HybridRig h(layout);
+  HybridRig h;
+  const Layout& layout = h.layout;
   std::vector<void*> base_tensors(layout.groups()[kBase].tensors().size(), h.adapter.data());
   try {
     h.rig.receiver().use_engine_storage(kBase, base_tensors);

@@ -67,6 +67,17 @@ std::optional<std::uint64_t> HostFakeEngine::step() {
 
 void HostFakeEngine::synchronize() { backend_.stream_synchronize(*stream_); }
 
+bool HostFakeEngine::step_until_applied(
+    std::uint64_t version, std::chrono::steady_clock::time_point deadline,
+    const std::function<void(std::optional<std::uint64_t>)>& after_step) {
+  const StepHook& hook = receiver_.step_hook();
+  while (hook.applied_version() < version) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    after_step(step());
+  }
+  return true;
+}
+
 void HostFakeEngine::run_step(std::vector<const std::byte*> arenas,
                               std::vector<std::uint64_t> expected, std::uint64_t applied,
                               bool full) {

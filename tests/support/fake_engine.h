@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -46,6 +47,11 @@ class HostFakeEngine {
   std::uint64_t torn_steps() const { return torn_steps_.load(); }
   std::string first_torn() const;
   std::vector<StepRecord> records() const;  // call after synchronize()
+
+  // Engine thread: steps until the receiver applied `version` (each step's result goes to
+  // `after_step`, which may synchronize); false once `deadline` passed without it.
+  bool step_until_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
+                          const std::function<void(std::optional<std::uint64_t>)>& after_step);
 
  private:
   struct Sample {

@@ -115,6 +115,25 @@ std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
   return bytes;
 }
 
+// Publishes random bytes (`seed`) of every tensor of `wire`'s one group at `version` and waits
+// until the engine applied the update on `engine_stream`; returns the bytes sent, as one arena.
+std::vector<std::byte> send_and_apply(Sender& sender, Receiver& receiver, HostBackend& backend,
+                                      Stream& engine_stream, const Layout& wire,
+                                      std::uint64_t version, unsigned seed) {
+  auto wire_arena = random_bytes(wire.groups()[0].arena_bytes(), seed);
+  std::vector<SourceTensor> tensors;
+  for (const auto& t : wire.groups()[0].tensors()) {
+    tensors.push_back({t.spec.name, wire_arena.data() + t.offset, t.spec.dtype, t.spec.shape});
+  }
+  const PublishHandle handle = sender.publish(version, {"base"}, tensors);
+  receiver.begin_update(handle.header());
+  REQUIRE(handle.wait_for(std::chrono::seconds(20)));
+  REQUIRE(receiver.step_hook().wait_applied(
+      version, std::chrono::steady_clock::now() + std::chrono::seconds(20), engine_stream));
+  backend.stream_synchronize(engine_stream);
+  return wire_arena;
+}
+
 }  // namespace
 
 TEST_CASE("a plan's pieces, bucket by bucket, give what the copies define") {
@@ -220,17 +239,8 @@ TEST_CASE("a receiver with a plan takes the wire layout's updates into the engin
   auto engine_stream = backend.create_stream(StreamPriority::kNormal);
 
   for (unsigned version = 1; version <= 3; ++version) {
-    const auto wire_arena = random_bytes(m.wire.groups()[0].arena_bytes(), 100 + version);
-    std::vector<SourceTensor> tensors;
-    for (const auto& t : m.wire.groups()[0].tensors()) {
-      tensors.push_back({t.spec.name, wire_arena.data() + t.offset, t.spec.dtype, t.spec.shape});
-    }
-    const PublishHandle handle = sender.publish(version, {"base"}, tensors);
-    receiver.begin_update(handle.header());
-    REQUIRE(handle.wait_for(std::chrono::seconds(20)));
-    REQUIRE(receiver.step_hook().wait_applied(
-        version, std::chrono::steady_clock::now() + std::chrono::seconds(20), *engine_stream));
-    backend.stream_synchronize(*engine_stream);
+    const auto wire_arena =
+        send_and_apply(sender, receiver, backend, *engine_stream, m.wire, version, 100 + version);
     const std::byte* live = receiver.step_hook().live_arena(0);
     const auto expected = reference(m.wire, m.engine, m.copies(), wire_arena);
     for (const auto& t : m.engine.groups()[0].tensors()) {
@@ -332,17 +342,8 @@ TEST_CASE("a kept tensor keeps the engine's bytes through every swap, under each
   std::memcpy(receiver.step_hook().live_tensor(0, norm), norm_bytes.data(), norm_place.bytes);
 
   for (unsigned version = 1; version <= 4; ++version) {
-    const auto wire_arena = random_bytes(wire.groups()[0].arena_bytes(), 200 + version);
-    std::vector<SourceTensor> tensors;
-    for (const auto& t : wire.groups()[0].tensors()) {
-      tensors.push_back({t.spec.name, wire_arena.data() + t.offset, t.spec.dtype, t.spec.shape});
-    }
-    const PublishHandle handle = sender.publish(version, {"base"}, tensors);
-    receiver.begin_update(handle.header());
-    REQUIRE(handle.wait_for(std::chrono::seconds(20)));
-    REQUIRE(receiver.step_hook().wait_applied(
-        version, std::chrono::steady_clock::now() + std::chrono::seconds(20), *engine_stream));
-    backend.stream_synchronize(*engine_stream);
+    const auto wire_arena =
+        send_and_apply(sender, receiver, backend, *engine_stream, wire, version, 200 + version);
     const auto expected = reference(wire, m.engine, copies, wire_arena);
     for (std::size_t t = 0; t < group.tensors().size(); ++t) {
       const TensorPlacement& p = group.tensors()[t];
