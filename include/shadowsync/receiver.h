@@ -218,8 +218,9 @@ class Receiver {
 
   // copy_in, or remap for a group without an engine arena (vLLM's LoRA buffers beside its live
   // arena: the base group remaps, this one is copied at the same swap); before the first update:
-  // the live storage of group `group` becomes the engine's own tensors (`tensors[t]`: where tensor t of the group, in layout order, lives; each at least
-  // its bytes long, on the backend's device) instead of the receiver's live arena, which is freed.
+  // the live storage of group `group` becomes the engine's own tensors (`tensors[t]`: where
+  // tensor t of the group, in layout order, lives; each at least its bytes long, on the backend's
+  // device) instead of the receiver's live arena, which is freed.
   // For an engine that captured CUDA graphs over its own parameters before it met the library
   // (vLLM): they keep reading where they were captured. A swap copies every tensor of the shadow
   // to its place, one batched copy on the engine stream (Backend::memcpy_batch_async). A swap

@@ -31,7 +31,8 @@ class ReceivePlan:
     """The trainer's layout (`wire`, a Layout of its tensors as it sends them) and the copies
     that put them into the engine's layout. Given to Receiver(plan=...), which checks it against
     the engine's layout (bounds, dtypes, groups, every engine byte written exactly once, or the
-    tensor named in `kept`) and raises LayoutMismatchError or InvalidArgumentError naming the tensors otherwise."""
+    tensor named in `kept`) and raises LayoutMismatchError or InvalidArgumentError naming the
+    tensors otherwise."""
 
     def __init__(self, wire, copies, kept=()):
         self.wire = wire

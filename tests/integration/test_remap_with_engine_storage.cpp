@@ -52,7 +52,8 @@ struct HybridRig {
         adapter(layout.groups()[kLora].arena_bytes()),
         base_arena(std::make_shared<HostArena>(layout.groups()[kBase].arena_bytes())),
         rig(layout, options(jitter)),
-        engine(rig.backend(), rig.receiver(), {.full_check_every = 2, .compute_time = compute_time}) {
+        engine(rig.backend(), rig.receiver(),
+               {.full_check_every = 2, .compute_time = compute_time}) {
     base_arena->wait_for(rig.backend());  // the engine's stream is the rig backend's
     std::vector<void*> tensors;
     for (const TensorPlacement& t : layout.groups()[kLora].tensors()) {

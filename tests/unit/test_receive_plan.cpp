@@ -315,9 +315,10 @@ TEST_CASE("a kept tensor keeps the engine's bytes through every swap, under each
     SwapStrategy swap;
     bool engine_storage;
   };
-  const Strategy strategy = GENERATE(Strategy{"rebind", SwapStrategy::kRebind, false},
-                                     Strategy{"copy_in", SwapStrategy::kCopyIn, false},
-                                     Strategy{"copy_in, engine storage", SwapStrategy::kCopyIn, true});
+  const Strategy strategy =
+      GENERATE(Strategy{"rebind", SwapStrategy::kRebind, false},
+               Strategy{"copy_in", SwapStrategy::kCopyIn, false},
+               Strategy{"copy_in, engine storage", SwapStrategy::kCopyIn, true});
   INFO("strategy " << strategy.name);
   HostBackend backend;
   LoopbackCommunicator world(2);
