@@ -370,8 +370,9 @@ class WorkerExtension:
         chosen = swap_strategy if swap_strategy is not None else (
             receiver_config.swap_strategy if receiver_config is not None else None)
         live_arena = _live_arena(self)
-        # The live arena is swapped whole: a plan for it keeps what the trainer does not send.
-        arena_for_plan = live_arena if chosen in (None, "remap") else None
+        # The live arena, when swaps may remap it: it is swapped whole, so a plan for it keeps
+        # what the trainer does not send.
+        arena_to_remap = live_arena if chosen in (None, "remap") else None
         plan = None
         if specs is None and lora_adapter is not None:
             raise InvalidArgumentError(
@@ -388,13 +389,13 @@ class WorkerExtension:
             specs = [TensorSpec.coerce(s) for s in specs]
             if lora_adapter is not None or any(is_lora_tensor(s.name) for s in specs):
                 layout, plan, params, descs = _receive_plan_with_lora(
-                    self, model, specs, lora_adapter, bucket_bytes, allow_partial, arena_for_plan)
+                    self, model, specs, lora_adapter, bucket_bytes, allow_partial, arena_to_remap)
             elif _names_are_parameters(specs, descs):
                 _check_specs(specs, descs)  # the engine's own layout: zero-copy receive
                 layout = Layout(specs, bucket_bytes)
             else:
                 layout, plan, params = _receive_plan(model, specs, bucket_bytes, allow_partial,
-                                                     arena_for_plan)
+                                                     arena_to_remap)
                 descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
 
         backend: Backend
@@ -418,7 +419,7 @@ class WorkerExtension:
         # stacked LoRA buffers, which can only be copied into, never rebound or remapped.
         lora_groups = {s.group for s in specs if is_lora_tensor(s.name)}
         arena_group = None  # the group swapped by remapping the live arena
-        if live_arena is not None and chosen in (None, "remap"):
+        if arena_to_remap is not None:
             base = [g for g in layout.groups if g.name not in lora_groups]
             if base:
                 _check_fits_live_arena(base, params, live_arena)
