@@ -48,8 +48,29 @@ class RemappableArena {
   virtual std::byte* slot_address(int slot) const = 0;
   // Points the live range at `slot`'s memory. Waits first until `engine_stream` has no work in
   // flight (work still reading the live range must not see its pages go away): free when the
-  // engine already synchronized at the step boundary. Engine thread only.
-  virtual void remap_live(int slot, Stream& engine_stream) = 0;
+  // engine already synchronized at the step boundary. With `work_before_done` the caller vouches
+  // that nothing enqueued on `engine_stream` reads the live range any more (the gated swap: the
+  // work before the stream's gate has completed, the work after it waits at the gate), and it
+  // waits for nothing: waiting for the stream would wait for the closed gate. Engine thread only.
+  virtual void remap_live(int slot, Stream& engine_stream, bool work_before_done) = 0;
+};
+
+// A gate on a stream (Backend::create_stream_gate), for the gated remap swap (StepHook's
+// after_launch): work enqueued on the stream after close() waits until open(). Host work that
+// must run between two of the stream's kernels (a remap) can then run after the engine thread has
+// enqueued the later kernel, without that thread waiting for the earlier one.
+class StreamGate {
+ public:
+  virtual ~StreamGate() = default;
+  // Marks the point of `stream`'s work before the gate and makes everything enqueued on `stream`
+  // afterwards wait until open(). The gate must be open (as made, or after open()). One thread.
+  virtual void close(Stream& stream) = 0;
+  // Blocks until the work enqueued on the stream before close() has completed, or `timeout`
+  // passed; true when it has. Thread-safe: the engine thread and a watchdog may wait at once.
+  virtual bool wait_work_before(std::chrono::nanoseconds timeout) = 0;
+  // Lets the stream go past the gate. Never blocks and calls into no driver, so that a watchdog
+  // can open the gate whatever other threads are blocked in. Thread-safe; idempotent.
+  virtual void open() noexcept = 0;
 };
 
 enum class StreamPriority {
@@ -118,6 +139,10 @@ class Backend {
   // Reserves a live range and two zero-filled physical slots of at least `bytes` each, the live
   // range on slot 0. The default throws Error(kBackend) with remap_unsupported_reason().
   virtual std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes);
+
+  // A gate for this backend's streams (optional: the gated remap swap). The default throws
+  // Error(kBackend) naming the backend.
+  virtual std::unique_ptr<StreamGate> create_stream_gate();
 };
 
 // True for the dtypes count_nonfinite_async checks (the non-finite guard's floating tensors).

@@ -99,9 +99,12 @@ class CudaBackend final : public Backend {
   // The remap swap strategy's memory (plugin/backends/cuda/cuda_remap.cpp over VmmSlots): the reason is
   // empty where the device and driver support CUDA virtual memory management. The arena's slots
   // are rounded up to the VMM granularity and zero-filled; remap_live synchronizes the engine
-  // stream, then unmaps and maps the live range. Thread-safe.
+  // stream (unless the caller vouches it need not), then unmaps and maps the live range. Thread-safe.
   std::string remap_unsupported_reason() const override;
   std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes) override;
+  // A wait on a word in pinned host memory (cuStreamWaitValue32) that open() writes
+  // (plugin/backends/cuda/cuda_stream_gate.cpp). Thread-safe.
+  std::unique_ptr<StreamGate> create_stream_gate() override;
 
   // The CUDA handle behind a Stream or Event that a CudaBackend made or wrapped. Anything else is
   // Error(kInvalidArgument) naming its type. Thread-safe.

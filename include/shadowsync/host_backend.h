@@ -49,6 +49,9 @@ class HostBackend final : public Backend {
   void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                              std::uint64_t* result, Stream& stream) override;
 
+  // A gate is a task that holds the stream's thread until open().
+  std::unique_ptr<StreamGate> create_stream_gate() override;
+
   // Enqueues arbitrary host work on a stream (the CPU counterpart of a kernel launch). The task
   // runs on the stream's thread, in order with the stream's other work. Thread-safe per stream.
   void launch_async(Stream& stream, std::function<void()> task);

@@ -81,6 +81,16 @@ struct ReceiverConfig {
   // captured with, so rebind would leave it reading the old slot: the constructor refuses rebind
   // when this is set (use copy_in or remap).
   bool engine_uses_cuda_graphs = false;
+  // remap only: the engine calls StepHook::after_launch once it has enqueued each step, before it
+  // waits for its stream. A swap then closes a gate on the engine stream in before_step and
+  // remaps in after_launch, once the step before the gate has ended: the engine thread prepares
+  // and launches its step meanwhile, and the GPU stands still for the remap alone
+  // (plugin/core/gated_swap.h). If the engine has not called after_launch `gate_deadline` after
+  // the step before the gate ended, a watchdog opens the gate (that step runs on the old weights,
+  // the update goes live at the next step) and the receiver swaps without a gate from then on.
+  // Updates with a group copied in (Receiver::use_engine_storage) always swap without one.
+  bool gated_swaps = false;
+  std::chrono::milliseconds gate_deadline{50};
   CommitMode commit_mode = CommitMode::kAuto;
   // Pacing (docs/ARCHITECTURE.md, "Pacing"): a receive shares memory bandwidth with decoding.
   // With a budget (for example 1.05), the step hook records when each engine step starts, the

@@ -137,6 +137,13 @@ typedef struct {
                                     engine step while an update streams in stays within this
                                     times the step without one (the receive takes longer) */
   uint64_t max_receive_bytes_per_second; /* a cap on the receive rate; 0 (default): none */
+  int32_t gated_swaps;          /* 1 (remap only): the engine calls shadowsync_receiver_after_launch
+                                   once each step is enqueued; a swap then remaps there, behind a
+                                   gate on the engine stream, while the engine thread goes on
+                                   (default 0) */
+  int64_t gate_deadline_ms;     /* gated swaps: a gate the engine has not finished this long after
+                                   the step before it ended is opened by a watchdog, and the
+                                   receiver swaps without gates from then on (default 50) */
 } shadowsync_receiver_config_t;
 
 #define SHADOWSYNC_COMMIT_AUTO 0
@@ -161,7 +168,8 @@ typedef enum {
         SHADOWSYNC_CONFIG_UNDEF_INT64, SHADOWSYNC_CONFIG_UNDEF_INT,                     \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT,                       \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                     \
-        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT, 0.0, 0                \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT, 0.0, 0,               \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64                      \
   }
 
 /* shadowsync::SenderConfig. */
@@ -461,12 +469,15 @@ typedef struct {
    * the clock of Python's time.monotonic). Both 0 before the first. */
   int64_t last_swap_ns;
   int64_t last_swap_started_ns;
+  /* gated_swaps: gates closed so far, and those a watchdog had to open (then no more gates). */
+  uint64_t gated_swaps;
+  uint64_t gates_abandoned;
 } shadowsync_receiver_stats_t;
 
 #define SHADOWSYNC_RECEIVER_STATS_INITIALIZER                                                  \
   {                                                                                            \
     sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
-        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0                                                     \
+        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0                                               \
   }
 
 /* One group made live by a swap. */
@@ -582,6 +593,13 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_drain(shadowsync_receiver
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_before_step(shadowsync_receiver_t receiver,
                                                                    shadowsync_stream_t stream,
                                                                    uint64_t* applied_version);
+/* gated_swaps: after each step's work is enqueued on `stream` and before the engine waits for it.
+ * With a gate closed by before_step: waits for the step before it, remaps, opens it;
+ * *applied_version (may be NULL) is the version the step just enqueued runs on, 0 when nothing
+ * was made live (no gate, or a watchdog opened it first). Engine thread only. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_after_launch(shadowsync_receiver_t receiver,
+                                                                    shadowsync_stream_t stream,
+                                                                    uint64_t* applied_version);
 /* Applies a pending update now, if any (an idle engine). Engine thread only. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_apply_pending_now(
     shadowsync_receiver_t receiver, shadowsync_stream_t stream, uint64_t* applied_version);

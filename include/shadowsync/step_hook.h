@@ -63,6 +63,7 @@ constexpr std::string_view swap_strategy_name(SwapStrategy strategy) {
   return "unknown";
 }
 
+class GatedSwap;
 class Layout;
 class SlotTable;
 struct PendingUpdate;
@@ -87,8 +88,13 @@ struct AppliedUpdate {
 class StepHook {
  public:
   // `record_step_times`: before_step also stamps when each step starts (step_times()), for a
-  // receiver that paces by a decode-slowdown budget.
-  StepHook(const Layout& layout, SlotTable& slots, bool record_step_times = false);
+  // receiver that paces by a decode-slowdown budget. `gate` (remap only; null: none): gated
+  // swaps (ReceiverConfig::gated_swaps, after_launch), a gate the watchdog opens `gate_deadline`
+  // after the work before it completed if the engine has not claimed the swap by then.
+  StepHook(const Layout& layout, SlotTable& slots, bool record_step_times = false,
+           std::unique_ptr<StreamGate> gate = nullptr,
+           std::chrono::milliseconds gate_deadline = std::chrono::milliseconds(50));
+  ~StepHook();
   StepHook(const StepHook&) = delete;
   StepHook& operator=(const StepHook&) = delete;
 
@@ -96,14 +102,32 @@ class StepHook {
   // was pending (the fast path: one acquire load, no stores, no backend calls; with a pacing
   // budget, also a clock read and a stamp in step_times()).
   // Engine thread only; `engine_stream` is the stream the engine's steps run on.
+  // With gated swaps (ReceiverConfig::gated_swaps) a pending update whose every group is
+  // remapped is not made live here: before_step closes a gate on the engine stream and returns
+  // nothing; the engine enqueues its step behind the gate and after_launch makes the update live
+  // for that step (plugin/core/gated_swap.h).
   std::optional<std::uint64_t> before_step(Stream& engine_stream) {
     if (step_times_ != nullptr) step_times_->record();
     if (pending_.load(std::memory_order_acquire) == nullptr) return std::nullopt;
-    return apply_pending(engine_stream);
+    return gated_ != nullptr ? gate_or_apply(engine_stream) : apply_pending(engine_stream);
+  }
+
+  // Gated swaps: call once the step's work is enqueued on the engine stream, before the engine
+  // waits for that stream (a synchronize, a copy to pageable memory, .item()): with a gate closed
+  // by before_step, waits for the work before it, remaps, opens it, and returns the version made
+  // live, which the step just enqueued runs on. Nothing (one branch) otherwise, and nothing when
+  // the watchdog opened the gate first (the step ran on the previous version; the update goes
+  // live at the next before_step). Engine thread only.
+  std::optional<std::uint64_t> after_launch(Stream& engine_stream) {
+    if (!gate_closed_) return std::nullopt;
+    return finish_gated(engine_stream);
   }
 
   // Applies a pending update now, if there is one (an idle engine). Engine thread only.
   std::optional<std::uint64_t> apply_pending_now(Stream& engine_stream) {
+    if (gate_closed_) {
+      if (const auto applied = finish_gated(engine_stream)) return applied;
+    }
     return apply_pending(engine_stream);
   }
 
@@ -141,6 +165,11 @@ class StepHook {
   // When the engine's steps started; null unless constructed with record_step_times.
   const StepTimes* step_times() const { return step_times_.get(); }
 
+  // Gated swaps: gates closed so far, and those the watchdog had to open (then the hook swaps
+  // without a gate). Zero without gated swaps. Thread-safe.
+  std::uint64_t gated_swaps() const;
+  std::uint64_t gates_abandoned() const;
+
   // The last swap that made an update live (before_step, apply_pending_now, wait_applied):
   // when it started and how long the engine thread spent in it, swap callback included: the
   // host side of the engine's stop (for remap, its engine-stream synchronization too). Zero
@@ -160,7 +189,10 @@ class StepHook {
  private:
   friend class Receiver;
 
-  std::optional<std::uint64_t> apply_pending(Stream& engine_stream);
+  // `work_before_done`: a gated swap, whose remaps need not (must not) wait for the stream.
+  std::optional<std::uint64_t> apply_pending(Stream& engine_stream, bool work_before_done = false);
+  std::optional<std::uint64_t> gate_or_apply(Stream& engine_stream);
+  std::optional<std::uint64_t> finish_gated(Stream& engine_stream);
   // Receiver thread: offer a completed update / take it back if the engine has not.
   void publish(const PendingUpdate* update);
   const PendingUpdate* retract();
@@ -182,6 +214,8 @@ class StepHook {
   const Layout& layout_;
   SlotTable& slots_;
   const std::unique_ptr<StepTimes> step_times_;  // null: nothing recorded (no budget)
+  const std::unique_ptr<GatedSwap> gated_;       // null: no gated swaps
+  bool gate_closed_ = false;                     // engine thread: after_launch has work
   std::atomic<const PendingUpdate*> pending_{nullptr};
   std::atomic<std::uint64_t> applied_version_{0};
   std::atomic<std::int64_t> last_swap_started_ns_{0};  // steady_clock, since its epoch

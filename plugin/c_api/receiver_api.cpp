@@ -62,6 +62,8 @@ ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
   // C++ config, whose check refuses it naming ReceiverConfig::decode_slowdown_budget and the value.
   if (c.decode_slowdown_budget != 0.0) config.decode_slowdown_budget = c.decode_slowdown_budget;
   config.max_receive_bytes_per_second = c.max_receive_bytes_per_second;
+  config.gated_swaps = read_flag(c.gated_swaps, config.gated_swaps, kWhat, "gated_swaps");
+  config.gate_deadline = read_int64(c.gate_deadline_ms, config.gate_deadline);
   return config;
 }
 
@@ -119,7 +121,7 @@ shadowsync_status_t query_group(const char* function, shadowsync_receiver_t rece
   });
 }
 
-// before_step and apply_pending_now: `apply` (one of the two) on the engine's stream, reporting
+// before_step, after_launch and apply_pending_now: `apply` on the engine's stream, reporting
 // the version it made live in `applied_version` (0: none; NULL: not wanted).
 shadowsync_status_t apply_on_engine_stream(
     const char* function, shadowsync_receiver_t receiver, shadowsync_stream_t stream,
@@ -372,6 +374,13 @@ shadowsync_status_t shadowsync_receiver_before_step(shadowsync_receiver_t receiv
                                 &StepHook::before_step);
 }
 
+shadowsync_status_t shadowsync_receiver_after_launch(shadowsync_receiver_t receiver,
+                                                     shadowsync_stream_t stream,
+                                                     uint64_t* applied_version) {
+  return apply_on_engine_stream(__func__, receiver, stream, applied_version,
+                                &StepHook::after_launch);
+}
+
 shadowsync_status_t shadowsync_receiver_apply_pending_now(shadowsync_receiver_t receiver,
                                                           shadowsync_stream_t stream,
                                                           uint64_t* applied_version) {
@@ -522,6 +531,8 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
       full.last_duty = pacing.duty;
     }
     const StepHook& hook = object->receiver->step_hook();
+    full.gated_swaps = hook.gated_swaps();
+    full.gates_abandoned = hook.gates_abandoned();
     full.last_swap_ns = hook.last_swap_duration().count();
     full.last_swap_started_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                     hook.last_swap_started().time_since_epoch())

@@ -39,4 +39,11 @@ std::unique_ptr<RemappableArena> Backend::create_remappable_arena(std::size_t by
                           remap_unsupported_reason()));
 }
 
+std::unique_ptr<StreamGate> Backend::create_stream_gate() {
+  throw Error(ErrorCode::kBackend,
+              fmt::format("backend '{}' has no stream gates (the gated remap swap needs one: the "
+                          "CUDA backend, or the host backend)",
+                          name()));
+}
+
 }  // namespace shadowsync

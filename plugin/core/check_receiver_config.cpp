@@ -23,6 +23,7 @@ void check_receiver_config(const ReceiverConfig& config, const Transport* transp
   positive(config.bucket_deadline, "bucket_deadline (ms)");
   positive(config.poll_interval, "poll_interval (us)");
   positive(config.abort_deadline, "abort_deadline (ms)");
+  positive(config.gate_deadline, "gate_deadline (ms)");
   check_root_rank(config.root_rank, transport, "ReceiverConfig::root_rank");
   if (const std::optional<double> budget = config.decode_slowdown_budget;
       budget && !(std::isfinite(*budget) && *budget >= 1.0)) {
@@ -47,6 +48,13 @@ void check_receiver_config(const ReceiverConfig& config, const Transport* transp
                               "at the cost of one device copy per swap)",
                               backend.name(), why));
     }
+  }
+  if (config.gated_swaps && config.swap_strategy != SwapStrategy::kRemap) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("ReceiverConfig::gated_swaps is set, but ReceiverConfig::swap_strategy "
+                            "is {}: only a remap swap waits behind a gate (set swap_strategy remap, "
+                            "or leave gated_swaps off)",
+                            swap_strategy_name(config.swap_strategy)));
   }
   if ((config.require_checksums || config.reject_nonfinite) && !backend.supports_integrity()) {
     throw Error(ErrorCode::kInvalidArgument,

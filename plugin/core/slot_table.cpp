@@ -62,7 +62,7 @@ bool SlotTable::copies_in(std::size_t g) const {
   return strategy_ == SwapStrategy::kCopyIn || !groups_[g].engine_storage.empty();
 }
 
-void SlotTable::make_live(std::size_t g, int slot, Stream& engine_stream) {
+void SlotTable::make_live(std::size_t g, int slot, Stream& engine_stream, bool work_before_done) {
   Group& group = groups_[g];
   switch (copies_in(g) ? SwapStrategy::kCopyIn : strategy_) {
     case SwapStrategy::kRebind:
@@ -85,8 +85,9 @@ void SlotTable::make_live(std::size_t g, int slot, Stream& engine_stream) {
       backend_.event_record(*group.release[slot], engine_stream);
       return;
     case SwapStrategy::kRemap:
-      // Synchronizes the engine stream first: no kernel is reading the old pages when they go.
-      group.remap->remap_live(slot, engine_stream);
+      // Synchronizes the engine stream first (unless a gate already made sure): no kernel is
+      // reading the old pages when they go.
+      group.remap->remap_live(slot, engine_stream, work_before_done);
       backend_.event_record(*group.release[group.live], engine_stream);
       group.live = slot;
       return;

@@ -82,9 +82,10 @@ class SlotTable {
 
   // Makes `slot` of group `g` what the engine reads from its next enqueued work on, and records
   // on `engine_stream` the release event of the slot that is no longer read once that work runs
-  // (invariant 2). Under remap this waits for `engine_stream` to have no work in flight first.
-  // Engine thread only.
-  void make_live(std::size_t g, int slot, Stream& engine_stream);
+  // (invariant 2). Under remap this waits for `engine_stream` to have no work in flight first,
+  // unless `work_before_done` (a gated swap: the work before the stream's gate has completed, the
+  // work after it waits; RemappableArena::remap_live). Engine thread only.
+  void make_live(std::size_t g, int slot, Stream& engine_stream, bool work_before_done = false);
 
   // copy_in, or remap for a group without an engine arena: the live storage of group `g` becomes
   // the engine's own tensors, `tensors[t]` holding tensor t of the group (layout order) from now

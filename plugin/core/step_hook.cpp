@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "core/gated_swap.h"
 #include "core/pending_update.h"
 #include "core/slot_table.h"
 #include "shadowsync/error.h"
@@ -9,14 +10,57 @@
 
 namespace shadowsync {
 
-StepHook::StepHook(const Layout& layout, SlotTable& slots, bool record_step_times)
+StepHook::StepHook(const Layout& layout, SlotTable& slots, bool record_step_times,
+                   std::unique_ptr<StreamGate> gate, std::chrono::milliseconds gate_deadline)
     : layout_(layout),
       slots_(slots),
-      step_times_(record_step_times ? std::make_unique<StepTimes>() : nullptr) {
+      step_times_(record_step_times ? std::make_unique<StepTimes>() : nullptr),
+      gated_(gate != nullptr ? std::make_unique<GatedSwap>(std::move(gate), gate_deadline)
+                             : nullptr) {
   previous_.reserve(layout.groups().size());
 }
 
-std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
+StepHook::~StepHook() = default;
+
+std::uint64_t StepHook::gated_swaps() const { return gated_ != nullptr ? gated_->gates() : 0; }
+
+std::uint64_t StepHook::gates_abandoned() const {
+  return gated_ != nullptr ? gated_->abandoned() : 0;
+}
+
+std::optional<std::uint64_t> StepHook::gate_or_apply(Stream& engine_stream) {
+  if (gate_closed_) {
+    // The engine came back without after_launch (a step that launched nothing after all):
+    // finish that gate first; the work behind it runs on whatever it makes live.
+    if (const auto applied = finish_gated(engine_stream)) return applied;
+  }
+  // Only remaps can wait behind a gate: a copy enqueued at after_launch would run after the step
+  // that should read its bytes (a LoRA group in the engine's own storage is copied in).
+  bool every_group_remapped = gated_->enabled();
+  for (std::size_t g = 0; every_group_remapped && g < slots_.size(); ++g) {
+    every_group_remapped = !slots_.copies_in(g);
+  }
+  if (!every_group_remapped) return apply_pending(engine_stream);
+  gated_->close(engine_stream);
+  gate_closed_ = true;
+  return std::nullopt;
+}
+
+std::optional<std::uint64_t> StepHook::finish_gated(Stream& engine_stream) {
+  gate_closed_ = false;
+  if (!gated_->claim()) return std::nullopt;  // the watchdog opened it: the update stays pending
+  std::optional<std::uint64_t> applied;
+  try {
+    applied = apply_pending(engine_stream, /*work_before_done=*/true);
+  } catch (...) {
+    gated_->open();
+    throw;
+  }
+  gated_->open();
+  return applied;
+}
+
+std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream, bool work_before_done) {
   // exchange, not load: the receiver may take the update back at the same moment; exactly one of
   // the two gets it.
   const PendingUpdate* update = pending_.exchange(nullptr, std::memory_order_acq_rel);
@@ -29,7 +73,7 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
     previous_.push_back(
         GroupSwap{swap.group, slots_.live_slot(swap.group), group.live_content_version});
     // Records the release event of what the engine stops reading (invariant 2).
-    slots_.make_live(swap.group, swap.slot, engine_stream);
+    slots_.make_live(swap.group, swap.slot, engine_stream, work_before_done);
     group.live_content_version = swap.content_version;
   }
   const std::uint64_t version = update->version;
@@ -49,6 +93,7 @@ std::optional<std::uint64_t> StepHook::apply_pending(Stream& engine_stream) {
 }
 
 std::uint64_t StepHook::rollback(Stream& engine_stream) {
+  if (gate_closed_) finish_gated(engine_stream);  // its remap would wait for the closed gate
   if (slots_.strategy() == SwapStrategy::kCopyIn) {
     // The copy overwrote the live bytes in place and no copy of them is kept (that would cost a
     // third copy of the weights, or a copy back into a shadow the receiver may be writing).
@@ -121,6 +166,7 @@ const std::vector<GroupSwap>* StepHook::close_rollback_window(std::uint64_t vers
 
 bool StepHook::wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
                             Stream& engine_stream) {
+  if (gate_closed_) finish_gated(engine_stream);  // its remap would wait for the closed gate
   for (;;) {
     apply_pending(engine_stream);
     if (applied_version() >= version) return true;

@@ -141,6 +141,8 @@ class ReceiverConfigC(Structure):
         ("commit_mode", c_int32),  # COMMIT_MODES
         ("decode_slowdown_budget", c_double),  # 0: no pacing
         ("max_receive_bytes_per_second", c_uint64),  # 0: no cap
+        ("gated_swaps", c_int32),
+        ("gate_deadline_ms", c_int64),
     ]
 
 
@@ -206,6 +208,8 @@ class ReceiverStatsC(Structure):
         ("last_duty", c_double),
         ("last_swap_ns", c_int64),
         ("last_swap_started_ns", c_int64),
+        ("gated_swaps", c_uint64),
+        ("gates_abandoned", c_uint64),
     ]
 
 
@@ -314,6 +318,7 @@ _PROTOTYPES = {
     "shadowsync_receiver_drain": (c_int, [_H]),
     "shadowsync_receiver_before_step": (c_int, [_H, _H, _P(c_uint64)]),
     "shadowsync_receiver_apply_pending_now": (c_int, [_H, _H, _P(c_uint64)]),
+    "shadowsync_receiver_after_launch": (c_int, [_H, _H, _P(c_uint64)]),
     "shadowsync_receiver_wait_applied": (c_int, [_H, c_uint64, c_int64, _H]),
     "shadowsync_receiver_applied_version": (c_int, [_H, _P(c_uint64)]),
     "shadowsync_receiver_live_tensor": (c_int, [_H, c_size_t, c_size_t, _P(c_void_p)]),

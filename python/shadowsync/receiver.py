@@ -67,6 +67,13 @@ class ReceiverConfig:
     # A cap on the receive rate in bytes per second (0, the default: none). With a budget too, the
     # longer hold of the two wins; neither makes an update miss update_deadline_ms. None: as 0.
     max_receive_bytes_per_second: int | None = 0
+    # swap_strategy "remap" only: the engine calls Receiver.after_launch() once each step's work
+    # is enqueued, before it waits for its stream; a swap then closes a gate on the engine stream
+    # in before_step and remaps in after_launch once the step before has ended, while the engine
+    # thread goes on (False). A watchdog opens a gate the engine has not finished
+    # gate_deadline_ms after the step before ended (50), and gates stay off from then on.
+    gated_swaps: bool | None = None
+    gate_deadline_ms: int | None = None
 
     def _c_fields(self) -> dict:
         """The C struct's fields; raises InvalidArgumentError naming the field and its value
@@ -168,6 +175,9 @@ class ReceiverStats:
     # included) and when it started, on the clock of time.monotonic(). 0.0 before the first.
     last_swap_s: float = 0.0
     last_swap_started_s: float = 0.0
+    # gated_swaps: gates closed so far, and those the watchdog had to open.
+    gated_swaps: int = 0
+    gates_abandoned: int = 0
 
 
 @dataclass(frozen=True)
@@ -317,6 +327,8 @@ class Receiver(Handle):
             PacingReport._from_c(s),
             s.last_swap_ns / 1e9,
             s.last_swap_started_ns / 1e9,
+            s.gated_swaps,
+            s.gates_abandoned,
         )
 
     def _failure(self, s: ReceiverStatsC) -> UpdateFailure | None:
@@ -353,6 +365,13 @@ class Receiver(Handle):
         """Before each engine step: makes a received update live (every group of it at once) and
         returns its version; None when nothing was pending. Engine thread only."""
         return self._applying("shadowsync_receiver_before_step", stream)
+
+    def after_launch(self, stream: Stream | None = None) -> int | None:
+        """gated_swaps: once the step's work is enqueued and before the engine waits for its
+        stream. Finishes a swap before_step gated: waits for the step before the gate, remaps,
+        opens it; returns the version the step just enqueued runs on (None: nothing was made
+        live). Engine thread only."""
+        return self._applying("shadowsync_receiver_after_launch", stream)
 
     def apply_pending_now(self, stream: Stream | None = None) -> int | None:
         """For an idle engine: applies a pending update now, if any. Engine thread only."""

@@ -86,6 +86,9 @@ class CountingBackend : public Backend {
   std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes) override {
     return ++calls, inner_.create_remappable_arena(bytes);
   }
+  std::unique_ptr<StreamGate> create_stream_gate() override {
+    return ++calls, inner_.create_stream_gate();
+  }
 
  private:
   std::unique_ptr<HostBackend> owned_;

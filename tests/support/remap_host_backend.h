@@ -39,8 +39,8 @@ class HostArena final : public RemappableArena {
   std::size_t bytes() const override { return bytes_; }
   int live_slot() const override { return live_slot_.load(); }
   std::byte* slot_address(int slot) const override { return slots_[slot].data(); }
-  void remap_live(int slot, Stream& engine_stream) override {
-    if (engine_ != nullptr) engine_->stream_synchronize(engine_stream);
+  void remap_live(int slot, Stream& engine_stream, bool work_before_done) override {
+    if (engine_ != nullptr && !work_before_done) engine_->stream_synchronize(engine_stream);
     ++remaps;
     std::memcpy(live_.data(), slots_[slot].data(), bytes_);
     live_slot_.store(slot);

@@ -45,6 +45,7 @@ const DriverApi& driver_api() {
     look_up("cuGetErrorName", d.error_name, d.missing);
     look_up("cuDeviceGet", d.device_get, d.missing);
     look_up("cuDeviceGetAttribute", d.device_attribute, d.missing);
+    look_up("cuStreamWaitValue32", d.stream_wait_value32, d.missing);
     return d;
   }();
   return api;

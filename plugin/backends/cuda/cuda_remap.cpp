@@ -26,7 +26,7 @@ class VmmRemappableArena final : public RemappableArena {
   std::byte* slot_address(int slot) const override {
     return static_cast<std::byte*>(slots_.slot_address(slot));
   }
-  void remap_live(int slot, Stream& engine_stream) override {
+  void remap_live(int slot, Stream& engine_stream, bool work_before_done) override {
     if (CudaBackend::device_of(engine_stream) != slots_.device()) {
       throw Error(ErrorCode::kInvalidArgument,
                   fmt::format("remap: the engine stream belongs to device {}, the arena to {}",
@@ -34,7 +34,7 @@ class VmmRemappableArena final : public RemappableArena {
     }
     // The driver calls act on the current context: the engine thread may be on another device.
     SHADOWSYNC_CUDA_CHECK(cudaSetDevice(slots_.device()), "device={}", slots_.device());
-    slots_.remap_live(slot, CudaBackend::native(engine_stream));
+    slots_.remap_live(slot, CudaBackend::native(engine_stream), !work_before_done);
   }
 
  private:

@@ -121,7 +121,7 @@ void* VmmSlots::slot_address(int slot) const {
   return reinterpret_cast<void*>(slot_ranges_[static_cast<std::size_t>(slot)]);
 }
 
-void VmmSlots::remap_live(int slot, cudaStream_t engine_stream) {
+void VmmSlots::remap_live(int slot, cudaStream_t engine_stream, bool synchronize_first) {
   if (slot < 0 || slot >= slot_count()) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("VMM slots: cannot make slot {} live (there are {})", slot,
@@ -132,7 +132,9 @@ void VmmSlots::remap_live(int slot, cudaStream_t engine_stream) {
   }
   if (slot == live_slot_) return;
   // Kernels still reading the live range must finish before its pages go away.
-  SHADOWSYNC_CUDA_CHECK(cudaStreamSynchronize(engine_stream), "engine stream before a remap");
+  if (synchronize_first) {
+    SHADOWSYNC_CUDA_CHECK(cudaStreamSynchronize(engine_stream), "engine stream before a remap");
+  }
   const DriverApi& d = driver_api();
   const CUmemAccessDesc access = read_write(device_);
   live_slot_ = -1;  // until the new mapping is complete

@@ -54,10 +54,11 @@ class VmmSlots {
 
   // Points the live range at `slot`'s physical memory. Synchronizes `engine_stream` first: work
   // still in flight on the live range must not see the unmap (the contract of the remap strategy;
-  // free when the engine already synchronized at the step boundary). Throws Error
-  // (kInvalidArgument naming the slot and the count, before anything changes; kBackend for a
-  // failing driver call, after which the live range is left unmapped and the object unusable).
-  void remap_live(int slot, cudaStream_t engine_stream);
+  // free when the engine already synchronized at the step boundary); without `synchronize_first`
+  // the caller vouches that nothing on the stream reads the range any more (a gated swap). Throws
+  // Error (kInvalidArgument naming the slot and the count, before anything changes; kBackend for
+  // a failing driver call, after which the live range is left unmapped and the object unusable).
+  void remap_live(int slot, cudaStream_t engine_stream, bool synchronize_first = true);
 
  private:
   void release() noexcept;

@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <utility>
 
 #include <fmt/format.h>
@@ -164,6 +167,52 @@ HostStream& host_stream_or_throw(Stream& stream, const char* operation) {
 HostEvent& host_event_or_throw(Event& event, const char* operation) {
   return backend_cast<HostEvent>(event, "HostBackend", operation, "event");
 }
+
+// A gate is a task on the stream that blocks the stream's thread until the gate's generation is
+// opened; the marker recorded before it is the work before the gate. The state is shared with the
+// task, which may still be queued when the gate object goes.
+class HostStreamGate final : public StreamGate {
+ public:
+  void close(Stream& stream) override {
+    HostStream& host_stream = host_stream_or_throw(stream, "StreamGate::close");
+    std::uint64_t generation = 0;
+    {
+      std::lock_guard lock(state_->mutex);
+      generation = ++state_->closed;
+      state_->before = record_marker(host_stream);
+    }
+    host_stream.enqueue([state = state_, generation] {
+      std::unique_lock lock(state->mutex);
+      state->opened_cv.wait(lock, [&] { return state->opened >= generation; });
+    });
+  }
+  bool wait_work_before(std::chrono::nanoseconds timeout) override {
+    std::shared_ptr<Marker> before;
+    {
+      std::lock_guard lock(state_->mutex);
+      before = state_->before;
+    }
+    return before == nullptr || before->wait_for(timeout);
+  }
+  void open() noexcept override {
+    {
+      std::lock_guard lock(state_->mutex);
+      state_->opened = state_->closed;
+    }
+    state_->opened_cv.notify_all();
+  }
+  ~HostStreamGate() override { open(); }
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::condition_variable opened_cv;
+    std::uint64_t closed = 0;  // gates closed so far
+    std::uint64_t opened = 0;  // the stream may pass every gate up to this one
+    std::shared_ptr<Marker> before;
+  };
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+};
 
 // Alignment of every allocation: what cudaMalloc guarantees and what layouts assume.
 constexpr std::size_t kAllocationAlignment = 256;
@@ -332,6 +381,10 @@ void HostBackend::count_nonfinite_async(const void* data, std::size_t elements, 
     }
     *result = count;
   });
+}
+
+std::unique_ptr<StreamGate> HostBackend::create_stream_gate() {
+  return std::make_unique<HostStreamGate>();
 }
 
 void HostBackend::launch_async(Stream& stream, std::function<void()> task) {
