@@ -307,6 +307,13 @@ def main() -> int:
         log(f"{'ok  ' if same else 'FAIL'} step versions of the {args.tp} ranks "
             f"{'agree' if same else 'differ'}: {[log['transitions'] for log in logs]}, "
             f"steps {[log['steps'] for log in logs]}")
+    stats = llm.collective_rpc("weight_update_stats")[0]
+    log(f"gated swaps {stats['gated_swaps']}, gates the watchdog opened "
+        f"{stats['gates_abandoned']}, step hook at {stats['step_hook_at']}")
+    if stats["gates_abandoned"]:
+        failures += 1
+        log("FAIL a gate was abandoned: vLLM waited for its stream between the step's forward and "
+            "its post_forward")
     versions = llm.collective_rpc("request_versions")[0]
     seen = sorted({v for segments in versions.values() for v, _ in segments})
     log(f"request_versions: {len(versions)} requests, versions seen {seen}")

@@ -262,6 +262,7 @@ class WorkerExtension:
         decode_slowdown_budget: float | None = None,
         max_receive_bytes_per_second: int = 0,
         lora_adapter: int | None = None,
+        gated_swaps: bool | None = None,
         _agree: Callable[[], None] = lambda: None,
     ) -> int:
         """Sets up the weight update group; returns the layout fingerprint (the trainer compares
@@ -324,6 +325,14 @@ class WorkerExtension:
         takes longer instead, never past the update deadline. The cap limits the receive rate in
         bytes per second. A budget that is not finite or below 1.0 is refused, named, before
         anything is set up. weight_update_stats()["pacing"] reports what pacing did.
+
+        `gated_swaps` (ReceiverConfig.gated_swaps): a swap that remaps the live arena closes a gate
+        on vLLM's stream right before the step's forward and remaps once the step before has
+        ended, from the step's last host call (the KV connector's ``post_forward``), so that vLLM
+        prepares the step, samples and hands back the previous step's tokens meanwhile, and the
+        GPU stops for the remap alone. None (the default): on wherever it can be, i.e. the remap
+        of the live arena with the step hook on vLLM's V2 GPU runner (pre_forward and
+        post_forward); True elsewhere is refused, naming why.
 
         `lora_adapter`: the lora_int_id of a LoRA adapter vLLM serves (started with
         ``enable_lora=True`` and ``max_lora_rank`` = the adapter's rank; the adapter loaded once,
@@ -463,6 +472,11 @@ class WorkerExtension:
                 receiver_config.swap_strategy = swap_strategy
             if engine_uses_cuda_graphs is not None:
                 receiver_config.engine_uses_cuda_graphs = engine_uses_cuda_graphs
+        gate = _gated_swaps(self, gated_swaps, arena_group is not None and not lora_groups,
+                            hook_execute_model)
+        if gate:
+            receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),
+                                                  gated_swaps=True)
         _agree()  # every rank checked its part: now the transports may connect
         if transport is None and unique_id is not None:
             rank = int(rank_offset) + int(getattr(self, "rank", 0))
@@ -505,7 +519,7 @@ class WorkerExtension:
             _adopt(state, layout, stream)
         self._shadowsync = state
         if hook_execute_model and hasattr(self, "execute_model"):
-            state.step_hook_at = _hook_execute_model(self)
+            state.step_hook_at = _hook_execute_model(self, gated=gate)
         _agree()  # every rank is set up (one that failed to connect takes the others back)
         if lora_adapter is not None:
             # vLLM must not evict it: its slot is the live copy. Pinned once every rank is set
@@ -538,6 +552,15 @@ class WorkerExtension:
         if state is None:
             return None  # no update group yet: nothing can be pending
         return state.receiver.before_step()
+
+    def after_launch(self) -> int | None:
+        """gated_swaps: the step's last host call (installed by init where the gate is used):
+        finishes a swap before_step gated (waits for the step before, remaps, opens the gate) and
+        returns the version the step runs on; None otherwise. Engine thread only."""
+        state = self._shadowsync
+        if state is None:
+            return None
+        return state.receiver.after_launch()
 
     def wait_applied(self, version: int, timeout: float | None = None) -> int:
         """For an idle engine: applies updates as they arrive until `version` is live, rebinding
@@ -629,7 +652,7 @@ class WorkerExtension:
         stats["kept_params"] = state.kept_params  # parameters the plan keeps (live arena, partial)
         stats["swap_strategy"] = state.swap_strategy
         stats["live_arena"] = state.live_arena
-        stats["step_hook_at"] = state.step_hook_at
+        stats["step_hook_at"] = state.step_hook_at  # gated_swaps, gates_abandoned: the receiver's
         stats["last_begin_update_started_s"], stats["last_begin_update_s"] = state.last_begin_update
         stats["last_wait_applied_started_s"], stats["last_wait_applied_s"] = state.last_wait_applied
         return stats
@@ -980,22 +1003,67 @@ def _adopt(state: _UpdateGroup, layout: Layout, stream: Stream) -> None:
 class _ConnectorWithStepHook:
     """vLLM's V2 GPU model runner calls ``kv_connector.pre_forward(scheduler_output)`` right
     before every forward (CUDA graph replay, piecewise or eager) and nowhere else: the step hook
-    runs there. A stand-in for that runner's own connector (often vLLM's shared no-op one, which
-    must not be changed), delegating everything else to it."""
+    runs there. It calls ``kv_connector.post_forward(finished_req_ids)`` as the last host call of
+    the step (the end of sample_tokens, pool, or a non-last pipeline rank's step): with gated
+    swaps `after_launch` runs there. A stand-in for that runner's own connector (often vLLM's
+    shared no-op one, which must not be changed), delegating everything else to it."""
 
-    def __init__(self, connector, before_forward):
+    def __init__(self, connector, before_forward, after_launch=None):
         self._shadowsync_connector = connector
         self._before_forward = before_forward
+        self._after_launch = after_launch
 
     def pre_forward(self, scheduler_output):
         self._before_forward()
         return self._shadowsync_connector.pre_forward(scheduler_output)
 
+    def post_forward(self, *args, **kwargs):
+        result = self._shadowsync_connector.post_forward(*args, **kwargs)
+        if self._after_launch is not None:
+            self._after_launch()
+        return result
+
     def __getattr__(self, name):
         return getattr(self._shadowsync_connector, name)
 
 
-def _hook_execute_model(worker: WorkerExtension) -> str:
+def _step_hook_site(worker: WorkerExtension) -> str:
+    """Where _hook_execute_model puts the step hook on this worker (its docstring says why)."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is not None and getattr(runner, "_model_forward", None) is not None:
+        return "model_runner._model_forward"
+    connector = getattr(runner, "kv_connector", None) if runner is not None else None
+    if callable(getattr(connector, "pre_forward", None)):
+        return "model_runner.kv_connector.pre_forward"
+    return "execute_model"
+
+
+def _gated_swaps(worker: WorkerExtension, requested: bool | None, remaps_arena: bool,
+                 hooked: bool) -> bool:
+    """init_weight_update_group's `gated_swaps`: whether swaps wait behind a gate on vLLM's
+    stream. A gate needs a swap that only remaps (the live arena, no adapter copied beside it)
+    and a step hook before the forward with a call after the step's last launch: vLLM's V2
+    runner's KV connector gives both. Refuses True where that is not so, naming why."""
+    if requested is False:
+        return False
+    site = _step_hook_site(worker) if hooked and hasattr(worker, "execute_model") else None
+    why = None
+    if not remaps_arena:
+        why = ("no swap only remaps: the gate serves the remap of shadowsync.vllm's live arena, "
+               "without a LoRA adapter (an adapter is copied into vLLM's buffers at each swap, "
+               "and a copy enqueued after the step cannot run before it)")
+    elif site != "model_runner.kv_connector.pre_forward":
+        why = (f"the step hook runs at {site or 'no hook (hook_execute_model=False)'}; the gate "
+               f"needs vLLM's V2 GPU model runner, whose KV connector's pre_forward and "
+               f"post_forward frame every step")
+    if why is None:
+        return True
+    if requested:
+        raise InvalidArgumentError(f"init_weight_update_group: gated_swaps=True, but {why}")
+    return False
+
+
+def _hook_execute_model(worker: WorkerExtension, gated: bool = False) -> str:
     """Runs before_step() once per step, by shadowing methods on the instances (vLLM looks them up
     on the object for each step); with track_request_versions also counts each scheduled
     request's tokens under the version the step runs on.
@@ -1014,19 +1082,30 @@ def _hook_execute_model(worker: WorkerExtension) -> str:
     runner = getattr(worker, "model_runner", None)
     forward = getattr(runner, "_model_forward", None) if runner is not None else None
     connector = getattr(runner, "kv_connector", None) if runner is not None else None
-    if forward is not None:
-        where = "model_runner._model_forward"
-    elif callable(getattr(connector, "pre_forward", None)):
-        where = "model_runner.kv_connector.pre_forward"
-    else:
-        where = "execute_model"
+    where = _step_hook_site(worker)
     pending_step = []  # this step's scheduler output, until its forward takes it
+    # Gated: the version a step runs on is known once after_launch returned; its tokens are
+    # counted there (or at the next step, if vLLM never called post_forward for it).
+    uncounted = []
 
-    def step_starts(scheduler_output) -> None:
-        worker.before_step()
+    def count_tokens(scheduler_output) -> None:
         state = worker._shadowsync
         if state is not None and state.request_versions is not None:
             _count_tokens(state, scheduler_output)
+
+    def step_starts(scheduler_output) -> None:
+        worker.before_step()  # with gates: finishes a gate the last step left closed, first
+        while uncounted:
+            count_tokens(uncounted.pop())
+        if gated:
+            uncounted.append(scheduler_output)
+        else:
+            count_tokens(scheduler_output)
+
+    def step_launched() -> None:
+        worker.after_launch()
+        while uncounted:
+            count_tokens(uncounted.pop())
 
     def execute_model(*args, **kwargs):
         state = worker._shadowsync
@@ -1053,7 +1132,8 @@ def _hook_execute_model(worker: WorkerExtension) -> str:
         runner._model_forward = model_forward
     elif where == "model_runner.kv_connector.pre_forward":
         runner.__dict__["_shadowsync_original_kv_connector"] = connector
-        runner.kv_connector = _ConnectorWithStepHook(connector, before_forward)
+        runner.kv_connector = _ConnectorWithStepHook(connector, before_forward,
+                                                     step_launched if gated else None)
     return where
 
 

@@ -90,9 +90,10 @@ void GatedSwap::watch() {
     changed_.wait_for(lock, deadline_, [&] { return !still_closed(); });
     if (!still_closed()) continue;
     state_ = State::kAbandoned;
-    gate_->open();
+    // Counted before the gate opens: whoever sees the stream pass it sees the count.
     enabled_.store(false, std::memory_order_release);
     abandoned_.fetch_add(1, std::memory_order_release);
+    gate_->open();
     std::fprintf(stderr,
                  "shadowsync: gated swap abandoned: the engine thread did not call after_launch "
                  "within %lld ms of the step before the gate ending (did it wait for its own "

@@ -686,3 +686,44 @@ def test_a_lora_adapter_without_specs_is_refused():
     with pytest.raises(ss.InvalidArgumentError, match=r"lora_adapter=1 needs specs"):
         worker.init_weight_update_group(transport=ss.Loopback(2).transport(1), lora_adapter=1)
     assert worker._shadowsync is None
+
+
+def test_gated_swaps_are_on_only_for_the_live_arena_on_the_v2_runner_and_refused_elsewhere():
+    """init_weight_update_group(gated_swaps=...): None turns gates on only where a swap only
+    remaps the live arena and the step hook is framed by the V2 runner's KV connector; True
+    elsewhere is refused naming why, before anything is set up."""
+    from shadowsync.vllm import worker_extension as wx
+
+    v2 = ConnectorHookWorker()
+    v1 = ForwardHookWorker()
+    assert wx._gated_swaps(v2, None, remaps_arena=True, hooked=True)
+    assert not wx._gated_swaps(v2, False, remaps_arena=True, hooked=True)
+    assert not wx._gated_swaps(v2, None, remaps_arena=False, hooked=True)
+    assert not wx._gated_swaps(v1, None, remaps_arena=True, hooked=True)
+    assert not wx._gated_swaps(v2, None, remaps_arena=True, hooked=False)
+    with pytest.raises(ss.InvalidArgumentError, match=r"gated_swaps=True, but no swap only "
+                                                      r"remaps"):
+        wx._gated_swaps(v2, True, remaps_arena=False, hooked=True)
+    with pytest.raises(ss.InvalidArgumentError, match=r"gated_swaps=True, but the step hook runs "
+                                                      r"at model_runner._model_forward"):
+        wx._gated_swaps(v1, True, remaps_arena=True, hooked=True)
+    with pytest.raises(ss.InvalidArgumentError, match=r"runs at no hook \(hook_execute_model"):
+        wx._gated_swaps(v2, True, remaps_arena=True, hooked=False)
+
+    # Through init: no live arena on the CPU, so True is refused and nothing is set up; the
+    # default leaves the receiver ungated and the connector's post_forward unhooked.
+    loopback = ss.Loopback(2)
+    layout, sender = _trainer(SPECS, loopback.transport(0))
+    specs = [tuple(vars(s).values()) for s in layout.specs]
+    transport = loopback.transport(1)
+    with pytest.raises(ss.InvalidArgumentError, match="gated_swaps=True, but no swap only remaps"):
+        v2.init_weight_update_group(specs=specs, bucket_bytes=1024, transport=transport,
+                                    gated_swaps=True)
+    assert not v2.has_weight_update_group()
+    v2.init_weight_update_group(specs=specs, bucket_bytes=1024, transport=transport)
+    try:
+        assert v2.weight_update_stats()["gated_swaps"] == 0
+        assert v2.model_runner.kv_connector._after_launch is None
+    finally:
+        v2.close_weight_update_group()
+        sender.close()

@@ -105,6 +105,8 @@ static void structs(void) {
   FIELD(shadowsync_receiver_config_t, commit_mode);
   FIELD(shadowsync_receiver_config_t, decode_slowdown_budget);
   FIELD(shadowsync_receiver_config_t, max_receive_bytes_per_second);
+  FIELD(shadowsync_receiver_config_t, gated_swaps);
+  FIELD(shadowsync_receiver_config_t, gate_deadline_ms);
   end_struct();
 
   STRUCT(shadowsync_sender_config_t);
@@ -159,6 +161,8 @@ static void structs(void) {
   FIELD(shadowsync_receiver_stats_t, last_duty);
   FIELD(shadowsync_receiver_stats_t, last_swap_ns);
   FIELD(shadowsync_receiver_stats_t, last_swap_started_ns);
+  FIELD(shadowsync_receiver_stats_t, gated_swaps);
+  FIELD(shadowsync_receiver_stats_t, gates_abandoned);
   end_struct();
 
   STRUCT(shadowsync_group_swap_t);

@@ -91,6 +91,8 @@ static int run_update(void) {
   rconfig.engine_uses_cuda_graphs = 0;
   rconfig.decode_slowdown_budget = 4.0; /* paced: the step hook stamps each step */
   rconfig.max_receive_bytes_per_second = 0;
+  rconfig.gated_swaps = 0;
+  rconfig.gate_deadline_ms = 50;
   OK(shadowsync_receiver_create(layout, backend, t1, &rconfig, &receiver));
   OK(shadowsync_sender_create(layout, backend, t0, &sconfig, &sender));
   /* The transports were taken. */

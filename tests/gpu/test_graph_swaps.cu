@@ -94,6 +94,14 @@ __global__ void decode_step(Arenas arenas, const TensorEntry* entries, std::uint
   atomicAdd(&r[2], static_cast<unsigned long long>(sum));
 }
 
+// Keeps the stream busy for about `cycles` clocks: the step before a gate is still running when
+// the gate closes.
+__global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
 Layout graph_layout() {
   // A few MiB over several dtypes, tensors spanning 256 KiB buckets, two adapters.
   return Layout::build({{"embed", DType::kBFloat16, {1024, 512}, "base"},
@@ -141,7 +149,11 @@ const std::uint64_t* live_words(const StepHook& hook, const Layout& layout, std:
   return reinterpret_cast<const std::uint64_t*>(arena);
 }
 
-void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kReceivers) {
+// `gated` (remap): ReceiverConfig::gated_swaps. Each step is then a replay still in flight (its
+// results copied aside) when before_step closes the gate, and the replay behind the gate before
+// after_launch remaps: the one before must read the old versions, the one behind the new.
+void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kReceivers,
+                     bool gated = false) {
   Watchdog watchdog(240s);
   const Layout layout = graph_layout();
   const std::size_t groups = layout.groups().size();
@@ -156,6 +168,7 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
   config.root_rank = 0;
   config.swap_strategy = strategy;
   config.engine_uses_cuda_graphs = true;
+  config.gated_swaps = gated;
   EngineArenas engine_arenas;
   std::vector<DeviceBuffer> adapter_storage(groups);  // kEngineBaseStorage: groups 1.. only
   if (owner == ArenaOwner::kEngine) {
@@ -198,6 +211,7 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
   DeviceBuffer entry_table(backend, entries.size() * sizeof(TensorEntry));
   DeviceBuffer graph_results(backend, 3 * groups * 8);
   DeviceBuffer eager_results(backend, 3 * groups * 8);
+  DeviceBuffer before_gate_results(backend, 3 * groups * 8);
   std::vector<DeviceBuffer> trainer;
   for (std::size_t g = 0; g < groups; ++g) {
     trainer.emplace_back(backend, layout.groups()[g].arena_bytes());
@@ -278,10 +292,36 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
     const auto deadline = std::chrono::steady_clock::now() + 60s;
     Results seen;
     for (;;) {
+      std::vector<std::uint64_t> want_before(groups);
+      auto* before_out = reinterpret_cast<std::uint64_t*>(before_gate_results.data());
+      if (gated) {
+        // The step before the gate: a replay, its results set aside, then ~0.2 ms more work.
+        for (std::size_t g = 0; g < groups; ++g) {
+          const std::uint64_t live_version = hook.live_content_version(g);
+          want_before[g] = live_version != 0 ? live_version : carried[g];
+        }
+        REQUIRE_CUDA(cudaGraphLaunch(exec, engine_handle));
+        REQUIRE_CUDA(cudaMemcpyAsync(before_out, graph_out, 3 * groups * 8,
+                                     cudaMemcpyDeviceToDevice, engine_handle));
+        spin<<<1, 1, 0, engine_handle>>>(400'000);
+        ++replays;
+      }
       hook.before_step(*engine);
       REQUIRE_CUDA(cudaGraphLaunch(exec, engine_handle));
+      if (gated) hook.after_launch(*engine);
       ++replays;
       seen = read_results(graph_out, groups, engine_handle);
+      if (gated) {
+        const Results before = read_results(before_out, groups, engine_handle);
+        for (std::size_t g = 0; g < groups; ++g) {
+          if ((before.lo[g] != want_before[g] || before.hi[g] != want_before[g]) && torn++ == 0) {
+            first_torn = "update " + std::to_string(v) + ", group " + std::to_string(g) +
+                         ", the step before the gate: read versions " +
+                         std::to_string(before.lo[g]) + ".." + std::to_string(before.hi[g]) +
+                         ", live was " + std::to_string(want_before[g]);
+          }
+        }
+      }
       for (std::size_t g = 0; g < groups; ++g) {
         const std::uint64_t live_version = hook.live_content_version(g);
         const std::uint64_t want = live_version != 0 ? live_version : carried[g];
@@ -308,13 +348,15 @@ void run_graph_swaps(SwapStrategy strategy, ArenaOwner owner = ArenaOwner::kRece
   INFO(first_torn);
   CHECK(torn == 0);
   CHECK(receiver->step_hook().applied_version() == kSwaps);
-  std::printf("%s%s: %d swaps, %llu graph replays, %llu torn\n",
-              std::string(swap_strategy_name(strategy)).c_str(),
+  CHECK(receiver->step_hook().gates_abandoned() == 0);
+  if (gated) CHECK(receiver->step_hook().gated_swaps() > 0);
+  std::printf("%s%s%s: %d swaps (%llu behind a gate), %llu graph replays, %llu torn\n",
+              std::string(swap_strategy_name(strategy)).c_str(), gated ? ", gated" : "",
               owner == ArenaOwner::kEngine              ? " (engine arenas, 2 receivers)"
               : owner == ArenaOwner::kEngineBaseStorage ? " (engine's base arena, adapters in "
                                                           "its storage, 2 receivers)"
                                                         : "",
-              kSwaps,
+              kSwaps, static_cast<unsigned long long>(receiver->step_hook().gated_swaps()),
               static_cast<unsigned long long>(replays), static_cast<unsigned long long>(torn));
 
   REQUIRE_CUDA(cudaStreamSynchronize(engine_handle));
@@ -334,6 +376,15 @@ TEST_CASE("graph swaps: remap, 200 swaps under a graph captured once") {
   run_graph_swaps(SwapStrategy::kRemap);
 }
 
+TEST_CASE("graph swaps: gated remap, 200 swaps; the replay in flight when the gate closes reads "
+          "the old versions, the replay behind it the new") {
+  run_graph_swaps(SwapStrategy::kRemap, ArenaOwner::kReceivers, /*gated=*/true);
+}
+
+TEST_CASE("graph swaps: gated remap over engine arenas, two receivers in turn") {
+  run_graph_swaps(SwapStrategy::kRemap, ArenaOwner::kEngine, /*gated=*/true);
+}
+
 TEST_CASE("graph swaps: remap over engine arenas captured before any receiver, two receivers "
           "in turn") {
   run_graph_swaps(SwapStrategy::kRemap, ArenaOwner::kEngine);
@@ -351,4 +402,59 @@ TEST_CASE("graph swaps: rebind is refused when the engine declares CUDA graphs")
   CHECK_THROWS_WITH(Receiver(graph_layout(), backend, nullptr, config),
                     Catch::Contains("swap_strategy is rebind") &&
                         Catch::Contains("engine_uses_cuda_graphs is true"));
+}
+
+TEST_CASE("graph swaps: gated remap, an engine thread that synchronizes its stream behind the "
+          "gate is let go by the watchdog; the update goes live at the next step, ungated") {
+  Watchdog watchdog(120s);
+  const Layout layout = graph_layout();
+  CudaBackend backend(kDevice);
+  REQUIRE(backend.remap_unsupported_reason().empty());
+  ReceiverConfig config;
+  config.swap_strategy = SwapStrategy::kRemap;
+  config.engine_uses_cuda_graphs = true;
+  config.gated_swaps = true;
+  config.gate_deadline = 20ms;
+  auto transport_owned = std::make_unique<DeviceCopyTransport>();
+  DeviceCopyTransport* transport = transport_owned.get();
+  Receiver receiver(layout, backend, std::move(transport_owned), config);
+  StepHook& hook = receiver.step_hook();
+  std::unique_ptr<Stream> engine = backend.create_stream(StreamPriority::kNormal);
+  const cudaStream_t engine_handle = CudaBackend::native(*engine);
+
+  std::vector<DeviceBuffer> trainer;
+  std::vector<std::string> all_groups;
+  for (std::size_t g = 0; g < layout.groups().size(); ++g) {
+    const GroupLayout& group = layout.groups()[g];
+    trainer.emplace_back(backend, group.arena_bytes());
+    fill_group_async(backend, *engine, layout, g, 1, trainer[g].data());
+    for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+      transport->queue(trainer[g].data() + group.bucket(k).offset);
+    }
+    all_groups.push_back(group.name());
+  }
+  REQUIRE_CUDA(cudaStreamSynchronize(engine_handle));
+  receiver.begin_update(make_update_header(layout, 1, all_groups));
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (!hook.has_pending()) REQUIRE(std::chrono::steady_clock::now() < deadline);
+
+  CHECK_FALSE(hook.before_step(*engine).has_value());  // the gate closes
+  REQUIRE(hook.gated_swaps() == 1);
+  spin<<<1, 1, 0, engine_handle>>>(100'000);  // behind the gate
+  const auto waited_from = std::chrono::steady_clock::now();
+  REQUIRE_CUDA(cudaStreamSynchronize(engine_handle));  // waits for the gate: the watchdog opens it
+  const double waited_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - waited_from)
+          .count();
+  CHECK(hook.gates_abandoned() == 1);
+  CHECK_FALSE(hook.after_launch(*engine).has_value());
+  CHECK(hook.applied_version() == 0);
+  CHECK(hook.before_step(*engine) == std::optional<std::uint64_t>(1));  // synchronously
+  CHECK(hook.gated_swaps() == 1);
+  REQUIRE_CUDA(cudaStreamSynchronize(engine_handle));
+  std::printf("gated remap, engine thread synchronizing behind the gate: let go after %.1f ms "
+              "(gate_deadline 20 ms), update applied at the next step\n",
+              waited_ms);
+  receiver.shutdown();
+  watchdog.stop();
 }

@@ -237,6 +237,8 @@ TEST_CASE("C ABI: NULL, destroyed, foreign and wrong-kind handles are refused, n
       {"receiver_before_step", [&] { return shadowsync_receiver_before_step(nullptr, nullptr, &u64); }},
       {"receiver_apply_pending_now",
        [&] { return shadowsync_receiver_apply_pending_now(nullptr, nullptr, &u64); }},
+      {"receiver_after_launch",
+       [&] { return shadowsync_receiver_after_launch(nullptr, nullptr, &u64); }},
       {"receiver_wait_applied",
        [&] { return shadowsync_receiver_wait_applied(nullptr, 1, 0, nullptr); }},
       {"receiver_applied_version", [&] { return shadowsync_receiver_applied_version(nullptr, &u64); }},
@@ -378,6 +380,19 @@ TEST_CASE("C ABI: config structs are copied by size; an uninitialized one is ref
                                    Catch::Contains(shown) && Catch::Contains("at least 1.0"));
       CHECK(receiver == nullptr);  // nothing was created
     }
+  }
+  SECTION("gated_swaps is refused without swap_strategy remap, naming both") {
+    shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
+    config.gated_swaps = 1;
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("ReceiverConfig::gated_swaps is set, but "
+                                             "ReceiverConfig::swap_strategy is rebind"));
+    CHECK(receiver == nullptr);
+    config.gated_swaps = 2;
+    CHECK(shadowsync_receiver_create(layout, backend, transport, &config, &receiver) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("gated_swaps"));
   }
   SECTION("a caller built before the pacing fields existed gets no pacing") {
     shadowsync_receiver_config_t config = SHADOWSYNC_RECEIVER_CONFIG_INITIALIZER;
