@@ -747,19 +747,31 @@ class DecodeLoad:
                 max=round(max(finite), 3) if len(finite) == len(values) else None,
                 min=round(min(finite), 3) if finite else None)
         arrivals = sum(n for t, n in self.tokens if base0 <= t <= base1) / (base1 - base0)
+        # The engine stop's noise floor: the same measure (a gap and the same request's next one,
+        # the longer of the two, over the median step) at every baseline gap, where nothing swaps.
+        following: dict[float, list[float]] = {}
+        for a, b, _ in self.gaps:
+            following.setdefault(a, []).append(b - a)
+        pairs = [max([b - a] + following.get(b, [])) - step
+                 for a, b, _ in self.gaps if a >= base0 and b <= base1]
         return dict(baseline=dict(seconds=round(base1 - base0, 2), started_at=base0, ended_at=base1,
                                   tokens_per_s=round(base_tps, 1),
                                   tokens_per_s_by_arrivals=round(arrivals, 1),
                                   step_ms_median=round(step * 1e3, 3),
                                   step_ms_p99=round(percentile(base_gaps, 99) * 1e3, 3),
-                                  step_ms_max=round(max(base_gaps) * 1e3, 3)),
+                                  step_ms_max=round(max(base_gaps) * 1e3, 3),
+                                  stop_floor_ms_median=round(statistics.median(pairs) * 1e3, 3),
+                                  stop_floor_ms_p90=round(percentile(pairs, 90) * 1e3, 3)),
                     updates=updates, summary=summary)
 
 
 def swap_row(rows: list) -> int | None:
     """--trace-steps: the index of the traced call the swap ran in (rows' times are relative to
     the swap's start), or None."""
-    return next((i for i, r in enumerate(rows) if r[0] <= 0 <= r[0] + r[1] / 1e3), None)
+    # The last call that began before the swap: the swap ran in it (the step hook before its
+    # forward) or right after its forward was launched (a gated swap, from the step's
+    # post_forward), and that call's GPU time holds the stop either way.
+    return max((i for i, r in enumerate(rows) if r[0] <= 0), default=None)
 
 
 def swap_gpu_excess(rows: list) -> float | None:
@@ -1119,7 +1131,7 @@ class ShadowsyncTransfer:
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
                     swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
                     step_hook_at=stats.get("step_hook_at"),
-                    gated_swaps="off" if self.args.no_gated_swaps else "auto",
+                    gated_swaps="off" if getattr(self.args, "no_gated_swaps", False) else "auto",
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
@@ -1129,7 +1141,7 @@ class ShadowsyncTransfer:
             kwargs["swap_strategy"] = self.args.swap_strategy
         if self.args.decode_slowdown_budget:
             kwargs["decode_slowdown_budget"] = self.args.decode_slowdown_budget
-        if self.args.no_gated_swaps:
+        if getattr(self.args, "no_gated_swaps", False):
             kwargs["gated_swaps"] = False
         return kwargs
 
@@ -1283,6 +1295,15 @@ def write_outputs(out: Path, results: dict) -> None:
                 f"{tps.get('median', '-')} (min {tps.get('min', '-')}) | "
                 f"{pair(s, 'slowdown', 3)} | {pair(s, 'update_ms')} | "
                 f"{pair(s, 'start_to_finish_ms') if path == 'vllm' else '-'} | {goal} |")
+    floors = [(config, path, r["baseline"]) for config, entry in results["configs"].items()
+              for path, r in entry.items()
+              if isinstance(r, dict) and "stop_floor_ms_median" in r.get("baseline", {})]
+    if floors:
+        lines += ["", "The engine stop's floor: the same measure (the longer of a gap and the same "
+                  "request's next one, over the median step) at every gap of the baseline window, "
+                  "where nothing swaps: " + "; ".join(
+                      f"{config} {path}: median {b['stop_floor_ms_median']} ms, p90 "
+                      f"{b['stop_floor_ms_p90']} ms" for config, path, b in floors) + "."]
     where = [(config, entry["shadowsync"]["summary"]) for config, entry in results["configs"].items()
              if isinstance(entry.get("shadowsync"), dict) and "summary" in entry["shadowsync"]]
     if where:
