@@ -1131,7 +1131,7 @@ class ShadowsyncTransfer:
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
                     swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
                     step_hook_at=stats.get("step_hook_at"),
-                    gated_swaps="off" if getattr(self.args, "no_gated_swaps", False) else "auto",
+                    gated_swaps=bool(getattr(self.args, "gated_swaps", False)),
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
@@ -1141,8 +1141,8 @@ class ShadowsyncTransfer:
             kwargs["swap_strategy"] = self.args.swap_strategy
         if self.args.decode_slowdown_budget:
             kwargs["decode_slowdown_budget"] = self.args.decode_slowdown_budget
-        if getattr(self.args, "no_gated_swaps", False):
-            kwargs["gated_swaps"] = False
+        if getattr(self.args, "gated_swaps", False):
+            kwargs["gated_swaps"] = True
         return kwargs
 
     async def reinitialize(self, engine, init_extra: dict | None = None,
@@ -1361,10 +1361,10 @@ def parse_args():
     p.add_argument("--live-arena", action="store_true",
                    help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'} (weights "
                         "in a remap arena before graph capture; swaps by remap)")
-    p.add_argument("--no-gated-swaps", action="store_true",
-                   help="shadowsync path with --live-arena: swap without a gate (the engine "
-                        "thread waits for the step in flight, then remaps; the default gates "
-                        "the remap on vLLM's stream where it can)")
+    p.add_argument("--gated-swaps", action="store_true",
+                   help="shadowsync path with --live-arena: init_weight_update_group("
+                        "gated_swaps=True) (the remap waits behind a gate on vLLM's stream; "
+                        "default: the engine thread waits for the step in flight, then remaps)")
     p.add_argument("--trace-steps", action="store_true",
                    help="shadowsync path: trace vLLM's forward calls around each swap "
                         "(bench/vllm_step_trace.py; host and CUDA-event times per step, logged)")

@@ -171,6 +171,11 @@ def main() -> int:
                         help="the engine under test starts with weight_transfer_config "
                              "{'backend': 'shadowsync'}: weights in a remap arena before graph "
                              "capture, swaps by remap (CUDA)")
+    parser.add_argument("--gated-swaps", action="store_true",
+                        help="with --live-arena on the GPU: init_weight_update_group("
+                             "gated_swaps=True) (the remap waits behind a gate on vLLM's stream); "
+                             "logs how many updates went live behind one, fails if the watchdog "
+                             "had to open one")
     parser.add_argument("--omit", action="append", default=[], metavar="NAME",
                         help="the trainer leaves this tensor out (allow_partial): the engine "
                              "keeps its own (repeatable)")
@@ -249,7 +254,8 @@ def main() -> int:
     kind, specs = parent.recv()
     settings = dict(bucket_bytes=args.bucket_bytes, same_host=dict(path=path, token=token),
                     track_request_versions=True, lora_adapter=1 if args.lora else None,
-                    allow_partial=bool(args.omit))
+                    allow_partial=bool(args.omit),
+                    **({"gated_swaps": True} if args.gated_swaps else {}))
     # Bad input first: a trainer tensor the model's load_weights does not take. Refused with its
     # name on every worker (under TP as a returned refusal: a raise would end vLLM's engine),
     # nothing set up, and the engine goes on answering.
