@@ -12,7 +12,8 @@
 // the gate read the new version; with after_launch not remapping (the gate opened without the
 // swap), the step behind the gate reads the old version; with the watchdog not opening the gate,
 // the second test hangs in its synchronize until the ctest timeout; with gate_or_apply not
-// finishing an earlier gate, the third test's step reads the old version.
+// finishing an earlier gate, the third test's step reads the old version. The first is kept as
+// mutation 19 (tests/mutations/, scripts/mutation_check.sh).
 #include <catch2/catch.hpp>
 
 #include <atomic>
