@@ -107,6 +107,22 @@ class ReadingEngine {
   std::deque<std::uint64_t> seen_;  // written by the stream's thread, read after synchronize
 };
 
+// The set-up of every test here: a gated receiver on the CPU and an engine that reads.
+struct GatedRig {
+  explicit GatedRig(std::chrono::milliseconds gate_deadline, bool jitter = false)
+      : layout(one_group_layout()), rig(layout, gated_options(gate_deadline, jitter)),
+        engine(rig, layout) {}
+  const Layout layout;
+  LoopbackRig rig;
+  ReadingEngine engine;
+};
+
+// Sends update `version` of the base group and waits until the receiver offers it.
+void offer(LoopbackRig& rig, std::uint64_t version) {
+  rig.publish(version, {"base"}).wait();
+  rig.wait_offered(version);
+}
+
 // A latch a stream task waits on: holds the step before the gate until the test lets it end.
 struct Latch {
   void open() {
@@ -129,13 +145,12 @@ struct Latch {
 
 TEST_CASE("gated swap: before_step returns while the step before is in flight; the step behind "
           "the gate runs on the new version, the step before on the old") {
-  const Layout layout = one_group_layout();
-  LoopbackRig rig(layout, gated_options(std::chrono::milliseconds(10'000)));
-  ReadingEngine engine(rig, layout);
+  GatedRig g(std::chrono::milliseconds(10'000));
+  LoopbackRig& rig = g.rig;
+  ReadingEngine& engine = g.engine;
   StepHook& hook = engine.hook();
 
-  rig.publish(1, {"base"}).wait();
-  rig.wait_offered(1);
+  offer(rig, 1);
   Latch latch;
   const std::size_t before = engine.launch([&] { latch.wait(); });  // the step in flight
 
@@ -164,13 +179,12 @@ TEST_CASE("gated swap: before_step returns while the step before is in flight; t
 TEST_CASE("gated swap: an engine thread that waits for its stream behind the gate is let go by "
           "the watchdog; the step runs on the old version and the update goes live at the next "
           "step, without a gate") {
-  const Layout layout = one_group_layout();
-  LoopbackRig rig(layout, gated_options(std::chrono::milliseconds(20)));
-  ReadingEngine engine(rig, layout);
+  GatedRig g(std::chrono::milliseconds(20));
+  LoopbackRig& rig = g.rig;
+  ReadingEngine& engine = g.engine;
   StepHook& hook = engine.hook();
 
-  rig.publish(1, {"base"}).wait();
-  rig.wait_offered(1);
+  offer(rig, 1);
   CHECK_FALSE(hook.before_step(engine.stream()).has_value());
   const std::size_t behind = engine.launch();
   engine.synchronize();  // would wait forever for the closed gate without the watchdog
@@ -190,37 +204,33 @@ TEST_CASE("gated swap: an engine thread that waits for its stream behind the gat
   CHECK(engine.seen(next) == 1);
 
   // Later updates too.
-  rig.publish(2, {"base"}).wait();
-  rig.wait_offered(2);
+  offer(rig, 2);
   CHECK(hook.before_step(engine.stream()) == std::optional<std::uint64_t>(2));
   CHECK(hook.gated_swaps() == 1);
 }
 
 TEST_CASE("gated swap: an engine that comes back to before_step without after_launch finishes "
           "the gate there; wait_applied and rollback finish it too") {
-  const Layout layout = one_group_layout();
-  LoopbackRig rig(layout, gated_options(std::chrono::milliseconds(10'000)));
-  ReadingEngine engine(rig, layout);
+  GatedRig g(std::chrono::milliseconds(10'000));
+  LoopbackRig& rig = g.rig;
+  ReadingEngine& engine = g.engine;
   StepHook& hook = engine.hook();
 
-  rig.publish(1, {"base"}).wait();
-  rig.wait_offered(1);
+  offer(rig, 1);
   CHECK_FALSE(hook.before_step(engine.stream()).has_value());
   const std::size_t behind = engine.launch();
   CHECK(hook.before_step(engine.stream()) == std::optional<std::uint64_t>(1));
   engine.synchronize();
   CHECK(engine.seen(behind) == 1);
 
-  rig.publish(2, {"base"}).wait();
-  rig.wait_offered(2);
+  offer(rig, 2);
   CHECK_FALSE(hook.before_step(engine.stream()).has_value());
   const std::size_t behind_2 = engine.launch();
   CHECK(hook.wait_applied(2, deadline_from_now(), engine.stream()));
   engine.synchronize();
   CHECK(engine.seen(behind_2) == 2);
 
-  rig.publish(3, {"base"}).wait();
-  rig.wait_offered(3);
+  offer(rig, 3);
   CHECK(hook.before_step(engine.stream()) == std::nullopt);
   const std::size_t behind_3 = engine.launch();
   CHECK(hook.rollback(engine.stream()) == 3);  // finishes the gate (3 live), then undoes it
@@ -233,9 +243,9 @@ TEST_CASE("gated swap: an engine that comes back to before_step without after_la
 
 TEST_CASE("gated swap: 200 updates while the engine steps, every step reads one version, the one "
           "the engine thread knew once it was launched") {
-  const Layout layout = one_group_layout();
-  LoopbackRig rig(layout, gated_options(std::chrono::milliseconds(10'000), /*jitter=*/true));
-  ReadingEngine engine(rig, layout);
+  GatedRig g(std::chrono::milliseconds(10'000), /*jitter=*/true);
+  LoopbackRig& rig = g.rig;
+  ReadingEngine& engine = g.engine;
   StepHook& hook = engine.hook();
 
   std::vector<std::pair<std::size_t, std::uint64_t>> expected;  // step, version
@@ -280,14 +290,9 @@ TEST_CASE("gated swap: refused with a strategy other than remap, naming both set
   ReceiverConfig config;
   config.swap_strategy = SwapStrategy::kCopyIn;
   config.gated_swaps = true;
-  try {
-    Receiver receiver(layout, backend, nullptr, config);
-    FAIL("the receiver was built");
-  } catch (const Error& e) {
-    CHECK(e.code() == ErrorCode::kInvalidArgument);
-    CHECK_THAT(e.what(), Catch::Contains("ReceiverConfig::gated_swaps is set, but "
-                                         "ReceiverConfig::swap_strategy is copy_in"));
-  }
+  CHECK_THROWS_WITH(Receiver(layout, backend, nullptr, config),
+                    Catch::Contains("ReceiverConfig::gated_swaps is set, but "
+                                    "ReceiverConfig::swap_strategy is copy_in"));
   CHECK(backend.inner().bytes_allocated() == 0);
   config.swap_strategy = SwapStrategy::kRemap;
   config.gate_deadline = std::chrono::milliseconds(0);
