@@ -18,8 +18,15 @@ weights.
 ``import shadowsync.vllm`` registers the engine with vLLM as "shadowsync" in a process that has
 imported vLLM (vLLM's workers import the worker extension before they load the model). Memory: the
 arena is two copies of the weights (the live one and the shadow), allocated before vLLM sizes its
-KV cache; vLLM counts the weights it loaded as well, so its KV cache is smaller by one copy of the
-weights than the memory left would allow (gpu_memory_utilization as with copy_in).
+KV cache, so the KV cache is one copy of the weights smaller than without shadowsync. vLLM sizes
+it from the weights' memory it measured while loading (a number kept on its model runner) plus
+what the device uses beyond torch's allocator since start-up (the arena among it): the weights
+would be counted twice, once as loaded and once in the arena, and the KV cache would lose a
+second copy of the weights for nothing. So the engine takes the torch memory the move freed off
+the model runner's `model_memory_usage`; vLLM hands the engine only the model, so the runner is
+found as the caller's (Worker.load_model's) and checked to hold this very model. Where it is not
+found, nothing is changed and a warning says the KV cache is that much smaller
+(`memory_report()` of the worker extension shows what was counted).
 
 vLLM's own weight-transfer calls (init_weight_transfer_engine, update_weights, ...) are refused:
 updates go through the worker extension's init_weight_update_group and begin_update.
@@ -27,6 +34,8 @@ updates go through the worker extension's init_weight_update_group and begin_upd
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 from shadowsync import _tensors
@@ -54,7 +63,9 @@ class LiveArenaEngine(WeightTransferEngine):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.layout, self.arena = _move_into_arena(model)
+        self.layout, self.arena, freed = _move_into_arena(model)
+        # What vLLM's memory profile counts for the weights, before and after (memory_report()).
+        self.memory_accounting = count_weights_once(model, freed, self.arena.nbytes)
         # The parameter objects at the arena's places, in its order: what init_weight_update_group
         # matches the update's parameters against (names differ once vLLM wraps LoRA layers).
         self.params = list(dict(model.named_parameters()).values())
@@ -88,10 +99,54 @@ class LiveArenaEngine(WeightTransferEngine):
             "transport)")
 
 
-def _move_into_arena(model) -> tuple[Layout, RemapArena]:
+def count_weights_once(model, freed_bytes: int, arena_bytes: int) -> dict:
+    """Takes `freed_bytes` (the torch memory the move into the arena freed) off the weights'
+    memory vLLM measured at load, on the model runner that loaded `model`, so that vLLM's KV-cache
+    sizing counts the weights once (in the arena). Returns what was counted, for memory_report().
+    The runner is looked for among the callers' `self` (vLLM 0.25: Worker.load_model makes this
+    engine with `self.model_runner.get_model()`) and used only if it returns this very model."""
+    runner = _runner_loading(model)
+    report = {"arena_bytes": int(arena_bytes), "freed_torch_bytes": int(freed_bytes),
+              "model_memory_usage_before": None, "model_memory_usage_after": None,
+              "corrected": False}
+    if runner is None:
+        warnings.warn(
+            f"shadowsync live arena: vLLM's model runner was not found among the callers, so its "
+            f"KV-cache sizing counts the weights twice (as loaded and in the arena) and the KV "
+            f"cache is {freed_bytes / 2**30:.2f} GiB smaller than the memory left allows; raise "
+            f"gpu_memory_utilization or set kv_cache_memory_bytes to use it", stacklevel=2)
+        return report
+    before = int(runner.model_memory_usage)
+    runner.model_memory_usage = max(0, before - int(freed_bytes))
+    report.update(model_memory_usage_before=before,
+                  model_memory_usage_after=int(runner.model_memory_usage), corrected=True)
+    return report
+
+
+def _runner_loading(model, depth: int = 8):
+    """The model runner whose get_model() is `model`, found as an attribute `model_runner` of a
+    caller's `self` within `depth` frames; None if there is none."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        runner = getattr(frame.f_locals.get("self"), "model_runner", None)
+        get_model = getattr(runner, "get_model", None)
+        if callable(get_model) and hasattr(runner, "model_memory_usage"):
+            try:
+                if get_model() is model:
+                    return runner
+            except Exception:  # a runner of another state: not the one loading this model
+                pass
+        frame = frame.f_back
+    return None
+
+
+def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:
     """Copies every parameter of `model` into a new remap arena laid out as one "base" group of
     the parameters in the model's order, points each parameter at its place in the live range
-    and frees the old storage. CUDA only (the host backend cannot remap: NotSupportedError)."""
+    and frees the old storage; returns the layout, the arena and the torch memory freed (bytes).
+    CUDA only (the host backend cannot remap: NotSupportedError)."""
     import torch
 
     params = dict(model.named_parameters())
@@ -113,6 +168,7 @@ def _move_into_arena(model) -> tuple[Layout, RemapArena]:
     group = layout.groups[0]
     device = int(next(iter(devices)).split(":")[1])
     arena = RemapArena(CudaBackend(device), group.arena_bytes)
+    allocated_before = torch.cuda.memory_allocated(device)
     live = torch.as_tensor(_CudaBytes(arena.live_address, group.arena_bytes), device=f"cuda:{device}")
     with torch.no_grad():
         for t in group.tensors:
@@ -121,8 +177,9 @@ def _move_into_arena(model) -> tuple[Layout, RemapArena]:
             view.copy_(param.data)
             param.data = view
     torch.cuda.synchronize(device)
+    freed = max(0, allocated_before - torch.cuda.memory_allocated(device))
     torch.cuda.empty_cache()  # the old storage goes back to the device before vLLM profiles
     print(f"[shadowsync] live arena: {len(group.tensors)} parameters, "
           f"{group.arena_bytes / 2**30:.2f} GiB, moved into a remap arena (two slots) before "
-          f"CUDA graph capture", flush=True)
-    return layout, arena
+          f"CUDA graph capture; {freed / 2**30:.2f} GiB of torch memory freed", flush=True)
+    return layout, arena, freed

@@ -659,6 +659,17 @@ class WorkerExtension:
         stats["last_wait_applied_started_s"], stats["last_wait_applied_s"] = state.last_wait_applied
         return stats
 
+    def memory_report(self) -> dict:
+        """What vLLM sized its KV cache with, as plain data (no update group needed):
+        ``"kv_cache_bytes"`` (the worker's available KV-cache memory, None before vLLM sized it
+        or where the worker does not say) and ``"live_arena"`` (None without the live-arena
+        engine; else its bytes, the torch memory moving into it freed, and vLLM's
+        ``model_memory_usage`` before and after the engine counted the weights once)."""
+        engine = _live_arena(self)
+        kv = getattr(self, "available_kv_cache_memory_bytes", None)
+        return {"kv_cache_bytes": None if kv is None else int(kv),
+                "live_arena": None if engine is None else dict(engine.memory_accounting)}
+
     def close_weight_update_group(self, keep_weights: bool = True) -> None:
         """Stops the receiver and frees its slots. With `keep_weights` each parameter is first
         rebound to a copy of its live value, so the model stays usable (this needs the memory of

@@ -6,6 +6,7 @@
 #   SAME_HOST=1      tests/gpu/test_same_host_gpu and the mini worker's same-host cases
 #   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
 #   E2E_RUNS="A;B"   scripts/vllm_e2e.py --device cuda with each ;-separated argument list
+#   KV_CHECK="ARGS"  scripts/gpu/check_live_arena_kv.py ARGS (the live arena's KV-cache sizing)
 #   BENCH_VLLM="A;B" bench/bench_vllm_update.py with each ;-separated argument list (one run:
 #                    outputs in $OUT; several: in $OUT/bench-vllm-<i>/)
 #   BENCH_PACING="..." bench/bench_vllm_pacing.py with these arguments (BENCH_TIMEOUT, default 420)
@@ -46,6 +47,13 @@ for i in "${!runs[@]}"; do
   echo "vllm_e2e ${runs[$i]}: exit $?"
   grep -E "\[vllm-e2e\]" "$OUT/vllm-e2e-$i.log" | head -20
 done
+if [[ -n "${KV_CHECK+set}" ]]; then
+  read -r -a kv_args <<<"$KV_CHECK"
+  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout 400 \
+    python3 scripts/gpu/check_live_arena_kv.py "${kv_args[@]}" >"$OUT/live-arena-kv.log" 2>&1
+  echo "check_live_arena_kv $KV_CHECK: exit $?"
+  grep -E "^\[live-arena-kv\]" "$OUT/live-arena-kv.log" || tail -20 "$OUT/live-arena-kv.log"
+fi
 # run_bench SCRIPT LOG "ARGS" [OUT_DIR]: one benchmark with vLLM on the path, its log and outputs
 # under OUT_DIR (default $OUT), its tail.
 run_bench() {

@@ -1,0 +1,78 @@
+"""The live arena's memory accounting (engine_adapters/vllm/live_arena.py, count_weights_once):
+vLLM sizes its KV cache from the weights' memory it measured at load (its model runner's
+`model_memory_usage`) plus what the device uses outside torch since start-up, the arena among it.
+Moving the weights into the arena must take the freed torch memory off the former, or the weights
+count twice and the KV cache loses a copy of them. The GPU run proves it in real vLLM
+(scripts/gpu/check_live_arena_kv.py); here the runner lookup and the correction, on the CPU.
+Skipped where vllm is not installed (live_arena.py subclasses vLLM's weight-transfer engine)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+pytest.importorskip("vllm")
+from shadowsync.vllm.live_arena import count_weights_once  # noqa: E402
+
+GIB = 1 << 30
+
+
+class Runner:
+    def __init__(self, model, usage):
+        self.model = model
+        self.model_memory_usage = usage
+
+    def get_model(self):
+        return self.model
+
+
+class Worker:
+    """What vLLM 0.25's Worker.load_model looks like to the engine it makes."""
+
+    def __init__(self, runner):
+        self.model_runner = runner
+
+    def load_model(self, make_engine):
+        return make_engine(self.model_runner.get_model())
+
+
+def make_engine(model, freed=16 * GIB, arena=32 * GIB):
+    return count_weights_once(model, freed, arena)  # called from the engine's __init__
+
+
+def test_the_weights_are_counted_once_on_the_runner_that_loaded_the_model():
+    model = object()
+    runner = Runner(model, 16 * GIB + (300 << 20))
+    report = Worker(runner).load_model(make_engine)
+    assert runner.model_memory_usage == 300 << 20
+    assert report == {"arena_bytes": 32 * GIB, "freed_torch_bytes": 16 * GIB,
+                      "model_memory_usage_before": 16 * GIB + (300 << 20),
+                      "model_memory_usage_after": 300 << 20, "corrected": True}
+
+
+def test_more_freed_than_counted_leaves_zero_not_a_negative_size():
+    model = object()
+    runner = Runner(model, 1 * GIB)
+    Worker(runner).load_model(make_engine)
+    assert runner.model_memory_usage == 0
+
+
+def test_a_runner_of_another_model_is_left_alone_and_the_user_is_told_what_it_costs():
+    runner = Runner(object(), 16 * GIB)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = Worker(runner).load_model(lambda _: make_engine(object()))
+    assert runner.model_memory_usage == 16 * GIB
+    assert not report["corrected"] and report["model_memory_usage_before"] is None
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "KV cache is 16.00 GiB smaller" in message and "gpu_memory_utilization" in message
+
+
+def test_no_runner_among_the_callers_changes_nothing_and_warns():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = make_engine(object(), freed=GIB)
+    assert not report["corrected"]
+    assert "model runner was not found" in str(caught[0].message)

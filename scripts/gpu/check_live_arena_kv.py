@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Check (GPU machine, real vLLM): with the live arena, vLLM's KV cache is one copy of the weights
+smaller than without it — the shadow's cost — and not two.
+
+The live-arena engine (engine_adapters/vllm/live_arena.py) moves vLLM's weights into a remap arena
+of two copies before vLLM sizes its KV cache, and takes the torch memory it freed off the weights'
+memory vLLM measured at load, so that vLLM counts the weights once. For each of "plain" (the
+worker extension, no live arena) and "live arena", a fresh engine in its own process (random
+weights from the config, load_format="dummy", the same gpu_memory_utilization), then the worker's
+`memory_report()`. PASS when plain's KV cache minus the live arena's is the weights' size (the
+torch memory the move freed) within TOLERANCE of it; the arena's rounding to the VMM granularity
+is inside that.
+
+    python3 scripts/gpu/check_live_arena_kv.py [--config qwen2.5-0.5b] [--utilization 0.3]
+
+Prints one line per engine and a verdict; exit 0 on PASS, 1 on FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TOLERANCE = 0.10  # of the weights' size
+CHILD_TIMEOUT_S = 300
+
+
+def child(model_dir: str, utilization: float, live_arena: bool) -> None:
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM
+
+    import shadowsync.vllm  # noqa: F401  registers the 'shadowsync' weight-transfer backend
+
+    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              gpu_memory_utilization=utilization, enforce_eager=True, max_model_len=1024, seed=0,
+              worker_extension_cls="shadowsync.vllm.WorkerExtension",
+              **({"weight_transfer_config": {"backend": "shadowsync"}} if live_arena else {}))
+    print("RESULT " + json.dumps(llm.collective_rpc("memory_report")[0]), flush=True)
+
+
+def run(model_dir: str, utilization: float, live_arena: bool) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", model_dir, str(utilization),
+                           "1" if live_arena else "0"], capture_output=True, text=True,
+                          timeout=CHILD_TIMEOUT_S)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"[live-arena-kv] the {'live arena' if live_arena else 'plain'} engine "
+                         f"failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], float(sys.argv[3]), sys.argv[4] == "1")
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="qwen2.5-0.5b")
+    parser.add_argument("--utilization", type=float, default=0.3)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_vllm_update
+
+    # The engines (and the processes vLLM spawns) import shadowsync of this checkout.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "python")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+    gib = 2**30
+    with tempfile.TemporaryDirectory(prefix="ss-kv-") as model_dir:
+        bench_vllm_update.make_checkpoint(model_dir, args.config, "cuda", dummy_load=True)
+        plain = run(model_dir, args.utilization, False)
+        live = run(model_dir, args.utilization, True)
+    accounting = live["live_arena"] or {}
+    weights = accounting.get("freed_torch_bytes", 0)
+    less = plain["kv_cache_bytes"] - live["kv_cache_bytes"]
+    print(f"[live-arena-kv] {args.config}, gpu_memory_utilization {args.utilization}: KV cache "
+          f"plain {plain['kv_cache_bytes'] / gib:.3f} GiB, live arena "
+          f"{live['kv_cache_bytes'] / gib:.3f} GiB (arena {accounting.get('arena_bytes', 0) / gib:.3f}"
+          f" GiB, torch memory freed by the move {weights / gib:.3f} GiB, vLLM's weights memory "
+          f"{(accounting.get('model_memory_usage_before') or 0) / gib:.3f} -> "
+          f"{(accounting.get('model_memory_usage_after') or 0) / gib:.3f} GiB, corrected: "
+          f"{accounting.get('corrected')})", flush=True)
+    ok = weights > 0 and abs(less - weights) <= TOLERANCE * weights
+    print(f"[live-arena-kv] {'PASS' if ok else 'FAIL'}: the live arena's KV cache is "
+          f"{less / gib:.3f} GiB smaller, the weights are {weights / gib:.3f} GiB (one copy "
+          f"expected, within {TOLERANCE:.0%}; two would be {2 * weights / gib:.3f})", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
