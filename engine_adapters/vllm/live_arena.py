@@ -99,14 +99,14 @@ class LiveArenaEngine(WeightTransferEngine):
             "transport)")
 
 
-def count_weights_once(model, freed_bytes: int, arena_bytes: int) -> dict:
+def count_weights_once(model, freed_bytes: int, slot_bytes: int) -> dict:
     """Takes `freed_bytes` (the torch memory the move into the arena freed) off the weights'
     memory vLLM measured at load, on the model runner that loaded `model`, so that vLLM's KV-cache
     sizing counts the weights once (in the arena). Returns what was counted, for memory_report().
     The runner is looked for among the callers' `self` (vLLM 0.25: Worker.load_model makes this
     engine with `self.model_runner.get_model()`) and used only if it returns this very model."""
     runner = _runner_loading(model)
-    report = {"arena_bytes": int(arena_bytes), "freed_torch_bytes": int(freed_bytes),
+    report = {"slot_bytes": int(slot_bytes), "freed_torch_bytes": int(freed_bytes),
               "model_memory_usage_before": None, "model_memory_usage_after": None,
               "corrected": False}
     if runner is None:
@@ -167,6 +167,7 @@ def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:
     layout = Layout([TensorSpec(n, d.dtype, d.shape, BASE_GROUP) for n, d in descs.items()])
     group = layout.groups[0]
     device = int(next(iter(devices)).split(":")[1])
+    del descs  # they hold the parameters' tensors: the old storage must go with the move
     arena = RemapArena(CudaBackend(device), group.arena_bytes)
     allocated_before = torch.cuda.memory_allocated(device)
     live = torch.as_tensor(_CudaBytes(arena.live_address, group.arena_bytes), device=f"cuda:{device}")
@@ -180,6 +181,6 @@ def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:
     freed = max(0, allocated_before - torch.cuda.memory_allocated(device))
     torch.cuda.empty_cache()  # the old storage goes back to the device before vLLM profiles
     print(f"[shadowsync] live arena: {len(group.tensors)} parameters, "
-          f"{group.arena_bytes / 2**30:.2f} GiB, moved into a remap arena (two slots) before "
+          f"{group.arena_bytes / 2**30:.2f} GiB, moved into a remap arena (two slots of it) before "
           f"CUDA graph capture; {freed / 2**30:.2f} GiB of torch memory freed", flush=True)
     return layout, arena, freed

@@ -663,7 +663,7 @@ class WorkerExtension:
         """What vLLM sized its KV cache with, as plain data (no update group needed):
         ``"kv_cache_bytes"`` (the worker's available KV-cache memory, None before vLLM sized it
         or where the worker does not say) and ``"live_arena"`` (None without the live-arena
-        engine; else its bytes, the torch memory moving into it freed, and vLLM's
+        engine; else its slot's bytes (it has two), the torch memory moving into it freed, and vLLM's
         ``model_memory_usage`` before and after the engine counted the weights once)."""
         engine = _live_arena(self)
         kv = getattr(self, "available_kv_cache_memory_bytes", None)

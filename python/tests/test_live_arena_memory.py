@@ -37,8 +37,8 @@ class Worker:
         return make_engine(self.model_runner.get_model())
 
 
-def make_engine(model, freed=16 * GIB, arena=32 * GIB):
-    return count_weights_once(model, freed, arena)  # called from the engine's __init__
+def make_engine(model, freed=16 * GIB, slot=16 * GIB):
+    return count_weights_once(model, freed, slot)  # called from the engine's __init__
 
 
 def test_the_weights_are_counted_once_on_the_runner_that_loaded_the_model():
@@ -46,7 +46,7 @@ def test_the_weights_are_counted_once_on_the_runner_that_loaded_the_model():
     runner = Runner(model, 16 * GIB + (300 << 20))
     report = Worker(runner).load_model(make_engine)
     assert runner.model_memory_usage == 300 << 20
-    assert report == {"arena_bytes": 32 * GIB, "freed_torch_bytes": 16 * GIB,
+    assert report == {"slot_bytes": 16 * GIB, "freed_torch_bytes": 16 * GIB,
                       "model_memory_usage_before": 16 * GIB + (300 << 20),
                       "model_memory_usage_after": 300 << 20, "corrected": True}
 

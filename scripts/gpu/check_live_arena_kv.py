@@ -80,7 +80,7 @@ def main() -> int:
     less = plain["kv_cache_bytes"] - live["kv_cache_bytes"]
     print(f"[live-arena-kv] {args.config}, gpu_memory_utilization {args.utilization}: KV cache "
           f"plain {plain['kv_cache_bytes'] / gib:.3f} GiB, live arena "
-          f"{live['kv_cache_bytes'] / gib:.3f} GiB (arena {accounting.get('arena_bytes', 0) / gib:.3f}"
+          f"{live['kv_cache_bytes'] / gib:.3f} GiB (arena 2 x {accounting.get('slot_bytes', 0) / gib:.3f}"
           f" GiB, torch memory freed by the move {weights / gib:.3f} GiB, vLLM's weights memory "
           f"{(accounting.get('model_memory_usage_before') or 0) / gib:.3f} -> "
           f"{(accounting.get('model_memory_usage_after') or 0) / gib:.3f} GiB, corrected: "
