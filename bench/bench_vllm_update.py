@@ -204,7 +204,7 @@ def main() -> int:
                               vllm_packed_bytes=args.vllm_packed_bytes,
                               vllm_pause=not args.vllm_no_pause,
                               enforce_eager=args.enforce_eager or args.device == "cpu",
-                              live_arena=args.live_arena,
+                              live_arena=args.live_arena, gated_swaps=args.gated_swaps,
                               decode_slowdown_budget=args.decode_slowdown_budget))
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     results: dict = {"meta": meta, "goals": GOALS, "vllm_reference_stop_ms": VLLM_REFERENCE_STOP_MS,
@@ -298,7 +298,8 @@ def child_passthrough(args) -> list[str]:
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     flags += ["--copy-passes", str(args.copy_passes)]
-    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "trace_steps"):
+    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "gated_swaps",
+                 "trace_steps"):
         if getattr(args, flag):
             flags.append("--" + flag.replace("_", "-"))
     return flags
