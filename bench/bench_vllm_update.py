@@ -204,7 +204,8 @@ def main() -> int:
                               vllm_packed_bytes=args.vllm_packed_bytes,
                               vllm_pause=not args.vllm_no_pause,
                               enforce_eager=args.enforce_eager or args.device == "cpu",
-                              live_arena=args.live_arena, gated_swaps=args.gated_swaps,
+                              live_arena=args.live_arena,
+                              gated_swaps="off" if args.no_gated_swaps else "auto",
                               decode_slowdown_budget=args.decode_slowdown_budget))
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     results: dict = {"meta": meta, "goals": GOALS, "vllm_reference_stop_ms": VLLM_REFERENCE_STOP_MS,
@@ -298,7 +299,7 @@ def child_passthrough(args) -> list[str]:
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     flags += ["--copy-passes", str(args.copy_passes)]
-    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "gated_swaps",
+    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "no_gated_swaps",
                  "trace_steps"):
         if getattr(args, flag):
             flags.append("--" + flag.replace("_", "-"))
@@ -1133,7 +1134,7 @@ class ShadowsyncTransfer:
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
                     swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
                     step_hook_at=stats.get("step_hook_at"),
-                    gated_swaps=bool(getattr(self.args, "gated_swaps", False)),
+                    gated_swaps="off" if getattr(self.args, "no_gated_swaps", False) else "auto",
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
@@ -1143,8 +1144,8 @@ class ShadowsyncTransfer:
             kwargs["swap_strategy"] = self.args.swap_strategy
         if self.args.decode_slowdown_budget:
             kwargs["decode_slowdown_budget"] = self.args.decode_slowdown_budget
-        if getattr(self.args, "gated_swaps", False):
-            kwargs["gated_swaps"] = True
+        if getattr(self.args, "no_gated_swaps", False):
+            kwargs["gated_swaps"] = False
         return kwargs
 
     async def reinitialize(self, engine, init_extra: dict | None = None,
@@ -1363,10 +1364,11 @@ def parse_args():
     p.add_argument("--live-arena", action="store_true",
                    help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'} (weights "
                         "in a remap arena before graph capture; swaps by remap)")
-    p.add_argument("--gated-swaps", action="store_true",
+    p.add_argument("--no-gated-swaps", action="store_true",
                    help="shadowsync path with --live-arena: init_weight_update_group("
-                        "gated_swaps=True) (the remap waits behind a gate on vLLM's stream; "
-                        "default: the engine thread waits for the step in flight, then remaps)")
+                        "gated_swaps=False) (the engine thread waits for the step in flight, "
+                        "then remaps; default: the remap waits behind a gate on vLLM's stream "
+                        "where the extension can place one)")
     p.add_argument("--trace-steps", action="store_true",
                    help="shadowsync path: trace vLLM's forward calls around each swap "
                         "(bench/vllm_step_trace.py; host and CUDA-event times per step, logged)")

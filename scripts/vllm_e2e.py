@@ -171,11 +171,12 @@ def main() -> int:
                         help="the engine under test starts with weight_transfer_config "
                              "{'backend': 'shadowsync'}: weights in a remap arena before graph "
                              "capture, swaps by remap (CUDA)")
-    parser.add_argument("--gated-swaps", action="store_true",
-                        help="with --live-arena on the GPU: init_weight_update_group("
-                             "gated_swaps=True) (the remap waits behind a gate on vLLM's stream); "
-                             "logs how many updates went live behind one, fails if the watchdog "
-                             "had to open one")
+    parser.add_argument("--no-gated-swaps", action="store_true",
+                        help="init_weight_update_group(gated_swaps=False): with --live-arena on "
+                             "the GPU the engine thread remaps after the step in flight; by "
+                             "default the remap waits behind a gate on vLLM's stream there. The "
+                             "run logs how many updates went live behind a gate and fails if the "
+                             "watchdog had to open one")
     parser.add_argument("--omit", action="append", default=[], metavar="NAME",
                         help="the trainer leaves this tensor out (allow_partial): the engine "
                              "keeps its own (repeatable)")
@@ -255,7 +256,7 @@ def main() -> int:
     settings = dict(bucket_bytes=args.bucket_bytes, same_host=dict(path=path, token=token),
                     track_request_versions=True, lora_adapter=1 if args.lora else None,
                     allow_partial=bool(args.omit),
-                    **({"gated_swaps": True} if args.gated_swaps else {}))
+                    **({"gated_swaps": False} if args.no_gated_swaps else {}))
     # Bad input first: a trainer tensor the model's load_weights does not take. Refused with its
     # name on every worker (under TP as a returned refusal: a raise would end vLLM's engine),
     # nothing set up, and the engine goes on answering.

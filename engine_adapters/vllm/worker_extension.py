@@ -330,11 +330,14 @@ class WorkerExtension:
         on vLLM's stream right before the step's forward and remaps once the step before has
         ended, from the step's last host call (the KV connector's ``post_forward``), so that vLLM
         prepares the step, samples and hands back the previous step's tokens meanwhile, and the
-        GPU stops for the remap alone. Off by default (None, False): measured on an H100 at
-        Llama-3-8B, clients saw the same stop either way (docs/benchmarks.md, "Gated swaps"),
-        while a gate adds a watchdog path. True: on, for the remap of the live arena with the step
-        hook on vLLM's V2 GPU runner (pre_forward and post_forward); refused elsewhere, naming
-        why.
+        GPU stops for the remap alone (at Llama-3-8B on an H100 the clients' stop fell from
+        2.3-7.5 to 1.0-2.1 ms median; docs/benchmarks.md, "Gated swaps"). None (the default): on
+        wherever it can be, i.e. the remap of the live arena without a LoRA adapter, with the step
+        hook on vLLM's V2 GPU runner (pre_forward and post_forward). False: off (the engine
+        thread remaps after waiting for the step in flight). True: on, refused where it cannot
+        be, naming why. A watchdog opens a gate vLLM has not finished 50 ms after the step before
+        it ended (that step runs on the old weights; gates stay off from then on;
+        weight_update_stats()["gates_abandoned"]).
 
         `lora_adapter`: the lora_int_id of a LoRA adapter vLLM serves (started with
         ``enable_lora=True`` and ``max_lora_rank`` = the adapter's rank; the adapter loaded once,
@@ -1054,11 +1057,11 @@ def _step_hook_site(worker: WorkerExtension) -> str:
 def _gated_swaps(worker: WorkerExtension, requested: bool | None, remaps_arena: bool,
                  hooked: bool) -> bool:
     """init_weight_update_group's `gated_swaps`: whether swaps wait behind a gate on vLLM's
-    stream (only when asked for). A gate needs a swap that only remaps (the live arena, no
-    adapter copied beside it) and a step hook before the forward with a call after the step's
-    last launch: vLLM's V2 runner's KV connector gives both. Refuses True where that is not so,
-    naming why."""
-    if not requested:
+    stream. A gate needs a swap that only remaps (the live arena, no adapter copied beside it)
+    and a step hook before the forward with a call after the step's last launch: vLLM's V2
+    runner's KV connector gives both. None: on wherever that is so; False: off; True: on,
+    refused where that is not so, naming why."""
+    if requested is False:
         return False
     site = _step_hook_site(worker) if hooked and hasattr(worker, "execute_model") else None
     why = None

@@ -689,17 +689,19 @@ def test_a_lora_adapter_without_specs_is_refused():
 
 
 def test_gated_swaps_are_on_only_for_the_live_arena_on_the_v2_runner_and_refused_elsewhere():
-    """init_weight_update_group(gated_swaps=...): off unless asked for; True is taken only where a
-    swap only remaps the live arena and the step hook is framed by the V2 runner's KV connector,
-    and refused elsewhere naming why, before anything is set up."""
+    """init_weight_update_group(gated_swaps=...): None (the default) turns gates on only where a
+    swap only remaps the live arena and the step hook is framed by the V2 runner's KV connector;
+    False keeps them off; True is refused elsewhere naming why, before anything is set up."""
     from shadowsync.vllm import worker_extension as wx
 
     v2 = ConnectorHookWorker()
     v1 = ForwardHookWorker()
     assert wx._gated_swaps(v2, True, remaps_arena=True, hooked=True)
-    assert not wx._gated_swaps(v2, None, remaps_arena=True, hooked=True)  # off by default
+    assert wx._gated_swaps(v2, None, remaps_arena=True, hooked=True)  # on where it can be
     assert not wx._gated_swaps(v2, False, remaps_arena=True, hooked=True)
+    assert not wx._gated_swaps(v2, None, remaps_arena=False, hooked=True)
     assert not wx._gated_swaps(v1, None, remaps_arena=True, hooked=True)
+    assert not wx._gated_swaps(v2, None, remaps_arena=True, hooked=False)
     with pytest.raises(ss.InvalidArgumentError, match=r"gated_swaps=True, but no swap only "
                                                       r"remaps"):
         wx._gated_swaps(v2, True, remaps_arena=False, hooked=True)
