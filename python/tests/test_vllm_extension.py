@@ -644,6 +644,21 @@ def _with_live_arena(worker: FakeWorker, specs) -> FakeWorker:
     return worker
 
 
+def test_memory_report_says_what_vllm_sized_its_kv_cache_with_without_an_update_group():
+    worker = FakeWorker()
+    assert worker.memory_report() == {"kv_cache_bytes": None, "live_arena": None}
+    worker = _with_live_arena(FakeWorker(), SPECS)
+    accounting = {"slot_bytes": 1 << 20, "freed_torch_bytes": 1 << 20,
+                  "model_memory_usage_before": 3 << 20, "model_memory_usage_after": 2 << 20,
+                  "corrected": True}
+    worker.weight_transfer_engine.memory_accounting = accounting
+    worker.available_kv_cache_memory_bytes = 5 << 30
+    report = worker.memory_report()
+    assert report == {"kv_cache_bytes": 5 << 30, "live_arena": accounting}
+    assert report["live_arena"] is not accounting  # a copy: plain data for collective_rpc
+    assert worker._shadowsync is None
+
+
 def test_with_the_live_arena_parameters_in_another_order_are_refused_naming_both():
     # remap swaps the arena as a whole: the receiver's slots must be laid out exactly as it is.
     worker = _with_live_arena(FakeWorker(), list(reversed(SPECS)))
