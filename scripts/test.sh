@@ -10,8 +10,9 @@
 #            torch and transformers into build-vllm/venv (from scratch about 8 min and 6 GB; a few
 #            seconds once installed), then pytest python/tests/test_vllm_real.py,
 #            test_vllm_example.py (examples/vllm_rl_loop.py), test_vllm_tp.py (TP=2, coordinated
-#            commit), test_loader_trace.py, test_lora_plan.py and test_vllm_benches.py (the two
-#            real-vLLM benchmarks run to the end) with that venv's python against
+#            commit), test_loader_trace.py, test_lora_plan.py, test_live_arena_memory.py (the
+#            live arena's KV-cache accounting) and test_vllm_benches.py (the two real-vLLM
+#            benchmarks run to the end) with that venv's python against
 #            build/libshadowsync_c.so (about 12 min on 2 cores); a test skipped there fails the step
 #   wheel    the Python package as a user installs it: `pip wheel .` (pyproject.toml,
 #            scikit-build-core from PyPI) in a fresh venv builds the wheel with its library,
@@ -165,11 +166,12 @@ step_vllm() {
     failed=1
     return 0
   fi
-  log "[vllm] pytest test_vllm_real.py test_vllm_example.py test_vllm_tp.py test_loader_trace.py test_lora_plan.py test_vllm_benches.py with $dir/venv"
+  log "[vllm] pytest test_vllm_real.py test_vllm_example.py test_vllm_tp.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_vllm_benches.py with $dir/venv"
   SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c.so" PYTHONDONTWRITEBYTECODE=1 \
     "$dir/venv/bin/python" -m pytest python/tests/test_vllm_real.py \
     python/tests/test_vllm_example.py python/tests/test_vllm_tp.py python/tests/test_loader_trace.py \
-    python/tests/test_lora_plan.py python/tests/test_vllm_benches.py -q -rs -p no:cacheprovider \
+    python/tests/test_lora_plan.py python/tests/test_live_arena_memory.py \
+    python/tests/test_vllm_benches.py -q -rs -p no:cacheprovider \
     2>&1 | tee "$dir/pytest.log" ||
     rc=$?
   result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$dir/pytest.log" | tail -n 1 || true)
