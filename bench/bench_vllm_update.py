@@ -1331,6 +1331,10 @@ def write_outputs(out: Path, results: dict) -> None:
 
 
 def parse_args():
+    return build_parser().parse_args()
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="qwen2.5-0.5b,llama-3-8b",
@@ -1385,7 +1389,7 @@ def parse_args():
     p.add_argument("--make-checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
-    return p.parse_args()
+    return p
 
 
 if __name__ == "__main__":

@@ -74,39 +74,20 @@ def test_update_bench_runs_every_path(tmp_path):
     assert all(update["copier_ms"] > 0 for update in copy["updates"]), copy["updates"]
 
 
-def test_every_switch_of_the_update_bench_reaches_its_child(monkeypatch):
+def test_every_switch_of_the_update_bench_reaches_its_child():
     # Each path runs in a child process made from child_passthrough(args): a switch left out there
     # is silently off in the measured engine (--gated-swaps once was: its runs measured the
     # synchronous remap).
+    import argparse
+
     sys.path.insert(0, str(BENCH))
     import bench_vllm_update as bench
 
-    monkeypatch.setattr(sys, "argv", ["bench_vllm_update.py"])
-    parser_actions = _store_true_actions(bench)
-    assert parser_actions, "no switches found"
-    monkeypatch.setattr(sys, "argv", ["bench_vllm_update.py", *(a.option_strings[0] for a in parser_actions)])
-    parent = bench.parse_args()
-    monkeypatch.setattr(sys, "argv", ["bench_vllm_update.py", *bench.child_passthrough(parent),
-                                      "--child", "shadowsync"])
-    child = bench.parse_args()
-    missing = [a.option_strings[0] for a in parser_actions if not getattr(child, a.dest)]
+    switches = [a.option_strings[0] for a in bench.build_parser()._actions
+                if isinstance(a, argparse._StoreTrueAction)]
+    assert switches, "no switches found"
+    parent = bench.build_parser().parse_args(switches)
+    child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
+                                             "--child", "shadowsync"])
+    missing = [s for s in switches if not getattr(child, s.lstrip("-").replace("-", "_"))]
     assert not missing, f"switches the child does not get: {missing}"
-
-
-def _store_true_actions(bench):
-    """The parser's on/off switches, found by parsing with argparse's parse_args intercepted."""
-    import argparse
-
-    captured = {}
-    original = argparse.ArgumentParser.parse_args
-
-    def capture(self, *args, **kwargs):
-        captured["parser"] = self
-        return original(self, *args, **kwargs)
-
-    argparse.ArgumentParser.parse_args = capture
-    try:
-        bench.parse_args()
-    finally:
-        argparse.ArgumentParser.parse_args = original
-    return [a for a in captured["parser"]._actions if isinstance(a, argparse._StoreTrueAction)]
