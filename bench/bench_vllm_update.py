@@ -204,7 +204,7 @@ def main() -> int:
                               vllm_packed_bytes=args.vllm_packed_bytes,
                               vllm_pause=not args.vllm_no_pause,
                               enforce_eager=args.enforce_eager or args.device == "cpu",
-                              live_arena=args.live_arena,
+                              live_arena=args.live_arena, graph_pairs=args.graph_pairs,
                               gated_swaps="off" if args.no_gated_swaps else "auto",
                               decode_slowdown_budget=args.decode_slowdown_budget))
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
@@ -299,8 +299,8 @@ def child_passthrough(args) -> list[str]:
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     flags += ["--copy-passes", str(args.copy_passes)]
-    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "no_gated_swaps",
-                 "trace_steps"):
+    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "graph_pairs",
+                 "no_gated_swaps", "trace_steps"):
         if getattr(args, flag):
             flags.append("--" + flag.replace("_", "-"))
     return flags
@@ -430,13 +430,16 @@ def engine_args(args, extension: bool) -> dict:
         kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
                       quantization=unpacked.NAME)
     else:
-        table = LIVE_ARENA_GPU_MEMORY_UTILIZATION if extension and args.live_arena else \
+        arena = args.live_arena or args.graph_pairs
+        table = LIVE_ARENA_GPU_MEMORY_UTILIZATION if extension and arena else \
             GPU_MEMORY_UTILIZATION
         kwargs.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization
                       or table[args.config])
     if extension:
         kwargs["worker_extension_cls"] = "shadowsync.vllm.WorkerExtension"
-        if args.live_arena:
+        if args.graph_pairs:
+            kwargs["weight_transfer_config"] = {"backend": "shadowsync_graph_pairs"}
+        elif args.live_arena:
             kwargs["weight_transfer_config"] = {"backend": "shadowsync"}
     elif args.child == "vllm":  # its worker loads vLLM's IPC engine (and its stand-ins)
         kwargs["weight_transfer_config"] = {"backend": "ipc"}
@@ -1133,6 +1136,7 @@ class ShadowsyncTransfer:
         return dict(trainer="transformers model in its own process", tensors=len(specs),
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
                     swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
+                    graph_pairs=stats.get("graph_pairs", False),
                     step_hook_at=stats.get("step_hook_at"),
                     gated_swaps="off" if getattr(self.args, "no_gated_swaps", False) else "auto",
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
@@ -1368,6 +1372,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--live-arena", action="store_true",
                    help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'} (weights "
                         "in a remap arena before graph capture; swaps by remap)")
+    p.add_argument("--graph-pairs", action="store_true",
+                   help="shadowsync path: weight_transfer_config {'backend': "
+                        "'shadowsync_graph_pairs'} (weights in the arena's two slots, vLLM's CUDA "
+                        "graphs captured over each; a swap rebinds and switches graph sets)")
     p.add_argument("--no-gated-swaps", action="store_true",
                    help="shadowsync path with --live-arena: init_weight_update_group("
                         "gated_swaps=False) (the engine thread waits for the step in flight, "

@@ -25,6 +25,11 @@ requests with the adapter, against fresh vLLMs that loaded the adapter from its 
 (allow_partial=True): the engine keeps its own NAME, so after update 1 it must answer as a fresh
 vLLM of B with A's NAME, and as A after update 2. With --live-arena the unsent parameters are
 the receive plan's kept tensors (the arena is swapped whole).
+
+--graph-pairs: the engine starts with the 'shadowsync_graph_pairs' weight-transfer backend
+(graph_pairs.py): vLLM captures its CUDA graphs over each of the arena's two slots, and each swap
+rebinds the parameters to the other slot and switches vLLM to its graphs. Update 1 runs on slot
+1's graphs and update 2 on slot 0's again, so a set that was not switched answers wrongly.
 """
 
 from __future__ import annotations
@@ -171,6 +176,11 @@ def main() -> int:
                         help="the engine under test starts with weight_transfer_config "
                              "{'backend': 'shadowsync'}: weights in a remap arena before graph "
                              "capture, swaps by remap (CUDA)")
+    parser.add_argument("--graph-pairs", action="store_true",
+                        help="the engine under test starts with weight_transfer_config "
+                             "{'backend': 'shadowsync_graph_pairs'}: weights in the arena's two "
+                             "slots, vLLM's CUDA graphs captured over each, swaps by rebind that "
+                             "switch graph sets (CUDA)")
     parser.add_argument("--no-gated-swaps", action="store_true",
                         help="init_weight_update_group(gated_swaps=False): with --live-arena on "
                              "the GPU the engine thread remaps after the step in flight; by "
@@ -230,7 +240,9 @@ def main() -> int:
 
     llm = LLM(**engine_kwargs(args.device, a, args.tp, lora=args.lora),
               worker_extension_cls="shadowsync.vllm.WorkerExtension",
-              **({"weight_transfer_config": {"backend": "shadowsync"}} if args.live_arena else {}))
+              **({"weight_transfer_config": {"backend": "shadowsync"}} if args.live_arena else {}),
+              **({"weight_transfer_config": {"backend": "shadowsync_graph_pairs"}}
+                 if args.graph_pairs else {}))
     failures = 0
 
     def check(stage: str, got, want: str) -> None:
@@ -275,12 +287,17 @@ def main() -> int:
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"set-up: {len(specs)} trainer tensors, {stats['plan_copies']} plan copies, "
         f"{stats['kept_params']} kept, swap strategy {stats['swap_strategy']}, "
-        f"live arena {stats['live_arena']}, "
+        f"live arena {stats['live_arena']}, graph pairs {stats['graph_pairs']}, "
         f"fingerprint {fingerprint:#018x}")
     if args.live_arena:
         ok = stats["live_arena"] and stats["swap_strategy"] == "remap"
         failures += not ok
         log(f"{'ok  ' if ok else 'FAIL'} the receiver swaps the live arena by remap")
+    if args.graph_pairs:
+        ok = stats["live_arena"] and stats["graph_pairs"] and stats["swap_strategy"] == "rebind"
+        failures += not ok
+        log(f"{'ok  ' if ok else 'FAIL'} the receiver rebinds between the arena's slots and "
+            f"switches vLLM's graph sets")
     check("after set-up, before any update", greedy(llm, adapter["A"]), "A")
 
     for version, source, name in ((1, 1, "B"), (2, 2, "A")):

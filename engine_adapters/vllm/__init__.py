@@ -5,7 +5,8 @@ This folder is the subpackage ``shadowsync.vllm``: an installed package has it i
 (the wheel's build installs it there, python/CMakeLists.txt); in a source checkout ``shadowsync/__init__.py`` finds it
 here. Importing it imports neither vllm nor torch; in a process that has imported vllm (its
 workers, which import the worker extension before they load the model) it registers the
-"shadowsync" weight-transfer backend (live_arena.py) with vLLM."""
+"shadowsync" (live arena) and "shadowsync_graph_pairs" weight-transfer backends (live_arena.py,
+graph_pairs.py) with vLLM."""
 
 import sys as _sys
 
@@ -25,20 +26,22 @@ __all__ = ["WorkerExtension", "apply_update", "apply_update_async", "commit_upda
 
 
 def _register_live_arena_with_vllm() -> None:
-    """Registers live_arena.LiveArenaEngine as vLLM's weight-transfer backend "shadowsync"
-    (lazily: vLLM imports the module only when an engine asks for that backend). Only where vLLM
-    is already imported, and only a vLLM with weight-transfer engines (0.25 and later)."""
+    """Registers live_arena.LiveArenaEngine as vLLM's weight-transfer backend "shadowsync" and
+    live_arena.GraphPairsEngine as "shadowsync_graph_pairs" (lazily: vLLM imports the module
+    only when an engine asks for that backend). Only where vLLM is already imported, and only a
+    vLLM with weight-transfer engines (0.25 and later)."""
     if "vllm" not in _sys.modules:
         return
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return
-    try:
-        WeightTransferEngineFactory.register_engine(
-            "shadowsync", "shadowsync.vllm.live_arena", "LiveArenaEngine")
-    except ValueError:
-        pass  # registered already (this module imported again under another name)
+    for name, cls in (("shadowsync", "LiveArenaEngine"),
+                      ("shadowsync_graph_pairs", "GraphPairsEngine")):
+        try:
+            WeightTransferEngineFactory.register_engine(name, "shadowsync.vllm.live_arena", cls)
+        except ValueError:
+            pass  # registered already (this module imported again under another name)
 
 
 _register_live_arena_with_vllm()

@@ -45,12 +45,14 @@ from shadowsync.layout import BASE_GROUP, Layout, TensorSpec
 from shadowsync.remap_arena import RemapArena
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from .graph_pairs import GraphSets
 from .worker_extension import _CudaBytes
 
-__all__ = ["LiveArenaEngine"]
+__all__ = ["GraphPairsEngine", "LiveArenaEngine"]
 
-# The name under which import shadowsync.vllm registers the engine with vLLM.
+# The names under which import shadowsync.vllm registers the engines with vLLM.
 BACKEND_NAME = "shadowsync"
+GRAPH_PAIRS_BACKEND_NAME = "shadowsync_graph_pairs"
 
 
 class LiveArenaEngine(WeightTransferEngine):
@@ -97,6 +99,59 @@ class LiveArenaEngine(WeightTransferEngine):
             "trainer_send_weights: the 'shadowsync' weight-transfer backend has no sender of "
             "vLLM's kind; the trainer sends with shadowsync (a Sender over NCCL or the same-host "
             "transport)")
+
+
+class GraphPairsEngine(LiveArenaEngine):
+    """vLLM's weight-transfer engine "shadowsync_graph_pairs" (graph_pairs.py): the weights in a
+    remap arena as under LiveArenaEngine, but read through each slot's own mapping, with vLLM's
+    CUDA graphs captured over both slots. A receiver swaps by rebind over the arena's two slots
+    (no remap) and the swap switches vLLM to that slot's graphs."""
+
+    shadowsync_graph_pairs = True
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        runner = _runner_loading(model)
+        if runner is None:
+            raise InvalidArgumentError(
+                f"the '{GRAPH_PAIRS_BACKEND_NAME}' weight-transfer backend: vLLM's model runner "
+                f"was not found among the callers, so its CUDA graphs cannot be captured over "
+                f"both weight slots; use the backend '{BACKEND_NAME}' (swapped by remap)")
+        import torch
+
+        group = self.layout.groups[0]
+        self._slot_views = []
+        for slot in (0, 1):
+            raw = torch.as_tensor(_CudaBytes(self.arena.slot_address(slot), group.arena_bytes),
+                                  device=device)
+            self._slot_views.append(
+                [raw[t.offset:t.offset + t.bytes].view(p.dtype).reshape(p.shape)
+                 for t, p in zip(group.tensors, self.params)])
+        live = self.arena.live_slot
+        self.bind(live)  # the same bytes as the live range, at the live slot's own address
+        self.graph_sets = GraphSets(runner, self.bind, live)
+        self.graph_sets.install()
+
+    def bind(self, slot: int) -> None:
+        """Points every parameter at its place in `slot`. Engine thread (or vLLM's start-up)."""
+        for param, view in zip(self.params, self._slot_views[slot]):
+            param.data = view
+
+    def settle(self) -> None:
+        """Makes the arena's live slot (what the next receiver starts from) the one the model
+        reads: when a receiver left the other slot live, its bytes are copied into the arena's
+        live slot (one device copy, in stream order after the steps that read them) and the
+        parameters and graphs follow. Engine thread, between two steps, with no receiver."""
+        target = self.arena.live_slot
+        if self.graph_sets.slot == target:
+            return
+        import torch
+
+        with torch.no_grad():
+            for src, dst in zip(self._slot_views[self.graph_sets.slot], self._slot_views[target]):
+                dst.copy_(src)
+        self.bind(target)
+        self.graph_sets.use(target)
 
 
 def count_weights_once(model, freed_bytes: int, slot_bytes: int) -> dict:

@@ -75,6 +75,9 @@ class _UpdateGroup:
         self.kept_params = len(receiver.plan.kept) if receiver.plan is not None else 0
         self.swap_strategy = "rebind"  # the receiver's: what a swap does
         self.live_arena = False  # the live memory is the live-arena engine's (live_arena.py)
+        # The graph-pairs engine (live_arena.GraphPairsEngine) whose arena this receiver rebinds
+        # between; each swap switches vLLM to the new live slot's CUDA graphs (graph_pairs.py).
+        self.graph_pairs = None
         # track_request_versions: request id -> [[version, tokens], ...] in step order.
         self.request_versions: dict[str, list[list[int]]] | None = None
         self.steps = 0  # execute_model calls since init (the hook counts them)
@@ -135,6 +138,8 @@ class _UpdateGroup:
             self.step_log.append((self.steps, version))  # commit_update logs its own
         for swap in swaps:
             self.bind(swap.group)  # copy_in, remap: the same views again (their address stays)
+            if self.graph_pairs is not None:  # its arena is the update's one group
+                self.graph_pairs.graph_sets.use(swap.slot)
         if self.host_reads_after_copy:
             # copy_in enqueued the copies on the engine stream; the host itself reads host-backend
             # parameters, so the copies must have run before the step does.
@@ -384,9 +389,13 @@ class WorkerExtension:
         chosen = swap_strategy if swap_strategy is not None else (
             receiver_config.swap_strategy if receiver_config is not None else None)
         live_arena = _live_arena(self)
-        # The live arena, when swaps may remap it: it is swapped whole, so a plan for it keeps
-        # what the trainer does not send.
-        arena_to_remap = live_arena if chosen in (None, "remap") else None
+        # Graph pairs: the arena's slots each have their own CUDA graphs, so a swap rebinds
+        # between them; the plain live arena is swapped by remapping its live range.
+        graph_pairs = bool(getattr(live_arena, "shadowsync_graph_pairs", False))
+        arena_strategy = "rebind" if graph_pairs else "remap"
+        # The live arena, when swaps may swap it (by remap, or by rebind under graph pairs): it is
+        # swapped whole, so a plan for it keeps what the trainer does not send.
+        arena_to_remap = live_arena if chosen in (None, arena_strategy) else None
         plan = None
         if specs is None and lora_adapter is not None:
             raise InvalidArgumentError(
@@ -438,11 +447,24 @@ class WorkerExtension:
             if base:
                 _check_fits_live_arena(base, params, live_arena)
                 arena_group = base[0].index
-                swap_strategy = chosen = "remap"
+                swap_strategy = chosen = arena_strategy
         if arena_group is None:
             # copy_in into the arena's live range (or nothing of the arena at all: an adapter
             # only), as into any storage.
             live_arena = None
+            graph_pairs = False
+        if graph_pairs and lora_groups:
+            raise InvalidArgumentError(
+                f"init_weight_update_group: lora_adapter with the 'shadowsync_graph_pairs' "
+                f"weight-transfer backend: a swap there rebinds the base weights between two "
+                f"slots, and an adapter lives in vLLM's stacked LoRA buffers, which can only be "
+                f"copied into; start vLLM with weight_transfer_config={{'backend': "
+                f"'shadowsync'}} (remap, with the adapter copied in at the same swap), or send "
+                f"the adapter with swap_strategy='copy_in'")
+        if graph_pairs:
+            # The graphs follow the live slot (one set per slot, switched at each swap), so the
+            # swap may move the live address: to the library this is an engine that rebinds.
+            engine_uses_cuda_graphs = False
         if lora_groups and chosen not in (None, "copy_in") and arena_group is None:
             raise InvalidArgumentError(
                 f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
@@ -477,7 +499,8 @@ class WorkerExtension:
                 receiver_config.swap_strategy = swap_strategy
             if engine_uses_cuda_graphs is not None:
                 receiver_config.engine_uses_cuda_graphs = engine_uses_cuda_graphs
-        gate = _gated_swaps(self, gated_swaps, arena_group is not None and not lora_groups,
+        gate = _gated_swaps(self, gated_swaps,
+                            arena_group is not None and not lora_groups and not graph_pairs,
                             hook_execute_model)
         if gate:
             receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),
@@ -504,7 +527,11 @@ class WorkerExtension:
         if track_request_versions:
             state.request_versions = {}
         receiver.set_swap_callback(state.on_swap)
-        if copy_in:
+        if graph_pairs:
+            # The parameters already point at the arena's live slot (bound at load, before vLLM
+            # captured a graph set over each slot): a swap rebinds them and switches sets.
+            state.graph_pairs = live_arena
+        elif copy_in:
             # The parameters stay where the engine (and any CUDA graph it captured) reads them;
             # each swap copies the shadow into them. Two copies of the weights, none moved.
             for group in layout.groups:
@@ -657,6 +684,7 @@ class WorkerExtension:
         stats["kept_params"] = state.kept_params  # parameters the plan keeps (live arena, partial)
         stats["swap_strategy"] = state.swap_strategy
         stats["live_arena"] = state.live_arena
+        stats["graph_pairs"] = state.graph_pairs is not None  # swaps switch vLLM's graph sets
         stats["step_hook_at"] = state.step_hook_at  # gated_swaps, gates_abandoned: the receiver's
         stats["last_begin_update_started_s"], stats["last_begin_update_s"] = state.last_begin_update
         stats["last_wait_applied_started_s"], stats["last_wait_applied_s"] = state.last_wait_applied
@@ -685,8 +713,11 @@ class WorkerExtension:
             if state.stream is not None:
                 state.stream.synchronize()  # a swap's copy out of the shadow may still run
             # Under engine storage the parameters are the engine's own memory already (and CUDA
-            # graphs read them there): nothing to keep.
-            if keep_weights and not state.engine_storage:
+            # graphs read them there): nothing to keep. Under graph pairs they stay in the arena
+            # (the graphs read its slots), in the slot the next receiver starts from.
+            if state.graph_pairs is not None:
+                state.graph_pairs.settle()
+            elif keep_weights and not state.engine_storage:
                 for param in state.params.values():
                     data = _data(param)
                     param.data = data.copy() if state.kind == "numpy" else data.clone()

@@ -188,12 +188,15 @@ class Receiver {
   // rebind with engine_uses_cuda_graphs, and remap on a backend that cannot remap (the message
   // names the reason and suggests copy_in).
   //
-  // `engine_arenas` (remap only): the live memory of group g is engine_arenas[g], made with
+  // `engine_arenas` (remap or rebind): the live memory of group g is engine_arenas[g], made with
   // backend.create_remappable_arena(<the group's arena bytes>) and holding the engine's current
   // weights in its live slot, laid out as the layout's group; its other slot becomes the shadow.
-  // For an engine that captures CUDA graphs after it moved its weights into such an arena and
-  // before it meets the receiver (vLLM: shadowsync.vllm's live arena): swaps are zero-copy
-  // remaps that the graphs see. The arena must not serve two receivers at once. Throws
+  // Under remap, for an engine that captures CUDA graphs after it moved its weights into such an
+  // arena's live range and before it meets the receiver (vLLM: shadowsync.vllm's live arena):
+  // swaps are zero-copy remaps that the graphs see. Under rebind the arena's two slot mappings
+  // are the two slots and a swap only flips which is live (live_arena(g) moves between them; the
+  // live range is neither read nor remapped): for an engine that captured one set of CUDA graphs
+  // over each slot and switches sets in the swap callback (vLLM's graph pairs). The arena must not serve two receivers at once. Throws
   // Error(kInvalidArgument) naming the group and both sizes, or the strategy, before allocating.
   Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
            ReceiverConfig config = {}, EngineArenas engine_arenas = {});

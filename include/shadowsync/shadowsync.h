@@ -548,7 +548,9 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_remap_arena_info(
 SHADOWSYNC_API shadowsync_status_t shadowsync_remap_arena_destroy(shadowsync_remap_arena_t arena);
 /* As shadowsync_receiver_create(_with_plan) (`wire_layout` NULL: no plan, `copies` ignored), with
  * `arenas[g]` (NULL entries allowed; `count` at most the layout's groups) as the live memory of
- * group g: swap_strategy must be remap, each arena holds exactly its group's arena bytes, laid out
+ * group g: swap_strategy must be remap (a swap remaps the arena's live range) or rebind (its two
+ * slot mappings are the slots and a swap flips between them: an engine with one set of CUDA graphs
+ * per slot), each arena holds exactly its group's arena bytes, laid out
  * as the group, lies on `backend`'s device, and serves no other live receiver (each is refused, naming
  * the group and both values, before anything is allocated). The receiver shares the arenas; the
  * handles stay the caller's. */

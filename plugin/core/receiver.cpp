@@ -167,10 +167,11 @@ void check_engine_arenas(const EngineArenas& arenas, const Layout& layout,
   const auto given = std::count_if(arenas.begin(), arenas.end(),
                                    [](const auto& arena) { return arena != nullptr; });
   if (given == 0) return;
-  if (config.swap_strategy != SwapStrategy::kRemap) {
+  if (config.swap_strategy == SwapStrategy::kCopyIn) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("engine arenas were given for {} group(s), but swap_strategy is {}: "
-                            "an engine arena is swapped by remapping it (swap_strategy remap)",
+                            "an engine arena is swapped by remapping it (swap_strategy remap) or "
+                            "by flipping between its two slots (swap_strategy rebind)",
                             given, swap_strategy_name(config.swap_strategy)));
   }
   if (arenas.size() > layout.groups().size()) {

@@ -9,10 +9,15 @@ SlotTable::SlotTable(const Layout& layout, Backend& backend, SwapStrategy strate
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     Group& group = groups_[g];
     group.bytes = layout.groups()[g].arena_bytes();
-    if (strategy == SwapStrategy::kRemap && g < engine_arenas.size() && engine_arenas[g]) {
+    const bool engine_arena = g < engine_arenas.size() && engine_arenas[g] != nullptr;
+    if (strategy == SwapStrategy::kRemap && engine_arena) {
       group.remap = engine_arenas[g];
       group.engine_arena = true;
       group.live = group.remap->live_slot();  // an earlier receiver may have swapped it
+    } else if (strategy == SwapStrategy::kRebind && engine_arena) {
+      group.engine_slots = engine_arenas[g];
+      group.engine_arena = true;
+      group.live = group.engine_slots->live_slot();  // the slot the engine reads now
     } else if (strategy == SwapStrategy::kRemap) {
       group.remap = backend.create_remappable_arena(group.bytes);
     } else {
@@ -24,12 +29,15 @@ SlotTable::SlotTable(const Layout& layout, Backend& backend, SwapStrategy strate
 
 std::byte* SlotTable::slot_data(std::size_t g, int slot) const {
   const Group& group = groups_[g];
-  return group.remap ? group.remap->slot_address(slot) : group.arena[slot].data();
+  if (group.remap) return group.remap->slot_address(slot);
+  if (group.engine_slots) return group.engine_slots->slot_address(slot);
+  return group.arena[slot].data();
 }
 
 std::byte* SlotTable::live_data(std::size_t g) const {
   const Group& group = groups_[g];
-  return group.remap ? group.remap->live_address() : group.arena[group.live].data();
+  if (group.remap) return group.remap->live_address();
+  return slot_data(g, group.live);
 }
 
 void* SlotTable::live_tensor(std::size_t g, std::size_t t, std::size_t offset) const {

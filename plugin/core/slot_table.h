@@ -10,6 +10,10 @@
 //            remaps the live range onto the other slot. The arena is the table's own, or one the
 //            engine made before it met the receiver (EngineArenas, receiver.h): then it is shared,
 //            outlives the table, and its live slot is whichever it shows
+//   rebind over an engine arena: the arena's two slot mappings are the two slots, and a swap
+//            flips the live index as with the table's own arenas; the arena's live range is
+//            neither read nor remapped. For an engine that captured one set of CUDA graphs per
+//            slot (vLLM's graph pairs) and switches sets when the live slot changes
 //
 // A group whose live storage is the engine's own tensors (use_engine_storage) is swapped as under
 // copy_in whatever the strategy: under remap that is a group the engine could not place in a remap
@@ -42,7 +46,9 @@ class SlotTable {
   struct Group {
     DeviceBuffer arena[2];                   // rebind, copy_in
     std::shared_ptr<RemappableArena> remap;  // remap
-    bool engine_arena = false;               // remap is one the engine made (EngineArenas)
+    // rebind over an engine arena: its slot mappings are the slots (arena[] stays empty).
+    std::shared_ptr<RemappableArena> engine_slots;
+    bool engine_arena = false;  // remap or engine_slots is one the engine made (EngineArenas)
     std::unique_ptr<Event> release[2];
     std::size_t bytes = 0;  // the layout's arena size
     // copy_in with the engine's own storage (use_engine_storage): where each tensor of the group
@@ -57,8 +63,8 @@ class SlotTable {
   };
 
   // Allocates both slots of every group (zero-filled) and their events; slot 0 is live. Under
-  // remap a group g with a non-null `engine_arenas[g]` takes that arena instead (its live slot
-  // stays live; the receiver checked its size). The strategy must fit the backend (the receiver
+  // remap or rebind a group g with a non-null `engine_arenas[g]` takes that arena instead (its
+  // live slot stays live; the receiver checked its size). The strategy must fit the backend (the receiver
   // checks that first, with a clearer message).
   SlotTable(const Layout& layout, Backend& backend, SwapStrategy strategy,
             const std::vector<std::shared_ptr<RemappableArena>>& engine_arenas = {});

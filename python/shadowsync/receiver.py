@@ -227,10 +227,12 @@ class Receiver(Handle):
     `plan` (a ReceivePlan): the trainer sends another layout than `layout` (the engine's, which
     the slots have); each received bucket is copied into the shadow by the plan.
 
-    `arenas` ({group name or index: RemapArena}; swap_strategy "remap" only): the live memory of
-    those groups is the engine's arena, which holds its current weights laid out as the group
-    (each exactly the group's arena_bytes), typically under CUDA graphs captured before this
-    receiver existed; its other slot becomes the shadow and a swap remaps. The receiver shares
+    `arenas` ({group name or index: RemapArena}; swap_strategy "remap" or "rebind"): the live
+    memory of those groups is the engine's arena, which holds its current weights laid out as the
+    group (each exactly the group's arena_bytes), typically under CUDA graphs captured before this
+    receiver existed; its other slot becomes the shadow. Under remap a swap remaps the arena's
+    live range; under rebind the arena's two slot mappings are the slots and a swap flips which
+    is live (live_arena_pointer moves; an engine with one graph set per slot). The receiver shares
     each arena (a later receiver may take it once this one is closed); refused, naming the group
     and both values, before anything is allocated.
 

@@ -1,6 +1,6 @@
 // Engine arenas (Receiver's EngineArenas): the remap arenas an engine made before it met the
-// receiver. Refused, naming why, before anything is allocated: arenas with a strategy other than
-// remap, more entries than the layout has groups, an arena whose size is not its group's. Null
+// receiver. Refused, naming why, before anything is allocated: arenas with swap_strategy copy_in
+// (remap and rebind take them; rebind: test_rebind_engine_arena.cpp), more entries than the layout has groups, an arena whose size is not its group's. Null
 // entries (or none) change nothing; a well-formed arena becomes the group's live memory, shared
 // with the engine.
 //
@@ -67,11 +67,10 @@ std::string size_refusal(const std::string& group, std::size_t held, std::size_t
 
 }  // namespace
 
-TEST_CASE("engine arenas: refused with swap_strategy copy_in or rebind, before anything is "
-          "allocated",
+TEST_CASE("engine arenas: refused with swap_strategy copy_in, before anything is allocated",
           "[engine_arenas]") {
   const Layout layout = two_group_layout();
-  CountingBackend backend;  // the host backend: copy_in and rebind are fine on it
+  CountingBackend backend;  // the host backend: copy_in is fine on it
   const std::size_t base_bytes = layout.groups()[0].arena_bytes();
   const std::size_t lora_bytes = layout.groups()[1].arena_bytes();
   auto base = std::make_shared<HostArena>(base_bytes);
@@ -94,11 +93,14 @@ TEST_CASE("engine arenas: refused with swap_strategy copy_in or rebind, before a
     CHECK_THAT(e.what(), Catch::Contains("engine arenas were given for 2 group(s), but "
                                          "swap_strategy is copy_in"));
   }
-  SECTION("rebind (the default), the arena in the second group only") {
-    const Error e = refusal(layout, backend, ReceiverConfig{}, {nullptr, lora});
+  SECTION("copy_in, the arena in the second group only") {
+    ReceiverConfig config;
+    config.swap_strategy = SwapStrategy::kCopyIn;
+    const Error e = refusal(layout, backend, config, {nullptr, lora});
     CHECK(e.code() == ErrorCode::kInvalidArgument);
     CHECK_THAT(e.what(), Catch::Contains("engine arenas were given for 1 group(s), but "
-                                         "swap_strategy is rebind"));
+                                         "swap_strategy is copy_in") &&
+                             Catch::Contains("(swap_strategy rebind)"));
   }
   CHECK(backend.calls == 0);  // refused before anything was allocated or created
   CHECK(backend.inner().bytes_allocated() == 0);
