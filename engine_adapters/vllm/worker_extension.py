@@ -137,9 +137,10 @@ class _UpdateGroup:
         if not self.coordinated:
             self.step_log.append((self.steps, version))  # commit_update logs its own
         for swap in swaps:
-            self.bind(swap.group)  # copy_in, remap: the same views again (their address stays)
             if self.graph_pairs is not None:  # its arena is the update's one group
-                self.graph_pairs.graph_sets.use(swap.slot)
+                self.graph_pairs.use_slot(swap.slot)
+            else:
+                self.bind(swap.group)  # copy_in, remap: the same views again (their address stays)
         if self.host_reads_after_copy:
             # copy_in enqueued the copies on the engine stream; the host itself reads host-backend
             # parameters, so the copies must have run before the step does.
