@@ -650,7 +650,8 @@ class DecodeLoad:
                     info = dict(info, **await engine_times())
                 windows.append((w0, w1, info))
                 log(f"update {k + 1}/{args.updates}: {fmt_ms((w1 - w0) * 1e3)}"
-                    + "".join(f"; {key} {fmt_ms(info[key])}" for key in ENGINE_TIMES if key in info))
+                    + "".join(f"; {key} {fmt_ms(info[key])}"
+                              for key in ENGINE_TIMES + ("swap_callback_ms",) if key in info))
                 if "trace" in info:
                     log(trace_line(info["trace"]))
             await asyncio.sleep(max(0.5, 3 * self.step_estimate(base0, base1)))
@@ -1200,6 +1201,8 @@ class ShadowsyncTransfer:
         for event in ENGINE_EVENTS:
             times[f"{event}_ms"] = round(stats[f"last_{event}_s"] * 1e3, 3)
             times[f"{event}_started_at"] = stats[f"last_{event}_started_s"] + offset
+        # Of the swap: what the worker's Python swap callback took (rebinding, graph sets).
+        times["swap_callback_ms"] = round(stats.get("last_swap_callback_s", 0.0) * 1e3, 3)
         if self.args.trace_steps:
             import vllm_step_trace
 

@@ -105,14 +105,7 @@ class GraphPairsEngine(LiveArenaEngine):
     """vLLM's weight-transfer engine "shadowsync_graph_pairs" (graph_pairs.py): the weights in a
     remap arena as under LiveArenaEngine, but read through each slot's own mapping, with vLLM's
     CUDA graphs captured over both slots. A receiver swaps by rebind over the arena's two slots
-    (no remap) and the swap switches vLLM to that slot's graphs.
-
-    Every parameter is a view of one torch storage over the slot they read; a second storage
-    covers the other slot. Pointing the parameters at the other slot swaps the two storages'
-    data pointers (torch's private UntypedStorage._swap_data_ptr_, checked for at start-up): one
-    call for the whole model, where rebinding each parameter cost about 2.7 us apiece in vLLM
-    (0.78 ms median for Llama-3-8B's 291 on an H100: docs/benchmarks.md, "Graph pairs"). Views
-    of a parameter that vLLM keeps follow it too."""
+    (no remap) and the swap switches vLLM to that slot's graphs."""
 
     shadowsync_graph_pairs = True
 
@@ -124,38 +117,29 @@ class GraphPairsEngine(LiveArenaEngine):
                 f"the '{GRAPH_PAIRS_BACKEND_NAME}' weight-transfer backend: vLLM's model runner "
                 f"was not found among the callers, so its CUDA graphs cannot be captured over "
                 f"both weight slots; use the backend '{BACKEND_NAME}' (swapped by remap)")
-        import torch
-
-        if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
-            raise InvalidArgumentError(
-                f"the '{GRAPH_PAIRS_BACKEND_NAME}' weight-transfer backend needs torch's "
-                f"UntypedStorage._swap_data_ptr_ (torch 2.3 and later; this is torch "
-                f"{torch.__version__}); use the backend '{BACKEND_NAME}' (swapped by remap)")
-        self.slot = self.arena.live_slot  # the slot the parameters read
-        read, spare = (self._slot_bytes(s, device) for s in (self.slot, 1 - self.slot))
-        group = self.layout.groups[0]
-        for t, param in zip(group.tensors, self.params):
-            # The same bytes as the live range, at the live slot's own address.
-            param.data = read[t.offset:t.offset + t.bytes].view(param.dtype).reshape(param.shape)
-        # [0]: what the parameters view (it moves between the slots); [1]: the other slot. The
-        # tensors hold the storages' owners.
-        self._storages = (read.untyped_storage(), spare.untyped_storage())
-        self._bytes = (read, spare)
+        # Each parameter paired with its view in each slot, built once: a swap only assigns.
+        self._pairs = [list(zip(self.params, self._slot_views(slot, device))) for slot in (0, 1)]
+        self.slot = -1
+        self.bind(self.arena.live_slot)  # the same bytes as the live range, at their own address
         self.graph_sets = GraphSets(runner, self.bind, self.slot)
         self.graph_sets.install()
 
-    def _slot_bytes(self, slot: int, device):
+    def _slot_views(self, slot: int, device) -> list:
+        """Every parameter's place in `slot`, as tensors of its dtype and shape."""
         import torch
 
-        nbytes = self.layout.groups[0].arena_bytes
-        return torch.as_tensor(_CudaBytes(self.arena.slot_address(slot), nbytes), device=device)
+        group = self.layout.groups[0]
+        raw = torch.as_tensor(_CudaBytes(self.arena.slot_address(slot), group.arena_bytes),
+                              device=device)
+        return [raw[t.offset:t.offset + t.bytes].view(p.dtype).reshape(p.shape)
+                for t, p in zip(group.tensors, self.params)]
 
     def bind(self, slot: int) -> None:
-        """Points every parameter at its place in `slot`: one swap of two storages' data
-        pointers. Engine thread (or vLLM's start-up), between two steps."""
-        if slot != self.slot:
-            self._storages[0]._swap_data_ptr_(self._storages[1])
-            self.slot = slot
+        """Points every parameter at its place in `slot`. Engine thread (or vLLM's start-up),
+        between two steps."""
+        for param, view in self._pairs[slot]:
+            param.data = view
+        self.slot = slot
 
     def use_slot(self, slot: int) -> None:
         """What a swap does: the parameters and vLLM's CUDA graphs move to `slot`."""
@@ -165,13 +149,16 @@ class GraphPairsEngine(LiveArenaEngine):
     def settle(self) -> None:
         """Makes the arena's live slot (what the next receiver starts from) the one the model
         reads: when a receiver left the other slot live, its bytes are copied into the arena's
-        live slot (one device copy, in stream order after the steps that read them) and the
-        parameters and graphs follow. Engine thread, between two steps, with no receiver."""
+        live slot (in stream order after the steps that read them) and the parameters and graphs
+        follow. Engine thread, between two steps, with no receiver."""
         target = self.arena.live_slot
         if self.slot == target:
             return
-        device = self._bytes[0].device
-        self._slot_bytes(target, device).copy_(self._slot_bytes(self.slot, device))
+        import torch
+
+        with torch.no_grad():
+            for (_, src), (_, dst) in zip(self._pairs[self.slot], self._pairs[target]):
+                dst.copy_(src)
         self.use_slot(target)
 
 

@@ -78,6 +78,7 @@ class _UpdateGroup:
         # The graph-pairs engine (live_arena.GraphPairsEngine) whose arena this receiver rebinds
         # between; each swap switches vLLM to the new live slot's CUDA graphs (graph_pairs.py).
         self.graph_pairs = None
+        self.last_swap_callback_s = 0.0  # the last swap's time in on_swap (weight_update_stats)
         # track_request_versions: request id -> [[version, tokens], ...] in step order.
         self.request_versions: dict[str, list[list[int]]] | None = None
         self.steps = 0  # execute_model calls since init (the hook counts them)
@@ -134,6 +135,13 @@ class _UpdateGroup:
             self.params[t.name].data = view
 
     def on_swap(self, version: int, swaps: list[GroupSwap]) -> None:
+        started = time.perf_counter()
+        try:
+            self._swap(version, swaps)
+        finally:
+            self.last_swap_callback_s = time.perf_counter() - started
+
+    def _swap(self, version: int, swaps: list[GroupSwap]) -> None:
         if not self.coordinated:
             self.step_log.append((self.steps, version))  # commit_update logs its own
         for swap in swaps:
@@ -686,6 +694,7 @@ class WorkerExtension:
         stats["swap_strategy"] = state.swap_strategy
         stats["live_arena"] = state.live_arena
         stats["graph_pairs"] = state.graph_pairs is not None  # swaps switch vLLM's graph sets
+        stats["last_swap_callback_s"] = state.last_swap_callback_s  # of last_swap_s: Python's
         stats["step_hook_at"] = state.step_hook_at  # gated_swaps, gates_abandoned: the receiver's
         stats["last_begin_update_started_s"], stats["last_begin_update_s"] = state.last_begin_update
         stats["last_wait_applied_started_s"], stats["last_wait_applied_s"] = state.last_wait_applied

@@ -444,6 +444,27 @@ def load() -> ctypes.CDLL:
         return lib
 
 
+_lib_keeping_gil: ctypes.PyDLL | None = None
+
+
+def load_keeping_gil() -> ctypes.PyDLL:
+    """The same library through ctypes.PyDLL: its calls keep the GIL instead of releasing it.
+    For the step hook's calls that never block (before_step under rebind and copy_in): a CDLL
+    call releases the GIL and must take it back on return, and the swap callback inside takes
+    it too, each time waiting for whichever Python thread took it meanwhile (vLLM's output
+    thread, say). Loaded once per process. Thread-safe."""
+    global _lib_keeping_gil
+    if _lib_keeping_gil is not None:
+        return _lib_keeping_gil
+    load()  # locates and checks the library first
+    with _lock:
+        if _lib_keeping_gil is None:
+            lib = ctypes.PyDLL(_lib_path)
+            _declare(lib)
+            _lib_keeping_gil = lib
+    return _lib_keeping_gil
+
+
 def library_path() -> str:
     """Where the loaded library came from (loads it if needed)."""
     load()

@@ -150,6 +150,14 @@ def call(name: str, *args) -> None:
         raise error_for(status)
 
 
+def call_keeping_gil(name: str, *args) -> None:
+    """As call(), holding the GIL through the call (_library.load_keeping_gil): only for calls
+    that never block."""
+    status = getattr(_library.load_keeping_gil(), name)(*args)
+    if status != SUCCESS:
+        raise error_for(status)
+
+
 def call_status(name: str, *args) -> int:
     """As call(), but SHADOWSYNC_IN_PROGRESS is returned instead of raised."""
     status = getattr(_library.load(), name)(*args)

@@ -25,7 +25,7 @@ from ._library import (
     config_struct,
 )
 from .backend import Backend, Stream
-from .errors import STATUS_NAMES, InvalidArgumentError, NotSupportedError, call
+from .errors import STATUS_NAMES, InvalidArgumentError, NotSupportedError, call, call_keeping_gil
 from .layout import Layout, TensorInfo, UpdateHeader
 from .receive_plan import ReceivePlan
 from .transport import Transport
@@ -280,6 +280,11 @@ class Receiver(Handle):
         self.engine_stream = engine_stream if engine_stream is not None else backend.create_stream()
         self._swap_callback = None  # the ctypes trampoline: must live while C may call it
         self._swap_error: BaseException | None = None
+        # before_step never blocks under rebind and copy_in (a remap may wait for the engine's
+        # stream): there it keeps the GIL (errors.call_keeping_gil), so neither it nor the swap
+        # callback inside waits for another Python thread to hand the GIL back.
+        strategy = config.swap_strategy if config is not None else None
+        self._before_step_call = call_keeping_gil if strategy in (None, "rebind", "copy_in") else call
 
     # --- control plane (any thread) -----------------------------------------------------------
 
@@ -366,7 +371,7 @@ class Receiver(Handle):
     def before_step(self, stream: Stream | None = None) -> int | None:
         """Before each engine step: makes a received update live (every group of it at once) and
         returns its version; None when nothing was pending. Engine thread only."""
-        return self._applying("shadowsync_receiver_before_step", stream)
+        return self._applying("shadowsync_receiver_before_step", stream, self._before_step_call)
 
     def after_launch(self, stream: Stream | None = None) -> int | None:
         """gated_swaps: once the step's work is enqueued and before the engine waits for its
@@ -394,10 +399,10 @@ class Receiver(Handle):
         finally:
             self._raise_swap_error()
 
-    def _applying(self, function: str, stream: Stream | None) -> int | None:
+    def _applying(self, function: str, stream: Stream | None, calling=call) -> int | None:
         applied = c_uint64()
         try:
-            call(function, self._handle, (stream or self.engine_stream).handle, byref(applied))
+            calling(function, self._handle, (stream or self.engine_stream).handle, byref(applied))
         finally:
             self._raise_swap_error()
         return applied.value or None
