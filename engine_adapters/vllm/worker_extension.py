@@ -329,7 +329,10 @@ class WorkerExtension:
         would make the receiver's memory live instead), and so is "rebind" (by the library).
         Under copy_in the parameters stay where they are, the engine's own storage is the live
         copy (Receiver.use_engine_storage: graphs captured before this call keep reading it) and
-        each swap copies the shadow into them, one batched copy.
+        each swap copies the shadow into them, one batched copy. With the weight-transfer backend
+        "shadowsync" (the live arena) the default is "remap"; with "shadowsync_graph_pairs" it is
+        "rebind" over the arena's two slots, vLLM's graphs having been captured over each
+        (graph_pairs.py): a swap rebinds the parameters and switches graph sets.
 
         `decode_slowdown_budget` and `max_receive_bytes_per_second` set those fields of
         `receiver_config` (pacing; None / 0: leave them as `receiver_config` has them). With a
