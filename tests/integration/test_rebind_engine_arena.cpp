@@ -17,12 +17,12 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "deadline.h"
 #include "loopback_rig.h"
 #include "remap_host_backend.h"
+#include "update_stress.h"
 
 using namespace shadowsync;
 using namespace shadowsync::testing;
@@ -115,19 +115,10 @@ TEST_CASE("rebind over an engine arena: 1000 updates while the engine decodes; n
   LoopbackRig& rig = h.rig;
   StepHook& hook = h.hook();
   constexpr std::uint64_t kUpdates = 1'000;
-  std::thread trainer([&] {
-    std::mt19937_64 rng(3);
-    for (std::uint64_t v = 1; v <= kUpdates; ++v) {
-      PublishHandle handle = rig.publish(v, {"base"});
-      if (rng() % 4 != 0) handle.wait();  // sometimes updates pile up (latest wins)
-    }
-  });
-  std::mt19937_64 rng(4);
-  const bool in_time = h.engine.step_until_applied(
-      kUpdates, deadline_from_now(std::chrono::minutes(4)), [&](std::optional<std::uint64_t>) {
-        if (rng() % 8 == 0) h.engine.synchronize();
-      });
-  trainer.join();
+  const bool in_time = run_update_stress(
+      rig, h.engine, kUpdates,
+      [](std::uint64_t, std::mt19937_64&) { return std::vector<std::string>{"base"}; },
+      std::chrono::minutes(4));
   INFO("applied " << hook.applied_version());
   REQUIRE(in_time);
   h.engine.step();

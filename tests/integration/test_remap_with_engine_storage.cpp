@@ -15,13 +15,13 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "deadline.h"
 #include "live_hash.h"
 #include "loopback_rig.h"
 #include "remap_host_backend.h"
+#include "update_stress.h"
 #include "shadowsync/error.h"
 
 using namespace shadowsync;
@@ -151,24 +151,12 @@ TEST_CASE("remap with an adapter in the engine's storage: 1000 mixed updates whi
 
   constexpr std::uint64_t kUpdates = 1'000;
   const std::vector<std::vector<std::string>> kinds = {{"base"}, {"lora"}, {"base", "lora"}};
-  std::thread trainer([&] {
-    std::mt19937_64 rng(7);
-    for (std::uint64_t v = 1; v <= kUpdates; ++v) {
-      const auto& groups = v == kUpdates ? kinds.back() : kinds[rng() % kinds.size()];
-      PublishHandle handle = rig.publish(v, groups);
-      const auto dice = rng() % 4;  // sometimes updates pile up (latest wins)
-      if (dice != 0) handle.wait();
-      if (dice == 1) {
-        wait_until([&] { return hook.applied_version() >= v; }, "the engine applies a version");
-      }
-    }
-  });
-  std::mt19937_64 rng(9);
-  const bool in_time = h.engine.step_until_applied(
-      kUpdates, deadline_from_now(std::chrono::minutes(4)), [&](std::optional<std::uint64_t>) {
-        if (rng() % 8 == 0) h.engine.synchronize();
-      });
-  trainer.join();
+  const bool in_time = run_update_stress(
+      rig, h.engine, kUpdates,
+      [&](std::uint64_t v, std::mt19937_64& rng) {
+        return v == kUpdates ? kinds.back() : kinds[rng() % kinds.size()];
+      },
+      std::chrono::minutes(4));
   INFO("applied " << hook.applied_version());
   REQUIRE(in_time);  // the final version, before the deadline
   h.engine.step();
