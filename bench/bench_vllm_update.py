@@ -1338,7 +1338,11 @@ def write_outputs(out: Path, results: dict) -> None:
 
 
 def parse_args():
-    return build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.live_arena and args.graph_pairs:
+        parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -195,6 +195,8 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor_parallel_size (> 1: multiprocess, coordinated commit)")
     args = parser.parse_args()
+    if args.live_arena and args.graph_pairs:
+        parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
     if args.tp > 1:
         args.multiprocess = True
         if args.device == "cpu":

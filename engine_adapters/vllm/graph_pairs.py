@@ -79,9 +79,15 @@ class GraphSets:
         Engine thread."""
         if slot == self.slot:
             return
-        if self.sets[slot] is not None:  # None: nothing captured (enforce_eager)
+        if self.sets[slot] is not None:
             self._hold(self.sets[slot])
-        self.slot = slot
+        elif self.sets[1 - slot] is not None:
+            # Graphs over one slot only (its second capture failed and vLLM went on): vLLM would
+            # replay them over the other slot's weights.
+            raise InvalidArgumentError(
+                f"graph pairs: vLLM's CUDA graphs were captured over slot {1 - slot} only, so "
+                f"the parameters cannot move to slot {slot}")
+        self.slot = slot  # no graphs at all (enforce_eager): only the parameters move
 
     def _holders(self) -> tuple[Any, list]:
         """The runner's CudaGraphManager (None on the V1 runner) and every CUDAGraphWrapper."""
@@ -129,6 +135,10 @@ def _refuse_unswitchable(runner) -> None:
     why = None
     if not callable(getattr(runner, "capture_model", None)):
         why = f"the model runner ({type(runner).__name__}) has no capture_model"
+    elif not hasattr(runner, "cudagraph_manager"):
+        why = (f"the model runner ({type(runner).__name__}) is not vLLM's V2 GPU runner, the one "
+               f"whose graph holders this module switches (another keeps graphs elsewhere, e.g. "
+               f"a multimodal encoder's)")
     elif getattr(runner, "speculator", None) is not None or \
             getattr(runner, "drafter", None) is not None:
         why = ("vLLM runs a speculative decoder, whose CUDA graphs are captured beside the "

@@ -159,6 +159,9 @@ class GraphPairsEngine(LiveArenaEngine):
         with torch.no_grad():
             for (_, src), (_, dst) in zip(self._pairs[self.slot], self._pairs[target]):
                 dst.copy_(src)
+        # A later receiver starts with no release events: the copy must be done before it may
+        # write the slot the copy reads.
+        torch.cuda.synchronize(self._pairs[target][0][1].device)
         self.use_slot(target)
 
 

@@ -332,7 +332,8 @@ class WorkerExtension:
         each swap copies the shadow into them, one batched copy. With the weight-transfer backend
         "shadowsync" (the live arena) the default is "remap"; with "shadowsync_graph_pairs" it is
         "rebind" over the arena's two slots, vLLM's graphs having been captured over each
-        (graph_pairs.py): a swap rebinds the parameters and switches graph sets.
+        (graph_pairs.py): a swap rebinds the parameters and switches graph sets (the receiver is
+        then told engine_uses_cuda_graphs=False whatever is passed: the graphs follow the slot).
 
         `decode_slowdown_budget` and `max_receive_bytes_per_second` set those fields of
         `receiver_config` (pacing; None / 0: leave them as `receiver_config` has them). With a
@@ -471,12 +472,15 @@ class WorkerExtension:
                 f"weight-transfer backend: a swap there rebinds the base weights between two "
                 f"slots, and an adapter lives in vLLM's stacked LoRA buffers, which can only be "
                 f"copied into; start vLLM with weight_transfer_config={{'backend': "
-                f"'shadowsync'}} (remap, with the adapter copied in at the same swap), or send "
-                f"the adapter with swap_strategy='copy_in'")
+                f"'shadowsync'}} (remap, with the adapter copied in at the same swap), or pass "
+                f"swap_strategy='copy_in' (base and adapter both copied in at each swap)")
         if graph_pairs:
             # The graphs follow the live slot (one set per slot, switched at each swap), so the
             # swap may move the live address: to the library this is an engine that rebinds.
             engine_uses_cuda_graphs = False
+            # The receiver starts from the slot the arena shows; the model must read that one (a
+            # close that failed before settling could have left it on the other).
+            live_arena.settle()
         if lora_groups and chosen not in (None, "copy_in") and arena_group is None:
             raise InvalidArgumentError(
                 f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
@@ -720,22 +724,26 @@ class WorkerExtension:
         one more copy of the weights for a moment); without, the parameters still point into the
         freed slots and the model must not run again. Under copy_in into the engine's own storage
         (the default under CUDA graphs) the parameters never left it: they stay where they are
-        either way, and the group can be initialized again. Engine thread."""
+        either way, and the group can be initialized again. Under graph pairs they stay in the
+        arena whatever `keep_weights` says (vLLM's graphs read its slots): the live bytes are
+        copied into the slot the next receiver starts from, when that is the other one. Engine
+        thread."""
         state, self._shadowsync = self._shadowsync, None
         if state is not None:
             if state.stream is not None:
                 state.stream.synchronize()  # a swap's copy out of the shadow may still run
             # Under engine storage the parameters are the engine's own memory already (and CUDA
             # graphs read them there): nothing to keep. Under graph pairs they stay in the arena
-            # (the graphs read its slots), in the slot the next receiver starts from.
-            if state.graph_pairs is not None:
-                state.graph_pairs.settle()
-            elif keep_weights and not state.engine_storage:
+            # (the graphs read its slots); once the receiver is gone (it may be writing the
+            # other slot), the live bytes go where the next receiver starts from (settle).
+            if keep_weights and not state.engine_storage and state.graph_pairs is None:
                 for param in state.params.values():
                     data = _data(param)
                     param.data = data.copy() if state.kind == "numpy" else data.clone()
             _unhook_execute_model(self)
             state.receiver.close()
+            if state.graph_pairs is not None:
+                state.graph_pairs.settle()
 
     def _require(self) -> _UpdateGroup:
         if self._shadowsync is None:
@@ -1109,7 +1117,10 @@ def _gated_swaps(worker: WorkerExtension, requested: bool | None, remaps_arena: 
         return False
     site = _step_hook_site(worker) if hooked and hasattr(worker, "execute_model") else None
     why = None
-    if not remaps_arena:
+    if getattr(_live_arena(worker), "shadowsync_graph_pairs", False):
+        why = ("graph pairs swap without a remap (a rebind and a switch of vLLM's graph sets): "
+               "there is nothing for a gate to hold the step back from")
+    elif not remaps_arena:
         why = ("no swap only remaps: the gate serves the remap of shadowsync.vllm's live arena, "
                "without a LoRA adapter (an adapter is copied into vLLM's buffers at each swap, "
                "and a copy enqueued after the step cannot run before it)")

@@ -196,7 +196,9 @@ class Receiver {
   // swaps are zero-copy remaps that the graphs see. Under rebind the arena's two slot mappings
   // are the two slots and a swap only flips which is live (live_arena(g) moves between them; the
   // live range is neither read nor remapped): for an engine that captured one set of CUDA graphs
-  // over each slot and switches sets in the swap callback (vLLM's graph pairs). The arena must not serve two receivers at once. Throws
+  // over each slot and switches sets in the swap callback (vLLM's graph pairs). Under rebind the
+  // arena's live_slot() does not follow the swaps: before a later receiver takes the arena, the
+  // engine must read (and hold its bytes in) the slot the arena shows. The arena must not serve two receivers at once. Throws
   // Error(kInvalidArgument) naming the group and both sizes, or the strategy, before allocating.
   Receiver(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
            ReceiverConfig config = {}, EngineArenas engine_arenas = {});

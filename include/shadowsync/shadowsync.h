@@ -550,7 +550,9 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_remap_arena_destroy(shadowsync_rem
  * `arenas[g]` (NULL entries allowed; `count` at most the layout's groups) as the live memory of
  * group g: swap_strategy must be remap (a swap remaps the arena's live range) or rebind (its two
  * slot mappings are the slots and a swap flips between them: an engine with one set of CUDA graphs
- * per slot), each arena holds exactly its group's arena bytes, laid out
+ * per slot; the arena's live slot does not follow those swaps, so before a later receiver takes the
+ * arena the engine must read the slot the arena shows), each arena holds exactly its group's arena
+ * bytes, laid out
  * as the group, lies on `backend`'s device, and serves no other live receiver (each is refused, naming
  * the group and both values, before anything is allocated). The receiver shares the arenas; the
  * handles stay the caller's. */

@@ -232,7 +232,9 @@ class Receiver(Handle):
     group (each exactly the group's arena_bytes), typically under CUDA graphs captured before this
     receiver existed; its other slot becomes the shadow. Under remap a swap remaps the arena's
     live range; under rebind the arena's two slot mappings are the slots and a swap flips which
-    is live (live_arena_pointer moves; an engine with one graph set per slot). The receiver shares
+    is live (live_arena_pointer moves; an engine with one graph set per slot), and the arena's
+    live_slot does not follow: before a later receiver takes it, the engine must read the slot
+    the arena shows (shadowsync.vllm's graph pairs copy it there at close). The receiver shares
     each arena (a later receiver may take it once this one is closed); refused, naming the group
     and both values, before anything is allocated.
 

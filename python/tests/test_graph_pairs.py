@@ -137,3 +137,14 @@ def test_a_failed_second_capture_leaves_the_live_slot_and_its_graphs(rig):
     assert runner.bound == 0
     for size in SIZES:
         assert runner.replay(size) == {0}
+    # Had vLLM gone on, a swap must not move the parameters under graphs of the other slot.
+    with pytest.raises(InvalidArgumentError, match="captured over slot 0 only"):
+        sets.use(1)
+    assert sets.slot == 0
+
+
+def test_a_runner_other_than_vllms_v2_gpu_runner_is_refused(rig):
+    runner, bind = rig
+    del runner.cudagraph_manager
+    with pytest.raises(InvalidArgumentError, match="not vLLM's V2 GPU runner"):
+        graph_pairs.GraphSets(runner, bind, 0)

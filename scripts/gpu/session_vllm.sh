@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call after .vllm-gpu's install calls (PYTHONPATH=/tmp/site holds vLLM 0.25.0;
-# ../shared/vllm-gpu/README.md, scripts/gpu/split_vllm_pieces.sh): builds the C library with CUDA (and EXTRA_TARGETS), then runs what
-# the environment asks for, each with its log under $OUT:
+# ../shared/vllm-gpu/README.md, scripts/gpu/split_vllm_pieces.sh): builds the C library with CUDA
+# (and EXTRA_TARGETS), then runs what the environment asks for, each with its log under $OUT:
 #   GPU_TESTS="a b"  tests/gpu/<a>, tests/gpu/<b> (built as gpu_<a>; Catch2 filters: GPU_TEST_ARGS)
 #   SAME_HOST=1      tests/gpu/test_same_host_gpu and the mini worker's same-host cases
 #   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
