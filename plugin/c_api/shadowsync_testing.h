@@ -1,5 +1,5 @@
 /* Test hooks of the C ABI: fault injection into a loopback world (shadowsync_loopback_t of
- * shadowsync.h), for the project's own tests (tests/unit/test_c_api.cpp, python/tests/).
+ * shadowsync.h) and an engine arena in host memory, for the project's own tests (tests/unit/test_c_api.cpp, python/tests/).
  *
  * Not part of the stable C ABI:
  *  - This header is private to plugin/c_api/ and not installed; SHADOWSYNC_C_API_VERSION does not
@@ -35,6 +35,15 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_testing_loopback_inject_drop(
  * corrupted in transit; a receiver with checksums refuses the update). */
 SHADOWSYNC_API shadowsync_status_t shadowsync_testing_loopback_inject_flip(
     shadowsync_loopback_t loopback, int rank, uint64_t call, size_t offset);
+
+/* An engine arena in host memory on the host backend `backend`: two zero-filled slots of `bytes`
+ * each, `live_slot` (0 or 1) the one it shows. For receivers that rebind over an engine arena
+ * (shadowsync_receiver_create_with_arenas with swap_strategy rebind), tested on the CPU; it cannot
+ * remap (a remap receiver would get SHADOWSYNC_BACKEND_ERROR at its first swap).
+ * SHADOWSYNC_INVALID_ARGUMENT for 0 bytes, a live slot other than 0 or 1, or a CUDA backend.
+ * Destroyed with shadowsync_remap_arena_destroy. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_testing_host_arena_create(
+    shadowsync_backend_t backend, size_t bytes, int live_slot, shadowsync_remap_arena_t* arena);
 
 #ifdef __cplusplus
 } /* extern "C" */

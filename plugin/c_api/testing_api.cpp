@@ -1,4 +1,5 @@
-// The C ABI's test hooks (c_api/shadowsync_testing.h): fault injection into a loopback world.
+// The C ABI's test hooks (c_api/shadowsync_testing.h): fault injection into a loopback world, and
+// an engine arena in host memory.
 // Exported from libshadowsync_c.so like the rest of the C ABI; the shadowsync_testing_ prefix
 // marks them.
 #include "c_api/shadowsync_testing.h"
@@ -6,11 +7,40 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <memory>
+#include <vector>
 
 #include "c_api/c_api_internal.h"
 
 using namespace shadowsync;
 using namespace shadowsync::c_api;
+
+namespace {
+
+// Two host slots and a live slot index: what a receiver that rebinds over an engine arena uses
+// of it (slot_address, live_slot). It has no live range to remap.
+class HostSlotsArena final : public RemappableArena {
+ public:
+  HostSlotsArena(std::size_t bytes, int live_slot)
+      : bytes_(bytes), slots_{std::vector<std::byte>(bytes), std::vector<std::byte>(bytes)},
+        live_slot_(live_slot) {}
+
+  std::byte* live_address() const override { return slot_address(live_slot_); }
+  std::size_t bytes() const override { return bytes_; }
+  int live_slot() const override { return live_slot_; }
+  std::byte* slot_address(int slot) const override { return slots_[slot].data(); }
+  void remap_live(int, Stream&, bool) override {
+    throw Error(ErrorCode::kBackend,
+                "a testing host arena cannot remap: it serves receivers that rebind over it");
+  }
+
+ private:
+  std::size_t bytes_;
+  mutable std::vector<std::byte> slots_[2];
+  int live_slot_;
+};
+
+}  // namespace
 
 extern "C" {
 
@@ -38,6 +68,23 @@ shadowsync_status_t shadowsync_testing_loopback_inject_flip(shadowsync_loopback_
   return guard(__func__, [&] {
     auto object = lookup<LoopbackObject>(loopback, "loopback");
     object->communicator.inject_flip(rank, call, offset);
+  });
+}
+
+shadowsync_status_t shadowsync_testing_host_arena_create(shadowsync_backend_t backend, size_t bytes,
+                                                       int live_slot,
+                                                       shadowsync_remap_arena_t* arena) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(arena, "arena");
+    auto object = std::make_shared<RemapArenaObject>();
+    object->backend = lookup<BackendObject>(backend, "backend");
+    if (object->backend->cuda) throw_invalid("a testing host arena needs the host backend");
+    if (bytes == 0) throw_invalid("'bytes' is 0: an arena holds at least one byte");
+    if (live_slot != 0 && live_slot != 1) {
+      throw_invalid(fmt::format("live_slot must be 0 or 1, got {}", live_slot));
+    }
+    object->arena = std::make_shared<HostSlotsArena>(bytes, live_slot);
+    out = to_handle<shadowsync_remap_arena_t>(std::move(object));
   });
 }
 

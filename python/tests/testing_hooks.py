@@ -1,13 +1,14 @@
 """The C ABI's test hooks (plugin/c_api/shadowsync_testing.h) through ctypes: fault
-injection into a loopback world. They are exported by libshadowsync_c.so under the
+injection into a loopback world, and an engine arena in host memory. They are exported by libshadowsync_c.so under the
 shadowsync_testing_ prefix and are not part of the shadowsync package's API."""
 
 from __future__ import annotations
 
-from ctypes import c_int, c_int64, c_size_t, c_uint64, c_void_p
+from ctypes import byref, c_int, c_int64, c_size_t, c_uint64, c_void_p
 
 import shadowsync as ss
 from shadowsync import _library
+from shadowsync._handle import Handle
 from shadowsync.errors import call
 
 # name: (restype, argtypes), as in shadowsync_testing.h.
@@ -15,6 +16,7 @@ _PROTOTYPES = {
     "shadowsync_testing_loopback_inject_delay": (c_int, [c_void_p, c_int, c_uint64, c_int64]),
     "shadowsync_testing_loopback_inject_drop": (c_int, [c_void_p, c_int, c_uint64]),
     "shadowsync_testing_loopback_inject_flip": (c_int, [c_void_p, c_int, c_uint64, c_size_t]),
+    "shadowsync_testing_host_arena_create": (c_int, [c_void_p, c_size_t, c_int, c_void_p]),
 }
 
 
@@ -44,3 +46,17 @@ def inject_flip(loopback: ss.Loopback, rank: int, call_index: int, offset: int) 
     _declare()
     call("shadowsync_testing_loopback_inject_flip", loopback.handle, int(rank), int(call_index),
          int(offset))
+
+
+class HostArena(ss.RemapArena):
+    """An engine arena in host memory on the host backend (shadowsync_testing_host_arena_create):
+    two zero-filled slots, `live_slot` the one it shows; for receivers that rebind over it. It
+    cannot remap."""
+
+    def __init__(self, backend: ss.HostBackend, nbytes: int, live_slot: int = 0):
+        _declare()
+        handle = c_void_p()
+        call("shadowsync_testing_host_arena_create", backend.handle, int(nbytes), int(live_slot),
+             byref(handle))
+        Handle.__init__(self, handle.value)  # not RemapArena's: the arena exists already
+        self.backend = backend
