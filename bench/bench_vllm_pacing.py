@@ -372,7 +372,7 @@ def parse_args():
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     args = p.parse_args()
     # What bench_vllm_update's shared pieces read.
-    args.swap_strategy, args.dummy_load, args.live_arena = None, False, False
+    args.swap_strategy, args.dummy_load, args.live_arena, args.graph_pairs = None, False, False, False
     args.vllm_no_pause, args.decode_slowdown_budget = False, None
     parse_budgets(args.budgets)  # a bad value fails here, before anything starts
     return args
