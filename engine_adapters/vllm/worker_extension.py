@@ -515,8 +515,7 @@ class WorkerExtension:
                 receiver_config.swap_strategy = swap_strategy
             if engine_uses_cuda_graphs is not None:
                 receiver_config.engine_uses_cuda_graphs = engine_uses_cuda_graphs
-        gate = _gated_swaps(self, gated_swaps,
-                            arena_group is not None and not lora_groups and not graph_pairs,
+        gate = _gated_swaps(self, gated_swaps, arena_group is not None and not lora_groups,
                             hook_execute_model)
         if gate:
             receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),

@@ -1,5 +1,6 @@
 /* Test hooks of the C ABI: fault injection into a loopback world (shadowsync_loopback_t of
- * shadowsync.h) and an engine arena in host memory, for the project's own tests (tests/unit/test_c_api.cpp, python/tests/).
+ * shadowsync.h) and an engine arena in host memory, for the project's own tests
+ * (tests/unit/test_c_api.cpp, python/tests/).
  *
  * Not part of the stable C ABI:
  *  - This header is private to plugin/c_api/ and not installed; SHADOWSYNC_C_API_VERSION does not

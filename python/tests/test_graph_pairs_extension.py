@@ -88,22 +88,33 @@ def _address(param) -> int:
     return param.data.ctypes.data
 
 
+def _group(worker, specs):
+    """A trainer (Sender on rank 0 of a new loopback world) and the worker's group on rank 1."""
+    loopback = ss.Loopback(2)
+    layout, sender = _trainer(specs, loopback.transport(0))
+    assert _init(worker, loopback) == layout.fingerprint
+    return sender
+
+
+def _update(worker, sender, version: int) -> None:
+    """Publishes `version` of every tensor and steps the worker until its steps read it."""
+    handle = sender.publish(version, tensors(NAMES, version))
+    worker.begin_update(handle.header_bytes)
+    _step_until(worker, version)
+    handle.wait(DEADLINE_S)
+
+
 def test_swaps_move_the_parameters_between_the_arenas_slots_and_nothing_else():
     worker, engine = _worker()
-    loopback = ss.Loopback(2)
-    layout, sender = _trainer([(n, *_spec(n)) for n in NAMES], loopback.transport(0))
+    sender = _group(worker, [(n, *_spec(n)) for n in NAMES])
     try:
-        assert _init(worker, loopback) == layout.fingerprint
         stats = worker.weight_update_stats()
         assert (stats["swap_strategy"], stats["live_arena"], stats["graph_pairs"]) == \
             ("rebind", True, True)
         receiver = worker._shadowsync.receiver
         assert receiver.live_arena_pointer(0) == engine.arena.slot_address(0)
         for version in (1, 2, 3):
-            handle = sender.publish(version, tensors(NAMES, version))
-            worker.begin_update(handle.header_bytes)
-            _step_until(worker, version)
-            handle.wait(DEADLINE_S)
+            _update(worker, sender, version)
             slot = version % 2  # each update lands in the slot that was not live
             assert engine.moves[-1] == slot
             assert receiver.live_arena_pointer(0) == engine.arena.slot_address(slot)
@@ -119,14 +130,10 @@ def test_swaps_move_the_parameters_between_the_arenas_slots_and_nothing_else():
 
 def test_close_settles_into_the_arenas_slot_once_the_receiver_is_closed_and_a_new_group_starts_there():
     worker, engine = _worker()
-    loopback = ss.Loopback(2)
     specs = [(n, *_spec(n)) for n in NAMES]
-    layout, sender = _trainer(specs, loopback.transport(0))
-    _init(worker, loopback)
+    sender = _group(worker, specs)
     engine.receiver = worker._shadowsync.receiver
-    handle = sender.publish(1, tensors(NAMES, 1))
-    worker.begin_update(handle.header_bytes)
-    _step_until(worker, 1)
+    _update(worker, sender, 1)
     assert engine.slot == 1  # one swap: the model reads the slot the arena does not show
     worker.close_weight_update_group(keep_weights=True)
     sender.close()
@@ -137,13 +144,9 @@ def test_close_settles_into_the_arenas_slot_once_the_receiver_is_closed_and_a_ne
     assert [version_of(n, params[n].data) for n in NAMES] == [1] * len(NAMES)
 
     # A new group starts from slot 0, where the model reads: its first update lands in slot 1.
-    loopback = ss.Loopback(2)
-    layout, sender = _trainer(specs, loopback.transport(0))
-    _init(worker, loopback)
+    sender = _group(worker, specs)
     try:
-        handle = sender.publish(2, tensors(NAMES, 2))
-        worker.begin_update(handle.header_bytes)
-        _step_until(worker, 2)
+        _update(worker, sender, 2)
         assert engine.slot == 1
         assert all(len(seen) == 1 and -1 not in seen for seen in worker.steps), worker.steps
     finally:
