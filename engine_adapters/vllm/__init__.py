@@ -16,12 +16,14 @@ from .worker_extension import (
     apply_update,
     apply_update_async,
     commit_update,
+    commit_update_async,
     init_weight_update_group,
     init_weight_update_group_async,
 )
 from .lora_plan import scaled_lora_b
 
 __all__ = ["WorkerExtension", "apply_update", "apply_update_async", "commit_update",
+           "commit_update_async",
            "init_weight_update_group", "init_weight_update_group_async", "scaled_lora_b"]
 
 

@@ -1365,34 +1365,69 @@ def _check_reset(result, version: int, caller: str) -> None:
             RuntimeWarning, stacklevel=3)
 
 
+def _not_ready_error(caller: str, version: int, timeout: float, ready: list[int]):
+    """commit_update's timeout: names the workers that do not hold `version` ready."""
+    from shadowsync.errors import ShadowsyncTimeoutError
+
+    late = [f"worker {i}: {'none' if v == 0 else v}" for i, v in enumerate(ready) if v != version]
+    return ShadowsyncTimeoutError(
+        f"{caller}({version}): not ready on every worker after {timeout} s "
+        f"({', '.join(late)} ready); nothing was committed")
+
+
+def _committed(results: list) -> int:
+    """The applied version after a commit_update collective_rpc; a refusal (returned by the
+    workers, not raised: vLLM's TP executor ends the engine on a raise) raised here."""
+    refused = [r["refused"] for r in results if "refused" in r]
+    if refused:
+        raise InvalidArgumentError(refused[0])
+    return min(int(r["applied_version"]) for r in results)
+
+
 def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: bool = True,
                   preempt_running: bool = False) -> int:
     """Front end, commit_mode "coordinated" (tensor parallelism): waits until every worker holds
     `version` ready (collective_rpc("ready_version"), polled), then commits it on all of them in
     one collective_rpc — vLLM brings it to every worker between the same two steps, so no step
     runs with two ranks on different versions, and a commit never waits on a receive. Then asks
-    vLLM to reset its prefix cache (as apply_update, `preempt_running` too). Raises ShadowsyncTimeoutError naming the
-    workers not ready after `timeout` seconds (nothing was committed then). Returns `version`."""
-    import time
-
-    from shadowsync.errors import ShadowsyncTimeoutError
-
+    vLLM to reset its prefix cache (as apply_update, `preempt_running` too). Raises
+    ShadowsyncTimeoutError naming the workers not ready after `timeout` seconds (nothing was
+    committed then). Returns `version`. For an ``AsyncLLM``: commit_update_async."""
+    version = int(version)
     deadline = time.monotonic() + timeout
     while True:
         ready = [int(v) for v in llm.collective_rpc("ready_version")]
         if all(v == version for v in ready):
             break
         if time.monotonic() > deadline:
-            late = [f"worker {i}: {'none' if v == 0 else v}" for i, v in enumerate(ready)
-                    if v != version]
-            raise ShadowsyncTimeoutError(
-                f"commit_update({version}): not ready on every worker after {timeout} s "
-                f"({', '.join(late)} ready); nothing was committed")
+            raise _not_ready_error("commit_update", version, timeout, ready)
         time.sleep(0.002)
-    results = llm.collective_rpc("commit_update", args=(int(version),))
-    refused = [r["refused"] for r in results if "refused" in r]
-    if refused:
-        raise InvalidArgumentError(refused[0])
+    applied = _committed(llm.collective_rpc("commit_update", args=(version,)))
     if reset_prefix_cache:
         _reset_prefix_cache(llm, version, "commit_update", preempt_running)
-    return min(int(r["applied_version"]) for r in results)
+    return applied
+
+
+async def commit_update_async(engine, version: int, timeout: float = 60.0,
+                              reset_prefix_cache: bool = True, preempt_running: bool = False) -> int:
+    """commit_update for an ``AsyncLLM`` (see there): polls ``ready_version`` without blocking
+    the event loop, then one ``commit_update`` collective_rpc makes `version` live on every
+    worker between the same two steps."""
+    import asyncio
+
+    version = int(version)
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = [int(v) for v in await engine.collective_rpc("ready_version")]
+        if all(v == version for v in ready):
+            break
+        if time.monotonic() > deadline:
+            raise _not_ready_error("commit_update_async", version, timeout, ready)
+        await asyncio.sleep(0.002)
+    applied = _committed(await engine.collective_rpc("commit_update", args=(version,)))
+    if reset_prefix_cache:
+        if preempt_running:
+            await engine.reset_prefix_cache(reset_running_requests=True)
+        else:
+            _check_reset(await engine.reset_prefix_cache(), version, "commit_update_async")
+    return applied

@@ -504,6 +504,50 @@ def test_commit_update_waits_for_every_rank_and_names_the_late_one():
     assert ready.calls == ["ready_version", "commit_update", "reset_prefix_cache"]
 
 
+class _AsyncTwoRankFrontEnd(_TwoRankFrontEnd):
+    """The same, as an AsyncLLM; `ready` is one list per poll (the last one repeated) and a
+    commit answers `commit` (default: every rank applied it)."""
+
+    def __init__(self, polls, commit=None):
+        super().__init__(polls[0])
+        self.polls, self.commit = list(polls), commit
+
+    async def collective_rpc(self, method, args=()):
+        if method == "ready_version":
+            self.ready = self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
+        if method == "commit_update" and self.commit is not None:
+            self.calls.append(method)
+            return self.commit
+        return _TwoRankFrontEnd.collective_rpc(self, method, args)
+
+    async def reset_prefix_cache(self):
+        return _TwoRankFrontEnd.reset_prefix_cache(self)
+
+
+def test_commit_update_async_waits_for_every_rank_without_blocking_and_raises_a_refusal():
+    import asyncio
+
+    from shadowsync.vllm import commit_update_async
+
+    run = lambda front_end, *a, **k: asyncio.run(commit_update_async(front_end, *a, **k))  # noqa: E731
+    # Rank 1 gets there on the third poll: then one commit on both, then the cache reset.
+    arriving = _AsyncTwoRankFrontEnd([[3, 2], [3, 2], [3, 3]])
+    assert run(arriving, 3, timeout=DEADLINE_S) == 3
+    assert arriving.calls == ["ready_version"] * 3 + ["commit_update", "reset_prefix_cache"]
+    late = _AsyncTwoRankFrontEnd([[3, 0]])
+    with pytest.raises(ss.ShadowsyncTimeoutError,
+                       match=r"commit_update_async\(3\): not ready on every worker after 0.05 s "
+                             r"\(worker 1: none ready\); nothing was committed"):
+        run(late, 3, timeout=0.05)
+    assert "commit_update" not in late.calls
+    refused = _AsyncTwoRankFrontEnd([[3, 3]], commit=[
+        {"refused": "version 3 is not ready on rank 1", "applied_version": 2},
+        {"refused": "version 3 is not ready on rank 1", "applied_version": 2}])
+    with pytest.raises(ss.InvalidArgumentError, match="version 3 is not ready on rank 1"):
+        run(refused, 3)
+    assert "reset_prefix_cache" not in refused.calls
+
+
 class _ThreadRanks:
     """Tensor-parallel ranks as threads: each runs a worker method at once, and the extension's
     cross-rank check (an all-reduce over vLLM's TP group) is a barrier among them."""
