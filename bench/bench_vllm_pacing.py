@@ -374,6 +374,7 @@ def parse_args():
     # What bench_vllm_update's shared pieces read.
     args.swap_strategy, args.dummy_load, args.live_arena, args.graph_pairs = None, False, False, False
     args.vllm_no_pause, args.decode_slowdown_budget = False, None
+    args.tp, args.transport, args.trainer_gpu = 1, "same-host", 0  # one GPU, trainer beside
     parse_budgets(args.budgets)  # a bad value fails here, before anything starts
     return args
 

@@ -66,6 +66,19 @@ down before the next path starts, so two engines never coexist. A path that fail
   ``--enforce-eager``: the extension refuses it under vLLM's graphs). The prefix cache is not reset
   (apply_update_async(reset_prefix_cache=False)): vLLM's path here keeps its caches too.
 
+**Placement and transport** (``--tp``, ``--transport``, ``--trainer-gpu``). vLLM's ranks run
+on GPUs 0..tp-1. ``--transport same-host`` (default): vLLM's "ipc" backend and shadowsync's
+same-host transport; ``nccl``: vLLM's "nccl" backend (``NCCLWeightTransferEngine.trainer_init``
+beside ``init_weight_transfer_engine``, then per update ``trainer_send_weights(packed=True)``
+beside ``update_weights``, between start and finish as above) and shadowsync's NCCL transport
+(the trainer makes the unique id; the workers join from it), the trainer being rank 0 of
+1 + tp in both. ``--trainer-gpu`` puts either path's trainer on that GPU (default 0, the
+engine's; NCCL needs one of its own, since it refuses two ranks of one communicator on one GPU).
+With ``--tp`` > 1 shadowsync's updates go live through ``commit_update_async`` (coordinated: every
+rank between the same two steps), and after the run the ranks' per-step versions
+(``step_versions``) are compared: a difference fails the path. Each update also records its
+transfer's GB/s (the model's bytes over the trainer's publish to last ack; vLLM: over its send).
+
 **Load and figures.** A steady decode load: ``--requests`` request slots (32), each generating
 ``--max-tokens`` (512) tokens from a random prompt and starting the next request as one finishes
 (the first requests' lengths are staggered so that the slots do not all end and prefill at
@@ -166,6 +179,8 @@ ENGINE_EVENTS = ("swap", "begin_update", "wait_applied")
 ENGINE_TIMES = tuple(f"{e}_ms" for e in ENGINE_EVENTS) + tuple(f"gap_at_{e}_ms" for e in ENGINE_EVENTS)
 VLLM_REFERENCE_STOP_MS = {"qwen2.5-0.5b": 119.0, "llama-3-8b": 239.0}
 PATHS = ("vllm", "shadowsync", "copy")
+TRANSPORTS = ("same-host", "nccl")
+VLLM_BACKENDS = {"same-host": "ipc", "nccl": "nccl"}  # vLLM's weight-transfer backend of each
 DEFAULT_PATHS = ("vllm", "shadowsync")  # "copy" is a reference, run when asked for
 PROMPT_LEN = 16
 
@@ -204,6 +219,7 @@ def main() -> int:
                               vllm_packed_bytes=args.vllm_packed_bytes,
                               vllm_pause=not args.vllm_no_pause,
                               enforce_eager=args.enforce_eager or args.device == "cpu",
+                              tp=args.tp, transport=args.transport, trainer_gpu=args.trainer_gpu,
                               live_arena=args.live_arena, graph_pairs=args.graph_pairs,
                               gated_swaps="off" if args.no_gated_swaps else "auto",
                               decode_slowdown_budget=args.decode_slowdown_budget))
@@ -298,7 +314,8 @@ def child_passthrough(args) -> list[str]:
         flags += ["--decode-slowdown-budget", str(args.decode_slowdown_budget)]
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    flags += ["--copy-passes", str(args.copy_passes)]
+    flags += ["--copy-passes", str(args.copy_passes), "--tp", str(args.tp),
+              "--transport", args.transport, "--trainer-gpu", str(args.trainer_gpu)]
     for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "graph_pairs",
                  "no_gated_swaps", "trace_steps"):
         if getattr(args, flag):
@@ -384,9 +401,10 @@ def vllm_version() -> str:
 
 # --- the checkpoint -----------------------------------------------------------------------------
 
-def make_model(config: str, device: str, seed: int):
-    """A transformers model of `config` with random weights (`seed`), built on `device` in the
-    benchmark's dtype (bf16 on cuda, fp32 on cpu; "meta": bf16 shapes without memory)."""
+def make_model(config: str, device: str, seed: int, gpu: int = 0):
+    """A transformers model of `config` with random weights (`seed`), built on `device` (cuda:
+    GPU `gpu`) in the benchmark's dtype (bf16 on cuda, fp32 on cpu; "meta": bf16 shapes without
+    memory)."""
     import torch
     import transformers
 
@@ -395,7 +413,7 @@ def make_model(config: str, device: str, seed: int):
     model_type = kwargs.pop("model_type")
     hf_config = transformers.AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    with torch.device({"cuda": "cuda:0", "meta": "meta"}.get(device, "cpu")):
+    with torch.device({"cuda": f"cuda:{gpu}", "meta": "meta"}.get(device, "cpu")):
         try:
             model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         except TypeError:  # transformers 4: torch_dtype
@@ -420,7 +438,7 @@ def make_checkpoint(path: str, config: str, device: str, dummy_load: bool) -> No
 def engine_args(args, extension: bool) -> dict:
     kwargs = dict(model=args.model_dir, skip_tokenizer_init=True, seed=0,
                   max_model_len=PROMPT_LEN + args.max_tokens + 64, max_num_seqs=args.requests,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp)
     if args.dummy_load:
         kwargs["load_format"] = "dummy"
     if args.device == "cpu":
@@ -441,8 +459,8 @@ def engine_args(args, extension: bool) -> dict:
             kwargs["weight_transfer_config"] = {"backend": "shadowsync_graph_pairs"}
         elif args.live_arena:
             kwargs["weight_transfer_config"] = {"backend": "shadowsync"}
-    elif args.child == "vllm":  # its worker loads vLLM's IPC engine (and its stand-ins)
-        kwargs["weight_transfer_config"] = {"backend": "ipc"}
+    elif args.child == "vllm":  # its worker loads vLLM's IPC (and its stand-ins) or NCCL engine
+        kwargs["weight_transfer_config"] = {"backend": VLLM_BACKENDS[args.transport]}
     return kwargs
 
 
@@ -454,6 +472,8 @@ def child_main(args) -> int:
     # The same-host transport's sender waits for acks on its stream: more hardware queues make
     # it less likely to share one with the engine's work (see README).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    if args.device == "cpu" and args.tp > 1:  # vLLM CPU: one core per rank
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
     sys.path.insert(0, str(PYTHON_DIR))
     # vLLM's engine process imports the worker extension: the package on its path too.
     prepend_pythonpath(PYTHON_DIR)
@@ -466,7 +486,7 @@ def child_main(args) -> int:
     try:
         import torch  # noqa: F401  (before vLLM: one CUDA/NCCL runtime in the process)
 
-        if args.child == "vllm":
+        if args.child == "vllm" and args.transport == "same-host":
             result["stand_ins"] = import_ipc_engine()
         result.update(asyncio.run(run_child(args, result)))
     except BaseException as e:  # noqa: BLE001  (recorded, the orchestrator goes on)
@@ -567,7 +587,7 @@ async def run_child(args, result: dict) -> dict:
                                       engine_times=getattr(driver, "engine_times", None) and
                                       (lambda: driver.engine_times(engine)))
         result.update(measured)
-        await driver.close(engine)
+        result.update(await driver.close(engine) or {})
     finally:
         engine.shutdown()
         driver.shutdown()
@@ -743,7 +763,7 @@ class DecodeLoad:
             updates.append(entry)
         summary = {}
         for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
-                    "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
+                    "transfer_gbps", "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
                     "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms") + ENGINE_TIMES:
             values = [u.get(key) for u in updates if key in u]
             if not values:
@@ -818,14 +838,32 @@ def percentile(values: list[float], p: float) -> float:
 # --- vLLM's weight transfer (CUDA IPC) ------------------------------------------------------------
 
 class VllmTransfer:
-    """vLLM's own API: weight_transfer_config backend "ipc", the trainer in this process."""
+    """vLLM's own API: weight_transfer_config backend "ipc" (--transport same-host) or "nccl",
+    the trainer in this process (on --trainer-gpu)."""
 
     def __init__(self, args):
         self.args = args
         self.model = None
         self.loop = None
-        self.api, self.api_error = self._find_api()
+        self.group = None  # --transport nccl: the trainer's PyNcclCommunicator
+        self.nccl = args.transport == "nccl"
+        self.api, self.api_error = self._find_nccl_api() if self.nccl else self._find_api()
         self.control_only = args.device != "cuda"
+
+    @staticmethod
+    def _find_nccl_api():
+        """("0.25 nccl", None) when vLLM has NCCLWeightTransferEngine's trainer_init and
+        trainer_send_weights; else (what was found, why this benchmark cannot drive it)."""
+        try:
+            from vllm.distributed.weight_transfer import nccl_engine
+        except Exception as e:  # noqa: BLE001
+            return "none", f"vllm.distributed.weight_transfer.nccl_engine does not import: {e!r}"
+        engine_cls = getattr(nccl_engine, "NCCLWeightTransferEngine", None)
+        if all(hasattr(engine_cls, m) for m in ("trainer_init", "trainer_send_weights")) and \
+                hasattr(nccl_engine, "NCCLTrainerSendWeightsArgs"):
+            return "0.25 nccl", None
+        return "unknown", ("nccl_engine has no NCCLWeightTransferEngine.trainer_init / "
+                           "trainer_send_weights with NCCLTrainerSendWeightsArgs (vLLM 0.25's API)")
 
     def _find_api(self):
         """("0.25", None) when vLLM has 0.25's trainer_send_weights with a callable send_mode;
@@ -852,7 +890,12 @@ class VllmTransfer:
     def api_description(self) -> str:
         text = {"0.25": "vLLM 0.25 API: IPCWeightTransferEngine.trainer_send_weights("
                         "IPCTrainerSendWeightsArgs(send_mode=<callable>, packed=True)) between "
-                        "AsyncLLM.start_weight_update and finish_weight_update"}.get(self.api, self.api)
+                        "AsyncLLM.start_weight_update and finish_weight_update",
+                "0.25 nccl": "vLLM 0.25 API: NCCLWeightTransferEngine.trainer_send_weights("
+                             "NCCLTrainerSendWeightsArgs(group, packed=True)) beside "
+                             "AsyncLLM.update_weights, between start_weight_update and "
+                             f"finish_weight_update; trainer rank 0 of {1 + self.args.tp} on "
+                             f"cuda:{self.args.trainer_gpu}"}.get(self.api, self.api)
         if self.api_error:
             text += f" ({self.api_error})"
         if self.args.device != "cuda":
@@ -865,16 +908,32 @@ class VllmTransfer:
         if self.api_error and not self.control_only:
             raise RuntimeError(self.api_error)
         self.loop = asyncio.get_running_loop()
-        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        if not self.nccl:
+            await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         if self.control_only:
             return dict(trainer="none (control sequence only)")
         import torch
 
-        torch.cuda.set_device(0)
+        gpu = self.args.trainer_gpu
+        torch.cuda.set_device(gpu)
         t0 = time.monotonic()
-        self.model = await asyncio.to_thread(make_model, self.args.config, "cuda", 2)
+        self.model = await asyncio.to_thread(make_model, self.args.config, "cuda", 2, gpu)
         self.named = list(self.model.named_parameters())
-        return dict(trainer=f"transformers {type(self.model).__name__} in the driver process",
+        if self.nccl:  # the trainer and every worker join one group: both calls at once
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+            init = dict(master_address="127.0.0.1", master_port=free_port(), rank_offset=1,
+                        world_size=1 + self.args.tp)
+
+            def trainer_init():  # on the trainer's GPU: a new thread starts on device 0
+                torch.cuda.set_device(gpu)
+                return NCCLWeightTransferEngine.trainer_init(init)
+
+            _, self.group = await asyncio.gather(
+                engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init)),
+                asyncio.to_thread(trainer_init))
+        return dict(trainer=f"transformers {type(self.model).__name__} in the driver process "
+                            f"on cuda:{gpu}",
                     tensors=len(self.named),
                     bytes=sum(p.numel() * p.element_size() for _, p in self.named),
                     trainer_build_s=round(time.monotonic() - t0, 2),
@@ -909,7 +968,9 @@ class VllmTransfer:
         await engine.start_weight_update()
         t2 = time.perf_counter()
         chunks: list[float] = []
-        if not self.control_only:
+        if self.nccl:
+            await self._broadcast(engine)
+        elif not self.control_only:
             await asyncio.to_thread(self._send, engine, chunks)
         t3 = time.perf_counter()
         await engine.finish_weight_update()
@@ -920,42 +981,91 @@ class VllmTransfer:
         ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
         return dict(version=version, update_ms=ms(t0, t5), pause_ms=ms(t0, t1),
                     start_ms=ms(t1, t2), transfer_ms=ms(t2, t3), finish_ms=ms(t3, t4),
+                    transfer_gbps=None if self.control_only else
+                    round(self.model_bytes() / (t3 - t2) / 1e9, 2),
                     resume_ms=ms(t4, t5), start_to_finish_ms=ms(t1, t4), chunks=len(chunks),
                     chunk_ms_max=max(chunks) if chunks else None)
 
-    async def close(self, engine) -> None:
-        pass
+    def model_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.named)
+
+    async def _broadcast(self, engine) -> None:
+        """--transport nccl: the workers' receive (AsyncLLM.update_weights: the tensors' names,
+        dtypes and shapes, packed) and the trainer's broadcasts (on a worker thread), at once."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerSendWeightsArgs,
+            NCCLWeightTransferEngine,
+        )
+
+        info = dict(names=[n for n, _ in self.named],
+                    dtype_names=[str(p.dtype).removeprefix("torch.") for _, p in self.named],
+                    shapes=[list(p.shape) for _, p in self.named], packed=True,
+                    packed_buffer_size_bytes=self.args.vllm_packed_bytes)
+        send = NCCLTrainerSendWeightsArgs(group=self.group, packed=True,
+                                          packed_buffer_size_bytes=self.args.vllm_packed_bytes)
+
+        def broadcast() -> None:
+            import torch
+
+            torch.cuda.set_device(self.args.trainer_gpu)
+            NCCLWeightTransferEngine.trainer_send_weights(iter(self.named), send)
+            torch.cuda.synchronize()
+
+        await asyncio.gather(engine.update_weights(WeightTransferUpdateRequest(update_info=info)),
+                             asyncio.to_thread(broadcast))
+
+    async def close(self, engine) -> dict:
+        return {}
 
     def shutdown(self) -> None:
         self.model = None
+        self.group = None
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (vLLM's NCCL rendezvous listens on it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # --- shadowsync (same-host transport, worker extension) ------------------------------------------
 
 def trainer_process(conn, config: str, device: str, path: str, token: bytes, bucket_bytes: int,
-                    checksums: bool = True):
-    """The shadowsync trainer: a transformers model of `config` and one Sender over the same-host
-    transport (GPU memory on cuda, a shared memory file on cpu), sending per-bucket checksums
-    when `checksums` (SenderConfig.checksums). Answers ("publish", version) with ("header",
-    bytes, seconds, the header's bucket count: one more with checksums) then ("sent", seconds);
-    ("serve", path[, checksums]) closes the Sender and serves a new transport on `path` (a
-    re-initialized engine group), answering ("ready", ...) again;
-    ("stop",) ends it."""
+                    checksums: bool = True, receivers: int = 1, nccl: bool = False, gpu: int = 0):
+    """The shadowsync trainer, on GPU `gpu` (the only one it sees): a transformers model of
+    `config` and one Sender to `receivers` engine ranks over the same-host transport (GPU memory
+    on cuda, a shared memory file on cpu) or, with `nccl`, NCCL (rank 0 of 1 + receivers; the
+    unique id goes to the engine with the specs), sending per-bucket checksums when `checksums`
+    (SenderConfig.checksums). Answers ("publish", version) with ("header", bytes, seconds, the
+    header's bucket count: one more with checksums) then ("sent", seconds); ("serve", path[,
+    checksums]) closes the Sender and serves a new same-host transport on `path` (a
+    re-initialized engine group), answering ("ready", ...) again; ("stop",) ends it."""
     try:
+        if device == "cuda":  # before CUDA starts in this process: its GPU is cuda:0 here
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         sys.path.insert(0, str(PYTHON_DIR))
         import shadowsync as ss
 
         model = make_model(config, device, seed=2)
         named = {n: p.detach() for n, p in model.named_parameters()}
         specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in named.items()]
-        conn.send(("specs", specs))
+        unique_id = ss.nccl_unique_id() if nccl else None
+        conn.send(("specs", specs, unique_id))
         backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
         layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
 
         def serve(socket_path: str, with_checksums: bool):
-            transport = ss.same_host_sender_transport(
-                socket_path, token, 1, backend, slot_bytes=layout.groups[0].bucket_bytes,
-                memory="device" if device == "cuda" else "host")
+            if nccl:  # blocks until every engine rank joined (its init_weight_update_group)
+                transport = ss.nccl_transport(unique_id, 0, 1 + receivers, 0)
+            else:
+                transport = ss.same_host_sender_transport(
+                    socket_path, token, receivers, backend,
+                    slot_bytes=layout.groups[0].bucket_bytes,
+                    memory="device" if device == "cuda" else "host")
             made = ss.Sender(layout, backend, transport,
                              ss.SenderConfig(checksums=with_checksums))
             conn.send(("ready", sum(g.arena_bytes for g in layout.groups),
@@ -968,6 +1078,9 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
             if message[0] == "stop":
                 break
             if message[0] == "serve":
+                if nccl:
+                    raise RuntimeError("'serve' (a re-initialized group) is for the same-host "
+                                       "transport; this trainer sends over NCCL")
                 sender.close()
                 checksums = message[2] if len(message) > 2 else checksums
                 sender = serve(message[1], checksums)
@@ -1117,9 +1230,9 @@ class ShadowsyncTransfer:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=trainer_process, daemon=True, args=(
             child, self.args.config, self.args.device, path, token, self.args.bucket_bytes,
-            checksums))
+            checksums, self.args.tp, self.args.transport == "nccl", self.args.trainer_gpu))
         self.process.start()
-        (specs,) = await self.recv("specs")
+        specs, self.unique_id = await self.recv("specs")
         t0 = time.monotonic()
         self.specs = specs
         kwargs = self.init_kwargs(path, init_extra)
@@ -1134,7 +1247,11 @@ class ShadowsyncTransfer:
             except Exception as e:  # noqa: BLE001  (a diagnostic: the measurement goes on)
                 log(f"--trace-steps: the tracer could not be installed ({type(e).__name__}: {e})")
                 self.args.trace_steps = False
-        return dict(trainer="transformers model in its own process", tensors=len(specs),
+        self.bytes = arena_bytes
+        return dict(trainer=f"transformers model in its own process on cuda:"
+                            f"{self.args.trainer_gpu}" if self.args.device == "cuda" else
+                            "transformers model in its own process", tensors=len(specs),
+                    transport=self.args.transport, tp=self.args.tp,
                     bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
                     swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
                     graph_pairs=stats.get("graph_pairs", False),
@@ -1143,8 +1260,11 @@ class ShadowsyncTransfer:
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
-        kwargs = dict(specs=self.specs, bucket_bytes=self.args.bucket_bytes,
-                      same_host=dict(path=path, token=self.token), **(init_extra or {}))
+        kwargs = dict(specs=self.specs, bucket_bytes=self.args.bucket_bytes, **(init_extra or {}))
+        if self.unique_id is not None:  # NCCL: this worker is rank 1 + its TP rank
+            kwargs.update(unique_id=self.unique_id, rank_offset=1, world_size=1 + self.args.tp)
+        else:
+            kwargs["same_host"] = dict(path=path, token=self.token)
         if self.args.swap_strategy:
             kwargs["swap_strategy"] = self.args.swap_strategy
         if self.args.decode_slowdown_budget:
@@ -1169,7 +1289,7 @@ class ShadowsyncTransfer:
         return time.monotonic() - t0
 
     async def update(self, engine, version: int) -> dict:
-        from shadowsync.vllm import apply_update_async
+        from shadowsync.vllm import apply_update_async, commit_update_async
 
         t0 = time.perf_counter()
         self.conn.send(("publish", version))
@@ -1179,7 +1299,12 @@ class ShadowsyncTransfer:
         t2 = time.perf_counter()
         (sent_s,) = await self.recv("sent")
         t3 = time.perf_counter()
-        applied = await apply_update_async(engine, version, timeout=60, reset_prefix_cache=False)
+        if self.args.tp > 1:  # coordinated: every rank makes it live between the same two steps
+            applied = await commit_update_async(engine, version, timeout=60,
+                                                reset_prefix_cache=False)
+        else:
+            applied = await apply_update_async(engine, version, timeout=60,
+                                               reset_prefix_cache=False)
         t4 = time.perf_counter()
         if applied != version:
             raise RuntimeError(f"update {version}: the engine applied version {applied}")
@@ -1187,6 +1312,7 @@ class ShadowsyncTransfer:
         return dict(version=version, update_ms=ms(t0, t4), publish_ms=ms(t0, t1),
                     begin_ms=ms(t1, t2), transfer_ms=ms(t0, t3), apply_ms=ms(t3, t4),
                     trainer_sent_ms=round(sent_s * 1e3, 3), header_buckets=header_buckets,
+                    transfer_gbps=round(self.bytes / sent_s / 1e9, 2),
                     # perf_counter: publish asked, every byte acked (the transfer's window)
                     published_at=t0, sent_at=t3)
 
@@ -1216,12 +1342,27 @@ class ShadowsyncTransfer:
                 log(f"--trace-steps: no trace ({type(e).__name__}: {e})")
         return times
 
-    async def close(self, engine) -> None:
+    async def close(self, engine) -> dict:
+        """Ends the group; with --tp > 1 first compares the ranks' per-step versions (every
+        rank must have made each version live at the same step): a difference is an error."""
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
         log(f"shadowsync receiver: {({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
+        checked = {}
+        if self.args.tp > 1:
+            logs = await engine.collective_rpc("step_versions")
+            agree = all(r["transitions"] == logs[0]["transitions"] for r in logs)
+            checked = dict(step_versions_agree=agree,
+                           rank_transitions=[r["transitions"] for r in logs],
+                           rank_steps=[r["steps"] for r in logs])
+            log(f"step versions of the {self.args.tp} ranks {'agree' if agree else 'DIFFER'}: "
+                f"{checked['rank_transitions']}")
         self.conn.send(("stop",))
         await asyncio.to_thread(self.process.join, 60)
         await engine.collective_rpc("close_weight_update_group", kwargs=dict(keep_weights=False))
+        if checked and not checked["step_versions_agree"]:
+            raise RuntimeError(f"the ranks made versions live at different steps: "
+                               f"{checked['rank_transitions']}")
+        return checked
 
     def shutdown(self) -> None:
         if self.process is not None and self.process.is_alive():
@@ -1258,13 +1399,16 @@ def write_outputs(out: Path, results: dict) -> None:
              "gap between two tokens of one request overlapping the update; shadowsync: the gap "
              "its swap began in and the next one). Max token gap: the longest gap overlapping the "
              "update (baseline: median and longest step without one). "
-             "Slowdown: baseline tokens/s over tokens/s during the update (∞: generation paused).",
+             "Slowdown: baseline tokens/s over tokens/s during the update (∞: generation paused). "
+             "Transfer GB/s: the model's bytes over the transfer's time (vLLM: its send, from "
+             "start_weight_update's return to the last chunk received; shadowsync: the trainer's publish "
+             "to the last bucket acknowledged, packing included).",
              "",
              "| model | path | updates | engine stop ms | max token gap ms | baseline step ms, "
              "median / max | "
              "baseline tok/s | tok/s during update | slowdown | whole update ms | "
-             "vLLM start→finish ms | goal / reference |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "transfer GB/s | vLLM start→finish ms | goal / reference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def pair(summary, key, digits=1):
         entry = summary.get(key)
@@ -1275,7 +1419,7 @@ def write_outputs(out: Path, results: dict) -> None:
 
     for config, entry in results["configs"].items():
         if "error" in entry:
-            lines.append(f"| {config} | - | - | FAILED: {entry['error'][:300]} | | | | | | | | |")
+            lines.append(f"| {config} | - | - | FAILED: {entry['error'][:300]} | | | | | | | | | |")
             continue
         for path in PATHS:
             r = entry.get(path)
@@ -1283,7 +1427,7 @@ def write_outputs(out: Path, results: dict) -> None:
                 continue
             if "error" in r:
                 why = r["error"].replace("|", "/").replace("\n", " ")[:400]
-                lines.append(f"| {config} | {path} | - | FAILED: {why} | | | | | | | | |")
+                lines.append(f"| {config} | {path} | - | FAILED: {why} | | | | | | | | | |")
                 continue
             s, b = r.get("summary", {}), r.get("baseline", {})
             if path == "shadowsync":
@@ -1304,6 +1448,7 @@ def write_outputs(out: Path, results: dict) -> None:
                 f"{b.get('tokens_per_s', '-')} | "
                 f"{tps.get('median', '-')} (min {tps.get('min', '-')}) | "
                 f"{pair(s, 'slowdown', 3)} | {pair(s, 'update_ms')} | "
+                f"{pair(s, 'transfer_gbps', 2)} | "
                 f"{pair(s, 'start_to_finish_ms') if path == 'vllm' else '-'} | {goal} |")
     floors = [(config, path, r["baseline"]) for config, entry in results["configs"].items()
               for path, r in entry.items()
@@ -1342,6 +1487,15 @@ def parse_args():
     args = parser.parse_args()
     if args.live_arena and args.graph_pairs:
         parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
+    if args.tp < 1:
+        parser.error(f"--tp {args.tp}: the tensor-parallel size is at least 1")
+    if args.device != "cuda" and (args.transport == "nccl" or args.trainer_gpu != 0):
+        parser.error(f"--transport {args.transport} --trainer-gpu {args.trainer_gpu} with --device "
+                     f"{args.device}: NCCL and a trainer GPU need --device cuda")
+    if args.transport == "nccl" and args.trainer_gpu < args.tp:
+        parser.error(f"--transport nccl --trainer-gpu {args.trainer_gpu} with --tp {args.tp}: GPU "
+                     f"{args.trainer_gpu} is one of the engine's (0..{args.tp - 1}) and NCCL refuses "
+                     f"two ranks of one communicator on one GPU; pick a GPU >= {args.tp}")
     return args
 
 
@@ -1374,6 +1528,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-no-pause", action="store_true",
                    help="do not pause vLLM's scheduler around its update (not its documented flow)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="vLLM's tensor_parallel_size (its ranks on GPUs 0..tp-1); > 1: the "
+                        "shadowsync path commits each update with commit_update_async "
+                        "(coordinated) and compares the ranks' per-step versions")
+    p.add_argument("--transport", choices=TRANSPORTS, default="same-host",
+                   help="same-host: vLLM's IPC backend and shadowsync's same-host transport; "
+                        "nccl: vLLM's NCCL backend and shadowsync's NCCL transport, the trainer "
+                        "rank 0 of 1 + tp (on a GPU of its own: --trainer-gpu)")
+    p.add_argument("--trainer-gpu", type=int, default=0,
+                   help="the GPU the trainer of each path runs on (default 0, the engine's; with "
+                        "--transport nccl it must be none of the engine's GPUs 0..tp-1)")
     p.add_argument("--decode-slowdown-budget", type=float,
                    help="shadowsync path: pace the receive to this decode slowdown (e.g. 1.05)")
     p.add_argument("--live-arena", action="store_true",

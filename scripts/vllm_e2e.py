@@ -30,6 +30,15 @@ the receive plan's kept tensors (the arena is swapped whole).
 (graph_pairs.py): vLLM captures its CUDA graphs over each of the arena's two slots, and each swap
 rebinds the parameters to the other slot and switches vLLM to its graphs. Update 1 runs on slot
 1's graphs and update 2 on slot 0's again, so a set that was not switched answers wrongly.
+
+--reinit: a third update (B) leaves the engine on B after an odd number of swaps (with
+--graph-pairs: on slot 1); close_weight_update_group must keep B (graph pairs settle the arena
+back to slot 0); then a new trainer and a second init_weight_update_group, and update 4 (A) must
+answer as A, and A again after the second close.
+
+--transport nccl (CUDA): the trainer sends over NCCL, rank 0 of 1 + tp, from --trainer-gpu (a
+GPU none of vLLM's ranks uses: NCCL refuses two ranks of one communicator on one GPU); the
+workers join it from the unique id alone (init_weight_update_group(unique_id=...)).
 """
 
 from __future__ import annotations
@@ -113,10 +122,13 @@ def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
 
 
 def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
-            receivers: int, adapters: dict, omit: list[str]):
-    """The trainer process: HF models of every version (and its LoRA adapter's PEFT tensors, in
-    group "lora", lora_B scaled as vLLM computes with it), one Sender over the same-host
-    transport."""
+            receivers: int, adapters: dict, omit: list[str], nccl: bool = False, gpu: int = 0):
+    """The trainer process, on GPU `gpu` (the only one it sees): HF models of every version (and
+    its LoRA adapter's PEFT tensors, in group "lora", lora_B scaled as vLLM computes with it),
+    one Sender over the same-host transport, or over NCCL (rank 0 of 1 + receivers) with
+    `nccl`."""
+    if device == "cuda":  # before CUDA starts in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch
     import transformers
     from safetensors.torch import load_file
@@ -141,12 +153,16 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
         groups.update({n: "lora" for n in peft})
     specs = [(n, str(p.dtype), tuple(p.shape), groups.get(n, "base"))
              for n, p in named[min(named)].items()]
-    conn.send(("specs", specs))
+    unique_id = ss.nccl_unique_id() if nccl else None
+    conn.send(("specs", specs, unique_id))
     backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
     layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
-    transport = ss.same_host_sender_transport(
-        path, token, receivers, backend, slot_bytes=layout.groups[0].bucket_bytes,
-        memory="device" if device == "cuda" else "host")
+    if nccl:  # blocks until every worker joined (its init_weight_update_group)
+        transport = ss.nccl_transport(unique_id, 0, 1 + receivers, 0)
+    else:
+        transport = ss.same_host_sender_transport(
+            path, token, receivers, backend, slot_bytes=layout.groups[0].bucket_bytes,
+            memory="device" if device == "cuda" else "host")
     sender = ss.Sender(layout, backend, transport)
     while True:
         message = conn.recv()
@@ -194,7 +210,21 @@ def main() -> int:
                         help="vLLM's default engine process (collective_rpc between steps)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor_parallel_size (> 1: multiprocess, coordinated commit)")
+    parser.add_argument("--transport", choices=("same-host", "nccl"), default="same-host",
+                        help="the trainer's transport (nccl: CUDA, the trainer on --trainer-gpu)")
+    parser.add_argument("--trainer-gpu", type=int, default=0,
+                        help="the trainer's GPU (CUDA; with nccl none of vLLM's 0..tp-1)")
+    parser.add_argument("--reinit", action="store_true",
+                        help="a third update, close, a second init with a new trainer, a fourth "
+                             "update (an odd number of swaps before the close)")
     args = parser.parse_args()
+    if args.device != "cuda" and (args.transport == "nccl" or args.trainer_gpu != 0):
+        parser.error(f"--transport {args.transport} --trainer-gpu {args.trainer_gpu} with --device "
+                     f"{args.device}: NCCL and a trainer GPU need --device cuda")
+    if args.transport == "nccl" and args.trainer_gpu < args.tp:
+        parser.error(f"--transport nccl --trainer-gpu {args.trainer_gpu} with --tp {args.tp}: GPU "
+                     f"{args.trainer_gpu} is one of vLLM's (0..{args.tp - 1}) and NCCL refuses two "
+                     f"ranks of one communicator on one GPU; pick a GPU >= {args.tp}")
     if args.live_arena and args.graph_pairs:
         parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
     if args.tp > 1:
@@ -256,27 +286,41 @@ def main() -> int:
                                          if adapter[want] else "") + ("" if same else f" (got {got[0][:8]}, want {expected[want][0][:8]})"))
 
     check("before set-up", greedy(llm, adapter["A"]), "A")
-    socket_dir = Path(tempfile.mkdtemp(prefix="ss-"))
-    os.chmod(socket_dir, 0o700)
-    path, token = str(socket_dir / "trainer.sock"), os.urandom(32)
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
     adapters = {1: adapter["B"], 2: adapter["A"]} if args.lora else {}
-    process = ctx.Process(target=trainer, args=(child, {1: b, 2: a}, args.device, path, token,
-                                                args.bucket_bytes, args.tp, adapters,
-                                                args.omit), daemon=True)
-    process.start()
-    kind, specs = parent.recv()
-    settings = dict(bucket_bytes=args.bucket_bytes, same_host=dict(path=path, token=token),
-                    track_request_versions=True, lora_adapter=1 if args.lora else None,
-                    allow_partial=bool(args.omit),
+
+    def start_trainer():
+        """A trainer process serving a new transport: (process, pipe, its specs, the transport
+        keyword arguments of init_weight_update_group)."""
+        socket_dir = Path(tempfile.mkdtemp(prefix="ss-"))
+        os.chmod(socket_dir, 0o700)
+        path, token = str(socket_dir / "trainer.sock"), os.urandom(32)
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=trainer, args=(child, {1: b, 2: a}, args.device, path, token,
+                                                    args.bucket_bytes, args.tp, adapters,
+                                                    args.omit, args.transport == "nccl",
+                                                    args.trainer_gpu), daemon=True)
+        process.start()
+        _, specs, unique_id = parent.recv()
+        transport = (dict(unique_id=unique_id, rank_offset=1, world_size=1 + args.tp)
+                     if unique_id is not None else dict(same_host=dict(path=path, token=token)))
+        return process, parent, specs, transport
+
+    def stop_trainer(process, parent) -> None:
+        parent.send(("stop",))
+        process.join(60)
+
+    process, parent, specs, transport = start_trainer()
+    settings = dict(bucket_bytes=args.bucket_bytes, track_request_versions=True,
+                    lora_adapter=1 if args.lora else None, allow_partial=bool(args.omit),
                     **({"gated_swaps": False} if args.no_gated_swaps else {}))
     # Bad input first: a trainer tensor the model's load_weights does not take. Refused with its
     # name on every worker (under TP as a returned refusal: a raise would end vLLM's engine),
-    # nothing set up, and the engine goes on answering.
+    # nothing set up (no transport either: the trainer still waits for the real one), and the
+    # engine goes on answering.
     extra = ("model.layers.0.mlp.not_a_weight", specs[0][1], (4,))
     try:
-        ssv.init_weight_update_group(llm, specs=specs + [extra], **settings)
+        ssv.init_weight_update_group(llm, specs=specs + [extra], **settings, **transport)
         refused = "not refused"
     except ss.ShadowsyncError as error:
         refused = str(error)
@@ -285,10 +329,10 @@ def main() -> int:
     log(f"{'ok  ' if ok else 'FAIL'} init with a tensor load_weights does not take refused, "
         f"nothing set up: {refused[:160]}")
     check("after the refused set-up", greedy(llm, adapter["A"]), "A")
-    fingerprint = ssv.init_weight_update_group(llm, specs=specs, **settings)
+    fingerprint = ssv.init_weight_update_group(llm, specs=specs, **settings, **transport)
     stats = llm.collective_rpc("weight_update_stats")[0]
-    log(f"set-up: {len(specs)} trainer tensors, {stats['plan_copies']} plan copies, "
-        f"{stats['kept_params']} kept, swap strategy {stats['swap_strategy']}, "
+    log(f"set-up: {len(specs)} trainer tensors over {args.transport}, {stats['plan_copies']} plan "
+        f"copies, {stats['kept_params']} kept, swap strategy {stats['swap_strategy']}, "
         f"live arena {stats['live_arena']}, graph pairs {stats['graph_pairs']}, "
         f"fingerprint {fingerprint:#018x}")
     if args.live_arena:
@@ -302,7 +346,10 @@ def main() -> int:
             f"switches vLLM's graph sets")
     check("after set-up, before any update", greedy(llm, adapter["A"]), "A")
 
-    for version, source, name in ((1, 1, "B"), (2, 2, "A")):
+    def update(parent, version: int, source: int, name: str) -> None:
+        """The trainer publishes checkpoint `source` as `version` while the engine generates;
+        it goes live (commit_update under TP) and the answers must be `name`'s."""
+        nonlocal failures
         parent.send(("publish", version, source))
         kind, header = parent.recv()
         llm.collective_rpc("begin_update", args=(header,))
@@ -316,7 +363,7 @@ def main() -> int:
             results = llm.collective_rpc("commit_update", args=(version + 100,))
             still = sorted({int(s["applied_version"]) for s in llm.collective_rpc("step_versions")})
             ok = (all("nothing was committed on any rank" in r.get("refused", "") for r in results)
-                  and still == [version - 1])
+                  and len(still) == 1 and still[0] < version)
             failures += not ok
             log(f"{'ok  ' if ok else 'FAIL'} commit_update({version + 100}) refused on every "
                 f"rank, applied versions still {still}")
@@ -326,6 +373,11 @@ def main() -> int:
         log(f"update {version}: {nbytes} bytes sent in {seconds * 1e3:.1f} ms; {during} tokens "
             f"generated meanwhile; applied {applied}")
         check(f"after update {version}", greedy(llm, adapter["A"]), name)
+
+    update(parent, 1, 1, "B")
+    update(parent, 2, 2, "A")
+    if args.reinit:  # an odd number of swaps: with graph pairs the live slot is slot 1 now
+        update(parent, 3, 1, "B")
     if args.tp > 1:
         logs = llm.collective_rpc("step_versions")
         same = all(log == logs[0] for log in logs)
@@ -343,10 +395,17 @@ def main() -> int:
     versions = llm.collective_rpc("request_versions")[0]
     seen = sorted({v for segments in versions.values() for v, _ in segments})
     log(f"request_versions: {len(versions)} requests, versions seen {seen}")
-    parent.send(("stop",))
-    process.join(60)
+    stop_trainer(process, parent)
     llm.collective_rpc("close_weight_update_group")
-    check("after close_weight_update_group", greedy(llm, adapter["A"]), "A")
+    check("after close_weight_update_group", greedy(llm, adapter["A"]), "B" if args.reinit else "A")
+    if args.reinit:  # a second group over what the first one left live
+        process, parent, specs, transport = start_trainer()
+        ssv.init_weight_update_group(llm, specs=specs, **settings, **transport)
+        check("after the second set-up", greedy(llm, adapter["A"]), "B")
+        update(parent, 4, 2, "A")
+        stop_trainer(process, parent)
+        llm.collective_rpc("close_weight_update_group")
+        check("after the second close_weight_update_group", greedy(llm, adapter["A"]), "A")
     log("PASSED" if failures == 0 else f"FAILED ({failures} stage(s))")
     return 1 if failures else 0
 

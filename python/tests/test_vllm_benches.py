@@ -91,3 +91,24 @@ def test_every_switch_of_the_update_bench_reaches_its_child():
                                              "--child", "shadowsync"])
     missing = [s for s in switches if not getattr(child, s.lstrip("-").replace("-", "_"))]
     assert not missing, f"switches the child does not get: {missing}"
+    # The placement options too: a child on one GPU with the trainer beside it would measure
+    # another layout than the one asked for.
+    parent = bench.build_parser().parse_args(["--tp", "2", "--transport", "nccl",
+                                              "--trainer-gpu", "3"])
+    child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
+                                             "--child", "vllm"])
+    assert (child.tp, child.transport, child.trainer_gpu) == (2, "nccl", 3), child
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--device", "cpu", "--transport", "nccl"], "NCCL and a trainer GPU need --device cuda"),
+    (["--tp", "2", "--transport", "nccl", "--trainer-gpu", "1"],
+     "GPU 1 is one of the engine's (0..1) and NCCL refuses two ranks of one communicator on one "
+     "GPU; pick a GPU >= 2"),
+    (["--tp", "0"], "--tp 0: the tensor-parallel size is at least 1"),
+])
+def test_the_update_bench_refuses_a_placement_nccl_or_vllm_cannot_run(args, message, tmp_path):
+    done = subprocess.run([sys.executable, str(BENCH / "bench_vllm_update.py"), "--out",
+                           str(tmp_path), *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
+    assert not list(tmp_path.iterdir()), "a refused run wrote outputs"
