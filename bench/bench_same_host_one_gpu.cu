@@ -51,6 +51,13 @@
 //   bench_same_host_one_gpu [--out DIR] [--commit SHA] [--machine NAME] [--models a,b]
 //       [--updates N] [--reps N] [--decode-gib G] [--decode-steps N] [--during-seconds S]
 //       [--sources auto|full|shared] [--checksums] [--sm-copy-ctas N] [--budget S] [--device D]
+//       [--trainer-device T]
+//
+// --device D is the engine's GPU; --trainer-device T (default D) the trainer's. With T != D the
+// transfer crosses GPUs: the engine maps the trainer's staging (on GPU T) and its copy engines
+// read it over the link between them (NVLink on the machines here); the raw copy and the copy
+// references stay on GPU D. The decode phase then shows what a trainer on another GPU costs the
+// engine's decode, next to bench_gpu's NCCL broadcast between the same two GPUs.
 //
 // Writes DIR/bench-same-host-<UTC>.json (schema shadowsync-bench-same-host/1) and .md, rewritten
 // after each model; bench/plot_same_host.py plots the JSON. No phase starts past --budget seconds
@@ -163,6 +170,7 @@ struct Options {
   int sm_copy_ctas = 0;  // 0: one per SM
   double budget_s = 200;
   int device = 0;
+  int trainer_device = -1;  // -1: --device (both processes on one GPU)
   // --role trainer only (set by the engine when it spawns the trainer).
   int command_fd = -1;
   int reply_fd = -1;
@@ -173,7 +181,7 @@ constexpr const char* kUsage =
     "usage: bench_same_host_one_gpu [--out DIR] [--commit SHA] [--machine NAME] [--models a,b]\n"
     "         [--updates N] [--reps N] [--decode-gib G] [--decode-steps N] [--during-seconds S]\n"
     "         [--sources auto|full|shared] [--checksums] [--sm-copy-ctas N] [--budget S]\n"
-    "         [--device D]\n";
+    "         [--device D] [--trainer-device T]\n";
 
 // Parses argv into `o`; on bad input prints what was wrong and returns false.
 bool parse_options(int argc, char** argv, Options& o) {
@@ -246,6 +254,9 @@ bool parse_options(int argc, char** argv, Options& o) {
     } else if (arg == "--device") {
       if (!number(0, x)) return false;
       o.device = static_cast<int>(x);
+    } else if (arg == "--trainer-device") {
+      if (!number(0, x)) return false;
+      o.trainer_device = static_cast<int>(x);
     } else if (arg == "--command-fd") {
       if (!number(0, x)) return false;
       o.command_fd = static_cast<int>(x);
@@ -259,6 +270,7 @@ bool parse_options(int argc, char** argv, Options& o) {
   if (o.role == "trainer" && (o.command_fd < 0 || o.reply_fd < 0)) {
     return fail("--role trainer needs --command-fd and --reply-fd (the engine passes them)");
   }
+  if (o.trainer_device < 0) o.trainer_device = o.device;
   if (o.commit.empty()) {
     for (const char* name : {"SHADOWSYNC_COMMIT", "GIT_COMMIT"}) {
       if (const char* v = std::getenv(name); v != nullptr && *v != '\0' && o.commit.empty()) {
@@ -1588,7 +1600,9 @@ void write_outputs(const Options& o, const RunInfo& info, const std::vector<Mode
   for (const std::string& e : errors) error_list.push(e);
   const Json run = Json::object()
                        .set("schema", kSchema)
-                       .set("label", "GPU figures (one GPU, trainer and engine processes)")
+                       .set("label", o.trainer_device == o.device
+                                         ? "GPU figures (one GPU, trainer and engine processes)"
+                                         : "GPU figures (trainer and engine processes on two GPUs)")
                        .set("machine", info.machine)
                        .set("device", info.device)
                        .set("device_memory_bytes", info.device_memory)
@@ -1598,6 +1612,8 @@ void write_outputs(const Options& o, const RunInfo& info, const std::vector<Mode
                        .set("elapsed_s", elapsed_s())
                        .set("complete", complete)
                        .set("config", Json::object()
+                                          .set("engine_device", o.device)
+                                          .set("trainer_device", o.trainer_device)
                                           .set("updates", o.updates)
                                           .set("warmup_updates", kWarmup)
                                           .set("reps", o.reps)
@@ -1621,8 +1637,17 @@ void write_outputs(const Options& o, const RunInfo& info, const std::vector<Mode
   const std::string stem = cat(o.out_dir, "/bench-same-host-", info.stamp);
   std::ofstream(stem + ".json") << run.dump();
   std::ofstream md(stem + ".md");
-  md << "# Same-host transport (device memory), one GPU\n\n"
-     << "GPU figures: the trainer and the engine are two processes on one GPU.\n\n"
+  if (o.trainer_device == o.device) {
+    md << "# Same-host transport (device memory), one GPU\n\n"
+       << "GPU figures: the trainer and the engine are two processes on one GPU.\n\n";
+  } else {
+    md << "# Same-host transport (device memory), two GPUs\n\n"
+       << "GPU figures: the trainer process on GPU " << o.trainer_device
+       << ", the engine process on GPU " << o.device
+       << " (the engine's copy engines read the trainer's staging across GPUs; the raw copy and "
+          "the copy references are on the engine's GPU).\n\n";
+  }
+  md
      << "* machine: " << info.machine << " (" << info.device << ")\n"
      << "* date: " << info.date << "\n* commit: " << o.commit << "\n* command: `" << info.command
      << "`\n* complete: " << (complete ? "yes" : "no") << strf(" (%.0f s)", elapsed_s()) << "\n\n"
@@ -1682,8 +1707,9 @@ int engine_main(const Options& o, int argc, char** argv) {
     return 2;
   }
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count <= o.device) {
-    std::printf("SKIP: bench_same_host_one_gpu needs GPU %d, found %d\n", o.device, count);
+  const int highest = std::max(o.device, o.trainer_device);
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count <= highest) {
+    std::printf("SKIP: bench_same_host_one_gpu needs GPU %d, found %d\n", highest, count);
     return 77;
   }
 
@@ -1700,7 +1726,8 @@ int engine_main(const Options& o, int argc, char** argv) {
     BENCH_CUDA(cudaGetDeviceProperties(&prop, o.device));
     info.device = prop.name;
     info.device_memory = prop.totalGlobalMem;
-    info.machine = o.machine.empty() ? cat("1x ", prop.name) : o.machine;
+    info.machine = o.machine.empty() ? cat(o.trainer_device == o.device ? "1x " : "2x ", prop.name)
+                                     : o.machine;
 
     // The socket's private directory (mkdtemp: mode 0700, as the transport requires) and the
     // token: the environment's, or a fresh one in a 0600 file there for the trainer to read.
@@ -1723,16 +1750,17 @@ int engine_main(const Options& o, int argc, char** argv) {
     }
 
     std::printf(
-        "bench_same_host_one_gpu: device %d: %s, %.1f GB; %d updates (+%d warm-up) and %d "
-        "repetitions per model; socket directory %s; token %s; commit %s\n",
-        o.device, prop.name, gb(prop.totalGlobalMem), o.updates, kWarmup, o.reps, temp_dir.c_str(),
+        "bench_same_host_one_gpu: engine on device %d, trainer on device %d: %s, %.1f GB; %d "
+        "updates (+%d warm-up) and %d repetitions per model; socket directory %s; token %s; "
+        "commit %s\n",
+        o.device, o.trainer_device, prop.name, gb(prop.totalGlobalMem), o.updates, kWarmup, o.reps, temp_dir.c_str(),
         info.token_source.c_str(), o.commit.c_str());
     Watchdog watchdog(o.budget_s + 35, temp_dir);
     Engine engine(o, backend);
     engine.token = token;
     info.sm_copy_ctas = o.sm_copy_ctas > 0 ? o.sm_copy_ctas : engine.sms;
     engine.socket_dir = temp_dir;
-    std::vector<std::string> trainer_args = {"--device", std::to_string(o.device)};
+    std::vector<std::string> trainer_args = {"--device", std::to_string(o.trainer_device)};
     if (!token_file.empty()) trainer_args.insert(trainer_args.end(), {"--token-file", token_file});
     if (o.checksums) trainer_args.push_back("--checksums");
     auto trainer = std::make_unique<TrainerProcess>(trainer_args);

@@ -1036,7 +1036,7 @@ def free_port() -> int:
 
 def trainer_process(conn, config: str, device: str, path: str, token: bytes, bucket_bytes: int,
                     checksums: bool = True, receivers: int = 1, nccl: bool = False, gpu: int = 0):
-    """The shadowsync trainer, on GPU `gpu` (the only one it sees): a transformers model of
+    """The shadowsync trainer, on GPU `gpu`: a transformers model of
     `config` and one Sender to `receivers` engine ranks over the same-host transport (GPU memory
     on cuda, a shared memory file on cpu) or, with `nccl`, NCCL (rank 0 of 1 + receivers; the
     unique id goes to the engine with the specs), sending per-bucket checksums when `checksums`
@@ -1045,22 +1045,24 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
     checksums]) closes the Sender and serves a new same-host transport on `path` (a
     re-initialized engine group), answering ("ready", ...) again; ("stop",) ends it."""
     try:
-        if device == "cuda":  # before CUDA starts in this process: its GPU is cuda:0 here
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         sys.path.insert(0, str(PYTHON_DIR))
         import shadowsync as ss
 
-        model = make_model(config, device, seed=2)
+        if device == "cuda":
+            import torch
+
+            torch.cuda.set_device(gpu)
+        model = make_model(config, device, seed=2, gpu=gpu)
         named = {n: p.detach() for n, p in model.named_parameters()}
         specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in named.items()]
         unique_id = ss.nccl_unique_id() if nccl else None
         conn.send(("specs", specs, unique_id))
-        backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
+        backend = ss.CudaBackend(gpu) if device == "cuda" else ss.HostBackend()
         layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
 
         def serve(socket_path: str, with_checksums: bool):
             if nccl:  # blocks until every engine rank joined (its init_weight_update_group)
-                transport = ss.nccl_transport(unique_id, 0, 1 + receivers, 0)
+                transport = ss.nccl_transport(unique_id, 0, 1 + receivers, gpu)
             else:
                 transport = ss.same_host_sender_transport(
                     socket_path, token, receivers, backend,

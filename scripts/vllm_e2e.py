@@ -123,12 +123,10 @@ def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
 
 def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
             receivers: int, adapters: dict, omit: list[str], nccl: bool = False, gpu: int = 0):
-    """The trainer process, on GPU `gpu` (the only one it sees): HF models of every version (and
+    """The trainer process, on GPU `gpu`: HF models of every version (and
     its LoRA adapter's PEFT tensors, in group "lora", lora_B scaled as vLLM computes with it),
     one Sender over the same-host transport, or over NCCL (rank 0 of 1 + receivers) with
     `nccl`."""
-    if device == "cuda":  # before CUDA starts in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch
     import transformers
     from safetensors.torch import load_file
@@ -137,7 +135,9 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
     import shadowsync.vllm as ssv
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    where = "cuda:0" if device == "cuda" else "cpu"
+    where = f"cuda:{gpu}" if device == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(gpu)
     models = {}
     for version, checkpoint in checkpoints.items():
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
@@ -155,10 +155,10 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
              for n, p in named[min(named)].items()]
     unique_id = ss.nccl_unique_id() if nccl else None
     conn.send(("specs", specs, unique_id))
-    backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
+    backend = ss.CudaBackend(gpu) if device == "cuda" else ss.HostBackend()
     layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
     if nccl:  # blocks until every worker joined (its init_weight_update_group)
-        transport = ss.nccl_transport(unique_id, 0, 1 + receivers, 0)
+        transport = ss.nccl_transport(unique_id, 0, 1 + receivers, gpu)
     else:
         transport = ss.same_host_sender_transport(
             path, token, receivers, backend, slot_bytes=layout.groups[0].bucket_bytes,
