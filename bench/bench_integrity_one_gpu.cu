@@ -136,7 +136,9 @@ Trainer make_trainer(const Layout& layout, CudaBackend& backend, Stream& stream)
   for (const auto& group : layout.groups()) {
     DeviceBuffer& arena = trainer.arenas.emplace_back(backend, group.arena_bytes());
     // 0x3c3c: a finite bf16/fp16 value in every element, so the guard passes.
-    BENCH_CUDA(cudaMemset(arena.data(), 0x3c, group.arena_bytes()));
+    // On `stream`, before the checksums read it (the backend's streams do not wait for the
+    // legacy default stream a plain cudaMemset runs on).
+    BENCH_CUDA(cudaMemsetAsync(arena.data(), 0x3c, group.arena_bytes(), CudaBackend::native(stream)));
     for (std::size_t k = 0; k < group.bucket_count(); ++k) {
       const Bucket bucket = group.bucket(k);
       backend.checksum_async(arena.data() + bucket.offset, bucket.bytes, sums + n++, stream);

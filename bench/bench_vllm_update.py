@@ -1212,9 +1212,12 @@ class ShadowsyncTransfer:
     def api_description(self) -> str:
         import shadowsync
 
-        return (f"shadowsync {shadowsync.__version__}: same-host transport (memory="
-                f"{'device' if self.args.device == 'cuda' else 'host'}), WorkerExtension, "
-                f"apply_update_async; library {shadowsync.library_path()}")
+        transport = ("NCCL transport" if self.args.transport == "nccl" else
+                     f"same-host transport (memory="
+                     f"{'device' if self.args.device == 'cuda' else 'host'})")
+        live = "commit_update_async" if self.args.tp > 1 else "apply_update_async"
+        return (f"shadowsync {shadowsync.__version__}: {transport}, WorkerExtension, {live}; "
+                f"library {shadowsync.library_path()}")
 
     async def recv(self, expected: str, timeout: float = 300):
         return await pipe_recv(self.conn, "trainer", expected, timeout)

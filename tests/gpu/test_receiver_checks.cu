@@ -66,11 +66,21 @@ class Trainer {
   }
 
   // Every byte `fill` (0x01..0x3f: finite in fp32, fp16 and bf16 alike); then `poison` if given.
+  // The memset goes on the trainer's stream, the one the checksums run on: the backend's streams
+  // do not wait for the legacy default stream, so a plain cudaMemset could still be writing
+  // while a checksum (or a receiver's copy) read the bucket, and the update would be refused as
+  // corrupted in transit (seen once in 300 updates on an H100).
   void fill(unsigned char value, const std::function<void()>& poison = {}) {
     for (std::size_t g = 0; g < arenas_.size(); ++g) {
-      REQUIRE_CUDA(cudaMemset(arenas_[g].data(), value, arenas_[g].size()));
+      REQUIRE_CUDA(cudaMemsetAsync(arenas_[g].data(), value, arenas_[g].size(),
+                                   CudaBackend::native(*stream_)));
     }
-    if (poison) poison();
+    backend_.stream_synchronize(*stream_);
+    if (poison) {
+      poison();
+      // A cudaMemcpy from pageable memory may return before its DMA lands: wait for it.
+      REQUIRE_CUDA(cudaDeviceSynchronize());
+    }
     auto* sums = reinterpret_cast<std::uint64_t*>(checksums_.data());
     std::size_t n = 0;
     for (std::size_t g = 0; g < arenas_.size(); ++g) {
