@@ -1494,14 +1494,23 @@ def parse_args():
         parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
     if args.tp < 1:
         parser.error(f"--tp {args.tp}: the tensor-parallel size is at least 1")
-    if args.device != "cuda" and (args.transport == "nccl" or args.trainer_gpu != 0):
-        parser.error(f"--transport {args.transport} --trainer-gpu {args.trainer_gpu} with --device "
-                     f"{args.device}: NCCL and a trainer GPU need --device cuda")
-    if args.transport == "nccl" and args.trainer_gpu < args.tp:
-        parser.error(f"--transport nccl --trainer-gpu {args.trainer_gpu} with --tp {args.tp}: GPU "
-                     f"{args.trainer_gpu} is one of the engine's (0..{args.tp - 1}) and NCCL refuses "
-                     f"two ranks of one communicator on one GPU; pick a GPU >= {args.tp}")
+    refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
+    if refused:
+        parser.error(refused)
     return args
+
+
+def placement_error(device: str, transport: str, trainer_gpu: int, tp: int) -> str | None:
+    """Why a trainer on `trainer_gpu` sending over `transport` to `tp` engine ranks on GPUs
+    0..tp-1 cannot run, or None (shared with scripts/vllm_e2e.py)."""
+    if device != "cuda" and (transport == "nccl" or trainer_gpu != 0):
+        return (f"--transport {transport} --trainer-gpu {trainer_gpu} with --device {device}: "
+                f"NCCL and a trainer GPU need --device cuda")
+    if transport == "nccl" and trainer_gpu < tp:
+        return (f"--transport nccl --trainer-gpu {trainer_gpu} with --tp {tp}: GPU {trainer_gpu} "
+                f"is one of the engine's (0..{tp - 1}) and NCCL refuses two ranks of one "
+                f"communicator on one GPU; pick a GPU >= {tp}")
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

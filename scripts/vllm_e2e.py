@@ -218,13 +218,12 @@ def main() -> int:
                         help="a third update, close, a second init with a new trainer, a fourth "
                              "update (an odd number of swaps before the close)")
     args = parser.parse_args()
-    if args.device != "cuda" and (args.transport == "nccl" or args.trainer_gpu != 0):
-        parser.error(f"--transport {args.transport} --trainer-gpu {args.trainer_gpu} with --device "
-                     f"{args.device}: NCCL and a trainer GPU need --device cuda")
-    if args.transport == "nccl" and args.trainer_gpu < args.tp:
-        parser.error(f"--transport nccl --trainer-gpu {args.trainer_gpu} with --tp {args.tp}: GPU "
-                     f"{args.trainer_gpu} is one of vLLM's (0..{args.tp - 1}) and NCCL refuses two "
-                     f"ranks of one communicator on one GPU; pick a GPU >= {args.tp}")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_vllm_update import placement_error  # standard library only at import
+
+    refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
+    if refused:
+        parser.error(refused)
     if args.live_arena and args.graph_pairs:
         parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
     if args.tp > 1:
