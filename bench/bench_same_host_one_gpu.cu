@@ -1031,11 +1031,15 @@ ModelRun run_model(const bench::ModelConfig& model, Engine& e, int index) {
 
   // Does it fit? The engine's peak is two model-sized buffers (the raw copy's, later the
   // Receiver's two slots) plus the emulated copies' four buckets; the trainer's, its tensors and
-  // its two slots.
+  // its two slots. With the trainer on another GPU (--trainer-device) only the engine's part is
+  // on this one; the trainer's (one model and two buckets) is less than the engine's peak, so a
+  // GPU of the same kind holds it.
   const std::size_t free = free_device_bytes();
   const std::size_t engine_peak = 2 * r.bytes + 4 * bucket;
-  const std::size_t full_need = engine_peak + r.bytes + 2 * bucket + kFitMargin;
-  const std::size_t shared_need = engine_peak + r.largest_tensor + 2 * bucket + kFitMargin;
+  const bool beside = o.trainer_device == o.device;
+  const std::size_t full_need = engine_peak + (beside ? r.bytes + 2 * bucket : 0) + kFitMargin;
+  const std::size_t shared_need =
+      engine_peak + (beside ? r.largest_tensor + 2 * bucket : 0) + kFitMargin;
   if (o.sources == "full" || (o.sources == "auto" && full_need <= free)) {
     r.sources = "full";
     if (full_need > free) {
@@ -1645,7 +1649,8 @@ void write_outputs(const Options& o, const RunInfo& info, const std::vector<Mode
        << "GPU figures: the trainer process on GPU " << o.trainer_device
        << ", the engine process on GPU " << o.device
        << " (the engine's copy engines read the trainer's staging across GPUs; the raw copy and "
-          "the copy references are on the engine's GPU).\n\n";
+          "the copy references are on the engine's GPU). The memory figures are the engine GPU's "
+          "(cudaMemGetInfo there): the trainer's slots, on its own GPU, are not in them.\n\n";
   }
   md
      << "* machine: " << info.machine << " (" << info.device << ")\n"

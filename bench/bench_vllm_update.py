@@ -74,6 +74,9 @@ beside ``update_weights``, between start and finish as above) and shadowsync's N
 (the trainer makes the unique id; the workers join from it), the trainer being rank 0 of
 1 + tp in both. ``--trainer-gpu`` puts either path's trainer on that GPU (default 0, the
 engine's; NCCL needs one of its own, since it refuses two ranks of one communicator on one GPU).
+vLLM's IPC backend runs with one worker on the trainer's GPU only (each worker looks for its own
+GPU's handles): with ``--tp`` > 1 or another trainer GPU the vllm path needs ``--transport nccl``
+(refused otherwise, on cuda).
 With ``--tp`` > 1 shadowsync's updates go live through ``commit_update_async`` (coordinated: every
 rank between the same two steps), and after the run the ranks' per-step versions
 (``step_versions``) are compared: a difference fails the path. Each update also records its
@@ -132,6 +135,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -919,6 +923,7 @@ class VllmTransfer:
         t0 = time.monotonic()
         self.model = await asyncio.to_thread(make_model, self.args.config, "cuda", 2, gpu)
         self.named = list(self.model.named_parameters())
+        build_s = round(time.monotonic() - t0, 2)
         if self.nccl:  # the trainer and every worker join one group: both calls at once
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -931,12 +936,12 @@ class VllmTransfer:
 
             _, self.group = await asyncio.gather(
                 engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init)),
-                asyncio.to_thread(trainer_init))
+                in_daemon_thread(trainer_init))
         return dict(trainer=f"transformers {type(self.model).__name__} in the driver process "
                             f"on cuda:{gpu}",
                     tensors=len(self.named),
                     bytes=sum(p.numel() * p.element_size() for _, p in self.named),
-                    trainer_build_s=round(time.monotonic() - t0, 2),
+                    trainer_build_s=build_s,
                     packed_buffer_bytes=self.args.vllm_packed_bytes)
 
     def _send(self, engine, chunks: list) -> None:
@@ -1013,7 +1018,7 @@ class VllmTransfer:
             torch.cuda.synchronize()
 
         await asyncio.gather(engine.update_weights(WeightTransferUpdateRequest(update_info=info)),
-                             asyncio.to_thread(broadcast))
+                             in_daemon_thread(broadcast))
 
     async def close(self, engine) -> dict:
         return {}
@@ -1021,6 +1026,32 @@ class VllmTransfer:
     def shutdown(self) -> None:
         self.model = None
         self.group = None
+
+
+async def in_daemon_thread(call):
+    """`call()` on a daemon thread, awaited. For the trainer's NCCL calls: when the engine's side
+    fails, they wait for peers that never come, and asyncio.to_thread's executor would keep the
+    event loop (and the path's result file) from ever finishing; a daemon thread is left behind
+    and the error reaches the caller."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(outcome, value):
+        if not done.done():
+            (done.set_exception if outcome == "error" else done.set_result)(value)
+
+    def run():
+        try:
+            outcome, value = "ok", call()
+        except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+            outcome, value = "error", e
+        try:
+            loop.call_soon_threadsafe(settle, outcome, value)
+        except RuntimeError:  # the loop is gone: nobody waits for this any more
+            pass
+
+    threading.Thread(target=run, daemon=True, name="bench-trainer-nccl").start()
+    return await done
 
 
 def free_port() -> int:
@@ -1241,8 +1272,11 @@ class ShadowsyncTransfer:
         t0 = time.monotonic()
         self.specs = specs
         kwargs = self.init_kwargs(path, init_extra)
-        fingerprints = await engine.collective_rpc("init_weight_update_group", kwargs=kwargs)
-        arena_bytes, bucket_bytes = await self.recv("ready")
+        # At once: the workers' init blocks until the trainer's transport is up (NCCL: both
+        # join one communicator), and a trainer that fails says so here instead of leaving the
+        # workers waiting unheard.
+        fingerprints, (arena_bytes, bucket_bytes) = await asyncio.gather(
+            engine.collective_rpc("init_weight_update_group", kwargs=kwargs), self.recv("ready"))
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
         if self.args.trace_steps:
             import vllm_step_trace
@@ -1283,6 +1317,9 @@ class ShadowsyncTransfer:
         """Closes the engine's group (its weights stay) and initializes a new one with
         `init_extra`, the trainer serving a new transport (sending checksums or not); returns
         the seconds it took."""
+        if self.unique_id is not None:
+            raise RuntimeError("reinitialize: a new group is served over the same-host transport "
+                               "only; this trainer sends over NCCL (--transport nccl)")
         t0 = time.monotonic()
         await engine.collective_rpc("close_weight_update_group", kwargs=dict(keep_weights=True))
         self.serial = getattr(self, "serial", 0) + 1
@@ -1442,7 +1479,7 @@ def write_outputs(out: Path, results: dict) -> None:
                 goal = "reference: bytes copied in another process, no update"
             else:
                 ref = VLLM_REFERENCE_STOP_MS.get(config)
-                goal = f"vLLM reported {ref:g} ms stop" if ref else "-"
+                goal = f"vLLM reported {ref:g} ms stop (one GPU, IPC)" if ref else "-"
                 if r.get("api", "").find("control sequence only") >= 0:
                     goal += " (control sequence only: no weights sent)"
             tps = s.get("tokens_per_s", {})
@@ -1497,6 +1534,13 @@ def parse_args():
     refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
     if refused:
         parser.error(refused)
+    if (args.device == "cuda" and args.transport == "same-host"
+            and (args.tp > 1 or args.trainer_gpu != 0) and "vllm" in args.paths.split(",")):
+        parser.error(f"--paths {args.paths} with --tp {args.tp} --trainer-gpu {args.trainer_gpu}: "
+                     f"vLLM's IPC backend (the vllm path's with --transport same-host) hands each "
+                     f"worker its own GPU's handles of a buffer packed on the trainer's GPU, so it "
+                     f"runs with one worker on the trainer's GPU only (--tp 1 --trainer-gpu 0); "
+                     f"use --transport nccl, or leave the vllm path out")
     return args
 
 

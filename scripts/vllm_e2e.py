@@ -300,6 +300,7 @@ def main() -> int:
                                                     args.omit, args.transport == "nccl",
                                                     args.trainer_gpu), daemon=True)
         process.start()
+        child.close()  # this end only: a trainer that dies then ends parent.recv() with EOFError
         _, specs, unique_id = parent.recv()
         transport = (dict(unique_id=unique_id, rank_offset=1, world_size=1 + args.tp)
                      if unique_id is not None else dict(same_host=dict(path=path, token=token)))
@@ -359,10 +360,11 @@ def main() -> int:
         if args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
             wait_ready(llm, version)
             # A version no rank holds ready: refused on every rank, nothing flips anywhere.
+            before = [int(s["applied_version"]) for s in llm.collective_rpc("step_versions")]
             results = llm.collective_rpc("commit_update", args=(version + 100,))
-            still = sorted({int(s["applied_version"]) for s in llm.collective_rpc("step_versions")})
+            still = [int(s["applied_version"]) for s in llm.collective_rpc("step_versions")]
             ok = (all("nothing was committed on any rank" in r.get("refused", "") for r in results)
-                  and len(still) == 1 and still[0] < version)
+                  and still == before and len(set(still)) == 1 and still[0] < version)
             failures += not ok
             log(f"{'ok  ' if ok else 'FAIL'} commit_update({version + 100}) refused on every "
                 f"rank, applied versions still {still}")
@@ -377,13 +379,19 @@ def main() -> int:
     update(parent, 2, 2, "A")
     if args.reinit:  # an odd number of swaps: with graph pairs the live slot is slot 1 now
         update(parent, 3, 1, "B")
-    if args.tp > 1:
+    def ranks_agree() -> None:
+        """Under TP: every rank made each version live at the same step."""
+        nonlocal failures
+        if args.tp == 1:
+            return
         logs = llm.collective_rpc("step_versions")
         same = all(log == logs[0] for log in logs)
         failures += not same
         log(f"{'ok  ' if same else 'FAIL'} step versions of the {args.tp} ranks "
             f"{'agree' if same else 'differ'}: {[log['transitions'] for log in logs]}, "
             f"steps {[log['steps'] for log in logs]}")
+
+    ranks_agree()
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"gated swaps {stats['gated_swaps']}, gates the watchdog opened "
         f"{stats['gates_abandoned']}, step hook at {stats['step_hook_at']}")
@@ -402,6 +410,7 @@ def main() -> int:
         ssv.init_weight_update_group(llm, specs=specs, **settings, **transport)
         check("after the second set-up", greedy(llm, adapter["A"]), "B")
         update(parent, 4, 2, "A")
+        ranks_agree()
         stop_trainer(process, parent)
         llm.collective_rpc("close_weight_update_group")
         check("after the second close_weight_update_group", greedy(llm, adapter["A"]), "A")

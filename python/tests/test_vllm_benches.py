@@ -106,6 +106,9 @@ def test_every_switch_of_the_update_bench_reaches_its_child():
      "GPU 1 is one of the engine's (0..1) and NCCL refuses two ranks of one communicator on one "
      "GPU; pick a GPU >= 2"),
     (["--tp", "0"], "--tp 0: the tensor-parallel size is at least 1"),
+    (["--tp", "2"], "vLLM's IPC backend (the vllm path's with --transport same-host) hands each "
+                    "worker its own GPU's handles"),
+    (["--paths", "vllm", "--trainer-gpu", "1"], "runs with one worker on the trainer's GPU only"),
 ])
 def test_the_update_bench_refuses_a_placement_nccl_or_vllm_cannot_run(args, message, tmp_path):
     done = subprocess.run([sys.executable, str(BENCH / "bench_vllm_update.py"), "--out",

@@ -530,9 +530,28 @@ def test_commit_update_async_waits_for_every_rank_without_blocking_and_raises_a_
     from shadowsync.vllm import commit_update_async
 
     run = lambda front_end, *a, **k: asyncio.run(commit_update_async(front_end, *a, **k))  # noqa: E731
-    # Rank 1 gets there on the third poll: then one commit on both, then the cache reset.
+
+    async def commit_beside_a_ticker(front_end, version):
+        """The commit, and how often another task ran meanwhile (none: it blocked the loop)."""
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await commit_update_async(front_end, version, timeout=DEADLINE_S), ticks
+        finally:
+            ticker.cancel()
+
+    # Rank 1 gets there on the third poll: then one commit on both, then the cache reset; the
+    # event loop ran other tasks while it waited.
     arriving = _AsyncTwoRankFrontEnd([[3, 2], [3, 2], [3, 3]])
-    assert run(arriving, 3, timeout=DEADLINE_S) == 3
+    applied, ticks = asyncio.run(commit_beside_a_ticker(arriving, 3))
+    assert applied == 3 and ticks >= 2, (applied, ticks)
     assert arriving.calls == ["ready_version"] * 3 + ["commit_update", "reset_prefix_cache"]
     late = _AsyncTwoRankFrontEnd([[3, 0]])
     with pytest.raises(ss.ShadowsyncTimeoutError,

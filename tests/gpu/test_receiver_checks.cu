@@ -229,6 +229,7 @@ TEST_CASE("gpu receiver checks: a wrong checksum or a NaN is refused, the live b
     const std::uint64_t wrong = 12345;
     REQUIRE_CUDA(cudaMemcpy(rig.trainer.checksum_block() + 1, &wrong, sizeof wrong,
                             cudaMemcpyHostToDevice));
+    REQUIRE_CUDA(cudaDeviceSynchronize());  // a pageable cudaMemcpy may return before it lands
     const UpdateReport report = rig.send(2);
     INFO(report.error);
     REQUIRE(report.outcome == UpdateOutcome::kFailed);
