@@ -1337,10 +1337,7 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
                 break
         await asyncio.sleep(_PROGRESS_POLL_S)
     if reset_prefix_cache:
-        if preempt_running:
-            await engine.reset_prefix_cache(reset_running_requests=True)
-        else:
-            _check_reset(await engine.reset_prefix_cache(), version, "apply_update_async")
+        await _reset_prefix_cache_async(engine, version, "apply_update_async", preempt_running)
     return applied
 
 
@@ -1352,6 +1349,15 @@ def _reset_prefix_cache(llm, version: int, caller: str, preempt_running: bool) -
         llm.reset_prefix_cache(reset_running_requests=True)
     else:
         _check_reset(llm.reset_prefix_cache(), version, caller)
+
+
+async def _reset_prefix_cache_async(engine, version: int, caller: str,
+                                    preempt_running: bool) -> None:
+    """_reset_prefix_cache for an ``AsyncLLM``."""
+    if preempt_running:
+        await engine.reset_prefix_cache(reset_running_requests=True)
+    else:
+        _check_reset(await engine.reset_prefix_cache(), version, caller)
 
 
 def _check_reset(result, version: int, caller: str) -> None:
@@ -1426,8 +1432,5 @@ async def commit_update_async(engine, version: int, timeout: float = 60.0,
         await asyncio.sleep(0.002)
     applied = _committed(await engine.collective_rpc("commit_update", args=(version,)))
     if reset_prefix_cache:
-        if preempt_running:
-            await engine.reset_prefix_cache(reset_running_requests=True)
-        else:
-            _check_reset(await engine.reset_prefix_cache(), version, "commit_update_async")
+        await _reset_prefix_cache_async(engine, version, "commit_update_async", preempt_running)
     return applied
