@@ -513,6 +513,14 @@ std::unique_ptr<Transport> rendezvous(const Options& options, const Layout& layo
   return transport;
 }
 
+// Declared right after the Sender: on every way out (an exception too) the engines hear the
+// trainer's goodbye, and release their ends of the transport, before the Sender's transport is
+// torn down (TrainerChannel::close says why the order matters).
+struct GoodbyeBeforeSender {
+  TrainerChannel& channel;
+  ~GoodbyeBeforeSender() { channel.close(); }
+};
+
 int run_trainer(const Options& options) {
   const Layout layout = example_layout(options);
   trainer_transport(options);  // a bad --transport fails before anything connects
@@ -527,6 +535,7 @@ int run_trainer(const Options& options) {
     const int device = options.device < 0 ? 0 : options.device;
     CudaBackend backend(device);
     Sender sender(layout, backend, rendezvous(options, layout, channel, backend));
+    const GoodbyeBeforeSender goodbye{channel};
 
     // The model's parameters: one device buffer per group, each tensor at its layout offset (the
     // sender packs them through its staging buffers as it would scattered parameters). One set
@@ -567,6 +576,7 @@ int run_trainer(const Options& options) {
 
   HostBackend backend;
   Sender sender(layout, backend, rendezvous(options, layout, channel, backend));
+  const GoodbyeBeforeSender goodbye{channel};
   std::optional<examples::TrainerWeights> tensors;
   const TrainStep step = [&](std::uint64_t version, const std::vector<std::string>& groups) {
     tensors.emplace(layout, groups, version);

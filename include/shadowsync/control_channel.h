@@ -235,9 +235,17 @@ class TrainerChannel {
   // engine that could not be reached or failed the handshake (a wrong token shows up as the
   // engine closing the connection; the engine logs why).
   TrainerChannel(const Layout& layout, TrainerChannelConfig config);
-  ~TrainerChannel();  // goodbye("trainer shutting down") to every engine, then close
+  ~TrainerChannel();  // close()
   TrainerChannel(const TrainerChannel&) = delete;
   TrainerChannel& operator=(const TrainerChannel&) = delete;
+
+  // Says goodbye ("trainer shutting down") to every engine still connected, closes the
+  // connections and stops the I/O thread; afterwards every engine reads as disconnected. Call it
+  // before the Sender whose transport the engines share is destroyed: an engine releases its end
+  // when its trainer leaves (Receiver::release_transport), and NCCL's teardown within a node waits
+  // for both ends, so a Sender destroyed while the channel is still open waits for the engine.
+  // Idempotent. Not concurrently with the other calls.
+  void close();
 
   std::size_t engine_count() const;
   std::vector<EngineStatus> engines() const;  // Thread-safe.

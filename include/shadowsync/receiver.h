@@ -231,6 +231,13 @@ class Receiver {
   // behind earlier commands. Thread-safe.
   void replace_transport(std::unique_ptr<Transport> transport);
 
+  // Destroys the transport, queued behind earlier commands (an update in flight finishes or fails
+  // first): its trainer left (`why` says how). NCCL's teardown within a node waits for every
+  // rank's, so an engine that kept its end would hold the departed trainer's Sender destructor
+  // until the engine exits. Later updates fail with "no transport (released: why ...)" until
+  // replace_transport installs a new one. Without a transport, nothing happens. Thread-safe.
+  void release_transport(std::string why);
+
   // copy_in, or remap for a group without an engine arena (vLLM's LoRA buffers beside its live
   // arena: the base group remaps, this one is copied at the same swap); before the first update:
   // the live storage of group `group` becomes the engine's own tensors (`tensors[t]`: where

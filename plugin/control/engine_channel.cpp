@@ -437,6 +437,9 @@ void EngineChannel::Impl::close_peer(Peer& peer, const std::string& why) {
     active = nullptr;
     active_generation.store(0);
     count([](EngineChannelStats& s) { s.trainer_connected = false; });
+    // Its transport goes with it: NCCL's teardown waits for both ends (receiver.h).
+    requests->push(peer.generation, control::TrainerLeft{fmt::format(
+                                        "trainer {} left: {}", peer.connection->peer(), why)});
     log(
         fmt::format("trainer {} disconnected: {}; the engine keeps serving version {} and waits "
                     "for a trainer",

@@ -59,7 +59,8 @@ void EngineRequests::worker_loop() {
       item = std::move(queue_.front());
       queue_.pop_front();
     }
-    if (item.generation != current_.load()) continue;  // that trainer is gone
+    const bool departed = item.generation != current_.load();
+    if (departed && !std::holds_alternative<TrainerLeft>(item.request)) continue;  // it is gone
     run(item);
   }
 }
@@ -106,6 +107,8 @@ void EngineRequests::run(Work& item) {
   } else if (auto* abort = std::get_if<AbortMessage>(&item.request)) {
     log_line(config_, fmt::format("trainer aborts update {}: {}", abort->version, abort->reason));
     receiver_.abort_update();
+  } else if (auto* left = std::get_if<TrainerLeft>(&item.request)) {
+    receiver_.release_transport(left->why);
   }
 }
 

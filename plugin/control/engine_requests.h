@@ -1,6 +1,7 @@
 // What an engine does with its trainer's requests, on a worker thread of its own: a rendezvous
 // installs a new transport from the factory, an update header goes to Receiver::begin_update, an
-// abort to Receiver::abort_update. One worker runs them in arrival order, because the transport
+// abort to Receiver::abort_update, and a trainer that left has its transport released
+// (Receiver::release_transport). One worker runs them in arrival order, because the transport
 // factory may block for minutes (NCCL init waits for every rank) and a header must not overtake
 // the rendezvous before it; the I/O thread never calls into the receiver.
 #pragma once
@@ -11,6 +12,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <variant>
 
@@ -39,7 +41,14 @@ class EngineCounters {
   EngineChannelStats stats_;
 };
 
-using EngineRequest = std::variant<RendezvousMessage, UpdateHeader, AbortMessage>;
+// Not a frame: the I/O thread's news that trainer connection `generation` is gone. It runs
+// although its trainer is no longer the current one (that is the point), in order: after the
+// departed trainer's own requests, before a newer trainer's rendezvous.
+struct TrainerLeft {
+  std::string why;
+};
+
+using EngineRequest = std::variant<RendezvousMessage, UpdateHeader, AbortMessage, TrainerLeft>;
 
 class EngineRequests {
  public:
@@ -48,7 +57,8 @@ class EngineRequests {
   using Reply = std::function<void(std::uint64_t generation, ControlMessage answer)>;
 
   // Everything passed by reference must outlive this. `current` is the generation of the
-  // connected trainer (0: none): a request whose trainer is gone by its turn is dropped.
+  // connected trainer (0: none): a request whose trainer is gone by its turn is dropped, except
+  // TrainerLeft.
   // Starts the worker thread.
   EngineRequests(Receiver& receiver, const TransportFactory& factory, const ControlConfig& config,
                  const std::atomic<std::uint64_t>& current, EngineCounters& counters, Reply reply);

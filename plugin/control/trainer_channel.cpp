@@ -199,7 +199,9 @@ void TrainerChannel::Impl::handshake(Engine& engine, const Layout& layout) {
   status.applied_step = engine_hello.applied_step;
 }
 
-TrainerChannel::~TrainerChannel() {
+TrainerChannel::~TrainerChannel() { close(); }
+
+void TrainerChannel::close() {
   Impl& impl = *impl_;
   for (auto& engine : impl.engines) {
     bool connected;

@@ -34,10 +34,11 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::seconds kAbortDrainLimit{10};
 
 struct Command {
-  enum class Kind { kBegin, kReplaceTransport, kDrain, kShutdown };
+  enum class Kind { kBegin, kReplaceTransport, kReleaseTransport, kDrain, kShutdown };
   Kind kind = Kind::kBegin;
   UpdateHeader header;
   std::unique_ptr<Transport> transport;
+  std::string why;  // kReleaseTransport
   std::shared_ptr<std::promise<void>> drained;
 };
 
@@ -97,6 +98,7 @@ struct Receiver::Impl {
   const ReceiverConfig config;
   std::unique_ptr<Transport> transport;  // receiver thread only
   bool had_transport = false;            // receiver thread only: one was ever installed
+  std::string released_because;          // receiver thread only: release_transport's `why`
   SlotPlanner planner;                   // receiver thread only
   std::unique_ptr<Stream> stream;        // the receives
   std::unique_ptr<Event> done_event;
@@ -300,6 +302,13 @@ void Receiver::replace_transport(std::unique_ptr<Transport> transport) {
   impl_->commands.enqueue(std::move(command));
 }
 
+void Receiver::release_transport(std::string why) {
+  Command command;
+  command.kind = Command::Kind::kReleaseTransport;
+  command.why = std::move(why);
+  impl_->commands.enqueue(std::move(command));
+}
+
 void Receiver::set_observer(std::function<void(const UpdateReport&)> observer) {
   std::lock_guard lock(impl_->stats_mutex);
   impl_->observer = std::move(observer);
@@ -347,9 +356,16 @@ void Receiver::Impl::run() {
       case Command::Kind::kReplaceTransport:
         transport = std::move(command.transport);
         had_transport = true;
+        released_because.clear();
         {
           std::lock_guard lock(stats_mutex);
           stats.needs_transport = false;
+        }
+        break;
+      case Command::Kind::kReleaseTransport:
+        if (transport) {
+          transport.reset();  // NCCL: finalize and destroy, with the departed trainer's end
+          released_because = std::move(command.why);
         }
         break;
       case Command::Kind::kDrain:
@@ -419,7 +435,11 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     failed.outcome = UpdateOutcome::kFailed;
     failed.code = ErrorCode::kTransport;
     failed.error =
-        had_transport
+        !released_because.empty()
+            ? fmt::format("update {}: no transport (released: {}; the next rendezvous installs "
+                          "a new one)",
+                          header.version, released_because)
+        : had_transport
             ? fmt::format("update {}: no transport (the last one was aborted after a failure; "
                           "call replace_transport with a new one)",
                           header.version)

@@ -288,6 +288,28 @@ TEST_CASE("a trainer connects, hands over the rendezvous, and every update is ac
     }
   }
 
+  SECTION("a trainer that leaves takes the engine's end of the transport with it") {
+    // NCCL's teardown within a node waits for both ends: an engine that kept its end would hold
+    // the departed trainer's Sender destructor (the two-process example hung so on GPUs).
+    trainer.close();
+    trainer.close();  // idempotent
+    CHECK_FALSE(trainer.engines()[0].connected);
+    CHECK(trainer.engines()[0].disconnect_reason == "said goodbye");
+    wait_until([&] { return log.count("said goodbye (trainer shutting down)") == 1; },
+               "goodbye processed");
+    // The next trainer skips the rendezvous: its update finds no transport, and says why.
+    TrainerChannel next(layout, trainer_config(log, engine.channel.port()));
+    next.send_update_header(make_update_header(layout, 11, {"base"}));
+    wait_until([&] { return engine.receiver.stats().last_failure.version == 11; },
+               "update 11 failed");
+    const ReceiverStats stats = engine.receiver.stats();
+    CHECK(stats.last_failure.code == ErrorCode::kTransport);
+    CHECK_THAT(stats.last_error, Catch::Contains("no transport (released: trainer") &&
+                                     Catch::Contains("left: said goodbye (trainer shutting down)"));
+    CHECK(stats.needs_transport);
+    CHECK(stats.updates_ready == 10);
+  }
+
   SECTION("a newer trainer replaces the old one; a new rendezvous and the updates resume") {
     // (A trainer that dies without a goodbye: tests/integration/test_control_e2e.cpp.)
     auto restarted =
