@@ -10,16 +10,21 @@
 #   BENCH_VLLM="A;B" bench/bench_vllm_update.py with each ;-separated argument list (one run:
 #                    outputs in $OUT; several: in $OUT/bench-vllm-<i>/)
 #   BENCH_PACING="..." bench/bench_vllm_pacing.py with these arguments (BENCH_TIMEOUT, default 420)
+#   SKIP_BUILD=1     build-gpu is already built (two of these scripts running side by side on
+#                    different GPUs must not configure the same build folder at once)
 # Each step has its own timeout; a failed step does not stop the next.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source scripts/gpu/common.sh
 gpu_unpack_deps "$PWD" >/dev/null
-gpu_configure "$PWD" build-gpu "$OUT/cfg.log" 300
-targets=(shadowsync_c ${EXTRA_TARGETS:-})
-[[ "${SAME_HOST:-0}" == 1 || "${MEMCHECK:-0}" == 1 ]] && targets+=(gpu_test_same_host_gpu)
-for t in ${GPU_TESTS:-}; do targets+=("gpu_$t"); done
-cmake --build build-gpu -j16 --target "${targets[@]}" >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
+  gpu_configure "$PWD" build-gpu "$OUT/cfg.log" 300
+  targets=(shadowsync_c ${EXTRA_TARGETS:-})
+  [[ "${SAME_HOST:-0}" == 1 || "${MEMCHECK:-0}" == 1 ]] && targets+=(gpu_test_same_host_gpu)
+  for t in ${GPU_TESTS:-}; do targets+=("gpu_$t"); done
+  cmake --build build-gpu -j16 --target "${targets[@]}" >"$OUT/build.log" 2>&1 ||
+    { tail -30 "$OUT/build.log"; exit 1; }
+fi
 export SHADOWSYNC_LIBRARY=$PWD/build-gpu/libshadowsync_c.so VLLM_USE_FLASHINFER_SAMPLER=0
 export CUDA_DEVICE_MAX_CONNECTIONS=32
 for t in ${GPU_TESTS:-}; do
