@@ -1534,8 +1534,10 @@ def parse_args():
     refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
     if refused:
         parser.error(refused)
+    # A child runs its one path; --paths is the parent's (a child sees its default).
+    paths = [args.child] if args.child else args.paths.split(",")
     if (args.device == "cuda" and args.transport == "same-host"
-            and (args.tp > 1 or args.trainer_gpu != 0) and "vllm" in args.paths.split(",")):
+            and (args.tp > 1 or args.trainer_gpu != 0) and "vllm" in paths):
         parser.error(f"--paths {args.paths} with --tp {args.tp} --trainer-gpu {args.trainer_gpu}: "
                      f"vLLM's IPC backend (the vllm path's with --transport same-host) hands each "
                      f"worker its own GPU's handles of a buffer packed on the trainer's GPU, so it "

@@ -100,6 +100,19 @@ def test_every_switch_of_the_update_bench_reaches_its_child():
     assert (child.tp, child.transport, child.trainer_gpu) == (2, "nccl", 3), child
 
 
+def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
+    # A child sees --paths' default (vllm among them): the IPC refusal must look at its one path,
+    # or every TP=2 same-host shadowsync run fails in its child (seen on 2x H200, f71125a).
+    sys.path.insert(0, str(BENCH))
+    import bench_vllm_update as bench
+
+    parent = bench.build_parser().parse_args(["--tp", "2", "--paths", "shadowsync"])
+    monkeypatch.setattr(sys, "argv", ["bench_vllm_update.py", *bench.child_passthrough(parent),
+                                      "--child", "shadowsync"])
+    child = bench.parse_args()
+    assert (child.child, child.tp, child.device) == ("shadowsync", 2, "cuda"), child
+
+
 @pytest.mark.parametrize("args,message", [
     (["--device", "cpu", "--transport", "nccl"], "NCCL and a trainer GPU need --device cuda"),
     (["--tp", "2", "--transport", "nccl", "--trainer-gpu", "1"],
