@@ -197,6 +197,10 @@ class InProcessTrainer:
     def done(self) -> bool:
         return self._sent.is_set()
 
+    def failure_note(self) -> str:
+        """Why the send failed, for a message (empty while none did)."""
+        return f" (it failed: {self._failure[0]!r})" if self._failure else ""
+
     def finish(self):
         self._thread.join(DEADLINE_S)
         assert not self._thread.is_alive(), (
@@ -310,6 +314,11 @@ class TrainerProcess:
             self._result = self._conn.recv()
         return self._result is not None
 
+    def failure_note(self) -> str:
+        """Why the trainer process failed, for a message (empty while it did not)."""
+        failed = self._result is not None and self._result[0] == "error"
+        return f" (it failed: {self._result[1:]})" if failed else ""
+
     def finish(self):
         if self._result is None:
             self._result = self.receive(f"update {self._version}: sent", "sent")
@@ -381,8 +390,12 @@ def _in_process(kind: str):
     try:
         yield worker, trainer
     finally:
-        worker.close_weight_update_group()
-        trainer.close()
+        # Both ends at once, as at init: NCCL's teardown within a node waits for every rank's, so
+        # one thread closing the receiver's communicator and then the sender's waits on itself.
+        with ThreadPoolExecutor(1) as pool:
+            closing = pool.submit(worker.close_weight_update_group)
+            trainer.close()
+            closing.result(timeout=DEADLINE_S)
 
 
 @contextlib.contextmanager
@@ -457,7 +470,8 @@ def _update_while_generating(worker, trainer, version: int):
         assert time.monotonic() < deadline, (
             f"version {version} not live within {DEADLINE_S} s; last step ran on version "
             f"{worker.outputs[-1].version}; the trainer {'is' if trainer.done() else 'is not'} "
-            f"done sending")
+            f"done sending{trainer.failure_note()}; the engine's receiver: "
+            f"{worker._shadowsync.receiver.last_update_error() or 'no error'}")
         with _stall_dump("engine", f"update {version}: step {len(worker.outputs) - header_at}"):
             worker.execute_model()
         if not released and len(worker.outputs) - header_at >= STEPS_DURING_TRANSFER:
