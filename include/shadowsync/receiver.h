@@ -234,8 +234,10 @@ class Receiver {
   // Destroys the transport, queued behind earlier commands (an update in flight finishes or fails
   // first): its trainer left (`why` says how). NCCL's teardown within a node waits for every
   // rank's, so an engine that kept its end would hold the departed trainer's Sender destructor
-  // until the engine exits. Later updates fail with "no transport (released: why ...)" until
-  // replace_transport installs a new one. Without a transport, nothing happens. Thread-safe.
+  // until the engine exits (the receiver thread waits in that teardown: for NCCL up to
+  // NcclTransportConfig::finalize_timeout, then an abort; the step hook does not). Later updates
+  // fail with "no transport (released: why ...)" until replace_transport installs a new one.
+  // Without a transport, nothing happens. Thread-safe.
   void release_transport(std::string why);
 
   // copy_in, or remap for a group without an engine arena (vLLM's LoRA buffers beside its live
