@@ -184,7 +184,10 @@ class EngineChannel {
   EngineChannelStats stats() const;  // Thread-safe.
 
   // Says goodbye to the trainer, closes every connection and stops both threads. A transport
-  // factory still running is waited for. Idempotent. Thread-safe.
+  // factory still running is waited for. Then releases the receiver's transport
+  // (Receiver::release_transport): no trainer can reach this engine any more, and the one told
+  // goodbye tears its end down, which NCCL's teardown needs from both ends. Idempotent. Not
+  // concurrently with itself.
   void shutdown();
 
  private:

@@ -161,7 +161,9 @@ struct ReceiverStats {
   std::uint64_t last_accepted_version = 0;
   // kCoordinated: the update received, checked and waiting for commit(); 0: none.
   std::uint64_t ready_version = 0;
-  bool needs_transport = false;  // a failure aborted the transport; call replace_transport
+  // No transport now: a failure aborted it, or release_transport released it; call
+  // replace_transport.
+  bool needs_transport = false;
   // Aborts of the transport that overran ReceiverConfig::abort_deadline (counted when they overran,
   // whether or not they returned later).
   std::uint64_t stuck_aborts = 0;
@@ -234,10 +236,12 @@ class Receiver {
   // Destroys the transport, queued behind earlier commands (an update in flight finishes or fails
   // first): its trainer left (`why` says how). NCCL's teardown within a node waits for every
   // rank's, so an engine that kept its end would hold the departed trainer's Sender destructor
-  // until the engine exits (the receiver thread waits in that teardown: for NCCL up to
-  // NcclTransportConfig::finalize_timeout, then an abort; the step hook does not). Later updates
-  // fail with "no transport (released: why ...)" until replace_transport installs a new one.
-  // Without a transport, nothing happens. Thread-safe.
+  // until the engine exits. The receiver thread waits in that teardown (the step hook does not):
+  // until the trainer tears its end down too, as a departed trainer does when its process or its
+  // Sender goes. One that overruns ReceiverConfig::abort_deadline is reported as a stuck abort
+  // is (stuck_aborts, last_error, stderr; exit_on_stuck_abort ends the process). Afterwards
+  // needs_transport is true, and updates fail with "no transport (released: why ...)" until
+  // replace_transport installs a new one. Without a transport, nothing happens. Thread-safe.
   void release_transport(std::string why);
 
   // copy_in, or remap for a group without an engine arena (vLLM's LoRA buffers beside its live

@@ -434,7 +434,7 @@ typedef struct {
   uint64_t bytes_received;
   uint64_t last_accepted_version;
   uint64_t applied_version;
-  int32_t needs_transport;  /* a failure aborted the transport: replace it */
+  int32_t needs_transport;  /* no transport now (aborted after a failure, or released): replace it */
   int32_t has_pending;      /* a received update waits for the next step */
   /* Appended fields (a caller's smaller struct is filled up to its size): */
   uint64_t stuck_aborts;        /* transport aborts that overran abort_deadline_ms */

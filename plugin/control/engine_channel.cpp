@@ -212,7 +212,13 @@ void EngineChannel::Impl::stop() {
   if (requests) requests->close();  // no request starts from now on
   loop.stop(as_bytes(WakeRecord{kWake, 0, 0}));
   if (io_thread.joinable()) io_thread.join();
-  if (requests) requests->join();  // a transport factory still running is waited for
+  if (requests) {
+    requests->join();  // a transport factory still running is waited for
+    // No trainer can reach this engine any more, and the one told goodbye tears its end down:
+    // so does the receiver (TrainerLeft's release, which close() may have dropped).
+    receiver.release_transport("the engine's control channel shut down");
+    requests.reset();  // idempotent: a second stop() releases nothing more
+  }
 }
 
 void EngineChannel::Impl::post(std::uint64_t generation, ControlMessage message) {
@@ -386,10 +392,12 @@ void EngineChannel::Impl::on_hello(Peer& peer, const TrainerHelloMessage& hello)
   if (active != nullptr) {
     // The newest authenticated trainer wins: the old connection may be half dead (its host gone
     // without a FIN), and only a peer holding the token gets this far.
-    send(*active, GoodbyeMessage{fmt::format("replaced by a newer trainer connection from {}",
-                                             peer.connection->peer())});
-    close_peer(*active, fmt::format("replaced by a newer trainer connection from {}",
-                                    peer.connection->peer()));
+    // A failed send closes the peer itself (and clears `active`): hold on to it.
+    Peer& replaced = *active;
+    const std::string why =
+        fmt::format("replaced by a newer trainer connection from {}", peer.connection->peer());
+    send(replaced, GoodbyeMessage{why});
+    close_peer(replaced, why);  // a no-op if the send closed it
   }
   peer.handshake->accept(Clock::now() + config.control.send_timeout);  // the engine sends nothing
   peer.handshake.reset();

@@ -89,6 +89,8 @@ struct Receiver::Impl {
   // false if one is still busy then.
   bool drain_streams();
   void discard(const UpdateHeader& header, const Refusal& refusal);
+  // A teardown of the transport overran ReceiverConfig::abort_deadline (the watcher thread).
+  void count_stuck(const std::string& message);
   void report(const UpdateReport& report);  // count + notify
   void count(const UpdateReport& report);   // stats only
   void notify(const UpdateReport& report);  // the observer only
@@ -364,8 +366,12 @@ void Receiver::Impl::run() {
         break;
       case Command::Kind::kReleaseTransport:
         if (transport) {
-          transport.reset();  // NCCL: finalize and destroy, with the departed trainer's end
+          // NCCL: finalize and destroy, with the departed trainer's end.
+          release_transport_watched(transport, command.why, config,
+                                    [this](const std::string& message) { count_stuck(message); });
           released_because = std::move(command.why);
+          std::lock_guard lock(stats_mutex);
+          stats.needs_transport = true;
         }
         break;
       case Command::Kind::kDrain:
@@ -706,11 +712,8 @@ std::optional<Refusal> Receiver::Impl::verify(const std::vector<ReceiveTarget>& 
 void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal) {
   // Invariant 6: nothing of this update is offered; the live slots were never written.
   if (refusal.transport_failed) {
-    abort_transport_watched(transport, header.version, config, [this](const std::string& message) {
-      std::lock_guard lock(stats_mutex);
-      ++stats.stuck_aborts;
-      stats.last_error = message;
-    });
+    abort_transport_watched(transport, header.version, config,
+                            [this](const std::string& message) { count_stuck(message); });
     if (!drain_streams()) {
       std::fprintf(stderr,
                    "shadowsync: receiver streams still busy %lld s after aborting update %llu; "
@@ -755,6 +758,12 @@ bool Receiver::Impl::drain_streams() {
     if (!backend.event_wait_for(*done_event, kAbortDrainLimit)) return false;
   }
   return true;
+}
+
+void Receiver::Impl::count_stuck(const std::string& message) {
+  std::lock_guard lock(stats_mutex);
+  ++stats.stuck_aborts;
+  stats.last_error = message;
 }
 
 void Receiver::Impl::report(const UpdateReport& update_report) {

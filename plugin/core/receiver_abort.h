@@ -1,4 +1,5 @@
-// Aborting a receiver's transport after a failed update, and saying so when the abort hangs. The
+// Aborting a receiver's transport after a failed update (or releasing it after its trainer left),
+// and saying so when that hangs. The
 // receiver aborts the transport (ncclCommAbort) on its own thread; an abort that never returns
 // would leave that thread, and every later update, stuck without a word. So the abort runs under
 // the second-level watchdog (abort_watchdog.h), and an overdue one is reported: to the receiver
@@ -26,5 +27,13 @@ namespace shadowsync {
 void abort_transport_watched(std::unique_ptr<Transport>& transport, std::uint64_t version,
                              const ReceiverConfig& config,
                              const std::function<void(const std::string& message)>& on_stuck);
+
+// Destroys `transport` without aborting it (Receiver::release_transport: its trainer left and
+// tears its own end down; NCCL's teardown waits for both ends, so a trainer that never does holds
+// it), under the same watch and with the same reports as abort_transport_watched. `why` is the
+// release's reason, for the message.
+void release_transport_watched(std::unique_ptr<Transport>& transport, const std::string& why,
+                               const ReceiverConfig& config,
+                               const std::function<void(const std::string& message)>& on_stuck);
 
 }  // namespace shadowsync

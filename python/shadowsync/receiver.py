@@ -162,7 +162,7 @@ class ReceiverStats:
     bytes_received: int
     last_accepted_version: int
     applied_version: int
-    needs_transport: bool  # a failure aborted the transport: replace it
+    needs_transport: bool  # no transport now (aborted after a failure, or released): replace it
     has_pending: bool  # a received update waits for the next step
     stuck_aborts: int  # transport aborts that overran ReceiverConfig.abort_deadline_ms
     last_failure: UpdateFailure | None  # the last update that failed; None: none did

@@ -1,11 +1,14 @@
-// The second-level watchdog: when aborting a failed transport (ncclCommAbort) does not
-// return within ReceiverConfig::abort_deadline, the receiver says so (stderr, stats) and, with
-// exit_on_stuck_abort, ends the process with kStuckAbortExitStatus. The transport here is a
-// loopback rank whose abort() blocks until the test lets it go, as a hung ncclCommAbort would.
+// The second-level watchdog: when aborting a failed transport (ncclCommAbort), or releasing a
+// departed trainer's, does not return within ReceiverConfig::abort_deadline, the receiver says so
+// (stderr, stats) and, with exit_on_stuck_abort, ends the process with kStuckAbortExitStatus. The
+// transport here is a loopback rank whose abort() (or destructor) blocks until the test lets it
+// go, as a hung ncclCommAbort (or a teardown waiting for its peer) would.
 //
 // How each test was checked to fail without its behaviour: with Receiver::Impl::abort_transport
 // calling transport->abort() directly (no watch), the first test timed out waiting for
 // stats().stuck_aborts and the second saw the child killed at its deadline instead of exiting 70.
+// With release_transport destroying the transport unwatched, the release test timed out waiting
+// for stats().stuck_aborts.
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
@@ -88,6 +91,32 @@ class StuckAbortTransport final : public Transport {
   std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
 };
 
+// A loopback rank whose destructor blocks until release(): a communicator teardown that waits
+// for a peer that never tears its end down.
+class StuckTeardownTransport final : public Transport {
+ public:
+  using Gate = StuckAbortTransport::Gate;
+  explicit StuckTeardownTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
+  ~StuckTeardownTransport() override {
+    std::unique_lock lock(gate_->mutex);
+    gate_->entered = true;
+    gate_->cv.wait(lock, [&] { return gate_->released; });
+  }
+  std::string_view name() const override { return "stuck-teardown"; }
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override {
+    inner_->broadcast_async(buffer, bytes, root, stream);
+  }
+  std::optional<std::string> async_error() override { return inner_->async_error(); }
+  void abort() noexcept override { inner_->abort(); }
+  std::shared_ptr<Gate> gate() const { return gate_; }
+
+ private:
+  std::unique_ptr<Transport> inner_;
+  std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
+};
+
 ReceiverConfig watchdog_config(bool exit_on_stuck_abort) {
   ReceiverConfig config;
   config.bucket_deadline = 100ms;  // nobody sends: the update fails here and aborts the transport
@@ -96,22 +125,32 @@ ReceiverConfig watchdog_config(bool exit_on_stuck_abort) {
   return config;
 }
 
+
+// A receiver over a stuck transport (StuckAbortTransport or StuckTeardownTransport) on a dead
+// loopback pair, and a fake engine stepping it. The gate is let go before the receiver is
+// destroyed (which joins its thread): a failing check must not turn into a hung test.
+template <typename StuckTransport>
+struct StuckReceiver {
+  struct LetGoAtExit {
+    std::shared_ptr<StuckAbortTransport::Gate> gate;
+    ~LetGoAtExit() { gate->release(); }
+  };
+
+  const Layout layout = watchdog_layout();
+  HostBackend backend;
+  LoopbackCommunicator dead{2};
+  std::unique_ptr<StuckTransport> stuck = std::make_unique<StuckTransport>(dead.transport(1));
+  const std::shared_ptr<StuckAbortTransport::Gate> gate = stuck->gate();
+  Receiver receiver{layout, backend, std::move(stuck), watchdog_config(false)};
+  LetGoAtExit let_go_at_exit{gate};
+  HostFakeEngine engine{backend, receiver, {.full_check_every = 1}};
+};
+
 }  // namespace
 
 TEST_CASE("abort watchdog: an abort that does not return is reported; the engine keeps stepping") {
-  const Layout layout = watchdog_layout();
-  HostBackend backend;
-  LoopbackCommunicator dead(2);
-  auto stuck = std::make_unique<StuckAbortTransport>(dead.transport(1));
-  const auto gate = stuck->gate();
-  Receiver receiver(layout, backend, std::move(stuck), watchdog_config(false));
-  // Whatever fails below, the abort returns before the receiver is destroyed (which joins its
-  // thread): a failing check must not turn into a hung test.
-  struct ReleaseAtExit {
-    std::shared_ptr<StuckAbortTransport::Gate> gate;
-    ~ReleaseAtExit() { gate->release(); }
-  } release_at_exit{gate};
-  HostFakeEngine engine(backend, receiver, {.full_check_every = 1});
+  StuckReceiver<StuckAbortTransport> setup;
+  auto& [layout, backend, dead, stuck, gate, receiver, let_go, engine] = setup;
   const std::uint64_t hash_before = live_hash(receiver);
 
   const auto started = std::chrono::steady_clock::now();
@@ -155,6 +194,30 @@ TEST_CASE("abort watchdog: an abort that does not return is reported; the engine
   wait_until([&] { return receiver.stats().updates_failed == 2; }, "update 3 reported failed");
   CHECK(receiver.stats().needs_transport);    // the abort ran
   CHECK(receiver.stats().stuck_aborts == 1);  // and was not counted as stuck
+}
+
+TEST_CASE("abort watchdog: a release whose teardown does not return is reported too") {
+  StuckReceiver<StuckTeardownTransport> setup;
+  auto& [layout, backend, dead, stuck, gate, receiver, let_go, engine] = setup;
+
+  receiver.release_transport("trainer 127.0.0.1:1 left: said goodbye");
+  wait_until([&] { return receiver.stats().stuck_aborts == 1; },
+             "the watchdog to report the stuck teardown");
+  CHECK(gate->was_entered());
+  CHECK_THAT(receiver.stats().last_error,
+             Catch::Contains("releasing transport 'stuck-teardown' (rank 1 of 2): trainer "
+                             "127.0.0.1:1 left: said goodbye has not returned after 200 ms"));
+  for (int i = 0; i < 3; ++i) CHECK_FALSE(engine.step().has_value());  // the engine steps on
+  engine.synchronize();
+
+  gate->release();
+  wait_until([&] { return receiver.stats().needs_transport; }, "the release to finish");
+  receiver.begin_update(make_update_header(layout, 1, {"base"}));
+  wait_until([&] { return receiver.stats().updates_failed == 1; }, "update 1 reported failed");
+  CHECK_THAT(receiver.stats().last_error,
+             Catch::Contains("update 1: no transport (released: trainer 127.0.0.1:1 left: said "
+                             "goodbye; the next rendezvous installs a new one)"));
+  CHECK(receiver.stats().stuck_aborts == 1);
 }
 
 // Run by the next test in a child process: the abort never returns, the watchdog must end it.

@@ -310,6 +310,17 @@ TEST_CASE("a trainer connects, hands over the rendezvous, and every update is ac
     CHECK(stats.updates_ready == 10);
   }
 
+  SECTION("the engine's channel shutting down releases the receiver's transport too") {
+    engine.channel.shutdown();
+    engine.channel.shutdown();  // idempotent
+    wait_until([&] { return !trainer.engines()[0].connected; }, "trainer told");
+    engine.receiver.begin_update(make_update_header(layout, 11, {"base"}));
+    wait_until([&] { return engine.receiver.stats().last_failure.version == 11; },
+               "update 11 failed");
+    CHECK_THAT(engine.receiver.stats().last_error,
+               Catch::Contains("no transport (released: the engine's control channel shut down"));
+  }
+
   SECTION("a newer trainer replaces the old one; a new rendezvous and the updates resume") {
     // (A trainer that dies without a goodbye: tests/integration/test_control_e2e.cpp.)
     auto restarted =
