@@ -217,7 +217,9 @@ void EngineChannel::Impl::stop() {
     // No trainer can reach this engine any more, and the one told goodbye tears its end down:
     // so does the receiver (TrainerLeft's release, which close() may have dropped).
     receiver.release_transport("the engine's control channel shut down");
-    requests.reset();  // idempotent: a second stop() releases nothing more
+    // Once only: a second stop() (the destructor's) must not release a transport the
+    // application installed with replace_transport after the first.
+    requests.reset();
   }
 }
 

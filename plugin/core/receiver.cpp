@@ -51,7 +51,6 @@ struct Receiver::Impl {
         backend(backend),
         config(config),
         transport(std::move(transport)),
-        had_transport(this->transport != nullptr),
         planner(*owner.slots_),
         stream(backend.create_stream(StreamPriority::kLow)),
         done_event(backend.create_event()),
@@ -99,8 +98,11 @@ struct Receiver::Impl {
   Backend& backend;
   const ReceiverConfig config;
   std::unique_ptr<Transport> transport;  // receiver thread only
-  bool had_transport = false;            // receiver thread only: one was ever installed
-  std::string released_because;          // receiver thread only: release_transport's `why`
+  // Receiver thread only: why `transport` is null, for the message of an update that finds none
+  // (read only while it is).
+  std::string why_no_transport =
+      "the receiver was made without one and replace_transport was never called; give it the "
+      "transport to the trainer first";
   SlotPlanner planner;                   // receiver thread only
   std::unique_ptr<Stream> stream;        // the receives
   std::unique_ptr<Event> done_event;
@@ -357,8 +359,6 @@ void Receiver::Impl::run() {
         break;
       case Command::Kind::kReplaceTransport:
         transport = std::move(command.transport);
-        had_transport = true;
-        released_because.clear();
         {
           std::lock_guard lock(stats_mutex);
           stats.needs_transport = false;
@@ -369,7 +369,8 @@ void Receiver::Impl::run() {
           // NCCL: finalize and destroy, with the departed trainer's end.
           release_transport_watched(transport, command.why, config,
                                     [this](const std::string& message) { count_stuck(message); });
-          released_because = std::move(command.why);
+          why_no_transport =
+              fmt::format("released: {}; the next rendezvous installs a new one", command.why);
           std::lock_guard lock(stats_mutex);
           stats.needs_transport = true;
         }
@@ -440,19 +441,7 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
     failed.version = header.version;
     failed.outcome = UpdateOutcome::kFailed;
     failed.code = ErrorCode::kTransport;
-    failed.error =
-        !released_because.empty()
-            ? fmt::format("update {}: no transport (released: {}; the next rendezvous installs "
-                          "a new one)",
-                          header.version, released_because)
-        : had_transport
-            ? fmt::format("update {}: no transport (the last one was aborted after a failure; "
-                          "call replace_transport with a new one)",
-                          header.version)
-            : fmt::format("update {}: no transport (the receiver was made without one and "
-                          "replace_transport was never called; give it the transport to the "
-                          "trainer first)",
-                          header.version);
+    failed.error = fmt::format("update {}: no transport ({})", header.version, why_no_transport);
     report(failed);
     return;
   }
@@ -714,6 +703,8 @@ void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal)
   if (refusal.transport_failed) {
     abort_transport_watched(transport, header.version, config,
                             [this](const std::string& message) { count_stuck(message); });
+    why_no_transport =
+        "the last one was aborted after a failure; call replace_transport with a new one";
     if (!drain_streams()) {
       std::fprintf(stderr,
                    "shadowsync: receiver streams still busy %lld s after aborting update %llu; "
