@@ -166,12 +166,12 @@ step_vllm() {
     failed=1
     return 0
   fi
-  log "[vllm] pytest test_vllm_real.py test_vllm_example.py test_vllm_tp.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_vllm_benches.py with $dir/venv"
+  log "[vllm] pytest test_vllm_real.py test_vllm_example.py test_vllm_tp.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_vllm_benches.py test_rebind.py with $dir/venv"
   SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c.so" PYTHONDONTWRITEBYTECODE=1 \
     "$dir/venv/bin/python" -m pytest python/tests/test_vllm_real.py \
     python/tests/test_vllm_example.py python/tests/test_vllm_tp.py python/tests/test_loader_trace.py \
     python/tests/test_lora_plan.py python/tests/test_live_arena_memory.py \
-    python/tests/test_vllm_benches.py -q -rs -p no:cacheprovider \
+    python/tests/test_vllm_benches.py python/tests/test_rebind.py -q -rs -p no:cacheprovider \
     2>&1 | tee "$dir/pytest.log" ||
     rc=$?
   result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$dir/pytest.log" | tail -n 1 || true)

@@ -46,6 +46,7 @@ from shadowsync.remap_arena import RemapArena
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .graph_pairs import GraphSets
+from .rebind import Rebinding
 from .worker_extension import _CudaBytes
 
 __all__ = ["GraphPairsEngine", "LiveArenaEngine"]
@@ -119,6 +120,7 @@ class GraphPairsEngine(LiveArenaEngine):
                 f"both weight slots; use the backend '{BACKEND_NAME}' (swapped by remap)")
         # Each parameter paired with its view in each slot, built once: a swap only assigns.
         self._pairs = [list(zip(self.params, self._slot_views(slot, device))) for slot in (0, 1)]
+        self._rebindings = [Rebinding(pairs) for pairs in self._pairs]
         self.slot = -1
         self.bind(self.arena.live_slot)  # the same bytes as the live range, at their own address
         self.graph_sets = GraphSets(runner, self.bind, self.slot)
@@ -137,8 +139,7 @@ class GraphPairsEngine(LiveArenaEngine):
     def bind(self, slot: int) -> None:
         """Points every parameter at its place in `slot`. Engine thread (or vLLM's start-up),
         between two steps."""
-        for param, view in self._pairs[slot]:
-            param.data = view
+        self._rebindings[slot].apply()
         self.slot = slot
 
     def use_slot(self, slot: int) -> None:

@@ -39,6 +39,7 @@ from shadowsync.receiver import GroupSwap, Receiver, ReceiverConfig
 from shadowsync.transport import Transport, nccl_transport
 
 from .lora_plan import is_lora_tensor, lora_layers_unwrapped, lora_receive_plan
+from .rebind import Rebinding
 
 __all__ = ["WorkerExtension"]
 
@@ -65,6 +66,7 @@ class _UpdateGroup:
         self.kind = kind  # "numpy" or "torch"
         self.device = device
         self.views: dict[tuple[int, int], list] = {}  # (group, arena address) -> tensor views
+        self.rebindings: dict[tuple[int, int], Rebinding] = {}  # the same key -> their rebind
         self.stream: Stream | None = None  # the engine stream the swaps are enqueued on
         self.host_reads_after_copy = False
         # copy_in: the live storage is the parameters' own (Receiver.use_engine_storage): a swap
@@ -111,6 +113,17 @@ class _UpdateGroup:
             self.views[key] = views
         return views
 
+    def group_rebinding(self, group: int) -> Rebinding:
+        """The rebind of `group`'s parameters to their views in its live slot (group_views)."""
+        key = (group, self.receiver.live_arena_pointer(group))
+        rebinding = self.rebindings.get(key)
+        if rebinding is None:
+            info = self.receiver.layout.groups[group]
+            rebinding = Rebinding((self.params[t.name], view)
+                                  for t, view in zip(info.tensors, self.group_views(group)))
+            self.rebindings[key] = rebinding
+        return rebinding
+
     def _arena(self, address: int, size: int):
         if self.device == "cpu":
             raw = (ctypes.c_uint8 * size).from_address(address)
@@ -130,9 +143,7 @@ class _UpdateGroup:
         """Points every parameter of `group` at its view in the live slot. Engine thread."""
         if self.engine_storage:
             return  # the parameters are the live storage
-        info = self.receiver.layout.groups[group]
-        for t, view in zip(info.tensors, self.group_views(group)):
-            self.params[t.name].data = view
+        self.group_rebinding(group).apply()
 
     def on_swap(self, version: int, swaps: list[GroupSwap]) -> None:
         started = time.perf_counter()
