@@ -318,6 +318,8 @@ def child_passthrough(args) -> list[str]:
         flags += ["--decode-slowdown-budget", str(args.decode_slowdown_budget)]
     if args.gpu_memory_utilization:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.progress_poll_s is not None:
+        flags += ["--progress-poll-s", str(args.progress_poll_s)]
     flags += ["--copy-passes", str(args.copy_passes), "--tp", str(args.tp),
               "--transport", args.transport, "--trainer-gpu", str(args.trainer_gpu)]
     for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "graph_pairs",
@@ -1331,8 +1333,10 @@ class ShadowsyncTransfer:
         return time.monotonic() - t0
 
     async def update(self, engine, version: int) -> dict:
-        from shadowsync.vllm import apply_update_async, commit_update_async
+        from shadowsync.vllm import apply_update_async, commit_update_async, worker_extension
 
+        if self.args.progress_poll_s is not None:
+            worker_extension._PROGRESS_POLL_S = self.args.progress_poll_s
         t0 = time.perf_counter()
         self.conn.send(("publish", version))
         header, publish_s, header_buckets = await self.recv("header")
@@ -1616,6 +1620,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-steps", action="store_true",
                    help="shadowsync path: trace vLLM's forward calls around each swap "
                         "(bench/vllm_step_trace.py; host and CUDA-event times per step, logged)")
+    p.add_argument("--progress-poll-s", type=float,
+                   help="shadowsync path: how often apply_update_async asks the workers whether "
+                        "the update is live (each ask is an RPC the engine thread serves between "
+                        "two steps; default: the extension's)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help=f"vLLM's share of the GPU (default per config: {GPU_MEMORY_UTILIZATION})")
     p.add_argument("--dummy-load", action="store_true",

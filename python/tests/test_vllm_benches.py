@@ -98,6 +98,10 @@ def test_every_switch_of_the_update_bench_reaches_its_child():
     child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
                                              "--child", "vllm"])
     assert (child.tp, child.transport, child.trainer_gpu) == (2, "nccl", 3), child
+    parent = bench.build_parser().parse_args(["--progress-poll-s", "0.02"])
+    child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
+                                             "--child", "shadowsync"])
+    assert child.progress_poll_s == 0.02, child
 
 
 def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
