@@ -1623,7 +1623,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-poll-s", type=float,
                    help="shadowsync path: how often apply_update_async asks the workers whether "
                         "the update is live (each ask is an RPC the engine thread serves between "
-                        "two steps; default: the extension's)")
+                        "two steps; default: the extension's, 0.02)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help=f"vLLM's share of the GPU (default per config: {GPU_MEMORY_UTILIZATION})")
     p.add_argument("--dummy-load", action="store_true",

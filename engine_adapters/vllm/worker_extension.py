@@ -1300,8 +1300,12 @@ def apply_update(llm, version: int, timeout: float | None = None,
 
 # apply_update_async: how often it asks the workers whether the update is live, and how long a
 # received update may wait for a step before the engine counts as idle (then wait_applied
-# applies it between two steps).
-_PROGRESS_POLL_S = 0.001
+# applies it between two steps). Each ask is an RPC that vLLM's engine thread serves between two
+# steps, and the asks cluster around the swap: at 1 ms they added to the engine stop (Llama-3-8B
+# on one H200, graph pairs, paced to 1.08: 1.07 ms median at 1 ms, 0.84 ms at 20 ms;
+# docs/benchmarks.md, "11."). The price of 20 ms: the caller learns of the flip up to 20 ms
+# later; the engine flips at the same step either way.
+_PROGRESS_POLL_S = 0.02
 _IDLE_AFTER_S = 0.2
 
 
