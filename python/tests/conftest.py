@@ -23,7 +23,9 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 # mode the receive stalled, every run on H200 machines (a bucket not complete after 10 s, the
 # trainer done sending; 2x H200 and 4x H200, torch's NCCL 2.28.9), and passed with
 # NCCL_P2P_DIRECT_DISABLE=1, NCCL_P2P_USE_CUDA_MEMCPY=1 or NCCL_P2P_DISABLE=1 (docs/gpu.md, the
-# eighteenth session). NCCL reads it once per process, at its first communicator: set here.
+# eighteenth session; the C++ test_gpu_updates, threads in one process on the system's NCCL
+# 2.28.3, passes in the direct mode). NCCL reads it once per process, at its first communicator:
+# set here.
 os.environ.setdefault("NCCL_P2P_DIRECT_DISABLE", "1")
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent
