@@ -1335,8 +1335,9 @@ class ShadowsyncTransfer:
     async def update(self, engine, version: int) -> dict:
         from shadowsync.vllm import apply_update_async, commit_update_async, worker_extension
 
-        if self.args.progress_poll_s is not None:
-            worker_extension._PROGRESS_POLL_S = self.args.progress_poll_s
+        poll_s = getattr(self.args, "progress_poll_s", None)  # bench_vllm_pacing has none
+        if poll_s is not None:
+            worker_extension._PROGRESS_POLL_S = poll_s
         t0 = time.perf_counter()
         self.conn.send(("publish", version))
         header, publish_s, header_buckets = await self.recv("header")
