@@ -119,8 +119,8 @@ class GraphPairsEngine(LiveArenaEngine):
                 f"was not found among the callers, so its CUDA graphs cannot be captured over "
                 f"both weight slots; use the backend '{BACKEND_NAME}' (swapped by remap)")
         # Each parameter paired with its view in each slot, built once: a swap only assigns.
-        self._pairs = [list(zip(self.params, self._slot_views(slot, device))) for slot in (0, 1)]
-        self._rebindings = [Rebinding(pairs) for pairs in self._pairs]
+        self._rebindings = [Rebinding(zip(self.params, self._slot_views(slot, device)))
+                            for slot in (0, 1)]
         self.slot = -1
         self.bind(self.arena.live_slot)  # the same bytes as the live range, at their own address
         self.graph_sets = GraphSets(runner, self.bind, self.slot)
@@ -158,11 +158,13 @@ class GraphPairsEngine(LiveArenaEngine):
         import torch
 
         with torch.no_grad():
-            for (_, src), (_, dst) in zip(self._pairs[self.slot], self._pairs[target]):
+            sources = self._rebindings[self.slot].tensors()
+            targets = self._rebindings[target].tensors()
+            for src, dst in zip(sources, targets):
                 dst.copy_(src)
         # A later receiver starts with no release events: the copy must be done before it may
         # write the slot the copy reads.
-        torch.cuda.synchronize(self._pairs[target][0][1].device)
+        torch.cuda.synchronize(targets[0].device)
         self.use_slot(target)
 
 

@@ -65,8 +65,8 @@ class _UpdateGroup:
         self.params = params  # layout tensor name -> the model's parameter object
         self.kind = kind  # "numpy" or "torch"
         self.device = device
-        self.views: dict[tuple[int, int], list] = {}  # (group, arena address) -> tensor views
-        self.rebindings: dict[tuple[int, int], Rebinding] = {}  # the same key -> their rebind
+        # (group, arena address) -> the rebind of the group's parameters to views of that arena
+        self.rebindings: dict[tuple[int, int], Rebinding] = {}
         self.stream: Stream | None = None  # the engine stream the swaps are enqueued on
         self.host_reads_after_copy = False
         # copy_in: the live storage is the parameters' own (Receiver.use_engine_storage): a swap
@@ -98,30 +98,25 @@ class _UpdateGroup:
         self.step_hook_at: str | None = None
 
     def group_views(self, group: int) -> list:
-        """Views of every tensor of `group` in its live slot; built once per slot (each group has
-        two arenas, fixed for the receiver's life), so a swap only assigns."""
-        address = self.receiver.live_arena_pointer(group)
-        key = (group, address)
-        views = self.views.get(key)
-        if views is None:
-            info = self.receiver.layout.groups[group]
-            arena = self._arena(address, info.arena_bytes)
-            views = []
-            for t in info.tensors:
-                like = _data(self.params[t.name])
-                views.append(arena[t.offset : t.offset + t.bytes].view(like.dtype).reshape(t.shape))
-            self.views[key] = views
-        return views
+        """Views of every tensor of `group` in its live slot (group_rebinding's)."""
+        return self.group_rebinding(group).tensors()
 
     def group_rebinding(self, group: int) -> Rebinding:
-        """The rebind of `group`'s parameters to their views in its live slot (group_views)."""
+        """The rebind of `group`'s parameters to views of their place in its live slot; built once
+        per slot (each group has two arenas, fixed for the receiver's life), so a swap only
+        assigns."""
         key = (group, self.receiver.live_arena_pointer(group))
         rebinding = self.rebindings.get(key)
         if rebinding is None:
             info = self.receiver.layout.groups[group]
-            rebinding = Rebinding((self.params[t.name], view)
-                                  for t, view in zip(info.tensors, self.group_views(group)))
-            self.rebindings[key] = rebinding
+            arena = self._arena(key[1], info.arena_bytes)
+            pairs = []
+            for t in info.tensors:
+                param = self.params[t.name]
+                like = _data(param)
+                view = arena[t.offset : t.offset + t.bytes].view(like.dtype).reshape(t.shape)
+                pairs.append((param, view))
+            rebinding = self.rebindings[key] = Rebinding(pairs)
         return rebinding
 
     def _arena(self, address: int, size: int):
