@@ -1333,11 +1333,10 @@ class ShadowsyncTransfer:
         return time.monotonic() - t0
 
     async def update(self, engine, version: int) -> dict:
-        from shadowsync.vllm import apply_update_async, commit_update_async, worker_extension
+        from shadowsync.vllm import apply_update_async, commit_update_async
 
         poll_s = getattr(self.args, "progress_poll_s", None)  # bench_vllm_pacing has none
-        if poll_s is not None:
-            worker_extension._PROGRESS_POLL_S = poll_s
+        poll = {} if poll_s is None else dict(poll_s=poll_s)
         t0 = time.perf_counter()
         self.conn.send(("publish", version))
         header, publish_s, header_buckets = await self.recv("header")
@@ -1351,7 +1350,7 @@ class ShadowsyncTransfer:
                                                 reset_prefix_cache=False)
         else:
             applied = await apply_update_async(engine, version, timeout=60,
-                                               reset_prefix_cache=False)
+                                               reset_prefix_cache=False, **poll)
         t4 = time.perf_counter()
         if applied != version:
             raise RuntimeError(f"update {version}: the engine applied version {applied}")
@@ -1624,7 +1623,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-poll-s", type=float,
                    help="shadowsync path: how often apply_update_async asks the workers whether "
                         "the update is live (each ask is an RPC the engine thread serves between "
-                        "two steps; default: the extension's, 0.02)")
+                        "two steps; apply_update_async's poll_s, default 0.02)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help=f"vLLM's share of the GPU (default per config: {GPU_MEMORY_UTILIZATION})")
     p.add_argument("--dummy-load", action="store_true",

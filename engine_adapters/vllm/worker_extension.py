@@ -1293,32 +1293,37 @@ def apply_update(llm, version: int, timeout: float | None = None,
     return min(int(v) for v in applied)
 
 
-# apply_update_async: how often it asks the workers whether the update is live, and how long a
-# received update may wait for a step before the engine counts as idle (then wait_applied
-# applies it between two steps). Each ask is an RPC that vLLM's engine thread serves between two
-# steps, and the asks cluster around the swap: at 1 ms they added to the engine stop (Llama-3-8B
-# on one H200, graph pairs, paced to 1.08: 1.07 ms median at 1 ms, 0.84 ms at 20 ms;
-# docs/benchmarks.md, "11."). The price of 20 ms: the caller learns of the flip up to 20 ms
-# later; the engine flips at the same step either way.
-_PROGRESS_POLL_S = 0.02
+# apply_update_async: how long a received update may wait for a step before the engine counts
+# as idle (then wait_applied applies it between two steps).
 _IDLE_AFTER_S = 0.2
 
 
 async def apply_update_async(engine, version: int, timeout: float | None = None,
-                             reset_prefix_cache: bool = True, preempt_running: bool = False) -> int:
+                             reset_prefix_cache: bool = True, preempt_running: bool = False,
+                             poll_s: float = 0.02) -> int:
     """apply_update for an ``AsyncLLM`` (see there: under load vLLM refuses the prefix cache
     reset; use ``cache_salt`` and ``reset_prefix_cache=False``, or `preempt_running`).
 
     Returns once `version` is live on every worker. While the engine generates, the step hook
     makes it live right before a step's forward, and this only polls (``update_progress``, a
-    thread-safe call that swaps nothing): no RPC blocks the engine thread while the last bytes
-    arrive, and the swap is not moved ahead of vLLM's input preparation. When a received update
-    has waited ``_IDLE_AFTER_S`` for a step (an idle engine), ``wait_applied`` applies it.
-    ShadowsyncTimeoutError after `timeout` seconds (None: no limit) names the versions seen."""
+    thread-safe call that swaps nothing) every `poll_s` seconds: no RPC blocks the engine thread
+    while the last bytes arrive, and the swap is not moved ahead of vLLM's input preparation.
+    When a received update has waited ``_IDLE_AFTER_S`` for a step (an idle engine),
+    ``wait_applied`` applies it. ShadowsyncTimeoutError after `timeout` seconds (None: no limit)
+    names the versions seen.
+
+    Each poll is an RPC that vLLM's engine thread serves between two steps, and the polls
+    cluster around the swap: at 1 ms they added to the engine stop (Llama-3-8B on one H200,
+    graph pairs, paced to 1.08: 1.07 ms median at 1 ms, 0.84 ms at 20 ms; docs/benchmarks.md,
+    "11."). The price of the 20 ms default: the caller learns of the flip up to 20 ms later; the
+    engine flips at the same step either way."""
     import asyncio
 
     from shadowsync.errors import ShadowsyncTimeoutError
 
+    if not poll_s > 0:
+        raise InvalidArgumentError(f"apply_update_async({version}): poll_s must be a positive "
+                                   f"number of seconds, got {poll_s!r}")
     version = int(version)
     started = time.monotonic()
     pending_since = None
@@ -1345,7 +1350,7 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
                 applied = min(int(v) for v in await engine.collective_rpc(
                     "wait_applied", args=(version, left)))
                 break
-        await asyncio.sleep(_PROGRESS_POLL_S)
+        await asyncio.sleep(poll_s)
     if reset_prefix_cache:
         await _reset_prefix_cache_async(engine, version, "apply_update_async", preempt_running)
     return applied

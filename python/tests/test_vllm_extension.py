@@ -441,6 +441,36 @@ def test_apply_update_async_lets_the_step_hook_swap_and_applies_only_for_an_idle
     assert coordinated.calls == ["update_progress"]
 
 
+def test_apply_update_async_polls_every_poll_s_and_refuses_a_poll_s_that_is_not_positive(monkeypatch):
+    import asyncio
+
+    import shadowsync.vllm as ssv
+
+    slept = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(seconds, *args, **kwargs):
+        slept.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", recording_sleep)
+    streaming = {"applied_version": 1, "pending": False}
+    live = {"applied_version": 2, "pending": False}
+    for kwargs, expected in (({}, 0.02), ({"poll_s": 0.005}, 0.005)):
+        slept.clear()
+        front_end = _AsyncFakeFrontEnd(True, [streaming, streaming, live])
+        assert asyncio.run(ssv.apply_update_async(front_end, 2, timeout=DEADLINE_S,
+                                                  reset_prefix_cache=False, **kwargs)) == 2
+        assert slept == [expected, expected], (kwargs, slept)  # between the three polls
+    for bad in (0, -1.0, float("nan")):
+        front_end = _AsyncFakeFrontEnd(True, [live])
+        with pytest.raises(ss.InvalidArgumentError,
+                           match=rf"apply_update_async\(2\): poll_s must be a positive number "
+                                 rf"of seconds, got {bad!r}"):
+            asyncio.run(ssv.apply_update_async(front_end, 2, poll_s=bad))
+        assert front_end.calls == []  # refused before any RPC
+
+
 def test_coordinated_commit_holds_an_update_until_commit_update():
     loopback = ss.Loopback(2)
     worker = FakeWorker()
