@@ -113,7 +113,12 @@ what the engine thread spent on the update and when (the worker stamps each star
 (``swap_ms``), ``begin_update_ms`` and ``wait_applied_ms``; ``gap_at_<event>_ms`` is the longest
 inter-token gap the event's start fell into, ``largest_other_gap_ms`` the longest one overlapping
 the window that none fell into: which of them sets the engine stop says where generation stood
-still.
+still. ``swap_step_admitted``: whether one of the swap's two gaps ended with a step that admitted
+a request (its first token arrived within half a median step of the gap's end); such steps are
+long without any update (``admitting_step_ms_median``), so the summary also gives the engine stop
+over the other updates (``engine_stop_ms_not_admitting``) and the baseline the floor over pairs
+of steps that admitted none (``stop_floor_not_admitting_ms_*``). A diagnostic:
+``engine_stop_ms`` and the goals count every update.
 
 Median and max over the measured updates. Goals printed next to shadowsync's figures: engine stop
 at most 1 ms per update at 8B, decode slowdown during the update at most 1.10x. vLLM's reported
@@ -124,6 +129,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import dataclasses
 import json
 import math
@@ -619,6 +625,8 @@ class DecodeLoad:
         self.tokens: list[tuple[float, int]] = []  # (arrival, new tokens)
         # One request's consecutive token arrivals, and the tokens the later one brought.
         self.gaps: list[tuple[float, float, int]] = []
+        # Each request's first token: the end of the step that admitted it (its prefill).
+        self.first_tokens: list[float] = []
         self.stopping = False
         self.count = 0
 
@@ -652,6 +660,8 @@ class DecodeLoad:
                     self.tokens.append((now, new))
                     if previous is not None:
                         self.gaps.append((previous, now, new))
+                    else:
+                        self.first_tokens.append(now)
                     previous = now
 
     async def measure(self, update, first_version: int, engine_times=None) -> dict:
@@ -709,6 +719,17 @@ class DecodeLoad:
         inside = [b - a for a, b, _ in self.gaps if a >= t0 and b <= t1]
         return statistics.median(inside) if inside else 0.1
 
+    def admission_steps(self, step: float):
+        """A predicate on a gap's end: whether the step that ended it admitted a request (a
+        request's first token arrived within half a median step of that end: one step's outputs
+        reach the requests together)."""
+        firsts = sorted(self.first_tokens)
+
+        def admitted(end: float) -> bool:
+            i = bisect.bisect_left(firsts, end - step / 2)
+            return i < len(firsts) and firsts[i] <= end + step / 2
+        return admitted
+
     def rate(self, w0: float, w1: float) -> float:
         """Decode tokens/s over [w0, w1]: each request's rate at a moment is its tokens over the
         length of the inter-token interval around it, integrated over the window. Unlike a count
@@ -727,6 +748,7 @@ class DecodeLoad:
             raise RuntimeError("no inter-token gaps in the baseline window: no decode load?")
         step = statistics.median(base_gaps)
         base_tps = self.rate(base0, base1)
+        admitted = self.admission_steps(step)
         updates = []
         # A gap that began well before the update (more than two slow steps) is a stall the
         # update did not cause (on a busy CPU: the process descheduled); the other requests of
@@ -755,9 +777,13 @@ class DecodeLoad:
             if "swap" in starts:
                 began = [(a, b) for a, b, _ in self.gaps if a <= starts["swap"] <= b]
                 ends = {b for _, b in began}
-                stop_gap = max([b - a for a, b in began] +
-                               [b - a for a, b, _ in self.gaps if a in ends], default=float("nan"))
+                swap_gaps = began + [(a, b) for a, b, _ in self.gaps if a in ends]
+                stop_gap = max([b - a for a, b in swap_gaps], default=float("nan"))
                 entry["swap_gaps_ms"] = round(stop_gap * 1e3, 3)
+                # Whether the swap shared one of those steps with a request's prefill: such steps
+                # are long without any update (step_ms_max), so the stop measured there is
+                # mostly theirs (a diagnostic; engine_stop_ms counts every update).
+                entry["swap_step_admitted"] = any(admitted(b) for _, b in swap_gaps)
             if entry.get("trace"):
                 entry["swap_gpu_excess_ms"] = swap_gpu_excess(entry["trace"])
             tokens = sum(n for t, n in self.tokens if w0 <= t <= w1)
@@ -768,6 +794,14 @@ class DecodeLoad:
                          slowdown=round(base_tps / tps, 3) if tps > 0 else None)
             updates.append(entry)
         summary = {}
+        clean = [u["engine_stop_ms"] for u in updates if u.get("swap_step_admitted") is False]
+        if any("swap_step_admitted" in u for u in updates):
+            summary["swap_step_admitted_count"] = sum(bool(u.get("swap_step_admitted"))
+                                                      for u in updates)
+            if clean:
+                summary["engine_stop_ms_not_admitting"] = dict(
+                    median=round(statistics.median(clean), 3), max=round(max(clean), 3),
+                    min=round(min(clean), 3), count=len(clean))
         for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
                     "transfer_gbps", "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
                     "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms") + ENGINE_TIMES:
@@ -787,6 +821,11 @@ class DecodeLoad:
             following.setdefault(a, []).append(b - a)
         pairs = [max([b - a] + following.get(b, [])) - step
                  for a, b, _ in self.gaps if a >= base0 and b <= base1]
+        # The same floor over the pairs whose steps admitted no request.
+        quiet = [max([b - a] + following.get(b, [])) - step
+                 for a, b, _ in self.gaps if a >= base0 and b <= base1 and not admitted(b)
+                 and not any(admitted(b + d) for d in following.get(b, []))]
+        admitting = [b - a for a, b, _ in self.gaps if a >= base0 and b <= base1 and admitted(b)]
         return dict(baseline=dict(seconds=round(base1 - base0, 2), started_at=base0, ended_at=base1,
                                   tokens_per_s=round(base_tps, 1),
                                   tokens_per_s_by_arrivals=round(arrivals, 1),
@@ -794,7 +833,15 @@ class DecodeLoad:
                                   step_ms_p99=round(percentile(base_gaps, 99) * 1e3, 3),
                                   step_ms_max=round(max(base_gaps) * 1e3, 3),
                                   stop_floor_ms_median=round(statistics.median(pairs) * 1e3, 3),
-                                  stop_floor_ms_p90=round(percentile(pairs, 90) * 1e3, 3)),
+                                  stop_floor_ms_p90=round(percentile(pairs, 90) * 1e3, 3),
+                                  **({} if not quiet else dict(
+                                      stop_floor_not_admitting_ms_median=round(
+                                          statistics.median(quiet) * 1e3, 3),
+                                      stop_floor_not_admitting_ms_p90=round(
+                                          percentile(quiet, 90) * 1e3, 3))),
+                                  **({} if not admitting else dict(
+                                      admitting_step_ms_median=round(
+                                          statistics.median(admitting) * 1e3, 3)))),
                     updates=updates, summary=summary)
 
 
@@ -1505,6 +1552,21 @@ def write_outputs(out: Path, results: dict) -> None:
                   "where nothing swaps: " + "; ".join(
                       f"{config} {path}: median {b['stop_floor_ms_median']} ms, p90 "
                       f"{b['stop_floor_ms_p90']} ms" for config, path, b in floors) + "."]
+    admissions = [(config, path, r["summary"], r["baseline"])
+                  for config, entry in results["configs"].items() for path, r in entry.items()
+                  if isinstance(r, dict) and "swap_step_admitted_count" in r.get("summary", {})]
+    if admissions:
+        lines += ["", "Swaps that shared a step with a request's prefill (steps that admit requests "
+                  "are long without any update), and the engine stop over the other updates; the "
+                  "floor over the baseline's pairs of steps that admitted none: " + "; ".join(
+                      f"{config} {path}: {s['swap_step_admitted_count']} of "
+                      f"{len(results['configs'][config][path].get('updates', []))}, stop over the "
+                      f"others median {s.get('engine_stop_ms_not_admitting', {}).get('median', '-')}"
+                      f" / max {s.get('engine_stop_ms_not_admitting', {}).get('max', '-')} ms, "
+                      f"floor median {b.get('stop_floor_not_admitting_ms_median', '-')} / p90 "
+                      f"{b.get('stop_floor_not_admitting_ms_p90', '-')} ms, admitting steps "
+                      f"{b.get('admitting_step_ms_median', '-')} ms median"
+                      for config, path, s, b in admissions) + "."]
     where = [(config, entry["shadowsync"]["summary"]) for config, entry in results["configs"].items()
              if isinstance(entry.get("shadowsync"), dict) and "summary" in entry["shadowsync"]]
     if where:

@@ -132,3 +132,36 @@ def test_the_update_bench_refuses_a_placement_nccl_or_vllm_cannot_run(args, mess
                            str(tmp_path), *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
     assert not list(tmp_path.iterdir()), "a refused run wrote outputs"
+
+
+def test_the_update_bench_marks_swaps_that_share_a_step_with_a_prefill():
+    # A synthetic timeline: 4 requests step every 5 ms; the steps ending at 0.500 s and 1.300 s
+    # admit a request (its first token arrives with them) and take 15 ms. Update 1's swap falls
+    # in the admitting step at 0.500 s, update 2's in an ordinary step at 1.100 s, update 3's in
+    # the ordinary step right before the admitting one at 1.300 s (the next gap counts too).
+    sys.path.insert(0, str(BENCH))
+    import bench_vllm_update as bench
+
+    load = bench.DecodeLoad.__new__(bench.DecodeLoad)
+    load.tokens, load.gaps, load.first_tokens = [], [], []
+    ends, t = [], 0.0
+    while t < 1.6:
+        t += 0.015 if any(abs(t + 0.015 - a) < 1e-9 for a in (0.5, 1.3)) else 0.005
+        ends.append(round(t, 6))
+    for request in range(4):
+        for a, b in zip(ends, ends[1:]):
+            load.gaps.append((a + request * 1e-5, b + request * 1e-5, 1))
+            load.tokens.append((b, 1))
+    load.first_tokens = [0.5 + 2e-5, 1.3 + 2e-5]
+    windows = [(0.45, 0.55, {"swap_started_at": 0.49, "swap_ms": 0.2}),
+               (1.05, 1.15, {"swap_started_at": 1.098, "swap_ms": 0.2}),
+               (1.25, 1.35, {"swap_started_at": 1.2825, "swap_ms": 0.2})]
+    result = load.analyse(0.05, 0.45, windows)
+    first, second, third = result["updates"]
+    assert first["swap_step_admitted"] is True and first["engine_stop_ms"] > 9, first
+    assert second["swap_step_admitted"] is False and second["engine_stop_ms"] < 0.1, second
+    assert third["swap_step_admitted"] is True and third["engine_stop_ms"] > 9, third
+    summary = result["summary"]
+    assert summary["swap_step_admitted_count"] == 2, summary
+    assert summary["engine_stop_ms_not_admitting"]["median"] < 0.1, summary
+    assert summary["engine_stop_ms"]["max"] > 9, summary  # the measure itself counts every update
