@@ -24,8 +24,9 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 # trainer done sending; 2x H200 and 4x H200, torch's NCCL 2.28.9), and passed with
 # NCCL_P2P_DIRECT_DISABLE=1, NCCL_P2P_USE_CUDA_MEMCPY=1 or NCCL_P2P_DISABLE=1 (docs/gpu.md, the
 # eighteenth session; the C++ test_gpu_updates, threads in one process on the system's NCCL
-# 2.28.3, passes in the direct mode). NCCL reads it once per process, at its first communicator:
-# set here.
+# 2.28.3, passes in the direct mode). With it the stall is rarer, not gone: it failed once more
+# on 2x H200 (the nineteenth session); the cause is not known (README, Limitations). NCCL reads
+# it once per process, at its first communicator: set here.
 os.environ.setdefault("NCCL_P2P_DIRECT_DISABLE", "1")
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent
