@@ -165,3 +165,8 @@ def test_the_update_bench_marks_swaps_that_share_a_step_with_a_prefill():
     assert summary["swap_step_admitted_count"] == 2, summary
     assert summary["engine_stop_ms_not_admitting"]["median"] < 0.1, summary
     assert summary["engine_stop_ms"]["max"] > 9, summary  # the measure itself counts every update
+    # A baseline holding the admitting step at 0.500 s: its length is reported, and the floor
+    # over the steps that admitted none leaves it out (the full floor's max would be ~10 ms).
+    baseline = load.analyse(0.05, 1.0, windows)["baseline"]
+    assert baseline["admitting_step_ms_median"] == pytest.approx(15.0, abs=0.05), baseline
+    assert baseline["stop_floor_not_admitting_ms_median"] == pytest.approx(0.0, abs=0.05), baseline
