@@ -24,9 +24,13 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 # trainer done sending; 2x H200 and 4x H200, torch's NCCL 2.28.9), and passed with
 # NCCL_P2P_DIRECT_DISABLE=1, NCCL_P2P_USE_CUDA_MEMCPY=1 or NCCL_P2P_DISABLE=1 (docs/gpu.md, the
 # eighteenth session; the C++ test_gpu_updates, threads in one process on the system's NCCL
-# 2.28.3, passes in the direct mode). With it the stall is rarer, not gone: it failed once more
-# on 2x H200 (the nineteenth session); the cause is not known (README, Limitations). NCCL reads
-# it once per process, at its first communicator: set here.
+# 2.28.3, passes in the direct mode). It failed once more with it on 2x H200 (the nineteenth
+# session), and by our reading of NCCL 2.28.9's p2p.cc the setting changes only a log label
+# within one process (the type it picks is not read again): the passes were likely luck. The likely cause is the test's own trainer, which waits for engine
+# steps before its last buckets while their NCCL receive kernels wait on the engine's GPU
+# (docs/ARCHITECTURE.md, "What NCCL cannot give"); not yet confirmed by a trace. Kept until a
+# traced run shows it changes nothing. NCCL reads it once per process, at its first
+# communicator: set here.
 os.environ.setdefault("NCCL_P2P_DIRECT_DISABLE", "1")
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent
