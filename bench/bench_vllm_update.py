@@ -117,8 +117,10 @@ still. ``swap_step_admitted``: whether one of the swap's two gaps ended with a s
 a request (its first token arrived within half a median step of the gap's end); such steps are
 long without any update (``admitting_step_ms_median``), so the summary also gives the engine stop
 over the other updates (``engine_stop_ms_not_admitting``) and the baseline the floor over pairs
-of steps that admitted none (``stop_floor_not_admitting_ms_*``). A diagnostic:
-``engine_stop_ms`` and the goals count every update.
+of steps that admitted none (``stop_floor_not_admitting_ms_*``);
+``engine_stop_like_for_like_ms`` compares each of the swap's gaps with the baseline's median
+step of its kind (admitting or not). Diagnostics: ``engine_stop_ms`` and the goals count every
+update against the median step.
 
 Median and max over the measured updates. Goals printed next to shadowsync's figures: engine stop
 at most 1 ms per update at 8B, decode slowdown during the update at most 1.10x. vLLM's reported
@@ -749,6 +751,8 @@ class DecodeLoad:
         step = statistics.median(base_gaps)
         base_tps = self.rate(base0, base1)
         admitted = self.admission_steps(step)
+        admitting = [b - a for a, b, _ in self.gaps if a >= base0 and b <= base1 and admitted(b)]
+        admitting_step = statistics.median(admitting) if admitting else None
         updates = []
         # A gap that began well before the update (more than two slow steps) is a stall the
         # update did not cause (on a busy CPU: the process descheduled); the other requests of
@@ -784,6 +788,13 @@ class DecodeLoad:
                 # are long without any update (step_ms_max), so the stop measured there is
                 # mostly theirs (a diagnostic; engine_stop_ms counts every update).
                 entry["swap_step_admitted"] = any(admitted(b) for _, b in swap_gaps)
+                # Like for like: each of those gaps over the baseline's median step of its kind
+                # (one that admitted a request, or not); None if the baseline had none of a kind
+                # it needs.
+                kinds = [(b - a, admitting_step if admitted(b) else step) for a, b in swap_gaps]
+                if swap_gaps and all(usual is not None for _, usual in kinds):
+                    entry["engine_stop_like_for_like_ms"] = round(
+                        max(0.0, max(gap - usual for gap, usual in kinds)) * 1e3, 3)
             if entry.get("trace"):
                 entry["swap_gpu_excess_ms"] = swap_gpu_excess(entry["trace"])
             tokens = sum(n for t, n in self.tokens if w0 <= t <= w1)
@@ -804,7 +815,8 @@ class DecodeLoad:
                     min=round(min(clean), 3), count=len(clean))
         for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
                     "transfer_gbps", "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
-                    "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms") + ENGINE_TIMES:
+                    "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms",
+                    "engine_stop_like_for_like_ms") + ENGINE_TIMES:
             values = [u.get(key) for u in updates if key in u]
             if not values:
                 continue
@@ -825,7 +837,6 @@ class DecodeLoad:
         quiet = [max([b - a] + following.get(b, [])) - step
                  for a, b, _ in self.gaps if a >= base0 and b <= base1 and not admitted(b)
                  and not any(admitted(b + d) for d in following.get(b, []))]
-        admitting = [b - a for a, b, _ in self.gaps if a >= base0 and b <= base1 and admitted(b)]
         return dict(baseline=dict(seconds=round(base1 - base0, 2), started_at=base0, ended_at=base1,
                                   tokens_per_s=round(base_tps, 1),
                                   tokens_per_s_by_arrivals=round(arrivals, 1),
@@ -839,9 +850,8 @@ class DecodeLoad:
                                           statistics.median(quiet) * 1e3, 3),
                                       stop_floor_not_admitting_ms_p90=round(
                                           percentile(quiet, 90) * 1e3, 3))),
-                                  **({} if not admitting else dict(
-                                      admitting_step_ms_median=round(
-                                          statistics.median(admitting) * 1e3, 3)))),
+                                  **({} if admitting_step is None else dict(
+                                      admitting_step_ms_median=round(admitting_step * 1e3, 3)))),
                     updates=updates, summary=summary)
 
 
@@ -1565,7 +1575,10 @@ def write_outputs(out: Path, results: dict) -> None:
                       f" / max {s.get('engine_stop_ms_not_admitting', {}).get('max', '-')} ms, "
                       f"floor median {b.get('stop_floor_not_admitting_ms_median', '-')} / p90 "
                       f"{b.get('stop_floor_not_admitting_ms_p90', '-')} ms, admitting steps "
-                      f"{b.get('admitting_step_ms_median', '-')} ms median"
+                      f"{b.get('admitting_step_ms_median', '-')} ms median, the stop like for like "
+                      f"(each gap over the median step of its kind) median "
+                      f"{s.get('engine_stop_like_for_like_ms', {}).get('median', '-')} / max "
+                      f"{s.get('engine_stop_like_for_like_ms', {}).get('max', '-')} ms"
                       for config, path, s, b in admissions) + "."]
     where = [(config, entry["shadowsync"]["summary"]) for config, entry in results["configs"].items()
              if isinstance(entry.get("shadowsync"), dict) and "summary" in entry["shadowsync"]]

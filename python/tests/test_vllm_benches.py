@@ -134,25 +134,33 @@ def test_the_update_bench_refuses_a_placement_nccl_or_vllm_cannot_run(args, mess
     assert not list(tmp_path.iterdir()), "a refused run wrote outputs"
 
 
-def test_the_update_bench_marks_swaps_that_share_a_step_with_a_prefill():
-    # A synthetic timeline: 4 requests step every 5 ms; the steps ending at 0.500 s and 1.300 s
-    # admit a request (its first token arrives with them) and take 15 ms. Update 1's swap falls
-    # in the admitting step at 0.500 s, update 2's in an ordinary step at 1.100 s, update 3's in
-    # the ordinary step right before the admitting one at 1.300 s (the next gap counts too).
+def _timeline(long_steps: dict, admitting: tuple, until: float = 1.6):
+    """A DecodeLoad that saw 4 requests step every 5 ms until `until`, except the steps in
+    `long_steps` (end time -> length, s); a request was admitted by each step ending at a time in
+    `admitting` (its first token arrives with that step's outputs)."""
     sys.path.insert(0, str(BENCH))
     import bench_vllm_update as bench
 
     load = bench.DecodeLoad.__new__(bench.DecodeLoad)
-    load.tokens, load.gaps, load.first_tokens = [], [], []
+    load.tokens, load.gaps = [], []
     ends, t = [], 0.0
-    while t < 1.6:
-        t += 0.015 if any(abs(t + 0.015 - a) < 1e-9 for a in (0.5, 1.3)) else 0.005
-        ends.append(round(t, 6))
+    while t < until:
+        t += next((length for end, length in long_steps.items()
+                   if abs(t + length - end) < 1e-9), 0.005)
+        ends.append(t)
     for request in range(4):
         for a, b in zip(ends, ends[1:]):
             load.gaps.append((a + request * 1e-5, b + request * 1e-5, 1))
             load.tokens.append((b, 1))
-    load.first_tokens = [0.5 + 2e-5, 1.3 + 2e-5]
+    load.first_tokens = [end + 2e-5 for end in admitting]
+    return load
+
+
+def test_the_update_bench_marks_swaps_that_share_a_step_with_a_prefill():
+    # The steps ending at 0.500 s and 1.300 s admit a request and take 15 ms. Update 1's swap
+    # falls in the admitting step at 0.500 s, update 2's in an ordinary step at 1.100 s, update
+    # 3's in the ordinary step right before the admitting one at 1.300 s (the next gap counts too).
+    load = _timeline({0.5: 0.015, 1.3: 0.015}, admitting=(0.5, 1.3))
     windows = [(0.45, 0.55, {"swap_started_at": 0.49, "swap_ms": 0.2}),
                (1.05, 1.15, {"swap_started_at": 1.098, "swap_ms": 0.2}),
                (1.25, 1.35, {"swap_started_at": 1.2825, "swap_ms": 0.2})]
@@ -165,8 +173,24 @@ def test_the_update_bench_marks_swaps_that_share_a_step_with_a_prefill():
     assert summary["swap_step_admitted_count"] == 2, summary
     assert summary["engine_stop_ms_not_admitting"]["median"] < 0.1, summary
     assert summary["engine_stop_ms"]["max"] > 9, summary  # the measure itself counts every update
+    assert "engine_stop_like_for_like_ms" not in first  # that baseline had no admitting step
     # A baseline holding the admitting step at 0.500 s: its length is reported, and the floor
     # over the steps that admitted none leaves it out (the full floor's max would be ~10 ms).
     baseline = load.analyse(0.05, 1.0, windows)["baseline"]
     assert baseline["admitting_step_ms_median"] == pytest.approx(15.0, abs=0.05), baseline
     assert baseline["stop_floor_not_admitting_ms_median"] == pytest.approx(0.0, abs=0.05), baseline
+
+
+def test_the_update_bench_compares_each_swap_gap_with_a_step_of_its_kind():
+    # Admitting steps take 15 ms (0.300 and 0.500 s in the baseline). Update 1's swap falls in
+    # an admitting step that took 17 ms (ending at 1.002 s): 2 ms like for like, 12 ms against
+    # the median step. Update 2's in an ordinary step that took 8 ms (1.300 s): 3 ms either way.
+    load = _timeline({0.3: 0.015, 0.5: 0.015, 1.002: 0.017, 1.3: 0.008},
+                     admitting=(0.3, 0.5, 1.002))
+    windows = [(0.95, 1.05, {"swap_started_at": 0.99, "swap_ms": 0.2}),
+               (1.25, 1.35, {"swap_started_at": 1.295, "swap_ms": 0.2})]
+    first, second = load.analyse(0.05, 0.6, windows)["updates"]
+    assert first["engine_stop_like_for_like_ms"] == pytest.approx(2.0, abs=0.05), first
+    assert first["engine_stop_ms"] == pytest.approx(12.0, abs=0.05), first
+    assert second["engine_stop_like_for_like_ms"] == pytest.approx(3.0, abs=0.05), second
+    assert second["engine_stop_ms"] == pytest.approx(3.0, abs=0.05), second
