@@ -72,6 +72,10 @@ def test_update_bench_runs_every_path(tmp_path):
     assert copy["setup"]["bytes"] == paths["shadowsync"]["setup"]["bytes"] > 0, (
         copy["setup"], paths["shadowsync"]["setup"])
     assert all(update["copier_ms"] > 0 for update in copy["updates"]), copy["updates"]
+    # The load recorded its requests' first tokens: each swap says whether a prefill shared its
+    # steps (the like-for-like stop needs the baseline's admitting steps too, not guaranteed).
+    assert all(isinstance(u["swap_step_admitted"], bool)
+               for u in paths["shadowsync"]["updates"]), paths["shadowsync"]["updates"]
 
 
 def test_every_switch_of_the_update_bench_reaches_its_child():
