@@ -784,39 +784,49 @@ class DecodeLoad:
                 swap_gaps = began + [(a, b) for a, b, _ in self.gaps if a in ends]
                 stop_gap = max([b - a for a, b in swap_gaps], default=float("nan"))
                 entry["swap_gaps_ms"] = round(stop_gap * 1e3, 3)
-                # Whether the swap shared one of those steps with a request's prefill: such steps
-                # are long without any update (step_ms_max), so the stop measured there is
-                # mostly theirs (a diagnostic; engine_stop_ms counts every update).
-                entry["swap_step_admitted"] = any(admitted(b) for _, b in swap_gaps)
-                # Like for like: each of those gaps over the baseline's median step of its kind
-                # (one that admitted a request, or not); None if the baseline had none of a kind
-                # it needs.
-                kinds = [(b - a, admitting_step if admitted(b) else step) for a, b in swap_gaps]
-                if swap_gaps and all(usual is not None for _, usual in kinds):
-                    entry["engine_stop_like_for_like_ms"] = round(
-                        max(0.0, max(gap - usual for gap, usual in kinds)) * 1e3, 3)
+                if swap_gaps:  # none: the swap fell where no request was between two tokens
+                    # Whether the swap shared one of those steps with a request's prefill: the
+                    # baseline has steps that long without any update (step_ms_max), so the stop
+                    # measured there may be mostly theirs (engine_stop_ms counts every update).
+                    entry["swap_step_admitted"] = any(admitted(b) for _, b in swap_gaps)
+                    # Like for like: each of those gaps over the baseline's median step of its
+                    # kind (one that admitted a request, or not); None if the baseline had no
+                    # step of a kind it needs.
+                    kinds = [(b - a, admitting_step if admitted(b) else step) for a, b in swap_gaps]
+                    entry["engine_stop_like_for_like_ms"] = (
+                        round(max(0.0, max(gap - usual for gap, usual in kinds)) * 1e3, 3)
+                        if all(usual is not None for _, usual in kinds) else None)
             if entry.get("trace"):
                 entry["swap_gpu_excess_ms"] = swap_gpu_excess(entry["trace"])
             tokens = sum(n for t, n in self.tokens if w0 <= t <= w1)
             tps = self.rate(w0, w1)
             entry.update(window_ms=round((w1 - w0) * 1e3, 3), max_token_gap_ms=round(max_gap * 1e3, 3),
-                         engine_stop_ms=round(max(0.0, stop_gap - step) * 1e3, 3),
+                         # None (shown n/a): no gap to measure (a swap outside every gap)
+                         engine_stop_ms=(round(max(0.0, stop_gap - step) * 1e3, 3)
+                                         if math.isfinite(stop_gap) else None),
                          tokens_in_window=tokens, tokens_per_s=round(tps, 1),
                          slowdown=round(base_tps / tps, 3) if tps > 0 else None)
             updates.append(entry)
         summary = {}
-        clean = [u["engine_stop_ms"] for u in updates if u.get("swap_step_admitted") is False]
         if any("swap_step_admitted" in u for u in updates):
             summary["swap_step_admitted_count"] = sum(bool(u.get("swap_step_admitted"))
                                                       for u in updates)
-            if clean:
-                summary["engine_stop_ms_not_admitting"] = dict(
-                    median=round(statistics.median(clean), 3), max=round(max(clean), 3),
-                    min=round(min(clean), 3), count=len(clean))
+            # The diagnostics over the updates they are defined for, with their count (of
+            # len(updates)): an update left out is said, not hidden.
+            for key, values in (
+                    ("engine_stop_ms_not_admitting",
+                     [u["engine_stop_ms"] for u in updates
+                      if u.get("swap_step_admitted") is False]),
+                    ("engine_stop_like_for_like_ms",
+                     [u["engine_stop_like_for_like_ms"] for u in updates
+                      if u.get("engine_stop_like_for_like_ms") is not None])):
+                if values:
+                    summary[key] = dict(median=round(statistics.median(values), 3),
+                                        max=round(max(values), 3), min=round(min(values), 3),
+                                        count=len(values))
         for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
                     "transfer_gbps", "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
-                    "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms",
-                    "engine_stop_like_for_like_ms") + ENGINE_TIMES:
+                    "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms") + ENGINE_TIMES:
             values = [u.get(key) for u in updates if key in u]
             if not values:
                 continue
@@ -852,7 +862,7 @@ class DecodeLoad:
                                           percentile(quiet, 90) * 1e3, 3))),
                                   **({} if admitting_step is None else dict(
                                       admitting_step_ms_median=round(admitting_step * 1e3, 3)))),
-                    updates=updates, summary=summary)
+                    requests_started=len(self.first_tokens), updates=updates, summary=summary)
 
 
 def swap_row(rows: list) -> int | None:
@@ -1513,11 +1523,13 @@ def write_outputs(out: Path, results: dict) -> None:
              "transfer GB/s | vLLM start→finish ms | goal / reference |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
-    def pair(summary, key, digits=1):
+    def pair(summary, key, digits=1, none="∞"):
+        """Median / max; `none` stands for a figure some update lacks (the slowdown: generation
+        paused; the engine stop: a swap outside every gap)."""
         entry = summary.get(key)
         if not entry:
             return "-"
-        f = lambda v: "∞" if v is None else f"{v:.{digits}f}"  # noqa: E731
+        f = lambda v: none if v is None else f"{v:.{digits}f}"  # noqa: E731
         return f"{f(entry['median'])} / {f(entry['max'])}"
 
     for config, entry in results["configs"].items():
@@ -1545,7 +1557,7 @@ def write_outputs(out: Path, results: dict) -> None:
                     goal += " (control sequence only: no weights sent)"
             tps = s.get("tokens_per_s", {})
             lines.append(
-                f"| {config} | {path} | {len(r.get('updates', []))} | {pair(s, 'engine_stop_ms', 2)} | "
+                f"| {config} | {path} | {len(r.get('updates', []))} | {pair(s, 'engine_stop_ms', 2, 'n/a')} | "
                 f"{pair(s, 'max_token_gap_ms', 2)} | {b.get('step_ms_median', '-')} / "
                 f"{b.get('step_ms_max', '-')} | "
                 f"{b.get('tokens_per_s', '-')} | "
@@ -1562,24 +1574,32 @@ def write_outputs(out: Path, results: dict) -> None:
                   "where nothing swaps: " + "; ".join(
                       f"{config} {path}: median {b['stop_floor_ms_median']} ms, p90 "
                       f"{b['stop_floor_ms_p90']} ms" for config, path, b in floors) + "."]
-    admissions = [(config, path, r["summary"], r["baseline"])
-                  for config, entry in results["configs"].items() for path, r in entry.items()
+    admissions = [(config, path, r) for config, entry in results["configs"].items()
+                  for path, r in entry.items()
                   if isinstance(r, dict) and "swap_step_admitted_count" in r.get("summary", {})]
+
+    def over(r, key):
+        """A diagnostic's median / max and over how many of the updates it is defined for."""
+        entry = r["summary"].get(key)
+        if not entry:
+            return "n/a"
+        return (f"median {entry['median']} / max {entry['max']} ms over {entry['count']} of "
+                f"{len(r['updates'])} updates")
+
     if admissions:
-        lines += ["", "Swaps that shared a step with a request's prefill (steps that admit requests "
-                  "are long without any update), and the engine stop over the other updates; the "
-                  "floor over the baseline's pairs of steps that admitted none: " + "; ".join(
-                      f"{config} {path}: {s['swap_step_admitted_count']} of "
-                      f"{len(results['configs'][config][path].get('updates', []))}, stop over the "
-                      f"others median {s.get('engine_stop_ms_not_admitting', {}).get('median', '-')}"
-                      f" / max {s.get('engine_stop_ms_not_admitting', {}).get('max', '-')} ms, "
-                      f"floor median {b.get('stop_floor_not_admitting_ms_median', '-')} / p90 "
-                      f"{b.get('stop_floor_not_admitting_ms_p90', '-')} ms, admitting steps "
-                      f"{b.get('admitting_step_ms_median', '-')} ms median, the stop like for like "
-                      f"(each gap over the median step of its kind) median "
-                      f"{s.get('engine_stop_like_for_like_ms', {}).get('median', '-')} / max "
-                      f"{s.get('engine_stop_like_for_like_ms', {}).get('max', '-')} ms"
-                      for config, path, s, b in admissions) + "."]
+        lines += ["", "Swaps that shared a step with a request's prefill (the baseline has steps "
+                  "that long without any update), the engine stop over the other updates, the "
+                  "floor over the baseline's pairs of steps that admitted none, and the stop like "
+                  "for like (each of the swap's gaps over the baseline's median step of its kind): "
+                  + "; ".join(
+                      f"{config} {path}: {r['summary']['swap_step_admitted_count']} of "
+                      f"{len(r['updates'])}; stop over the others "
+                      f"{over(r, 'engine_stop_ms_not_admitting')}; floor median "
+                      f"{r['baseline'].get('stop_floor_not_admitting_ms_median', 'n/a')} / p90 "
+                      f"{r['baseline'].get('stop_floor_not_admitting_ms_p90', 'n/a')} ms; "
+                      f"admitting steps {r['baseline'].get('admitting_step_ms_median', 'n/a')} ms "
+                      f"median; like for like {over(r, 'engine_stop_like_for_like_ms')}"
+                      for config, path, r in admissions) + "."]
     where = [(config, entry["shadowsync"]["summary"]) for config, entry in results["configs"].items()
              if isinstance(entry.get("shadowsync"), dict) and "summary" in entry["shadowsync"]]
     if where:
@@ -1610,6 +1630,9 @@ def parse_args():
         parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
     if args.tp < 1:
         parser.error(f"--tp {args.tp}: the tensor-parallel size is at least 1")
+    if args.progress_poll_s is not None and not 0 < args.progress_poll_s < math.inf:
+        parser.error(f"--progress-poll-s {args.progress_poll_s}: a positive, finite number of "
+                     f"seconds")
     refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
     if refused:
         parser.error(refused)

@@ -1321,9 +1321,10 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
 
     from shadowsync.errors import ShadowsyncTimeoutError
 
-    if not poll_s > 0:
-        raise InvalidArgumentError(f"apply_update_async({version}): poll_s must be a positive "
-                                   f"number of seconds, got {poll_s!r}")
+    if (isinstance(poll_s, bool) or not isinstance(poll_s, (int, float))
+            or not 0 < poll_s < float("inf")):
+        raise InvalidArgumentError(f"apply_update_async({version}): poll_s must be a positive, "
+                                   f"finite number of seconds, got {poll_s!r}")
     version = int(version)
     started = time.monotonic()
     pending_since = None
@@ -1350,7 +1351,9 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
                 applied = min(int(v) for v in await engine.collective_rpc(
                     "wait_applied", args=(version, left)))
                 break
-        await asyncio.sleep(poll_s)
+        # A poll_s longer than what is left of the timeout does not overrun it.
+        left = poll_s if timeout is None else min(poll_s, max(0.0, timeout - (now - started)))
+        await asyncio.sleep(left)
     if reset_prefix_cache:
         await _reset_prefix_cache_async(engine, version, "apply_update_async", preempt_running)
     return applied

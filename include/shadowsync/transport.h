@@ -54,8 +54,8 @@ class Transport {
   // transport whose broadcasts complete on the root's stream before that (the same-host device
   // flavour: its receivers copy the last chunk out of a staging slot after its doorbell). The
   // default does nothing: completion on the stream says as much as the transport knows (NCCL:
-  // the root's part is done; its last bytes may still sit in NCCL's buffers on the receivers'
-  // GPUs, not yet consumed). One thread at a time.
+  // the root's part is done, which NCCL may report before every receiver has consumed the
+  // bytes). One thread at a time.
   virtual void flush() {}
 
   // Brackets several broadcasts that are launched as one (ncclGroupStart/End). Optional.

@@ -418,8 +418,8 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
     broadcast(checksums.data(), next_checksum * sizeof(std::uint64_t));
   }
   // "done": for the same-host transport every receiver has every byte (flush waits for the acks);
-  // for NCCL the root's broadcasts completed (the bytes are in NCCL's buffers on the receivers'
-  // GPUs, not necessarily consumed). Whether the update went live is the engine's to say.
+  // for NCCL the root's broadcasts completed (NCCL may report that before every receiver has
+  // consumed the bytes). Whether the update went live is the engine's to say.
   transport->flush();
   backend.event_record(*done_event, *comm_stream);
 }

@@ -72,10 +72,12 @@ def test_update_bench_runs_every_path(tmp_path):
     assert copy["setup"]["bytes"] == paths["shadowsync"]["setup"]["bytes"] > 0, (
         copy["setup"], paths["shadowsync"]["setup"])
     assert all(update["copier_ms"] > 0 for update in copy["updates"]), copy["updates"]
-    # The load recorded its requests' first tokens: each swap says whether a prefill shared its
-    # steps (the like-for-like stop needs the baseline's admitting steps too, not guaranteed).
-    assert all(isinstance(u["swap_step_admitted"], bool)
-               for u in paths["shadowsync"]["updates"]), paths["shadowsync"]["updates"]
+    # The load recorded its requests' first tokens (at least one per request slot), and each
+    # swap says whether a prefill shared its steps.
+    shadowsync = paths["shadowsync"]
+    assert shadowsync["requests_started"] >= 4, shadowsync["requests_started"]
+    assert all(isinstance(u["swap_step_admitted"], bool) for u in shadowsync["updates"]), \
+        shadowsync["updates"]
 
 
 def test_every_switch_of_the_update_bench_reaches_its_child():
@@ -127,6 +129,7 @@ def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
      "GPU 1 is one of the engine's (0..1) and NCCL refuses two ranks of one communicator on one "
      "GPU; pick a GPU >= 2"),
     (["--tp", "0"], "--tp 0: the tensor-parallel size is at least 1"),
+    (["--progress-poll-s", "0"], "--progress-poll-s 0.0: a positive, finite number of seconds"),
     (["--tp", "2"], "vLLM's IPC backend (the vllm path's with --transport same-host) hands each "
                     "worker its own GPU's handles"),
     (["--paths", "vllm", "--trainer-gpu", "1"], "runs with one worker on the trainer's GPU only"),
@@ -177,11 +180,21 @@ def test_the_update_bench_marks_swaps_that_share_a_step_with_a_prefill():
     assert summary["swap_step_admitted_count"] == 2, summary
     assert summary["engine_stop_ms_not_admitting"]["median"] < 0.1, summary
     assert summary["engine_stop_ms"]["max"] > 9, summary  # the measure itself counts every update
-    assert "engine_stop_like_for_like_ms" not in first  # that baseline had no admitting step
-    # A baseline holding the admitting step at 0.500 s: its length is reported, and the floor
-    # over the steps that admitted none leaves it out (the full floor's max would be ~10 ms).
+    assert first["engine_stop_like_for_like_ms"] is None  # that baseline had no admitting step
+    assert summary["engine_stop_like_for_like_ms"]["count"] == 1, summary  # update 2 only
+    # A baseline holding the admitting step at 0.500 s: its length is reported.
     baseline = load.analyse(0.05, 1.0, windows)["baseline"]
     assert baseline["admitting_step_ms_median"] == pytest.approx(15.0, abs=0.05), baseline
+
+
+def test_the_floor_without_admitting_steps_leaves_them_out():
+    # Every 50 ms a 15 ms step admits a request: about a quarter of the baseline's pairs of
+    # steps hold one, so the full floor's p90 is ~10 ms and the floor without them ~0.
+    admitting = tuple(round(0.1 + 0.05 * k, 3) for k in range(8))
+    load = _timeline({end: 0.015 for end in admitting}, admitting=admitting, until=0.6)
+    baseline = load.analyse(0.05, 0.5, [])["baseline"]
+    assert baseline["stop_floor_ms_p90"] == pytest.approx(10.0, abs=0.1), baseline
+    assert baseline["stop_floor_not_admitting_ms_p90"] == pytest.approx(0.0, abs=0.05), baseline
     assert baseline["stop_floor_not_admitting_ms_median"] == pytest.approx(0.0, abs=0.05), baseline
 
 
@@ -189,12 +202,21 @@ def test_the_update_bench_compares_each_swap_gap_with_a_step_of_its_kind():
     # Admitting steps take 15 ms (0.300 and 0.500 s in the baseline). Update 1's swap falls in
     # an admitting step that took 17 ms (ending at 1.002 s): 2 ms like for like, 12 ms against
     # the median step. Update 2's in an ordinary step that took 8 ms (1.300 s): 3 ms either way.
-    load = _timeline({0.3: 0.015, 0.5: 0.015, 1.002: 0.017, 1.3: 0.008},
-                     admitting=(0.3, 0.5, 1.002))
+    # Update 3's in an ordinary step before an admitting one of 18 ms (1.598 s): the next gap
+    # counts, 3 ms. Update 4's in two admitting steps of 13 ms in a row (1.896 and 1.909 s): 2 ms
+    # shorter than their kind, 0 and not below. (Each long step starts where the steps before it
+    # ended.)
+    load = _timeline({0.3: 0.015, 0.5: 0.015, 1.002: 0.017, 1.3: 0.008, 1.598: 0.018,
+                      1.896: 0.013, 1.909: 0.013},
+                     admitting=(0.3, 0.5, 1.002, 1.598, 1.896, 1.909), until=2.1)
     windows = [(0.95, 1.05, {"swap_started_at": 0.99, "swap_ms": 0.2}),
-               (1.25, 1.35, {"swap_started_at": 1.295, "swap_ms": 0.2})]
-    first, second = load.analyse(0.05, 0.6, windows)["updates"]
-    assert first["engine_stop_like_for_like_ms"] == pytest.approx(2.0, abs=0.05), first
-    assert first["engine_stop_ms"] == pytest.approx(12.0, abs=0.05), first
-    assert second["engine_stop_like_for_like_ms"] == pytest.approx(3.0, abs=0.05), second
-    assert second["engine_stop_ms"] == pytest.approx(3.0, abs=0.05), second
+               (1.25, 1.35, {"swap_started_at": 1.295, "swap_ms": 0.2}),
+               (1.55, 1.65, {"swap_started_at": 1.577, "swap_ms": 0.2}),
+               (1.85, 1.95, {"swap_started_at": 1.89, "swap_ms": 0.2})]
+    result = load.analyse(0.05, 0.6, windows)
+    stops = [u["engine_stop_like_for_like_ms"] for u in result["updates"]]
+    assert stops == pytest.approx([2.0, 3.0, 3.0, 0.0], abs=0.05), result["updates"]
+    assert [u["engine_stop_ms"] for u in result["updates"]] == \
+        pytest.approx([12.0, 3.0, 13.0, 8.0], abs=0.05), result["updates"]
+    like = result["summary"]["engine_stop_like_for_like_ms"]
+    assert (like["median"], like["max"], like["count"]) == pytest.approx((2.5, 3.0, 4)), like

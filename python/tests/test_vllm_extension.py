@@ -2,6 +2,7 @@
 held in objects with a settable .data (as torch parameters), on the host backend. The trainer is a
 Sender on rank 0 of a loopback world; the worker is rank 1."""
 
+import re
 import subprocess
 import sys
 import threading
@@ -9,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+
 import pytest
 from support import BASE, DEADLINE_S, LORA, SPECS, pattern, tensors, version_of
 
@@ -462,11 +464,17 @@ def test_apply_update_async_polls_every_poll_s_and_refuses_a_poll_s_that_is_not_
         assert asyncio.run(ssv.apply_update_async(front_end, 2, timeout=DEADLINE_S,
                                                   reset_prefix_cache=False, **kwargs)) == 2
         assert slept == [expected, expected], (kwargs, slept)  # between the three polls
-    for bad in (0, -1.0, float("nan")):
+    # A poll_s longer than what is left of the timeout sleeps only what is left.
+    slept.clear()
+    with pytest.raises(ss.ShadowsyncTimeoutError, match=r"version 2 not live after 0\.05 s"):
+        asyncio.run(ssv.apply_update_async(_AsyncFakeFrontEnd(True, [streaming]), 2, timeout=0.05,
+                                           poll_s=30.0))
+    assert slept and all(s <= 0.05 for s in slept), slept
+    for bad in (0, -1.0, float("nan"), float("inf"), True, None, "0.02"):
         front_end = _AsyncFakeFrontEnd(True, [live])
         with pytest.raises(ss.InvalidArgumentError,
-                           match=rf"apply_update_async\(2\): poll_s must be a positive number "
-                                 rf"of seconds, got {bad!r}"):
+                           match=r"apply_update_async\(2\): poll_s must be a positive, finite "
+                                 r"number of seconds, got " + re.escape(repr(bad))):
             asyncio.run(ssv.apply_update_async(front_end, 2, poll_s=bad))
         assert front_end.calls == []  # refused before any RPC
 
