@@ -25,10 +25,12 @@ readonly SUMMARY="$OUT_DIR/summary-nccl-stall.txt"
 note() { echo "[nccl-stall] $*"; echo "$*" >>"$SUMMARY"; }
 
 source scripts/gpu/common.sh
-gpu_unpack_deps "$PWD" >/dev/null
-gpu_configure "$PWD" build-gpu "$OUT_DIR/cfg.log" 300
+gpu_unpack_deps "$PWD" >/dev/null || { note "unpacking .deps failed (was .deps carried?)"; exit 1; }
+gpu_configure "$PWD" build-gpu "$OUT_DIR/cfg.log" 300 ||
+  { tail -30 "$OUT_DIR/cfg.log"; note "configure failed (cfg.log)"; exit 1; }
 cmake --build build-gpu -j16 --target shadowsync_c >"$OUT_DIR/build.log" 2>&1 ||
-  { tail -30 "$OUT_DIR/build.log"; exit 1; }
+  { tail -30 "$OUT_DIR/build.log"; note "build failed (build.log)"; exit 1; }
+failures=0
 readonly CASE='python/tests/test_mini_worker.py::test_generation_continues_and_logits_match_the_reference_bit_for_bit[cuda]'
 for direct_disable in 0 1; do
   for run in $(seq 1 "$RUNS"); do
@@ -39,12 +41,18 @@ for direct_disable in 0 1; do
       NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,COLL NCCL_DEBUG_TIMESTAMP_LEVELS=INFO \
       NCCL_DEBUG_FILE="$OUT_DIR/nccl-d$direct_disable-$run.%p.log" \
       timeout -k 5 90 python3 -m pytest -x -s -q -p no:cacheprovider "$CASE" >"$log" 2>&1
-    note "NCCL_P2P_DIRECT_DISABLE=$direct_disable run $run: exit $? $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -n 1)"
+    status=$?
+    ((status == 0)) || failures=$((failures + 1))
+    note "NCCL_P2P_DIRECT_DISABLE=$direct_disable run $run: exit $status $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -n 1)"
     grep -E "did not complete|not live within" "$log" | head -n 2 >>"$SUMMARY"
   done
+  # Which P2P path NCCL took under this setting (its INFO lines name it).
+  note "NCCL_P2P_DIRECT_DISABLE=$direct_disable P2P channels: $(cat "$OUT_DIR"/nccl-d"$direct_disable"-*.log 2>/dev/null |
+    grep -oE 'via P2P/[A-Za-z ]+' | sort | uniq -c | tr '\n' ' ')"
 done
-note "P2P channels: $(cat "$OUT_DIR"/nccl-d*.log 2>/dev/null | grep -oE 'via P2P/[A-Za-z ]+' | sort | uniq -c | tr '\n' ' ')"
 # The device tool brings back a few files only: the logs go back as one archive.
-(cd "$OUT_DIR" && tar czf nccl-stall-logs.tgz run-d*.log nccl-d*.log cfg.log build.log 2>/dev/null &&
+(cd "$OUT_DIR" && tar czf nccl-stall-logs.tgz run-d*.log nccl-d*.log cfg.log build.log 2>/dev/null;
   rm -f run-d*.log nccl-d*.log cfg.log build.log)
 cat "$SUMMARY"
+# Exit status: the number of runs that failed (0: the case passed every time).
+exit "$failures"
