@@ -841,12 +841,13 @@ class DecodeLoad:
         following: dict[float, list[float]] = {}
         for a, b, _ in self.gaps:
             following.setdefault(a, []).append(b - a)
-        pairs = [max([b - a] + following.get(b, [])) - step
-                 for a, b, _ in self.gaps if a >= base0 and b <= base1]
-        # The same floor over the pairs whose steps admitted no request.
-        quiet = [max([b - a] + following.get(b, [])) - step
-                 for a, b, _ in self.gaps if a >= base0 and b <= base1 and not admitted(b)
-                 and not any(admitted(b + d) for d in following.get(b, []))]
+        # Each pair's excess, and whether one of its steps admitted a request (the floor over the
+        # pairs that admitted none is given too).
+        floors = [(max([b - a] + following.get(b, [])) - step,
+                   admitted(b) or any(admitted(b + d) for d in following.get(b, [])))
+                  for a, b, _ in self.gaps if a >= base0 and b <= base1]
+        pairs = [excess for excess, _ in floors]
+        quiet = [excess for excess, admitting_pair in floors if not admitting_pair]
         return dict(baseline=dict(seconds=round(base1 - base0, 2), started_at=base0, ended_at=base1,
                                   tokens_per_s=round(base_tps, 1),
                                   tokens_per_s_by_arrivals=round(arrivals, 1),

@@ -1339,6 +1339,7 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
         if applied >= version:
             break
         now = time.monotonic()
+        left = None if timeout is None else max(0.0, timeout - (now - started))  # of the timeout
         if timeout is not None and now - started > timeout:
             raise ShadowsyncTimeoutError(
                 f"apply_update_async: version {version} not live after {timeout} s (workers' "
@@ -1347,13 +1348,11 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
         if all(p["pending"] or p["applied_version"] >= version for p in progress):
             pending_since = now if pending_since is None else pending_since
             if now - pending_since >= _IDLE_AFTER_S:  # no step took it: an idle engine
-                left = None if timeout is None else max(0.0, timeout - (now - started))
                 applied = min(int(v) for v in await engine.collective_rpc(
                     "wait_applied", args=(version, left)))
                 break
         # A poll_s longer than what is left of the timeout does not overrun it.
-        left = poll_s if timeout is None else min(poll_s, max(0.0, timeout - (now - started)))
-        await asyncio.sleep(left)
+        await asyncio.sleep(poll_s if left is None else min(poll_s, left))
     if reset_prefix_cache:
         await _reset_prefix_cache_async(engine, version, "apply_update_async", preempt_running)
     return applied
