@@ -689,7 +689,8 @@ class DecodeLoad:
                 windows.append((w0, w1, info))
                 log(f"update {k + 1}/{args.updates}: {fmt_ms((w1 - w0) * 1e3)}"
                     + "".join(f"; {key} {fmt_ms(info[key])}"
-                              for key in ENGINE_TIMES + ("swap_callback_ms",) if key in info))
+                              for key in ENGINE_TIMES + ("swap_callback_ms", "clean_step_wait_ms")
+                              if key in info))
                 if "trace" in info:
                     log(trace_line(info["trace"]))
             await asyncio.sleep(max(0.5, 3 * self.step_estimate(base0, base1)))
@@ -808,6 +809,9 @@ class DecodeLoad:
                          slowdown=round(base_tps / tps, 3) if tps > 0 else None)
             updates.append(entry)
         summary = {}
+        if any("clean_step_missed" in u for u in updates):
+            summary["clean_step_missed_count"] = sum(bool(u.get("clean_step_missed"))
+                                                     for u in updates)
         if any("swap_step_admitted" in u for u in updates):
             summary["swap_step_admitted_count"] = sum(bool(u.get("swap_step_admitted"))
                                                       for u in updates)
@@ -826,7 +830,8 @@ class DecodeLoad:
                                         count=len(values))
         for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
                     "transfer_gbps", "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
-                    "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms") + ENGINE_TIMES:
+                    "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms",
+                    "clean_step_wait_ms") + ENGINE_TIMES:
             values = [u.get(key) for u in updates if key in u]
             if not values:
                 continue
@@ -1443,6 +1448,12 @@ class ShadowsyncTransfer:
             times[f"{event}_started_at"] = stats[f"last_{event}_started_s"] + offset
         # Of the swap: what the worker's Python swap callback took (rebinding, graph sets).
         times["swap_callback_ms"] = round(stats.get("last_swap_callback_s", 0.0) * 1e3, 3)
+        # Paced by a budget: how long the receiver held the complete update for a step that
+        # started after its last bucket, and whether none came (then it was offered anyway).
+        pacing = stats.get("pacing") or {}
+        if pacing.get("budget"):
+            times["clean_step_wait_ms"] = round(pacing.get("clean_step_wait_s", 0.0) * 1e3, 3)
+            times["clean_step_missed"] = bool(pacing.get("clean_step_missed"))
         if self.args.trace_steps:
             import vllm_step_trace
 

@@ -130,6 +130,12 @@ struct PacingReport {
   std::chrono::nanoseconds held_back{0};  // sum of the holds between buckets
   double duty = 1.0;  // busy / (busy + held_back): the share of the window with a bucket in flight
   bool deadline_limited = false;  // a hold was shortened so that update_deadline is met
+  // With a budget, a complete update is offered only once an engine step has started after its
+  // last bucket completed, so that the step a swap delays is not also the one that bucket slowed:
+  // how long it was held for that (0: a step had already started, or the idle step was not known
+  // yet), and whether none started within 4 idle steps (an idle engine: offered anyway).
+  std::chrono::nanoseconds clean_step_wait{0};
+  bool clean_step_missed = false;
   static constexpr std::size_t kMinBaselineSteps = 4;
 };
 

@@ -472,12 +472,17 @@ typedef struct {
   /* gated_swaps: gates closed so far, and those a watchdog had to open (then no more gates). */
   uint64_t gated_swaps;
   uint64_t gates_abandoned;
+  /* Paced by a budget: how long the last ready update was held, complete, for an engine step
+   * that started after its last bucket (the step a swap delays is then not the one that bucket
+   * slowed), and 1 when none started within 4 idle steps (an idle engine: offered anyway). */
+  int64_t last_clean_step_wait_ns;
+  int32_t last_clean_step_missed;
 } shadowsync_receiver_stats_t;
 
 #define SHADOWSYNC_RECEIVER_STATS_INITIALIZER                                                  \
   {                                                                                            \
     sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
-        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0                                               \
+        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0                                         \
   }
 
 /* One group made live by a swap. */

@@ -65,12 +65,26 @@ class Pacer {
 
   double duty() const { return duty_; }
 
+  // The update is complete: how long the receiver may hold it back for a step that starts after
+  // its last bucket (Receiver: wait_for_clean_step), so that the step the swap delays is not also
+  // the one the last bucket slowed: kCleanStepLimitInIdleSteps idle steps. Nothing: no budget, or
+  // the idle step is not known yet; then it is offered at once.
+  std::optional<std::chrono::nanoseconds> clean_step_limit() const {
+    if (!budget_ || steps_ == nullptr || idle_step_ns_ == 0) return std::nullopt;
+    return std::chrono::nanoseconds(kCleanStepLimitInIdleSteps * idle_step_ns_);
+  }
+  // Engine steps started so far (0 without step times).
+  std::uint64_t steps_started() const { return steps_ == nullptr ? 0 : steps_->count(); }
+
  private:
   // The smallest share of the time a bucket may be in flight: an update never takes more than
   // 1 / kMinDuty times its unpaced time on account of a budget (and never misses its deadline:
   // hold_after). Low, because on one GPU a bucket's copies slow the steps beside them by several
   // times their own time in flight: budget 1.03 needed about 0.4 % on an H100 in real vLLM.
   static constexpr double kMinDuty = 0.002;
+  // The step in progress when the last bucket completes ends within about one (slowed) step and
+  // the next one starts right after; a longer wait means the engine is idle or paused.
+  static constexpr std::int64_t kCleanStepLimitInIdleSteps = 4;
 
   // Durations of steps, summed: their mean without keeping them.
   struct StepSum {

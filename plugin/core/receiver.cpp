@@ -75,6 +75,14 @@ struct Receiver::Impl {
                                           Clock::time_point& bucket_start);
   // Pacing: waits `hold` before the next bucket is posted, watching for what ends a receive.
   std::optional<Refusal> hold_back(std::chrono::nanoseconds hold);
+  // Pacing by a budget, the update complete: waits until an engine step started after
+  // `steps_at_completion` (the count when its last bucket completed), at most `limit`, and
+  // records the wait in `pacing`. A swap delays the step it runs before, and on an engine whose
+  // host runs a step ahead (vLLM) the one in flight too; if that one met the last bucket, the
+  // clients see one token gap longer by both. Nothing: waited; else why the receive stops.
+  std::optional<Refusal> wait_for_clean_step(std::uint64_t steps_at_completion,
+                                             std::chrono::nanoseconds limit,
+                                             PacingReport& pacing);
   // Why a receive stops early: shutdown, abort_update, a failed transport; nothing otherwise.
   std::optional<Refusal> interrupted();
   // A plan's kept tensors (receive_plan.h): copies their live bytes into each target slot that
@@ -545,8 +553,13 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   }
 
   if (!failure) failure = wait_for_buckets(completed, posted, start, bucket_start);
-  const PacingReport pacing = pacer.active() ? pacer.finish() : PacingReport{};
+  const std::uint64_t steps_at_completion = pacer.steps_started();
+  PacingReport pacing = pacer.active() ? pacer.finish() : PacingReport{};
   if (!failure) failure = verify(targets, sent_block_done, start);
+  const auto transfer = Clock::now() - start;
+  if (const auto limit = pacer.clean_step_limit(); limit && !failure) {
+    failure = wait_for_clean_step(steps_at_completion, *limit, pacing);
+  }
   if (failure) {
     discard(header, *failure);
     return;
@@ -565,7 +578,7 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   ready.outcome = UpdateOutcome::kReady;
   for (const ReceiveTarget& target : targets) ready.groups.push_back(target.group);
   ready.bytes = bytes;
-  ready.transfer = Clock::now() - start;
+  ready.transfer = transfer;
   ready.pacing = pacing;
   reports.push_back(std::move(ready));
 
@@ -667,6 +680,24 @@ std::optional<Refusal> Receiver::Impl::hold_back(std::chrono::nanoseconds hold) 
   }
   pacer.held(Clock::now() - from);
   return refusal;
+}
+
+std::optional<Refusal> Receiver::Impl::wait_for_clean_step(std::uint64_t steps_at_completion,
+                                                           std::chrono::nanoseconds limit,
+                                                           PacingReport& pacing) {
+  const auto from = Clock::now();
+  const auto until = from + limit;
+  // Polled like a hold (the step hook's fast path stays one load: it signals nothing).
+  for (auto now = from; pacer.steps_started() == steps_at_completion; now = Clock::now()) {
+    if (now >= until) {
+      pacing.clean_step_missed = true;
+      break;
+    }
+    if (auto refusal = interrupted()) return refusal;
+    std::this_thread::sleep_for(std::min<Clock::duration>(until - now, config.poll_interval));
+  }
+  pacing.clean_step_wait = Clock::now() - from;
+  return std::nullopt;
 }
 
 std::optional<Refusal> Receiver::Impl::verify(const std::vector<ReceiveTarget>& targets,

@@ -210,6 +210,8 @@ class ReceiverStatsC(Structure):
         ("last_swap_started_ns", c_int64),
         ("gated_swaps", c_uint64),
         ("gates_abandoned", c_uint64),
+        ("last_clean_step_wait_ns", c_int64),
+        ("last_clean_step_missed", c_int32),
     ]
 
 

@@ -135,6 +135,11 @@ class PacingReport:
     held_back_s: float = 0.0  # sum of the holds between buckets
     duty: float = 0.0  # busy / (busy + held back): the share of the window with a bucket in flight
     deadline_limited: bool = False  # a hold was shortened so that update_deadline_ms is met
+    # With a budget the complete update is offered once an engine step started after its last
+    # bucket (the step a swap delays is then not the one that bucket slowed): how long it was
+    # held for that, and whether none started within 4 idle steps (an idle engine: offered anyway).
+    clean_step_wait_s: float = 0.0
+    clean_step_missed: bool = False
 
     @classmethod
     def _from_c(cls, s: ReceiverStatsC) -> PacingReport:
@@ -151,6 +156,8 @@ class PacingReport:
             held_back_s=s.last_held_back_ns / 1e9,
             duty=s.last_duty,
             deadline_limited=bool(s.last_deadline_limited),
+            clean_step_wait_s=s.last_clean_step_wait_ns / 1e9,
+            clean_step_missed=bool(s.last_clean_step_missed),
         )
 
 

@@ -104,6 +104,10 @@ def test_a_paced_update_reports_the_idle_step_and_the_steps_it_spanned():
     assert pacing.step_during_s > 0 and pacing.step_ratio > 0, pacing
     assert pacing.busy_s > 0 and 0 < pacing.duty <= 1, pacing
     assert not pacing.deadline_limited
+    # Offered once a step started after the last bucket: the stepping engine brought one within
+    # 4 idle steps (the C field reaches Python).
+    assert not pacing.clean_step_missed, pacing
+    assert 0 < pacing.clean_step_wait_s <= 4 * pacing.idle_step_s + 0.5, pacing
 
 
 def test_a_rate_cap_alone_holds_the_buckets_back_and_reports_no_budget():

@@ -58,7 +58,7 @@ def test_pacing_bench_runs_every_budget(tmp_path):
 
 def test_update_bench_runs_every_path(tmp_path):
     report = run_bench("bench_vllm_update.py", tmp_path, "--updates", "2", "--trace-steps",
-                       "--paths", "vllm,shadowsync,copy")
+                       "--paths", "vllm,shadowsync,copy", "--decode-slowdown-budget", "2.0")
     paths = report["configs"]["tiny"]
     assert sorted(paths) == ["copy", "shadowsync", "vllm"], sorted(paths)
     for name, path in paths.items():
@@ -78,6 +78,10 @@ def test_update_bench_runs_every_path(tmp_path):
     assert shadowsync["requests_started"] >= 4, shadowsync["requests_started"]
     assert all(isinstance(u["swap_step_admitted"], bool) for u in shadowsync["updates"]), \
         shadowsync["updates"]
+    # Paced by a budget: each update says how long the receiver held it, complete, for a step
+    # that started after its last bucket (from the worker's weight_update_stats).
+    assert all(isinstance(u["clean_step_missed"], bool) and u["clean_step_wait_ms"] >= 0
+               for u in shadowsync["updates"]), shadowsync["updates"]
 
 
 def test_every_switch_of_the_update_bench_reaches_its_child():

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -100,6 +101,8 @@ class ContendedEngine {
   struct Step {
     Clock::time_point start;
     Clock::duration duration;
+    bool met_bucket = false;             // the link was busy at some check during the step
+    std::optional<std::uint64_t> swapped;  // the version its before_step made live
   };
 
   ContendedEngine(HostBackend& backend, Receiver& receiver, const std::atomic<int>& busy,
@@ -128,19 +131,22 @@ class ContendedEngine {
   void run() {
     while (!stop_.load()) {
       const auto start = Clock::now();
-      receiver_.step_hook().before_step(*stream_);
+      const auto swapped = receiver_.step_hook().before_step(*stream_);
+      bool met_bucket = false;
       double progress = 0.0;
       auto last = start;
       while (progress < 1.0) {
         std::this_thread::sleep_for(100us);  // the step's work, simulated
         const auto now = Clock::now();
-        const double speed = busy_.load() > 0 ? 1.0 / model_.slowdown_while_busy : 1.0;
+        const bool busy = busy_.load() > 0;
+        met_bucket = met_bucket || busy;
+        const double speed = busy ? 1.0 / model_.slowdown_while_busy : 1.0;
         progress += speed * std::chrono::duration<double>(now - last).count() /
                     std::chrono::duration<double>(model_.idle_step).count();
         last = now;
       }
       std::lock_guard lock(mutex_);
-      steps_.push_back({start, Clock::now() - start});
+      steps_.push_back({start, Clock::now() - start, met_bucket, swapped});
     }
   }
 
@@ -176,6 +182,7 @@ struct Measured {
   double ratio;
   std::chrono::nanoseconds transfer;
   PacingReport pacing;
+  std::vector<ContendedEngine::Step> steps;  // every step, up to the one that made it live
 };
 
 // Lets the engine step alone for 30 steps, then streams one update while it steps, and measures
@@ -209,13 +216,23 @@ Measured stream_one_update(ReceiverConfig config, EngineModel model = {}, int wa
       idle_start = Clock::now();
       continue;
     }
+    wait_until(
+        [&] {
+          const auto all = engine.steps();
+          return std::any_of(all.begin(), all.end(),
+                             [&](const ContendedEngine::Step& s) { return s.swapped == version; });
+        },
+        "the step that made the update live to end");
     const auto steps = engine.steps();
+    // The receive's window: a budget holds the complete update for a clean step before the offer.
+    const auto received_at = ready_at - report.pacing.clean_step_wait;
     Measured m;
     m.idle_step_ms = mean_step_ms(steps, idle_start, idle_end);
-    m.step_during_ms = mean_step_ms(steps, ready_at - report.transfer, ready_at);
+    m.step_during_ms = mean_step_ms(steps, received_at - report.transfer, received_at);
     m.ratio = m.step_during_ms / m.idle_step_ms;
     m.transfer = report.transfer;
     m.pacing = report.pacing;
+    m.steps = steps;
     return m;
   }
 }
@@ -283,6 +300,71 @@ TEST_CASE("a budget holds when the few steps a bucket meets run much slower", "[
   CHECK(paced.pacing.step_ratio <= 1.10 * kStepNoise);
   // The report says what the engine saw (a median said 1.0 here while the engine ran 1.09-1.17x).
   CHECK(std::abs(paced.pacing.step_ratio - paced.ratio) <= kReportAgreement);
+}
+
+// A swap delays the step it runs before and, on an engine whose host prepares a step while the
+// one before runs (vLLM's), the token of that one too. Offered as soon as its last bucket
+// completed, the update went live at the next step, whose predecessor was the step the last
+// bucket slowed: one token gap longer by both (Llama-3-8B on one H200, paced to 1.08: the
+// swap's gap 6.3 ms against a 5.3 ms step, the rest of the window's steps as slow; the GPU's own
+// step at the swap as long as any other). With a budget the receiver waits for a step that
+// started after the last bucket: the step that makes the update live and the one before it
+// met no bucket.
+TEST_CASE("with a budget, the swap and the step before it meet no bucket", "[pacing]") {
+  ReceiverConfig config;
+  config.decode_slowdown_budget = 1.10;
+  for (int run = 0; run < 3; ++run) {
+    const Measured paced =
+        stream_one_update(config, {.idle_step = 4ms, .slowdown_while_busy = 4.0}, 1);
+    const auto& steps = paced.steps;
+    const auto swap = std::find_if(steps.begin(), steps.end(), [](const auto& s) {
+      return s.swapped.has_value() && *s.swapped == 2;
+    });
+    REQUIRE(swap != steps.end());
+    REQUIRE(swap != steps.begin());
+    INFO("run " << run << ": held " << ms(paced.pacing.clean_step_wait) << " ms for a clean step"
+                << (paced.pacing.clean_step_missed ? " (none came)" : "") << "; idle step "
+                << ms(paced.pacing.idle_step) << " ms");
+    CHECK_FALSE(swap->met_bucket);
+    CHECK_FALSE(std::prev(swap)->met_bucket);
+    CHECK_FALSE(paced.pacing.clean_step_missed);
+    CHECK(paced.pacing.clean_step_wait > 0ns);
+    CHECK(paced.pacing.clean_step_wait <= 4 * paced.pacing.idle_step + 50ms);
+  }
+}
+
+// An idle engine starts no step: the complete update is offered after 4 idle steps anyway, and
+// wait_applied makes it live.
+TEST_CASE("with a budget and an idle engine, the update is offered after 4 idle steps",
+          "[pacing]") {
+  HostBackend backend;
+  std::atomic<int> busy{0};
+  const Layout layout = test_layout();
+  ReceiverConfig config;
+  config.decode_slowdown_budget = 1.10;
+  Receiver receiver(layout, backend, std::make_unique<SimulatedLink>(backend, busy), config);
+  std::atomic<bool> ready{false};
+  UpdateReport report;
+  receiver.set_observer([&](const UpdateReport& r) {
+    report = r;
+    ready.store(true);
+  });
+  auto stream = backend.create_stream(StreamPriority::kNormal);
+  for (int step = 0; step < 30; ++step) {  // the idle step the limit is counted in: about 2 ms
+    REQUIRE_FALSE(receiver.step_hook().before_step(*stream).has_value());
+    std::this_thread::sleep_for(2ms);  // the step's work, simulated
+  }
+  receiver.begin_update(make_update_header(layout, 1, {"base"}));
+  wait_until([&] { return ready.load(); }, "the update to be received and offered", 60s);
+  INFO("held " << ms(report.pacing.clean_step_wait) << " ms; idle step "
+               << ms(report.pacing.idle_step) << " ms");
+  REQUIRE(report.outcome == UpdateOutcome::kReady);
+  CHECK(report.pacing.clean_step_missed);
+  CHECK(report.pacing.idle_step > 0ns);
+  CHECK(report.pacing.clean_step_wait >= 4 * report.pacing.idle_step);
+  CHECK(receiver.step_hook().applied_version() == 0);
+  CHECK(receiver.step_hook().wait_applied(1, Clock::now() + 10s, *stream));
+  CHECK(receiver.step_hook().applied_version() == 1);
 }
 
 TEST_CASE("a rate cap spaces the buckets to the rate", "[pacing]") {
