@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # On a two-GPU machine, in one device call (carry [".deps"]): traces the mini worker's in-process
-# NCCL case (trainer cuda:0, engine cuda:1, one process), which stalls now and then on H200s at
-# the first bucket its trainer holds back until the engine has stepped ("bucket 11 of 15 did not
-# complete within its deadline"; docs/ARCHITECTURE.md, "What NCCL cannot give").
+# NCCL case (trainer cuda:0, engine cuda:1, one process). It used to hang at the first engine step
+# of a sequence length not run before, while the NCCL receives of the buckets its trainer holds
+# back until the engine has stepped waited on the engine's GPU ("bucket 11 of 15 did not complete
+# within its deadline"; traced with this script at ad2a566, docs/gpu.md, the twentieth session);
+# the test now runs every length before its first update. Kept to trace the case again.
 #
 #   bash scripts/gpu/diagnose_nccl_stall.sh [RUNS]     (default 2 runs per setting)
 #
 # Builds the C library with CUDA, then runs the case RUNS times with NCCL_P2P_DIRECT_DISABLE=0
 # and RUNS times with =1, each with the test's own trace (SHADOWSYNC_DEBUG_SAME_HOST=1: every
-# engine step, the release, every supply, and Python stacks of every thread after a 4 s stall)
+# engine step, the release, every supply, and Python stacks of every thread after an engine
+# step of 4 s)
 # and NCCL's COLL/P2P log with timestamps. How to read a failure (the logs come back in
 # $OUT/nccl-stall-logs.tgz): a step that never ends, its
 # stack in a launching torch op -> the engine waited for its whole context (the parked receive);
