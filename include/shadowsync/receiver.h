@@ -132,8 +132,9 @@ struct PacingReport {
   bool deadline_limited = false;  // a hold was shortened so that update_deadline is met
   // With a budget, a complete update is offered only once an engine step has started after its
   // last bucket completed, so that the step a swap delays is not also the one that bucket slowed:
-  // how long it was held for that (0: a step had already started, or the idle step was not known
-  // yet), and whether none started within 4 idle steps (an idle engine: offered anyway).
+  // how long it was held for that (0: the idle step was not known yet; about 0: a step had
+  // already started), and whether none started within 4 idle steps (an idle engine: offered
+  // anyway).
   std::chrono::nanoseconds clean_step_wait{0};
   bool clean_step_missed = false;
   static constexpr std::size_t kMinBaselineSteps = 4;

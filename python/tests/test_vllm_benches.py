@@ -57,6 +57,7 @@ def test_pacing_bench_runs_every_budget(tmp_path):
 
 
 def test_update_bench_runs_every_path(tmp_path):
+    # Paced (the goals' setting); the same transfer unpaced runs in the pacing bench's test above.
     report = run_bench("bench_vllm_update.py", tmp_path, "--updates", "2", "--trace-steps",
                        "--paths", "vllm,shadowsync,copy", "--decode-slowdown-budget", "2.0")
     paths = report["configs"]["tiny"]

@@ -163,6 +163,8 @@ static void structs(void) {
   FIELD(shadowsync_receiver_stats_t, last_swap_started_ns);
   FIELD(shadowsync_receiver_stats_t, gated_swaps);
   FIELD(shadowsync_receiver_stats_t, gates_abandoned);
+  FIELD(shadowsync_receiver_stats_t, last_clean_step_wait_ns);
+  FIELD(shadowsync_receiver_stats_t, last_clean_step_missed);
   end_struct();
 
   STRUCT(shadowsync_group_swap_t);
