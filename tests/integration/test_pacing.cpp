@@ -160,6 +160,24 @@ class ContendedEngine {
   std::thread thread_;
 };
 
+// A receiver over the SimulatedLink and the last update it reported: what the tests stream
+// through. Members in construction order (the receiver uses the ones before it).
+struct LinkRig {
+  explicit LinkRig(const ReceiverConfig& config)
+      : receiver(layout, backend, std::make_unique<SimulatedLink>(backend, busy), config) {
+    receiver.set_observer([this](const UpdateReport& r) {
+      report = r;
+      ready.store(true);
+    });
+  }
+  HostBackend backend;
+  std::atomic<int> busy{0};
+  const Layout layout = test_layout();
+  Receiver receiver;
+  std::atomic<bool> ready{false};
+  UpdateReport report;
+};
+
 // The mean duration of the steps that started in [from, to) and ended before `to`.
 double mean_step_ms(const std::vector<ContendedEngine::Step>& steps, Clock::time_point from,
                       Clock::time_point to) {
@@ -189,16 +207,8 @@ struct Measured {
 // the engine's step times in both windows. With `warmups`, that many updates go first, each after
 // 30 idle steps, as a receiver that has paced before (its duty persists across updates).
 Measured stream_one_update(ReceiverConfig config, EngineModel model = {}, int warmups = 0) {
-  HostBackend backend;
-  std::atomic<int> busy{0};
-  const Layout layout = test_layout();
-  Receiver receiver(layout, backend, std::make_unique<SimulatedLink>(backend, busy), config);
-  std::atomic<bool> ready{false};
-  UpdateReport report;
-  receiver.set_observer([&](const UpdateReport& r) {
-    report = r;
-    ready.store(true);
-  });
+  LinkRig rig(config);
+  auto& [backend, busy, layout, receiver, ready, report] = rig;
   ContendedEngine engine(backend, receiver, busy, model);
   Clock::time_point idle_start{};
   for (std::uint64_t version = 1;; ++version) {
@@ -337,18 +347,10 @@ TEST_CASE("with a budget, the swap and the step before it meet no bucket", "[pac
 // wait_applied makes it live.
 TEST_CASE("with a budget and an idle engine, the update is offered after 4 idle steps",
           "[pacing]") {
-  HostBackend backend;
-  std::atomic<int> busy{0};
-  const Layout layout = test_layout();
   ReceiverConfig config;
   config.decode_slowdown_budget = 1.10;
-  Receiver receiver(layout, backend, std::make_unique<SimulatedLink>(backend, busy), config);
-  std::atomic<bool> ready{false};
-  UpdateReport report;
-  receiver.set_observer([&](const UpdateReport& r) {
-    report = r;
-    ready.store(true);
-  });
+  LinkRig rig(config);
+  auto& [backend, busy, layout, receiver, ready, report] = rig;
   auto stream = backend.create_stream(StreamPriority::kNormal);
   for (int step = 0; step < 30; ++step) {  // the idle step the limit is counted in: about 2 ms
     REQUIRE_FALSE(receiver.step_hook().before_step(*stream).has_value());
