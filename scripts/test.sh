@@ -171,7 +171,7 @@ step_vllm() {
     "$dir/venv/bin/python" -m pytest python/tests/test_vllm_real.py \
     python/tests/test_vllm_example.py python/tests/test_vllm_tp.py python/tests/test_loader_trace.py \
     python/tests/test_lora_plan.py python/tests/test_live_arena_memory.py \
-    python/tests/test_vllm_benches.py python/tests/test_rebind.py -q -rs -p no:cacheprovider \
+    python/tests/test_vllm_benches.py python/tests/test_rebind.py -q -rs -p no:cacheprovider --durations=15 \
     2>&1 | tee "$dir/pytest.log" ||
     rc=$?
   result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$dir/pytest.log" | tail -n 1 || true)
@@ -282,10 +282,16 @@ if [[ "${SHADOWSYNC_TEST_SKIP_SANITIZERS:-0}" != "1" ]]; then
   STEPS+=(asan tsan)
 fi
 
+# Each step's wall time goes into the summary: .ci/run has a time limit, and the summary is where
+# a slow step shows.
 log "dependencies"
+SECONDS=0
 ./scripts/deps.sh
+summary+=("dependencies: ${SECONDS} s")
 for step in "${STEPS[@]}"; do
+  SECONDS=0
   "step_$step"
+  summary+=("$step: ${SECONDS} s")
 done
 
 print_summary
