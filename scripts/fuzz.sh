@@ -73,7 +73,14 @@ fuzz_one() {
   echo "fuzz $name: $runs executions in ${SECONDS_TO_RUN} s, no crash"
 }
 
-fuzz_one fuzz_control_frame tests/fuzz/corpus "${SOURCES[@]}"
+# The two targets are independent and each runs on one core: side by side (CI has two cores).
+fuzz_one fuzz_control_frame tests/fuzz/corpus "${SOURCES[@]}" &
+control=$!
 # The same-host transport's record codec: pure, no sockets.
 fuzz_one fuzz_same_host_frame tests/fuzz/corpus_same_host tests/fuzz/fuzz_same_host_frame.cpp \
-  plugin/transports/same_host/same_host_frame.cpp
+  plugin/transports/same_host/same_host_frame.cpp &
+same_host=$!
+status=0
+wait "$control" || status=1
+wait "$same_host" || status=1
+exit "$status"
