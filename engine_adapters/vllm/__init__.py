@@ -6,7 +6,8 @@ This folder is the subpackage ``shadowsync.vllm``: an installed package has it i
 here. Importing it imports neither vllm nor torch; in a process that has imported vllm (its
 workers, which import the worker extension before they load the model) it registers the
 "shadowsync" (live arena) and "shadowsync_graph_pairs" weight-transfer backends (live_arena.py,
-graph_pairs.py) with vLLM."""
+graph_pairs.py) with vLLM, and traces what vLLM's post-load step does to the weights
+(post_load_trace.py), which the set-up checks."""
 
 import sys as _sys
 
@@ -47,3 +48,8 @@ def _register_live_arena_with_vllm() -> None:
 
 
 _register_live_arena_with_vllm()
+if "vllm" in _sys.modules:
+    # Before the engine loads: its post-load step must be traced (post_load_trace.py).
+    from .post_load_trace import install as _trace_post_load
+
+    _trace_post_load()

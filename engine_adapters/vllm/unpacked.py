@@ -40,6 +40,9 @@ def _register():
         VocabParallelEmbedding,
     )
 
+    from .post_load_trace import install as trace_post_load
+
+    trace_post_load()  # this runs in every vLLM process that is to serve shadowsync
     global UnpackedConfig
     if "UnpackedConfig" in globals():
         return UnpackedConfig

@@ -39,6 +39,7 @@ from shadowsync.receiver import GroupSwap, Receiver, ReceiverConfig
 from shadowsync.transport import Transport, nccl_transport
 
 from .lora_plan import is_lora_tensor, lora_layers_unwrapped, lora_receive_plan
+from .post_load_trace import refuse_post_load_transforms
 from .rebind import Rebinding
 
 __all__ = ["WorkerExtension"]
@@ -397,13 +398,14 @@ class WorkerExtension:
             # Refuses bad values (a budget below 1.0, ...) before anything is set up or connected.
             receiver_config._c_fields()
         model = self._shadowsync_model()
-        _refuse_packed_weights(model)
         params = dict(_tensors.items(self._shadowsync_named_parameters()))
         if not params:
             raise InvalidArgumentError("init_weight_update_group: the model has no parameters")
-        _refuse_empty(params)
         descs = {name: _tensors.describe(name, _data(p)) for name, p in params.items()}
         kind, device = _placement(descs)
+        # Before anything else reads the parameters: are they what the model computes with?
+        refuse_post_load_transforms(model, _vllm_quantization(self), device.split(":")[0])
+        _refuse_empty(params)
 
         chosen = swap_strategy if swap_strategy is not None else (
             receiver_config.swap_strategy if receiver_config is not None else None)
@@ -834,27 +836,18 @@ def _vllm_captures_cuda_graphs(worker) -> bool | None:
     return None if enforce_eager is None else not enforce_eager
 
 
+def _vllm_quantization(worker) -> str | None:
+    """The quantization vLLM was started with (None: none, or not vLLM's worker)."""
+    model_config = getattr(worker, "model_config", None)
+    if model_config is None:
+        model_config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+    quantization = getattr(model_config, "quantization", None)
+    return quantization if isinstance(quantization, str) else None
+
+
 def _names(names: list[str], shown: int = 8) -> str:
     """'a', 'b', ... for an error message: the first `shown` names."""
     return ", ".join(f"'{n}'" for n in names[:shown]) + (", ..." if len(names) > shown else "")
-
-
-def _refuse_packed_weights(model) -> None:
-    """vLLM's CPU backend computes linear layers and the logits from packed copies of their
-    weights (it gives the layer a ``cpu_linear``): an update written into the parameters would
-    change nothing, silently. Refused, naming the layers and the way out."""
-    modules = getattr(model, "named_modules", None)
-    if modules is None:
-        return
-    packed = [name or "<model>" for name, m in modules() if getattr(m, "cpu_linear", None) is not None]
-    if packed:
-        raise LayoutMismatchError(
-            f"{len(packed)} layer(s) of the model compute from a packed copy of their weights, not "
-            f"from their parameters (vLLM's CPU backend gave them a cpu_linear): {_names(packed)}; an "
-            f"update written into the parameters would not change the output. Start vLLM with "
-            f"quantization=\"shadowsync_unpacked\" (shadowsync.vllm.unpacked: vLLM's unquantized "
-            f"weights without the CPU repacking)"
-        )
 
 
 def _refuse_empty(params: dict[str, Any]) -> None:

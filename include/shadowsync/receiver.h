@@ -106,6 +106,18 @@ struct ReceiverConfig {
   std::uint64_t max_receive_bytes_per_second = 0;
 };
 
+// Checks asked of one update (Receiver::begin_update), beyond those of ReceiverConfig.
+struct UpdateChecks {
+  // The self-check: the update must reproduce the engine's live weights byte for byte (the
+  // trainer sends the checkpoint the engine holds). Once the update landed, every tensor it
+  // wrote in its slot (after the receive plan's copies, in the engine's layout) is compared with
+  // the live copy of that tensor, on the receiver's check stream: one checksum of each, read
+  // once; the first tensor that differs fails the update, naming it and its first differing
+  // element (nothing goes live). Proves that the receive plan puts every byte where the engine
+  // reads it. The backend must support the integrity checks (Backend::supports_integrity).
+  bool verify_matches_live = false;
+};
+
 enum class UpdateOutcome {
   kReady,       // received completely and offered to the engine
   kFailed,      // discarded; the live weights are untouched
@@ -231,7 +243,7 @@ class Receiver {
   // (throws Error naming the field and both values; nothing changes), and against the config
   // (ReceiverConfig::require_checksums), then queues it and returns.
   // The receives are posted only now, when the sender is known to be sending. Thread-safe.
-  void begin_update(const UpdateHeader& header);
+  void begin_update(const UpdateHeader& header, const UpdateChecks& checks = {});
 
   // Aborts the update in flight, if any (the transport is aborted with it). Thread-safe.
   void abort_update();

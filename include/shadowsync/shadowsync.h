@@ -587,6 +587,13 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_begin_update(
 /* The same from serialized header bytes. Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_begin_update_bytes(
     shadowsync_receiver_t receiver, const void* bytes, size_t size);
+/* Flags of shadowsync_receiver_begin_update_checked. VERIFY_MATCHES_LIVE: the self-check (the
+ * update must reproduce the live weights byte for byte: UpdateChecks in receiver.h). */
+#define SHADOWSYNC_CHECK_VERIFY_MATCHES_LIVE 1u
+/* shadowsync_receiver_begin_update_bytes with checks of this update (SHADOWSYNC_CHECK_* flags;
+ * an unknown flag is refused). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_begin_update_checked(
+    shadowsync_receiver_t receiver, const void* bytes, size_t size, uint32_t flags);
 /* Aborts the update in flight, if any (the transport with it). Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_abort_update(shadowsync_receiver_t receiver);
 /* Installs a transport (after a failure aborted the old one, or the first). Thread-safe. */

@@ -348,6 +348,24 @@ shadowsync_status_t shadowsync_receiver_begin_update_bytes(shadowsync_receiver_t
   });
 }
 
+shadowsync_status_t shadowsync_receiver_begin_update_checked(shadowsync_receiver_t receiver,
+                                                             const void* bytes, size_t size,
+                                                             uint32_t flags) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    if (bytes == nullptr && size > 0) throw_invalid("'bytes' is NULL");
+    constexpr uint32_t known = SHADOWSYNC_CHECK_VERIFY_MATCHES_LIVE;
+    if ((flags & ~known) != 0) {
+      throw_invalid(fmt::format("'flags' {:#x} holds unknown bits {:#x} (known: {:#x})", flags,
+                                flags & ~known, known));
+    }
+    UpdateChecks checks;
+    checks.verify_matches_live = (flags & SHADOWSYNC_CHECK_VERIFY_MATCHES_LIVE) != 0;
+    object->receiver->begin_update(
+        parse_update_header({static_cast<const std::byte*>(bytes), size}), checks);
+  });
+}
+
 shadowsync_status_t shadowsync_receiver_abort_update(shadowsync_receiver_t receiver) {
   return guard(__func__,
                [&] { lookup<ReceiverObject>(receiver, "receiver")->receiver->abort_update(); });

@@ -2,10 +2,16 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
+#include <vector>
+
 namespace shadowsync {
 
-CheckScratch::CheckScratch(Backend& backend, std::size_t max_buckets, std::size_t max_tensors)
-    : host_(2 * max_buckets + max_tensors), max_buckets_(max_buckets) {
+CheckScratch::CheckScratch(Backend& backend, std::size_t max_buckets, std::size_t max_tensors,
+                           std::size_t engine_tensors)
+    : host_(2 * max_buckets + max_tensors + 2 * engine_tensors),
+      max_buckets_(max_buckets),
+      max_tensors_(max_tensors) {
   device_ = DeviceBuffer(backend, host_.size() * sizeof(std::uint64_t));
 }
 
@@ -13,8 +19,12 @@ void CheckScratch::enqueue_download(Backend& backend, Stream& stream) {
   backend.memcpy_async(host_.data(), device_.data(), host_.size() * sizeof(std::uint64_t), stream);
 }
 
-ReceiveChecks::ReceiveChecks(const Layout& layout, Backend& backend, bool reject_nonfinite)
-    : layout_(layout), backend_(backend), reject_nonfinite_(reject_nonfinite) {
+ReceiveChecks::ReceiveChecks(const Layout& layout, const Layout& engine_layout, Backend& backend,
+                             bool reject_nonfinite)
+    : layout_(layout),
+      backend_(backend),
+      reject_nonfinite_(reject_nonfinite),
+      engine_layout_(engine_layout) {
   if (!backend.supports_integrity()) return;
   stream_ = backend.create_stream(StreamPriority::kLow);
   results_event_ = backend.create_event();
@@ -24,13 +34,72 @@ ReceiveChecks::ReceiveChecks(const Layout& layout, Backend& backend, bool reject
     max_buckets += g.bucket_count();
     for (const auto& t : g.tensors()) checked_tensors += dtype_has_nonfinite_check(t.spec.dtype);
   }
-  scratch_ = CheckScratch(backend, max_buckets, checked_tensors);
+  std::size_t engine_tensors = 0;
+  for (const auto& g : engine_layout.groups()) engine_tensors += g.tensors().size();
+  scratch_ = CheckScratch(backend, max_buckets, checked_tensors, engine_tensors);
 }
 
-void ReceiveChecks::begin(bool checksums) {
+void ReceiveChecks::begin(bool checksums, bool match_live) {
   checksums_ = checksums;
+  match_live_ = match_live;
   buckets_ = 0;
   tensors_.clear();
+  matched_.clear();
+}
+
+void ReceiveChecks::enqueue_match_live(const std::vector<ReceiveTarget>& targets,
+                                       const Layout& engine_layout, const SlotTable& slots) {
+  for (const ReceiveTarget& target : targets) {
+    const GroupLayout& group = engine_layout.groups()[target.group];
+    const std::byte* slot = slots.slot_data(target.group, target.slot);
+    for (std::size_t t = 0; t < group.tensors().size(); ++t) {
+      const TensorPlacement& tensor = group.tensors()[t];
+      if (tensor.bytes == 0) continue;
+      const auto* live =
+          static_cast<const std::byte*>(slots.live_tensor(target.group, t, tensor.offset));
+      const std::byte* mine = slot + tensor.offset;
+      const bool on_host = (reinterpret_cast<std::uintptr_t>(live) % 8) != 0 ||
+                           (reinterpret_cast<std::uintptr_t>(mine) % 8) != 0;
+      const std::size_t i = matched_.size();
+      matched_.push_back({group.name(), &tensor, mine, live, on_host});
+      if (on_host) continue;
+      backend_.checksum_async(mine, tensor.bytes, scratch_.match_checksum(i, false), *stream_);
+      backend_.checksum_async(live, tensor.bytes, scratch_.match_checksum(i, true), *stream_);
+    }
+  }
+}
+
+Refusal ReceiveChecks::match_refusal(std::size_t i) const {
+  const Matched& m = matched_[i];
+  const TensorPlacement& tensor = *m.tensor;
+  // Both copies to the host, once, to name the first element that differs.
+  std::vector<std::byte> mine(tensor.bytes), live(tensor.bytes);
+  backend_.memcpy_async(mine.data(), m.slot, tensor.bytes, *stream_);
+  backend_.memcpy_async(live.data(), m.live, tensor.bytes, *stream_);
+  backend_.stream_synchronize(*stream_);
+  const std::size_t element = dtype_size(tensor.spec.dtype);
+  std::size_t at = 0;
+  while (at < tensor.bytes && mine[at] == live[at]) ++at;
+  Refusal refusal;
+  refusal.transport_failed = false;
+  refusal.code = ErrorCode::kLayoutMismatch;
+  refusal.group = m.group;
+  refusal.tensor = tensor.spec.name;
+  if (at == tensor.bytes) {  // the checksums differed while the bytes agree: read again, racing
+    refusal.why = fmt::format(
+        "self-check (verify_matches_live): tensor '{}' of group '{}' had another checksum than its "
+        "live copy, but its bytes now agree: the live copy changed while it was compared",
+        tensor.spec.name, m.group);
+    return refusal;
+  }
+  refusal.why = fmt::format(
+      "self-check (verify_matches_live): tensor '{}' of group '{}' ({}, {} elements) differs from "
+      "the engine's live copy first at element {} (byte {}): the update was to reproduce the live "
+      "weights, so the receive plan or a transform after loading puts bytes where the engine does "
+      "not read them; nothing went live",
+      tensor.spec.name, m.group, dtype_name(tensor.spec.dtype), tensor.bytes / element,
+      at / element, at);
+  return refusal;
 }
 
 void ReceiveChecks::enqueue_bucket(const GroupLayout& group, std::size_t group_index,
@@ -94,6 +163,20 @@ std::optional<Refusal> ReceiveChecks::compare(const std::vector<ReceiveTarget>& 
           k, group.bucket_count(), group.name(), bucket.offset, bucket.offset + bucket.bytes, got,
           sent);
       return refusal;
+    }
+  }
+  for (std::size_t i = 0; i < matched_.size(); ++i) {
+    const Matched& m = matched_[i];
+    if (m.on_host) {
+      std::vector<std::byte> mine(m.tensor->bytes), live(m.tensor->bytes);
+      backend_.memcpy_async(mine.data(), m.slot, m.tensor->bytes, *stream_);
+      backend_.memcpy_async(live.data(), m.live, m.tensor->bytes, *stream_);
+      backend_.stream_synchronize(*stream_);
+      if (std::memcmp(mine.data(), live.data(), mine.size()) != 0) return match_refusal(i);
+      continue;
+    }
+    if (scratch_.match_checksum_on_host(i, false) != scratch_.match_checksum_on_host(i, true)) {
+      return match_refusal(i);
     }
   }
   for (std::size_t i = 0; i < tensors_.size(); ++i) {

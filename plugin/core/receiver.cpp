@@ -37,6 +37,7 @@ struct Command {
   enum class Kind { kBegin, kReplaceTransport, kReleaseTransport, kDrain, kShutdown };
   Kind kind = Kind::kBegin;
   UpdateHeader header;
+  UpdateChecks checks;  // kBegin
   std::unique_ptr<Transport> transport;
   std::string why;  // kReleaseTransport
   std::shared_ptr<std::promise<void>> drained;
@@ -54,7 +55,7 @@ struct Receiver::Impl {
         planner(*owner.slots_),
         stream(backend.create_stream(StreamPriority::kLow)),
         done_event(backend.create_event()),
-        checks(owner.wire_layout(), backend, config.reject_nonfinite),
+        checks(owner.wire_layout(), owner.layout_, backend, config.reject_nonfinite),
         pacer(config.decode_slowdown_budget, config.max_receive_bytes_per_second,
               owner.hook_->step_times()) {
     std::size_t max_buckets = 0;  // of an update that carries every group
@@ -65,7 +66,7 @@ struct Receiver::Impl {
   }
 
   void run();
-  void receive(const UpdateHeader& header);
+  void receive(const UpdateHeader& header, const UpdateChecks& asked);
   void resolve_offer();
   // Waits until the first `until` posted buckets completed (`completed` counts them; a bucket's
   // deadline runs from `bucket_start`, the last completion or hold). Nothing: they did.
@@ -236,7 +237,7 @@ Receiver::Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backe
 
 Receiver::~Receiver() { shutdown(); }
 
-void Receiver::begin_update(const UpdateHeader& header) {
+void Receiver::begin_update(const UpdateHeader& header, const UpdateChecks& checks) {
   if (impl_->stopping.load()) {
     throw Error(ErrorCode::kShutdown,
                 fmt::format("update {}: the receiver is shut down", header.version));
@@ -257,6 +258,12 @@ void Receiver::begin_update(const UpdateHeader& header) {
                             "(supports_integrity() is false)",
                             header.version, impl_->backend.name()));
   }
+  if (checks.verify_matches_live && !impl_->backend.supports_integrity()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("update {}: verify_matches_live asked, but backend '{}' cannot compare "
+                            "bytes (supports_integrity() is false); send it without the self-check",
+                            header.version, impl_->backend.name()));
+  }
   impl_->last_accepted_version = header.version;
   {
     std::lock_guard stats_lock(impl_->stats_mutex);
@@ -265,6 +272,7 @@ void Receiver::begin_update(const UpdateHeader& header) {
   Command command;
   command.kind = Command::Kind::kBegin;
   command.header = header;
+  command.checks = checks;
   impl_->commands.enqueue(std::move(command));
 }
 
@@ -363,7 +371,7 @@ void Receiver::Impl::run() {
       case Command::Kind::kBegin:
         abort_requested.store(false);  // an abort only targets an update already in flight
         if (stopping.load()) break;
-        receive(command.header);
+        receive(command.header, command.checks);
         break;
       case Command::Kind::kReplaceTransport:
         transport = std::move(command.transport);
@@ -442,7 +450,7 @@ std::uint64_t Receiver::commit(std::uint64_t version, Stream& engine_stream) {
   return applied.value_or(version);
 }
 
-void Receiver::Impl::receive(const UpdateHeader& header) {
+void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& asked) {
   const Layout& layout = owner.wire_layout();
   if (!transport) {
     UpdateReport failed;
@@ -484,7 +492,7 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   seed_kept(targets);
   // Without a plan straight into the shadow arena: one broadcast per bucket, no staging, no
   // per-tensor work. With one, into the bucket buffer, then the plan's pieces into the shadow.
-  checks.begin(carries_checksums(header, layout));
+  checks.begin(carries_checksums(header, layout), asked.verify_matches_live);
   const ReceivePlan* plan = owner.plan_.get();
   std::size_t bucket_count = 0;
   for (const ReceiveTarget& target : targets) {
@@ -553,6 +561,11 @@ void Receiver::Impl::receive(const UpdateHeader& header) {
   }
 
   if (!failure) failure = wait_for_buckets(completed, posted, start, bucket_start);
+  if (!failure && asked.verify_matches_live) {
+    // Every bucket and plan copy has completed (waited for above): the slots are whole. The
+    // receiver thread may read the live table: no swap runs while a receive is in flight.
+    checks.enqueue_match_live(targets, owner.layout_, *owner.slots_);
+  }
   const std::uint64_t steps_at_completion = pacer.steps_started();
   PacingReport pacing = pacer.active() ? pacer.finish() : PacingReport{};
   if (!failure) failure = verify(targets, sent_block_done, start);

@@ -297,11 +297,22 @@ class Receiver(Handle):
 
     # --- control plane (any thread) -----------------------------------------------------------
 
-    def begin_update(self, header: bytes | UpdateHeader) -> None:
+    def begin_update(self, header: bytes | UpdateHeader, verify_matches_live: bool = False
+                     ) -> None:
         """Validates the header against the layout and the last accepted version, queues it and
         returns at once; the receive runs on the receiver's native thread. Raises (BadHeaderError,
         LayoutMismatchError, StaleVersionError, ...) naming the field and both values, and then
-        nothing changed. Thread-safe."""
+        nothing changed. Thread-safe.
+
+        `verify_matches_live`: the self-check. The update must reproduce the engine's live
+        weights byte for byte (the trainer sends the checkpoint the engine holds): once it landed,
+        every tensor it wrote is compared with its live copy on the receiver's check stream, and
+        the first that differs fails the update (LayoutMismatchError in its report, naming the
+        tensor and the first differing element; nothing goes live)."""
+        if verify_matches_live:
+            data = header.to_bytes() if isinstance(header, UpdateHeader) else bytes(header)
+            call("shadowsync_receiver_begin_update_checked", self._handle, data, len(data), 1)
+            return
         if isinstance(header, UpdateHeader):
             c = header._to_c()
             call("shadowsync_receiver_begin_update", self._handle, byref(c))

@@ -16,6 +16,9 @@ Architectures, chosen for what they exercise in vLLM's weight loading:
   qwen2  - the same fusion plus q/k/v biases; tie_word_embeddings (lm_head is embed_tokens).
   qwen3  - q_norm / k_norm per head, no biases; own lm_head.
   phi3   - qkv_proj and gate_up_proj already fused in HF (vLLM loads them whole).
+  qwen3_moe, mixtral - 4 experts, 2 per token: vLLM stacks them into w13/w2, and its CPU backend
+           repacks those after loading (same shape, other order).
+  gemma2 - embedding and lm_head tied, built by vLLM without the model's quantization config.
 
 Weights are float32 on disk (vLLM casts to the dtype it is given); torch and transformers are
 imported lazily, so importing this module costs nothing for tests that skip."""
@@ -26,6 +29,10 @@ import os
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+# Architectures vLLM transforms after loading (MoE experts, layers it builds without the model's
+# quantization config): the set-up must refuse them, naming what vLLM does.
+TRANSFORMED_ARCHS = ("qwen3_moe", "mixtral", "gemma2")
+EXPERTS = 4
 
 VOCAB_SIZE = 320  # 256 byte tokens + 3 specials + fillers
 HIDDEN = 128
@@ -71,7 +78,21 @@ def make_config(arch: str, vocab_size: int = VOCAB_SIZE):
     if arch == "phi3":
         return transformers.Phi3Config(**common, tie_word_embeddings=False,
                                        sliding_window=None)
-    raise ValueError(f"make_config: unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, head_dim=HEAD_DIM, num_experts=EXPERTS,
+                                           num_experts_per_tok=2,
+                                           moe_intermediate_size=INTERMEDIATE // 2,
+                                           decoder_sparse_step=1, tie_word_embeddings=False,
+                                           use_sliding_window=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, head_dim=HEAD_DIM, num_local_experts=EXPERTS,
+                                          num_experts_per_tok=2, tie_word_embeddings=False,
+                                          sliding_window=None)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**common, head_dim=HEAD_DIM, tie_word_embeddings=True,
+                                         sliding_window=MAX_POSITIONS)
+    raise ValueError(f"make_config: unknown arch {arch!r}; known: "
+                     f"{', '.join(ARCHS + TRANSFORMED_ARCHS)}")
 
 
 def make_tokenizer(vocab_size: int = VOCAB_SIZE):

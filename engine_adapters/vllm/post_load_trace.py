@@ -1,0 +1,343 @@
+"""What vLLM does to a model's weights after loading them, traced while it does it.
+
+After ``load_weights`` vLLM runs its post-load step (``process_weights_after_loading``: every
+layer's quant method, the attention layers, the model's own hook). It may repack a weight in place
+(vLLM CPU's MoE experts: same shape, other order), replace it (an empty parameter and a packed
+copy: vLLM CPU's linears), quantize it, transpose it, or derive a copy the forward reads while the
+parameter stays as loaded (vLLM CPU's embeddings used as the lm_head). A receive plan traced from
+``load_weights`` writes the checkpoint's layout into the parameters; after any of these the engine
+would compute with something else — silently wrong.
+
+So the post-load step itself is traced, not guessed per architecture: ``install()`` wraps vLLM's
+``process_weights_after_loading`` so that, around the real call at load time, every module's
+parameters (shape, strides, dtype and a position-sensitive digest of their bytes) and attributes
+(its own and its quant method's) are taken before and after. What changed is kept on the model
+(``PostLoadRecord``). At set-up, ``refuse_post_load_transforms(model, ...)`` refuses an engine
+where the step changed a parameter or set something that is not a plain value (a tensor, a
+function, a kernel object), naming the layer, its quant method and what the step did. One check
+decides by running the layer, not by its class: a layer that gained such an attribute but still
+computes from its parameter (a lookup embedding beside its unused packed copy) passes, shown by
+calling its quant method on a copy of the layer with other weights.
+
+Tracing runs at load, never again: vLLM's post-load step is not idempotent (a second run takes its
+"weight update" branch), so re-running it on a copy would not show what the first run did.
+
+Thread: the loading thread (vLLM's worker), then the set-up's. torch and vllm are imported inside
+the functions only.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from shadowsync.errors import LayoutMismatchError
+from shadowsync.layout import format_shape
+
+__all__ = ["PostLoadChange", "PostLoadRecord", "install", "refuse_post_load_transforms"]
+
+RECORD_ATTR = "_shadowsync_post_load"
+_PATCHED_FLAG = "_shadowsync_traced"
+_MAX_LISTED = 12
+# Elements hashed per torch call: bounds the digest's temporaries (int64: 32 MiB per tensor).
+_DIGEST_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class PostLoadChange:
+    """One thing the post-load step did to a layer: ``kind`` "parameter" or "attribute"."""
+
+    layer: str
+    method: str  # the class of the layer's quant method, or "no quant method"
+    kind: str
+    name: str
+    what: str
+
+
+@dataclass
+class PostLoadRecord:
+    changes: list[PostLoadChange] = field(default_factory=list)
+    failure: str | None = None  # the trace itself failed (the step ran regardless)
+
+
+# --- installing the trace -------------------------------------------------------------------------
+
+def install() -> bool:
+    """Wraps vLLM's ``process_weights_after_loading`` (in every loaded module that holds it) with
+    the trace. Idempotent; False where vLLM has no such function (nothing to trace there)."""
+    try:
+        from vllm.model_executor.model_loader import utils
+    except ImportError:
+        return False
+    original = getattr(utils, "process_weights_after_loading", None)
+    if original is None:
+        return False
+    if getattr(original, _PATCHED_FLAG, False):
+        traced = original
+        original = traced.__wrapped__
+    else:
+        traced = _traced(original)
+    # base_loader (and others) imported it by name: patch each copy of the reference.
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "") or ""
+        if name.startswith("vllm") and getattr(module, "process_weights_after_loading",
+                                               None) is original:
+            module.process_weights_after_loading = traced
+    return True
+
+
+def _traced(original):
+    def process_weights_after_loading(model, *args, **kwargs):
+        before = None
+        try:
+            before = _snapshot(model)
+        except Exception as e:  # noqa: BLE001 - the trace must never break vLLM's load
+            failure = f"{type(e).__name__}: {e}"
+        result = original(model, *args, **kwargs)
+        record = PostLoadRecord()
+        if before is None:
+            record.failure = failure
+        else:
+            try:
+                record.changes = _diff(before, _snapshot(model))
+            except Exception as e:  # noqa: BLE001
+                record.failure = f"{type(e).__name__}: {e}"
+        object.__setattr__(model, RECORD_ATTR, record)
+        return result
+
+    process_weights_after_loading.__wrapped__ = original
+    setattr(process_weights_after_loading, _PATCHED_FLAG, True)
+    return process_weights_after_loading
+
+
+# --- what a snapshot holds ------------------------------------------------------------------------
+
+def _digest(torch, t) -> int | None:
+    """A position-sensitive digest of t's bytes (a permutation changes it), or None without
+    storage."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    total = 0
+    for start in range(0, words.numel(), _DIGEST_CHUNK):
+        x = words[start:start + _DIGEST_CHUNK].to(torch.int64)
+        index = torch.arange(start, start + x.numel(), dtype=torch.int64, device=x.device)
+        weight = (index * 2654435761) % 4294967291 + 1
+        total = (total + int(((x + 0x9E3779B1) * weight).sum())) & ((1 << 64) - 1)
+    return total
+
+
+def _is_plain(value, depth: int = 0) -> bool:
+    """A value that cannot hold weights: None, numbers, strings, enums, dtypes, devices, and
+    small containers of them."""
+    import enum
+
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum, torch.dtype,
+                                           torch.device)):
+        return True
+    if isinstance(value, (tuple, list, frozenset, set)) and depth < 2 and len(value) <= 64:
+        return all(_is_plain(v, depth + 1) for v in value)
+    return False
+
+
+def _method_name(module) -> str:
+    method = getattr(module, "quant_method", None)
+    return type(method).__name__ if method is not None else "no quant method"
+
+
+def _snapshot(model) -> dict:
+    import torch
+
+    internals = set(vars(torch.nn.Module()))
+    digests: dict[tuple, int | None] = {}
+    params: dict[tuple[str, str], tuple] = {}
+    attrs: dict[tuple[str, str], Any] = {}
+    methods: dict[str, str] = {}
+    holds_weights: set[str] = set()  # modules with a parameter in their subtree
+    for mname, module in model.named_modules():
+        methods[mname] = _method_name(module)
+        if next(module.parameters(), None) is not None:
+            holds_weights.add(mname)
+        for pname, p in module._parameters.items():
+            if p is None:
+                continue
+            key = (p.device, p.data_ptr() if p.device.type != "meta" else id(p), p.dtype,
+                   tuple(p.shape), tuple(p.stride()))
+            if key not in digests:
+                digests[key] = _digest(torch, p)
+            params[(mname, pname)] = (tuple(p.shape), tuple(p.stride()), p.dtype, digests[key])
+        for k, v in vars(module).items():
+            if k not in internals:
+                attrs[(mname, k)] = v
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "__dict__"):
+            for k, v in vars(method).items():
+                attrs[(mname, f"quant_method.{k}")] = v
+    return dict(params=params, attrs=attrs, methods=methods, holds_weights=holds_weights)
+
+
+def _describe_param(old: tuple, new: tuple | None) -> str | None:
+    if new is None:
+        return "removed it"
+    (oshape, ostride, odtype, odigest), (nshape, nstride, ndtype, ndigest) = old, new
+    if 0 in nshape and 0 not in oshape:
+        return (f"emptied it (shape {format_shape(oshape)} -> {format_shape(nshape)}): the layer "
+                f"computes from another copy")
+    if ndtype != odtype:
+        return f"converted it from {odtype} to {ndtype} (quantized)"
+    if nshape != oshape:
+        if sorted(nshape) == sorted(oshape):
+            return f"transposed it (shape {format_shape(oshape)} -> {format_shape(nshape)})"
+        return f"reshaped it (shape {format_shape(oshape)} -> {format_shape(nshape)})"
+    if nstride != ostride:
+        return (f"changed its memory layout (strides {format_shape(ostride)} -> "
+                f"{format_shape(nstride)})")
+    if ndigest != odigest:
+        return ("rewrote its values in place (same shape, dtype and strides: a repacked, "
+                "reordered or rescaled layout)")
+    return None
+
+
+def _diff(before: dict, after: dict) -> list[PostLoadChange]:
+    changes = []
+    methods = {**before["methods"], **after["methods"]}
+    for (mname, pname), old in before["params"].items():
+        what = _describe_param(old, after["params"].get((mname, pname)))
+        if what:
+            changes.append(PostLoadChange(mname, methods[mname], "parameter", pname, what))
+    for (mname, pname), new in after["params"].items():
+        if (mname, pname) not in before["params"]:
+            changes.append(PostLoadChange(mname, methods[mname], "parameter", pname,
+                                          f"added it (shape {format_shape(new[0])}, {new[2]})"))
+    missing = object()
+    for (mname, aname), new in after["attrs"].items():
+        old = before["attrs"].get((mname, aname), missing)
+        # A layer without weights below it (an attention backend's state) derives none.
+        if old is new or _is_plain(new) or mname not in before["holds_weights"]:
+            continue
+        what = "set it to" if old is missing else "replaced it with"
+        changes.append(PostLoadChange(mname, methods[mname], "attribute", aname,
+                                      f"{what} a {type(new).__name__}"))
+    return changes
+
+
+# --- the set-up's check ---------------------------------------------------------------------------
+
+def _computes_from_its_weight(model, layer_name: str) -> bool:
+    """Whether the layer's quant method computes from the layer's ``weight`` parameter: called
+    on a copy of the layer whose weight holds other values (anything the post-load step derived
+    from the loaded weight still holds the old ones), as the model calls it (a lookup for an
+    embedding, a matmul for a linear layer or the lm_head)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        module = model.get_submodule(layer_name) if layer_name else model
+    except AttributeError:
+        return False
+    method = getattr(module, "quant_method", None)
+    weight = module._parameters.get("weight")
+    if method is None or weight is None or weight.dim() != 2 or weight.numel() == 0:
+        return False
+    if not weight.is_floating_point():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    other = torch.randn(tuple(weight.shape), generator=generator).to(weight.dtype).to(
+        weight.device)
+    twin = copy.copy(module)
+    parameters = dict(module._parameters)
+    parameters["weight"] = torch.nn.Parameter(other, requires_grad=False)
+    object.__setattr__(twin, "_parameters", parameters)
+    bias = parameters.get("bias")
+    try:
+        with torch.no_grad():
+            if hasattr(method, "embedding") and module is not getattr(model, "lm_head", None):
+                ids = torch.arange(min(8, other.shape[0]), device=other.device)
+                got, want = method.embedding(twin, ids), other[ids]
+            else:
+                x = torch.randn((2, other.shape[1]), generator=generator).to(other.dtype).to(
+                    other.device)
+                got, want = method.apply(twin, x), F.linear(x, other, bias)
+    except Exception:  # noqa: BLE001 - a layer that cannot be called this way is not shown
+        return False
+    if tuple(got.shape) != tuple(want.shape):
+        return False
+    return bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
+
+
+def _advice(changes: list[PostLoadChange], quantization: str | None, device: str) -> str:
+    from .unpacked import NAME as UNPACKED
+
+    supported = ("supported are dense models whose layers compute from their parameters "
+                 "(tested: llama, qwen2, qwen3, phi3 on vLLM CPU with quantization="
+                 f"\"{UNPACKED}\"; unquantized dense models on CUDA); MoE experts and FP8 "
+                 "weights are not yet")
+    if device == "cpu" and quantization == UNPACKED:
+        unreached = sorted({c.layer for c in changes if c.method.startswith("Unquantized")})
+        if unreached:
+            shown = ", ".join(f"'{n}'" for n in unreached[:_MAX_LISTED])
+            return (f"quantization=\"{UNPACKED}\" is in use, but vLLM builds {shown} without "
+                    f"the model's quantization config, so it does not reach them and vLLM's CPU "
+                    f"backend repacks them; {supported}")
+    elif device == "cpu" and quantization is None and any(
+            c.method.startswith("Unquantized") for c in changes):
+        return (f"start vLLM with quantization=\"{UNPACKED}\" (vLLM's unquantized weights "
+                f"without the CPU repacking); {supported}")
+    return supported
+
+
+def refuse_post_load_transforms(model, quantization: str | None = None,
+                                device: str = "cpu") -> None:
+    """Raises LayoutMismatchError, naming every layer, its quant method and what vLLM's post-load
+    step did, when that step changed a weight or derived something from one that the layer
+    computes with; nothing when it left every weight as loaded. A vLLM model whose post-load step
+    was not traced (shadowsync.vllm imported only after the engine loaded) is refused too; a
+    model without quant methods (not vLLM's) passes."""
+    record = getattr(model, RECORD_ATTR, None)
+    if record is None:
+        vllm_layers = any(hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")
+                          for m in model.modules())
+        if vllm_layers:
+            raise LayoutMismatchError(
+                "vLLM's post-load step (process_weights_after_loading) ran before shadowsync "
+                "could trace it, so nothing shows that the parameters are the weights the model "
+                "computes with: import shadowsync.vllm in the process that creates the engine "
+                "before it loads (vLLM's workers do so through worker_extension_cls), or install "
+                "the package (its vLLM plugin traces every process)")
+        return
+    if record.failure:
+        raise LayoutMismatchError(
+            f"tracing vLLM's post-load step failed ({record.failure}), so nothing shows that the "
+            f"parameters are the weights the model computes with; refused")
+    by_layer: dict[str, list[PostLoadChange]] = {}
+    for change in record.changes:
+        by_layer.setdefault(change.layer, []).append(change)
+    refused = []
+    for layer, changes in by_layer.items():
+        if all(c.kind == "attribute" for c in changes) and _computes_from_its_weight(model,
+                                                                                    layer):
+            continue  # it derived something, but computes from the parameter an update writes
+        refused.extend(changes)
+    if not refused:
+        return
+    layers = []
+    for layer in dict.fromkeys(c.layer for c in refused):
+        mine = [c for c in refused if c.layer == layer]
+        things = "; ".join(f"{c.kind} '{c.name}': {c.what}" for c in mine[:4])
+        if len(mine) > 4:
+            things += f"; ... and {len(mine) - 4} more"
+        layers.append(f"layer '{layer or '<model>'}' ({mine[0].method}): {things}")
+    shown = " | ".join(layers[:_MAX_LISTED])
+    if len(layers) > _MAX_LISTED:
+        shown += f" | ... and {len(layers) - _MAX_LISTED} more layers"
+    raise LayoutMismatchError(
+        f"vLLM's post-load step (process_weights_after_loading) transforms {len(layers)} "
+        f"layer(s) after loading, so an update written into their parameters in the trainer's "
+        f"layout would not be what they compute with: {shown}. Nothing was set up; "
+        f"{_advice(refused, quantization, device)}")
