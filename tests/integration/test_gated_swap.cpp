@@ -8,8 +8,10 @@
 // arena, or torn), and compared with what the engine thread knew once the step was launched.
 //
 // Checked to fail without their behaviour (each broken by hand once, then restored): with
-// GatedSwap::claim not waiting for the work before the gate, the first test sees the step before
-// the gate read the new version; with after_launch not remapping (the gate opened without the
+// GatedSwap::claim not waiting for the work before the gate, the first test sees after_launch
+// return while the step before the gate is still held (and that step read the new version); it
+// holds the step until after_launch's thread waits for it or after_launch returns, so this does
+// not depend on who wins a race; with after_launch not remapping (the gate opened without the
 // swap), the step behind the gate reads the old version; with the watchdog not opening the gate,
 // the second test hangs in its synchronize until the ctest timeout; with gate_or_apply not
 // finishing an earlier gate, the third test's step reads the old version. The first is kept as
@@ -21,18 +23,24 @@
 #include <cstddef>
 #include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <optional>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "counting_backend.h"
 #include "deadline.h"
 #include "fake_engine.h"
-#include "loopback_rig.h"
 #include "pattern.h"
 #include "remap_host_backend.h"
 #include "shadowsync/error.h"
+#include "shadowsync/host_backend.h"
+#include "shadowsync/loopback_transport.h"
+#include "shadowsync/receiver.h"
+#include "shadowsync/sender.h"
 
 using namespace shadowsync;
 using namespace shadowsync::testing;
@@ -46,45 +54,121 @@ Layout one_group_layout() {
                        {.bucket_bytes = 2048});
 }
 
-RigOptions gated_options(std::chrono::milliseconds gate_deadline, bool jitter = false) {
-  RigOptions o;
-  o.receiver.swap_strategy = SwapStrategy::kRemap;
-  o.receiver.engine_uses_cuda_graphs = true;
-  o.receiver.gated_swaps = true;
-  o.receiver.gate_deadline = gate_deadline;
-  o.remap_on_host = true;
-  if (jitter) {
-    o.backend.max_task_jitter = std::chrono::microseconds(20);
-    o.backend.jitter_seed = 5;
-  }
-  return o;
+ReceiverConfig gated_config(std::chrono::milliseconds gate_deadline) {
+  ReceiverConfig config;
+  config.swap_strategy = SwapStrategy::kRemap;
+  config.engine_uses_cuda_graphs = true;
+  config.gated_swaps = true;
+  config.gate_deadline = gate_deadline;
+  return config;
 }
+
+HostBackendOptions backend_options(bool jitter) {
+  HostBackendOptions options;
+  if (jitter) {
+    options.max_task_jitter = std::chrono::microseconds(20);
+    options.jitter_seed = 5;
+  }
+  return options;
+}
+
+// Tells the test when the thread that calls after_launch waits for the work before the gate, and
+// when its after_launch returned. With the step before the gate held, the wait must come and the
+// return must not: a remap then would move the live pages under that step.
+struct AfterLaunchProbe {
+  // On the thread that calls after_launch, before it.
+  void enter() {
+    std::lock_guard lock(mutex);
+    thread = std::this_thread::get_id();
+  }
+  // On that thread, once after_launch returned.
+  void leave() {
+    {
+      std::lock_guard lock(mutex);
+      returned = true;
+    }
+    changed.notify_all();
+  }
+  // From the gate, on whichever thread waits for the work before it (the watchdog waits too).
+  void waits_for_work_before() {
+    {
+      std::lock_guard lock(mutex);
+      if (std::this_thread::get_id() != thread) return;
+      waiting = true;
+    }
+    changed.notify_all();
+  }
+
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::thread::id thread;  // none until enter()
+  bool waiting = false;
+  bool returned = false;
+};
+
+// The host backend's gate, telling the probe who waits for the work before it.
+class ProbedGate final : public StreamGate {
+ public:
+  ProbedGate(std::unique_ptr<StreamGate> gate, AfterLaunchProbe& probe)
+      : gate_(std::move(gate)), probe_(probe) {}
+  void close(Stream& stream) override { gate_->close(stream); }
+  bool wait_work_before(std::chrono::nanoseconds timeout) override {
+    probe_.waits_for_work_before();
+    return gate_->wait_work_before(timeout);
+  }
+  void open() noexcept override { gate_->open(); }
+
+ private:
+  const std::unique_ptr<StreamGate> gate_;
+  AfterLaunchProbe& probe_;
+};
+
+// RemapHostBackend (remap_host_backend.h: remap arenas in host memory) whose gates are probed.
+class ProbedRemapBackend final : public CountingBackend {
+ public:
+  ProbedRemapBackend(HostBackend& inner, AfterLaunchProbe& probe)
+      : CountingBackend(inner), probe_(probe) {}
+  std::string_view name() const override { return "host-remap"; }
+  std::string remap_unsupported_reason() const override { return ""; }
+  std::unique_ptr<RemappableArena> create_remappable_arena(std::size_t bytes) override {
+    return std::make_unique<HostArena>(bytes, 0, &inner());
+  }
+  std::unique_ptr<StreamGate> create_stream_gate() override {
+    return std::make_unique<ProbedGate>(inner().create_stream_gate(), probe_);
+  }
+
+ private:
+  AfterLaunchProbe& probe_;
+};
 
 // An engine whose steps record the version they read in the live arena (every word of every
 // tensor; kTornVersion when two words disagree).
 class ReadingEngine {
  public:
-  ReadingEngine(LoopbackRig& rig, const Layout& layout)
-      : rig_(rig), layout_(layout), stream_(rig.backend().create_stream(StreamPriority::kNormal)) {}
-  ~ReadingEngine() { rig_.backend().stream_synchronize(*stream_); }
+  ReadingEngine(HostBackend& backend, StepHook& hook, const Layout& layout)
+      : backend_(backend), hook_(hook), layout_(layout),
+        stream_(backend.create_stream(StreamPriority::kNormal)) {}
+  ~ReadingEngine() { backend_.stream_synchronize(*stream_); }
 
   Stream& stream() { return *stream_; }
-  StepHook& hook() { return rig_.receiver().step_hook(); }
+  StepHook& hook() { return hook_; }
 
   // Enqueues a step that reads the live arena when it runs; returns its index in seen().
   std::size_t launch(std::function<void()> first = {}) {
     const std::size_t index = seen_.size();
     std::uint64_t* seen = &seen_.emplace_back(0);  // a deque: stays put while more are added
     const std::byte* live = hook().live_arena(0);
-    rig_.backend().launch_async(*stream_, [this, seen, live, first = std::move(first)] {
+    backend_.launch_async(*stream_, [this, seen, live, first = std::move(first)] {
       if (first) first();
       *seen = read(live);
     });
     return index;
   }
-  void synchronize() { rig_.backend().stream_synchronize(*stream_); }
+  void synchronize() { backend_.stream_synchronize(*stream_); }
   // After synchronize().
   std::uint64_t seen(std::size_t step) const { return seen_[step]; }
+  // The version the live arena holds now, read on the calling thread: while nothing swaps.
+  std::uint64_t read_live() const { return read(hook_.live_arena(0)); }
 
  private:
   std::uint64_t read(const std::byte* live) const {
@@ -101,27 +185,51 @@ class ReadingEngine {
     return version.value_or(kTornVersion);
   }
 
-  LoopbackRig& rig_;
+  HostBackend& backend_;
+  StepHook& hook_;
   const Layout& layout_;
   std::unique_ptr<Stream> stream_;
   std::deque<std::uint64_t> seen_;  // written by the stream's thread, read after synchronize
 };
 
-// The set-up of every test here: a gated receiver on the CPU and an engine that reads.
+// The set-up of every test here: a sender and a gated receiver on the CPU (as LoopbackRig wires
+// them, on a backend whose gates are probed), and an engine that reads.
 struct GatedRig {
   explicit GatedRig(std::chrono::milliseconds gate_deadline, bool jitter = false)
-      : layout(one_group_layout()), rig(layout, gated_options(gate_deadline, jitter)),
-        engine(rig, layout) {}
+      : layout(one_group_layout()), backend(backend_options(jitter)), endpoints(backend, probe),
+        communicator(2), sender(layout, endpoints, communicator.transport(0)),
+        receiver(layout, endpoints, communicator.transport(1), gated_config(gate_deadline)),
+        engine(backend, receiver.step_hook(), layout) {}
+
+  // Publishes pattern tensors of the base group at `version` and begins the update.
+  PublishHandle publish(std::uint64_t version) {
+    const std::vector<std::string> groups = {"base"};
+    while (!published.empty() && published.front().first.done()) published.pop_front();
+    auto tensors = std::make_unique<HostTensors>(layout, groups, version);
+    PublishHandle handle = sender.publish(version, groups, tensors->sources());
+    published.emplace_back(handle, std::move(tensors));
+    receiver.begin_update(handle.header());
+    return handle;
+  }
+  // Sends update `version` and waits until the receiver offers it.
+  void offer(std::uint64_t version) {
+    publish(version).wait();
+    wait_until([&] { return receiver.stats().updates_ready >= version &&
+                            receiver.step_hook().has_pending(); },
+               "update " + std::to_string(version) + " offered to the engine");
+  }
+
   const Layout layout;
-  LoopbackRig rig;
+  AfterLaunchProbe probe;
+  HostBackend backend;  // the engine's streams
+  ProbedRemapBackend endpoints;
+  LoopbackCommunicator communicator;
+  // Each publish's tensors, until it is done (they outlive the sender and the receiver).
+  std::deque<std::pair<PublishHandle, std::unique_ptr<HostTensors>>> published;
+  Sender sender;
+  Receiver receiver;
   ReadingEngine engine;
 };
-
-// Sends update `version` of the base group and waits until the receiver offers it.
-void offer(LoopbackRig& rig, std::uint64_t version) {
-  rig.publish(version, {"base"}).wait();
-  rig.wait_offered(version);
-}
 
 // A latch a stream task waits on: holds the step before the gate until the test lets it end.
 struct Latch {
@@ -143,15 +251,21 @@ struct Latch {
 
 }  // namespace
 
-TEST_CASE("gated swap: before_step returns while the step before is in flight; the step behind "
-          "the gate runs on the new version, the step before on the old") {
+TEST_CASE("gated swap: before_step returns while the step before is in flight; after_launch "
+          "waits for that step before it remaps; the step behind the gate runs on the new "
+          "version, the step before on the old") {
+  Latch latch;  // outlives the rig: the held step may still be leaving its wait
   GatedRig g(std::chrono::milliseconds(10'000));
-  LoopbackRig& rig = g.rig;
   ReadingEngine& engine = g.engine;
   StepHook& hook = engine.hook();
+  AfterLaunchProbe& probe = g.probe;
+  std::future<std::optional<std::uint64_t>> after_launch;  // waited for after the latch opens
+  struct OpenAtExit {
+    ~OpenAtExit() { latch.open(); }  // whatever fails, the held step ends
+    Latch& latch;
+  } const open_at_exit{latch};
 
-  offer(rig, 1);
-  Latch latch;
+  g.offer(1);
   const std::size_t before = engine.launch([&] { latch.wait(); });  // the step in flight
 
   // The gate closes; nothing is swapped yet and the engine thread is back at once, the step
@@ -162,8 +276,30 @@ TEST_CASE("gated swap: before_step returns while the step before is in flight; t
   CHECK(hook.has_pending());
   const std::size_t behind = engine.launch();  // enqueued behind the gate
 
+  // after_launch on a thread of its own (the engine thread's role passes to it until it returns):
+  // with the step before still held, it must wait for that step, not remap.
+  after_launch = std::async(std::launch::async, [&] {
+    probe.enter();
+    const std::optional<std::uint64_t> applied = hook.after_launch(engine.stream());
+    probe.leave();
+    return applied;
+  });
+  {
+    std::unique_lock lock(probe.mutex);
+    if (!probe.changed.wait_for(lock, kTestDeadline,
+                                [&] { return probe.waiting || probe.returned; })) {
+      FAIL("after_launch neither waited for the step before the gate nor returned within "
+           << kTestDeadline.count() << " s");
+    }
+    INFO("after_launch returned while the step before the gate was held: it did not wait");
+    CHECK_FALSE(probe.returned);
+  }
+  CHECK(hook.applied_version() == 0);  // nothing made live while the step before runs
+  CHECK(engine.read_live() == 0);      // and no page of the live range moved
+
   latch.open();
-  const std::optional<std::uint64_t> applied = hook.after_launch(engine.stream());
+  REQUIRE(after_launch.wait_for(kTestDeadline) == std::future_status::ready);
+  const std::optional<std::uint64_t> applied = after_launch.get();
   REQUIRE(applied.has_value());
   CHECK(*applied == 1);
   CHECK(hook.applied_version() == 1);
@@ -180,11 +316,10 @@ TEST_CASE("gated swap: an engine thread that waits for its stream behind the gat
           "the watchdog; the step runs on the old version and the update goes live at the next "
           "step, without a gate") {
   GatedRig g(std::chrono::milliseconds(20));
-  LoopbackRig& rig = g.rig;
   ReadingEngine& engine = g.engine;
   StepHook& hook = engine.hook();
 
-  offer(rig, 1);
+  g.offer(1);
   CHECK_FALSE(hook.before_step(engine.stream()).has_value());
   const std::size_t behind = engine.launch();
   engine.synchronize();  // would wait forever for the closed gate without the watchdog
@@ -204,7 +339,7 @@ TEST_CASE("gated swap: an engine thread that waits for its stream behind the gat
   CHECK(engine.seen(next) == 1);
 
   // Later updates too.
-  offer(rig, 2);
+  g.offer(2);
   CHECK(hook.before_step(engine.stream()) == std::optional<std::uint64_t>(2));
   CHECK(hook.gated_swaps() == 1);
 }
@@ -212,25 +347,24 @@ TEST_CASE("gated swap: an engine thread that waits for its stream behind the gat
 TEST_CASE("gated swap: an engine that comes back to before_step without after_launch finishes "
           "the gate there; wait_applied and rollback finish it too") {
   GatedRig g(std::chrono::milliseconds(10'000));
-  LoopbackRig& rig = g.rig;
   ReadingEngine& engine = g.engine;
   StepHook& hook = engine.hook();
 
-  offer(rig, 1);
+  g.offer(1);
   CHECK_FALSE(hook.before_step(engine.stream()).has_value());
   const std::size_t behind = engine.launch();
   CHECK(hook.before_step(engine.stream()) == std::optional<std::uint64_t>(1));
   engine.synchronize();
   CHECK(engine.seen(behind) == 1);
 
-  offer(rig, 2);
+  g.offer(2);
   CHECK_FALSE(hook.before_step(engine.stream()).has_value());
   const std::size_t behind_2 = engine.launch();
   CHECK(hook.wait_applied(2, deadline_from_now(), engine.stream()));
   engine.synchronize();
   CHECK(engine.seen(behind_2) == 2);
 
-  offer(rig, 3);
+  g.offer(3);
   CHECK(hook.before_step(engine.stream()) == std::nullopt);
   const std::size_t behind_3 = engine.launch();
   CHECK(hook.rollback(engine.stream()) == 3);  // finishes the gate (3 live), then undoes it
@@ -244,26 +378,25 @@ TEST_CASE("gated swap: an engine that comes back to before_step without after_la
 TEST_CASE("gated swap: 200 updates while the engine steps, every step reads one version, the one "
           "the engine thread knew once it was launched") {
   GatedRig g(std::chrono::milliseconds(10'000), /*jitter=*/true);
-  LoopbackRig& rig = g.rig;
   ReadingEngine& engine = g.engine;
   StepHook& hook = engine.hook();
 
   std::vector<std::pair<std::size_t, std::uint64_t>> expected;  // step, version
   // As an engine with asynchronous scheduling: step k is launched while step k - 1 still runs
   // (each step ends before the one after next is launched, so the stream never runs far ahead).
-  std::unique_ptr<Event> ended[2] = {rig.backend().create_event(), rig.backend().create_event()};
+  std::unique_ptr<Event> ended[2] = {g.backend.create_event(), g.backend.create_event()};
   std::size_t launched = 0;
   for (std::uint64_t v = 1; v <= 200; ++v) {
-    PublishHandle handle = rig.publish(v, {"base"});
+    PublishHandle handle = g.publish(v);
     const auto deadline = deadline_from_now();
     while (hook.applied_version() < v) {
       if (std::chrono::steady_clock::now() > deadline) FAIL("update " << v << " never applied");
       Event& slot = *ended[launched++ % 2];
-      REQUIRE(rig.backend().event_wait_for(slot, kTestDeadline));
+      REQUIRE(g.backend.event_wait_for(slot, kTestDeadline));
       hook.before_step(engine.stream());
       const std::size_t step = engine.launch();
       hook.after_launch(engine.stream());
-      rig.backend().event_record(slot, engine.stream());
+      g.backend.event_record(slot, engine.stream());
       expected.emplace_back(step, hook.live_content_version(0));
     }
     handle.wait();
