@@ -1,8 +1,9 @@
 // Gated swaps (ReceiverConfig::gated_swaps, plugin/core/gated_swap.h): before_step closes a gate
 // on the engine stream instead of swapping, the engine enqueues its step behind it, and
-// after_launch remaps once the step before the gate has ended, then opens it. Runs on
-// RemapHostBackend (remap_host_backend.h: remap on the CPU) with the host backend's gate (a task
-// that holds the stream's thread until open()).
+// after_launch remaps once the step before the gate has ended, then opens it. Runs on remap arenas
+// in host memory (remap_host_backend.h: remap on the CPU) with the host backend's gate (a task
+// that holds the stream's thread until open()), probed: the test sees who waits for the work
+// before the gate (ProbedRemapBackend below).
 //
 // What each step read is recorded by the step itself (the version of every word of the live
 // arena, or torn), and compared with what the engine thread knew once the step was launched.
