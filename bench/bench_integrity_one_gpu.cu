@@ -13,6 +13,9 @@
 //     (ReceiverConfig::reject_nonfinite), with both: UpdateReport::transfer (first bucket posted
 //     to ready, checks included), median ms; "added" = median minus the plain median: the
 //     fraction that decides the default (checksums on by default if under 5 % of the transfer).
+//     And with the self-check (UpdateChecks::verify_matches_live, from the second update on, the
+//     same bytes sent each time): its checksums of every tensor in the slot and of its live copy
+//     run after the last bucket, so "added" is its whole cost.
 //   The transfer: with --link-gbps G (default 368.5, NCCL's broadcast GPU0->GPU1 measured on
 //     nvidia-h200-x2, docs/benchmarks.md) each bucket is copied by --link-ctas N blocks (default
 //     16, about what NCCL runs) paced to G GB/s, so the checks overlap a transfer of a link's
@@ -54,12 +57,14 @@ struct Checks {
   const char* name;
   bool checksums;
   bool guard;
+  bool match_live = false;  // UpdateChecks::verify_matches_live (the self-check)
 };
 constexpr Checks kCheckSets[] = {
     {"none", false, false},
     {"checksums", true, false},
     {"guard", false, true},
     {"both", true, true},
+    {"self-check", false, false, true},
 };
 
 struct Link {
@@ -226,7 +231,12 @@ double receive_ms(const Layout& layout, const Trainer& trainer, CudaBackend& bac
       }
     }
     if (checks.checksums) transport.queue(trainer.checksums.data());
-    receiver.begin_update(make_update_header(layout, version, trainer.groups, checks.checksums));
+    // The self-check needs live weights equal to what is sent: from the second update on (the
+    // trainer sends the same bytes every time), one more pass after the transfer.
+    UpdateChecks asked;
+    asked.verify_matches_live = checks.match_live && version > 1;
+    receiver.begin_update(make_update_header(layout, version, trainer.groups, checks.checksums),
+                          asked);
     UpdateReport report;
     {
       std::unique_lock lock(mutex);
@@ -327,7 +337,7 @@ int main(int argc, char** argv) {
       double plain = 0;
       for (const Checks& checks : kCheckSets) {
         const double ms = receive_ms(layout, trainer, backend, checks, link, updates);
-        if (!checks.checksums && !checks.guard) plain = ms;
+        if (!checks.checksums && !checks.guard && !checks.match_live) plain = ms;
         const double added = ms - plain;
         const double serial =
             (checks.checksums ? k.checksum_ms : 0) + (checks.guard ? k.guard_ms : 0);

@@ -17,7 +17,8 @@ where the step changed a parameter or set something that is not a plain value (a
 function, a kernel object), naming the layer, its quant method and what the step did. One check
 decides by running the layer, not by its class: a layer that gained such an attribute but still
 computes from its parameter (a lookup embedding beside its unused packed copy) passes, shown by
-calling its quant method on a copy of the layer with other weights.
+calling its quant method on a copy of the layer with other weights, in each role the model gives
+it (a lookup; a matmul where the model's ``compute_logits`` calls it, which is observed).
 
 Tracing runs at load, never again: vLLM's post-load step is not idempotent (a second run takes its
 "weight update" branch), so re-running it on a copy would not show what the first run did.
@@ -227,11 +228,48 @@ def _diff(before: dict, after: dict) -> list[PostLoadChange]:
 
 # --- the set-up's check ---------------------------------------------------------------------------
 
-def _computes_from_its_weight(model, layer_name: str) -> bool:
-    """Whether the layer's quant method computes from the layer's ``weight`` parameter: called
-    on a copy of the layer whose weight holds other values (anything the post-load step derived
-    from the loaded weight still holds the old ones), as the model calls it (a lookup for an
-    embedding, a matmul for a linear layer or the lm_head)."""
+def _logits_layers(model, layers: dict[str, Any]) -> set[str] | None:
+    """Which of `layers` the model's logits computation calls (``compute_logits``, run once on
+    one hidden row while each layer's quant method ``apply`` is watched): the layers that act as
+    the lm_head, tied or not. None when that cannot be observed (no compute_logits, or it
+    raised): then every layer counts as one."""
+    import torch
+
+    compute = getattr(model, "compute_logits", None)
+    if not callable(compute) or not layers:
+        return None
+    called: set[str] = set()
+    watched = []
+    for name, module in layers.items():
+        method = getattr(module, "quant_method", None)
+        apply = getattr(method, "apply", None)
+        if apply is None:
+            continue
+
+        def watching(*args, _apply=apply, _name=name, **kwargs):
+            called.add(_name)
+            return _apply(*args, **kwargs)
+
+        method.apply = watching  # an instance attribute over the class's method, removed below
+        watched.append(method)
+    weight = next(iter(layers.values()))._parameters["weight"]
+    try:
+        with torch.no_grad():
+            compute(torch.zeros((1, weight.shape[1]), dtype=weight.dtype, device=weight.device))
+    except Exception:  # noqa: BLE001 - not observable: the caller assumes every layer
+        return None
+    finally:
+        for method in watched:
+            del method.apply
+    return called
+
+
+def _computes_from_its_weight(model, layer_name: str, logits_layers: set[str] | None) -> bool:
+    """Whether the layer computes from its ``weight`` parameter in every role the model gives it:
+    its quant method called on a copy of the layer whose weight holds other values (anything the
+    post-load step derived from the loaded weight still holds the old ones), as the model calls
+    it — a lookup for an embedding, a matmul where it computes logits (``logits_layers``) or is a
+    linear layer."""
     import copy
 
     import torch
@@ -255,20 +293,27 @@ def _computes_from_its_weight(model, layer_name: str) -> bool:
     parameters["weight"] = torch.nn.Parameter(other, requires_grad=False)
     object.__setattr__(twin, "_parameters", parameters)
     bias = parameters.get("bias")
+    lookup = hasattr(method, "embedding")
+    matmul = not lookup or logits_layers is None or layer_name in logits_layers
     try:
         with torch.no_grad():
-            if hasattr(method, "embedding") and module is not getattr(model, "lm_head", None):
+            if lookup:
                 ids = torch.arange(min(8, other.shape[0]), device=other.device)
-                got, want = method.embedding(twin, ids), other[ids]
-            else:
+                if not _close(torch, method.embedding(twin, ids), other[ids]):
+                    return False
+            if matmul:
                 x = torch.randn((2, other.shape[1]), generator=generator).to(other.dtype).to(
                     other.device)
-                got, want = method.apply(twin, x), F.linear(x, other, bias)
+                if not _close(torch, method.apply(twin, x), F.linear(x, other, bias)):
+                    return False
     except Exception:  # noqa: BLE001 - a layer that cannot be called this way is not shown
         return False
-    if tuple(got.shape) != tuple(want.shape):
-        return False
-    return bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
+    return True
+
+
+def _close(torch, got, want) -> bool:
+    return tuple(got.shape) == tuple(want.shape) and bool(
+        torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
 
 
 def _advice(changes: list[PostLoadChange], quantization: str | None, device: str) -> str:
@@ -283,8 +328,8 @@ def _advice(changes: list[PostLoadChange], quantization: str | None, device: str
         if unreached:
             shown = ", ".join(f"'{n}'" for n in unreached[:_MAX_LISTED])
             return (f"quantization=\"{UNPACKED}\" is in use, but vLLM builds {shown} without "
-                    f"the model's quantization config, so it does not reach them and vLLM's CPU "
-                    f"backend repacks them; {supported}")
+                    f"the model's quantization config, so it does not reach these layers and "
+                    f"vLLM's CPU backend repacks them; {supported}")
     elif device == "cpu" and quantization is None and any(
             c.method.startswith("Unquantized") for c in changes):
         return (f"start vLLM with quantization=\"{UNPACKED}\" (vLLM's unquantized weights "
@@ -318,11 +363,21 @@ def refuse_post_load_transforms(model, quantization: str | None = None,
     by_layer: dict[str, list[PostLoadChange]] = {}
     for change in record.changes:
         by_layer.setdefault(change.layer, []).append(change)
+    # Layers that only gained attributes may still compute from their parameters: shown by
+    # calling them in each role the model gives them.
+    probed = {layer: model.get_submodule(layer) for layer, changes in by_layer.items()
+              if layer and all(c.kind == "attribute" for c in changes)}
+    logits_layers = _logits_layers(model, {n: m for n, m in probed.items()
+                                           if "weight" in m._parameters})
     refused = []
     for layer, changes in by_layer.items():
-        if all(c.kind == "attribute" for c in changes) and _computes_from_its_weight(model,
-                                                                                    layer):
-            continue  # it derived something, but computes from the parameter an update writes
+        if layer in probed:
+            if _computes_from_its_weight(model, layer, logits_layers):
+                continue  # it derived something, but computes from the parameter an update writes
+            changes = changes + [PostLoadChange(
+                layer, changes[0].method, "probe", "weight",
+                "the layer computes from what the step derived, not from its parameter (called "
+                "on a copy with other weights, it gave the old weights' result)")]
         refused.extend(changes)
     if not refused:
         return

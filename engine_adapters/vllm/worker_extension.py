@@ -587,15 +587,21 @@ class WorkerExtension:
         """Whether init_weight_update_group set this worker up (and it was not closed since)."""
         return self._shadowsync is not None
 
-    def begin_update(self, header_bytes: bytes) -> int:
+    def begin_update(self, header_bytes: bytes, verify_matches_live: bool = False) -> int:
         """Announces an update: validates the header (BadHeaderError, LayoutMismatchError,
         StaleVersionError, ... naming the field and both values; nothing changes then), queues it
         and returns its version at once. The receive runs on the library's native thread.
-        Thread-safe."""
+        Thread-safe.
+
+        `verify_matches_live`: the self-check, for an update of the checkpoint the engine holds
+        (at set-up, say): once it landed, every parameter it wrote is compared with the engine's
+        own bytes, and the first that differs fails it (nothing goes live; apply_update raises,
+        naming the parameter and its first differing element). It proves that the receive plan
+        writes every byte where this engine reads it."""
         state = self._require()
         started = time.monotonic()
         header_bytes = bytes(header_bytes)
-        state.receiver.begin_update(header_bytes)
+        state.receiver.begin_update(header_bytes, verify_matches_live=bool(verify_matches_live))
         state.last_begin_update = (started, time.monotonic() - started)
         return UpdateHeader.from_bytes(header_bytes).version
 

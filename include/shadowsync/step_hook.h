@@ -132,9 +132,15 @@ class StepHook {
   }
 
   // Applies pending updates as they become ready until the applied version is at least
-  // `version`. Returns false if `deadline` passes first. Engine thread only (it swaps).
+  // `version`. Returns false if `deadline` passes first, or at once when an update of `version`
+  // or later failed (failed_version()) and none since went live. Engine thread only (it swaps).
   bool wait_applied(std::uint64_t version, std::chrono::steady_clock::time_point deadline,
                     Stream& engine_stream);
+  // The receiver discarded update `version` (after reporting it): wakes wait_applied. Receiver
+  // thread.
+  void note_failed(std::uint64_t version);
+  // The latest update the receiver discarded (0: none). Thread-safe.
+  std::uint64_t failed_version() const { return failed_version_.load(std::memory_order_acquire); }
 
   // Undoes the last swap in one swap: every group it flipped reads its previous slot again, which
   // still holds the bytes it had (the receiver writes no slot until the next update starts
@@ -228,6 +234,7 @@ class StepHook {
   std::atomic<std::uint64_t> rollback_window_{0};
   std::atomic<std::uint64_t> rollbacks_done_{0};
   std::uint64_t rollbacks_adopted_ = 0;  // receiver thread
+  std::atomic<std::uint64_t> failed_version_{0};
   // Wakes wait_applied() when the receiver offers an update; never touched by before_step().
   std::mutex publish_mutex_;
   std::condition_variable publish_cv_;

@@ -414,6 +414,11 @@ shadowsync_status_t shadowsync_receiver_wait_applied(shadowsync_receiver_t recei
     auto stream_object = engine_stream(*object, stream);
     StepHook& hook = object->receiver->step_hook();
     if (!hook.wait_applied(version, deadline_after(timeout_ms), *stream_object->stream)) {
+      if (hook.failed_version() >= version) {
+        const ReceiverStats stats = object->receiver->stats();
+        throw Error(stats.last_failure.code,
+                    fmt::format("version {} will not be applied: {}", version, stats.last_error));
+      }
       throw Error(ErrorCode::kTimeout,
                   fmt::format("version {} not applied within {} ms (applied: {}, last accepted: "
                               "{})",

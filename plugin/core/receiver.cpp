@@ -773,6 +773,7 @@ void Receiver::Impl::discard(const UpdateHeader& header, const Refusal& refusal)
   failed.error = fmt::format("update {} ({}) discarded: {}", header.version,
                              describe_groups(header, owner.layout_), refusal.why);
   report(failed);
+  owner.hook_->note_failed(header.version);  // after the report: a waiter finds its error
   if (retracted != 0 && restored == nullptr) {
     UpdateReport lost;
     lost.version = retracted;

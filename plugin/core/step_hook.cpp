@@ -170,13 +170,22 @@ bool StepHook::wait_applied(std::uint64_t version, std::chrono::steady_clock::ti
   for (;;) {
     apply_pending(engine_stream);
     if (applied_version() >= version) return true;
+    if (failed_version() >= version) return false;  // nothing more is coming for it
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::unique_lock lock(publish_mutex_);
-    const bool offered = publish_cv_.wait_until(lock, deadline, [&] {
-      return pending_.load(std::memory_order_acquire) != nullptr;
+    const bool woken = publish_cv_.wait_until(lock, deadline, [&] {
+      return pending_.load(std::memory_order_acquire) != nullptr || failed_version() >= version;
     });
-    if (!offered) return applied_version() >= version;
+    if (!woken) return applied_version() >= version;
   }
+}
+
+void StepHook::note_failed(std::uint64_t version) {
+  if (version > failed_version_.load(std::memory_order_relaxed)) {
+    failed_version_.store(version, std::memory_order_release);
+  }
+  { std::lock_guard lock(publish_mutex_); }
+  publish_cv_.notify_all();
 }
 
 void StepHook::publish(const PendingUpdate* update) {

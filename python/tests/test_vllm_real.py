@@ -49,7 +49,8 @@ MAX_TOKENS = 20
 PROMPTS = ["hello world", "The quick brown fox jumps over the lazy dog, twice.", "shadow",
            "Weights flow from the trainer to the engine here."]
 LONG = [i for i, p in enumerate(PROMPTS) if len(p.encode()) >= 32]
-ARCHS = [("llama", "float32"), ("qwen2", "bfloat16"), ("qwen3", "float32")]
+ARCHS = [("llama", "float32"), ("qwen2", "bfloat16"), ("qwen3", "float32"), ("phi3", "float32")]
+TRANSFORMED = ("qwen3_moe", "mixtral", "gemma2")  # vLLM CPU transforms layers after loading
 EXTENSION = "shadowsync.vllm.WorkerExtension"
 OMITTED = "model.norm.weight"
 INIT_RANGE = 0.1  # layers that decide the output (vllm_models.make_tiny_model says why)
@@ -151,9 +152,13 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
                                 **(dict(decode_slowdown_budget=1.5) if paced else {})))
     print(f"{arch} {dtype} {mode}: engine start {out['start_s']:.1f} s, child {out['child_s']:.1f} s")
 
-    # The trainer's HF tensors are not the engine's (fused q/k/v, gate/up): a receive plan.
     assert out["fingerprints"] == [out["trainer_fingerprint"]]
-    assert out["stats"]["plan_copies"] >= out["specs"] > 0
+    if arch == "phi3":
+        # phi3's HF tensors are vLLM's parameters (q/k/v and gate/up fused on disk): zero-copy.
+        assert out["stats"]["plan_copies"] == 0 and out["specs"] > 0
+    else:
+        # The trainer's HF tensors are not the engine's (fused q/k/v, gate/up): a receive plan.
+        assert out["stats"]["plan_copies"] >= out["specs"] > 0
 
     assert out["before"] == ref_a
 
@@ -179,6 +184,8 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     assert out["applied2"] == 2
     assert out["after_a"] == ref_a
     assert only_versions(out["versions_after_a"]) == {2}
+    # The self-check: A once more, compared with the engine's bytes of A, parameter by parameter.
+    assert out["verified"] == 3
 
     stats = out["stats"]
     # vLLM's runner has the _model_forward override point: the swaps above ran right before it.
@@ -201,6 +208,22 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     assert "init_weight_update_group: already initialized (layout 0x" in out["init_twice"]
     if mode == "mp":
         assert out["refused_extra"].startswith("Exception: ")
+
+
+def test_the_self_check_refuses_an_update_through_a_broken_plan(checkpoints, references):
+    """A receive plan broken on purpose (two layers' down_proj destinations swapped) on an
+    engine of A; the trainer sends A with verify_matches_live: the update fails naming a
+    down_proj and its first differing element, nothing goes live, the output stays A's."""
+    out = run_child(dict(what="selfcheck", mode="inproc", dtype="float32", prompts=PROMPTS,
+                         max_tokens=MAX_TOKENS, bucket_bytes=BUCKET_BYTES,
+                         models=[checkpoints.get("llama", "a")]))
+    assert "applied" not in out, out
+    refusal = out["refusal"]
+    assert "self-check (verify_matches_live): tensor 'model.layers.0.mlp.down_proj.weight'" \
+           in refusal or "tensor 'model.layers.1.mlp.down_proj.weight'" in refusal, refusal
+    assert "differs from the engine's live copy first at element 0" in refusal, refusal
+    assert out["stats"]["applied_version"] == 0 and out["stats"]["updates_failed"] == 1
+    assert out["before"] == out["after"] == references("llama", "float32", "a")
 
 
 def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(checkpoints,
@@ -277,6 +300,11 @@ def refusals(checkpoints):
         "full": {},
         "again": {},
     }
+    transformed = [dict(engine=dict(model=checkpoints.get(arch, "a"),
+                                    quantization="shadowsync_unpacked",
+                                    worker_extension_cls=EXTENSION),
+                        specs_from=checkpoints.get(arch, "a"), attempts=[{}])
+                   for arch in TRANSFORMED]
     extension = run_child(dict(what="refusals", mode="inproc", dtype="float32",
                                bucket_bytes=BUCKET_BYTES, engines=[
         dict(engine=dict(model=a, worker_extension_cls=EXTENSION), specs_from=b,
@@ -284,9 +312,11 @@ def refusals(checkpoints):
         dict(engine=dict(model=a, dtype="bfloat16", quantization="shadowsync_unpacked",
                          worker_extension_cls=EXTENSION), specs_from=b,
              attempts=list(attempts.values())),
-    ]))
+    ] + transformed))
     found = dict(zip(attempts, extension["messages"][1]))
     found["packed"] = extension["messages"][0][0]
+    for arch, messages in zip(TRANSFORMED, extension["messages"][2:]):
+        found[arch] = messages[0]
     found["no_extension"] = plain["messages"][0][0]
     for name, message in found.items():
         print(f"{name}: {message}")
@@ -295,10 +325,47 @@ def refusals(checkpoints):
 
 def test_packed_fp32_engine_is_refused_naming_the_layers_and_the_way_out(refusals):
     message = refusals["packed"]
-    assert message.startswith("LayoutMismatchError: ")
-    assert "compute from a packed copy of their weights" in message
-    assert "'model.layers.0.self_attn.qkv_proj'" in message
-    assert 'quantization="shadowsync_unpacked"' in message
+    assert message.startswith("LayoutMismatchError: vLLM's post-load step")
+    assert ("layer 'model.layers.0.self_attn.qkv_proj' (UnquantizedLinearMethod): parameter "
+            "'weight': emptied it") in message
+    assert 'start vLLM with quantization="shadowsync_unpacked"' in message
+
+
+def test_moe_experts_vllm_repacks_after_loading_are_refused_naming_layer_and_step(refusals):
+    """vLLM CPU repacks qwen3_moe's stacked experts in place after loading (same shape, other
+    order): an update in the checkpoint's layout would be silently wrong. The post-load trace
+    sees the step rewrite them and the set-up refuses, naming the layer, its quant method and
+    what the step did; quantization="shadowsync_unpacked" is in use and the message says it
+    does not reach these layers."""
+    message = refusals["qwen3_moe"]
+    assert message.startswith("LayoutMismatchError: vLLM's post-load step")
+    assert ("layer 'model.layers.0.mlp.experts.routed_experts' (UnquantizedFusedMoEMethod): "
+            "parameter 'w13_weight': rewrote its values in place") in message
+    assert "'w2_weight': rewrote its values in place" in message
+    assert 'quantization="shadowsync_unpacked" is in use, but vLLM builds' in message
+    assert "Nothing was set up" in message
+
+
+def test_mixtral_names_only_the_layers_that_compute_from_a_packed_copy(refusals):
+    """Mixtral's router gates are built without the quantization config (emptied, packed); its
+    untied embedding gets a packed copy too, but its lookup reads the parameter: not named."""
+    message = refusals["mixtral"]
+    assert "layer 'model.layers.0.block_sparse_moe.gate' (UnquantizedLinearMethod): parameter " \
+           "'weight': emptied it" in message
+    assert "'model.layers.1.block_sparse_moe.experts.routed_experts'" in message
+    assert "embed_tokens" not in message and "lm_head" not in message
+
+
+def test_gemma2s_logits_from_a_packed_embedding_are_refused(refusals):
+    """gemma2 computes its logits with its embedding, which vLLM builds without the quantization
+    config: vLLM CPU packs a copy for the logits and leaves the parameter as loaded, so no byte
+    of any parameter changes. Updated anyway, its output was neither checkpoint's; the probe
+    (the layer called with other weights as compute_logits calls it) shows the packed copy."""
+    message = refusals["gemma2"]
+    assert "layer 'model.embed_tokens' (UnquantizedEmbeddingMethod): attribute 'cpu_linear'" \
+        in message
+    assert "probe 'weight': the layer computes from what the step derived" in message
+    assert "does not reach these layers" in message
 
 
 def test_trainer_tensors_the_loader_does_not_take_are_listed(refusals):

@@ -286,6 +286,16 @@ def run_update(args: dict) -> dict:
         out["stats"] = llm.collective_rpc("weight_update_stats")[0]
         out["init_twice"] = init_message(llm, dict(specs=specs,
                                                    bucket_bytes=args["bucket_bytes"]))
+
+        # Update 3: the self-check. The engine holds A; A again must reproduce its bytes.
+        conn.send(("publish", 3, a))
+        _, header, _ = expect(conn, "header")
+        llm.collective_rpc("begin_update", args=(header, True))
+        expect(conn, "done")
+        try:
+            out["verified"] = apply_update(llm, 3, DEADLINE_S)
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            out["verified"] = f"{type(e).__name__}: {e}"
         llm.collective_rpc("close_weight_update_group")
         conn.send(None)
         expect(conn, "closed")
@@ -435,6 +445,63 @@ def run_lora_references(args: dict) -> dict:
     return dict(outputs=results)
 
 
+def run_selfcheck(args: dict) -> dict:
+    """The self-check against a receive plan broken on purpose: the destinations of two copies of
+    the same shape (two layers' down_proj) swapped, as a wrong plan would. The trainer sends the
+    engine's own checkpoint with verify_matches_live; the update must fail naming a parameter,
+    and the engine's output stay that of its checkpoint."""
+    import dataclasses
+
+    from shadowsync.vllm import apply_update, loader_trace
+
+    a = args["models"][0]
+    traced = loader_trace.trace_load_weights
+
+    def broken(model, specs, *rest, **kwargs):
+        trace = traced(model, specs, *rest, **kwargs)
+        copies = trace.copies
+        first = next(i for i, c in enumerate(copies) if c.engine.endswith("0.mlp.down_proj.weight"))
+        second = next(i for i, c in enumerate(copies)
+                      if c.engine.endswith("1.mlp.down_proj.weight"))
+        copies[first], copies[second] = (dataclasses.replace(copies[first],
+                                                             engine=copies[second].engine),
+                                         dataclasses.replace(copies[second],
+                                                             engine=copies[first].engine))
+        return trace
+
+    process, conn, same_host, directory = start_trainer(args, [a])
+    out: dict = {}
+    try:
+        _, specs, _, _ = expect(conn, "specs")
+        llm = make_llm(args, a, quantization="shadowsync_unpacked", worker_extension_cls=EXTENSION)
+        out["before"] = greedy(llm, args["prompts"], args["max_tokens"])
+        conn.send("serve")
+        if args.get("break_plan", True):
+            loader_trace.trace_load_weights = broken  # what _receive_plan calls
+        try:
+            llm.collective_rpc("init_weight_update_group", kwargs=dict(
+                specs=specs, bucket_bytes=args["bucket_bytes"], same_host=same_host))
+        finally:
+            loader_trace.trace_load_weights = traced
+        expect(conn, "serving")
+        conn.send(("publish", 1, a))
+        _, header, _ = expect(conn, "header")
+        llm.collective_rpc("begin_update", args=(header, True))
+        expect(conn, "done")
+        try:
+            out["applied"] = apply_update(llm, 1, DEADLINE_S)
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            out["refusal"] = f"{type(e).__name__}: {e}"
+        out["stats"] = llm.collective_rpc("weight_update_stats")[0]
+        out["after"] = greedy(llm, args["prompts"], args["max_tokens"])
+        llm.collective_rpc("close_weight_update_group")
+        conn.send(None)
+        expect(conn, "closed")
+    finally:
+        stop_trainer(process, conn, directory)
+    return out
+
+
 def run_refusals(args: dict) -> dict:
     """For each of ``engines`` (one after the other, each shut down before the next): an engine
     started with its settings, then each of its ``attempts`` at init_weight_update_group. An
@@ -467,11 +534,12 @@ def main() -> None:
     if args["mode"] == "inproc":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     what = {"generate": run_generate, "update": run_update, "refusals": run_refusals,
+            "selfcheck": run_selfcheck,
             "lora": run_lora, "lora_references": run_lora_references}
     started = time.monotonic()
     result = what[args["what"]](args)
     result["wall_s"] = time.monotonic() - started
-    print("RESULT " + json.dumps(result), flush=True)
+    print("RESULT " + json.dumps(result, default=repr), flush=True)
 
 
 if __name__ == "__main__":

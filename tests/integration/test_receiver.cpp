@@ -1,11 +1,14 @@
 // The receiver, sender and step hook together on the host backend and loopback transport.
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cstring>
+#include <vector>
 
 #include "deadline.h"
 #include "live_hash.h"
 #include "loopback_rig.h"
+#include "pattern.h"
 #include <fmt/format.h>
 
 #include "shadowsync/error.h"
@@ -328,4 +331,59 @@ TEST_CASE("a streamed publish refuses out-of-order or mismatched tensors and fai
   engine.step();
   engine.synchronize();
   CHECK(engine.torn_steps() == 0);
+}
+
+TEST_CASE("the self-check: the same bytes as the live weights apply; one element off is refused, "
+          "named, and wait_applied says so at once") {
+  const Layout layout = model_layout();
+  LoopbackRig rig(layout);
+  HostFakeEngine engine(rig.backend(), rig.receiver());
+  Receiver& receiver = rig.receiver();
+  StepHook& hook = receiver.step_hook();
+  const GroupLayout& base = layout.groups()[0];
+  std::vector<std::byte> arena(base.arena_bytes());
+  fill_arena(layout, 0, 1, arena.data());
+  const auto publish = [&](std::uint64_t version, bool verify) {
+    PublishHandle handle = rig.sender().publish_arenas(version, {"base"}, {arena.data()});
+    UpdateChecks checks;
+    checks.verify_matches_live = verify;
+    receiver.begin_update(handle.header(), checks);
+    return handle;
+  };
+
+  publish(1, false).wait();  // the live weights: version 1's bytes
+  REQUIRE(hook.wait_applied(1, deadline_from_now(), engine.stream()));
+  publish(2, true).wait();  // the same bytes again, checked against them
+  REQUIRE(hook.wait_applied(2, deadline_from_now(), engine.stream()));
+
+  // One element of 'layer0.w' (fp32, tensor 1) differs from what is live.
+  const TensorPlacement& w = base.tensors()[1];
+  const std::size_t element = 5;
+  arena[w.offset + element * 4 + 1] ^= std::byte{0x40};
+  publish(3, true).wait();
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline = started + std::chrono::seconds(60);
+  CHECK_FALSE(hook.wait_applied(3, deadline, engine.stream()));
+  // Not the deadline: the failure woke it.
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
+  CHECK(hook.failed_version() == 3);
+  CHECK(hook.applied_version() == 2);
+  const auto reports = rig.reports();
+  REQUIRE_FALSE(reports.empty());
+  const UpdateReport& failed = reports.back();
+  CHECK(failed.version == 3);
+  CHECK(failed.outcome == UpdateOutcome::kFailed);
+  CHECK(failed.code == ErrorCode::kLayoutMismatch);
+  CHECK(failed.failed_tensor == "layer0.w");
+  CHECK_THAT(failed.error, Catch::Contains("first at element 5 (byte 21)"));
+  // Nothing of it went live: the live 'layer0.w' still holds version 1's bytes.
+  std::vector<std::byte> expected(base.arena_bytes());
+  fill_arena(layout, 0, 1, expected.data());
+  engine.synchronize();
+  CHECK(std::memcmp(hook.live_tensor(0, 1), expected.data() + w.offset, w.bytes) == 0);
+
+  // Without the self-check the same bytes are an ordinary update: it applies.
+  publish(4, false).wait();
+  REQUIRE(hook.wait_applied(4, deadline_from_now(), engine.stream()));
+  CHECK(std::memcmp(hook.live_tensor(0, 1), arena.data() + w.offset, w.bytes) == 0);
 }
