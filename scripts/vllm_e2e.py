@@ -12,7 +12,8 @@ file on cpu); the worker joins it through collective_rpc with the trainer's own
 named_parameters() as the layout (HF names: the worker derives the receive plan from vLLM's
 load_weights). Then: answers unchanged after set-up; update 1 (B) streams while the engine keeps
 generating; after apply_update the answers equal B's fresh vLLM token for token; update 2 (A)
-back again. Exits non-zero on any difference; prints one line per stage. vLLM runs in-process
+back again; update 3 (A once more) with the self-check (begin_update(verify_matches_live=True):
+every parameter the update writes must equal the engine's own bytes, or nothing goes live). Exits non-zero on any difference; prints one line per stage. vLLM runs in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that collective_rpc runs between generate calls.
 
 --lora: vLLM also serves a LoRA adapter (enable_lora; lora_int_id 1, loaded from adapter L1 by
@@ -346,13 +347,14 @@ def main() -> int:
             f"switches vLLM's graph sets")
     check("after set-up, before any update", greedy(llm, adapter["A"]), "A")
 
-    def update(parent, version: int, source: int, name: str) -> None:
+    def update(parent, version: int, source: int, name: str, verify: bool = False) -> None:
         """The trainer publishes checkpoint `source` as `version` while the engine generates;
-        it goes live (commit_update under TP) and the answers must be `name`'s."""
+        it goes live (commit_update under TP) and the answers must be `name`'s. `verify`: the
+        self-check (the engine holds `source` already; every parameter is compared)."""
         nonlocal failures
         parent.send(("publish", version, source))
         kind, header = parent.recv()
-        llm.collective_rpc("begin_update", args=(header,))
+        llm.collective_rpc("begin_update", args=(header, verify))
         during = 0
         while not parent.poll():  # the engine keeps generating while the update streams
             during += sum(len(t) for t in greedy(llm, adapter["A"]))
@@ -371,8 +373,13 @@ def main() -> int:
             applied = ssv.commit_update(llm, version, timeout=60)
         else:
             applied = ssv.apply_update(llm, version, timeout=60)
+        checked = ""
+        if verify:
+            seconds_ready = llm.collective_rpc("weight_update_stats")[0]["last_transfer_s"]
+            checked = (f" (self-check: every parameter matched the live copy; receive and check "
+                       f"{seconds_ready * 1e3:.1f} ms)")
         log(f"update {version}: {nbytes} bytes sent in {seconds * 1e3:.1f} ms; {during} tokens "
-            f"generated meanwhile; applied {applied}")
+            f"generated meanwhile; applied {applied}{checked}")
         check(f"after update {version}", greedy(llm, adapter["A"]), name)
 
     def ranks_agree() -> None:
@@ -391,6 +398,9 @@ def main() -> int:
     update(parent, 2, 2, "A")
     if args.reinit:  # an odd number of swaps: with graph pairs the live slot is slot 1 now
         update(parent, 3, 1, "B")
+    # The self-check: the checkpoint the engine holds, compared parameter by parameter.
+    update(parent, 4 if args.reinit else 3, 1 if args.reinit else 2, "B" if args.reinit else "A",
+           verify=True)
     ranks_agree()
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"gated swaps {stats['gated_swaps']}, gates the watchdog opened "
@@ -409,7 +419,7 @@ def main() -> int:
         process, parent, specs, transport = start_trainer()
         ssv.init_weight_update_group(llm, specs=specs, **settings, **transport)
         check("after the second set-up", greedy(llm, adapter["A"]), "B")
-        update(parent, 4, 2, "A")
+        update(parent, 5, 2, "A")
         ranks_agree()
         stop_trainer(process, parent)
         llm.collective_rpc("close_weight_update_group")
