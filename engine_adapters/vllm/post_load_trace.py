@@ -346,8 +346,9 @@ def refuse_post_load_transforms(model, quantization: str | None = None,
     model without quant methods (not vLLM's) passes."""
     record = getattr(model, RECORD_ATTR, None)
     if record is None:
+        modules = model.modules() if callable(getattr(model, "modules", None)) else ()
         vllm_layers = any(hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")
-                          for m in model.modules())
+                          for m in modules)
         if vllm_layers:
             raise LayoutMismatchError(
                 "vLLM's post-load step (process_weights_after_loading) ran before shadowsync "
