@@ -14,8 +14,9 @@
 #   Test: test_invariants          the executable, tests/integration/<name> (or tests/unit/)
 #   Filter: invariant 1*           the Catch2 test filter that selects the guarding test
 # or a Python test (pytest):
-#   Pytest: python/tests/test_x.py::test_name    pytest's arguments (node ids, -k ...), split at
-#                                                spaces, paths relative to the repository root
+#   Pytest: python/tests/test_x.py::test_name    pytest's arguments (node ids, -k word ...),
+#                                                split at spaces (no quoting), paths relative to
+#                                                the repository root
 # and optionally
 #   Timeout: 900                   seconds the guard may run (default 180 for C++, 600 for pytest);
 #                                  a guard stopped by it counts as caught (it hung)
@@ -31,7 +32,8 @@
 # scripts/test.sh runs pytest. The python that runs it: $SHADOWSYNC_MUTATION_PYTHON, else
 # build-vllm/venv/bin/python where scripts/test.sh's vllm step made it (vLLM's tests need it),
 # else python3; it must import pytest. A pytest guard that skips a test checks nothing: the
-# mutation is reported as not checked and the exit status is non-zero.
+# mutation is reported as not checked and the exit status is non-zero. A filter or node id that
+# selects no test stops the check (exit 1), as a patch that does not build does.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 readonly root=$PWD
