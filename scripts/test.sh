@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The CI test run: the builds of CMakePresets.json, each configured, built and tested with ctest,
-# the Python package's pytest suite and the fuzz target. Steps, in order (STEPS below):
+# the Python package's pytest suite, part of the mutation check and the fuzz target.
+#   ./scripts/test.sh          what .ci/run runs
+#   ./scripts/test.sh --all    the same, with every mutation in the mutations step
+# Steps, in order (STEPS below):
 #   default  preset default (build/: RelWithDebInfo, CUDA AUTO, warnings are errors) and its
 #            tests (test preset default: all but the gpu label)
 #   gpu      test preset default-gpu: build/'s gpu-labelled tests, which must skip without a GPU
@@ -14,6 +17,15 @@
 #            live arena's KV-cache accounting) and test_vllm_benches.py (the two real-vLLM
 #            benchmarks run to the end) with that venv's python against
 #            build/libshadowsync_c.so (about 12 min on 2 cores); a test skipped there fails the step
+#   mutations  scripts/mutation_check.sh (in build-mutation/): first --applies, every patch under
+#            tests/mutations/ must still apply to the tree (a second; a stale one fails the step
+#            and nothing is built), then a rotating few of them, each applied, its guarding test
+#            built and run, which must fail: N = SHADOWSYNC_MUTATIONS_PER_RUN (default 3)
+#            consecutive ones, starting at (commits in HEAD x N) modulo their count, so that
+#            consecutive landings take consecutive windows and every mutation runs within
+#            count / N landings, rounded up (7 for 20 at N = 3); a shallow clone rotates on HEAD's
+#            hash instead. With --all, every mutation. After vllm: a guard in pytest runs with
+#            build-vllm/venv's python (with SHADOWSYNC_TEST_SKIP_VLLM=1 those are left out)
 #   wheel    the Python package as a user installs it: `pip wheel .` (pyproject.toml,
 #            scikit-build-core from PyPI) in a fresh venv builds the wheel with its library,
 #            a second fresh venv installs it, and pytest python/tests runs against that installed
@@ -31,6 +43,7 @@
 #   SHADOWSYNC_JOBS=N                   build and ctest parallelism (default 2)
 #   SHADOWSYNC_WERROR=OFF               do not turn warnings into errors (default build)
 #   SHADOWSYNC_FUZZ_SECONDS=N           how long the fuzz target runs (default 30)
+#   SHADOWSYNC_MUTATIONS_PER_RUN=N      mutations run in the mutations step (default 3; --all: all)
 #   SHADOWSYNC_WITH_CUDA=AUTO|ON|OFF    the wheel's CUDA backend (default AUTO, as for a user)
 # Exits non-zero if any build or test failed (at once after a failed build, since a compile error
 # repeats in every build); ends with a summary holding each build's ctest result line.
@@ -38,6 +51,15 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 readonly ROOT="$PWD"
 readonly JOBS="${SHADOWSYNC_JOBS:-2}"
+
+all_mutations=0
+for arg in "$@"; do
+  case "$arg" in
+    --all) all_mutations=1 ;;
+    *) echo "scripts/test.sh: unknown argument '$arg' (known: --all)" >&2; exit 2 ;;
+  esac
+done
+readonly all_mutations
 
 log() { echo "==> $*"; }
 
@@ -186,6 +208,69 @@ step_vllm() {
   fi
 }
 
+# The mutation check's directory (scripts/mutation_check.sh: its copy of the tree, build, logs).
+readonly MUTATION_DIR="${SHADOWSYNC_MUTATION_DIR:-$ROOT/build-mutation}"
+
+# The mutations this run checks: every one with --all, else SHADOWSYNC_MUTATIONS_PER_RUN
+# consecutive ones of the list, the window moving on by that many with every commit.
+chosen_mutations() {
+  local all=() patch name
+  for patch in tests/mutations/[0-9][0-9]-*.patch; do
+    # Without the vllm step there may be no python with vLLM for a pytest guard.
+    if [[ "${SHADOWSYNC_TEST_SKIP_VLLM:-0}" == "1" ]] &&
+      sed '/^--- /q' "$patch" | grep -q '^Pytest:'; then
+      continue
+    fi
+    name=$(basename "$patch")
+    all+=("$((10#${name%%-*}))")
+  done
+  local count=${#all[@]} per_run=${SHADOWSYNC_MUTATIONS_PER_RUN:-3}
+  if ((all_mutations || per_run >= count)); then
+    echo "${all[@]}"
+    return 0
+  fi
+  local landing
+  if [[ "$(git rev-parse --is-shallow-repository 2>/dev/null)" == "false" ]]; then
+    landing=$(git rev-list --count HEAD)
+  else
+    landing=$((16#$(git rev-parse --short=7 HEAD 2>/dev/null || echo 0)))
+  fi
+  local i chosen=()
+  for ((i = 0; i < per_run; ++i)); do
+    chosen+=("${all[$(((landing * per_run + i) % count))]}")
+  done
+  echo "${chosen[@]}"
+}
+
+step_mutations() {
+  log "[mutations] every patch applies: scripts/mutation_check.sh --applies"
+  if ! ./scripts/mutation_check.sh --applies; then
+    summary+=("mutations: FAILED (a patch in tests/mutations/ no longer applies to the tree: update it)")
+    failed=1
+    return 0
+  fi
+  local chosen rc=0
+  read -r -a chosen <<<"$(chosen_mutations)"
+  if ((${#chosen[@]} == 0)); then
+    summary+=("mutations: every patch applies; none run")
+    return 0
+  fi
+  log "[mutations] scripts/mutation_check.sh ${chosen[*]}"
+  mkdir -p "$MUTATION_DIR"
+  ./scripts/mutation_check.sh "${chosen[@]}" 2>&1 | tee "$MUTATION_DIR/check.log" || rc=$?
+  local caught
+  caught=$(grep -c '^caught mutation' "$MUTATION_DIR/check.log" || true)
+  summary+=("mutations: every patch applies; caught $caught of ${#chosen[@]} run (${chosen[*]})")
+  if ((rc != 0)); then
+    local line
+    while IFS= read -r line; do
+      summary+=("mutations: $line")
+    done < <(grep -E '^(MISSED|NOT CHECKED|FAILED)' "$MUTATION_DIR/check.log" || true)
+    summary+=("mutations: FAILED (mutation_check.sh exit $rc: see $MUTATION_DIR/check.log)")
+    failed=1
+  fi
+}
+
 # The wheel step's directory: both venvs, the wheel (dist/), its CMake build (cmake/) and logs.
 readonly WHEEL_DIR=build-wheel
 
@@ -277,7 +362,7 @@ step_tsan() {
   ctest_wrapper=()
 }
 
-STEPS=(default gpu python vllm wheel fuzz)
+STEPS=(default gpu python vllm mutations wheel fuzz)
 if [[ "${SHADOWSYNC_TEST_SKIP_SANITIZERS:-0}" != "1" ]]; then
   STEPS+=(asan tsan)
 fi
