@@ -48,8 +48,8 @@ def _register_live_arena_with_vllm() -> None:
 
 
 _register_live_arena_with_vllm()
-if "vllm" in _sys.modules:
-    # Before the engine loads: its post-load step must be traced (post_load_trace.py).
-    from .post_load_trace import install as _trace_post_load
+# Before any engine loads, whichever of vllm and this package is imported first: its post-load
+# step must be traced (post_load_trace.py).
+from .post_load_trace import install_when_vllm_loads as _trace_post_load  # noqa: E402
 
-    _trace_post_load()
+_trace_post_load()

@@ -36,9 +36,11 @@ from typing import Any
 from shadowsync.errors import LayoutMismatchError
 from shadowsync.layout import format_shape
 
-__all__ = ["PostLoadChange", "PostLoadRecord", "install", "refuse_post_load_transforms"]
+__all__ = ["PostLoadChange", "PostLoadRecord", "install", "install_when_vllm_loads",
+           "refuse_post_load_transforms"]
 
 RECORD_ATTR = "_shadowsync_post_load"
+_LOADER_UTILS = "vllm.model_executor.model_loader.utils"  # where vLLM defines the step
 _PATCHED_FLAG = "_shadowsync_traced"
 _MAX_LISTED = 12
 # Elements hashed per torch call: bounds the digest's temporaries (int64: 32 MiB per tensor).
@@ -64,13 +66,18 @@ class PostLoadRecord:
 
 # --- installing the trace -------------------------------------------------------------------------
 
-def install() -> bool:
+def install(utils=None) -> bool:
     """Wraps vLLM's ``process_weights_after_loading`` (in every loaded module that holds it) with
-    the trace. Idempotent; False where vLLM has no such function (nothing to trace there)."""
-    try:
-        from vllm.model_executor.model_loader import utils
-    except ImportError:
-        return False
+    the trace. Idempotent; False where vLLM has no such function (nothing to trace there).
+    `utils`: vLLM's module that defines it, when the caller has it (while it is being
+    imported)."""
+    if utils is None:
+        try:
+            import importlib
+
+            utils = importlib.import_module(_LOADER_UTILS)
+        except ImportError:
+            return False
     original = getattr(utils, "process_weights_after_loading", None)
     if original is None:
         return False
@@ -86,6 +93,39 @@ def install() -> bool:
                                                None) is original:
             module.process_weights_after_loading = traced
     return True
+
+
+class _TraceWhenImported:
+    """A meta path finder that installs the trace right after vLLM's loader utilities are
+    imported (once), for a process that imported shadowsync.vllm before vllm."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _LOADER_UTILS:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)  # once; and find_spec below must not find this finder
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            install(module)  # before any other module imports the step by name
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install_when_vllm_loads() -> None:
+    """Installs the trace now if vLLM's loader utilities are imported, else right after they are
+    (whatever the order of ``import shadowsync.vllm`` and ``import vllm``)."""
+    if _LOADER_UTILS in sys.modules or "vllm" in sys.modules:
+        install()
+        return
+    if not any(isinstance(f, _TraceWhenImported) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TraceWhenImported())
 
 
 def _traced(original):

@@ -34,14 +34,17 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step(lora):
     lines = [line for line in out.stdout.splitlines() if line.startswith("[vllm-e2e]")]
     assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
     assert any("step versions of the 2 ranks agree" in line for line in lines), lines
-    # before, after the refused set-up and after set-up; each update (2, or 4 with --reinit);
-    # after each close (and the second set-up with --reinit)
-    updates = 2 if lora else 4
+    # before, after the refused set-up and after set-up; each update (2, or 4 with --reinit, and
+    # the self-checked one); after each close (and the second set-up with --reinit)
+    updates = 3 if lora else 5
     assert sum("answers equal a fresh vLLM" in line for line in lines) == \
-        (6 if lora else 10), lines
+        (7 if lora else 11), lines
     assert sum(line.startswith("[vllm-e2e] update ") for line in lines) == updates, lines
+    # The self-check passed on both ranks: every parameter of each rank's shard matched.
+    assert sum("(self-check: every parameter matched the live copy" in line
+               for line in lines) == 1, lines
     if lora:  # every answer is that of a request with the adapter, against one with it
-        assert sum("with adapter L" in line for line in lines) == 6, lines
+        assert sum("with adapter L" in line for line in lines) == 7, lines
     # A set-up the workers refuse (a trainer tensor load_weights does not take) is raised on the
     # front end with the tensor's name; no rank is set up and the engine goes on (a worker that
     # raised would have ended vLLM's TP engine).
