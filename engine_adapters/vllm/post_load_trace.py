@@ -304,8 +304,11 @@ def _logits_layers(model, layers: dict[str, Any]) -> set[str] | None:
     return called
 
 
-def _computes_from_its_weight(model, layer_name: str, logits_layers: set[str] | None) -> bool:
-    """Whether the layer computes from its ``weight`` parameter in every role the model gives it:
+def _computes_from_its_weight(model, layer_name: str, logits_layers: set[str] | None
+                              ) -> bool | None:
+    """Whether the layer computes from its ``weight`` parameter in every role the model gives it
+    (None: a layer this cannot be shown for — no 2-D floating weight, or its quant method cannot be
+    called so):
     its quant method called on a copy of the layer whose weight holds other values (anything the
     post-load step derived from the loaded weight still holds the old ones), as the model calls
     it — a lookup for an embedding, a matmul where it computes logits (``logits_layers``) or is a
@@ -318,13 +321,13 @@ def _computes_from_its_weight(model, layer_name: str, logits_layers: set[str] | 
     try:
         module = model.get_submodule(layer_name) if layer_name else model
     except AttributeError:
-        return False
+        return None
     method = getattr(module, "quant_method", None)
     weight = module._parameters.get("weight")
     if method is None or weight is None or weight.dim() != 2 or weight.numel() == 0:
-        return False
+        return None
     if not weight.is_floating_point():
-        return False
+        return None
     generator = torch.Generator().manual_seed(0)
     other = torch.randn(tuple(weight.shape), generator=generator).to(weight.dtype).to(
         weight.device)
@@ -347,7 +350,7 @@ def _computes_from_its_weight(model, layer_name: str, logits_layers: set[str] | 
                 if not _close(torch, method.apply(twin, x), F.linear(x, other, bias)):
                     return False
     except Exception:  # noqa: BLE001 - a layer that cannot be called this way is not shown
-        return False
+        return None
     return True
 
 
@@ -413,12 +416,15 @@ def refuse_post_load_transforms(model, quantization: str | None = None,
     refused = []
     for layer, changes in by_layer.items():
         if layer in probed:
-            if _computes_from_its_weight(model, layer, logits_layers):
+            follows = _computes_from_its_weight(model, layer, logits_layers)
+            if follows:
                 continue  # it derived something, but computes from the parameter an update writes
             changes = changes + [PostLoadChange(
                 layer, changes[0].method, "probe", "weight",
                 "the layer computes from what the step derived, not from its parameter (called "
-                "on a copy with other weights, it gave the old weights' result)")]
+                "on a copy with other weights, it gave the old weights' result)" if follows is False
+                else "nothing shows that the layer computes from its parameters rather than from "
+                     "what the step set (only embeddings and linear layers can be probed)")]
         refused.extend(changes)
     if not refused:
         return
