@@ -54,6 +54,9 @@ void validate_update_header(const UpdateHeader& header, const Layout& layout,
 // group count u32, the group indices u32 each, bucket count u64 (the field order of the control
 // channel's update_header frame). At most kMaxHeaderGroups groups.
 inline constexpr std::size_t kMaxHeaderGroups = 256;
+// The highest version an update may carry: versions only grow, so one near 2^64 would leave no
+// room for the next (a trainer's "last + 1" would wrap to 0 and be refused as stale forever).
+inline constexpr std::uint64_t kMaxUpdateVersion = (std::uint64_t{1} << 63) - 1;
 inline constexpr std::size_t kMaxHeaderBytes = 4 + 4 + 8 + 8 + 4 + 4 * kMaxHeaderGroups + 8;
 
 // Throws Error(kInvalidArgument) for no group or more than kMaxHeaderGroups. Thread-safe.

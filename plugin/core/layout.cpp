@@ -18,6 +18,10 @@ std::size_t align_up(std::size_t value, std::size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
+// The most bytes an arena may span: far above any model, and low enough that aligning an offset,
+// adding a tensor and summing the groups cannot wrap a size_t.
+constexpr std::size_t kMaxArenaBytes = std::size_t{1} << 56;
+
 // Element count times dtype size, with the checks that make it meaningful.
 std::size_t tensor_bytes(const TensorSpec& spec) {
   if (spec.shape.empty()) {
@@ -38,7 +42,15 @@ std::size_t tensor_bytes(const TensorSpec& spec) {
     }
     elements *= d;
   }
-  return elements * dtype_size(spec.dtype);
+  const std::size_t element_bytes = dtype_size(spec.dtype);
+  if (elements > kMaxArenaBytes / element_bytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("tensor '{}': shape {} of {} is {} elements of {} bytes, more than the "
+                            "{} bytes a layout's arena may hold; check the shape",
+                            spec.name, format_shape(spec.shape), dtype_name(spec.dtype), elements,
+                            element_bytes, kMaxArenaBytes));
+  }
+  return elements * element_bytes;
 }
 
 }  // namespace
@@ -124,6 +136,13 @@ Layout Layout::build(std::vector<TensorSpec> specs, LayoutOptions options) {
     const std::size_t bytes = tensor_bytes(spec);  // validates dtype and shape
     GroupLayout& group = layout.groups_[group_of_name.at(spec.group)];
     const std::size_t offset = align_up(group.arena_bytes_, kTensorAlignment);
+    // Both below kMaxArenaBytes (2^56): the sum cannot wrap.
+    if (offset + bytes > kMaxArenaBytes) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("tensor '{}' ({} bytes at offset {}) takes group '{}' past the {} "
+                              "bytes a layout's arena may hold; check the shapes",
+                              spec.name, bytes, offset, spec.group, kMaxArenaBytes));
+    }
     group.arena_bytes_ = offset + bytes;
     group.tensors_.push_back(TensorPlacement{std::move(spec), offset, bytes});
   }

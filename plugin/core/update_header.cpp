@@ -12,6 +12,12 @@ UpdateHeader make_update_header(const Layout& layout, std::uint64_t version,
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("update {}: names no group (an update carries at least one)", version));
   }
+  if (version > kMaxUpdateVersion) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("update {}: above the highest version {} (2^63 - 1), which leaves "
+                            "room to count up; number updates 1, 2, 3, ...",
+                            version, kMaxUpdateVersion));
+  }
   std::vector<bool> chosen(layout.groups().size(), false);
   for (const auto& name : group_names) {
     const std::size_t index = layout.group_index(name);
@@ -62,6 +68,12 @@ void validate_update_header(const UpdateHeader& header, const Layout& layout,
                             "receiver's {:#018x} (tensor names, dtypes, shapes, order or bucket "
                             "size differ)",
                             header.version, header.layout_fingerprint, layout.fingerprint()));
+  }
+  if (header.version > kMaxUpdateVersion) {
+    throw Error(ErrorCode::kBadHeader,
+                fmt::format("update {}: above the highest version {} (2^63 - 1); versions must "
+                            "leave room to count up",
+                            header.version, kMaxUpdateVersion));
   }
   if (header.version <= last_version) {
     throw Error(ErrorCode::kStaleVersion,

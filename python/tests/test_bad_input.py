@@ -131,3 +131,17 @@ def test_bad_layout_specs_are_refused():
         ss.Layout([("x", "fp32")])
     with pytest.raises(ss.InvalidArgumentError):
         ss.Layout([("x", "fp32", (3,))], bucket_bytes=100)  # not a multiple of 256
+
+
+def test_layout_sizes_and_versions_that_would_wrap_are_refused(pair):
+    # 2^62 fp32 elements are 2^64 bytes: refused, not a 0-byte arena.
+    with pytest.raises(ss.InvalidArgumentError, match=r"tensor 'x': shape \[4611686018427387904\]"):
+        ss.Layout([("x", "fp32", (2**62,))])
+    with pytest.raises(ss.InvalidArgumentError, match=r"tensor 'c' .* takes group 'base' past"):
+        ss.Layout([("a", "fp32", (2**53,)), ("b", "fp32", (2**53,)), ("c", "fp32", (2**53,))])
+    # A version near 2^64 would leave the trainer's next one nowhere to go.
+    with pytest.raises(ss.InvalidArgumentError,
+                       match=r"update 9223372036854775808: above the highest version"):
+        pair.sender.publish(2**63, tensors(BASE + LORA, 1))
+    pair.update(1, BASE + LORA)  # nothing was spent
+    assert set(pair.live_versions().values()) == {1}

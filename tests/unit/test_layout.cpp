@@ -125,6 +125,22 @@ TEST_CASE("bad specs are rejected with the tensor and both values named") {
              Catch::Contains("bucket size 0 B"));
 }
 
+TEST_CASE("sizes that would wrap a size_t are refused with the tensor named") {
+  // 2^62 fp32 elements are 2^64 bytes: the arena must not wrap to 0.
+  CHECK_THAT(message_of([] { Layout::build({{"x", DType::kFloat32, {std::int64_t{1} << 62}}}); }),
+             Catch::Contains("tensor 'x': shape [4611686018427387904] of fp32") &&
+                 Catch::Contains("more than the 72057594037927936 bytes"));
+  // Each below the limit, together past it: the offsets must not wrap either.
+  const std::int64_t half = std::int64_t{1} << 53;  // fp32: 2^55 bytes each
+  CHECK_THAT(message_of([&] {
+               Layout::build({{"a", DType::kFloat32, {half}},
+                              {"b", DType::kFloat32, {half}},
+                              {"c", DType::kFloat32, {half}}});
+             }),
+             Catch::Contains("tensor 'c' (36028797018963968 bytes at offset 72057594037927936) "
+                             "takes group 'base' past"));
+}
+
 TEST_CASE("group lookup names the unknown group and the known ones") {
   const Layout layout = Layout::build(small_specs());
   CHECK(layout.group_index("adapter_a") == 1);

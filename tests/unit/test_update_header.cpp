@@ -49,6 +49,19 @@ TEST_CASE("making a header refuses empty, unknown and repeated groups") {
                     Catch::Contains("group 'base' named twice"));
 }
 
+TEST_CASE("a version that leaves no room to count up is refused on both sides") {
+  const Layout layout = test_layout();
+  CHECK_NOTHROW(make_update_header(layout, kMaxUpdateVersion, {"base"}));
+  CHECK_THROWS_WITH(make_update_header(layout, kMaxUpdateVersion + 1, {"base"}),
+                    Catch::Contains("update 9223372036854775808: above the highest version "
+                                    "9223372036854775807"));
+  UpdateHeader header = make_update_header(layout, 5, {"base"});
+  header.version = ~std::uint64_t{0};  // a sender that does not check
+  CHECK(code_of(header, layout, 0) == ErrorCode::kBadHeader);
+  CHECK_THROWS_WITH(validate_update_header(header, layout, 0),
+                    Catch::Contains("update 18446744073709551615: above the highest version"));
+}
+
 TEST_CASE("every header field is checked and the error names both values") {
   const Layout layout = test_layout();
   const UpdateHeader good = make_update_header(layout, 5, {"base", "lora_a"});
