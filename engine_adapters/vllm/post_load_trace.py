@@ -43,7 +43,7 @@ RECORD_ATTR = "_shadowsync_post_load"
 _LOADER_UTILS = "vllm.model_executor.model_loader.utils"  # where vLLM defines the step
 _PATCHED_FLAG = "_shadowsync_traced"
 _MAX_LISTED = 12
-# Elements hashed per torch call: bounds the digest's temporaries (int64: 32 MiB per tensor).
+# 32-bit words hashed per torch call: bounds the digest's temporaries (16 MiB each).
 _DIGEST_CHUNK = 1 << 22
 
 
@@ -136,14 +136,17 @@ def _traced(original):
         except Exception as e:  # noqa: BLE001 - the trace must never break vLLM's load
             failure = f"{type(e).__name__}: {e}"
         result = original(model, *args, **kwargs)
-        record = PostLoadRecord()
+        # A later run (a reload of the weights) adds to what the first one did, never clears it:
+        # a second run may skip a repacking whose layout the weights still have.
+        record = getattr(model, RECORD_ATTR, None) or PostLoadRecord()
         if before is None:
-            record.failure = failure
+            record.failure = record.failure or failure
         else:
             try:
-                record.changes = _diff(before, _snapshot(model))
+                seen = set(record.changes)
+                record.changes += [c for c in _diff(before, _snapshot(model)) if c not in seen]
             except Exception as e:  # noqa: BLE001
-                record.failure = f"{type(e).__name__}: {e}"
+                record.failure = record.failure or f"{type(e).__name__}: {e}"
         object.__setattr__(model, RECORD_ATTR, record)
         return result
 
@@ -156,18 +159,34 @@ def _traced(original):
 
 def _digest(torch, t) -> int | None:
     """A position-sensitive digest of t's bytes (a permutation changes it), or None without
-    storage."""
+    storage: per chunk, the sum of its 32-bit words times fixed odd multipliers (int32 products
+    wrap, the sum is int64: exact, so the same bytes give the same digest), the chunks chained in
+    order. Two passes over the bytes on the tensor's device."""
     if t.device.type == "meta" or t.numel() == 0:
         return None
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw.to(torch.int32)
+    weights = _digest_weights(torch, min(words.numel(), _DIGEST_CHUNK), words.device)
     total = 0
     for start in range(0, words.numel(), _DIGEST_CHUNK):
-        x = words[start:start + _DIGEST_CHUNK].to(torch.int64)
-        index = torch.arange(start, start + x.numel(), dtype=torch.int64, device=x.device)
-        weight = (index * 2654435761) % 4294967291 + 1
-        total = (total + int(((x + 0x9E3779B1) * weight).sum())) & ((1 << 64) - 1)
+        chunk = words[start:start + _DIGEST_CHUNK]
+        part = int(torch.mul(chunk, weights[:chunk.numel()]).sum())
+        total = (total * 0x100000001B3 + part) & ((1 << 64) - 1)
     return total
+
+
+_WEIGHTS: dict = {}
+
+
+def _digest_weights(torch, n: int, device):
+    """n fixed odd int32 multipliers on `device` (cached: the same for every tensor)."""
+    key = (str(device), n)
+    if key not in _WEIGHTS:
+        index = torch.arange(n, dtype=torch.int64)
+        odd = ((index * 2654435761 + 0x9E3779B1) % (1 << 31)) * 2 + 1
+        _WEIGHTS.clear()  # one size at a time: a chunk's worth of memory at most
+        _WEIGHTS[key] = odd.to(torch.int32).to(device)
+    return _WEIGHTS[key]
 
 
 def _is_plain(value, depth: int = 0) -> bool:
