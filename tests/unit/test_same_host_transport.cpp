@@ -7,7 +7,11 @@
 
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <atomic>
 #include <condition_variable>
@@ -241,6 +245,27 @@ TEST_CASE("same-host: directories and paths that are not ours are refused") {
                                                  quick()),
                       Catch::Contains("has mode 0755"));
   }
+  SECTION("a private directory in a parent others can rename it in") {
+    const auto shared = dir.path / "shared";
+    std::filesystem::create_directory(shared);
+    ::chmod(shared.c_str(), 0777);  // no sticky bit: anyone may rename 'private' away
+    const auto private_dir = shared / "private";
+    std::filesystem::create_directory(private_dir);
+    ::chmod(private_dir.c_str(), 0700);
+    CHECK_THROWS_WITH(SameHostTransport::serve((private_dir / "sock").string(), kToken, 1,
+                                               backend, SameHostMemory::kHost, 64, quick()),
+                      Catch::Contains("(mode 0777, owner uid") &&
+                          Catch::Contains("where other users could rename it"));
+    CHECK_THROWS_WITH(SameHostTransport::connect((private_dir / "sock").string(), kToken, 1,
+                                                 backend, quick()),
+                      Catch::Contains("where other users could rename it"));
+    ::chmod(shared.c_str(), 01777);  // sticky, as /tmp: only the owner may rename
+    SameHostConfig config = quick();
+    config.connect_timeout = std::chrono::milliseconds(20);
+    CHECK_THROWS_WITH(SameHostTransport::connect((private_dir / "sock").string(), kToken, 1,
+                                                 backend, config),
+                      Catch::Contains("no sender listened"));
+  }
   SECTION("a symbolic link as the directory") {
     std::filesystem::create_directory_symlink(dir.path, dir.path / "link");
     CHECK_THROWS_WITH(SameHostTransport::serve((dir.path / "link" / "sock").string(), kToken, 1,
@@ -278,6 +303,45 @@ TEST_CASE("same-host: directories and paths that are not ours are refused") {
                       Catch::Contains("CudaBackend"));
     CHECK_FALSE(std::filesystem::exists(dir.socket()));  // refused before anything was made
   }
+}
+
+TEST_CASE("same-host: a receiver sends nothing to a listener of another user") {
+  if (::geteuid() != 0) {
+    WARN("skipped: only root can listen as another user here (the check runs as any user)");
+    return;
+  }
+  TempDir dir;
+  // A child binds the socket in the private directory, becomes another user and listens: what
+  // a user who swapped the directory would present. SO_PEERCRED gives the uid of listen().
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    same_host::Fd fd(::socket(AF_UNIX, SOCK_STREAM, 0));
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::strncpy(address.sun_path, dir.socket().c_str(), sizeof(address.sun_path) - 1);
+    const bool ok = fd && ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&address),
+                                 sizeof(address)) == 0 &&
+                    ::setgid(65534) == 0 && ::setuid(65534) == 0 && ::listen(fd.get(), 4) == 0;
+    const char byte = ok ? '1' : '0';
+    if (::write(ready[1], &byte, 1) != 1) ::_exit(2);
+    ::pause();  // until the test kills it
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  char byte = 0;
+  REQUIRE(::read(ready[0], &byte, 1) == 1);
+  ::close(ready[0]);
+  REQUIRE(byte == '1');
+  HostBackend backend;
+  CHECK_THROWS_WITH(SameHostTransport::connect(dir.socket(), kToken, 1, backend, quick()),
+                    Catch::Contains("runs as uid 65534, not this user (uid 0)") &&
+                        Catch::Contains("nothing was sent to it"));
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
 }
 
 TEST_CASE("same-host: a stale socket file of a dead sender is replaced") {

@@ -253,8 +253,13 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
   Fd socket;
   int last_errno = 0;
   for (;;) {
+    // Again on every attempt: the directory may have been swapped while no sender listened.
+    same_host::check_private_directory(directory_of(path), /*create=*/false);
     socket = same_host::try_connect(path);
-    if (socket) break;
+    if (socket) {
+      same_host::check_listener_is_this_user(socket.get(), path);
+      break;
+    }
     last_errno = errno;
     if (last_errno != ENOENT && last_errno != ECONNREFUSED && last_errno != EAGAIN) {
       throw Error(ErrorCode::kTransport, fmt::format("same-host connect to '{}': {}", path,

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -60,6 +61,23 @@ bool closed_errno(int e) { return e == ECONNRESET || e == EPIPE || e == ENOTCONN
 }  // namespace
 
 void check_private_directory(const std::string& directory, bool create) {
+  // The parent first: whoever may rename entries in it could swap the directory for their own.
+  const std::string parent = std::filesystem::path(directory).lexically_normal().parent_path()
+                                 .string();
+  struct stat up {};
+  if (!parent.empty() && ::stat(parent.c_str(), &up) == 0) {
+    const bool others_own = up.st_uid != ::geteuid() && up.st_uid != 0;
+    const bool others_write = (up.st_mode & 022) != 0 && (up.st_mode & S_ISVTX) == 0;
+    if (others_own || others_write) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("same-host socket directory '{}' lies in '{}' (mode {:04o}, owner uid "
+                              "{}), where {} could rename it and put their own in its place; "
+                              "use a directory in one only this user (or root, sticky like /tmp) "
+                              "controls. Refusing it",
+                              directory, parent, up.st_mode & 07777, up.st_uid,
+                              others_own ? "its owner" : "other users"));
+    }
+  }
   struct stat st {};
   if (::lstat(directory.c_str(), &st) != 0) {
     if (errno != ENOENT || !create) {
@@ -91,6 +109,24 @@ void check_private_directory(const std::string& directory, bool create) {
                             "must be private to this user (mode 0700, owner uid {}): other users "
                             "could reach or replace the socket. Refusing it",
                             directory, st.st_mode & 07777, st.st_uid, me));
+  }
+}
+
+void check_listener_is_this_user(int fd, const std::string& path) {
+  ucred cred{};
+  socklen_t size = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &size) != 0) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("same-host connect to '{}': the listener's credentials (SO_PEERCRED): "
+                            "{}",
+                            path, std::strerror(errno)));
+  }
+  if (cred.uid != ::geteuid()) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("same-host connect to '{}': the process listening there (pid {}) runs "
+                            "as uid {}, not this user (uid {}); nothing was sent to it. Another "
+                            "user may have put a socket in the sender's place",
+                            path, cred.pid, cred.uid, ::geteuid()));
   }
 }
 

@@ -19,8 +19,15 @@ using Fd = UniqueFd;
 
 // The directory that holds the socket: created (mode 0700) when absent and `create`; otherwise it
 // must be a real directory (not a symbolic link) owned by this process's effective user with no
-// permission bits for group or others. Throws Error(kInvalidArgument) naming what it found.
+// permission bits for group or others, in a parent no other user can rename it in (owned by this
+// user or root, and writable by no one else unless sticky, as /tmp is). Throws
+// Error(kInvalidArgument) naming what it found.
 void check_private_directory(const std::string& directory, bool create);
+
+// The uid of the process that listens on the other end of connected socket `fd` (SO_PEERCRED),
+// which must be this process's effective user: else Error(kTransport) naming both uids. Call it
+// before anything is sent, so that no proof of the token reaches another user's listener.
+void check_listener_is_this_user(int fd, const std::string& path);
 
 // Listens on `path` (mode 0600). A socket file already there is replaced if no one listens on
 // it (connect refused: its sender died); a live one, a file that is not a socket or one owned by
