@@ -19,7 +19,8 @@
 // whatever the rendezvous asks for that its backend can run (host: same_host; cuda: nccl or
 // same_host). Both ends prove the control token on the same-host socket too.
 //
-//   export SHADOWSYNC_CONTROL_TOKEN=$(openssl rand -hex 32)
+//   export SHADOWSYNC_CONTROL_TOKEN=$(python3 -c 'import shadowsync; print(shadowsync.make_token())')
+//   (or $(openssl rand -hex 32); a token that is plainly not random is refused)
 //   control_channel engine [--port P] [--backend host|cuda] [--device N]
 //       prints "listening <port>", then one "rendezvous transport=T rank=R world_size=W" line per
 //       transport installed and one "update ..." line per applied update; runs until SIGTERM,

@@ -59,7 +59,8 @@ struct ControlConfig {
 };
 
 // `configured` if not empty, else the value of SHADOWSYNC_CONTROL_TOKEN. Throws
-// Error(kInvalidArgument) when both are empty or the token is shorter than kMinControlTokenBytes
+// Error(kInvalidArgument) when both are empty or the token is too weak (check_token in token.h:
+// shorter than kMinControlTokenBytes, or plainly not random)
 // (the message never contains the token). Thread-safe.
 std::string resolve_control_token(const std::string& configured);
 

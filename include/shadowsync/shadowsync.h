@@ -363,6 +363,14 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_transport(shadowsync_loop
 /* Transports already made live on. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_destroy(shadowsync_loopback_t loopback);
 
+/* The bytes of a token from shadowsync_make_token, its NUL included. */
+#define SHADOWSYNC_TOKEN_BYTES 70
+/* A new shared token for the control channel and the same-host transport (shadowsync::make_token
+ * in token.h: "ssk1-" and 256 random bits as 64 hex digits), NUL-terminated, into `token` of
+ * `size` bytes (at least SHADOWSYNC_TOKEN_BYTES). Tokens that are plainly not random are refused
+ * wherever a token is taken. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_make_token(char* token, size_t size);
+
 #define SHADOWSYNC_NCCL_UNIQUE_ID_BYTES 128
 /* ncclGetUniqueId, on the side that takes part as a rank. SHADOWSYNC_NOT_SUPPORTED without CUDA.
  * Thread-safe. */

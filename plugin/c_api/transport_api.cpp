@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "c_api/c_api_internal.h"
+#include "shadowsync/token.h"
 #include "shadowsync/same_host_transport.h"
 #if defined(SHADOWSYNC_WITH_CUDA)
 #include "shadowsync/nccl_transport.h"
@@ -136,6 +137,19 @@ shadowsync_status_t shadowsync_loopback_transport(shadowsync_loopback_t loopback
 shadowsync_status_t shadowsync_loopback_destroy(shadowsync_loopback_t loopback) {
   return guard(__func__,
                [&] { Registry::instance().remove<LoopbackObject>(loopback, "loopback"); });
+}
+
+shadowsync_status_t shadowsync_make_token(char* token, size_t size) {
+  return guard(__func__, [&] {
+    if (token == nullptr) throw_invalid("output argument 'token' is NULL");
+    const std::string made = make_token();
+    static_assert(SHADOWSYNC_TOKEN_BYTES == kTokenPrefix.size() + 64 + 1);
+    if (size < made.size() + 1) {
+      throw_invalid(fmt::format("'size' is {} bytes; a token needs {} (SHADOWSYNC_TOKEN_BYTES)",
+                                size, made.size() + 1));
+    }
+    std::memcpy(token, made.c_str(), made.size() + 1);
+  });
 }
 
 shadowsync_status_t shadowsync_nccl_unique_id(uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES]) {

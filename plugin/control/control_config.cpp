@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "shadowsync/error.h"
+#include "shadowsync/token.h"
 
 namespace shadowsync {
 
@@ -22,12 +23,7 @@ std::string resolve_control_token(const std::string& configured) {
                             "connection must prove it holds the shared token",
                             kControlTokenEnv));
   }
-  if (token.size() < kMinControlTokenBytes) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("control channel: the token from {} has {} bytes, fewer than the {} "
-                            "required (use e.g. 32 random bytes, hex-encoded)",
-                            source, token.size(), kMinControlTokenBytes));
-  }
+  check_token(token, fmt::format("control channel: the token from {}", source));
   return token;
 }
 

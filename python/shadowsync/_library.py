@@ -316,6 +316,7 @@ _PROTOTYPES = {
     "shadowsync_receiver_begin_update": (c_int, [_H, _P(UpdateHeaderC)]),
     "shadowsync_receiver_begin_update_bytes": (c_int, [_H, c_void_p, c_size_t]),
     "shadowsync_receiver_begin_update_checked": (c_int, [_H, c_void_p, c_size_t, c_uint32]),
+    "shadowsync_make_token": (c_int, [c_char_p, c_size_t]),
     "shadowsync_receiver_abort_update": (c_int, [_H]),
     "shadowsync_receiver_replace_transport": (c_int, [_H, _H]),
     "shadowsync_receiver_drain": (c_int, [_H]),

@@ -75,6 +75,19 @@ def nccl_library() -> NcclLibrary:
     return NcclLibrary(path.value.decode(), version.value)
 
 
+def make_token() -> str:
+    """A new shared token for the same-host transport and the control channel: "ssk1-" and 256
+    random bits as 64 hex digits (the kernel's random source). Tokens that are plainly not random
+    ("aaaaaaaaaaaaaaaa", "password12345678", a run of 8 equal or consecutive characters, fewer
+    than 64 bits by their character frequencies) are refused wherever a token is taken."""
+    buffer = create_string_buffer(TOKEN_BYTES)
+    call("shadowsync_make_token", buffer, TOKEN_BYTES)
+    return buffer.value.decode()
+
+
+TOKEN_BYTES = 70  # SHADOWSYNC_TOKEN_BYTES
+
+
 def nccl_unique_id() -> bytes:
     """A new NCCL unique id (ncclGetUniqueId), to hand to every rank. NotSupportedError without
     CUDA."""

@@ -22,7 +22,7 @@ import pytest
 import shadowsync as ss
 from support import BASE, BUCKET_BYTES, DEADLINE_S, LORA, SPECS, pattern, tensors
 
-TOKEN = "same-host-test-token-0123456789abcdef"
+TOKEN = "ssk1-ded952b6063bf160ed7d94ce93798cced35abbce9b811bd0d11a58d3eaf21707"
 DEADLINE_MS = int(DEADLINE_S * 1000)
 
 
@@ -127,7 +127,7 @@ def test_two_processes_move_several_updates_byte_for_byte(socket_path):
 
 
 def test_a_wrong_token_is_refused_on_both_sides(socket_path):
-    process, conn = _start_engine(socket_path, b"not-the-trainer-token-9876543210")
+    process, conn = _start_engine(socket_path, b"ssk1-63797165b3dfe0a594bfd143e51ff27ac4b85e06f81699463bcc565a25d9897c")
     try:
         backend = ss.HostBackend()
         with pytest.raises(ss.ShadowsyncTimeoutError) as refused:
@@ -155,7 +155,7 @@ def test_bad_arguments_are_refused_naming_them(socket_path):
         (lambda: receiver(path, TOKEN, "1", backend), "rank must be an int, not str"),
         (lambda: receiver(path, TOKEN, True, backend), "rank must be an int, not bool"),
         (lambda: receiver(path, 12345, 1, backend), "token must be bytes or str, not int"),
-        (lambda: receiver(path, "short", 1, backend), "token is 5 bytes; at least 16"),
+        (lambda: receiver(path, "short", 1, backend), "it has 5 bytes, fewer than the 16 required"),
         (lambda: receiver(path + "\0x", TOKEN, 1, backend), "holds a NUL character"),
         (lambda: receiver("", TOKEN, 1, backend), "is empty"),
         (lambda: receiver(42, TOKEN, 1, backend), "path must be a str or os.PathLike, not int"),
@@ -189,3 +189,17 @@ def test_bad_arguments_are_refused_naming_them(socket_path):
         ss.same_host_sender_transport(socket_path, TOKEN, 1, backend, 1024, memory="device")
     assert "SHADOWSYNC_SAME_HOST_MEMORY_DEVICE" in str(error.value)
     assert not os.path.exists(socket_path)
+
+
+def test_make_token_is_accepted_and_a_weak_token_is_refused_saying_how_to_make_one(socket_path):
+    token = ss.make_token()
+    assert token.startswith("ssk1-") and len(token) == 69 and token != ss.make_token()
+    backend = ss.HostBackend()
+    for weak in ("password12345678", "0" * 16, "aaaaaaaaaaaaaaaa"):
+        with pytest.raises(ss.InvalidArgumentError,
+                           match=r"the same-host token is too weak .*shadowsync.make_token\(\)"):
+            ss.same_host_sender_transport(socket_path, weak, 1, backend, 1024,
+                                          connect_timeout_ms=100)
+    # A made token gets past the check: the sender then waits for a receiver that never comes.
+    with pytest.raises(ss.ShadowsyncTimeoutError):
+        ss.same_host_sender_transport(socket_path, token, 1, backend, 1024, connect_timeout_ms=100)

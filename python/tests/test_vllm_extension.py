@@ -681,7 +681,7 @@ def test_under_tensor_parallelism_a_rank_that_cannot_connect_takes_the_others_ba
     ranks = _ThreadRanks(2, monkeypatch)
     workers = [FakeWorker(), FakeWorker()]
     before = [{n: p.data for n, p in w.model_runner.model.params} for w in workers]
-    nobody = dict(path=str(tmp_path / "nobody.sock"), token=b"t" * 32, connect_timeout_ms=200)
+    nobody = dict(path=str(tmp_path / "nobody.sock"), token="ssk1-efe31cd121235d6c8600c5dae229b11715c0e0aacc6adae5989808afa958a7d8", connect_timeout_ms=200)
     results = ranks.run(workers, "init_weight_update_group",
                         [dict(transport=ss.Loopback(2).transport(1)), dict(same_host=nobody)])
     assert "nobody.sock" in results[1]["refused"], results

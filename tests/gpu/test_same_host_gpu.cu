@@ -89,7 +89,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-const std::string kToken = "same-host gpu test token 0123456789abcdef";
+const std::string kToken = "ssk1-70622ead7c7e924047c94fc1b529d4ad9fb7faa90936f8d242164d298ed19e73";
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();

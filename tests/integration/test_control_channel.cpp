@@ -38,7 +38,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-const std::string kToken = "test-token-0123456789abcdef";
+const std::string kToken = "ssk1-25dd3db5c9cefddb744a2175b1dc872d32dc42344bd60b57a8036aaa30ee2c93";
 
 Layout test_layout() {
   return Layout::build({{"w1", DType::kFloat32, {1000}, "base"},
@@ -485,7 +485,7 @@ TEST_CASE("a wrong token or no token never gets past the handshake") {
   SECTION("wrong token") {
     try {
       TrainerChannel trainer(
-          layout, trainer_config(log, engine.channel.port(), "some-other-token-0123456789"));
+          layout, trainer_config(log, engine.channel.port(), "ssk1-70622ead7c7e924047c94fc1b529d4ad9fb7faa90936f8d242164d298ed19e73"));
       FAIL("a trainer with the wrong token connected");
     } catch (const Error& e) {
       CHECK_THAT(e.what(), Catch::Contains("wrong token"));
@@ -505,7 +505,7 @@ TEST_CASE("a wrong token or no token never gets past the handshake") {
     // The trainer checks the engine's proof: an impostor engine cannot take updates.
     LogCapture other_log;
     Engine impostor(layout, other_log,
-                    [](EngineChannelConfig& c) { c.control.token = "impostor-token-0123456789"; });
+                    [](EngineChannelConfig& c) { c.control.token = "ssk1-f60a0d73c64b42c0e81d8f56d4163ab7f678b06ec84a526e7eba48ea216213df"; });
     CHECK_THROWS_AS(TrainerChannel(layout, trainer_config(log, impostor.channel.port())), Error);
   }
   SECTION("no token anywhere, or a short one, is refused up front") {

@@ -51,7 +51,7 @@ Child spawn(const std::vector<std::string>& args) {
   for (const auto& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);
   // The token reaches the children through the environment, as in production.
-  std::vector<std::string> env_strings = {"SHADOWSYNC_CONTROL_TOKEN=e2e-test-token-0123456789"};
+  std::vector<std::string> env_strings = {"SHADOWSYNC_CONTROL_TOKEN=ssk1-e6847ed44259b1c45659e56b5c0334695c4754ed3e36b1307c16f0d2450b0ffe"};
   for (char** e = environ; *e != nullptr; ++e) {
     if (std::string_view(*e).starts_with("SHADOWSYNC_CONTROL_TOKEN=")) continue;
     env_strings.emplace_back(*e);

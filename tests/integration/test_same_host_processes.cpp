@@ -37,7 +37,7 @@ using namespace shadowsync::testing;
 
 namespace {
 
-const std::string kToken = "same-host process test token 0123456789";
+const std::string kToken = "ssk1-4e217b3e708068e355dd91215ccb2ea999ee8d7530f4fd84340f63a34056aa56";
 constexpr int kReceivers = 3;
 
 Layout test_layout() {

@@ -20,7 +20,7 @@ namespace shadowsync::testing {
 namespace {
 
 // Both ends prove it; what it is does not matter here.
-constexpr const char* kToken = "same-host conformance token 0123456789abcdef";
+constexpr const char* kToken = "ssk1-f60a0d73c64b42c0e81d8f56d4163ab7f678b06ec84a526e7eba48ea216213df";
 
 SameHostConfig fixture_config() {
   SameHostConfig config;

@@ -957,7 +957,7 @@ struct SocketDir {
   std::string socket() const { return (path / "sock").string(); }
 };
 
-constexpr char kSameHostToken[] = "c-api-same-host-token-0123456789";
+constexpr char kSameHostToken[] = "ssk1-ded952b6063bf160ed7d94ce93798cced35abbce9b811bd0d11a58d3eaf21707";
 constexpr size_t kSameHostTokenBytes = sizeof kSameHostToken - 1;
 
 }  // namespace
@@ -985,7 +985,7 @@ TEST_CASE("C ABI: same-host transports across threads carry updates; bad input i
     CHECK(shadowsync_same_host_transport_serve(path.c_str(), "short", 5, 1, sender_backend,
                                                SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 0,
                                                &out) == SHADOWSYNC_INVALID_ARGUMENT);
-    CHECK_THAT(last_error(), Catch::Contains("token is 5 bytes; at least 16"));
+    CHECK_THAT(last_error(), Catch::Contains("it has 5 bytes, fewer than the 16 required"));
     CHECK(shadowsync_same_host_transport_serve(path.c_str(), kSameHostToken, kSameHostTokenBytes,
                                                0, sender_backend,
                                                SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 0,
@@ -1041,7 +1041,7 @@ TEST_CASE("C ABI: same-host transports across threads carry updates; bad input i
           SHADOWSYNC_SAME_HOST_MEMORY_HOST, 1024, 1500, &t);
       return std::make_pair(status, last_error());
     });
-    const char wrong[] = "not-the-same-host-token-98765432";
+    const char wrong[] = "ssk1-63797165b3dfe0a594bfd143e51ff27ac4b85e06f81699463bcc565a25d9897c";
     const shadowsync_status_t refused = shadowsync_same_host_transport_connect(
         path.c_str(), wrong, sizeof wrong - 1, 1, receiver_backend, 10000, &out);
     CHECK(refused == SHADOWSYNC_TRANSPORT_ERROR);

@@ -20,7 +20,7 @@ using control::Handshake;
 
 namespace {
 
-const std::string kEngineToken = "engine-token-0123456789abcdef";
+const std::string kEngineToken = "ssk1-e6847ed44259b1c45659e56b5c0334695c4754ed3e36b1307c16f0d2450b0ffe";
 
 struct Pair {
   std::unique_ptr<Connection> engine;
@@ -99,7 +99,7 @@ TEST_CASE("each side refuses the other's proof when their tokens differ") {
   SECTION("the engine checks the trainer's proof") {
     Pair pair = connected_pair();
     Handshake engine(*pair.engine, kEngineToken, [] { return ControlMessage(engine_hello()); });
-    Handshake trainer(*pair.trainer, "another-token-0123456789abcdef",
+    Handshake trainer(*pair.trainer, "ssk1-25dd3db5c9cefddb744a2175b1dc872d32dc42344bd60b57a8036aaa30ee2c93",
                       [] { return ControlMessage(trainer_hello()); });
     engine.start(soon());
     CHECK(trainer.on_message(pair.trainer->receive(soon()), soon()) == Handshake::Step::kContinue);

@@ -31,6 +31,7 @@
 #include "shadowsync/host_backend.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/same_host_transport.h"
+#include "shadowsync/token.h"
 #include "shadowsync/sender.h"
 #include "transports/same_host/same_host_auth.h"
 #include "transports/same_host/same_host_frame.h"
@@ -41,7 +42,7 @@ using namespace shadowsync::testing;
 
 namespace {
 
-const std::string kToken = "0123456789abcdef0123456789abcdef";
+const std::string kToken = "ssk1-efe31cd121235d6c8600c5dae229b11715c0e0aacc6adae5989808afa958a7d8";
 
 // A fresh private directory per test, removed at the end.
 struct TempDir {
@@ -196,7 +197,7 @@ TEST_CASE("same-host: a wrong token is refused on both sides before any memory i
   SameHostConfig config = quick();
   config.connect_timeout = std::chrono::milliseconds(1500);
   auto connecting = std::async(std::launch::async, [&] {
-    return SameHostTransport::connect(dir.socket(), "another token, 32 bytes long....", 1, b,
+    return SameHostTransport::connect(dir.socket(), "ssk1-4e217b3e708068e355dd91215ccb2ea999ee8d7530f4fd84340f63a34056aa56", 1, b,
                                       config);
   });
   CHECK_THROWS_WITH(SameHostTransport::serve(dir.socket(), kToken, 1, a, SameHostMemory::kHost,
@@ -207,7 +208,7 @@ TEST_CASE("same-host: a wrong token is refused on both sides before any memory i
                                           Catch::Contains("wrong token"));
   CHECK_THROWS_WITH(SameHostTransport::serve(dir.socket(), "short", 1, a, SameHostMemory::kHost,
                                              64, config),
-                    Catch::Contains("at least 16"));
+                    Catch::Contains("it has 5 bytes, fewer than the 16 required"));
 }
 
 TEST_CASE("same-host: a sender that cannot prove the token gets nothing from the receiver") {
@@ -629,4 +630,41 @@ TEST_CASE("same-host: the sender reuses a staging slot only after every receiver
     CHECK(next_targets[r] == next);
   }
   CHECK_FALSE(pair.sender->async_error());
+}
+
+TEST_CASE("tokens: made ones are accepted, plainly non-random ones refused with how to make one") {
+  const std::string made = make_token();
+  CHECK(made.size() == kTokenPrefix.size() + 64);
+  CHECK(made.starts_with(kTokenPrefix));
+  CHECK_FALSE(token_weakness(made).has_value());
+  CHECK(make_token() != made);
+  CHECK_FALSE(token_weakness(kToken).has_value());
+  // The weak ones found by probing: one character, a word and a count, sixteen zeros.
+  CHECK(token_weakness("aaaaaaaaaaaaaaaa").value() ==
+        "it holds a run of 8 equal characters (such as 'aaaaaaaa')");
+  CHECK_THAT(token_weakness("pass-word12345678").value(),
+             Catch::Contains("a run of 8 consecutive characters"));
+  CHECK_THAT(token_weakness("password12345678").value(),
+             Catch::Contains("a run of 8 consecutive characters"));
+  CHECK_THAT(token_weakness("Password-9f3c2a7e").value(),
+             Catch::Contains("a common password word"));
+  // The reason describes the token, never quotes it.
+  CHECK(token_weakness("zzzzzzzzq1w2e3r4").value().find("zzzz") == std::string::npos);
+  CHECK_THAT(token_weakness("Secret-is-long-enough").value(),
+             Catch::Contains("a common password word"));
+  CHECK_THAT(token_weakness(std::string(16, '0')).value(), Catch::Contains("run of 8 equal"));
+  CHECK_THAT(token_weakness("abababababababab").value(), Catch::Contains("about 16 bits"));
+  CHECK_THAT(token_weakness("short").value(), Catch::Contains("it has 5 bytes"));
+  CHECK_THAT(token_weakness("ssk1-0000").value(), Catch::Contains("64 lowercase hex digits"));
+  CHECK_THAT(token_weakness(std::string(kTokenPrefix) + std::string(32, 'a') + std::string(32, 'b'))
+                 .value(),
+             Catch::Contains("not random"));
+  // Where a token is taken, the refusal says how to make one; nothing is created.
+  TempDir dir;
+  HostBackend backend;
+  CHECK_THROWS_WITH(SameHostTransport::serve(dir.socket(), "password12345678", 1, backend,
+                                             SameHostMemory::kHost, 64, quick()),
+                    Catch::Contains("the same-host token is too weak to be a shared secret") &&
+                        Catch::Contains("shadowsync.make_token()"));
+  CHECK_FALSE(std::filesystem::exists(dir.socket()));
 }

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "shadowsync/error.h"
+#include "shadowsync/token.h"
 #include "transports/same_host/same_host_auth.h"
 #include "transports/same_host/same_host_frame.h"
 #include "transports/same_host/same_host_socket.h"
@@ -44,14 +45,7 @@ std::string directory_of(const std::string& path) {
   return p.parent_path().string();
 }
 
-void check_token(std::string_view token) {
-  if (token.size() < 16) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host token is {} bytes; at least 16 are required (use 32 "
-                            "random bytes)",
-                            token.size()));
-  }
-}
+void check_same_host_token(std::string_view token) { check_token(token, "the same-host token"); }
 
 Fd make_wake() {
   Fd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -132,7 +126,7 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
                                                             Backend& backend, SameHostMemory memory,
                                                             std::size_t slot_bytes,
                                                             SameHostConfig config) {
-  check_token(token);
+  check_same_host_token(token);
   if (receivers < 1 || receivers > 65535) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host serve: {} receivers, expected 1..65535", receivers));
@@ -235,7 +229,7 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
                                                               Backend& backend,
                                                               SameHostConfig config) {
   (void)backend;
-  check_token(token);
+  check_same_host_token(token);
   if (config.doorbell_timeout <= std::chrono::milliseconds(0)) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host connect: SameHostConfig::doorbell_timeout is {} ms; it must "
