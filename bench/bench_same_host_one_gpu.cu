@@ -101,6 +101,7 @@
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/receiver.h"
 #include "shadowsync/same_host_transport.h"
+#include "shadowsync/token.h"
 #include "shadowsync/sender.h"
 #include "shadowsync/update_header.h"
 #include "support/bench_cuda.h"
@@ -1695,13 +1696,6 @@ class Watchdog {
   std::thread thread_;
 };
 
-std::string random_token() {
-  std::random_device device;
-  std::string token;
-  for (int i = 0; i < 32; ++i) token += strf("%02x", device() & 0xff);
-  return token;
-}
-
 int engine_main(const Options& o, int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   std::vector<bench::ModelConfig> models;
@@ -1745,7 +1739,7 @@ int engine_main(const Options& o, int argc, char** argv) {
       token = env;
       info.token_source = cat("$", kTokenEnv);
     } else {
-      token = random_token();
+      token = make_token();
       token_file = temp_dir + "/token";
       const int fd = ::open(token_file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
       if (fd < 0) throw BenchError(cat("creating ", token_file, ": ", std::strerror(errno)));

@@ -147,8 +147,10 @@ TEST_CASE("same-host gate: SameHostConfig::doorbell_timeout must be positive",
   CHECK(config.doorbell_timeout == std::chrono::milliseconds(10'000));
   config.doorbell_timeout = 0ms;
   try {
-    (void)SameHostTransport::connect("/tmp/shadowsync_gate_unused/sock",
-                                     "0123456789abcdef0123456789abcdef", 1, backend, config);
+    (void)SameHostTransport::connect(
+        "/tmp/shadowsync_gate_unused/sock",
+        "ssk1-63797165b3dfe0a594bfd143e51ff27ac4b85e06f81699463bcc565a25d9897c", 1, backend,
+        config);
     FAIL("connect accepted a doorbell_timeout of 0 ms");
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::kInvalidArgument);

@@ -5,6 +5,7 @@
 // test_same_host_processes.cpp runs it across processes.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -35,6 +36,7 @@
 #include "shadowsync/sender.h"
 #include "transports/same_host/same_host_auth.h"
 #include "transports/same_host/same_host_frame.h"
+#include "transports/same_host/same_host_memory_file.h"
 #include "transports/same_host/same_host_socket.h"
 
 using namespace shadowsync;
@@ -384,8 +386,11 @@ struct FakeSender {
     same_host::Setup setup;
     setup.world_size = 2;
     setup.slot_bytes = announced_slot_bytes;
-    memory_file = same_host::Fd(::memfd_create("fake", MFD_CLOEXEC));
+    // Sealed as a real sender seals it: what is tested here is what comes after.
+    memory_file = same_host::Fd(::memfd_create("fake", MFD_CLOEXEC | MFD_ALLOW_SEALING));
     REQUIRE(::ftruncate(memory_file.get(), static_cast<off_t>(file_bytes)) == 0);
+    REQUIRE(::fcntl(memory_file.get(), F_ADD_SEALS,
+                    F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) == 0);
     if (pass_fd) {
       REQUIRE(same_host::write_with_fd(peer.get(), same_host::encode(setup), memory_file.get(),
                                        deadline) == same_host::Io::kOk);
@@ -667,4 +672,32 @@ TEST_CASE("tokens: made ones are accepted, plainly non-random ones refused with 
                     Catch::Contains("the same-host token is too weak to be a shared secret") &&
                         Catch::Contains("shadowsync.make_token()"));
   CHECK_FALSE(std::filesystem::exists(dir.socket()));
+}
+
+TEST_CASE("same-host: the staging memory is sealed: no receiver maps it writable, no one resizes "
+          "it") {
+  const std::size_t bytes = 2 * 4096;
+  void* mapped = nullptr;
+  same_host::Fd fd = same_host::make_sealed_staging(bytes, &mapped);
+  static_cast<unsigned char*>(mapped)[0] = 7;  // the sender's own mapping stays writable
+  CHECK_NOTHROW(same_host::check_staging_seals(fd.get(), "sock"));
+  // What a receiver (or anyone holding the descriptor) can no longer do:
+  errno = 0;
+  CHECK(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0) == MAP_FAILED);
+  CHECK(errno == EPERM);
+  void* reading = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd.get(), 0);
+  REQUIRE(reading != MAP_FAILED);
+  CHECK(static_cast<unsigned char*>(reading)[0] == 7);
+  CHECK(::ftruncate(fd.get(), 4096) != 0);  // shrinking it under a mapping: SIGBUS on a read
+  CHECK(::ftruncate(fd.get(), 4 * 4096) != 0);
+  ::munmap(reading, bytes);
+  ::munmap(mapped, bytes);
+
+  // A sender that shares an unsealed file is refused by the receiver, the seals named.
+  same_host::Fd plain(::memfd_create("unsealed", MFD_CLOEXEC));
+  REQUIRE(plain);
+  REQUIRE(::ftruncate(plain.get(), static_cast<off_t>(bytes)) == 0);
+  CHECK_THROWS_WITH(same_host::check_staging_seals(plain.get(), "sock"),
+                    Catch::Contains("not sealed (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE "
+                                    "missing)"));
 }

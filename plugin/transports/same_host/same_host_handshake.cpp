@@ -24,6 +24,7 @@
 #include "shadowsync/token.h"
 #include "transports/same_host/same_host_auth.h"
 #include "transports/same_host/same_host_frame.h"
+#include "transports/same_host/same_host_memory_file.h"
 #include "transports/same_host/same_host_socket.h"
 #include "transports/same_host/same_host_state.h"
 
@@ -151,21 +152,8 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
     state->device = same_host::DeviceLink::create(backend, slot_bytes, config.doorbell_timeout);
   } else {
     state->mapped_bytes = same_host::kSlotCount * slot_bytes;
-    memory_file = Fd(::memfd_create("shadowsync-same-host-staging", MFD_CLOEXEC));
-    if (!memory_file ||
-        ::ftruncate(memory_file.get(), static_cast<off_t>(state->mapped_bytes)) != 0) {
-      throw Error(ErrorCode::kTransport,
-                  fmt::format("same-host serve: a shared memory file of {} bytes (memfd_create, "
-                              "ftruncate): {}",
-                              state->mapped_bytes, std::strerror(errno)));
-    }
-    void* mapped = ::mmap(nullptr, state->mapped_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
-                          memory_file.get(), 0);
-    if (mapped == MAP_FAILED) {
-      throw Error(ErrorCode::kTransport,
-                  fmt::format("same-host serve: mmap of {} bytes of staging: {}",
-                              state->mapped_bytes, std::strerror(errno)));
-    }
+    void* mapped = nullptr;
+    memory_file = same_host::make_sealed_staging(state->mapped_bytes, &mapped);
     state->staging = static_cast<std::byte*>(mapped);
   }
   const int shared_fd = state->device ? state->device->exported_fd() : memory_file.get();
@@ -380,6 +368,7 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
   state->memory = SameHostMemory::kHost;
   state->slot_bytes = static_cast<std::size_t>(setup.slot_bytes);
   state->mapped_bytes = same_host::kSlotCount * state->slot_bytes;
+  same_host::check_staging_seals(memory_file.get(), path);
   struct stat st {};
   if (setup.slot_bytes > (std::uint64_t{1} << 40) || ::fstat(memory_file.get(), &st) != 0 ||
       static_cast<std::uint64_t>(st.st_size) < state->mapped_bytes) {

@@ -1,0 +1,24 @@
+// The same-host transport's staging memory in host memory: one memfd the sender maps writable and
+// hands to every receiver (SCM_RIGHTS). Sealed before it is shared, so that no receiver can write
+// into the sender's slots and no one can shrink the file under a receiver's mapping (a read past
+// the end of a shrunk file would end the engine process with SIGBUS).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "core/unique_fd.h"
+
+namespace shadowsync::same_host {
+
+// A memory file of `bytes` (memfd, sealable), mapped read-write into this process at `*mapped`,
+// then sealed: its size can no longer change (F_SEAL_SHRINK, F_SEAL_GROW), no new writable
+// mapping can be made of it (F_SEAL_FUTURE_WRITE: this process's mapping stays writable), and the
+// seals are final (F_SEAL_SEAL). Throws Error(kTransport) naming the step that failed.
+UniqueFd make_sealed_staging(std::size_t bytes, void** mapped);
+
+// On the receiver: refuses (Error(kTransport), naming `path` and the seals missing) a memory file
+// whose size could change or that could be mapped writable.
+void check_staging_seals(int fd, const std::string& path);
+
+}  // namespace shadowsync::same_host
