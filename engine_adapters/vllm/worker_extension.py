@@ -832,22 +832,24 @@ def _check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> No
             f"ones they do not write are kept; or use swap_strategy='copy_in'")
 
 
-def _vllm_captures_cuda_graphs(worker) -> bool | None:
-    """Whether vLLM replays CUDA graphs over the weights (its default): not enforce_eager.
-    None when the worker is not vLLM's."""
+def _model_config(worker):
+    """vLLM's model config of the worker (None when the worker is not vLLM's)."""
     model_config = getattr(worker, "model_config", None)
     if model_config is None:
         model_config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
-    enforce_eager = getattr(model_config, "enforce_eager", None)
+    return model_config
+
+
+def _vllm_captures_cuda_graphs(worker) -> bool | None:
+    """Whether vLLM replays CUDA graphs over the weights (its default): not enforce_eager.
+    None when the worker is not vLLM's."""
+    enforce_eager = getattr(_model_config(worker), "enforce_eager", None)
     return None if enforce_eager is None else not enforce_eager
 
 
 def _vllm_quantization(worker) -> str | None:
     """The quantization vLLM was started with (None: none, or not vLLM's worker)."""
-    model_config = getattr(worker, "model_config", None)
-    if model_config is None:
-        model_config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
-    quantization = getattr(model_config, "quantization", None)
+    quantization = getattr(_model_config(worker), "quantization", None)
     return quantization if isinstance(quantization, str) else None
 
 

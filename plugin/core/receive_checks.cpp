@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -69,23 +70,28 @@ void ReceiveChecks::enqueue_match_live(const std::vector<ReceiveTarget>& targets
   }
 }
 
-Refusal ReceiveChecks::match_refusal(std::size_t i) const {
+std::optional<std::size_t> ReceiveChecks::first_difference(std::size_t i) const {
+  const Matched& m = matched_[i];
+  const std::size_t bytes = m.tensor->bytes;
+  std::vector<std::byte> mine(bytes), live(bytes);
+  backend_.memcpy_async(mine.data(), m.slot, bytes, *stream_);
+  backend_.memcpy_async(live.data(), m.live, bytes, *stream_);
+  backend_.stream_synchronize(*stream_);
+  const auto at = std::mismatch(mine.begin(), mine.end(), live.begin()).first - mine.begin();
+  if (static_cast<std::size_t>(at) == bytes) return std::nullopt;
+  return static_cast<std::size_t>(at);
+}
+
+Refusal ReceiveChecks::match_refusal(std::size_t i, std::optional<std::size_t> at) const {
   const Matched& m = matched_[i];
   const TensorPlacement& tensor = *m.tensor;
-  // Both copies to the host, once, to name the first element that differs.
-  std::vector<std::byte> mine(tensor.bytes), live(tensor.bytes);
-  backend_.memcpy_async(mine.data(), m.slot, tensor.bytes, *stream_);
-  backend_.memcpy_async(live.data(), m.live, tensor.bytes, *stream_);
-  backend_.stream_synchronize(*stream_);
   const std::size_t element = dtype_size(tensor.spec.dtype);
-  std::size_t at = 0;
-  while (at < tensor.bytes && mine[at] == live[at]) ++at;
   Refusal refusal;
   refusal.transport_failed = false;
   refusal.code = ErrorCode::kLayoutMismatch;
   refusal.group = m.group;
   refusal.tensor = tensor.spec.name;
-  if (at == tensor.bytes) {  // the checksums differed while the bytes agree: read again, racing
+  if (!at) {  // the checksums differed while the bytes agree: read again, racing
     refusal.why = fmt::format(
         "self-check (verify_matches_live): tensor '{}' of group '{}' had another checksum than its "
         "live copy, but its bytes now agree: the live copy changed while it was compared",
@@ -98,7 +104,7 @@ Refusal ReceiveChecks::match_refusal(std::size_t i) const {
       "weights, so the receive plan or a transform after loading puts bytes where the engine does "
       "not read them; nothing went live",
       tensor.spec.name, m.group, dtype_name(tensor.spec.dtype), tensor.bytes / element,
-      at / element, at);
+      *at / element, *at);
   return refusal;
 }
 
@@ -166,18 +172,14 @@ std::optional<Refusal> ReceiveChecks::compare(const std::vector<ReceiveTarget>& 
     }
   }
   for (std::size_t i = 0; i < matched_.size(); ++i) {
-    const Matched& m = matched_[i];
-    if (m.on_host) {
-      std::vector<std::byte> mine(m.tensor->bytes), live(m.tensor->bytes);
-      backend_.memcpy_async(mine.data(), m.slot, m.tensor->bytes, *stream_);
-      backend_.memcpy_async(live.data(), m.live, m.tensor->bytes, *stream_);
-      backend_.stream_synchronize(*stream_);
-      if (std::memcmp(mine.data(), live.data(), mine.size()) != 0) return match_refusal(i);
-      continue;
-    }
-    if (scratch_.match_checksum_on_host(i, false) != scratch_.match_checksum_on_host(i, true)) {
-      return match_refusal(i);
-    }
+    // An unaligned tensor is compared on the host; a checksum pair that differs is read back
+    // to name the first element that differs. Both copies cross to the host once either way.
+    const bool on_host = matched_[i].on_host;  // no checksums were computed for it
+    const bool sums_differ = !on_host && scratch_.match_checksum_on_host(i, false) !=
+                                             scratch_.match_checksum_on_host(i, true);
+    if (!on_host && !sums_differ) continue;
+    const std::optional<std::size_t> at = first_difference(i);
+    if (at || sums_differ) return match_refusal(i, at);
   }
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
     const std::uint64_t count = scratch_.nonfinite_count_on_host(i);

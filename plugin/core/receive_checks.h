@@ -119,9 +119,13 @@ class ReceiveChecks {
   // Compares the results: nothing when every check passed, else the first refusal. `targets` are
   // the update's groups in broadcast order (the receive's).
   std::optional<Refusal> compare(const std::vector<ReceiveTarget>& targets) const;
-  // The self-check's refusal for matched tensor i, naming its first differing element (read
-  // back to the host: only on this failure path).
-  Refusal match_refusal(std::size_t i) const;
+  // The self-check: the first byte at which matched tensor i differs from its live copy, both
+  // read back to the host (only on a failure path, or for a tensor too unaligned for the device
+  // checksum); nothing when they agree.
+  std::optional<std::size_t> first_difference(std::size_t i) const;
+  // Its refusal, naming the first differing element (`at`: none when the checksums differed but
+  // the bytes agree when read back).
+  Refusal match_refusal(std::size_t i, std::optional<std::size_t> at) const;
 
   // The check stream, or null when the backend has no checks.
   Stream* stream() const { return stream_.get(); }

@@ -288,14 +288,8 @@ def run_update(args: dict) -> dict:
                                                    bucket_bytes=args["bucket_bytes"]))
 
         # Update 3: the self-check. The engine holds A; A again must reproduce its bytes.
-        conn.send(("publish", 3, a))
-        _, header, _ = expect(conn, "header")
-        llm.collective_rpc("begin_update", args=(header, True))
-        expect(conn, "done")
-        try:
-            out["verified"] = apply_update(llm, 3, DEADLINE_S)
-        except Exception as e:  # noqa: BLE001 - the test asserts on it
-            out["verified"] = f"{type(e).__name__}: {e}"
+        applied, refusal = self_checked_update(llm, conn, 3, a)
+        out["verified"] = applied if refusal is None else refusal
         llm.collective_rpc("close_weight_update_group")
         conn.send(None)
         expect(conn, "closed")
@@ -445,6 +439,22 @@ def run_lora_references(args: dict) -> dict:
     return dict(outputs=results)
 
 
+def self_checked_update(llm, conn, version: int, path: str):
+    """The trainer publishes checkpoint `path` as `version` and the engine takes it with the
+    self-check (verify_matches_live): (the applied version, None), or (None, "<error>: message")
+    when apply_update raised."""
+    from shadowsync.vllm import apply_update
+
+    conn.send(("publish", version, path))
+    _, header, _ = expect(conn, "header")
+    llm.collective_rpc("begin_update", args=(header, True))
+    expect(conn, "done")
+    try:
+        return apply_update(llm, version, DEADLINE_S), None
+    except Exception as e:  # noqa: BLE001 - the tests assert on it
+        return None, f"{type(e).__name__}: {e}"
+
+
 def run_selfcheck(args: dict) -> dict:
     """The self-check against a receive plan broken on purpose: the destinations of two copies of
     the same shape (two layers' down_proj) swapped, as a wrong plan would. The trainer sends the
@@ -452,7 +462,7 @@ def run_selfcheck(args: dict) -> dict:
     and the engine's output stay that of its checkpoint."""
     import dataclasses
 
-    from shadowsync.vllm import apply_update, loader_trace
+    from shadowsync.vllm import loader_trace
 
     a = args["models"][0]
     traced = loader_trace.trace_load_weights
@@ -484,14 +494,8 @@ def run_selfcheck(args: dict) -> dict:
         finally:
             loader_trace.trace_load_weights = traced
         expect(conn, "serving")
-        conn.send(("publish", 1, a))
-        _, header, _ = expect(conn, "header")
-        llm.collective_rpc("begin_update", args=(header, True))
-        expect(conn, "done")
-        try:
-            out["applied"] = apply_update(llm, 1, DEADLINE_S)
-        except Exception as e:  # noqa: BLE001 - the test asserts on it
-            out["refusal"] = f"{type(e).__name__}: {e}"
+        applied, refusal = self_checked_update(llm, conn, 1, a)
+        out.update({"applied": applied} if refusal is None else {"refusal": refusal})
         out["stats"] = llm.collective_rpc("weight_update_stats")[0]
         out["after"] = greedy(llm, args["prompts"], args["max_tokens"])
         llm.collective_rpc("close_weight_update_group")
