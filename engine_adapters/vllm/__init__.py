@@ -1,19 +1,24 @@
-"""shadowsync.vllm: the vLLM worker extension (``worker_extension_cls=
-"shadowsync.vllm.WorkerExtension"``), in worker_extension.py.
+"""shadowsync.vllm: shadowsync inside vLLM.
 
-This folder is the subpackage ``shadowsync.vllm``: an installed package has it in place
-(the wheel's build installs it there, python/CMakeLists.txt); in a source checkout ``shadowsync/__init__.py`` finds it
-here. Importing it imports neither vllm nor torch; in a process that has imported vllm (its
-workers, which import the worker extension before they load the model) it registers the
-"shadowsync" (live arena) and "shadowsync_graph_pairs" weight-transfer backends (live_arena.py,
-graph_pairs.py) with vLLM, and traces what vLLM's post-load step does to the weights
-(post_load_trace.py), which the set-up checks."""
+    llm = vllm.LLM(model=..., worker_extension_cls="shadowsync.vllm.WorkerExtension",
+                   weight_transfer_config={"backend": "shadowsync"})
+    shadowsync.vllm.init_weight_update_group(llm, ShadowsyncInitInfo(unique_id=..., specs=...))
+
+One job per module: the worker extension's RPC surface (worker_extension.py), its typed
+configuration (init_info.py), set-up and receive planning (set_up.py, receive_planning.py), the
+step-hook site (step_hook_site.py), tensor-parallel agreement (tensor_parallel.py), the front
+end's calls (front_end.py), the weight-transfer backends that place the weights at load
+(live_arena.py, graph_pairs.py) and the traces of vLLM's loader and post-load step
+(loader_trace.py, post_load_trace.py).
+
+Importing it imports neither vllm nor torch; in a process that has imported vllm (its workers,
+which import the worker extension before they load the model) it registers the weight-transfer
+backends with vLLM, and traces what vLLM's post-load step does to the weights, which the set-up
+checks."""
 
 import sys as _sys
 
-
-from .worker_extension import (
-    WorkerExtension,
+from .front_end import (
     apply_update,
     apply_update_async,
     commit_update,
@@ -21,11 +26,13 @@ from .worker_extension import (
     init_weight_update_group,
     init_weight_update_group_async,
 )
+from .init_info import ShadowsyncInitInfo
 from .lora_plan import scaled_lora_b
+from .worker_extension import WorkerExtension
 
-__all__ = ["WorkerExtension", "apply_update", "apply_update_async", "commit_update",
-           "commit_update_async",
-           "init_weight_update_group", "init_weight_update_group_async", "scaled_lora_b"]
+__all__ = ["ShadowsyncInitInfo", "WorkerExtension", "apply_update", "apply_update_async",
+           "commit_update", "commit_update_async", "init_weight_update_group",
+           "init_weight_update_group_async", "scaled_lora_b"]
 
 
 def _register_live_arena_with_vllm() -> None:

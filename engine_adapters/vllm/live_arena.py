@@ -38,16 +38,16 @@ import sys
 import warnings
 from typing import Any
 
-from shadowsync import _tensors
 from shadowsync.backend import CudaBackend
 from shadowsync.errors import InvalidArgumentError
 from shadowsync.layout import BASE_GROUP, Layout, TensorSpec
 from shadowsync.remap_arena import RemapArena
+from shadowsync.tensors import describe
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .graph_pairs import GraphSets
 from .rebind import Rebinding
-from .worker_extension import _CudaBytes
+from .update_group import CudaBytes
 
 __all__ = ["GraphPairsEngine", "LiveArenaEngine"]
 
@@ -131,7 +131,7 @@ class GraphPairsEngine(LiveArenaEngine):
         import torch
 
         group = self.layout.groups[0]
-        raw = torch.as_tensor(_CudaBytes(self.arena.slot_address(slot), group.arena_bytes),
+        raw = torch.as_tensor(CudaBytes(self.arena.slot_address(slot), group.arena_bytes),
                               device=device)
         return [raw[t.offset:t.offset + t.bytes].view(p.dtype).reshape(p.shape)
                 for t, p in zip(group.tensors, self.params)]
@@ -222,7 +222,7 @@ def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:
     if not params:
         raise InvalidArgumentError("the 'shadowsync' weight-transfer backend: the model has no "
                                    "parameters")
-    descs = {name: _tensors.describe(name, p.data) for name, p in params.items()}
+    descs = {name: describe(name, p.data) for name, p in params.items()}
     devices = {d.device for d in descs.values()}
     if len(devices) != 1 or not next(iter(devices)).startswith("cuda:"):
         raise InvalidArgumentError(
@@ -239,7 +239,7 @@ def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:
     del descs  # they hold the parameters' tensors: the old storage must go with the move
     arena = RemapArena(CudaBackend(device), group.arena_bytes)
     allocated_before = torch.cuda.memory_allocated(device)
-    live = torch.as_tensor(_CudaBytes(arena.live_address, group.arena_bytes), device=f"cuda:{device}")
+    live = torch.as_tensor(CudaBytes(arena.live_address, group.arena_bytes), device=f"cuda:{device}")
     with torch.no_grad():
         for t in group.tensors:
             param = params[t.name]

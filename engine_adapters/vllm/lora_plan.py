@@ -24,10 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from shadowsync import _tensors
 from shadowsync.errors import InvalidArgumentError, LayoutMismatchError
 from shadowsync.layout import TensorSpec, canonical_dtype
 from shadowsync.receive_plan import PlanCopy
+from shadowsync.tensors import describe
 
 # base_model.model.<module>.lora_A[.<adapter name>].weight (PEFT's state dict and parameters); an
 # adapted embedding's are bare parameters: base_model.model.<module>.lora_embedding_A[.<adapter>].
@@ -265,7 +265,7 @@ def _copy_of(engine: str, block, specs: list[TensorSpec], live, torch) -> PlanCo
                                   f"{numbers.numel()} tensors; one strided view is supported")
     spec = specs[int(numbers[0]) - 1]
     wire_dtype = canonical_dtype(spec.dtype)[0]
-    slot_dtype = _tensors.describe(engine, live).dtype
+    slot_dtype = describe(engine, live).dtype
     if wire_dtype != slot_dtype:
         raise LayoutMismatchError(
             f"tensor '{spec.name}': dtype {wire_dtype} of the trainer's layout does not match "

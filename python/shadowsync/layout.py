@@ -174,7 +174,7 @@ class Layout(Handle):
         """A layout of the tensors as they are (numpy arrays or torch tensors, e.g. a model's
         ``named_parameters()``), in their order; ``group_of(name)`` names each one's group
         (default "base")."""
-        from ._tensors import describe, items
+        from .tensors import describe, items
 
         specs = []
         for name, tensor in items(named_tensors):

@@ -18,7 +18,7 @@ from ctypes import byref, c_char_p, c_int, c_size_t, c_void_p
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from . import _tensors
+from . import tensors as _tensors
 from ._handle import Handle
 from ._library import MAX_HEADER_BYTES, SenderConfigC, UpdateHeaderC, config_struct
 from .backend import Backend

@@ -685,18 +685,18 @@ def test_a_plan_for_the_live_arena_keeps_what_the_trainer_does_not_send():
     from types import SimpleNamespace
 
     from shadowsync.layout import TensorSpec
-    from shadowsync.vllm.worker_extension import _receive_plan
+    from shadowsync.vllm.receive_planning import receive_plan
 
     engine = Engine()
     randomize(engine)
     specs = [TensorSpec.coerce(s) for s in hf_specs() if s[0] != "norm.weight"]
     arena = SimpleNamespace(params=list(engine.parameters()))
-    layout, plan, params = _receive_plan(engine, specs, 0, True, live_arena=arena)
+    layout, plan, params = receive_plan(engine, specs, 0, True, live_arena=arena)
     names = [n for n, _ in engine.named_parameters()]
     assert [t.name for t in layout.groups[0].tensors] == names
     assert plan.kept == ["norm.weight"]
     assert [params[n] for n in names] == arena.params
-    alone, alone_plan, _ = _receive_plan(engine, specs, 0, True)
+    alone, alone_plan, _ = receive_plan(engine, specs, 0, True)
     assert "norm.weight" not in [t.name for t in alone.groups[0].tensors]
     assert alone_plan.kept == []
 

@@ -412,7 +412,7 @@ def test_apply_update_async_lets_the_step_hook_swap_and_applies_only_for_an_idle
     import asyncio
 
     import shadowsync.vllm as ssv
-    from shadowsync.vllm import worker_extension as worker_extension_module
+    from shadowsync.vllm import front_end
 
     run = lambda front_end, *a, **k: asyncio.run(ssv.apply_update_async(front_end, *a, **k))  # noqa: E731
     streaming = {"applied_version": 1, "pending": False}
@@ -423,7 +423,7 @@ def test_apply_update_async_lets_the_step_hook_swap_and_applies_only_for_an_idle
     assert run(generating, 2, timeout=DEADLINE_S, reset_prefix_cache=False) == 2
     assert generating.calls == ["update_progress"] * 4
     # Idle: received, but no step comes to take it; after the idle wait wait_applied applies it.
-    monkeypatch.setattr(worker_extension_module, "_IDLE_AFTER_S", 0.02)
+    monkeypatch.setattr(front_end, "_IDLE_AFTER_S", 0.02)
     idle = _AsyncFakeFrontEnd(True, [streaming, {"applied_version": 1, "pending": True}])
     assert run(idle, 2, timeout=DEADLINE_S, reset_prefix_cache=False) == 2
     assert idle.calls[-1] == "wait_applied" and idle.calls.count("wait_applied") == 1
@@ -610,13 +610,13 @@ class _ThreadRanks:
     cross-rank check (an all-reduce over vLLM's TP group) is a barrier among them."""
 
     def __init__(self, size, monkeypatch):
-        import shadowsync.vllm.worker_extension as extension
+        import shadowsync.vllm.tensor_parallel as tensor_parallel
 
         self._barrier = threading.Barrier(size, timeout=DEADLINE_S)  # a hang fails loudly
         self._flags = []
         self.rounds = 0
-        monkeypatch.setattr(extension, "_tensor_parallel_size", lambda worker: size)
-        monkeypatch.setattr(extension, "_on_every_rank", self._on_every_rank)
+        monkeypatch.setattr(tensor_parallel, "size", lambda worker: size)
+        monkeypatch.setattr(tensor_parallel, "on_every_rank", self._on_every_rank)
 
     def _on_every_rank(self, flag):
         self._flags.append(flag)
@@ -808,24 +808,24 @@ def test_gated_swaps_are_on_only_for_the_live_arena_on_the_v2_runner_and_refused
     """init_weight_update_group(gated_swaps=...): None (the default) turns gates on only where a
     swap only remaps the live arena and the step hook is framed by the V2 runner's KV connector;
     False keeps them off; True is refused elsewhere naming why, before anything is set up."""
-    from shadowsync.vllm import worker_extension as wx
+    from shadowsync.vllm.step_hook_site import gated_swaps
 
     v2 = ConnectorHookWorker()
     v1 = ForwardHookWorker()
-    assert wx._gated_swaps(v2, True, remaps_arena=True, hooked=True)
-    assert wx._gated_swaps(v2, None, remaps_arena=True, hooked=True)  # on where it can be
-    assert not wx._gated_swaps(v2, False, remaps_arena=True, hooked=True)
-    assert not wx._gated_swaps(v2, None, remaps_arena=False, hooked=True)
-    assert not wx._gated_swaps(v1, None, remaps_arena=True, hooked=True)
-    assert not wx._gated_swaps(v2, None, remaps_arena=True, hooked=False)
+    assert gated_swaps(v2, True, remaps_arena=True, hooked=True)
+    assert gated_swaps(v2, None, remaps_arena=True, hooked=True)  # on where it can be
+    assert not gated_swaps(v2, False, remaps_arena=True, hooked=True)
+    assert not gated_swaps(v2, None, remaps_arena=False, hooked=True)
+    assert not gated_swaps(v1, None, remaps_arena=True, hooked=True)
+    assert not gated_swaps(v2, None, remaps_arena=True, hooked=False)
     with pytest.raises(ss.InvalidArgumentError, match=r"gated_swaps=True, but no swap only "
                                                       r"remaps"):
-        wx._gated_swaps(v2, True, remaps_arena=False, hooked=True)
+        gated_swaps(v2, True, remaps_arena=False, hooked=True)
     with pytest.raises(ss.InvalidArgumentError, match=r"gated_swaps=True, but the step hook runs "
                                                       r"at model_runner._model_forward"):
-        wx._gated_swaps(v1, True, remaps_arena=True, hooked=True)
+        gated_swaps(v1, True, remaps_arena=True, hooked=True)
     with pytest.raises(ss.InvalidArgumentError, match=r"runs at no hook \(hook_execute_model"):
-        wx._gated_swaps(v2, True, remaps_arena=True, hooked=False)
+        gated_swaps(v2, True, remaps_arena=True, hooked=False)
 
     # Through init: no live arena on the CPU, so True is refused and nothing is set up; the
     # default leaves the receiver ungated and the connector's post_forward unhooked.

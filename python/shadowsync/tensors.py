@@ -1,7 +1,8 @@
 """What the package needs to know of a tensor, from numpy arrays and torch tensors alike.
 
 torch is never imported here: a torch tensor is recognised by its type's module, so the package
-works (and its tests run) where torch is not installed.
+works (and its tests run) where torch is not installed. Engine adapters (shadowsync.vllm) describe
+an engine's parameters with `describe` and `items`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any, Mapping
 from ._library import SourceTensorC
 from .errors import InvalidArgumentError, ShadowsyncError
 from .layout import TensorInfo, canonical_dtype, format_shape
+
+__all__ = ["TensorDesc", "describe", "is_torch_tensor", "items"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,247 @@
+"""The front end's calls: what the process that holds the ``vllm.LLM`` (or ``AsyncLLM``) runs to
+set up its workers, make an update live and commit it, each one collective_rpc (or a few) to the
+worker extension's methods, with the workers' refusals raised here."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+from shadowsync.errors import InvalidArgumentError, LayoutMismatchError
+
+from .init_info import ShadowsyncInitInfo
+
+__all__ = ["apply_update", "apply_update_async", "commit_update", "commit_update_async",
+           "init_weight_update_group", "init_weight_update_group_async"]
+
+
+def init_weight_update_group(llm, info: ShadowsyncInitInfo | dict | None = None,
+                             **fields) -> int:
+    """Front end (the process that holds the ``vllm.LLM``): sets up every worker from `info` (a
+    ShadowsyncInitInfo, a dict of its fields, or None) with `fields` on top, checked here once
+    before any worker is called (``collective_rpc("init_weight_update_group")``, the info as
+    plain data). Under tensor parallelism the workers return a refusal rather than raise it (a
+    raise would end vLLM's engine); this raises it, as the error the refusing worker named, with
+    its index. Returns the layout fingerprint (every worker's is the trainer's)."""
+    info = ShadowsyncInitInfo.coerce(info, **fields)
+    return _fingerprint(llm.collective_rpc("init_weight_update_group",
+                                           kwargs={"info": info.to_rpc()}))
+
+
+async def init_weight_update_group_async(engine, info: ShadowsyncInitInfo | dict | None = None,
+                                         **fields) -> int:
+    """init_weight_update_group for an ``AsyncLLM``."""
+    info = ShadowsyncInitInfo.coerce(info, **fields)
+    return _fingerprint(await engine.collective_rpc("init_weight_update_group",
+                                                    kwargs={"info": info.to_rpc()}))
+
+
+def _fingerprint(results: list) -> int:
+    """The workers' answers to init_weight_update_group: a refusal raised, else the fingerprint."""
+    import builtins
+
+    from shadowsync import errors
+
+    refusals = [(i, r) for i, r in enumerate(results) if isinstance(r, dict)]
+    if refusals:
+        # The rank that refused for a reason of its own; the others say another rank refused.
+        own = [(i, r) for i, r in refusals
+               if "on another tensor-parallel rank" not in r["refused"]] or refusals
+        worker, refusal = own[0]
+        message = f"worker {worker}: {refusal['refused']}"
+        name = refusal.get("error", "")
+        error = getattr(errors, name, None)
+        if isinstance(error, type) and issubclass(error, errors.ShadowsyncError):
+            raise error(message)
+        error = getattr(builtins, name, None)
+        if isinstance(error, type) and issubclass(error, Exception):
+            raise error(f"{name}: {message}")
+        raise RuntimeError(f"{name}: {message}")
+    fingerprints = sorted({int(r) for r in results})
+    if len(fingerprints) != 1:
+        raise LayoutMismatchError(
+            f"init_weight_update_group: the workers' layout fingerprints differ: "
+            f"{', '.join(f'{f:#018x}' for f in fingerprints)}")
+    return fingerprints[0]
+
+
+def apply_update(llm, version: int, timeout: float | None = None,
+                 reset_prefix_cache: bool = True, preempt_running: bool = False) -> int:
+    """Front end (the process that holds the ``vllm.LLM``): makes `version` live on every worker
+    (``collective_rpc("wait_applied")``: the flip happens between two steps, and the next step
+    runs on it), then asks vLLM to reset its prefix cache so that no new request reuses KV
+    computed with older weights. Returns the applied version (the lowest over the workers).
+
+    vLLM resets the prefix cache only while no request holds KV blocks; otherwise it refuses
+    (returns False) and nothing is reset: this warns then (RuntimeWarning), since new requests may
+    reuse prefix KV of older weights. With a synchronous ``LLM`` between ``generate`` calls nothing
+    runs and the reset succeeds. An engine that keeps generating (``AsyncLLM``) almost never is
+    idle: submit each request with ``cache_salt`` set to the policy version (prefix blocks are
+    then shared only within one version) and pass ``reset_prefix_cache=False``; or pass
+    `preempt_running`: vLLM then first preempts the running requests (they go back to its queue
+    and recompute their KV, prompt and tokens so far, with the new weights), so the reset always
+    happens, at the cost of that recompute."""
+    applied = llm.collective_rpc("wait_applied", args=(int(version), timeout))
+    if reset_prefix_cache:
+        _reset_prefix_cache(llm, version, "apply_update", preempt_running)
+    return min(int(v) for v in applied)
+
+
+# apply_update_async: how long a received update may wait for a step before the engine counts
+# as idle (then wait_applied applies it between two steps).
+_IDLE_AFTER_S = 0.2
+
+
+async def apply_update_async(engine, version: int, timeout: float | None = None,
+                             reset_prefix_cache: bool = True, preempt_running: bool = False,
+                             poll_s: float = 0.02) -> int:
+    """apply_update for an ``AsyncLLM`` (see there: under load vLLM refuses the prefix cache
+    reset; use ``cache_salt`` and ``reset_prefix_cache=False``, or `preempt_running`).
+
+    Returns once `version` is live on every worker. While the engine generates, the step hook
+    makes it live right before a step's forward, and this only polls (``update_progress``, a
+    thread-safe call that swaps nothing) every `poll_s` seconds: no RPC blocks the engine thread
+    while the last bytes arrive, and the swap is not moved ahead of vLLM's input preparation.
+    When a received update has waited ``_IDLE_AFTER_S`` for a step (an idle engine),
+    ``wait_applied`` applies it. ShadowsyncTimeoutError after `timeout` seconds (None: no limit)
+    names the versions seen.
+
+    Each poll is an RPC that vLLM's engine thread serves between two steps, and the polls
+    cluster around the swap: at 1 ms they added to the engine stop (Llama-3-8B on one H200,
+    graph pairs, paced to 1.08: 1.07 ms median at 1 ms, 0.84 ms at 20 ms; docs/benchmarks.md,
+    "11."). The price of the 20 ms default: the caller learns of the flip up to 20 ms later; the
+    engine flips at the same step either way."""
+    import asyncio
+
+    from shadowsync.errors import ShadowsyncTimeoutError
+
+    if (isinstance(poll_s, bool) or not isinstance(poll_s, (int, float))
+            or not 0 < poll_s < float("inf")):
+        raise InvalidArgumentError(f"apply_update_async({version}): poll_s must be a positive, "
+                                   f"finite number of seconds, got {poll_s!r}")
+    version = int(version)
+    started = time.monotonic()
+    pending_since = None
+    while True:
+        progress = await engine.collective_rpc("update_progress")
+        if any(p.get("coordinated") for p in progress):  # no step takes an update by itself
+            raise InvalidArgumentError(
+                f"apply_update_async({version}): the workers' commit_mode is \"coordinated\" "
+                f"(tensor parallelism): an update goes live by shadowsync.vllm.commit_update, "
+                f"not by waiting")
+        applied = min(int(p["applied_version"]) for p in progress)
+        if applied >= version:
+            break
+        now = time.monotonic()
+        left = None if timeout is None else max(0.0, timeout - (now - started))  # of the timeout
+        if timeout is not None and now - started > timeout:
+            raise ShadowsyncTimeoutError(
+                f"apply_update_async: version {version} not live after {timeout} s (workers' "
+                f"applied versions {[p['applied_version'] for p in progress]}, an update pending "
+                f"on {[p['pending'] for p in progress]})")
+        if all(p["pending"] or p["applied_version"] >= version for p in progress):
+            pending_since = now if pending_since is None else pending_since
+            if now - pending_since >= _IDLE_AFTER_S:  # no step took it: an idle engine
+                applied = min(int(v) for v in await engine.collective_rpc(
+                    "wait_applied", args=(version, left)))
+                break
+        # A poll_s longer than what is left of the timeout does not overrun it.
+        await asyncio.sleep(poll_s if left is None else min(poll_s, left))
+    if reset_prefix_cache:
+        await _reset_prefix_cache_async(engine, version, "apply_update_async", preempt_running)
+    return applied
+
+
+def _reset_prefix_cache(llm, version: int, caller: str, preempt_running: bool) -> None:
+    """vLLM's prefix cache reset after `version` went live. With `preempt_running` vLLM preempts
+    the running requests first, so that no block is held and the reset cannot be refused (vLLM
+    raises if it still fails)."""
+    if preempt_running:
+        llm.reset_prefix_cache(reset_running_requests=True)
+    else:
+        _check_reset(llm.reset_prefix_cache(), version, caller)
+
+
+async def _reset_prefix_cache_async(engine, version: int, caller: str,
+                                    preempt_running: bool) -> None:
+    """_reset_prefix_cache for an ``AsyncLLM``."""
+    if preempt_running:
+        await engine.reset_prefix_cache(reset_running_requests=True)
+    else:
+        _check_reset(await engine.reset_prefix_cache(), version, caller)
+
+
+def _check_reset(result, version: int, caller: str) -> None:
+    """vLLM's reset_prefix_cache returns False when running requests hold KV blocks."""
+    if result is False:
+        warnings.warn(
+            f"{caller}: version {version} is live, but vLLM refused to reset its prefix cache "
+            f"(running requests hold KV blocks), so new requests may reuse prefix KV computed "
+            f"with older weights; submit requests with cache_salt set to the policy version and "
+            f"pass reset_prefix_cache=False, or pass preempt_running=True",
+            RuntimeWarning, stacklevel=3)
+
+
+def _not_ready_error(caller: str, version: int, timeout: float, ready: list[int]):
+    """commit_update's timeout: names the workers that do not hold `version` ready."""
+    from shadowsync.errors import ShadowsyncTimeoutError
+
+    late = [f"worker {i}: {'none' if v == 0 else v}" for i, v in enumerate(ready) if v != version]
+    return ShadowsyncTimeoutError(
+        f"{caller}({version}): not ready on every worker after {timeout} s "
+        f"({', '.join(late)} ready); nothing was committed")
+
+
+def _committed(results: list) -> int:
+    """The applied version after a commit_update collective_rpc; a refusal (returned by the
+    workers, not raised: vLLM's TP executor ends the engine on a raise) raised here."""
+    refused = [r["refused"] for r in results if "refused" in r]
+    if refused:
+        raise InvalidArgumentError(refused[0])
+    return min(int(r["applied_version"]) for r in results)
+
+
+def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: bool = True,
+                  preempt_running: bool = False) -> int:
+    """Front end, commit_mode "coordinated" (tensor parallelism): waits until every worker holds
+    `version` ready (collective_rpc("ready_version"), polled), then commits it on all of them in
+    one collective_rpc — vLLM brings it to every worker between the same two steps, so no step
+    runs with two ranks on different versions, and a commit never waits on a receive. Then asks
+    vLLM to reset its prefix cache (as apply_update, `preempt_running` too). Raises
+    ShadowsyncTimeoutError naming the workers not ready after `timeout` seconds (nothing was
+    committed then). Returns `version`. For an ``AsyncLLM``: commit_update_async."""
+    version = int(version)
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = [int(v) for v in llm.collective_rpc("ready_version")]
+        if all(v == version for v in ready):
+            break
+        if time.monotonic() > deadline:
+            raise _not_ready_error("commit_update", version, timeout, ready)
+        time.sleep(0.002)
+    applied = _committed(llm.collective_rpc("commit_update", args=(version,)))
+    if reset_prefix_cache:
+        _reset_prefix_cache(llm, version, "commit_update", preempt_running)
+    return applied
+
+
+async def commit_update_async(engine, version: int, timeout: float = 60.0,
+                              reset_prefix_cache: bool = True, preempt_running: bool = False) -> int:
+    """commit_update for an ``AsyncLLM`` (see there): polls ``ready_version`` without blocking
+    the event loop, then one ``commit_update`` collective_rpc makes `version` live on every
+    worker between the same two steps."""
+    import asyncio
+
+    version = int(version)
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = [int(v) for v in await engine.collective_rpc("ready_version")]
+        if all(v == version for v in ready):
+            break
+        if time.monotonic() > deadline:
+            raise _not_ready_error("commit_update_async", version, timeout, ready)
+        await asyncio.sleep(0.002)
+    applied = _committed(await engine.collective_rpc("commit_update", args=(version,)))
+    if reset_prefix_cache:
+        await _reset_prefix_cache_async(engine, version, "commit_update_async", preempt_running)
+    return applied

@@ -1,0 +1,209 @@
+"""ShadowsyncInitInfo: how a vLLM worker takes updates, in one typed object, checked once.
+
+The same object sets up every way in: ``shadowsync.vllm.init_weight_update_group(llm, info)`` on
+the front end, the worker extension's ``init_weight_update_group(info)`` through collective_rpc,
+and (as a dict of its fields) vLLM's ``init_weight_transfer_engine``. Every field has a default
+that is right for a single-GPU engine fed by one trainer over NCCL; a value that cannot work is
+refused here, naming the field and the value, before anything is set up or connected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+from shadowsync.errors import InvalidArgumentError
+from shadowsync.layout import TensorSpec
+from shadowsync.receiver import ReceiverConfig
+
+__all__ = ["ShadowsyncInitInfo"]
+
+_SWAP_STRATEGIES = ("rebind", "copy_in", "remap")
+_COMMIT_MODES = ("auto", "coordinated")
+_SAME_HOST_KEYS = ("path", "token", "rank", "connect_timeout_ms")
+
+
+@dataclasses.dataclass
+class ShadowsyncInitInfo:
+    """What ``init_weight_update_group`` needs. Fields, by what they decide:
+
+    The transport (one of them, or neither and a ready ``transport`` passed beside this object):
+
+    * ``unique_id``: NCCL's unique id (``shadowsync.nccl_unique_id()`` on the trainer); the worker
+      is rank ``rank_offset + its rank`` of ``world_size``. Set-up blocks until every rank joined,
+      so the trainer creates its own transport concurrently.
+    * ``same_host``: ``{"path", "token"[, "rank", "connect_timeout_ms"]}``, the receiver end of
+      the trainer's same-host transport (same GPU, GPUs of one host, or CPU processes).
+
+    What is sent:
+
+    * ``specs``: the trainer's tensor specs (``Layout.specs`` on its side, or tuples of name,
+      dtype, shape, group). The engine's own parameters (same names) are received zero-copy;
+      otherwise they are what the trainer's ``named_parameters()`` gives (HF names, unfused,
+      unsharded) and a receive plan is derived from the model's own ``load_weights``. None: every
+      parameter of the engine in its order, grouped by ``group_of`` (default one group "base").
+    * ``bucket_bytes``: the transfer's bucket size (0: the library's default).
+    * ``allow_partial``: parameters no trainer tensor writes are refused, named, unless this is
+      set; then they keep the engine's values.
+    * ``lora_adapter``: the ``lora_int_id`` of a LoRA adapter vLLM serves that the trainer's PEFT
+      tensors (``...lora_A.weight``, ``lora_B``, in their own group) update in place.
+
+    How a swap happens:
+
+    * ``swap_strategy``: None chooses (the live arena's remap, graph pairs' rebind, copy_in under
+      CUDA graphs, else rebind); "copy_in", "remap" or "rebind" asks for one, refused where it
+      cannot be right.
+    * ``engine_uses_cuda_graphs``: None reads vLLM's ``enforce_eager``.
+    * ``gated_swaps``: None: on wherever the swap only remaps the live arena and vLLM's V2 runner
+      frames each step; False: off; True: on, refused where it cannot be.
+    * ``commit_mode``: "auto" (live at the worker's next step) or "coordinated" (held ready until
+      ``commit_update``, on every rank between the same two steps); None: coordinated under
+      tensor parallelism, else auto.
+
+    Pacing (how much an update may slow decoding while it streams in):
+
+    * ``decode_slowdown_budget``: e.g. 1.05: the mean step while an update streams in stays
+      within 5 % of the step without one; the update takes longer instead. None: unpaced.
+    * ``max_receive_bytes_per_second``: a cap on the receive rate (0: none).
+
+    Bookkeeping:
+
+    * ``track_request_versions``: count each request's tokens per weight version
+      (``request_versions()``).
+    * ``adopt_current_weights``: under rebind, move the weights into the live slot so the model's
+      own storage is freed (two copies of the weights, not three).
+    * ``hook_execute_model``: install the step hook (off only for engines that call
+      ``before_step`` themselves).
+    * ``receiver_config``: every other receiver setting (``shadowsync.ReceiverConfig``); the fields
+      above override its fields of the same name.
+    """
+
+    unique_id: bytes | None = None
+    rank_offset: int = 1
+    world_size: int = 2
+    same_host: dict | None = None
+    specs: list | None = None
+    bucket_bytes: int = 0
+    group_of: Callable[[str], str] | None = None
+    allow_partial: bool = False
+    lora_adapter: int | None = None
+    swap_strategy: str | None = None
+    engine_uses_cuda_graphs: bool | None = None
+    gated_swaps: bool | None = None
+    commit_mode: str | None = None
+    decode_slowdown_budget: float | None = None
+    max_receive_bytes_per_second: int = 0
+    track_request_versions: bool = False
+    adopt_current_weights: bool = True
+    hook_execute_model: bool = True
+    receiver_config: ReceiverConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.unique_id is not None:
+            if not isinstance(self.unique_id, (bytes, bytearray)):
+                _refuse("unique_id", self.unique_id, "the bytes of shadowsync.nccl_unique_id()")
+            self.unique_id = bytes(self.unique_id)
+        _check_int("rank_offset", self.rank_offset, minimum=0)
+        _check_int("world_size", self.world_size, minimum=1)
+        _check_int("bucket_bytes", self.bucket_bytes, minimum=0)
+        _check_int("max_receive_bytes_per_second", self.max_receive_bytes_per_second, minimum=0)
+        if self.lora_adapter is not None:
+            _check_int("lora_adapter", self.lora_adapter, minimum=1)
+        if self.unique_id is not None and self.same_host is not None:
+            raise InvalidArgumentError(
+                "ShadowsyncInitInfo: unique_id (NCCL) and same_host are both set; a worker has one "
+                "transport: keep the one the trainer serves")
+        if self.same_host is not None:
+            _check_same_host(self.same_host)
+        if self.swap_strategy not in (None, *_SWAP_STRATEGIES):
+            _refuse("swap_strategy", self.swap_strategy, f"None or one of {_SWAP_STRATEGIES}")
+        if self.commit_mode not in (None, *_COMMIT_MODES):
+            _refuse("commit_mode", self.commit_mode, f"None or one of {_COMMIT_MODES}")
+        for name in ("engine_uses_cuda_graphs", "gated_swaps"):
+            if getattr(self, name) not in (None, True, False):
+                _refuse(name, getattr(self, name), "None, True or False")
+        if self.group_of is not None and not callable(self.group_of):
+            _refuse("group_of", self.group_of, "a function of a tensor name, or None")
+        if isinstance(self.receiver_config, Mapping):  # as to_rpc() sends it
+            self.receiver_config = ReceiverConfig(**self.receiver_config)
+        if self.receiver_config is not None and not isinstance(self.receiver_config,
+                                                               ReceiverConfig):
+            _refuse("receiver_config", self.receiver_config, "a shadowsync.ReceiverConfig")
+        config = self.paced_receiver_config()
+        if config is not None:
+            config._c_fields()  # refuses a bad value (a budget below 1.0, ...), naming it
+
+    @classmethod
+    def coerce(cls, info: ShadowsyncInitInfo | Mapping[str, Any] | None = None,
+               **fields: Any) -> ShadowsyncInitInfo:
+        """`info` (an instance, a dict of its fields, or None) with `fields` on top, checked.
+        An unknown field is refused, naming it and the known ones."""
+        if isinstance(info, cls):
+            if not fields:
+                return info
+            base = {f.name: getattr(info, f.name) for f in dataclasses.fields(cls)}
+        elif info is None:
+            base = {}
+        elif isinstance(info, Mapping):
+            base = dict(info)
+        else:
+            raise InvalidArgumentError(
+                f"init info: a ShadowsyncInitInfo or a dict of its fields is needed, got "
+                f"{type(info).__name__}")
+        merged = {**base, **fields}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise InvalidArgumentError(
+                f"ShadowsyncInitInfo: unknown field(s) {unknown}; the fields are {sorted(known)}")
+        return cls(**merged)
+
+    def to_rpc(self) -> dict[str, Any]:
+        """The fields as plain data (bytes, numbers, strings, lists, dicts), which vLLM's
+        collective_rpc carries to its workers without pickling; coerce() reads it back.
+        ``group_of`` (a function) cannot cross: give the specs with their groups instead."""
+        if self.group_of is not None:
+            raise InvalidArgumentError(
+                "ShadowsyncInitInfo.group_of: a function cannot be sent to vLLM's workers; pass "
+                "specs with each tensor's group (Layout.specs on the trainer's side) instead")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.specs is not None:
+            fields["specs"] = [[t.name, t.dtype, list(t.shape), t.group]
+                               for t in map(TensorSpec.coerce, self.specs)]
+        if self.receiver_config is not None:
+            fields["receiver_config"] = dataclasses.asdict(self.receiver_config)
+        del fields["group_of"]
+        return fields
+
+    def paced_receiver_config(self) -> ReceiverConfig | None:
+        """`receiver_config` with the pacing fields given here written into it (None when
+        neither is set and no receiver_config was given)."""
+        if self.decode_slowdown_budget is None and not self.max_receive_bytes_per_second:
+            return self.receiver_config
+        config = dataclasses.replace(self.receiver_config or ReceiverConfig())
+        if self.decode_slowdown_budget is not None:
+            config.decode_slowdown_budget = self.decode_slowdown_budget
+        if self.max_receive_bytes_per_second:
+            config.max_receive_bytes_per_second = self.max_receive_bytes_per_second
+        return config
+
+
+def _refuse(field: str, value: Any, wanted: str) -> None:
+    raise InvalidArgumentError(f"ShadowsyncInitInfo.{field}: {value!r:.200} is not {wanted}")
+
+
+def _check_int(field: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _refuse(field, value, f"an integer >= {minimum}")
+
+
+def _check_same_host(same_host: Any) -> None:
+    if not isinstance(same_host, dict) or "path" not in same_host or "token" not in same_host:
+        raise InvalidArgumentError(
+            f"ShadowsyncInitInfo.same_host: a dict with 'path' and 'token' (and optionally "
+            f"'rank', 'connect_timeout_ms') is needed, got {same_host!r:.200}")
+    unknown = sorted(set(same_host) - set(_SAME_HOST_KEYS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"ShadowsyncInitInfo.same_host: unknown key(s) {unknown}; the keys are "
+            f"{list(_SAME_HOST_KEYS)}")

@@ -1,0 +1,273 @@
+"""Setting up a worker's update group from a ShadowsyncInitInfo: reads the model's parameters,
+refuses what cannot be updated right, plans the receive (receive_planning.py), chooses how swaps
+happen, connects the transport and installs the step hook.
+
+How a swap happens is chosen from what vLLM set up at load: the live arena's remap (backend
+"shadowsync" moved the weights into a remap arena before vLLM captured its CUDA graphs), graph
+pairs' rebind between the arena's two slots (each with its own graph set), copy_in into the
+engine's own storage under CUDA graphs set up without the arena (every graph keeps reading that
+storage), else rebind (eager engines: parameters are pointed at the live slot)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shadowsync.backend import Backend, CudaBackend, HostBackend
+from shadowsync.errors import InvalidArgumentError
+from shadowsync.layout import BASE_GROUP, Layout, TensorSpec
+from shadowsync.receiver import Receiver, ReceiverConfig
+from shadowsync.tensors import describe, items
+from shadowsync.transport import Transport, nccl_transport, same_host_transport
+
+from . import step_hook_site, tensor_parallel, vllm_worker
+from .init_info import ShadowsyncInitInfo
+from .lora_plan import is_lora_tensor
+from .post_load_trace import refuse_post_load_transforms
+from .receive_planning import (check_specs, names_are_parameters, placement, receive_plan,
+                               receive_plan_with_lora, refuse_empty)
+from .update_group import UpdateGroup, address, adopt, param_data
+
+__all__ = ["set_up_update_group"]
+
+
+def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport | None,
+                        agree) -> UpdateGroup:
+    """Sets `worker` up as `info` says and returns its UpdateGroup (also kept as
+    ``worker._shadowsync``). `transport`: a ready one (tests), else the one `info` names.
+    `agree()` is called once everything is checked, before any transport connects, and once set
+    up (tensor_parallel.all_ranks_or_none: every rank or none). Engine thread, before stepping."""
+    unique_id, rank_offset, world_size = info.unique_id, info.rank_offset, info.world_size
+    specs, bucket_bytes, group_of = info.specs, info.bucket_bytes, info.group_of
+    allow_partial, lora_adapter = info.allow_partial, info.lora_adapter
+    swap_strategy, engine_uses_cuda_graphs = info.swap_strategy, info.engine_uses_cuda_graphs
+    commit_mode, track_request_versions = info.commit_mode, info.track_request_versions
+    adopt_current_weights = info.adopt_current_weights
+    receiver_config = info.paced_receiver_config()
+    model = worker._shadowsync_model()
+    params = dict(items(worker._shadowsync_named_parameters()))
+    if not params:
+        raise InvalidArgumentError("init_weight_update_group: the model has no parameters")
+    descs = {name: describe(name, param_data(p)) for name, p in params.items()}
+    kind, device = placement(descs)
+    # Before anything else reads the parameters: are they what the model computes with?
+    refuse_post_load_transforms(model, vllm_worker.quantization(worker), device.split(":")[0])
+    refuse_empty(params)
+
+    chosen = swap_strategy if swap_strategy is not None else (
+        receiver_config.swap_strategy if receiver_config is not None else None)
+    live_arena = vllm_worker.live_arena_engine(worker)
+    # Graph pairs: the arena's slots each have their own CUDA graphs, so a swap rebinds
+    # between them; the plain live arena is swapped by remapping its live range.
+    graph_pairs = bool(getattr(live_arena, "shadowsync_graph_pairs", False))
+    arena_strategy = "rebind" if graph_pairs else "remap"
+    # The live arena, when swaps may swap it (by remap, or by rebind under graph pairs): it is
+    # swapped whole, so a plan for it keeps what the trainer does not send.
+    arena_to_remap = live_arena if chosen in (None, arena_strategy) else None
+    plan = None
+    if specs is None and lora_adapter is not None:
+        raise InvalidArgumentError(
+            f"init_weight_update_group: lora_adapter={lora_adapter} needs specs (the "
+            f"trainer's PEFT tensors, and base tensors if it sends them): without specs the "
+            f"layout is the engine's own parameters, which hold no adapter")
+    if specs is None:
+        specs = [
+            TensorSpec(n, d.dtype, d.shape, group_of(n) if group_of else BASE_GROUP)
+            for n, d in descs.items()
+        ]
+        layout = Layout(specs, bucket_bytes)
+    else:
+        specs = [TensorSpec.coerce(s) for s in specs]
+        if lora_adapter is not None or any(is_lora_tensor(s.name) for s in specs):
+            layout, plan, params, descs = receive_plan_with_lora(
+                worker, model, specs, lora_adapter, bucket_bytes, allow_partial, arena_to_remap)
+        elif names_are_parameters(specs, descs):
+            check_specs(specs, descs)  # the engine's own layout: zero-copy receive
+            layout = Layout(specs, bucket_bytes)
+        else:
+            layout, plan, params = receive_plan(model, specs, bucket_bytes, allow_partial,
+                                                 arena_to_remap)
+            descs = {name: describe(name, param_data(p)) for name, p in params.items()}
+
+    backend: Backend
+    if device == "cpu":
+        backend = HostBackend()
+        stream = backend.create_stream()
+    else:
+        import torch
+
+        index = int(device.split(":")[1])
+        backend = CudaBackend(index)
+        # The stream execute_model runs on: release events are recorded there.
+        stream = backend.wrap_stream(torch.cuda.current_stream(index).cuda_stream)
+    if transport is None and unique_id is not None and device == "cpu":
+        raise InvalidArgumentError(
+            "init_weight_update_group: NCCL needs CUDA parameters, the model's are on cpu")
+
+    if engine_uses_cuda_graphs is None and device != "cpu":
+        engine_uses_cuda_graphs = vllm_worker.captures_cuda_graphs(worker)
+    # The groups of a LoRA adapter's tensors: their live copy is the adapter's slot in vLLM's
+    # stacked LoRA buffers, which can only be copied into, never rebound or remapped.
+    lora_groups = {s.group for s in specs if is_lora_tensor(s.name)}
+    arena_group = None  # the group swapped by remapping the live arena
+    if arena_to_remap is not None:
+        base = [g for g in layout.groups if g.name not in lora_groups]
+        if base:
+            check_fits_live_arena(base, params, live_arena)
+            arena_group = base[0].index
+            swap_strategy = chosen = arena_strategy
+    if arena_group is None:
+        # copy_in into the arena's live range (or nothing of the arena at all: an adapter
+        # only), as into any storage.
+        live_arena = None
+        graph_pairs = False
+    if graph_pairs and lora_groups:
+        raise InvalidArgumentError(
+            "init_weight_update_group: lora_adapter with the 'shadowsync_graph_pairs' "
+            "weight-transfer backend: a swap there rebinds the base weights between two "
+            "slots, and an adapter lives in vLLM's stacked LoRA buffers, which can only be "
+            "copied into; start vLLM with weight_transfer_config={'backend': "
+            "'shadowsync'} (remap, with the adapter copied in at the same swap), or pass "
+            "swap_strategy='copy_in' (base and adapter both copied in at each swap)")
+    if graph_pairs:
+        # The graphs follow the live slot (one set per slot, switched at each swap), so the
+        # swap may move the live address: to the library this is an engine that rebinds.
+        engine_uses_cuda_graphs = False
+        # The receiver starts from the slot the arena shows; the model must read that one (a
+        # close that failed before settling could have left it on the other).
+        live_arena.settle()
+    if lora_groups and chosen not in (None, "copy_in") and arena_group is None:
+        raise InvalidArgumentError(
+            f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
+            f"adapter lives in vLLM's stacked LoRA buffers), or 'remap' with the live "
+            f"arena for the base weights beside it; got {chosen!r}")
+    if lora_groups and arena_group is None:
+        swap_strategy = chosen = "copy_in"
+    if engine_uses_cuda_graphs and chosen == "remap" and live_arena is None:
+        # remap keeps one virtual range live, but it is the receiver's: vLLM captured its
+        # graphs at start-up over its own parameter storage and would go on reading that.
+        raise InvalidArgumentError(
+            "init_weight_update_group: swap_strategy 'remap' with engine_uses_cuda_graphs: "
+            "vLLM captured its CUDA graphs at start-up over its own parameter storage, and "
+            "remap makes the receiver's memory live instead, which those graphs never read "
+            "(every step after would compute with the old weights). Start vLLM with "
+            "weight_transfer_config={'backend': 'shadowsync'} (the weights move into a remap "
+            "arena before the graphs are captured), or use 'copy_in' (the default under "
+            "CUDA graphs: the engine's storage stays live), or start vLLM with "
+            "enforce_eager=True")
+    if engine_uses_cuda_graphs and chosen is None:
+        swap_strategy = "copy_in"  # graphs keep their addresses: rebind would be ignored
+    if commit_mode is None and (receiver_config is None or receiver_config.commit_mode is None):
+        # Tensor parallelism: ranks that flipped each on its own could run one step on two
+        # versions; coordinated holds updates ready until commit_update on every rank.
+        commit_mode = "coordinated" if tensor_parallel.size(worker) > 1 else None
+    if commit_mode is not None:
+        receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),
+                                              commit_mode=commit_mode)
+    if swap_strategy is not None or engine_uses_cuda_graphs is not None:
+        receiver_config = dataclasses.replace(receiver_config or ReceiverConfig())
+        if swap_strategy is not None:
+            receiver_config.swap_strategy = swap_strategy
+        if engine_uses_cuda_graphs is not None:
+            receiver_config.engine_uses_cuda_graphs = engine_uses_cuda_graphs
+    gate = step_hook_site.gated_swaps(worker, info.gated_swaps,
+                                      arena_group is not None and not lora_groups,
+                                      info.hook_execute_model)
+    if gate:
+        receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),
+                                              gated_swaps=True)
+    agree()  # every rank checked its part: now the transports may connect
+    if transport is None and unique_id is not None:
+        rank = int(rank_offset) + int(getattr(worker, "rank", 0))
+        transport = nccl_transport(unique_id, rank, int(world_size), int(device.split(":")[1]))
+    if transport is None and info.same_host is not None:
+        transport = _same_host_receiver(info.same_host, rank_offset, getattr(worker, "rank", 0),
+                                        backend)
+
+    receiver = Receiver(layout, backend, transport, receiver_config, engine_stream=stream,
+                        plan=plan,
+                        arenas={arena_group: live_arena.arena} if live_arena else None)
+    state = UpdateGroup(receiver, {t.name: params[t.name] for g in layout.groups
+                                    for t in g.tensors}, kind, device)
+    state.stream = stream
+    state.coordinated = receiver_config is not None and receiver_config.commit_mode == "coordinated"
+    if receiver_config is not None and receiver_config.swap_strategy is not None:
+        state.swap_strategy = receiver_config.swap_strategy
+    state.live_arena = live_arena is not None
+    copy_in = state.swap_strategy == "copy_in"
+    state.host_reads_after_copy = device == "cpu" and copy_in
+    if track_request_versions:
+        state.request_versions = {}
+    receiver.set_swap_callback(state.on_swap)
+    if graph_pairs:
+        # The parameters already point at the arena's live slot (bound at load, before vLLM
+        # captured a graph set over each slot): a swap rebinds them and switches sets.
+        state.graph_pairs = live_arena
+    elif copy_in:
+        # The parameters stay where the engine (and any CUDA graph it captured) reads them;
+        # each swap copies the shadow into them. Two copies of the weights, none moved.
+        for group in layout.groups:
+            receiver.use_engine_storage(
+                group.index, [address(param_data(state.params[t.name])) for t in group.tensors])
+        state.engine_storage = True
+    elif live_arena is not None:
+        # The parameters already live in the arena's live range (moved there at load, before
+        # vLLM captured its graphs): a swap remaps it, nothing is rebound. An adapter's groups
+        # beside it are copied into vLLM's LoRA slots at the same swap.
+        for group in layout.groups:
+            if group.index != arena_group:
+                receiver.use_engine_storage(
+                    group.index, [address(param_data(state.params[t.name])) for t in group.tensors])
+        state.engine_storage = True
+    elif adopt_current_weights:
+        adopt(state, layout, stream)
+    worker._shadowsync = state
+    if info.hook_execute_model and hasattr(worker, "execute_model"):
+        state.step_hook_at = step_hook_site.hook_execute_model(worker, gated=gate)
+    agree()  # every rank is set up (one that failed to connect takes the others back)
+    if lora_adapter is not None:
+        # vLLM must not evict it: its slot is the live copy. Pinned once every rank is set
+        # up, so a refused set-up pins nothing; it stays pinned after close (vLLM has no
+        # unpin), as an adapter that is being trained would be.
+        vllm_worker.lora_manager(worker).pin_adapter(int(lora_adapter))
+    return state
+
+
+def check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> None:
+    """The groups of the update that are not a LoRA adapter's (`base`) must be laid out as the
+    live arena is: one group holding the model's parameters, each the very parameter the arena
+    holds at that place, in the arena's order (then the offsets are the same). Compared by
+    object, not by name: with LoRA on, the receive plan knows a parameter by its checkpoint name
+    and the arena by its name in the wrapped model."""
+    arena_tensors = live_arena.layout.groups[0].tensors
+    if len(base) != 1:
+        raise InvalidArgumentError(
+            f"init_weight_update_group: the live arena holds the model's parameters as one "
+            f"group, but the update has {len(base)} groups of them "
+            f"({', '.join(repr(g.name) for g in base)}); send every parameter in one "
+            f"group, or use swap_strategy='copy_in'")
+    tensors = base[0].tensors
+    for i, (have, want) in enumerate(zip(tensors, arena_tensors)):
+        same = (params[have.name] is live_arena.params[i] and have.dtype == want.dtype
+                and tuple(have.shape) == tuple(want.shape))
+        if not same:
+            raise InvalidArgumentError(
+                f"init_weight_update_group: the update's parameter {i} is {have.name!r} "
+                f"({have.dtype}, {list(have.shape)}), but the live arena holds {want.name!r} "
+                f"({want.dtype}, {list(want.shape)}) there: the trainer's tensors must write "
+                f"every parameter of the model, in the model's order, to swap by remap; or use "
+                f"swap_strategy='copy_in'")
+    if len(tensors) != len(arena_tensors):
+        raise InvalidArgumentError(
+            f"init_weight_update_group: the update writes {len(tensors)} parameters, the live "
+            f"arena holds {len(arena_tensors)}: to swap by remap the trainer's tensors must write "
+            f"every parameter of the model, or, with a receive plan and allow_partial=True, the "
+            f"ones they do not write are kept; or use swap_strategy='copy_in'")
+
+
+def _same_host_receiver(same_host: dict, rank_offset: int, worker_rank: int, backend):
+    """The same-host transport's receiver end from ShadowsyncInitInfo.same_host (checked there):
+    rank ``rank_offset`` + the worker's rank unless it names one."""
+    rank = same_host.get("rank", int(rank_offset) + int(worker_rank))
+    return same_host_transport(same_host["path"], same_host["token"], rank, backend,
+                               connect_timeout_ms=same_host.get("connect_timeout_ms"))
