@@ -35,26 +35,28 @@ __all__ = ["ShadowsyncInitInfo", "WorkerExtension", "apply_update", "apply_updat
            "init_weight_update_group_async", "scaled_lora_b"]
 
 
-def _register_live_arena_with_vllm() -> None:
-    """Registers live_arena.LiveArenaEngine as vLLM's weight-transfer backend "shadowsync" and
-    live_arena.GraphPairsEngine as "shadowsync_graph_pairs" (lazily: vLLM imports the module
-    only when an engine asks for that backend). Only where vLLM is already imported, and only a
-    vLLM with weight-transfer engines (0.25 and later)."""
+def _register_backends_with_vllm() -> None:
+    """Registers the weight-transfer backends with vLLM (weight_transfer_backend.py): "shadowsync"
+    (chooses the placement), "shadowsync_live_arena" and "shadowsync_graph_pairs" (ask for one);
+    lazily: vLLM imports the module only when an engine asks for that backend. Only where vLLM is
+    already imported, and only a vLLM with weight-transfer engines (0.25 and later)."""
     if "vllm" not in _sys.modules:
         return
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return
-    for name, cls in (("shadowsync", "LiveArenaEngine"),
-                      ("shadowsync_graph_pairs", "GraphPairsEngine")):
+    for name, module, cls in (
+            ("shadowsync", "weight_transfer_backend", "ShadowsyncEngine"),
+            ("shadowsync_live_arena", "live_arena", "LiveArenaEngine"),
+            ("shadowsync_graph_pairs", "live_arena", "GraphPairsEngine")):
         try:
-            WeightTransferEngineFactory.register_engine(name, "shadowsync.vllm.live_arena", cls)
+            WeightTransferEngineFactory.register_engine(name, f"shadowsync.vllm.{module}", cls)
         except ValueError:
             pass  # registered already (this module imported again under another name)
 
 
-_register_live_arena_with_vllm()
+_register_backends_with_vllm()
 # Before any engine loads, whichever of vllm and this package is imported first: its post-load
 # step must be traced (post_load_trace.py).
 from .post_load_trace import install_when_vllm_loads as _trace_post_load  # noqa: E402

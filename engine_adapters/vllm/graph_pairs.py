@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from shadowsync.errors import InvalidArgumentError
 
-__all__ = ["GraphSets"]
+__all__ = ["GraphSets", "why_unswitchable"]
 
 
 class GraphSets:
@@ -129,26 +129,31 @@ def _count(held: dict) -> int:
     return (len(graphs) if graphs else 0) + sum(len(e) for _, e in held["wrappers"])
 
 
+def why_unswitchable(runner) -> str | None:
+    """Why this module cannot switch `runner`'s graphs (None: it can)."""
+    if not callable(getattr(runner, "capture_model", None)):
+        return f"the model runner ({type(runner).__name__}) has no capture_model"
+    if not hasattr(runner, "cudagraph_manager"):
+        return (f"the model runner ({type(runner).__name__}) is not vLLM's V2 GPU runner, the one "
+                f"whose graph holders this module switches (another keeps graphs elsewhere, e.g. "
+                f"a multimodal encoder's)")
+    if getattr(runner, "speculator", None) is not None or \
+            getattr(runner, "drafter", None) is not None:
+        return ("vLLM runs a speculative decoder, whose CUDA graphs are captured beside the "
+                "model's and would not be switched")
+    if _breakable_cuda_graphs():
+        return "vLLM's breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1) are on"
+    return None
+
+
 def _refuse_unswitchable(runner) -> None:
     """Graphs this module cannot switch, refused at start-up rather than replayed over the wrong
     slot."""
-    why = None
-    if not callable(getattr(runner, "capture_model", None)):
-        why = f"the model runner ({type(runner).__name__}) has no capture_model"
-    elif not hasattr(runner, "cudagraph_manager"):
-        why = (f"the model runner ({type(runner).__name__}) is not vLLM's V2 GPU runner, the one "
-               f"whose graph holders this module switches (another keeps graphs elsewhere, e.g. "
-               f"a multimodal encoder's)")
-    elif getattr(runner, "speculator", None) is not None or \
-            getattr(runner, "drafter", None) is not None:
-        why = ("vLLM runs a speculative decoder, whose CUDA graphs are captured beside the "
-               "model's and would not be switched")
-    elif _breakable_cuda_graphs():
-        why = "vLLM's breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1) are on"
+    why = why_unswitchable(runner)
     if why is not None:
         raise InvalidArgumentError(
             f"the 'shadowsync_graph_pairs' weight-transfer backend: {why}; use the backend "
-            f"'shadowsync' (the live arena, swapped by remap) instead")
+            f"'shadowsync' (it chooses the live arena, swapped by remap, there) instead")
 
 
 def _breakable_cuda_graphs() -> bool:

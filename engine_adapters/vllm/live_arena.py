@@ -12,11 +12,8 @@ init_weight_update_group hands the arena to the receiver (swap strategy "remap")
 the live range onto the slot the update landed in, nothing is copied, and the graphs read the new
 weights.
 
-    llm = vllm.LLM(model=..., worker_extension_cls="shadowsync.vllm.WorkerExtension",
-                   weight_transfer_config={"backend": "shadowsync"})
-
-``import shadowsync.vllm`` registers the engine with vLLM as "shadowsync" in a process that has
-imported vLLM (vLLM's workers import the worker extension before they load the model). Memory: the
+The backend "shadowsync" (weight_transfer_backend.py) makes this engine under CUDA graphs where
+graph pairs are not possible; "shadowsync_live_arena" asks for it. Memory: the
 arena is two copies of the weights (the live one and the shadow), allocated before vLLM sizes its
 KV cache, so the KV cache is one copy of the weights smaller than without shadowsync. vLLM sizes
 it from the weights' memory it measured while loading (a number kept on its model runner) plus
@@ -27,41 +24,32 @@ the model runner's `model_memory_usage`; vLLM hands the engine only the model, s
 found as the caller's (Worker.load_model's) and checked to hold this very model. Where it is not
 found, nothing is changed and a warning says the KV cache is that much smaller
 (`memory_report()` of the worker extension shows what was counted).
-
-vLLM's own weight-transfer calls (init_weight_transfer_engine, update_weights, ...) are refused:
-updates go through the worker extension's init_weight_update_group and begin_update.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any
 
 from shadowsync.backend import CudaBackend
 from shadowsync.errors import InvalidArgumentError
 from shadowsync.layout import BASE_GROUP, Layout, TensorSpec
 from shadowsync.remap_arena import RemapArena
 from shadowsync.tensors import describe
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .graph_pairs import GraphSets
 from .rebind import Rebinding
 from .update_group import CudaBytes
+from .weight_transfer_backend import (GRAPH_PAIRS_BACKEND_NAME, LIVE_ARENA_BACKEND_NAME,
+                                      PlacedWeightsEngine)
 
 __all__ = ["GraphPairsEngine", "LiveArenaEngine"]
 
-# The names under which import shadowsync.vllm registers the engines with vLLM.
-BACKEND_NAME = "shadowsync"
-GRAPH_PAIRS_BACKEND_NAME = "shadowsync_graph_pairs"
+class LiveArenaEngine(PlacedWeightsEngine):
+    """vLLM's weight-transfer engine "shadowsync_live_arena" (and what "shadowsync" makes under
+    CUDA graphs where graph pairs are not possible): places the weights in a remap arena at
+    load."""
 
-
-class LiveArenaEngine(WeightTransferEngine):
-    """vLLM's weight-transfer engine "shadowsync": places the weights in a remap arena at load."""
-
-    init_info_cls = dict
-    update_info_cls = dict
-    # What the worker extension looks for on vLLM's weight_transfer_engine (it imports no vLLM).
     shadowsync_live_arena = True
 
     def __init__(self, config, vllm_config, device, model) -> None:
@@ -72,34 +60,6 @@ class LiveArenaEngine(WeightTransferEngine):
         # The parameter objects at the arena's places, in its order: what init_weight_update_group
         # matches the update's parameters against (names differ once vLLM wraps LoRA layers).
         self.params = list(dict(model.named_parameters()).values())
-
-    def _refuse(self, call: str):
-        raise InvalidArgumentError(
-            f"{call}: the 'shadowsync' weight-transfer backend only places vLLM's weights for "
-            f"zero-copy swaps; updates go through the worker extension "
-            f"(shadowsync.vllm.init_weight_update_group, then apply_update or begin_update)")
-
-    def init_transfer_engine(self, init_info: Any) -> None:
-        self._refuse("init_weight_transfer_engine")
-
-    def start_weight_update(self) -> None:
-        self._refuse("start_weight_update")
-
-    def finish_weight_update(self) -> None:
-        self._refuse("finish_weight_update")
-
-    def receive_weights(self, update_info: Any) -> None:
-        self._refuse("update_weights")
-
-    def shutdown(self) -> None:
-        pass  # the arena lives as long as the model reads it: freed with this object
-
-    @staticmethod
-    def trainer_send_weights(iterator, trainer_args) -> None:
-        raise InvalidArgumentError(
-            "trainer_send_weights: the 'shadowsync' weight-transfer backend has no sender of "
-            "vLLM's kind; the trainer sends with shadowsync (a Sender over NCCL or the same-host "
-            "transport)")
 
 
 class GraphPairsEngine(LiveArenaEngine):
@@ -112,12 +72,13 @@ class GraphPairsEngine(LiveArenaEngine):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        runner = _runner_loading(model)
+        runner = runner_loading(model)
         if runner is None:
             raise InvalidArgumentError(
                 f"the '{GRAPH_PAIRS_BACKEND_NAME}' weight-transfer backend: vLLM's model runner "
                 f"was not found among the callers, so its CUDA graphs cannot be captured over "
-                f"both weight slots; use the backend '{BACKEND_NAME}' (swapped by remap)")
+                f"both weight slots; use the backend '{LIVE_ARENA_BACKEND_NAME}' (swapped by "
+                f"remap)")
         # Each parameter paired with its view in each slot, built once: a swap only assigns.
         self._rebindings = [Rebinding(zip(self.params, self._slot_views(slot, device)))
                             for slot in (0, 1)]
@@ -174,7 +135,7 @@ def count_weights_once(model, freed_bytes: int, slot_bytes: int) -> dict:
     sizing counts the weights once (in the arena). Returns what was counted, for memory_report().
     The runner is looked for among the callers' `self` (vLLM 0.25: Worker.load_model makes this
     engine with `self.model_runner.get_model()`) and used only if it returns this very model."""
-    runner = _runner_loading(model)
+    runner = runner_loading(model)
     report = {"slot_bytes": int(slot_bytes), "freed_torch_bytes": int(freed_bytes),
               "model_memory_usage_before": None, "model_memory_usage_after": None,
               "corrected": False}
@@ -192,7 +153,7 @@ def count_weights_once(model, freed_bytes: int, slot_bytes: int) -> dict:
     return report
 
 
-def _runner_loading(model, depth: int = 8):
+def runner_loading(model, depth: int = 12):
     """The model runner whose get_model() is `model`, found as an attribute `model_runner` of a
     caller's `self` within `depth` frames; None if there is none."""
     frame = sys._getframe(1)
@@ -220,18 +181,19 @@ def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:
 
     params = dict(model.named_parameters())
     if not params:
-        raise InvalidArgumentError("the 'shadowsync' weight-transfer backend: the model has no "
-                                   "parameters")
+        raise InvalidArgumentError("the live arena (weight-transfer backend 'shadowsync'): the "
+                                   "model has no parameters")
     descs = {name: describe(name, p.data) for name, p in params.items()}
     devices = {d.device for d in descs.values()}
     if len(devices) != 1 or not next(iter(devices)).startswith("cuda:"):
         raise InvalidArgumentError(
-            f"the 'shadowsync' weight-transfer backend needs every parameter on one CUDA device "
-            f"(a live arena is CUDA virtual memory); the model's are on {sorted(devices)}")
+            f"the '{LIVE_ARENA_BACKEND_NAME}' weight-transfer backend needs every parameter on one "
+            f"CUDA device (a live arena is CUDA virtual memory); the model's are on "
+            f"{sorted(devices)}; the backend 'shadowsync' chooses what works here")
     for name, d in descs.items():
         if not d.contiguous or not d.shape or 0 in d.shape:
             raise InvalidArgumentError(
-                f"the 'shadowsync' weight-transfer backend: parameter '{name}' (shape "
+                f"the live arena (weight-transfer backend 'shadowsync'): parameter '{name}' (shape "
                 f"{list(d.shape)}) is not a non-empty contiguous tensor")
     layout = Layout([TensorSpec(n, d.dtype, d.shape, BASE_GROUP) for n, d in descs.items()])
     group = layout.groups[0]

@@ -226,14 +226,18 @@ class WorkerExtension:
         return stats
 
     def memory_report(self) -> dict:
-        """What vLLM sized its KV cache with, as plain data (no update group needed):
+        """Where the weights were placed and what vLLM sized its KV cache with, as plain data (no
+        update group needed): ``"swap"`` (``{"placement", "why"}``: what the "shadowsync"
+        weight-transfer backend chose at load, weight_transfer_backend.py; None without it),
         ``"kv_cache_bytes"`` (the worker's available KV-cache memory, None before vLLM sized it
-        or where the worker does not say) and ``"live_arena"`` (None without the live-arena
-        engine; else its slot's bytes (it has two), the torch memory moving into it freed, and vLLM's
+        or where the worker does not say) and ``"live_arena"`` (None without a live arena; else
+        its slot's bytes (it has two), the torch memory moving into it freed, and vLLM's
         ``model_memory_usage`` before and after the engine counted the weights once)."""
         engine = vllm_worker.live_arena_engine(self)
+        choice = getattr(getattr(self, "weight_transfer_engine", None), "swap_choice", None)
         kv = getattr(self, "available_kv_cache_memory_bytes", None)
-        return {"kv_cache_bytes": None if kv is None else int(kv),
+        return {"swap": None if choice is None else {"placement": choice[0], "why": choice[1]},
+                "kv_cache_bytes": None if kv is None else int(kv),
                 "live_arena": None if engine is None else dict(engine.memory_accounting)}
 
     def close_weight_update_group(self, keep_weights: bool = True) -> None:

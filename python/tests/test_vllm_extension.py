@@ -747,15 +747,17 @@ def _with_live_arena(worker: FakeWorker, specs) -> FakeWorker:
 
 def test_memory_report_says_what_vllm_sized_its_kv_cache_with_without_an_update_group():
     worker = FakeWorker()
-    assert worker.memory_report() == {"kv_cache_bytes": None, "live_arena": None}
+    assert worker.memory_report() == {"swap": None, "kv_cache_bytes": None, "live_arena": None}
     worker = _with_live_arena(FakeWorker(), SPECS)
     accounting = {"slot_bytes": 1 << 20, "freed_torch_bytes": 1 << 20,
                   "model_memory_usage_before": 3 << 20, "model_memory_usage_after": 2 << 20,
                   "corrected": True}
     worker.weight_transfer_engine.memory_accounting = accounting
     worker.available_kv_cache_memory_bytes = 5 << 30
+    worker.weight_transfer_engine.swap_choice = ("live arena", "LoRA is on")
     report = worker.memory_report()
-    assert report == {"kv_cache_bytes": 5 << 30, "live_arena": accounting}
+    assert report == {"swap": {"placement": "live arena", "why": "LoRA is on"},
+                      "kv_cache_bytes": 5 << 30, "live_arena": accounting}
     assert report["live_arena"] is not accounting  # a copy: plain data for collective_rpc
     assert worker._shadowsync is None
 

@@ -148,8 +148,12 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     ref_b = references(arch, dtype, "b")
     # One engine runs paced: the token-for-token oracle below must hold with pacing too.
     paced = (arch, mode) == ("llama", "inproc")
+    # The multiprocess engine is started as a user turns shadowsync on: vLLM's
+    # weight_transfer_config names the backend, and the front end takes a ShadowsyncInitInfo.
+    backend = mode == "mp"
+    extra = dict(decode_slowdown_budget=1.5) if paced else {}
     out = run_child(update_args(checkpoints, arch, dtype, mode,
-                                **(dict(decode_slowdown_budget=1.5) if paced else {})))
+                                **extra, **(dict(backend="shadowsync") if backend else {})))
     print(f"{arch} {dtype} {mode}: engine start {out['start_s']:.1f} s, child {out['child_s']:.1f} s")
 
     assert out["fingerprints"] == [out["trainer_fingerprint"]]
@@ -188,6 +192,11 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     assert out["verified"] == 3
 
     stats = out["stats"]
+    if backend:  # vLLM CPU: the backend leaves the weights in place and says why
+        assert out["memory"]["swap"]["placement"] == "in place", out["memory"]
+        assert "host memory (vLLM CPU)" in out["memory"]["swap"]["why"]
+    else:
+        assert out["memory"]["swap"] is None
     # vLLM's runner has the _model_forward override point: the swaps above ran right before it.
     assert stats["step_hook_at"] == "model_runner._model_forward"
     assert (stats["updates_ready"], stats["updates_failed"], stats["applied_version"]) == (2, 0, 2)
@@ -479,7 +488,7 @@ try:
     LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=128,
         kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True,
         worker_extension_cls="shadowsync.vllm.WorkerExtension",
-        weight_transfer_config={"backend": "shadowsync"})
+        weight_transfer_config={"backend": "shadowsync_live_arena"})
     print("RESULT " + json.dumps({"started": True, "message": ""}))
 except Exception as error:  # the engine's start-up must fail, saying why
     print("RESULT " + json.dumps({"started": False, "message": f"{type(error).__name__}: {error}"}))
@@ -488,8 +497,9 @@ except Exception as error:  # the engine's start-up must fail, saying why
 
 def test_the_live_arena_backend_reaches_vllm_and_refuses_cpu_weights_naming_why(checkpoints):
     # vLLM's own factory finds the backend import shadowsync.vllm registered and makes it at
-    # load; a live arena is CUDA virtual memory, so vLLM CPU's start-up fails with the reason
-    # (never an engine whose swaps would silently do nothing).
+    # load; a live arena is CUDA virtual memory, so asked for by name ("shadowsync_live_arena")
+    # on vLLM CPU the start-up fails with the reason (never an engine whose swaps would silently
+    # do nothing). The backend "shadowsync" chooses instead (the multiprocess update above).
     proc = subprocess.run([sys.executable, "-c", LIVE_ARENA_CHILD, checkpoints.get("llama", "a"),
                            str(CHILD.parent.parent)],
                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
@@ -497,6 +507,7 @@ def test_the_live_arena_backend_reaches_vllm_and_refuses_cpu_weights_naming_why(
     assert len(lines) == 1, proc.stderr[-4000:]
     result = json.loads(lines[0][len("RESULT "):])
     assert not result["started"]
-    assert "'shadowsync' weight-transfer backend needs every parameter on one CUDA device" in \
+    assert "'shadowsync_live_arena' weight-transfer backend needs every parameter on one CUDA " \
+           "device" in \
         result["message"] + proc.stderr, result["message"]
     assert "['cpu']" in result["message"] + proc.stderr

@@ -230,8 +230,11 @@ def run_update(args: dict) -> dict:
     try:
         _, specs, trainer_fingerprint, buckets = expect(conn, "specs")
         started = time.monotonic()
+        # backend: vLLM's weight_transfer_config, the entry point a user names.
+        backend = {"weight_transfer_config": {"backend": args["backend"]}} if args.get(
+            "backend") else {}
         llm = make_llm(args, a, quantization="shadowsync_unpacked",
-                       worker_extension_cls=EXTENSION)
+                       worker_extension_cls=EXTENSION, **backend)
         out["start_s"] = time.monotonic() - started
         out["before"] = greedy(llm, prompts, max_tokens)
 
@@ -242,9 +245,14 @@ def run_update(args: dict) -> dict:
 
         conn.send("serve")  # the trainer serves; init below blocks until it does
         pacing = {k: args[k] for k in ("decode_slowdown_budget",) if k in args}
-        fingerprints = llm.collective_rpc("init_weight_update_group", kwargs=dict(
-            specs=specs, bucket_bytes=args["bucket_bytes"], same_host=same_host,
-            track_request_versions=True, allow_partial=bool(args.get("omit")), **pacing))
+        info = dict(specs=specs, bucket_bytes=args["bucket_bytes"], same_host=same_host,
+                    track_request_versions=True, allow_partial=bool(args.get("omit")), **pacing)
+        if backend:  # the front end's call with the typed configuration, as a user writes it
+            from shadowsync.vllm import ShadowsyncInitInfo, init_weight_update_group
+
+            fingerprints = [init_weight_update_group(llm, ShadowsyncInitInfo(**info))]
+        else:
+            fingerprints = llm.collective_rpc("init_weight_update_group", kwargs=info)
         expect(conn, "serving")
         out["fingerprints"] = [int(f) for f in fingerprints]
         out["trainer_fingerprint"] = int(trainer_fingerprint)
@@ -284,6 +292,7 @@ def run_update(args: dict) -> dict:
         out["after_a"] = greedy(llm, prompts, max_tokens)
         out["versions_after_a"] = llm.collective_rpc("request_versions")[0]
         out["stats"] = llm.collective_rpc("weight_update_stats")[0]
+        out["memory"] = llm.collective_rpc("memory_report")[0]
         out["init_twice"] = init_message(llm, dict(specs=specs,
                                                    bucket_bytes=args["bucket_bytes"]))
 
