@@ -189,10 +189,15 @@ def main() -> int:
                         help="with --lora: the adapters also adapt embed_tokens and lm_head")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--arch", default="llama", help="llama, qwen2 (biases, tied), qwen3, phi3")
+    parser.add_argument("--backend", choices=("shadowsync", "shadowsync_live_arena",
+                                              "shadowsync_graph_pairs"),
+                        help="the engine under test starts with weight_transfer_config "
+                             "{'backend': BACKEND}; 'shadowsync' chooses the placement (logged, "
+                             "and checked as --live-arena or --graph-pairs would be)")
     parser.add_argument("--live-arena", action="store_true",
                         help="the engine under test starts with weight_transfer_config "
-                             "{'backend': 'shadowsync'}: weights in a remap arena before graph "
-                             "capture, swaps by remap (CUDA)")
+                             "{'backend': 'shadowsync_live_arena'}: weights in a remap arena "
+                             "before graph capture, swaps by remap (CUDA)")
     parser.add_argument("--graph-pairs", action="store_true",
                         help="the engine under test starts with weight_transfer_config "
                              "{'backend': 'shadowsync_graph_pairs'}: weights in the arena's two "
@@ -225,8 +230,13 @@ def main() -> int:
     refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
     if refused:
         parser.error(refused)
-    if args.live_arena and args.graph_pairs:
-        parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
+    if sum(map(bool, (args.live_arena, args.graph_pairs, args.backend))) > 1:
+        parser.error("--backend, --live-arena and --graph-pairs each name a weight-transfer "
+                     "backend: pick one")
+    if args.live_arena:
+        args.backend = "shadowsync_live_arena"
+    if args.graph_pairs:
+        args.backend = "shadowsync_graph_pairs"
     if args.tp > 1:
         args.multiprocess = True
         if args.device == "cpu":
@@ -272,9 +282,12 @@ def main() -> int:
 
     llm = LLM(**engine_kwargs(args.device, a, args.tp, lora=args.lora),
               worker_extension_cls="shadowsync.vllm.WorkerExtension",
-              **({"weight_transfer_config": {"backend": "shadowsync"}} if args.live_arena else {}),
-              **({"weight_transfer_config": {"backend": "shadowsync_graph_pairs"}}
-                 if args.graph_pairs else {}))
+              **({"weight_transfer_config": {"backend": args.backend}} if args.backend else {}))
+    if args.backend == "shadowsync":  # what it chose is checked below as if asked for by name
+        swap = llm.collective_rpc("memory_report")[0]["swap"]
+        log(f"backend 'shadowsync' chose: {swap['placement']}, because {swap['why']}")
+        args.live_arena = swap["placement"] == "live arena"
+        args.graph_pairs = swap["placement"] == "graph pairs"
     failures = 0
 
     def check(stage: str, got, want: str) -> None:

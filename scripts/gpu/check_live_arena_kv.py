@@ -40,7 +40,8 @@ def child(model_dir: str, utilization: float, live_arena: bool) -> None:
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
               gpu_memory_utilization=utilization, enforce_eager=True, max_model_len=1024, seed=0,
               worker_extension_cls="shadowsync.vllm.WorkerExtension",
-              **({"weight_transfer_config": {"backend": "shadowsync"}} if live_arena else {}))
+              **({"weight_transfer_config": {"backend": "shadowsync_live_arena"}}
+                 if live_arena else {}))
     print("RESULT " + json.dumps(llm.collective_rpc("memory_report")[0]), flush=True)
 
 
