@@ -18,6 +18,8 @@
 #   tests/c_abi/foo.c              target c_abi_foo             ctest c_abi.foo     label unit
 #                                  binary <build>/tests/c_abi/foo: C11, -pedantic -Werror, linked
 #                                  against libshadowsync_c (the header must stay plain C)
+#   (export tests)                 ctest unit.shadowsync_c_exports_no_testing_hooks and
+#                                  unit.shadowsync_c_testing_exports_hooks     label unit
 
 # tests/support/*.cpp (except catch_main.cpp), plus tests/support/*.cu in CUDA builds ->
 # shadowsync_testkit: the fake engines, the oracle and other helpers shared by tests and
@@ -191,6 +193,27 @@ function(shadowsync_add_c_abi_tests)
     add_test(NAME "c_abi.${stem}" COMMAND ${target})
     set_tests_properties("c_abi.${stem}" PROPERTIES LABELS unit TIMEOUT 60)
   endforeach()
+endfunction()
+
+# What the two C shared libraries export (tests/exports/check_exports.sh, through nm -D
+# --defined-only): the product libshadowsync_c.so no test hook (shadowsync_testing_*: only the
+# test-only libraries of plugin/c_api/CMakeLists.txt are built with them), and
+# libshadowsync_c_testing.so, which the Python tests load, every hook python/tests/testing_hooks.py
+# declares.
+function(shadowsync_add_export_tests)
+  if(NOT CMAKE_NM)
+    message(STATUS "shadowsync: no nm found: the ctests of the C libraries' exports are left out")
+    return()
+  endif()
+  set(check "${PROJECT_SOURCE_DIR}/tests/exports/check_exports.sh")
+  add_test(NAME unit.shadowsync_c_exports_no_testing_hooks
+    COMMAND sh "${check}" "${CMAKE_NM}" "$<TARGET_FILE:shadowsync_c>" none shadowsync_testing_)
+  add_test(NAME unit.shadowsync_c_testing_exports_hooks
+    COMMAND sh "${check}" "${CMAKE_NM}" "$<TARGET_FILE:shadowsync_c_testing>" all
+      shadowsync_testing_loopback_inject_delay shadowsync_testing_loopback_inject_drop
+      shadowsync_testing_loopback_inject_flip shadowsync_testing_host_arena_create)
+  set_tests_properties(unit.shadowsync_c_exports_no_testing_hooks
+    unit.shadowsync_c_testing_exports_hooks PROPERTIES LABELS unit TIMEOUT 60)
 endfunction()
 
 # CUDA builds: stand-ins for libnccl (tests/unit/fake_nccl/fake_nccl.c) that the NCCL loader's test

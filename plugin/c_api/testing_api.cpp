@@ -1,7 +1,7 @@
 // The C ABI's test hooks (c_api/shadowsync_testing.h): fault injection into a loopback world, and
 // an engine arena in host memory.
-// Exported from libshadowsync_c.so like the rest of the C ABI; the shadowsync_testing_ prefix
-// marks them.
+// Not in the product library libshadowsync_c.so: built, with the tests only, into
+// libshadowsync_c_testing.so and the static shadowsync_c_api_testing (plugin/c_api/CMakeLists.txt).
 #include "c_api/shadowsync_testing.h"
 
 #include <fmt/format.h>

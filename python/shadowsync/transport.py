@@ -31,7 +31,8 @@ class Transport(Handle):
 class Loopback(Handle):
     """A world of `world_size` in-process ranks with broadcast semantics, on host backends.
     For tests and demos. Thread-safe. (Fault injection is a test hook of the C ABI,
-    plugin/c_api/shadowsync_testing.h; the package does not wrap it.)"""
+    plugin/c_api/shadowsync_testing.h, built only into the test-only libshadowsync_c_testing.so;
+    the package does not wrap it.)"""
 
     _destroy_fn = "shadowsync_loopback_destroy"
 

@@ -1,10 +1,17 @@
 """The C ABI's test hooks (plugin/c_api/shadowsync_testing.h) through ctypes: fault
-injection into a loopback world, and an engine arena in host memory. They are exported by libshadowsync_c.so under the
-shadowsync_testing_ prefix and are not part of the shadowsync package's API."""
+injection into a loopback world, and an engine arena in host memory. They are not part of the
+shadowsync package's API, nor of the product library libshadowsync_c.so: a CMake build with the
+tests makes libshadowsync_c_testing.so, the same library plus the hooks (shadowsync_testing_*),
+and the tests that call them need the package to load that one (SHADOWSYNC_LIBRARY=<build>/
+libshadowsync_c_testing.so, as scripts/test.sh's python step sets it): a hook takes handles made by
+its own library instance. Where the loaded library has no hooks (an installed wheel, or
+SHADOWSYNC_LIBRARY at libshadowsync_c.so) those tests skip, saying so."""
 
 from __future__ import annotations
 
 from ctypes import byref, c_int, c_int64, c_size_t, c_uint64, c_void_p
+
+import pytest
 
 import shadowsync as ss
 from shadowsync import _library
@@ -20,8 +27,16 @@ _PROTOTYPES = {
 }
 
 
+# The start of the skip reason; scripts/test.sh's python step fails when a test skipped with it.
+NO_HOOKS = "the loaded library has no test hooks"
+
+
 def _declare() -> None:
     lib = _library.load()
+    if not all(hasattr(lib, name) for name in _PROTOTYPES):
+        pytest.skip(f"{NO_HOOKS} (shadowsync_testing_*, {_library.library_path()}): they are in "
+                    f"the test-only libshadowsync_c_testing.so of a CMake build with the tests; "
+                    f"set SHADOWSYNC_LIBRARY to it")
     for name, (restype, argtypes) in _PROTOTYPES.items():
         fn = getattr(lib, name)
         fn.restype = restype
