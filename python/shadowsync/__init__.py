@@ -72,14 +72,6 @@ try:
 except ImportError:
     __version__ = _checkout_version()
 
-# The subpackage shadowsync.vllm lives in the repository's engine_adapters/vllm/. An installed
-# package has it in place (python/CMakeLists.txt installs it); a source checkout (this package imported from
-# python/, as the tests do) finds it through the package's search path.
-_ADAPTERS = _Path(__file__).resolve().parent.parent.parent / "engine_adapters"
-if not (_Path(__file__).resolve().parent / "vllm").is_dir() and (_ADAPTERS / "vllm").is_dir():
-    __path__.append(str(_ADAPTERS))  # noqa: F821 (the package's __path__)
-
-
 def library_path() -> str:
     """Where libshadowsync_c was loaded from (loads it if needed)."""
     from ._library import library_path as path

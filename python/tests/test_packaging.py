@@ -24,6 +24,11 @@ installed_only = pytest.mark.skipif(
            "step); this run imports the source checkout")
 
 
+checkout_only = pytest.mark.skipif(
+    os.environ.get("SHADOWSYNC_TEST_INSTALLED") == "1",
+    reason="tests the source checkout; this run imports the pip-installed package")
+
+
 def _cmake_project_version() -> str:
     text = (REPO / "CMakeLists.txt").read_text(encoding="utf-8")
     match = re.search(r"project\(\s*shadowsync\s+VERSION\s+([0-9][0-9.]*)", text)
@@ -76,3 +81,14 @@ def test_installed_package_finds_its_library_without_any_variable(tmp_path):
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(PACKAGE_DIR / "libshadowsync_c.so")
+
+
+@checkout_only
+def test_in_a_checkout_the_vllm_adapter_is_reached_through_its_link_not_a_search_path():
+    # engine_adapters/vllm is shadowsync.vllm through the link python/shadowsync/vllm (the wheel
+    # maps it through pyproject.toml's wheel.packages): the package's search path is its own.
+    import shadowsync.vllm
+
+    assert [Path(p).resolve() for p in ss.__path__] == [PACKAGE_DIR]
+    assert (PACKAGE_DIR / "vllm").is_symlink()
+    assert Path(shadowsync.vllm.__file__).resolve().parent == REPO / "engine_adapters" / "vllm"
