@@ -22,7 +22,8 @@ empty dicts, and vLLM's graph pool serves both sets as it serves its graphs of e
 (only one graph replays at a time). Refused at start-up, naming why: a runner not found, a
 speculative decoder (its graphs are captured beside the model's and are not switched), vLLM's
 breakable CUDA graphs. Costs: capture takes twice as long at start-up, and the second set's
-graph memory comes on top of what vLLM sized its KV cache for.
+graph memory: where vLLM's memory profile estimates its graphs (VLLM_MEMORY_PROFILER_ESTIMATE_
+CUDAGRAPHS, on by default) the estimate is doubled, so the KV cache is sized with room for both.
 """
 
 from __future__ import annotations
@@ -48,12 +49,22 @@ class GraphSets:
         self.bind = bind
         self.slot = slot
         self.sets: list[dict | None] = [None, None]  # by slot: what holds that slot's graphs
+        self.graph_bytes = 0  # what both captures took (memory_report)
         self._capture = runner.capture_model
+        self._profile = getattr(runner, "profile_cudagraph_memory", None)
 
     def install(self) -> None:
         """vLLM calls runner.capture_model() once, after it sized its KV cache: capture both
-        sets there instead. An attribute on the instance shadows the class's method."""
+        sets there instead. Before that, where vLLM's memory profile estimates what its graphs
+        will take (profile_cudagraph_memory), the estimate is doubled, so that the KV cache is
+        sized with room for both sets. Attributes on the instance shadow the class's methods."""
         self.runner.capture_model = self.capture_model
+        if callable(self._profile):
+            self.runner.profile_cudagraph_memory = self.profile_cudagraph_memory
+
+    def profile_cudagraph_memory(self) -> int:
+        """vLLM's estimate of one set of graphs, twice: graph pairs capture one set per slot."""
+        return 2 * int(self._profile())
 
     def capture_model(self) -> int:
         """vLLM's capture, over the live slot and then over the other; returns the bytes both
@@ -69,6 +80,7 @@ class GraphSets:
         finally:
             self.bind(live)
             self._hold(self.sets[live])
+        self.graph_bytes = graph_bytes
         print(f"[shadowsync] graph pairs: vLLM's CUDA graphs captured over both weight slots "
               f"({_count(self.sets[live])} graphs each, {graph_bytes / 2**30:.2f} GiB in all)",
               flush=True)

@@ -232,13 +232,16 @@ class WorkerExtension:
         ``"kv_cache_bytes"`` (the worker's available KV-cache memory, None before vLLM sized it
         or where the worker does not say) and ``"live_arena"`` (None without a live arena; else
         its slot's bytes (it has two), the torch memory moving into it freed, and vLLM's
-        ``model_memory_usage`` before and after the engine counted the weights once)."""
+        ``model_memory_usage`` before and after the engine counted the weights once, and under
+        graph pairs ``"graph_sets_bytes"``, what vLLM's two graph captures took)."""
         engine = vllm_worker.live_arena_engine(self)
         choice = getattr(getattr(self, "weight_transfer_engine", None), "swap_choice", None)
         kv = getattr(self, "available_kv_cache_memory_bytes", None)
+        arena = None if engine is None else dict(engine.memory_accounting)
+        if arena is not None and getattr(engine, "graph_sets", None) is not None:
+            arena["graph_sets_bytes"] = int(engine.graph_sets.graph_bytes)
         return {"swap": None if choice is None else {"placement": choice[0], "why": choice[1]},
-                "kv_cache_bytes": None if kv is None else int(kv),
-                "live_arena": None if engine is None else dict(engine.memory_accounting)}
+                "kv_cache_bytes": None if kv is None else int(kv), "live_arena": arena}
 
     def close_weight_update_group(self, keep_weights: bool = True) -> None:
         """Stops the receiver and frees its slots. With `keep_weights` each parameter is first

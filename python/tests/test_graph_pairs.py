@@ -49,6 +49,10 @@ class Runner:
                 w.concrete_cudagraph_entries[size] = ("piece", self.bound)
         return 1 << 20
 
+    def profile_cudagraph_memory(self) -> int:
+        """vLLM's estimate, before it sizes the KV cache, of what one capture will take."""
+        return 3 << 20
+
     def replay(self, size: int) -> set:
         """The slots a step of `size` tokens reads: its full graph's and every piece's."""
         slots = {self.cudagraph_manager.graphs[size][1]}
@@ -79,6 +83,16 @@ def test_capture_model_captures_over_each_slot_and_leaves_the_live_one(rig, live
     assert runner.bound == live  # the parameters are back on the live slot
     for size in SIZES:
         assert runner.replay(size) == {live}
+
+
+def test_vllms_graph_memory_estimate_counts_both_sets(rig):
+    # vLLM sizes its KV cache from this estimate: one set would leave no room for the second.
+    runner, bind = rig
+    one_set = runner.profile_cudagraph_memory()
+    sets = graph_pairs.GraphSets(runner, bind, 0)
+    sets.install()
+    assert runner.profile_cudagraph_memory() == 2 * one_set
+    assert runner.capture_model() == sets.graph_bytes == 2 << 20
 
 
 def test_use_switches_every_holder_to_the_slots_graphs(rig):
