@@ -43,6 +43,7 @@
 #include "shadowsync/update_header.h"
 #include "support/bench_cuda.h"
 #include "support/bench_models.h"
+#include "support/bench_text.h"
 
 namespace {
 
@@ -316,7 +317,7 @@ int main(int argc, char** argv) {
     } else {
       std::printf("transfer: cudaMemcpyAsync per bucket, unpaced (HBM speed)\n");
     }
-    std::printf("| model | bytes | kernel | alone ms | GB/s |\n| --- | --- | --- | --- | --- |\n");
+    std::printf("%s", bench::table_head({"model", "bytes", "kernel", "alone ms", "GB/s"}).c_str());
     std::vector<std::string> receive_rows;
     for (const auto& model : bench::models_named(only)) {
       const Layout layout = bench::model_layout(model, 1, kDefaultBucketBytes);
@@ -350,9 +351,10 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("\nreceive (UpdateReport::transfer, median of %d):\n", updates);
-    std::printf("| model | checks | ms | GB/s | added ms | added / plain | kernels alone / plain "
-                "(had they run after the transfer) |\n"
-                "| --- | --- | --- | --- | --- | --- | --- |\n");
+    std::printf("%s",
+                bench::table_head({"model", "checks", "ms", "GB/s", "added ms", "added / plain",
+                                   "kernels alone / plain (had they run after the transfer)"})
+                    .c_str());
     for (const std::string& row : receive_rows) std::printf("%s\n", row.c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_integrity_one_gpu: %s\n", e.what());

@@ -36,6 +36,7 @@
 #include "shadowsync/update_header.h"
 #include "support/bench_cuda.h"
 #include "support/bench_models.h"
+#include "support/bench_text.h"
 
 namespace {
 
@@ -198,10 +199,11 @@ int main(int argc, char** argv) {
     BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
     std::printf("device 0: %s; %d measured swaps per row after %d warm-up\n", prop.name, swaps,
                 kWarmup);
-    std::printf("| model | bytes | tensors | strategy | host µs median / p99 | engine stream ms "
-                "median | raw device copy ms | stream / raw | read after the swap ms | read "
-                "again ms |\n");
-    std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    std::printf("%s",
+                bench::table_head({"model", "bytes", "tensors", "strategy", "host µs median / p99",
+                                   "engine stream ms median", "raw device copy ms", "stream / raw",
+                                   "read after the swap ms", "read again ms"})
+                    .c_str());
     for (const auto& model : bench::models_named(only)) {
       const Layout layout = bench::model_layout(model, 1, kDefaultBucketBytes);
       std::size_t bytes = 0;

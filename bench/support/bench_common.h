@@ -1,8 +1,8 @@
-// Small pieces shared by the update benchmarks (bench_updates.cpp, bench_gpu.cu): string
-// formatting, percentiles, a JSON value, bounded waits and the two synchronization objects the
-// baseline needs (a two-party rendezvous and a condition-variable "RPC"). Header-only so that the
-// CPU program and the CUDA program compile it each with their own compiler; no fmt (nvcc parses
-// this too) and nothing CUDA here.
+// Small pieces shared by the benchmark programs (bench_updates.cpp, bench_gpu.cu and the one-GPU
+// programs): string formatting, percentiles, a JSON value, bounded waits and the two
+// synchronization objects the update benchmark's baseline needs (a two-party rendezvous and a
+// condition-variable "RPC"). Header-only so that the CPU programs and the CUDA programs compile it
+// each with their own compiler; no fmt (nvcc parses this too) and nothing CUDA here.
 #pragma once
 
 #include <algorithm>
@@ -14,7 +14,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <ctime>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -254,6 +253,12 @@ inline Json to_json(const Summary& s) {
       .set("mean", s.mean);
 }
 
+// The median of `values` (nearest rank, as in summarize); 0 for none.
+inline double median(const std::vector<double>& values) { return summarize(values).median; }
+
+// summarize(values) as JSON.
+inline Json summary_json(const std::vector<double>& values) { return to_json(summarize(values)); }
+
 // ---------------------------------------------------------------------------------------------
 // Bounded waits.
 // ---------------------------------------------------------------------------------------------
@@ -411,43 +416,5 @@ class RpcChannel {
   bool has_request_ = false;
   bool has_reply_ = false;
 };
-
-// ---------------------------------------------------------------------------------------------
-// Stamps for the artefacts.
-// ---------------------------------------------------------------------------------------------
-inline std::string utc_now(const char* format) {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char text[64];
-  std::strftime(text, sizeof text, format, &tm);
-  return text;
-}
-
-// argv as one shell-quotable line.
-inline std::string command_line(int argc, char** argv) {
-  std::string line;
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
-    const bool plain = !arg.empty() && arg.find_first_not_of(
-                                           "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                                           "0123456789-_./=,:+@%") == std::string::npos;
-    if (i > 0) line += ' ';
-    if (plain) {
-      line += arg;
-    } else {
-      line += '\'';
-      for (char c : arg) {
-        if (c == '\'') {
-          line += "'\\''";
-        } else {
-          line += c;
-        }
-      }
-      line += '\'';
-    }
-  }
-  return line;
-}
 
 }  // namespace shadowsync::bench

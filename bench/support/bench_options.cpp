@@ -8,6 +8,7 @@
 #include <string>
 
 #include "bench_models.h"
+#include "bench_stamp.h"
 
 namespace shadowsync::bench {
 
@@ -143,16 +144,7 @@ std::optional<Options> parse_options(int argc, char** argv, bool has_gpu) {
       return fail(cat("unknown argument '", arg, "'"));
     }
   }
-  if (o.commit.empty()) {
-    for (const char* name : {"SHADOWSYNC_COMMIT", "GIT_COMMIT"}) {
-      const char* env = std::getenv(name);
-      if (env != nullptr && *env != '\0') {
-        o.commit = env;
-        break;
-      }
-    }
-    if (o.commit.empty()) o.commit = "unknown";
-  }
+  o.commit = commit_or_environment(o.commit);
   if (o.watchdog_s <= 0) o.watchdog_s = o.budget_s + 25;
   o.command = command_line(argc, argv);
   return o;

@@ -10,6 +10,7 @@
 #include "bench_goals.h"
 #include "bench_report.h"
 #include "bench_runner.h"
+#include "bench_stamp.h"
 
 namespace shadowsync::bench {
 
@@ -17,8 +18,9 @@ Bench::Bench(Platform& p, const Options& o) : p_(p), o_(o) {
   r_.mode = p.is_gpu() ? "gpu" : "cpu";
   r_.machine = o.machine.empty() ? p.machine() : o.machine;
   r_.machine_detail = p.machine_detail();
-  r_.date = utc_now("%Y-%m-%dT%H:%M:%SZ");
-  r_.stem = "bench-" + r_.mode + "-" + utc_now("%Y%m%dT%H%M%SZ");
+  const RunDate date = run_date_now();
+  r_.date = date.date;
+  r_.stem = "bench-" + r_.mode + "-" + date.file_stamp;
   r_.priorities = p.priority_range();
   r_.interference_model = o.interference_model;
   r_.sweep_model = o.sweep_model;

@@ -1,19 +1,16 @@
 // The update benchmark's main() and its watchdog (see bench_runner.h).
 #include "bench_runner.h"
 
-#include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include "bench_host_platform.h"
 #include "bench_phases.h"
+#include "bench_watchdog.h"
 
 namespace shadowsync::bench {
 
@@ -30,42 +27,32 @@ void progress(const std::string& line) {
 // Runs the bench under a watchdog, writes the artefacts, prints the Markdown; returns the exit code.
 int run_bench(Platform& platform, const Options& o) {
   Bench bench(platform, o);
-  // The hard stop: if anything (NCCL included) hangs past the watchdog, write what there is and
-  // end the process.
-  std::mutex watchdog_mutex;
-  std::condition_variable watchdog_cv;
-  bool finished = false;
-  std::thread watchdog([&] {
-    std::unique_lock lock(watchdog_mutex);
-    if (watchdog_cv.wait_for(lock, std::chrono::duration<double>(o.watchdog_s), [&] { return finished; })) return;
-    std::fprintf(stderr, "bench: watchdog: still running after %.0f s; writing partial results and exiting\n",
-                 o.watchdog_s);
-    try {
-      const std::string base = bench.write("watchdog: a phase hung", false);
-      std::fprintf(stderr, "bench: wrote %s.json and %s.md (incomplete)\n", base.c_str(), base.c_str());
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "bench: watchdog could not write results: %s\n", e.what());
-    }
-    std::fflush(stdout);
-    std::fflush(stderr);
-    std::_Exit(3);
-  });
-
   bool ok = false;
   std::string end = "finished";
-  try {
-    ok = bench.run();
-    if (!ok) end = "finished with errors";
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench: %s\n", e.what());
-    end = cat("stopped: ", e.what());
-  }
   {
-    std::lock_guard lock(watchdog_mutex);
-    finished = true;
+    // The hard stop: if anything (NCCL included) hangs past the watchdog, write what there is and
+    // end the process.
+    const Watchdog watchdog(o.watchdog_s, [&] {
+      std::fprintf(stderr, "bench: watchdog: still running after %.0f s; writing partial results and exiting\n",
+                   o.watchdog_s);
+      try {
+        const std::string base = bench.write("watchdog: a phase hung", false);
+        std::fprintf(stderr, "bench: wrote %s.json and %s.md (incomplete)\n", base.c_str(), base.c_str());
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "bench: watchdog could not write results: %s\n", e.what());
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(3);
+    });
+    try {
+      ok = bench.run();
+      if (!ok) end = "finished with errors";
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench: %s\n", e.what());
+      end = cat("stopped: ", e.what());
+    }
   }
-  watchdog_cv.notify_all();
-  watchdog.join();
 
   int rc = ok ? 0 : 1;
   try {

@@ -1,7 +1,8 @@
-// Numbers as the update benchmark's progress lines and Markdown print them.
+// Numbers and Markdown table heads as the benchmark programs' progress lines and tables print them.
 #pragma once
 
 #include <cstddef>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -22,6 +23,17 @@ inline std::string mib_text(std::size_t bytes) {
 inline std::string med_p99(const std::optional<Summary>& s, const char* format = "%.1f") {
   if (!s || s->n == 0) return "—";
   return strf(format, s->median) + " / " + strf(format, s->p99);
+}
+
+// A Markdown table's first two lines, "| a | b |" and "| --- | --- |", each with its newline.
+inline std::string table_head(std::initializer_list<const char*> columns) {
+  std::string names = "|";
+  std::string rule = "|";
+  for (const char* column : columns) {
+    names += cat(" ", column, " |");
+    rule += " --- |";
+  }
+  return names + "\n" + rule + "\n";
 }
 
 }  // namespace shadowsync::bench
