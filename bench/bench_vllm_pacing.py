@@ -9,21 +9,22 @@ Outputs ``bench_vllm_pacing.json`` and ``bench_vllm_pacing.md`` in --out (defaul
 ./bench-vllm-pacing), every figure with the command, the machine, the commit and vLLM's version;
 ``bench/plot_pacing.py`` draws the trade-off (slowdown against update time) from the JSON.
 
-**Set-up** (shared with bench/bench_vllm_update.py, whose pieces this imports): random weights at
-the real shapes of the config, one vLLM ``AsyncLLM`` with the worker extension (CUDA graphs on:
-copy_in into vLLM's own storage), the trainer in its own process on the same GPU sending over the
-same-host transport, a steady decode load of ``--requests`` requests. For each budget in
-``--budgets`` (``none`` = no pacing) the engine's update group is re-initialized with that budget
-(close_weight_update_group, then init_weight_update_group(decode_slowdown_budget=...); vLLM keeps
-its weights and graphs), one warm-up update lets the receiver learn its pacing, then a baseline
-window without updates and ``--updates`` measured updates ``--gap-s`` apart.
+**Set-up** (shared with bench/bench_vllm_update.py, whose pieces in bench/vllm_update/ this
+imports): random weights at the real shapes of the config, one vLLM ``AsyncLLM`` with the worker
+extension (CUDA graphs on: copy_in into vLLM's own storage), the trainer in its own process on the
+same GPU sending over the same-host transport, a steady decode load of ``--requests`` requests. For
+each budget in ``--budgets`` (``none`` = no pacing) the engine's update group is re-initialized
+with that budget (close_weight_update_group, then
+init_weight_update_group(decode_slowdown_budget=...); vLLM keeps its weights and graphs), one
+warm-up update lets the receiver learn its pacing, then a baseline window without updates and
+``--updates`` measured updates ``--gap-s`` apart.
 
-**Figures per update.** *Transfer window*: from the trainer being asked to publish to its last
-byte acked (every bucket received); *tokens/s during the transfer*: the decode rate integrated
-over that window (bench_vllm_update.DecodeLoad.rate); *slowdown* = the baseline's tokens/s over
-it; the receiver's own view: UpdateReport.pacing (idle step, step during, step ratio, held back,
-duty) from weight_update_stats()["pacing"]; *update time*: the transfer window, and the whole
-update up to the swap. Median over the measured updates.
+**Figures per update.** *Transfer window*: from the trainer being asked to publish to its last byte
+acked (every bucket received); *tokens/s during the transfer*: the decode rate integrated over that
+window (vllm_update/decode_load.py: DecodeLoad.rate); *slowdown* = the baseline's tokens/s over it;
+the receiver's own view: UpdateReport.pacing (idle step, step during, step ratio, held back, duty)
+from weight_update_stats()["pacing"]; *update time*: the transfer window, and the whole update up
+to the swap. Median over the measured updates.
 
 ``--checksums on|off|both``: every budget with the trainer's per-bucket checksums on (the
 default), off, or both in turn. ``--trace-steps``: every engine step traced
@@ -41,7 +42,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -51,7 +51,17 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_vllm_update as bvu  # noqa: E402
+from vllm_update.child import engine_args  # noqa: E402
+from vllm_update.configs import CONFIGS  # noqa: E402
+from vllm_update.decode_load import DecodeLoad  # noqa: E402
+from vllm_update.paths import BENCH_DIR, PYTHON_DIR, prepend_pythonpath  # noqa: E402
+from vllm_update.shadowsync_transfer import ShadowsyncTransfer  # noqa: E402
+
+from run_children import run_logged, tail  # noqa: E402  (on sys.path through vllm_update)
+from run_report import fmt_ms, log, run_stamp, stamp_lines, write_report  # noqa: E402
+
+# bench_vllm_update.py --make-checkpoint makes the model this benchmark's engine loads.
+CHECKPOINT_MAKER = BENCH_DIR / "bench_vllm_update.py"
 
 # --trace-steps: the most steps the receiver's step ring gives the Pacer for its baseline
 # (StepTimes::kMaxIntervals).
@@ -82,13 +92,13 @@ async def run_child(args, result: dict) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     t0 = time.monotonic()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**bvu.engine_args(args, extension=True)))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(args, extension=True)))
     result["engine_start_s"] = round(time.monotonic() - t0, 1)
-    bvu.log(f"engine up in {result['engine_start_s']} s")
-    transfer = bvu.ShadowsyncTransfer(args)
+    log(f"engine up in {result['engine_start_s']} s")
+    transfer = ShadowsyncTransfer(args)
     version = 0
     try:
-        load = bvu.DecodeLoad(engine, args)
+        load = DecodeLoad(engine, args)
         runs = result["runs"] = []
         series = [(checksums, budget) for checksums in CHECKSUM_SERIES[args.checksums]
                   for budget in parse_budgets(args.budgets)]
@@ -100,7 +110,7 @@ async def run_child(args, result: dict) -> None:
             else:
                 seconds = await transfer.reinitialize(engine, init_extra=extra,
                                                       checksums=checksums)
-                bvu.log(f"budget {budget_name(budget)}, checksums {checksums}: group "
+                log(f"budget {budget_name(budget)}, checksums {checksums}: group "
                         f"re-initialized in {seconds:.1f} s")
 
             async def update(v: int) -> dict:
@@ -114,14 +124,14 @@ async def run_child(args, result: dict) -> None:
 
             version += 1
             warm = await update(version)
-            bvu.log(f"budget {budget_name(budget)}: warm-up update {bvu.fmt_ms(warm['update_ms'])}")
+            log(f"budget {budget_name(budget)}: warm-up update {fmt_ms(warm['update_ms'])}")
             measured = await load.measure(update, first_version=version + 1)
             version += args.updates
             runs.append(summarize(load, budget, measured, checksums))
             if args.trace_steps:
                 runs[-1]["steps"] = await traced_steps(engine, measured)
-                bvu.log(f"budget {budget_name(budget)}: traced steps {one_trace_line(runs[-1])}")
-            bvu.log(f"budget {budget_name(budget)}: {one_line(runs[-1])}")
+                log(f"budget {budget_name(budget)}: traced steps {one_trace_line(runs[-1])}")
+            log(f"budget {budget_name(budget)}: {one_line(runs[-1])}")
         await transfer.close(engine)
     finally:
         engine.shutdown()
@@ -220,9 +230,9 @@ def summarize(load, budget: float | None, measured: dict, checksums: bool) -> di
 
 def one_line(run: dict) -> str:
     m = run["median"]
-    return (f"transfer {bvu.fmt_ms(m['transfer_ms'])}, slowdown during it {m['slowdown_transfer']}x "
+    return (f"transfer {fmt_ms(m['transfer_ms'])}, slowdown during it {m['slowdown_transfer']}x "
             f"(receiver's step ratio {m['step_ratio']}, duty {m['duty']}); whole update "
-            f"{bvu.fmt_ms(m['update_ms'])}, slowdown {m['slowdown_whole_update']}x; baseline "
+            f"{fmt_ms(m['update_ms'])}, slowdown {m['slowdown_whole_update']}x; baseline "
             f"{run['baseline']['tokens_per_s']} tok/s, step {run['baseline']['step_ms_median']} ms")
 
 
@@ -231,12 +241,12 @@ def child_main(args) -> int:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-    sys.path.insert(0, str(bvu.PYTHON_DIR))
-    bvu.prepend_pythonpath(bvu.PYTHON_DIR)
+    sys.path.insert(0, str(PYTHON_DIR))
+    prepend_pythonpath(PYTHON_DIR)
     if args.trace_steps:  # the tracer travels to vLLM's engine process as a callable
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        sys.path.insert(0, str(bvu.BENCH_DIR))
-        bvu.prepend_pythonpath(bvu.BENCH_DIR)
+        sys.path.insert(0, str(BENCH_DIR))
+        prepend_pythonpath(BENCH_DIR)
     try:
         import torch  # noqa: F401  (before vLLM: one CUDA/NCCL runtime in the process)
 
@@ -251,12 +261,15 @@ def child_main(args) -> int:
 
 
 def write_outputs(out: Path, meta: dict, result: dict) -> None:
-    results = {"meta": meta, "goals": GOALS, "result": result}
-    (out / "bench_vllm_pacing.json").write_text(json.dumps(results, indent=1))
+    """bench_vllm_pacing.json and .md in `out`."""
+    write_report(out, "bench_vllm_pacing", {"meta": meta, "goals": GOALS, "result": result},
+                 markdown)
+
+
+def markdown(results: dict) -> str:
+    meta, result = results["meta"], results["result"]
     lines = ["# Decode while weights stream in: unpaced and at pacing budgets (real vLLM)", "",
-             f"* command: `{meta['command']}`", f"* machine: {meta['machine']}",
-             f"* commit: {meta['commit']}", f"* vLLM: {meta['vllm_version']}",
-             f"* date: {meta['date']}", f"* model: {meta['config']} (random weights, real shapes)",
+             *stamp_lines(meta), f"* model: {meta['config']} (random weights, real shapes)",
              f"* settings: {json.dumps(meta['settings'])}", "",
              "Median over the measured updates. Transfer: publish asked → every byte acked. "
              "Slowdown: the baseline's decode tokens/s over tokens/s during the transfer. "
@@ -338,13 +351,13 @@ def write_outputs(out: Path, meta: dict, result: dict) -> None:
                          f"transfer time: {s}x at {factor:.2f}x the time: "
                          f"{'met' if ok else 'MISSED'}" if factor else
                          f"* {setting}, budget 1.03: {s}x (no unpaced time to compare)")
-    (out / "bench_vllm_pacing.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="llama-3-8b", choices=sorted(bvu.CONFIGS))
+    p.add_argument("--config", default="llama-3-8b", choices=sorted(CONFIGS))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--budgets", default="none,1.10,1.05,1.03",
                    help="comma-separated decode_slowdown_budget values; none: no pacing")
@@ -371,7 +384,7 @@ def parse_args():
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     args = p.parse_args()
-    # What bench_vllm_update's shared pieces read.
+    # What the shared pieces (bench/vllm_update/) read.
     args.swap_strategy, args.dummy_load, args.live_arena, args.graph_pairs = None, False, False, False
     args.vllm_no_pause, args.decode_slowdown_budget = False, None
     args.tp, args.transport, args.trainer_gpu = 1, "same-host", 0  # one GPU, trainer beside
@@ -385,28 +398,25 @@ def main() -> int:
         return child_main(args)
     out = Path(args.out or os.environ.get("OUT") or "bench-vllm-pacing")
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-                machine=bvu.machine_name(args.device), commit=args.commit or bvu.git_commit(),
-                vllm_version=bvu.vllm_version(), device=args.device, config=args.config,
-                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                settings=dict(budgets=args.budgets, checksums=args.checksums,
-                              requests=args.requests,
-                              max_tokens=args.max_tokens, updates=args.updates,
-                              baseline_s=args.baseline_s, gap_s=args.gap_s,
-                              bucket_bytes=args.bucket_bytes, trace_steps=args.trace_steps,
-                              enforce_eager=args.enforce_eager or args.device == "cpu"))
-    bvu.log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
+    meta = run_stamp(args.device, args.commit, config=args.config)
+    meta["settings"] = dict(budgets=args.budgets, checksums=args.checksums,
+                            requests=args.requests,
+                            max_tokens=args.max_tokens, updates=args.updates,
+                            baseline_s=args.baseline_s, gap_s=args.gap_s,
+                            bucket_bytes=args.bucket_bytes, trace_steps=args.trace_steps,
+                            enforce_eager=args.enforce_eager or args.device == "cpu")
+    log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench-pacing-", dir=args.work_dir))
     result: dict = {}
     try:
         model_dir = work / "model"
-        made = bvu.run_logged([sys.executable, bvu.__file__, "--make-checkpoint", str(model_dir),
-                               "--config", args.config, "--device", args.device],
-                              out / "pacing-checkpoint.log", 300)
+        made = run_logged([sys.executable, str(CHECKPOINT_MAKER), "--make-checkpoint",
+                           str(model_dir), "--config", args.config, "--device", args.device],
+                          out / "pacing-checkpoint.log", 300)
         if made != 0:
             result["error"] = f"making the checkpoint failed (exit {made}): " \
-                              f"{bvu.tail(out / 'pacing-checkpoint.log')}"
+                              f"{tail(out / 'pacing-checkpoint.log')}"
         else:
             result_file = out / "pacing.result.json"
             result_file.unlink(missing_ok=True)
@@ -424,16 +434,16 @@ def main() -> int:
             if args.trace_steps:
                 command.append("--trace-steps")
             remaining = args.timeout_s - (time.monotonic() - started)
-            code = bvu.run_logged(command, out / "pacing-engine.log", remaining)
+            code = run_logged(command, out / "pacing-engine.log", remaining)
             if result_file.exists():
                 result = json.loads(result_file.read_text())
             if code != 0 and "error" not in result:
                 why = "timed out" if code == 124 else f"exit {code}"
-                result["error"] = f"engine run {why}: {bvu.tail(out / 'pacing-engine.log')}"
+                result["error"] = f"engine run {why}: {tail(out / 'pacing-engine.log')}"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_outputs(out, meta, result)
-    bvu.log(f"done in {time.monotonic() - started:.0f} s; {out / 'bench_vllm_pacing.md'}")
+    log(f"done in {time.monotonic() - started:.0f} s; {out / 'bench_vllm_pacing.md'}")
     print((out / "bench_vllm_pacing.md").read_text())
     return 1 if "error" in result else 0
 

@@ -1,0 +1,129 @@
+"""One path in its own process (bench_vllm_update.py --child PATH): one vLLM AsyncLLM under the
+decode load, the path's warm-up update and its measured updates, and the result file the
+orchestrator reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from run_report import fmt_ms, log
+
+from .configs import (GPU_MEMORY_UTILIZATION, LIVE_ARENA_GPU_MEMORY_UTILIZATION, PROMPT_LEN,
+                      VLLM_BACKENDS)
+from .copy_reference import CopyReference
+from .decode_load import DecodeLoad
+from .paths import BENCH_DIR, PYTHON_DIR, prepend_pythonpath
+from .shadowsync_transfer import ShadowsyncTransfer
+from .stand_ins import STAND_IN_FOLDER, import_ipc_engine
+from .vllm_transfer import VllmTransfer
+
+
+def engine_args(args, extension: bool) -> dict:
+    kwargs = dict(model=args.model_dir, skip_tokenizer_init=True, seed=0,
+                  max_model_len=PROMPT_LEN + args.max_tokens + 64, max_num_seqs=args.requests,
+                  enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp)
+    if args.dummy_load:
+        kwargs["load_format"] = "dummy"
+    if args.device == "cpu":
+        import shadowsync.vllm.unpacked as unpacked
+
+        unpacked.register()
+        kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+                      quantization=unpacked.NAME)
+    else:
+        arena = args.live_arena or args.graph_pairs
+        table = LIVE_ARENA_GPU_MEMORY_UTILIZATION if extension and arena else \
+            GPU_MEMORY_UTILIZATION
+        kwargs.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization
+                      or table[args.config])
+    if extension:
+        kwargs["worker_extension_cls"] = "shadowsync.vllm.WorkerExtension"
+        if args.graph_pairs:
+            kwargs["weight_transfer_config"] = {"backend": "shadowsync_graph_pairs"}
+        elif args.live_arena:
+            kwargs["weight_transfer_config"] = {"backend": "shadowsync"}
+    elif args.child == "vllm":  # its worker loads vLLM's IPC (and its stand-ins) or NCCL engine
+        kwargs["weight_transfer_config"] = {"backend": VLLM_BACKENDS[args.transport]}
+    return kwargs
+
+
+def child_main(args) -> int:
+    result: dict = {"path": args.child, "config": args.config}
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer may be absent
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The same-host transport's sender waits for acks on its stream: more hardware queues make
+    # it less likely to share one with the engine's work (see README).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    if args.device == "cpu" and args.tp > 1:  # vLLM CPU: one core per rank
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
+    sys.path.insert(0, str(PYTHON_DIR))
+    # vLLM's engine process imports the worker extension: the package on its path too.
+    prepend_pythonpath(PYTHON_DIR)
+    if args.child == "vllm" or args.trace_steps:
+        # vllm: its IPC handles; --trace-steps: the tracer travels as a callable
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if args.trace_steps:
+        sys.path.insert(0, str(BENCH_DIR))
+        prepend_pythonpath(BENCH_DIR)
+    try:
+        import torch  # noqa: F401  (before vLLM: one CUDA/NCCL runtime in the process)
+
+        if args.child == "vllm" and args.transport == "same-host":
+            result["stand_ins"] = import_ipc_engine()
+        result.update(asyncio.run(run_child(args, result)))
+    except BaseException as e:  # noqa: BLE001  (recorded, the orchestrator goes on)
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        print(result["traceback"], file=sys.stderr, flush=True)
+    if STAND_IN_FOLDER:
+        shutil.rmtree(STAND_IN_FOLDER[0], ignore_errors=True)
+    Path(args.result_file).write_text(json.dumps(result, indent=1))
+    sys.stdout.flush()
+    # vLLM's and the transport's threads must not keep a finished run alive.
+    os._exit(1 if "error" in result else 0)
+
+
+async def run_child(args, result: dict) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    path = args.child
+    driver = {"vllm": VllmTransfer, "shadowsync": ShadowsyncTransfer,
+              "copy": CopyReference}[path](args)
+    result["api"] = driver.api_description()
+    log(f"{path}: {result['api']}")
+    t0 = time.monotonic()
+    kwargs = engine_args(args, extension=path == "shadowsync")
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    result["engine_start_s"] = round(time.monotonic() - t0, 1)
+    log(f"{path}: engine up in {result['engine_start_s']} s")
+    try:
+        load = DecodeLoad(engine, args)
+        before = await load.greedy_probe()
+        t0 = time.monotonic()
+        result["setup"] = await driver.setup(engine)
+        result["setup_s"] = round(time.monotonic() - t0, 2)
+        log(f"{path}: set up in {result['setup_s']} s: {result['setup']}")
+        warm = await driver.update(engine, version=1)
+        after = await load.greedy_probe()
+        result["warmup_update"] = warm
+        result["output_changed_by_update"] = before != after
+        log(f"{path}: warm-up update {fmt_ms(warm['update_ms'])}; greedy output "
+            f"{'changed' if before != after else 'UNCHANGED'} ({before[:6]} -> {after[:6]})")
+        measured = await load.measure(lambda v: driver.update(engine, v), first_version=2,
+                                      engine_times=getattr(driver, "engine_times", None) and
+                                      (lambda: driver.engine_times(engine)))
+        result.update(measured)
+        result.update(await driver.close(engine) or {})
+    finally:
+        engine.shutdown()
+        driver.shutdown()
+    return result

@@ -1,0 +1,150 @@
+"""bench_vllm_update.py's command line: its options, the placements it refuses, and the options a
+path's child process is given."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .configs import CONFIGS, DEFAULT_PATHS, GPU_MEMORY_UTILIZATION, PATHS, TRANSPORTS
+
+
+def parse_args(description: str):
+    """The command line (sys.argv), checked: what cannot run is refused (exit 2) before anything
+    starts. `description`: the --help text's."""
+    parser = build_parser(description)
+    args = parser.parse_args()
+    if args.live_arena and args.graph_pairs:
+        parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
+    if args.tp < 1:
+        parser.error(f"--tp {args.tp}: the tensor-parallel size is at least 1")
+    if args.progress_poll_s is not None and not 0 < args.progress_poll_s < math.inf:
+        parser.error(f"--progress-poll-s {args.progress_poll_s}: a positive, finite number of "
+                     f"seconds")
+    refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
+    if refused:
+        parser.error(refused)
+    # A child runs its one path; --paths is the parent's (a child sees its default).
+    paths = [args.child] if args.child else args.paths.split(",")
+    if (args.device == "cuda" and args.transport == "same-host"
+            and (args.tp > 1 or args.trainer_gpu != 0) and "vllm" in paths):
+        parser.error(f"--paths {args.paths} with --tp {args.tp} --trainer-gpu {args.trainer_gpu}: "
+                     f"vLLM's IPC backend (the vllm path's with --transport same-host) hands each "
+                     f"worker its own GPU's handles of a buffer packed on the trainer's GPU, so it "
+                     f"runs with one worker on the trainer's GPU only (--tp 1 --trainer-gpu 0); "
+                     f"use --transport nccl, or leave the vllm path out")
+    return args
+
+
+def placement_error(device: str, transport: str, trainer_gpu: int, tp: int) -> str | None:
+    """Why a trainer on `trainer_gpu` sending over `transport` to `tp` engine ranks on GPUs
+    0..tp-1 cannot run, or None (shared with scripts/vllm_e2e.py)."""
+    if device != "cuda" and (transport == "nccl" or trainer_gpu != 0):
+        return (f"--transport {transport} --trainer-gpu {trainer_gpu} with --device {device}: "
+                f"NCCL and a trainer GPU need --device cuda")
+    if transport == "nccl" and trainer_gpu < tp:
+        return (f"--transport nccl --trainer-gpu {trainer_gpu} with --tp {tp}: GPU {trainer_gpu} "
+                f"is one of the engine's (0..{tp - 1}) and NCCL refuses two ranks of one "
+                f"communicator on one GPU; pick a GPU >= {tp}")
+    return None
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen2.5-0.5b,llama-3-8b",
+                   help=f"comma-separated, of {sorted(CONFIGS)}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                   help="comma-separated: vllm, shadowsync, copy (a reference: the model's bytes "
+                        "copied in another process, no weights change)")
+    p.add_argument("--copy-passes", type=int, default=2,
+                   help="copy path: passes over the model's bytes per update (2: as many as "
+                        "shadowsync's pack and receive)")
+    p.add_argument("--out", help="output folder (default $OUT, else ./bench-vllm-update)")
+    p.add_argument("--commit", help="the commit to name (default: git rev-parse of this checkout)")
+    p.add_argument("--requests", type=int, default=32, help="concurrent decode requests")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per request")
+    p.add_argument("--updates", type=int, default=5, help="measured updates per path")
+    p.add_argument("--baseline-s", type=float, default=3.0, help="the no-update window")
+    p.add_argument("--gap-s", type=float, default=1.0, help="decode time between updates")
+    p.add_argument("--bucket-bytes", type=int, default=0,
+                   help="shadowsync bucket size (0: the library's default, 512 MiB)")
+    p.add_argument("--swap-strategy", choices=("copy_in", "remap", "rebind"),
+                   help="shadowsync swap strategy (default: the extension's, copy_in under "
+                        "CUDA graphs)")
+    p.add_argument("--vllm-packed-bytes", type=int, default=1 << 30,
+                   help="vLLM IPC packed buffer size (vLLM's default 1 GiB)")
+    p.add_argument("--vllm-no-pause", action="store_true",
+                   help="do not pause vLLM's scheduler around its update (not its documented flow)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="vLLM's tensor_parallel_size (its ranks on GPUs 0..tp-1); > 1: the "
+                        "shadowsync path commits each update with commit_update_async "
+                        "(coordinated) and compares the ranks' per-step versions")
+    p.add_argument("--transport", choices=TRANSPORTS, default="same-host",
+                   help="same-host: vLLM's IPC backend and shadowsync's same-host transport; "
+                        "nccl: vLLM's NCCL backend and shadowsync's NCCL transport, the trainer "
+                        "rank 0 of 1 + tp (on a GPU of its own: --trainer-gpu)")
+    p.add_argument("--trainer-gpu", type=int, default=0,
+                   help="the GPU the trainer of each path runs on (default 0, the engine's; with "
+                        "--transport nccl it must be none of the engine's GPUs 0..tp-1)")
+    p.add_argument("--decode-slowdown-budget", type=float,
+                   help="shadowsync path: pace the receive to this decode slowdown (e.g. 1.05)")
+    p.add_argument("--live-arena", action="store_true",
+                   help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'} (weights "
+                        "in a remap arena before graph capture; swaps by remap)")
+    p.add_argument("--graph-pairs", action="store_true",
+                   help="shadowsync path: weight_transfer_config {'backend': "
+                        "'shadowsync_graph_pairs'} (weights in the arena's two slots, vLLM's CUDA "
+                        "graphs captured over each; a swap rebinds and switches graph sets)")
+    p.add_argument("--no-gated-swaps", action="store_true",
+                   help="shadowsync path with --live-arena: init_weight_update_group("
+                        "gated_swaps=False) (the engine thread waits for the step in flight, "
+                        "then remaps; default: the remap waits behind a gate on vLLM's stream "
+                        "where the extension can place one)")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="shadowsync path: trace vLLM's forward calls around each swap "
+                        "(bench/vllm_step_trace.py; host and CUDA-event times per step, logged)")
+    p.add_argument("--progress-poll-s", type=float,
+                   help="shadowsync path: how often apply_update_async asks the workers whether "
+                        "the update is live (each ask is an RPC the engine thread serves between "
+                        "two steps; apply_update_async's poll_s, default 0.02)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help=f"vLLM's share of the GPU (default per config: {GPU_MEMORY_UTILIZATION})")
+    p.add_argument("--dummy-load", action="store_true",
+                   help="save only the config; vLLM makes random weights (load_format=dummy): faster")
+    p.add_argument("--path-timeout-s", type=float, default=300, help="deadline of each subprocess")
+    p.add_argument("--budget-s", type=float, default=570,
+                   help="the whole run's deadline: a part that would start with less than 60 s "
+                        "left is skipped (listed), a running one is cut at it")
+    p.add_argument("--work-dir", help="where the checkpoints go (default: the system's temp)")
+    p.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
+    p.add_argument("--make-checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    return p
+
+
+def child_passthrough(args) -> list[str]:
+    """The options a path's child process is given: every one that shapes what it measures."""
+    flags = ["--device", args.device, "--requests", str(args.requests),
+             "--max-tokens", str(args.max_tokens), "--updates", str(args.updates),
+             "--baseline-s", str(args.baseline_s), "--gap-s", str(args.gap_s),
+             "--bucket-bytes", str(args.bucket_bytes),
+             "--vllm-packed-bytes", str(args.vllm_packed_bytes)]
+    if args.swap_strategy:
+        flags += ["--swap-strategy", args.swap_strategy]
+    if args.decode_slowdown_budget:
+        flags += ["--decode-slowdown-budget", str(args.decode_slowdown_budget)]
+    if args.gpu_memory_utilization:
+        flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.progress_poll_s is not None:
+        flags += ["--progress-poll-s", str(args.progress_poll_s)]
+    flags += ["--copy-passes", str(args.copy_passes), "--tp", str(args.tp),
+              "--transport", args.transport, "--trainer-gpu", str(args.trainer_gpu)]
+    for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "graph_pairs",
+                 "no_gated_swaps", "trace_steps"):
+        if getattr(args, flag):
+            flags.append("--" + flag.replace("_", "-"))
+    return flags

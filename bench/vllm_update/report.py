@@ -1,0 +1,145 @@
+"""bench_vllm_update.py's report: the one-line summary of a path's result, and the JSON and the
+Markdown tables of the whole run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from run_report import fmt_ms, stamp_lines, write_report
+
+from .configs import ENGINE_EVENTS, GOALS, PATHS, VLLM_REFERENCE_STOP_MS
+
+
+def one_line(result: dict) -> str:
+    s = result.get("summary", {})
+    get = lambda k, q="median": (s.get(k) or {}).get(q)  # noqa: E731
+    return (f"engine stop median {fmt_ms(get('engine_stop_ms'))} "
+            f"max {fmt_ms(get('engine_stop_ms', 'max'))}; "
+            f"slowdown median {get('slowdown')}; update median {fmt_ms(get('update_ms'))}; "
+            f"baseline {result.get('baseline', {}).get('tokens_per_s')} tok/s")
+
+
+def write_outputs(out: Path, results: dict) -> None:
+    """bench_vllm_update.json and .md in `out`."""
+    write_report(out, "bench_vllm_update", results, markdown)
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = ["# Weight updates into a generating vLLM: vLLM's weight transfer vs shadowsync", "",
+             *stamp_lines(meta), f"* settings: {json.dumps(meta['settings'])}", "",
+             "Per update (median / max over the measured updates). Engine stop: how much longer "
+             "than the baseline step generation stood still to change weights (vLLM: the longest "
+             "gap between two tokens of one request overlapping the update; shadowsync: the gap "
+             "its swap began in and the next one). Max token gap: the longest gap overlapping the "
+             "update (baseline: median and longest step without one). "
+             "Slowdown: baseline tokens/s over tokens/s during the update (∞: generation paused). "
+             "Transfer GB/s: the model's bytes over the transfer's time (vLLM: its send, from "
+             "start_weight_update's return to the last chunk received; shadowsync: the trainer's publish "
+             "to the last bucket acknowledged, packing included).",
+             "",
+             "| model | path | updates | engine stop ms | max token gap ms | baseline step ms, "
+             "median / max | "
+             "baseline tok/s | tok/s during update | slowdown | whole update ms | "
+             "transfer GB/s | vLLM start→finish ms | goal / reference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def pair(summary, key, digits=1, none="∞"):
+        """Median / max; `none` stands for a figure some update lacks (the slowdown: generation
+        paused; the engine stop: a swap outside every gap)."""
+        entry = summary.get(key)
+        if not entry:
+            return "-"
+        f = lambda v: none if v is None else f"{v:.{digits}f}"  # noqa: E731
+        return f"{f(entry['median'])} / {f(entry['max'])}"
+
+    for config, entry in results["configs"].items():
+        if "error" in entry:
+            lines.append(f"| {config} | - | - | FAILED: {entry['error'][:300]} | | | | | | | | | |")
+            continue
+        for path in PATHS:
+            r = entry.get(path)
+            if r is None:
+                continue
+            if "error" in r:
+                why = r["error"].replace("|", "/").replace("\n", " ")[:400]
+                lines.append(f"| {config} | {path} | - | FAILED: {why} | | | | | | | | | |")
+                continue
+            s, b = r.get("summary", {}), r.get("baseline", {})
+            if path == "shadowsync":
+                goal = (f"stop ≤ {GOALS['engine_stop_ms']:g} ms (8B), slowdown ≤ "
+                        f"{GOALS['slowdown']:.2f}x")
+            elif path == "copy":
+                goal = "reference: bytes copied in another process, no update"
+            else:
+                ref = VLLM_REFERENCE_STOP_MS.get(config)
+                goal = f"vLLM reported {ref:g} ms stop (one GPU, IPC)" if ref else "-"
+                if r.get("api", "").find("control sequence only") >= 0:
+                    goal += " (control sequence only: no weights sent)"
+            tps = s.get("tokens_per_s", {})
+            lines.append(
+                f"| {config} | {path} | {len(r.get('updates', []))} | {pair(s, 'engine_stop_ms', 2, 'n/a')} | "
+                f"{pair(s, 'max_token_gap_ms', 2)} | {b.get('step_ms_median', '-')} / "
+                f"{b.get('step_ms_max', '-')} | "
+                f"{b.get('tokens_per_s', '-')} | "
+                f"{tps.get('median', '-')} (min {tps.get('min', '-')}) | "
+                f"{pair(s, 'slowdown', 3)} | {pair(s, 'update_ms')} | "
+                f"{pair(s, 'transfer_gbps', 2)} | "
+                f"{pair(s, 'start_to_finish_ms') if path == 'vllm' else '-'} | {goal} |")
+    floors = [(config, path, r["baseline"]) for config, entry in results["configs"].items()
+              for path, r in entry.items()
+              if isinstance(r, dict) and "stop_floor_ms_median" in r.get("baseline", {})]
+    if floors:
+        lines += ["", "The engine stop's floor: the same measure (the longer of a gap and the same "
+                  "request's next one, over the median step) at every gap of the baseline window, "
+                  "where nothing swaps: " + "; ".join(
+                      f"{config} {path}: median {b['stop_floor_ms_median']} ms, p90 "
+                      f"{b['stop_floor_ms_p90']} ms" for config, path, b in floors) + "."]
+    admissions = [(config, path, r) for config, entry in results["configs"].items()
+                  for path, r in entry.items()
+                  if isinstance(r, dict) and "swap_step_admitted_count" in r.get("summary", {})]
+
+    def over(r, key):
+        """A diagnostic's median / max and over how many of the updates it is defined for."""
+        entry = r["summary"].get(key)
+        if not entry:
+            return "n/a"
+        return (f"median {entry['median']} / max {entry['max']} ms over {entry['count']} of "
+                f"{len(r['updates'])} updates")
+
+    if admissions:
+        lines += ["", "Swaps that shared a step with a request's prefill (the baseline has steps "
+                  "that long without any update), the engine stop over the other updates, the "
+                  "floor over the baseline's pairs of steps that admitted none, and the stop like "
+                  "for like (each of the swap's gaps over the baseline's median step of its kind): "
+                  + "; ".join(
+                      f"{config} {path}: {r['summary']['swap_step_admitted_count']} of "
+                      f"{len(r['updates'])}; stop over the others "
+                      f"{over(r, 'engine_stop_ms_not_admitting')}; floor median "
+                      f"{r['baseline'].get('stop_floor_not_admitting_ms_median', 'n/a')} / p90 "
+                      f"{r['baseline'].get('stop_floor_not_admitting_ms_p90', 'n/a')} ms; "
+                      f"admitting steps {r['baseline'].get('admitting_step_ms_median', 'n/a')} ms "
+                      f"median; like for like {over(r, 'engine_stop_like_for_like_ms')}"
+                      for config, path, r in admissions) + "."]
+    where = [(config, entry["shadowsync"]["summary"]) for config, entry in results["configs"].items()
+             if isinstance(entry.get("shadowsync"), dict) and "summary" in entry["shadowsync"]]
+    if where:
+        lines += ["", "Where the longest gap was (shadowsync; median / max): the engine thread's "
+                  "time in the swap (swap callback and, for remap, the engine-stream "
+                  "synchronization included), in begin_update and in wait_applied (both run "
+                  "between two steps); the inter-token gap each fell into; the largest gap "
+                  "overlapping the update that none fell into.", "",
+                  "| model | swap ms | gap at the swap ms | begin_update ms | gap at it ms | "
+                  "wait_applied ms | gap at it ms | largest other gap ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {config} | "
+                  + "".join(f"{pair(s, f'{e}_ms', 3)} | {pair(s, f'gap_at_{e}_ms', 2)} | "
+                            for e in ENGINE_EVENTS)
+                  + f"{pair(s, 'largest_other_gap_ms', 2)} |" for config, s in where]
+    lines += ["", "Paths: " + "; ".join(
+        f"{config} {path}: {r.get('api', '-')}; weights changed by the update: "
+        f"{r.get('output_changed_by_update', '-')}; stand-ins: {r.get('stand_ins', [])}"
+        for config, entry in results["configs"].items() if "error" not in entry
+        for path, r in entry.items() if isinstance(r, dict) and "error" not in r), ""]
+    return "\n".join(lines)

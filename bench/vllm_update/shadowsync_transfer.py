@@ -1,0 +1,276 @@
+"""The shadowsync path: the trainer in a process of its own (a Sender over the same-host or NCCL
+transport), the worker extension in vLLM's workers (bench_vllm_update.py's docstring says the
+sequence)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from run_report import log
+
+from .checkpoint import make_model
+from .configs import ENGINE_EVENTS
+from .helper_pipe import pipe_recv
+from .paths import PYTHON_DIR
+
+
+def trainer_process(conn, config: str, device: str, path: str, token: bytes, bucket_bytes: int,
+                    checksums: bool = True, receivers: int = 1, nccl: bool = False, gpu: int = 0):
+    """The shadowsync trainer, on GPU `gpu`: a transformers model of
+    `config` and one Sender to `receivers` engine ranks over the same-host transport (GPU memory
+    on cuda, a shared memory file on cpu) or, with `nccl`, NCCL (rank 0 of 1 + receivers; the
+    unique id goes to the engine with the specs), sending per-bucket checksums when `checksums`
+    (SenderConfig.checksums). Answers ("publish", version) with ("header", bytes, seconds, the
+    header's bucket count: one more with checksums) then ("sent", seconds); ("serve", path[,
+    checksums]) closes the Sender and serves a new same-host transport on `path` (a
+    re-initialized engine group), answering ("ready", ...) again; ("stop",) ends it."""
+    try:
+        sys.path.insert(0, str(PYTHON_DIR))
+        import shadowsync as ss
+
+        if device == "cuda":
+            import torch
+
+            torch.cuda.set_device(gpu)
+        model = make_model(config, device, seed=2, gpu=gpu)
+        named = {n: p.detach() for n, p in model.named_parameters()}
+        specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in named.items()]
+        unique_id = ss.nccl_unique_id() if nccl else None
+        conn.send(("specs", specs, unique_id))
+        backend = ss.CudaBackend(gpu) if device == "cuda" else ss.HostBackend()
+        layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
+
+        def serve(socket_path: str, with_checksums: bool):
+            if nccl:  # blocks until every engine rank joined (its init_weight_update_group)
+                transport = ss.nccl_transport(unique_id, 0, 1 + receivers, gpu)
+            else:
+                transport = ss.same_host_sender_transport(
+                    socket_path, token, receivers, backend,
+                    slot_bytes=layout.groups[0].bucket_bytes,
+                    memory="device" if device == "cuda" else "host")
+            made = ss.Sender(layout, backend, transport,
+                             ss.SenderConfig(checksums=with_checksums))
+            conn.send(("ready", sum(g.arena_bytes for g in layout.groups),
+                       layout.groups[0].bucket_bytes))
+            return made
+
+        sender = serve(path, checksums)
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                break
+            if message[0] == "serve":
+                if nccl:
+                    raise RuntimeError("'serve' (a re-initialized group) is for the same-host "
+                                       "transport; this trainer sends over NCCL")
+                sender.close()
+                checksums = message[2] if len(message) > 2 else checksums
+                sender = serve(message[1], checksums)
+                continue
+            start = time.perf_counter()
+            handle = sender.publish(message[1], named)
+            conn.send(("header", handle.header_bytes, time.perf_counter() - start,
+                       handle.header.bucket_count))
+            handle.wait(120)
+            conn.send(("sent", time.perf_counter() - start))
+        sender.close()
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("error", f"trainer: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+class ShadowsyncTransfer:
+    """shadowsync's path: the trainer in its own process, the extension in vLLM's worker."""
+
+    def __init__(self, args):
+        self.args = args
+        self.process = None
+        self.conn = None
+        self.socket_dir = None
+
+    def api_description(self) -> str:
+        import shadowsync
+
+        transport = ("NCCL transport" if self.args.transport == "nccl" else
+                     f"same-host transport (memory="
+                     f"{'device' if self.args.device == 'cuda' else 'host'})")
+        live = "commit_update_async" if self.args.tp > 1 else "apply_update_async"
+        return (f"shadowsync {shadowsync.__version__}: {transport}, WorkerExtension, {live}; "
+                f"library {shadowsync.library_path()}")
+
+    async def recv(self, expected: str, timeout: float = 300):
+        return await pipe_recv(self.conn, "trainer", expected, timeout)
+
+    async def setup(self, engine, init_extra: dict | None = None, checksums: bool = True) -> dict:
+        """Starts the trainer (sending checksums or not) and initializes the engine's group
+        (`init_extra`: more keyword arguments of init_weight_update_group)."""
+        import multiprocessing as mp
+
+        socket_dir = self.socket_dir = Path(tempfile.mkdtemp(prefix="ss-bench-"))
+        os.chmod(socket_dir, 0o700)
+        path, token = str(socket_dir / "trainer.sock"), os.urandom(32)
+        self.token = token
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=trainer_process, daemon=True, args=(
+            child, self.args.config, self.args.device, path, token, self.args.bucket_bytes,
+            checksums, self.args.tp, self.args.transport == "nccl", self.args.trainer_gpu))
+        self.process.start()
+        specs, self.unique_id = await self.recv("specs")
+        t0 = time.monotonic()
+        self.specs = specs
+        kwargs = self.init_kwargs(path, init_extra)
+        # At once: the workers' init blocks until the trainer's transport is up (NCCL: both
+        # join one communicator), and a trainer that fails says so here instead of leaving the
+        # workers waiting unheard.
+        fingerprints, (arena_bytes, bucket_bytes) = await asyncio.gather(
+            engine.collective_rpc("init_weight_update_group", kwargs=kwargs), self.recv("ready"))
+        stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        if self.args.trace_steps:
+            import vllm_step_trace
+
+            try:
+                await engine.collective_rpc(vllm_step_trace.install)
+            except Exception as e:  # noqa: BLE001  (a diagnostic: the measurement goes on)
+                log(f"--trace-steps: the tracer could not be installed ({type(e).__name__}: {e})")
+                self.args.trace_steps = False
+        self.bytes = arena_bytes
+        return dict(trainer=f"transformers model in its own process on cuda:"
+                            f"{self.args.trainer_gpu}" if self.args.device == "cuda" else
+                            "transformers model in its own process", tensors=len(specs),
+                    transport=self.args.transport, tp=self.args.tp,
+                    bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
+                    swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
+                    graph_pairs=stats.get("graph_pairs", False),
+                    step_hook_at=stats.get("step_hook_at"),
+                    gated_swaps="off" if getattr(self.args, "no_gated_swaps", False) else "auto",
+                    fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
+
+    def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
+        kwargs = dict(specs=self.specs, bucket_bytes=self.args.bucket_bytes, **(init_extra or {}))
+        if self.unique_id is not None:  # NCCL: this worker is rank 1 + its TP rank
+            kwargs.update(unique_id=self.unique_id, rank_offset=1, world_size=1 + self.args.tp)
+        else:
+            kwargs["same_host"] = dict(path=path, token=self.token)
+        if self.args.swap_strategy:
+            kwargs["swap_strategy"] = self.args.swap_strategy
+        if self.args.decode_slowdown_budget:
+            kwargs["decode_slowdown_budget"] = self.args.decode_slowdown_budget
+        if getattr(self.args, "no_gated_swaps", False):
+            kwargs["gated_swaps"] = False
+        return kwargs
+
+    async def reinitialize(self, engine, init_extra: dict | None = None,
+                           checksums: bool = True) -> float:
+        """Closes the engine's group (its weights stay) and initializes a new one with
+        `init_extra`, the trainer serving a new transport (sending checksums or not); returns
+        the seconds it took."""
+        if self.unique_id is not None:
+            raise RuntimeError("reinitialize: a new group is served over the same-host transport "
+                               "only; this trainer sends over NCCL (--transport nccl)")
+        t0 = time.monotonic()
+        await engine.collective_rpc("close_weight_update_group", kwargs=dict(keep_weights=True))
+        self.serial = getattr(self, "serial", 0) + 1
+        path = str(self.socket_dir / f"trainer-{self.serial}.sock")
+        self.conn.send(("serve", path, checksums))
+        await engine.collective_rpc("init_weight_update_group",
+                                    kwargs=self.init_kwargs(path, init_extra))
+        await self.recv("ready")
+        return time.monotonic() - t0
+
+    async def update(self, engine, version: int) -> dict:
+        from shadowsync.vllm import apply_update_async, commit_update_async
+
+        poll_s = getattr(self.args, "progress_poll_s", None)  # bench_vllm_pacing has none
+        poll = {} if poll_s is None else dict(poll_s=poll_s)
+        t0 = time.perf_counter()
+        self.conn.send(("publish", version))
+        header, publish_s, header_buckets = await self.recv("header")
+        t1 = time.perf_counter()
+        await engine.collective_rpc("begin_update", args=(header,))
+        t2 = time.perf_counter()
+        (sent_s,) = await self.recv("sent")
+        t3 = time.perf_counter()
+        if self.args.tp > 1:  # coordinated: every rank makes it live between the same two steps
+            applied = await commit_update_async(engine, version, timeout=60,
+                                                reset_prefix_cache=False)
+        else:
+            applied = await apply_update_async(engine, version, timeout=60,
+                                               reset_prefix_cache=False, **poll)
+        t4 = time.perf_counter()
+        if applied != version:
+            raise RuntimeError(f"update {version}: the engine applied version {applied}")
+        ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
+        return dict(version=version, update_ms=ms(t0, t4), publish_ms=ms(t0, t1),
+                    begin_ms=ms(t1, t2), transfer_ms=ms(t0, t3), apply_ms=ms(t3, t4),
+                    trainer_sent_ms=round(sent_s * 1e3, 3), header_buckets=header_buckets,
+                    transfer_gbps=round(self.bytes / sent_s / 1e9, 2),
+                    # perf_counter: publish asked, every byte acked (the transfer's window)
+                    published_at=t0, sent_at=t3)
+
+    async def engine_times(self, engine) -> dict:
+        """The engine thread's time on the last update: its swap (and when it started, on this
+        process's perf_counter clock), begin_update and wait_applied."""
+        stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        # The worker stamps time.monotonic(); the gaps are on perf_counter (one clock from
+        # Python 3.13 on, the same CLOCK_MONOTONIC on Linux before; the offset covers both).
+        offset = time.perf_counter() - time.monotonic()
+        times = {}
+        for event in ENGINE_EVENTS:
+            times[f"{event}_ms"] = round(stats[f"last_{event}_s"] * 1e3, 3)
+            times[f"{event}_started_at"] = stats[f"last_{event}_started_s"] + offset
+        # Of the swap: what the worker's Python swap callback took (rebinding, graph sets).
+        times["swap_callback_ms"] = round(stats.get("last_swap_callback_s", 0.0) * 1e3, 3)
+        # Paced by a budget: how long the receiver held the complete update for a step that
+        # started after its last bucket, and whether none came (then it was offered anyway).
+        pacing = stats.get("pacing") or {}
+        if pacing.get("budget"):
+            times["clean_step_wait_ms"] = round(pacing.get("clean_step_wait_s", 0.0) * 1e3, 3)
+            times["clean_step_missed"] = bool(pacing.get("clean_step_missed"))
+        if self.args.trace_steps:
+            import vllm_step_trace
+
+            swap = stats["last_swap_started_s"]
+            await asyncio.sleep(0.2)  # the steps after the swap run first
+            try:
+                rows = (await engine.collective_rpc(vllm_step_trace.collect,
+                                                    args=(swap - 0.1, swap + 0.15)))[0]
+                times["trace"] = [[round(r[0] - swap, 6)] + r[1:] for r in rows]
+            except Exception as e:  # noqa: BLE001
+                log(f"--trace-steps: no trace ({type(e).__name__}: {e})")
+        return times
+
+    async def close(self, engine) -> dict:
+        """Ends the group; with --tp > 1 first compares the ranks' per-step versions (every
+        rank must have made each version live at the same step): a difference is an error."""
+        stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        log(f"shadowsync receiver: {({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
+        checked = {}
+        if self.args.tp > 1:
+            logs = await engine.collective_rpc("step_versions")
+            agree = all(r["transitions"] == logs[0]["transitions"] for r in logs)
+            checked = dict(step_versions_agree=agree,
+                           rank_transitions=[r["transitions"] for r in logs],
+                           rank_steps=[r["steps"] for r in logs])
+            log(f"step versions of the {self.args.tp} ranks {'agree' if agree else 'DIFFER'}: "
+                f"{checked['rank_transitions']}")
+        self.conn.send(("stop",))
+        await asyncio.to_thread(self.process.join, 60)
+        await engine.collective_rpc("close_weight_update_group", kwargs=dict(keep_weights=False))
+        if checked and not checked["step_versions_agree"]:
+            raise RuntimeError(f"the ranks made versions live at different steps: "
+                               f"{checked['rank_transitions']}")
+        return checked
+
+    def shutdown(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
