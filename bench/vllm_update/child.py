@@ -38,7 +38,7 @@ def engine_args(args, extension: bool) -> dict:
         kwargs.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
                       quantization=unpacked.NAME)
     else:
-        arena = args.live_arena or args.graph_pairs
+        arena = args.live_arena or args.graph_pairs or getattr(args, "backend", None)
         table = LIVE_ARENA_GPU_MEMORY_UTILIZATION if extension and arena else \
             GPU_MEMORY_UTILIZATION
         kwargs.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization
@@ -48,7 +48,9 @@ def engine_args(args, extension: bool) -> dict:
         if args.graph_pairs:
             kwargs["weight_transfer_config"] = {"backend": "shadowsync_graph_pairs"}
         elif args.live_arena:
-            kwargs["weight_transfer_config"] = {"backend": "shadowsync"}
+            kwargs["weight_transfer_config"] = {"backend": "shadowsync_live_arena"}
+        elif getattr(args, "backend", None):
+            kwargs["weight_transfer_config"] = {"backend": args.backend}
     elif args.child == "vllm":  # its worker loads vLLM's IPC (and its stand-ins) or NCCL engine
         kwargs["weight_transfer_config"] = {"backend": VLLM_BACKENDS[args.transport]}
     return kwargs

@@ -14,8 +14,9 @@ def parse_args(description: str):
     starts. `description`: the --help text's."""
     parser = build_parser(description)
     args = parser.parse_args()
-    if args.live_arena and args.graph_pairs:
-        parser.error("--live-arena and --graph-pairs are two weight-transfer backends: pick one")
+    if sum(map(bool, (args.live_arena, args.graph_pairs, args.backend))) > 1:
+        parser.error("--backend, --live-arena and --graph-pairs each name a weight-transfer "
+                     "backend: pick one")
     if args.tp < 1:
         parser.error(f"--tp {args.tp}: the tensor-parallel size is at least 1")
     if args.progress_poll_s is not None and not 0 < args.progress_poll_s < math.inf:
@@ -91,9 +92,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "--transport nccl it must be none of the engine's GPUs 0..tp-1)")
     p.add_argument("--decode-slowdown-budget", type=float,
                    help="shadowsync path: pace the receive to this decode slowdown (e.g. 1.05)")
+    p.add_argument("--backend", choices=("shadowsync",),
+                   help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'}, which "
+                        "chooses the placement at load (graph pairs, the live arena, or in place; "
+                        "the result's setup says which), as a user with no option gets it")
     p.add_argument("--live-arena", action="store_true",
-                   help="shadowsync path: weight_transfer_config {'backend': 'shadowsync'} (weights "
-                        "in a remap arena before graph capture; swaps by remap)")
+                   help="shadowsync path: weight_transfer_config {'backend': "
+                        "'shadowsync_live_arena'} (weights in a remap arena before graph capture; "
+                        "swaps by remap)")
     p.add_argument("--graph-pairs", action="store_true",
                    help="shadowsync path: weight_transfer_config {'backend': "
                         "'shadowsync_graph_pairs'} (weights in the arena's two slots, vLLM's CUDA "
@@ -135,6 +141,8 @@ def child_passthrough(args) -> list[str]:
              "--vllm-packed-bytes", str(args.vllm_packed_bytes)]
     if args.swap_strategy:
         flags += ["--swap-strategy", args.swap_strategy]
+    if args.backend:
+        flags += ["--backend", args.backend]
     if args.decode_slowdown_budget:
         flags += ["--decode-slowdown-budget", str(args.decode_slowdown_budget)]
     if args.gpu_memory_utilization:

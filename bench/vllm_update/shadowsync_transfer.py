@@ -132,6 +132,7 @@ class ShadowsyncTransfer:
         fingerprints, (arena_bytes, bucket_bytes) = await asyncio.gather(
             engine.collective_rpc("init_weight_update_group", kwargs=kwargs), self.recv("ready"))
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        swap = (await engine.collective_rpc("memory_report"))[0]["swap"]
         if self.args.trace_steps:
             import vllm_step_trace
 
@@ -150,6 +151,7 @@ class ShadowsyncTransfer:
                     graph_pairs=stats.get("graph_pairs", False),
                     step_hook_at=stats.get("step_hook_at"),
                     gated_swaps="off" if getattr(self.args, "no_gated_swaps", False) else "auto",
+                    placement=None if swap is None else f"{swap['placement']}: {swap['why']}",
                     fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
