@@ -104,6 +104,11 @@ struct ReceiverConfig {
   // budget too, the longer of the two holds. Neither makes an update miss update_deadline: the
   // holds shrink to what the deadline leaves (PacingReport::deadline_limited).
   std::uint64_t max_receive_bytes_per_second = 0;
+  // A complete update is offered only once an engine step has started after its last bucket
+  // completed (at most 4 idle steps later; an idle engine gets it then), so that the step the
+  // swap delays is not also one a bucket slowed. A budget implies it. The step hook stamps when
+  // each step starts (one clock read per step), which is how the receiver learns the idle step.
+  bool offer_after_clean_step = false;
 };
 
 // Checks asked of one update (Receiver::begin_update), beyond those of ReceiverConfig.
@@ -142,8 +147,9 @@ struct PacingReport {
   std::chrono::nanoseconds held_back{0};  // sum of the holds between buckets
   double duty = 1.0;  // busy / (busy + held_back): the share of the window with a bucket in flight
   bool deadline_limited = false;  // a hold was shortened so that update_deadline is met
-  // With a budget, a complete update is offered only once an engine step has started after its
-  // last bucket completed, so that the step a swap delays is not also the one that bucket slowed:
+  // With a budget or offer_after_clean_step, a complete update is offered only once an engine
+  // step has started after its last bucket completed, so that the step a swap delays is not also
+  // the one that bucket slowed:
   // how long it was held for that (0: the idle step was not known yet; about 0: a step had
   // already started), and whether none started within 4 idle steps (an idle engine: offered
   // anyway).

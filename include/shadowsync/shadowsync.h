@@ -144,6 +144,10 @@ typedef struct {
   int64_t gate_deadline_ms;     /* gated swaps: a gate the engine has not finished this long after
                                    the step before it ended is opened by a watchdog, and the
                                    receiver swaps without gates from then on (default 50) */
+  int32_t offer_after_clean_step; /* 1: a complete update is offered once an engine step started
+                                     after its last bucket (at most 4 idle steps later), so that
+                                     the swap's step is not one a bucket slowed; implied by a
+                                     decode_slowdown_budget (default 0) */
 } shadowsync_receiver_config_t;
 
 #define SHADOWSYNC_COMMIT_AUTO 0
@@ -169,7 +173,8 @@ typedef enum {
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT,                       \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                     \
         SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT, 0.0, 0,               \
-        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64                      \
+        SHADOWSYNC_CONFIG_UNDEF_INT, SHADOWSYNC_CONFIG_UNDEF_INT64,                     \
+        SHADOWSYNC_CONFIG_UNDEF_INT                                                     \
   }
 
 /* shadowsync::SenderConfig. */

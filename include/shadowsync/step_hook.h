@@ -88,7 +88,7 @@ struct AppliedUpdate {
 class StepHook {
  public:
   // `record_step_times`: before_step also stamps when each step starts (step_times()), for a
-  // receiver that paces by a decode-slowdown budget. `gate` (remap only; null: none): gated
+  // receiver that paces by a decode-slowdown budget or offers updates after a clean step. `gate` (remap only; null: none): gated
   // swaps (ReceiverConfig::gated_swaps, after_launch), a gate the watchdog opens `gate_deadline`
   // after the work before it completed if the engine has not claimed the swap by then.
   StepHook(const Layout& layout, SlotTable& slots, bool record_step_times = false,

@@ -64,6 +64,9 @@ ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
   config.max_receive_bytes_per_second = c.max_receive_bytes_per_second;
   config.gated_swaps = read_flag(c.gated_swaps, config.gated_swaps, kWhat, "gated_swaps");
   config.gate_deadline = read_int64(c.gate_deadline_ms, config.gate_deadline);
+  config.offer_after_clean_step = read_flag(c.offer_after_clean_step,
+                                            config.offer_after_clean_step, kWhat,
+                                            "offer_after_clean_step");
   return config;
 }
 

@@ -42,8 +42,11 @@ std::int64_t capped_sum(const std::vector<std::int64_t>& values, std::int64_t ca
 }  // namespace
 
 Pacer::Pacer(std::optional<double> budget, std::uint64_t max_bytes_per_second,
-             const StepTimes* steps)
-    : budget_(budget), max_bytes_per_second_(max_bytes_per_second), steps_(steps) {}
+             bool offer_after_clean_step, const StepTimes* steps)
+    : budget_(budget),
+      max_bytes_per_second_(max_bytes_per_second),
+      offer_after_clean_step_(offer_after_clean_step),
+      steps_(steps) {}
 
 void Pacer::begin(std::int64_t quiet_since_ns) {
   report_ = PacingReport{};

@@ -36,11 +36,15 @@ class Pacer {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // `steps` must be non-null when `budget` is set (with only a rate cap it may be: the report then
-  // has no step times).
-  Pacer(std::optional<double> budget, std::uint64_t max_bytes_per_second, const StepTimes* steps);
+  // `steps` must be non-null when `budget` is set or `offer_after_clean_step` (with only a rate
+  // cap it may be: the report then has no step times).
+  Pacer(std::optional<double> budget, std::uint64_t max_bytes_per_second,
+        bool offer_after_clean_step, const StepTimes* steps);
 
+  // Holds buckets back (a budget or a rate cap) and reports what it did.
   bool active() const { return budget_.has_value() || max_bytes_per_second_ != 0; }
+  // Learns the idle step at each begin(): to pace, or to wait for a clean step without pacing.
+  bool learns_steps() const { return active() || offer_after_clean_step_; }
 
   // A receive starts now: learns the idle step time from the steps since the last update ended
   // that started at or after `quiet_since_ns` (StepTimes' clock; the end of the engine's last
@@ -67,10 +71,13 @@ class Pacer {
 
   // The update is complete: how long the receiver may hold it back for a step that starts after
   // its last bucket (Receiver: wait_for_clean_step), so that the step the swap delays is not also
-  // the one the last bucket slowed: kCleanStepLimitInIdleSteps idle steps. Nothing: no budget, or
-  // the idle step is not known yet; then it is offered at once.
+  // the one the last bucket slowed: kCleanStepLimitInIdleSteps idle steps. Nothing: neither a
+  // budget nor offer_after_clean_step, or the idle step is not known yet; then it is offered at
+  // once.
   std::optional<std::chrono::nanoseconds> clean_step_limit() const {
-    if (!budget_ || steps_ == nullptr || idle_step_ns_ == 0) return std::nullopt;
+    if (!(budget_ || offer_after_clean_step_) || steps_ == nullptr || idle_step_ns_ == 0) {
+      return std::nullopt;
+    }
     return std::chrono::nanoseconds(kCleanStepLimitInIdleSteps * idle_step_ns_);
   }
   // Engine steps started so far (0 without step times).
@@ -104,6 +111,7 @@ class Pacer {
 
   const std::optional<double> budget_;
   const std::uint64_t max_bytes_per_second_;
+  const bool offer_after_clean_step_;
   const StepTimes* const steps_;
   double duty_ = 1.0;              // learned; kept across updates
   bool duty_learned_ = false;      // duty_ came from evidence, not from the starting guess

@@ -93,7 +93,8 @@ Receiver::Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backe
       slots_(std::make_unique<SlotTable>(layout_, backend, config.swap_strategy, engine_arenas)),
       hook_(std::make_unique<StepHook>(
           layout_, *slots_,
-          config.decode_slowdown_budget.has_value() || config.max_receive_bytes_per_second != 0,
+          config.decode_slowdown_budget.has_value() || config.max_receive_bytes_per_second != 0 ||
+              config.offer_after_clean_step,
           config.gated_swaps ? backend.create_stream_gate() : nullptr, config.gate_deadline)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
   impl_->thread = std::thread([this] { impl_->run(); });

@@ -55,7 +55,7 @@ struct Receiver::Impl {
         done_event(backend.create_event()),
         checks(owner.wire_layout(), owner.layout_, backend, config.reject_nonfinite),
         pacer(config.decode_slowdown_budget, config.max_receive_bytes_per_second,
-              owner.hook_->step_times()) {
+              config.offer_after_clean_step, owner.hook_->step_times()) {
     std::size_t max_buckets = 0;  // of an update that carries every group
     for (const auto& g : owner.wire_layout().groups()) max_buckets += g.bucket_count();
     if (owner.plan_) bucket_buffer = DeviceBuffer(backend, owner.plan_->max_bucket_bytes());

@@ -118,8 +118,9 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
     bucket_count += layout.groups()[target.group].bucket_count();
   }
   // Unpaced, every bucket is posted at once and the receive is waited for at the end. Paced, one
-  // bucket at a time: posted, waited for, then held back as long as the pacer says.
-  if (pacer.active()) {
+  // bucket at a time: posted, waited for, then held back as long as the pacer says. Paced or
+  // waiting for a clean step, the pacer learns the engine's idle step first.
+  if (pacer.learns_steps()) {
     // The baseline leaves out the last swap's step: it is longer by the swap (a copy_in of every
     // weight under CUDA graphs: 16 GB at 8B, about one raw device copy, 10.6 ms on an H100).
     const StepHook& hook = *owner.hook_;

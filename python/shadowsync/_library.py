@@ -143,6 +143,7 @@ class ReceiverConfigC(Structure):
         ("max_receive_bytes_per_second", c_uint64),  # 0: no cap
         ("gated_swaps", c_int32),
         ("gate_deadline_ms", c_int64),
+        ("offer_after_clean_step", c_int32),
     ]
 
 

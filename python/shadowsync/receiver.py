@@ -74,6 +74,10 @@ class ReceiverConfig:
     # gate_deadline_ms after the step before ended (50), and gates stay off from then on.
     gated_swaps: bool | None = None
     gate_deadline_ms: int | None = None
+    # A complete update is offered only once an engine step started after its last bucket (at
+    # most 4 idle steps later), so that the swap's step is not one a bucket slowed; the step hook
+    # then stamps each step's start. A budget implies it (False).
+    offer_after_clean_step: bool | None = None
 
     def _c_fields(self) -> dict:
         """The C struct's fields; raises InvalidArgumentError naming the field and its value

@@ -107,6 +107,7 @@ static void structs(void) {
   FIELD(shadowsync_receiver_config_t, max_receive_bytes_per_second);
   FIELD(shadowsync_receiver_config_t, gated_swaps);
   FIELD(shadowsync_receiver_config_t, gate_deadline_ms);
+  FIELD(shadowsync_receiver_config_t, offer_after_clean_step);
   end_struct();
 
   STRUCT(shadowsync_sender_config_t);

@@ -317,30 +317,47 @@ TEST_CASE("a budget holds when the few steps a bucket meets run much slower", "[
 // completed, the update went live at the next step, whose predecessor was the step the last
 // bucket slowed: one token gap longer by both (Llama-3-8B on one H200, paced to 1.08: the
 // swap's gap 6.3 ms against a 5.3 ms step, the rest of the window's steps as slow; the GPU's own
-// step at the swap as long as any other). With a budget the receiver waits for a step that
-// started after the last bucket: the step that makes the update live and the one before it
-// met no bucket.
-TEST_CASE("with a budget, the swap and the step before it meet no bucket", "[pacing]") {
-  ReceiverConfig config;
-  config.decode_slowdown_budget = 1.10;
+// step at the swap as long as any other). With a budget, or offer_after_clean_step without one,
+// the receiver waits for a step that started after the last bucket: the step that makes the
+// update live and the one before it met no bucket.
+void check_the_swap_and_the_step_before_meet_no_bucket(const ReceiverConfig& config,
+                                                       const EngineModel& model) {
   for (int run = 0; run < 3; ++run) {
-    const Measured paced =
-        stream_one_update(config, {.idle_step = 4ms, .slowdown_while_busy = 4.0}, 1);
-    const auto& steps = paced.steps;
+    const Measured measured = stream_one_update(config, model, 1);
+    const auto& steps = measured.steps;
     const auto swap = std::find_if(steps.begin(), steps.end(), [](const auto& s) {
       return s.swapped.has_value() && *s.swapped == 2;
     });
     REQUIRE(swap != steps.end());
     REQUIRE(swap != steps.begin());
-    INFO("run " << run << ": held " << ms(paced.pacing.clean_step_wait) << " ms for a clean step"
-                << (paced.pacing.clean_step_missed ? " (none came)" : "") << "; idle step "
-                << ms(paced.pacing.idle_step) << " ms");
+    INFO("run " << run << ": held " << ms(measured.pacing.clean_step_wait)
+                << " ms for a clean step" << (measured.pacing.clean_step_missed ? " (none came)" : ""));
     CHECK_FALSE(swap->met_bucket);
     CHECK_FALSE(std::prev(swap)->met_bucket);
-    CHECK_FALSE(paced.pacing.clean_step_missed);
-    CHECK(paced.pacing.clean_step_wait > 0ns);
-    CHECK(paced.pacing.clean_step_wait <= 4 * paced.pacing.idle_step + 50ms);
+    CHECK_FALSE(measured.pacing.clean_step_missed);
+    CHECK(measured.pacing.clean_step_wait > 0ns);
+    CHECK(ms(measured.pacing.clean_step_wait) <= 4 * measured.idle_step_ms + 50.0);
   }
+}
+
+TEST_CASE("with a budget, the swap and the step before it meet no bucket", "[pacing]") {
+  ReceiverConfig config;
+  config.decode_slowdown_budget = 1.10;
+  check_the_swap_and_the_step_before_meet_no_bucket(config,
+                                                    {.idle_step = 4ms, .slowdown_while_busy = 4.0});
+}
+
+TEST_CASE("offer_after_clean_step without a budget: the swap and the step before meet no bucket",
+          "[pacing]") {
+  ReceiverConfig config;
+  config.offer_after_clean_step = true;
+  // The engine the unpaced measurement above steps (the buckets go back to back: the transfer
+  // must span a few steps for the window's mean).
+  check_the_swap_and_the_step_before_meet_no_bucket(config, {});
+  // Nothing was paced, and the report says so.
+  const Measured measured = stream_one_update(config, {}, 1);
+  CHECK_FALSE(measured.pacing.paced);
+  CHECK(measured.pacing.held_back == 0ns);
 }
 
 // An idle engine starts no step: the complete update is offered after 4 idle steps anyway, and

@@ -30,14 +30,14 @@ struct ReceiveAfterIdleSteps {
     pacer.begin(0);
   }
   StepTimes times;
-  Pacer pacer{1.10, 0, &times};
+  Pacer pacer{1.10, 0, false, &times};
 };
 
 }  // namespace
 
 TEST_CASE("the report's step time is the mean of all the update's steps", "[pacer]") {
   StepTimes times;
-  Pacer pacer(1.10, 0, &times);
+  Pacer pacer(1.10, 0, false, &times);
   for (int i = 0; i < 8; ++i) step(times, 200us);  // idle steps: the baseline
   pacer.begin(0);
   // 10 buckets: during the first 7, 20 short steps each (140); during the last 3, 20 long ones
@@ -118,7 +118,7 @@ TEST_CASE("a pause of the engine counts as at most 4 idle steps", "[pacer]") {
 
 TEST_CASE("an update without a baseline is no evidence that copies are free", "[pacer]") {
   StepTimes times;
-  Pacer pacer(1.10, 0, &times);
+  Pacer pacer(1.10, 0, false, &times);
   // The first update starts before the engine stepped: no idle step time, so its buckets' busy
   // time says nothing about what they cost.
   pacer.begin(0);
@@ -141,7 +141,7 @@ TEST_CASE("an update without a baseline is no evidence that copies are free", "[
 
 TEST_CASE("the baseline leaves out the steps up to the end of the last swap", "[pacer]") {
   StepTimes times;
-  Pacer pacer(1.10, 0, &times);
+  Pacer pacer(1.10, 0, false, &times);
   // 8 idle steps, the swap's step (2 ms: a copy_in of every weight), 8 idle steps.
   const std::int64_t first_start = StepTimes::now_ns();
   for (int i = 0; i < 8; ++i) step(times, 200us);
@@ -164,7 +164,7 @@ TEST_CASE("the baseline leaves out the steps up to the end of the last swap", "[
 
 TEST_CASE("the baseline keeps the earlier gaps' idle steps, halved per update", "[pacer]") {
   StepTimes times;
-  Pacer pacer(1.10, 0, &times);
+  Pacer pacer(1.10, 0, false, &times);
   for (int i = 0; i < 9; ++i) step(times, 200us);
   pacer.begin(0);  // 8 steps of 200 us
   times.record();
@@ -183,7 +183,7 @@ TEST_CASE("a budget gets the duty it needs below 1 %, as long as the deadline al
   // about 6 times their time in flight: budget 1.03 needs a duty near 0.4 %, and a floor of 1 %
   // left decoding 1.04x slower (docs/benchmarks.md).
   StepTimes times;
-  Pacer pacer(1.03, 0, &times);
+  Pacer pacer(1.03, 0, false, &times);
   for (int i = 0; i < 8; ++i) step(times, 200us);
   pacer.begin(0);
   // 1 ms in flight per bucket, 10 steps of 800 us each (600 us over the idle step): 6 ms of
