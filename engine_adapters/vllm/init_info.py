@@ -65,6 +65,10 @@ class ShadowsyncInitInfo:
     * ``decode_slowdown_budget``: e.g. 1.05: the mean step while an update streams in stays
       within 5 % of the step without one; the update takes longer instead. None: unpaced.
     * ``max_receive_bytes_per_second``: a cap on the receive rate (0: none).
+    * ``offer_after_clean_step`` (on by default): a complete update goes live only after a step
+      started once its last bucket landed (at most 4 idle steps later; an idle engine gets it
+      then), so the step the swap delays is not also one a bucket slowed. The step hook reads the
+      clock once per step for it.
 
     Bookkeeping:
 
@@ -93,6 +97,7 @@ class ShadowsyncInitInfo:
     commit_mode: str | None = None
     decode_slowdown_budget: float | None = None
     max_receive_bytes_per_second: int = 0
+    offer_after_clean_step: bool = True
     track_request_versions: bool = False
     adopt_current_weights: bool = True
     hook_execute_model: bool = True
@@ -122,6 +127,10 @@ class ShadowsyncInitInfo:
         for name in ("engine_uses_cuda_graphs", "gated_swaps"):
             if getattr(self, name) not in (None, True, False):
                 _refuse(name, getattr(self, name), "None, True or False")
+        for name in ("offer_after_clean_step", "allow_partial", "track_request_versions",
+                     "adopt_current_weights", "hook_execute_model"):
+            if getattr(self, name) not in (True, False):
+                _refuse(name, getattr(self, name), "True or False")
         if self.group_of is not None and not callable(self.group_of):
             _refuse("group_of", self.group_of, "a function of a tensor name, or None")
         if isinstance(self.receiver_config, Mapping):  # as to_rpc() sends it
@@ -129,9 +138,7 @@ class ShadowsyncInitInfo:
         if self.receiver_config is not None and not isinstance(self.receiver_config,
                                                                ReceiverConfig):
             _refuse("receiver_config", self.receiver_config, "a shadowsync.ReceiverConfig")
-        config = self.paced_receiver_config()
-        if config is not None:
-            config._c_fields()  # refuses a bad value (a budget below 1.0, ...), naming it
+        self.paced_receiver_config()._c_fields()  # refuses a bad value (a budget < 1.0, ...)
 
     @classmethod
     def coerce(cls, info: ShadowsyncInitInfo | Mapping[str, Any] | None = None,
@@ -175,16 +182,14 @@ class ShadowsyncInitInfo:
         del fields["group_of"]
         return fields
 
-    def paced_receiver_config(self) -> ReceiverConfig | None:
-        """`receiver_config` with the pacing fields given here written into it (None when
-        neither is set and no receiver_config was given)."""
-        if self.decode_slowdown_budget is None and not self.max_receive_bytes_per_second:
-            return self.receiver_config
+    def paced_receiver_config(self) -> ReceiverConfig:
+        """`receiver_config` with the pacing fields given here written into it."""
         config = dataclasses.replace(self.receiver_config or ReceiverConfig())
         if self.decode_slowdown_budget is not None:
             config.decode_slowdown_budget = self.decode_slowdown_budget
         if self.max_receive_bytes_per_second:
             config.max_receive_bytes_per_second = self.max_receive_bytes_per_second
+        config.offer_after_clean_step = self.offer_after_clean_step
         return config
 
 
