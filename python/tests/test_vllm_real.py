@@ -14,9 +14,14 @@ in-process engines; the multiprocess engine's output before its first update equ
 shows the two modes compute the same tokens. The in-process llama engine's receiver is paced
 (decode_slowdown_budget 1.5): the same tokens, and its stats report the pacing.
 
-Each engine runs in a child process of its own (vllm_real_child.py): vLLM's configuration and
-parallel state are process-global, and its worker_extension_cls is mixed into vLLM's worker class
-for the rest of a process. Skipped, visibly, where vllm or transformers is not importable."""
+The engines run in child processes (vllm_real_child.py), never in pytest's: vLLM's configuration
+and parallel state are process-global, and its worker_extension_cls is mixed into vLLM's worker
+class for the rest of a process. A child imports vLLM, torch and transformers once (about 8 s of
+CPU on 2 cores, more than a tiny engine's start) and runs its engines one after the other, each
+fresh and shut down before the next: one child makes every reference (engines without the
+extension), one runs every in-process update case (the `inproc_runs` fixture), one the
+refusals, one the multiprocess engine. Skipped, visibly, where vllm or transformers is not
+importable."""
 
 from __future__ import annotations
 
@@ -54,16 +59,25 @@ TRANSFORMED = ("qwen3_moe", "mixtral", "gemma2")  # vLLM CPU transforms layers a
 EXTENSION = "shadowsync.vllm.WorkerExtension"
 OMITTED = "model.norm.weight"
 INIT_RANGE = 0.1  # layers that decide the output (vllm_models.make_tiny_model says why)
+LORA_R, LORA_ALPHA = 8, 16  # scaling 2: vLLM multiplies lora_B by it, so the trainer sends B x 2
+# Every projection, the input embedding (PEFT's lora_embedding_A/B, which vLLM keeps transposed)
+# and lm_head (vLLM's logits layer): every kind of LoRA layer a Llama has in vLLM.
+LORA_MODULES = LORA_TARGETS + LORA_EMBEDDING_TARGETS
+# Two slots, the adapter in the first: vLLM CPU 0.32 computes the logits of a request without an
+# adapter with the lm_head adapter of its last slot (punica_cpu.py add_lora_logits indexes the
+# slots with the sampler index -1), so with one slot a request without the adapter would get it.
+LORA_SLOTS = 2
 
 
 def run_child(args: dict) -> dict:
     """Runs vllm_real_child.py with `args`; its RESULT line, or a failure with its stderr."""
     started = time.monotonic()
+    timeout_s = CHILD_TIMEOUT_S * len(args.get("jobs", [None]))  # a batch: that much per job
     try:
         proc = subprocess.run([sys.executable, str(CHILD), json.dumps(args)], capture_output=True,
-                              text=True, timeout=CHILD_TIMEOUT_S)
+                              text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{args['what']} child ran past {CHILD_TIMEOUT_S} s:\n"
+        pytest.fail(f"{args['what']} child ran past {timeout_s} s:\n"
                     f"{(e.stderr or b'')[-4000:]!s}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or len(lines) != 1:
@@ -100,33 +114,116 @@ def checkpoints(tmp_path_factory):
     return Checkpoints(tmp_path_factory.mktemp("vllm_models"))
 
 
+def job_result(results: dict, name: str) -> dict:
+    """Job `name`'s result from a batch child; a failed job fails the test with its traceback."""
+    result = results[name]
+    if "error" in result:
+        pytest.fail(f"{name} failed in the child:\n{result['error']}")
+    return result
+
+
 @pytest.fixture(scope="module")
-def references(checkpoints):
-    """(arch, dtype, which) -> greedy token ids of PROMPTS on a fresh in-process engine of that
-    checkpoint; computed once per (arch, dtype), engines one after the other in one child."""
-    cache: dict = {}
+def lora_adapters(checkpoints, tmp_path_factory):
+    """Adapters L1 and L2 (PEFT) of llama's checkpoint A, for the LoRA test and its references."""
+    root = tmp_path_factory.mktemp("lora")
+    return [make_tiny_lora(checkpoints.get("llama", "a"), root / f"L{seed - 10}", seed=seed,
+                           r=LORA_R, lora_alpha=LORA_ALPHA, targets=LORA_MODULES)
+            for seed in (11, 12)]
 
-    def get(arch: str, dtype: str, which: str):
-        if (arch, dtype, which) not in cache:
-            whiches = ["a", "b"] + (["b_norm_of_a"] if arch == "llama" else [])
-            result = run_child(dict(
-                what="generate", mode="inproc", dtype=dtype, quantization="shadowsync_unpacked",
-                models=[checkpoints.get(arch, w) for w in whiches], prompts=PROMPTS,
-                max_tokens=MAX_TOKENS))
-            for w, output in zip(whiches, result["outputs"]):
-                cache[(arch, dtype, w)] = output["tokens"]
-            a, b = cache[(arch, dtype, "a")], cache[(arch, dtype, "b")]
-            # The oracle can tell the checkpoints apart on every prompt.
-            assert all(x != y for x, y in zip(a, b)), (arch, a, b)
-        return cache[(arch, dtype, which)]
 
-    return get
+class References:
+    """Greedy token ids of PROMPTS on fresh in-process engines without the extension:
+    `tokens(arch, dtype, which)` of checkpoint `which` ("a", "b", and for llama "b_norm_of_a"),
+    `lora(model, adapter)` of the LoRA test's engines (adapter None: requests without one). All
+    are made at the first use, in one child."""
+
+    def __init__(self, checkpoints: Checkpoints, lora_adapters: list[str]):
+        self.checkpoints = checkpoints
+        self.lora_adapters = lora_adapters
+        self.results: dict | None = None
+
+    def _all(self) -> dict:
+        if self.results is None:
+            get = self.checkpoints.get
+            jobs = [dict(name=arch, what="generate", dtype=dtype,
+                         quantization="shadowsync_unpacked",
+                         models=[get(arch, w) for w in self.whiches(arch)]) for arch, dtype in ARCHS]
+            a, b = get("llama", "a"), get("llama", "b")
+            l1, l2 = self.lora_adapters
+            jobs.append(dict(name="lora", what="lora_references", dtype="float32", r=LORA_R,
+                             max_loras=LORA_SLOTS, engines=[[a, [None, l1, l2]], [b, [None, l1]]]))
+            self.results = run_child(dict(what="batch", mode="inproc", prompts=PROMPTS,
+                                          max_tokens=MAX_TOKENS, jobs=jobs))["results"]
+        return self.results
+
+    @staticmethod
+    def whiches(arch: str) -> list[str]:
+        return ["a", "b"] + (["b_norm_of_a"] if arch == "llama" else [])
+
+    def tokens(self, arch: str, dtype: str, which: str) -> list[list[int]]:
+        assert (arch, dtype) in ARCHS, (arch, dtype)
+        outputs = job_result(self._all(), arch)["outputs"]
+        found = dict(zip(self.whiches(arch), (output["tokens"] for output in outputs)))
+        # The oracle can tell the checkpoints apart on every prompt.
+        assert all(x != y for x, y in zip(found["a"], found["b"])), (arch, found)
+        return found[which]
+
+    def lora(self, model: str, adapter: str | None) -> list[list[int]]:
+        outputs = job_result(self._all(), "lora")["outputs"]
+        return next(o["tokens"] for o in outputs if (o["model"], o["adapter"]) == (model, adapter))
+
+
+@pytest.fixture(scope="module")
+def all_references(checkpoints, lora_adapters):
+    return References(checkpoints, lora_adapters)
+
+
+@pytest.fixture(scope="module")
+def references(all_references):
+    """(arch, dtype, which) -> the greedy token ids of a fresh engine of that checkpoint."""
+    return all_references.tokens
 
 
 def update_args(checkpoints, arch: str, dtype: str, mode: str, **extra) -> dict:
     return dict(what="update", mode=mode, dtype=dtype, prompts=PROMPTS, max_tokens=MAX_TOKENS,
                 bucket_bytes=BUCKET_BYTES,
                 models=[checkpoints.get(arch, "a"), checkpoints.get(arch, "b")], **extra)
+
+
+PACED = dict(decode_slowdown_budget=1.5)  # llama's in-process engine runs paced
+
+
+@pytest.fixture(scope="module")
+def inproc_runs(checkpoints, lora_adapters):
+    """name -> what one case on an in-process engine with the extension saw (vllm_real_child.py's
+    result). Every case runs at the first use, in one child, each on a fresh engine of its own
+    with a trainer process of its own (the LoRA case: a loopback trainer in the child)."""
+    results: dict = {}
+
+    def get(name: str) -> dict:
+        if not results:
+            def update(name: str, arch: str = "llama", dtype: str = "float32", **extra) -> dict:
+                return dict(update_args(checkpoints, arch, dtype, "inproc", **extra), name=name)
+
+            a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
+            jobs = [update(arch, arch, dtype, **(PACED if arch == "llama" else {}))
+                    for arch, dtype in ARCHS]
+            jobs += [
+                dict(name="selfcheck", what="selfcheck", dtype="float32", models=[a]),
+                update("no_prefix_cache_reset", reset_prefix_cache=False),
+                update("under_load", under_load=True),
+                update("under_load_preempt", under_load=True, preempt_running=True),
+                update("omit", omit=[OMITTED]),
+                dict(name="lora", what="lora", dtype="float32", base=a, base_b=b,
+                     adapters=lora_adapters, r=LORA_R, lora_alpha=LORA_ALPHA,
+                     max_loras=LORA_SLOTS),
+            ]
+            batch = run_child(dict(what="batch", mode="inproc", prompts=PROMPTS,
+                                   max_tokens=MAX_TOKENS, bucket_bytes=BUCKET_BYTES, jobs=jobs))
+            results.update(batch["results"])
+        return job_result(results, name)
+
+    return get
 
 
 def only_versions(per_request: dict) -> set[int]:
@@ -143,7 +240,8 @@ def tokens_under(per_request: dict, version: int) -> int:
                          + [("llama", "float32", "mp")],
                          ids=[f"{a}-{d}-inproc" for a, d in ARCHS] + ["llama-float32-mp"])
 def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoints, references,
-                                                                      arch, dtype, mode):
+                                                                      inproc_runs, arch, dtype,
+                                                                      mode):
     ref_a = references(arch, dtype, "a")
     ref_b = references(arch, dtype, "b")
     # One engine runs paced: the token-for-token oracle below must hold with pacing too.
@@ -151,10 +249,12 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     # The multiprocess engine is started as a user turns shadowsync on: vLLM's
     # weight_transfer_config names the backend, and the front end takes a ShadowsyncInitInfo.
     backend = mode == "mp"
-    extra = dict(decode_slowdown_budget=1.5) if paced else {}
-    out = run_child(update_args(checkpoints, arch, dtype, mode,
-                                **extra, **(dict(backend="shadowsync") if backend else {})))
-    print(f"{arch} {dtype} {mode}: engine start {out['start_s']:.1f} s, child {out['child_s']:.1f} s")
+    if mode == "inproc":
+        out = inproc_runs(arch)
+    else:
+        out = run_child(update_args(checkpoints, arch, dtype, mode, backend="shadowsync"))
+    print(f"{arch} {dtype} {mode}: engine start {out['start_s']:.1f} s, case "
+          f"{out.get('job_s', out.get('child_s')):.1f} s")
 
     assert out["fingerprints"] == [out["trainer_fingerprint"]]
     if arch == "phi3":
@@ -204,7 +304,8 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     # The last ready update (2) and what pacing did to it.
     assert stats["last_transfer_s"] > 0
     if paced:
-        assert stats["pacing"]["paced"] is True and stats["pacing"]["budget"] == 1.5
+        assert stats["pacing"]["paced"] is True and stats["pacing"]["budget"] == \
+            PACED["decode_slowdown_budget"]
         # Learned from the stamps of vLLM's steps through the hooked execute_model.
         assert stats["pacing"]["idle_step_s"] > 0, stats["pacing"]
     else:
@@ -219,13 +320,11 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
         assert out["refused_extra"].startswith("Exception: ")
 
 
-def test_the_self_check_refuses_an_update_through_a_broken_plan(checkpoints, references):
+def test_the_self_check_refuses_an_update_through_a_broken_plan(references, inproc_runs):
     """A receive plan broken on purpose (two layers' down_proj destinations swapped) on an
     engine of A; the trainer sends A with verify_matches_live: the update fails naming a
     down_proj and its first differing element, nothing goes live, the output stays A's."""
-    out = run_child(dict(what="selfcheck", mode="inproc", dtype="float32", prompts=PROMPTS,
-                         max_tokens=MAX_TOKENS, bucket_bytes=BUCKET_BYTES,
-                         models=[checkpoints.get("llama", "a")]))
+    out = inproc_runs("selfcheck")
     assert "applied" not in out, out
     refusal = out["refusal"]
     assert "self-check (verify_matches_live): tensor 'model.layers.0.mlp.down_proj.weight'" \
@@ -235,13 +334,12 @@ def test_the_self_check_refuses_an_update_through_a_broken_plan(checkpoints, ref
     assert out["before"] == out["after"] == references("llama", "float32", "a")
 
 
-def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(checkpoints,
-                                                                              references):
+def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(references,
+                                                                              inproc_runs):
     """What apply_update's prefix-cache reset prevents (and what the test above would catch):
     without it, the prompts with a full cached block are computed on version 0's KV."""
     ref_b = references("llama", "float32", "b")
-    out = run_child(update_args(checkpoints, "llama", "float32", "inproc",
-                                reset_prefix_cache=False))
+    out = inproc_runs("no_prefix_cache_reset")
     for i, tokens in enumerate(out["after_b"]):
         if i in LONG:
             assert tokens != ref_b[i], PROMPTS[i]
@@ -249,11 +347,11 @@ def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(ch
             assert tokens == ref_b[i], PROMPTS[i]
 
 
-def test_under_load_vllm_refuses_the_reset_and_apply_update_says_so(checkpoints, references):
+def test_under_load_vllm_refuses_the_reset_and_apply_update_says_so(references, inproc_runs):
     """A request runs (holds KV blocks) when update 1 goes live: vLLM refuses the prefix cache
     reset, apply_update warns, and the long prompts are then computed on version 0's KV."""
     ref_b = references("llama", "float32", "b")
-    out = run_child(update_args(checkpoints, "llama", "float32", "inproc", under_load=True))
+    out = inproc_runs("under_load")
     assert out["applied1"] == 1
     assert any("refused to reset its prefix cache" in w and "preempt_running=True" in w
                for w in out["load_warnings"]), out["load_warnings"]
@@ -262,25 +360,24 @@ def test_under_load_vllm_refuses_the_reset_and_apply_update_says_so(checkpoints,
         assert (tokens != ref_b[i]) if i in LONG else (tokens == ref_b[i]), PROMPTS[i]
 
 
-def test_under_load_preempt_running_resets_the_prefix_cache_anyway(checkpoints, references):
+def test_under_load_preempt_running_resets_the_prefix_cache_anyway(references, inproc_runs):
     """The same, with apply_update(preempt_running=True): vLLM preempts the running request
     (it recomputes and finishes), the reset happens, and every answer equals a fresh engine of
     the new weights."""
     ref_b = references("llama", "float32", "b")
-    out = run_child(update_args(checkpoints, "llama", "float32", "inproc", under_load=True,
-                                preempt_running=True))
+    out = inproc_runs("under_load_preempt")
     assert out["applied1"] == 1
     assert not out["load_warnings"], out["load_warnings"]
     assert out["load_finished"] == ["running"] and out["load_tokens"] == [MAX_TOKENS]
     assert out["after_b"] == ref_b
 
 
-def test_a_tensor_the_trainer_omits_keeps_the_engines_value(checkpoints, references):
+def test_a_tensor_the_trainer_omits_keeps_the_engines_value(references, inproc_runs):
     """The trainer leaves model.norm.weight out of its layout and the worker allows it
     (allow_partial=True): the engine's layout then holds only the parameters its loader writes
     from the trainer's tensors, and the norm keeps the engine's value. After update 1 the engine is B with A's final norm, token for token a fresh
     engine of exactly that checkpoint; after update 2 it is A again."""
-    out = run_child(update_args(checkpoints, "llama", "float32", "inproc", omit=[OMITTED]))
+    out = inproc_runs("omit")
     assert out["after_b"] == references("llama", "float32", "b_norm_of_a")
     assert out["after_b"] != references("llama", "float32", "b")
     assert out["after_a"] == references("llama", "float32", "a")
@@ -291,14 +388,11 @@ def test_a_tensor_the_trainer_omits_keeps_the_engines_value(checkpoints, referen
 @pytest.fixture(scope="module")
 def refusals(checkpoints):
     """The messages of init_weight_update_group attempts on real engines, in-process (errors
-    keep their type there). Two children: an engine started without the extension must be the
-    first of its process, since vLLM mixes a worker_extension_cls into its worker class for the
-    rest of the process."""
+    keep their type there), in one child. The engine without the extension comes first: vLLM
+    mixes a worker_extension_cls into its worker class for the rest of the process."""
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
-    plain = run_child(dict(what="refusals", mode="inproc", dtype="float32",
-                           bucket_bytes=BUCKET_BYTES, engines=[dict(
-                               engine=dict(model=a, quantization="shadowsync_unpacked"),
-                               specs_from=b, attempts=[{}])]))
+    plain = dict(engine=dict(model=a, quantization="shadowsync_unpacked"), specs_from=b,
+                 attempts=[{}])
     attempts = {
         "extra_skipped": dict(extra=[["model.layers.0.self_attn.rotary_emb.inv_freq", "fp32",
                                       [16]]]),
@@ -314,19 +408,20 @@ def refusals(checkpoints):
                                     worker_extension_cls=EXTENSION),
                         specs_from=checkpoints.get(arch, "a"), attempts=[{}])
                    for arch in TRANSFORMED]
-    extension = run_child(dict(what="refusals", mode="inproc", dtype="float32",
-                               bucket_bytes=BUCKET_BYTES, engines=[
+    messages = run_child(dict(what="refusals", mode="inproc", dtype="float32",
+                              bucket_bytes=BUCKET_BYTES, engines=[
+        plain,
         dict(engine=dict(model=a, worker_extension_cls=EXTENSION), specs_from=b,
              attempts=[{}]),
         dict(engine=dict(model=a, dtype="bfloat16", quantization="shadowsync_unpacked",
                          worker_extension_cls=EXTENSION), specs_from=b,
              attempts=list(attempts.values())),
-    ] + transformed))
-    found = dict(zip(attempts, extension["messages"][1]))
-    found["packed"] = extension["messages"][0][0]
-    for arch, messages in zip(TRANSFORMED, extension["messages"][2:]):
-        found[arch] = messages[0]
-    found["no_extension"] = plain["messages"][0][0]
+    ] + transformed))["messages"]
+    found = dict(zip(attempts, messages[2]))
+    found["packed"] = messages[1][0]
+    for arch, arch_messages in zip(TRANSFORMED, messages[3:]):
+        found[arch] = arch_messages[0]
+    found["no_extension"] = messages[0][0]
     for name, message in found.items():
         print(f"{name}: {message}")
     return found
@@ -414,18 +509,10 @@ def test_an_engine_without_the_extension_says_the_method_is_not_implemented(refu
 
 # --- a LoRA adapter vLLM serves, updated in place ------------------------------------------------
 
-LORA_R, LORA_ALPHA = 8, 16  # scaling 2: vLLM multiplies lora_B by it, so the trainer sends B x 2
-# Every projection, the input embedding (PEFT's lora_embedding_A/B, which vLLM keeps transposed)
-# and lm_head (vLLM's logits layer): every kind of LoRA layer a Llama has in vLLM.
-LORA_MODULES = LORA_TARGETS + LORA_EMBEDDING_TARGETS
-# Two slots, the adapter in the first: vLLM CPU 0.32 computes the logits of a request without an
-# adapter with the lm_head adapter of its last slot (punica_cpu.py add_lora_logits indexes the
-# slots with the sampler index -1), so with one slot a request without the adapter would get it.
-LORA_SLOTS = 2
-
-
 def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoints,
-                                                                         tmp_path_factory):
+                                                                         lora_adapters,
+                                                                         all_references,
+                                                                         inproc_runs):
     """vLLM CPU with enable_lora (two slots) serves adapter 1 (PEFT, every projection,
     embed_tokens and lm_head, r 8, alpha 16) on checkpoint A. The trainer's layout is A's HF
     tensors ("base") and the adapter's PEFT tensors ("lora", lora_B and lora_embedding_B
@@ -434,22 +521,14 @@ def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoi
     loaded that adapter from its directory onto that checkpoint, and requests without it as the
     checkpoint alone, token for token. Bad LoRA set-ups are refused, named, and change nothing."""
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
-    root = tmp_path_factory.mktemp("lora")
-    l1 = make_tiny_lora(a, root / "L1", seed=11, r=LORA_R, lora_alpha=LORA_ALPHA,
-                        targets=LORA_MODULES)
-    l2 = make_tiny_lora(a, root / "L2", seed=12, r=LORA_R, lora_alpha=LORA_ALPHA,
-                        targets=LORA_MODULES)
-    common = dict(mode="inproc", dtype="float32", prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                  r=LORA_R, max_loras=LORA_SLOTS)
-    refs = run_child(dict(common, what="lora_references",
-                          engines=[[a, [None, l1, l2]], [b, [None, l1]]]))["outputs"]
-    ref = {(r["model"], r["adapter"]): r["tokens"] for r in refs}
+    l1, l2 = lora_adapters
+    ref = {(model, adapter): all_references.lora(model, adapter)
+           for model, adapter in ((a, None), (a, l1), (a, l2), (b, None), (b, l1))}
     # The oracle tells every pair apart.
-    distinct = [ref[(a, None)], ref[(a, l1)], ref[(a, l2)], ref[(b, None)], ref[(b, l1)]]
+    distinct = list(ref.values())
     assert all(x != y for i, x in enumerate(distinct) for y in distinct[i + 1:])
 
-    out = run_child(dict(common, what="lora", base=a, base_b=b, adapters=[l1, l2],
-                         lora_alpha=LORA_ALPHA, bucket_bytes=BUCKET_BYTES))
+    out = inproc_runs("lora")
     for stage in ("before", "after_refusals", "after_init"):
         assert out[stage] == dict(lora=ref[(a, l1)], plain=ref[(a, None)]), stage
     assert out["fingerprint_matches"]

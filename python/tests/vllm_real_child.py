@@ -17,6 +17,16 @@ JSON_ARGS holds ``what`` and its arguments:
   and the receiver's counters come back.
 * ``refusals``: for each of ``engines``, an engine started with its settings, then each of its
   ``attempts`` at init_weight_update_group; the message each raised (run_refusals).
+* ``selfcheck``, ``lora``, ``lora_references``: see run_selfcheck, run_lora, run_lora_references.
+* ``batch``: each of ``jobs`` (the arguments of one of the above, with a ``name``) in turn, in
+  this one process: vLLM, torch and transformers are imported once for all of them (about 8 s of
+  CPU per process on 2 cores, more than a tiny engine's start), yet each job still starts fresh
+  engines of its own and shuts them down before the next. Its result is ``results``: each job's
+  name -> its result, or ``{"error": traceback}`` (the jobs after a failed one still run).
+
+Every engine is shut down before the next starts. vLLM mixes a ``worker_extension_cls`` into its
+worker class for the rest of the process: engines without the extension must come before any
+with it.
 
 Environment: ``mode`` ``inproc`` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine runs in this
 process: collective_rpc then runs in the caller's thread, so every call here comes from the
@@ -26,10 +36,12 @@ between steps).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -155,7 +167,12 @@ def start_trainer(args: dict, paths: list[str]):
     directory = tempfile.mkdtemp(prefix="ssv_")  # mode 0700, as the transport requires
     socket_path = os.path.join(directory, "trainer.sock")
     token = secrets.token_hex(16)  # 32 bytes
-    context = multiprocessing.get_context("spawn")
+    # Not fork (this process runs vLLM's threads). A fork server that imported what a trainer
+    # imports (this module first: it puts shadowsync on sys.path) starts each trainer of a batch
+    # without importing torch and transformers again; a module it could not import, the trainer
+    # imports itself.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", "torch", "transformers", "shadowsync"])
     parent, child = context.Pipe()
     process = context.Process(
         target=trainer, daemon=True,
@@ -193,15 +210,30 @@ def make_llm(args: dict, model: str, **extra):
     return vllm.LLM(model=model, **kwargs)
 
 
+def shut_down(llm) -> None:
+    """Ends `llm`'s engine (None: nothing to end). vLLM's parallel state is process-global: the
+    next engine of this process (the next job of a batch) can start only after this."""
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def fresh_engine(args: dict, model: str, **extra):
+    """A fresh engine (make_llm), shut down when the block ends, also on an error."""
+    llm = make_llm(args, model, **extra)
+    try:
+        yield llm
+    finally:
+        shut_down(llm)
+
+
 def run_generate(args: dict) -> dict:
     results = []
     for model in args["models"]:
         started = time.monotonic()
-        llm = make_llm(args, model, quantization=args.get("quantization"))
-        results.append(dict(model=model, start_s=time.monotonic() - started,
-                            tokens=greedy(llm, args["prompts"], args["max_tokens"])))
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        with fresh_engine(args, model, quantization=args.get("quantization")) as llm:
+            results.append(dict(model=model, start_s=time.monotonic() - started,
+                                tokens=greedy(llm, args["prompts"], args["max_tokens"])))
     return dict(outputs=results)
 
 
@@ -227,6 +259,7 @@ def run_update(args: dict) -> dict:
     reset = args.get("reset_prefix_cache", True)  # False: to show what the reset prevents
     process, conn, same_host, directory = start_trainer(args, [b, a])
     out: dict = {}
+    llm = None
     try:
         _, specs, trainer_fingerprint, buckets = expect(conn, "specs")
         started = time.monotonic()
@@ -303,6 +336,7 @@ def run_update(args: dict) -> dict:
         conn.send(None)
         expect(conn, "closed")
     finally:
+        shut_down(llm)
         stop_trainer(process, conn, directory)
     return out
 
@@ -354,27 +388,35 @@ def run_lora(args: dict) -> dict:
     groups (checkpoint ``base_b`` and ``adapters[0]``). Answers with the adapter and without it
     after each, and the refusals of bad LoRA set-ups."""
     from safetensors.torch import load_file
+
+    import shadowsync.vllm as ssv
+
+    scaling = args["lora_alpha"] / args["r"]
+    adapters = [ssv.scaled_lora_b(load_file(os.path.join(p, "adapter_model.safetensors")),
+                                  scaling) for p in args["adapters"]]
+    bases = {p: hf_tensors(p, args["dtype"]) for p in (args["base"], args["base_b"])}
+    with fresh_engine(args, args["base"], quantization="shadowsync_unpacked",
+                      worker_extension_cls=EXTENSION, enable_lora=True, max_lora_rank=args["r"],
+                      max_loras=args["max_loras"]) as llm:
+        return lora_on_engine(args, llm, bases, adapters)
+
+
+def lora_on_engine(args: dict, llm, bases: dict, adapters: list) -> dict:
+    """run_lora on its engine: the refused set-ups, the set-up and the two updates."""
     from vllm.lora.request import LoRARequest
 
     import shadowsync as ss
     import shadowsync.vllm as ssv
 
     prompts, max_tokens = args["prompts"], args["max_tokens"]
-    base, base_b = args["base"], args["base_b"]
-    scaling = args["lora_alpha"] / args["r"]
-    adapters = [ssv.scaled_lora_b(load_file(os.path.join(p, "adapter_model.safetensors")),
-                                  scaling) for p in args["adapters"]]
-    bases = {p: hf_tensors(p, args["dtype"]) for p in (base, base_b)}
-    lora_settings = dict(enable_lora=True, max_lora_rank=args["r"], max_loras=args["max_loras"])
     request = LoRARequest("policy", 1, args["adapters"][0])  # the adapter's first version
 
     def answers(llm) -> dict:
         return dict(lora=greedy_lora(llm, prompts, max_tokens, request),
                     plain=greedy(llm, prompts, max_tokens))
 
+    base, base_b = args["base"], args["base_b"]
     out: dict = {}
-    llm = make_llm(args, base, quantization="shadowsync_unpacked", worker_extension_cls=EXTENSION,
-                   **lora_settings)
     out["before"] = answers(llm)
     wire = ss.TensorSpec
     base_specs = [wire(n, WIRE_DTYPE[args["dtype"]], tuple(t.shape), "base")
@@ -436,15 +478,14 @@ def run_lora_references(args: dict) -> dict:
 
     results = []
     for model, cases in args["engines"]:
-        llm = make_llm(args, model, quantization="shadowsync_unpacked", enable_lora=True,
-                       max_lora_rank=args["r"], max_loras=args["max_loras"])
-        for number, adapter in enumerate(cases, start=1):
-            # Its own lora_int_id each: vLLM takes an id it holds as that adapter, whatever path.
-            request = LoRARequest(f"reference-{number}", number, adapter) if adapter else None
-            results.append(dict(model=model, adapter=adapter, tokens=greedy_lora(
-                llm, args["prompts"], args["max_tokens"], request)))
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        with fresh_engine(args, model, quantization="shadowsync_unpacked", enable_lora=True,
+                          max_lora_rank=args["r"], max_loras=args["max_loras"]) as llm:
+            for number, adapter in enumerate(cases, start=1):
+                # Its own lora_int_id each: vLLM takes an id it holds as that adapter, whatever
+                # path.
+                request = LoRARequest(f"reference-{number}", number, adapter) if adapter else None
+                results.append(dict(model=model, adapter=adapter, tokens=greedy_lora(
+                    llm, args["prompts"], args["max_tokens"], request)))
     return dict(outputs=results)
 
 
@@ -490,6 +531,7 @@ def run_selfcheck(args: dict) -> dict:
 
     process, conn, same_host, directory = start_trainer(args, [a])
     out: dict = {}
+    llm = None
     try:
         _, specs, _, _ = expect(conn, "specs")
         llm = make_llm(args, a, quantization="shadowsync_unpacked", worker_extension_cls=EXTENSION)
@@ -511,6 +553,7 @@ def run_selfcheck(args: dict) -> dict:
         conn.send(None)
         expect(conn, "closed")
     finally:
+        shut_down(llm)
         stop_trainer(process, conn, directory)
     return out
 
@@ -527,30 +570,45 @@ def run_refusals(args: dict) -> dict:
         model = engine.pop("model")
         dtype = engine.pop("dtype", args["dtype"])
         tensors = hf_tensors(case["specs_from"], dtype)
-        llm = make_llm(dict(args, dtype=dtype), model, **engine)
         messages = []
-        for attempt in case["attempts"]:
-            wire = attempt.get("spec_dtype", WIRE_DTYPE[dtype])
-            specs = [(n, wire, tuple(t.shape)) for n, t in tensors.items()
-                     if n not in attempt.get("omit", [])]
-            specs += [(n, d, tuple(shape)) for n, d, shape in attempt.get("extra", [])]
-            messages.append(init_message(llm, dict(specs=specs,
-                                                   bucket_bytes=args["bucket_bytes"])))
+        with fresh_engine(dict(args, dtype=dtype), model, **engine) as llm:
+            for attempt in case["attempts"]:
+                wire = attempt.get("spec_dtype", WIRE_DTYPE[dtype])
+                specs = [(n, wire, tuple(t.shape)) for n, t in tensors.items()
+                         if n not in attempt.get("omit", [])]
+                specs += [(n, d, tuple(shape)) for n, d, shape in attempt.get("extra", [])]
+                messages.append(init_message(llm, dict(specs=specs,
+                                                       bucket_bytes=args["bucket_bytes"])))
         results.append(messages)
-        llm.llm_engine.engine_core.shutdown()
-        del llm
     return dict(messages=results)
+
+
+def run_batch(args: dict) -> dict:
+    """Each of ``jobs`` in turn (its keys over this call's), each timed; a job that raises gives
+    its traceback, and the next job still runs."""
+    results = {}
+    for job in args["jobs"]:
+        started = time.monotonic()
+        try:
+            result = WHAT[job["what"]](dict(args, **job))
+        except Exception:  # noqa: BLE001 - the test of that job reports it
+            result = {"error": traceback.format_exc()}
+        result["job_s"] = time.monotonic() - started
+        results[job["name"]] = result
+    return dict(results=results)
+
+
+WHAT = {"generate": run_generate, "update": run_update, "refusals": run_refusals,
+        "selfcheck": run_selfcheck, "lora": run_lora, "lora_references": run_lora_references,
+        "batch": run_batch}
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
     if args["mode"] == "inproc":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    what = {"generate": run_generate, "update": run_update, "refusals": run_refusals,
-            "selfcheck": run_selfcheck,
-            "lora": run_lora, "lora_references": run_lora_references}
     started = time.monotonic()
-    result = what[args["what"]](args)
+    result = WHAT[args["what"]](args)
     result["wall_s"] = time.monotonic() - started
     print("RESULT " + json.dumps(result, default=repr), flush=True)
 
