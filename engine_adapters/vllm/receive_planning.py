@@ -102,7 +102,7 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
 def receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter: int | None,
                             bucket_bytes: int, allow_partial: bool, live_arena=None):
     """(engine layout, ReceivePlan, params, descs) for a trainer that sends a LoRA adapter's
-    tensors (and maybe base weights): the base through _receive_plan, the adapter into its vLLM
+    tensors (and maybe base weights): the base through receive_plan, the adapter into its vLLM
     slot (lora_plan.py). Both in one plan over the trainer's layout as it sends it."""
     from shadowsync.receive_plan import ReceivePlan
 
