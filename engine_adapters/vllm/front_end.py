@@ -15,25 +15,34 @@ __all__ = ["apply_update", "apply_update_async", "commit_update", "commit_update
            "init_weight_update_group", "init_weight_update_group_async"]
 
 
-def init_weight_update_group(llm, info: ShadowsyncInitInfo | dict | None = None,
-                             **fields) -> int:
+def init_weight_update_group(llm, info: ShadowsyncInitInfo | dict | None = None, *,
+                             transport=None, **fields) -> int:
     """Front end (the process that holds the ``vllm.LLM``): sets up every worker from `info` (a
     ShadowsyncInitInfo, a dict of its fields, or None) with `fields` on top, checked here once
     before any worker is called (``collective_rpc("init_weight_update_group")``, the info as
-    plain data). Under tensor parallelism the workers return a refusal rather than raise it (a
-    raise would end vLLM's engine); this raises it, as the error the refusing worker named, with
-    its index. Returns the layout fingerprint (every worker's is the trainer's)."""
-    info = ShadowsyncInitInfo.coerce(info, **fields)
+    plain data). `transport`: a ready transport object instead of the one `info` names (an
+    in-process engine only: an object cannot reach another process's workers). Under tensor
+    parallelism the workers return a refusal rather than raise it (a raise would end vLLM's
+    engine); this raises it, as the error the refusing worker named, with its index. Returns the
+    layout fingerprint (every worker's is the trainer's)."""
     return _fingerprint(llm.collective_rpc("init_weight_update_group",
-                                           kwargs={"info": info.to_rpc()}))
+                                           kwargs=_rpc_kwargs(info, transport, fields)))
 
 
 async def init_weight_update_group_async(engine, info: ShadowsyncInitInfo | dict | None = None,
-                                         **fields) -> int:
+                                         *, transport=None, **fields) -> int:
     """init_weight_update_group for an ``AsyncLLM``."""
-    info = ShadowsyncInitInfo.coerce(info, **fields)
     return _fingerprint(await engine.collective_rpc("init_weight_update_group",
-                                                    kwargs={"info": info.to_rpc()}))
+                                                    kwargs=_rpc_kwargs(info, transport, fields)))
+
+
+def _rpc_kwargs(info, transport, fields: dict) -> dict:
+    """The workers' init_weight_update_group arguments: the checked info as plain data, and a
+    ready transport where one is given."""
+    kwargs = {"info": ShadowsyncInitInfo.coerce(info, **fields).to_rpc()}
+    if transport is not None:
+        kwargs["transport"] = transport
+    return kwargs
 
 
 def _fingerprint(results: list) -> int:
