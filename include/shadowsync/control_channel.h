@@ -118,8 +118,11 @@ struct RendezvousRequest {
   int world_size = 2;
 };
 
-// Creates this engine's transport for a rendezvous (e.g. NcclTransport::create). Runs on the
-// channel's worker thread and may block; throw (or return null) to refuse: the trainer is told.
+// Creates this engine's transport for a rendezvous (e.g. NcclTransport::create). Runs on a
+// thread of the channel's and may block; throw (or return null) to refuse: the trainer is told.
+// When the trainer that asked leaves before it returns, the channel stops waiting for it and
+// serves the next trainer; what it returns then is destroyed, never installed. It must be safe to
+// call again while such a given-up call still runs.
 using TransportFactory = std::function<std::unique_ptr<Transport>(const RendezvousRequest&)>;
 
 struct EngineChannelConfig {
@@ -128,14 +131,16 @@ struct EngineChannelConfig {
   std::string bind_address = "127.0.0.1";  // numeric IPv4
   std::uint16_t port = 0;                  // 0: any free port; port() tells which
   std::uint32_t rank = 0;                  // this engine's rank, reported in its hello
-  // Connections still in their handshake beyond this are closed at once: unauthenticated peers
-  // cannot pile up. The authenticated trainer does not count.
+  // At most this many connections that have not proved the token yet (each also has
+  // control.handshake_timeout): when one more connects, the oldest of them is closed, so
+  // unauthenticated peers cannot pile up, nor hold every slot and lock a trainer out (a trainer
+  // proves the token within a round trip). Peers that proved it and the trainer do not count.
   std::size_t max_pending_connections = 8;
 };
 
 struct EngineChannelStats {
   std::uint64_t connections_accepted = 0;
-  std::uint64_t connections_refused = 0;      // over max_pending_connections
+  std::uint64_t connections_refused = 0;      // closed for a newer one: max_pending_connections
   std::uint64_t authentication_failures = 0;  // wrong token, replayed handshake
   std::uint64_t protocol_errors = 0;          // malformed or unexpected frames, timeouts
   std::uint64_t trainers_authenticated = 0;   // trainers that completed the hello
@@ -158,7 +163,8 @@ struct EngineChannelStats {
 // never calls into the receiver. One worker thread runs what the trainer asked for, in order
 // (rendezvous, headers, aborts), because the transport factory may block for minutes (NCCL init
 // waits for every rank) and a header must not overtake the rendezvous before it. So an endpoint
-// has exactly two threads however many peers connect.
+// has two threads however many peers connect, and one more while a transport factory runs (or
+// runs on after its trainer left: see TransportFactory).
 class EngineChannel {
  public:
   // Resolves the token (throws Error(kInvalidArgument) without one), binds and listens (throws

@@ -53,6 +53,8 @@ class Handshake {
   // error messages.
   std::string_view awaiting() const;
   bool done() const { return stage_ == Stage::kDone; }
+  // Engine: the trainer's proof was checked and matched (it holds the token).
+  bool peer_proved() const { return stage_ != Stage::kClientProof && stage_ != Stage::kChallenge; }
 
  private:
   enum class Stage { kChallenge, kClientProof, kServerProof, kHello, kAccept, kDone };

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -155,7 +156,10 @@ struct EngineChannel::Impl final : control::LoopHandler {
   bool send(Peer& peer, const ControlMessage& message);
   void close_peer(Peer& peer, const std::string& why);
   EngineHelloMessage make_hello() const;
+  // Peers still in their handshake that have not proved the token: they hold the pending slots.
+  static bool unproved(const Peer& peer);
   std::size_t pending_count() const;
+  Peer* oldest_unproved() const;
 };
 
 EngineChannel::EngineChannel(Receiver& receiver, TransportFactory factory,
@@ -260,22 +264,25 @@ void EngineChannel::Impl::end_turn() {
 }
 
 void EngineChannel::Impl::on_accept(Fd fd, const std::string& peer_name) {
-  if (pending_count() >= config.max_pending_connections) {
-    count([](EngineChannelStats& s) {
-      ++s.connections_accepted;
-      ++s.connections_refused;
-    });
+  if (Peer* oldest = oldest_unproved();
+      oldest != nullptr && pending_count() >= config.max_pending_connections) {
+    // Every slot is held by a peer that has not proved the token: the oldest gives way, so that
+    // silent connections cannot lock a trainer out (a trainer proves the token within a round
+    // trip of connecting; a silent peer would hold its slot for the whole handshake timeout).
+    count([](EngineChannelStats& s) { ++s.connections_refused; });
     // A flood of connections must not flood the log: one line per second at most.
     ++refusals_unlogged;
     if (Clock::now() >= refusal_log_resume) {
       log(
-          fmt::format("peer {}: refused, {} connections are already in their handshake ({} "
-                      "refused since the last such line)",
-                      peer_name, config.max_pending_connections, refusals_unlogged));
+          fmt::format("peer {}: closed to make room for {}: {} connections had not proved the "
+                      "token ({} closed so since the last such line)",
+                      oldest->connection->peer(), peer_name, config.max_pending_connections,
+                      refusals_unlogged));
       refusals_unlogged = 0;
       refusal_log_resume = Clock::now() + std::chrono::seconds(1);
     }
-    return;  // fd closes here
+    oldest->closed = true;  // quietly: the line above says why
+    oldest->connection->shutdown();
   }
   count([](EngineChannelStats& s) { ++s.connections_accepted; });
   control::tune_socket(fd.get());
@@ -297,10 +304,21 @@ void EngineChannel::Impl::on_accept(Fd fd, const std::string& peer_name) {
   }
 }
 
+bool EngineChannel::Impl::unproved(const Peer& peer) {
+  return !peer.closed && peer.handshake != nullptr && !peer.handshake->peer_proved();
+}
+
 std::size_t EngineChannel::Impl::pending_count() const {
-  std::size_t n = 0;
-  for (const auto& peer : peers) n += (!peer->closed && peer->handshake != nullptr) ? 1 : 0;
-  return n;
+  return static_cast<std::size_t>(
+      std::ranges::count_if(peers, [](const auto& peer) { return unproved(*peer); }));
+}
+
+EngineChannel::Impl::Peer* EngineChannel::Impl::oldest_unproved() const {
+  // `peers` is in accept order (end_turn erases in place).
+  for (const auto& peer : peers) {
+    if (unproved(*peer)) return peer.get();
+  }
+  return nullptr;
 }
 
 void EngineChannel::Impl::on_wake(std::span<const std::byte> bytes) {

@@ -47,6 +47,60 @@ void EngineRequests::close() {
 
 void EngineRequests::join() {
   if (worker_.joinable()) worker_.join();
+  // Factories given up on (or still running at close()) are waited for, as a running one was.
+  for (FactoryThread& factory : factories_) factory.thread.join();
+  factories_.clear();
+}
+
+void EngineRequests::join_finished_factories() {
+  std::vector<FactoryThread> finished;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = factories_.begin(); it != factories_.end();) {
+      if (it->run->done) {
+        finished.push_back(std::move(*it));
+        it = factories_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (FactoryThread& factory : finished) factory.thread.join();  // it is returning
+}
+
+std::unique_ptr<Transport> EngineRequests::run_factory(std::uint64_t generation,
+                                                       const RendezvousRequest& request) {
+  join_finished_factories();
+  auto run = std::make_shared<FactoryRun>();
+  std::thread thread([this, run, request] {
+    std::unique_ptr<Transport> transport;
+    std::exception_ptr error;
+    try {
+      transport = factory_(request);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard lock(mutex_);
+      run->done = true;
+      if (!run->abandoned) {
+        run->transport = std::move(transport);
+        run->error = error;
+      }
+    }
+    cv_.notify_all();
+    // An abandoned run's transport is destroyed here, outside the lock.
+  });
+  std::unique_lock lock(mutex_);
+  factories_.push_back({run, std::move(thread)});
+  cv_.wait(lock, [&] { return run->done || closed_ || current_.load() != generation; });
+  if (!run->done) {
+    run->abandoned = true;
+    return nullptr;
+  }
+  if (run->error) std::rethrow_exception(run->error);
+  if (!run->transport) throw Error(ErrorCode::kTransport, "the transport factory returned none");
+  return std::move(run->transport);
 }
 
 void EngineRequests::worker_loop() {
@@ -77,15 +131,24 @@ void EngineRequests::run(Work& item) {
     RendezvousResultMessage result;
     result.rendezvous_id = rendezvous->rendezvous_id;
     try {
-      std::unique_ptr<Transport> transport = factory_(request);
-      if (!transport) throw Error(ErrorCode::kTransport, "the transport factory returned none");
+      std::unique_ptr<Transport> transport = run_factory(item.generation, request);
+      if (!transport) {
+        // Its trainer left (or the channel closes): nobody waits for the answer.
+        counters_.update([](EngineChannelStats& s) { ++s.rendezvous_failed; });
+        log_line(config_,
+                 fmt::format("{} rendezvous as rank {} of {} given up: the trainer that "
+                             "asked for it left (or the channel closed) before the "
+                             "transport factory returned",
+                             to_string(request.transport.kind), request.rank, request.world_size));
+        return;
+      }
       receiver_.replace_transport(std::move(transport));
       result.ok = true;
       counters_.update([](EngineChannelStats& s) { ++s.rendezvous_done; });
     } catch (const std::exception& e) {
-      result.error = clip_control_text(
-          fmt::format("{} rendezvous as rank {} of {} failed: {}", to_string(request.transport.kind),
-                      request.rank, request.world_size, e.what()));
+      result.error = clip_control_text(fmt::format("{} rendezvous as rank {} of {} failed: {}",
+                                                   to_string(request.transport.kind), request.rank,
+                                                   request.world_size, e.what()));
       counters_.update([](EngineChannelStats& s) { ++s.rendezvous_failed; });
       log_line(config_, result.error);
     }

@@ -4,17 +4,25 @@
 // (Receiver::release_transport). One worker runs them in arrival order, because the transport
 // factory may block for minutes (NCCL init waits for every rank) and a header must not overtake
 // the rendezvous before it; the I/O thread never calls into the receiver.
+//
+// The factory itself runs on a thread of its own, which the worker waits for: when the trainer
+// that asked leaves first, the worker gives the rendezvous up and serves the next trainer at once
+// (a factory waiting for a departed trainer's end may block for a minute). The factory is left to
+// return on its own; what it returns then is destroyed, never installed.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <variant>
+#include <vector>
 
 #include "control/control_frame.h"
 #include "shadowsync/control_channel.h"
@@ -82,8 +90,25 @@ class EngineRequests {
     EngineRequest request;
   };
 
+  // One run of the transport factory on its own thread. Fields: mutex_.
+  struct FactoryRun {
+    bool done = false;
+    bool abandoned = false;  // its trainer left first: the result is dropped by the run's thread
+    std::unique_ptr<Transport> transport;
+    std::exception_ptr error;
+  };
+  struct FactoryThread {
+    std::shared_ptr<FactoryRun> run;
+    std::thread thread;
+  };
+
   void worker_loop();
   void run(Work& item);
+  // The factory's transport for trainer connection `generation`; null when that trainer left (or
+  // close() came) first. Rethrows what the factory threw.
+  std::unique_ptr<Transport> run_factory(std::uint64_t generation,
+                                         const RendezvousRequest& request);
+  void join_finished_factories();  // worker thread
 
   Receiver& receiver_;
   const TransportFactory& factory_;
@@ -94,8 +119,9 @@ class EngineRequests {
 
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<Work> queue_;  // mutex_
-  bool closed_ = false;     // mutex_
+  std::deque<Work> queue_;                // mutex_
+  bool closed_ = false;                   // mutex_
+  std::vector<FactoryThread> factories_;  // worker thread; join() once the worker is joined
   std::thread worker_;
 };
 

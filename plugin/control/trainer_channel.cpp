@@ -55,6 +55,22 @@ std::string describe(const EngineStatus& status) {
                      status.address.port);
 }
 
+// What a failed read while the handshake waited for `stage` may mean (`stage` is
+// Handshake::awaiting()).
+std::string_view failure_hint(std::string_view stage) {
+  if (stage == "the challenge") {
+    // Nothing was proved yet, so the token cannot be the reason.
+    return "before the handshake started, so no token was checked yet: the engine may be busy "
+           "with other peers that have not proved the token (max_pending_connections), or "
+           "shutting down; try again";
+  }
+  if (stage == "the engine's proof") {
+    return "a wrong token makes the engine close the connection here; so does a flood of newer "
+           "connections that have not proved the token (max_pending_connections)";
+  }
+  return "after the token was proved both ways";
+}
+
 // The next frame of the handshake with `connection`, which waits for `stage`. A goodbye (the
 // engine refusing this trainer) and a failed read both throw, naming the engine and the stage.
 ControlMessage receive_handshake(Connection& connection, Clock::time_point deadline,
@@ -64,9 +80,8 @@ ControlMessage receive_handshake(Connection& connection, Clock::time_point deadl
     message = connection.receive(deadline);
   } catch (const Error& e) {
     throw Error(e.code(), fmt::format("control channel: handshake with engine {} failed at {}: {} "
-                                      "(a wrong token makes the engine close the connection; "
-                                      "the engine logs why)",
-                                      connection.peer(), stage, e.what()));
+                                      "({}; the engine logs why)",
+                                      connection.peer(), stage, e.what(), failure_hint(stage)));
   }
   if (auto* goodbye = std::get_if<GoodbyeMessage>(&message)) {
     throw Error(ErrorCode::kTransport,
@@ -359,8 +374,7 @@ void TrainerChannel::send_rendezvous(const TransportAddress& address, int world_
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("send_rendezvous: same-host socket path '{}' ({} bytes) must be "
                             "1..{} bytes without a NUL byte",
-                            printable(address.path), address.path.size(),
-                            kMaxSameHostPathBytes));
+                            printable(address.path), address.path.size(), kMaxSameHostPathBytes));
   }
   const auto engines = static_cast<long long>(impl.engines.size());
   if (world_size == 0) world_size = static_cast<int>(engines + 1);

@@ -12,11 +12,13 @@
 #include <fmt/format.h>
 #include <catch2/catch.hpp>
 
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <future>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "control/control_auth.h"
@@ -485,7 +487,9 @@ TEST_CASE("a wrong token or no token never gets past the handshake") {
   SECTION("wrong token") {
     try {
       TrainerChannel trainer(
-          layout, trainer_config(log, engine.channel.port(), "ssk1-70622ead7c7e924047c94fc1b529d4ad9fb7faa90936f8d242164d298ed19e73"));
+          layout,
+          trainer_config(log, engine.channel.port(),
+                         "ssk1-70622ead7c7e924047c94fc1b529d4ad9fb7faa90936f8d242164d298ed19e73"));
       FAIL("a trainer with the wrong token connected");
     } catch (const Error& e) {
       CHECK_THAT(e.what(), Catch::Contains("wrong token"));
@@ -504,8 +508,9 @@ TEST_CASE("a wrong token or no token never gets past the handshake") {
   SECTION("an engine that does not hold the trainer's token is not trusted either") {
     // The trainer checks the engine's proof: an impostor engine cannot take updates.
     LogCapture other_log;
-    Engine impostor(layout, other_log,
-                    [](EngineChannelConfig& c) { c.control.token = "ssk1-f60a0d73c64b42c0e81d8f56d4163ab7f678b06ec84a526e7eba48ea216213df"; });
+    Engine impostor(layout, other_log, [](EngineChannelConfig& c) {
+      c.control.token = "ssk1-f60a0d73c64b42c0e81d8f56d4163ab7f678b06ec84a526e7eba48ea216213df";
+    });
     CHECK_THROWS_AS(TrainerChannel(layout, trainer_config(log, impostor.channel.port())), Error);
   }
   SECTION("no token anywhere, or a short one, is refused up front") {
@@ -704,26 +709,104 @@ TEST_CASE("a peer that connects and sends nothing times out, and no thread is le
   CHECK(fd_count() == fds);
 }
 
-TEST_CASE("beyond the pending-connection cap, a connection is closed at once") {
+TEST_CASE("peers that never prove the token cannot lock a trainer out: the oldest gives way") {
   const Layout layout = test_layout();
   LogCapture log;
   Engine engine(layout, log, [](EngineChannelConfig& c) {
     c.control.handshake_timeout = std::chrono::seconds(60);  // only the cap can close them
     c.max_pending_connections = 4;
   });
-  {
-    std::vector<std::unique_ptr<RawPeer>> peers;
-    for (int i = 0; i < 4; ++i) peers.push_back(std::make_unique<RawPeer>(engine.channel.port()));
-    wait_until([&] { return engine.channel.stats().connections_open == 4; }, "4 pending");
-    RawPeer extra(engine.channel.port());
-    CHECK(extra.closed_by_engine());
-    CHECK(engine.channel.stats().connections_refused == 1);
-    CHECK(log.count("refused, 4 connections are already in their handshake") == 1);
+  std::vector<std::unique_ptr<RawPeer>> silent;
+  for (int i = 0; i < 4; ++i) silent.push_back(std::make_unique<RawPeer>(engine.channel.port()));
+  wait_until([&] { return engine.channel.stats().connections_open == 4; }, "4 pending");
+  // One more silent peer: the oldest is closed, the newcomer keeps its slot.
+  silent.push_back(std::make_unique<RawPeer>(engine.channel.port()));
+  CHECK(silent.front()->closed_by_engine());
+  CHECK_FALSE(silent.back()->closed_by_engine(std::chrono::milliseconds(50)));
+  CHECK(engine.channel.stats().connections_refused == 1);
+  CHECK(log.count("had not proved the token") == 1);
+  // While every slot is held by a silent peer, trainers still get in, one after the other.
+  for (std::uint64_t round = 0; round < 3; ++round) {
+    {
+      TrainerChannel trainer(layout, trainer_config(log, engine.channel.port()));
+      CHECK(trainer.engines()[0].connected);
+      CHECK(engine.channel.stats().connections_refused == 2 + round);  // it took the oldest's
+    }
+    // A trainer that proved the token holds no slot: a new silent peer fills the one it took.
+    silent.push_back(std::make_unique<RawPeer>(engine.channel.port()));
+    wait_until([&] { return engine.channel.stats().connections_accepted == 7 + 2 * round; },
+               "the slot refilled by a silent peer");
   }
-  // Once the pending peers have left, a trainer gets in.
-  engine.wait_closed("the pending peers left");
-  TrainerChannel trainer(layout, trainer_config(log, engine.channel.port()));
-  CHECK(trainer.engines()[0].connected);
+  CHECK(engine.channel.stats().trainers_authenticated == 3);
+}
+
+TEST_CASE("an engine that closes before the challenge is not blamed on the token") {
+  const Layout layout = test_layout();
+  LogCapture log;
+  // A listener that accepts one connection and closes it at once, as a busy engine would.
+  control::Fd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  REQUIRE(::listen(listener.get(), 1) == 0);
+  socklen_t length = sizeof address;
+  REQUIRE(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  std::thread closer([&] {
+    if (control::wait_fd(listener.get(), POLLIN, deadline_from_now())) {
+      control::Fd accepted(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    }
+  });
+  try {
+    TrainerChannel trainer(layout, trainer_config(log, ntohs(address.sin_port)));
+    FAIL("a trainer connected to a listener that closes at once");
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("no token was checked yet"));
+    CHECK_THAT(e.what(), !Catch::Contains("wrong token"));
+  }
+  closer.join();
+}
+
+TEST_CASE("a rendezvous whose trainer left does not hold up the next trainer's") {
+  const Layout layout = test_layout();
+  LogCapture log;
+  HostBackend backend;
+  Receiver receiver(layout, backend, nullptr);
+  auto communicator = std::make_shared<LoopbackCommunicator>(2);
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool released = false;
+  int calls = 0;
+  // The first rendezvous blocks until the test releases it, as a same-host connect to a socket
+  // nobody serves does; every later one returns at once.
+  TransportFactory factory = [&](const RendezvousRequest& request) -> std::unique_ptr<Transport> {
+    std::unique_lock lock(mutex);
+    if (++calls == 1) {
+      changed.notify_all();
+      changed.wait_for(lock, shadowsync::testing::kTestDeadline, [&] { return released; });
+      throw Error(ErrorCode::kTimeout, "no trainer listened");
+    }
+    return communicator->transport(request.rank);
+  };
+  EngineChannel channel(receiver, factory, Engine::config(log, {}));
+  {
+    TrainerChannel departing(layout, trainer_config(log, channel.port()));
+    departing.send_rendezvous(RendezvousId{});
+    std::unique_lock lock(mutex);
+    REQUIRE(changed.wait_for(lock, shadowsync::testing::kTestDeadline, [&] { return calls == 1; }));
+  }  // it leaves while its factory blocks
+  TrainerChannel next(layout, trainer_config(log, channel.port()));
+  next.send_rendezvous(RendezvousId{});
+  CHECK(next.wait_rendezvous(deadline_from_now(std::chrono::seconds(10))));
+  {
+    std::lock_guard lock(mutex);
+    CHECK(calls == 2);
+    CHECK_FALSE(released);  // served while the departed trainer's factory still blocked
+    released = true;
+  }
+  changed.notify_all();
+  CHECK(log.count("rendezvous as rank 1 of 2 given up") == 1);
+  CHECK(channel.stats().rendezvous_done == 1);
 }
 
 TEST_CASE("1,000 connect/disconnect cycles leave no fd or thread behind") {
