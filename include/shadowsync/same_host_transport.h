@@ -70,7 +70,8 @@ struct SameHostConfig {
   // serve(): how long to wait for every receiver to connect and authenticate. connect(): how long
   // to wait for a sender to listen (the engine may start first, or wait for a restarted trainer).
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(60)};
-  // Each step of the handshake must complete within this.
+  // Each peer's handshake must complete within this (serve(): from its connection on, for each
+  // peer on its own; connect(): from the connection on).
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(5)};
   // Device flavour, receiver: how long broadcast_async waits on its calling thread for each
   // chunk's doorbell before the transport fails (async_error() names this option). The default
@@ -84,8 +85,11 @@ class SameHostTransport final : public Transport {
  public:
   // Sender side (rank 0 of 1 + receivers). Checks (or creates, mode 0700) the socket's
   // directory, listens on `path`, and blocks until `receivers` receivers connected and proved
-  // `token` (a connection that fails the handshake is dropped and the wait goes on), or throws
-  // Error(kTimeout) after config.connect_timeout naming how many came and the last refusal.
+  // `token`. Every connection's handshake runs beside the others', each within
+  // config.handshake_timeout, so a peer that connects and says nothing delays no receiver; one
+  // that fails or stalls is dropped and the wait goes on. Throws Error(kTimeout) after
+  // config.connect_timeout naming how many came, the ranks missing and each peer that stalled or
+  // was refused (its pid and uid, and what it did not send).
   // `slot_bytes` is the size of each of the two staging slots: the sender's bucket size
   // (Layout::bucket_bytes()). Bad arguments, paths and directories: Error(kInvalidArgument).
   static std::unique_ptr<SameHostTransport> serve(const std::string& path, std::string_view token,

@@ -417,9 +417,10 @@ typedef enum {
  * shadowsync_group_info_t) in `memory`: SHADOWSYNC_SAME_HOST_MEMORY_HOST with a host backend,
  * SHADOWSYNC_SAME_HOST_MEMORY_DEVICE with a CUDA backend (SHADOWSYNC_NOT_SUPPORTED without CUDA).
  * connect_timeout_ms 0 takes the default (60000). A receiver with the wrong token is refused and
- * the wait goes on: SHADOWSYNC_TIMEOUT then names how many came and the last refusal. Bad
- * arguments, paths and directories: SHADOWSYNC_INVALID_ARGUMENT naming the argument. The
- * transport keeps `backend` alive. Thread-safe. */
+ * the wait goes on (handshakes run side by side: a peer that connects and says nothing delays no
+ * other): SHADOWSYNC_TIMEOUT then names how many came and each peer that stalled or was refused,
+ * by pid and uid. Bad arguments, paths and directories: SHADOWSYNC_INVALID_ARGUMENT naming the
+ * argument. The transport keeps `backend` alive. Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_transport_serve(
     const char* path, const void* token, size_t token_bytes, int receivers,
     shadowsync_backend_t backend, shadowsync_same_host_memory_t memory, size_t slot_bytes,

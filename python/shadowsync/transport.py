@@ -251,10 +251,12 @@ def same_host_sender_transport(
     memory file; `backend` a HostBackend) or "device" (GPU memory; `backend` a CudaBackend;
     NotSupportedError without CUDA).
 
-    A receiver with the wrong token is refused and the wait goes on: ShadowsyncTimeoutError then
-    names how many came and the last refusal. The socket's directory must be the user's own,
-    mode 0700 (created so when absent); the socket file is removed once every receiver came.
-    Bad arguments: InvalidArgumentError naming the argument and its value. Thread-safe."""
+    A receiver with the wrong token is refused and the wait goes on (handshakes run side by side:
+    a peer that connects and says nothing delays no other): ShadowsyncTimeoutError then names how
+    many came and each peer that stalled or was refused, by pid and uid. The socket's directory
+    must be the user's own, mode 0700 (created so when absent); the socket file is removed once
+    every receiver came. Bad arguments: InvalidArgumentError naming the argument and its value.
+    Thread-safe."""
     what = f"same_host_sender_transport(path={str(path)!r}, receivers={receivers!r})"
     path_bytes, token_bytes, timeout = _same_host_args(
         path, token, backend, connect_timeout_ms, what

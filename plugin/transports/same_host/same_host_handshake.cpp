@@ -1,7 +1,7 @@
-// SameHostTransport's handshake: the sender's listener admits each receiver after both proved
-// the token (HMAC over fresh nonces) and hands it the staging memory (a memfd, SCM_RIGHTS); a
-// receiver connects, proves itself, checks the sender's proof and maps the staging read-only. See
-// same_host_transport.h for the protocol.
+// SameHostTransport's handshake: the sender listens and admits its receivers (in
+// same_host_admission.cpp: each after both proved the token, HMAC over fresh nonces, then hands it
+// the staging memory, a memfd over SCM_RIGHTS); a receiver connects, proves itself, checks the
+// sender's proof and maps the staging read-only. See same_host_transport.h for the protocol.
 #include "shadowsync/same_host_transport.h"
 
 #include <poll.h>
@@ -22,6 +22,7 @@
 
 #include "shadowsync/error.h"
 #include "shadowsync/token.h"
+#include "transports/same_host/same_host_admission.h"
 #include "transports/same_host/same_host_auth.h"
 #include "transports/same_host/same_host_frame.h"
 #include "transports/same_host/same_host_memory_file.h"
@@ -59,65 +60,6 @@ Fd make_wake() {
 template <std::size_t N>
 Io read_record(int fd, std::array<std::byte, N>& out, Clock::time_point deadline) {
   return same_host::read_exact(fd, out, -1, deadline);
-}
-
-// One receiver's handshake on the sender side. Returns the rank it proved, or nullopt with the
-// refusal in `why` (the connection is then dropped).
-std::optional<int> admit(int fd, std::string_view token, int receivers,
-                         const std::vector<bool>& taken, std::chrono::milliseconds timeout,
-                         std::string& why) {
-  const auto deadline = Clock::now() + timeout;
-  ucred cred{};
-  socklen_t cred_size = sizeof(cred);
-  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cred_size) != 0 ||
-      cred.uid != ::geteuid()) {
-    why = fmt::format("a peer of uid {} is not this user ({})", cred.uid, ::geteuid());
-    return std::nullopt;
-  }
-  const same_host::Nonce sender_nonce = same_host::make_nonce();
-  if (const Io io = same_host::write_all(fd, same_host::encode(same_host::Challenge{sender_nonce}),
-                                         -1, deadline);
-      io != Io::kOk) {
-    why = "sending the challenge: " + same_host::describe(io, errno);
-    return std::nullopt;
-  }
-  std::array<std::byte, 80> record{};
-  if (const Io io = read_record(fd, record, deadline); io != Io::kOk) {
-    why = "waiting for the receiver's proof: " + same_host::describe(io, errno);
-    return std::nullopt;
-  }
-  same_host::Proof proof;
-  if (!same_host::decode(record, proof, why)) return std::nullopt;
-  std::optional<same_host::RefuseReason> refusal;
-  if (!same_host::macs_equal(proof.mac, same_host::receiver_proof(token, sender_nonce,
-                                                                  proof.receiver_nonce, proof.rank))) {
-    refusal = same_host::RefuseReason::kBadProof;
-  } else if (proof.rank < 1 || proof.rank > static_cast<std::uint32_t>(receivers)) {
-    refusal = same_host::RefuseReason::kBadRank;
-  } else if (taken[proof.rank]) {
-    refusal = same_host::RefuseReason::kRankTaken;
-  }
-  if (refusal) {
-    (void)same_host::write_all(fd, same_host::encode(same_host::Refuse{*refusal}), -1, deadline);
-    why = fmt::format("refused a receiver asking for rank {}: {}", proof.rank,
-                      same_host::to_string(*refusal));
-    return std::nullopt;
-  }
-  const same_host::Accept accept{
-      same_host::sender_proof(token, sender_nonce, proof.receiver_nonce, proof.rank)};
-  if (const Io io = same_host::write_all(fd, same_host::encode(accept), -1, deadline);
-      io != Io::kOk) {
-    why = "sending the proof: " + same_host::describe(io, errno);
-    return std::nullopt;
-  }
-  std::array<std::byte, 8> ready{};
-  if (const Io io = read_record(fd, ready, deadline); io != Io::kOk) {
-    why = fmt::format("rank {} did not accept this sender's proof: {}", proof.rank,
-                      same_host::describe(io, errno));
-    return std::nullopt;
-  }
-  if (!same_host::decode_ready(ready, why)) return std::nullopt;
-  return static_cast<int>(proof.rank);
 }
 
 }  // namespace
@@ -165,49 +107,14 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
     ~Unlink() { ::unlink(path.c_str()); }
   } unlink_at_exit{path};
 
-  state->peers.resize(static_cast<std::size_t>(receivers));
-  std::vector<bool> taken(static_cast<std::size_t>(receivers) + 1, false);
-  int admitted = 0;
-  std::string last_refusal;
-  const auto deadline = Clock::now() + config.connect_timeout;
   same_host::Setup setup;
   setup.memory = static_cast<std::uint32_t>(memory);
   setup.world_size = static_cast<std::uint32_t>(receivers + 1);
   setup.slot_bytes = slot_bytes;
   if (state->device) setup.handle = state->device->handle();
   const auto setup_record = same_host::encode(setup);
-  while (admitted < receivers) {
-    pollfd pfd{listener.get(), POLLIN, 0};
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
-    const int n = left.count() > 0 ? ::poll(&pfd, 1, static_cast<int>(left.count())) : 0;
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      throw Error(ErrorCode::kTimeout,
-                  fmt::format("same-host serve on '{}': {} of {} receivers connected within {} "
-                              "ms{}",
-                              path, admitted, receivers, config.connect_timeout.count(),
-                              last_refusal.empty() ? "" : "; last refusal: " + last_refusal));
-    }
-    Fd connection(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!connection) continue;
-    std::string why;
-    const std::optional<int> rank =
-        admit(connection.get(), token, receivers, taken, config.handshake_timeout, why);
-    if (!rank) {
-      last_refusal = why;
-      continue;
-    }
-    const Io io = same_host::write_with_fd(connection.get(), setup_record, shared_fd,
-                                           Clock::now() + config.handshake_timeout);
-    if (io != Io::kOk) {
-      last_refusal = fmt::format("sending the staging memory to rank {}: {}", *rank,
-                                 same_host::describe(io, errno));
-      continue;
-    }
-    taken[static_cast<std::size_t>(*rank)] = true;
-    state->peers[static_cast<std::size_t>(*rank - 1)] = std::move(connection);
-    ++admitted;
-  }
+  state->peers = same_host::admit_receivers(listener.get(), path, token, receivers, setup_record,
+                                            shared_fd, config);
   if (state->device) state->device->start(*state);
   return std::unique_ptr<SameHostTransport>(new SameHostTransport(std::move(state)));
 }
