@@ -47,6 +47,7 @@ from vllm_models import (  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "vllm_real_child.py"
 CHILD_TIMEOUT_S = 300
+JOB_TIMEOUT_S = 60  # and this much more per job of a batch child (one takes 3-10 s here)
 BUCKET_BYTES = 256 << 10  # a few buckets per update (the largest tensor, the embedding, is 160 KiB)
 MAX_TOKENS = 20
 # Two prompts of 32 tokens and more (one token per byte): their first block (block_size 32) is in
@@ -72,7 +73,7 @@ LORA_SLOTS = 2
 def run_child(args: dict) -> dict:
     """Runs vllm_real_child.py with `args`; its RESULT line, or a failure with its stderr."""
     started = time.monotonic()
-    timeout_s = CHILD_TIMEOUT_S * len(args.get("jobs", [None]))  # a batch: that much per job
+    timeout_s = CHILD_TIMEOUT_S + JOB_TIMEOUT_S * len(args.get("jobs", []))
     try:
         proc = subprocess.run([sys.executable, str(CHILD), json.dumps(args)], capture_output=True,
                               text=True, timeout=timeout_s)
@@ -131,57 +132,45 @@ def lora_adapters(checkpoints, tmp_path_factory):
             for seed in (11, 12)]
 
 
-class References:
-    """Greedy token ids of PROMPTS on fresh in-process engines without the extension:
-    `tokens(arch, dtype, which)` of checkpoint `which` ("a", "b", and for llama "b_norm_of_a"),
-    `lora(model, adapter)` of the LoRA test's engines (adapter None: requests without one). All
-    are made at the first use, in one child."""
+def reference_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict]:
+    """The reference engines' jobs: checkpoints A and B of every arch (and B with A's OMITTED
+    tensor for llama), and the LoRA test's checkpoint-adapter pairs."""
+    jobs = [dict(name=arch, what="generate", dtype=dtype, quantization="shadowsync_unpacked",
+                 models=[checkpoints.get(arch, w) for w in reference_whiches(arch)])
+            for arch, dtype in ARCHS]
+    a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
+    l1, l2 = lora_adapters
+    jobs.append(dict(name="lora", what="lora_references", dtype="float32", r=LORA_R,
+                     max_loras=LORA_SLOTS, engines=[[a, [None, l1, l2]], [b, [None, l1]]]))
+    return jobs
 
-    def __init__(self, checkpoints: Checkpoints, lora_adapters: list[str]):
-        self.checkpoints = checkpoints
-        self.lora_adapters = lora_adapters
-        self.results: dict | None = None
 
-    def _all(self) -> dict:
-        if self.results is None:
-            get = self.checkpoints.get
-            jobs = [dict(name=arch, what="generate", dtype=dtype,
-                         quantization="shadowsync_unpacked",
-                         models=[get(arch, w) for w in self.whiches(arch)]) for arch, dtype in ARCHS]
-            a, b = get("llama", "a"), get("llama", "b")
-            l1, l2 = self.lora_adapters
-            jobs.append(dict(name="lora", what="lora_references", dtype="float32", r=LORA_R,
-                             max_loras=LORA_SLOTS, engines=[[a, [None, l1, l2]], [b, [None, l1]]]))
-            self.results = run_child(dict(what="batch", mode="inproc", prompts=PROMPTS,
-                                          max_tokens=MAX_TOKENS, jobs=jobs))["results"]
-        return self.results
+def reference_whiches(arch: str) -> list[str]:
+    return ["a", "b"] + (["b_norm_of_a"] if arch == "llama" else [])
 
-    @staticmethod
-    def whiches(arch: str) -> list[str]:
-        return ["a", "b"] + (["b_norm_of_a"] if arch == "llama" else [])
 
-    def tokens(self, arch: str, dtype: str, which: str) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def reference_runs(checkpoints, lora_adapters) -> dict:
+    """Job name -> greedy token ids of PROMPTS on fresh in-process engines without the extension
+    (reference_jobs), all from one child. Made when the first test that needs them starts; if it
+    fails, pytest reports that for every such test without running it again."""
+    return run_child(dict(what="batch", mode="inproc", prompts=PROMPTS, max_tokens=MAX_TOKENS,
+                          jobs=reference_jobs(checkpoints, lora_adapters)))["results"]
+
+
+@pytest.fixture(scope="module")
+def references(reference_runs):
+    """(arch, dtype, which) -> the greedy token ids of a fresh engine of that checkpoint."""
+
+    def tokens(arch: str, dtype: str, which: str) -> list[list[int]]:
         assert (arch, dtype) in ARCHS, (arch, dtype)
-        outputs = job_result(self._all(), arch)["outputs"]
-        found = dict(zip(self.whiches(arch), (output["tokens"] for output in outputs)))
+        outputs = job_result(reference_runs, arch)["outputs"]
+        found = dict(zip(reference_whiches(arch), (output["tokens"] for output in outputs)))
         # The oracle can tell the checkpoints apart on every prompt.
         assert all(x != y for x, y in zip(found["a"], found["b"])), (arch, found)
         return found[which]
 
-    def lora(self, model: str, adapter: str | None) -> list[list[int]]:
-        outputs = job_result(self._all(), "lora")["outputs"]
-        return next(o["tokens"] for o in outputs if (o["model"], o["adapter"]) == (model, adapter))
-
-
-@pytest.fixture(scope="module")
-def all_references(checkpoints, lora_adapters):
-    return References(checkpoints, lora_adapters)
-
-
-@pytest.fixture(scope="module")
-def references(all_references):
-    """(arch, dtype, which) -> the greedy token ids of a fresh engine of that checkpoint."""
-    return all_references.tokens
+    return tokens
 
 
 def update_args(checkpoints, arch: str, dtype: str, mode: str, **extra) -> dict:
@@ -195,35 +184,30 @@ PACED = dict(decode_slowdown_budget=1.5)  # llama's in-process engine runs paced
 
 @pytest.fixture(scope="module")
 def inproc_runs(checkpoints, lora_adapters):
-    """name -> what one case on an in-process engine with the extension saw (vllm_real_child.py's
-    result). Every case runs at the first use, in one child, each on a fresh engine of its own
-    with a trainer process of its own (the LoRA case: a loopback trainer in the child)."""
-    results: dict = {}
+    """name -> what that case on an in-process engine with the extension saw (vllm_real_child.py's
+    result). Every case runs in one child when the first test that needs one starts, each on a
+    fresh engine of its own with a trainer process of its own (the LoRA case: a loopback trainer
+    in the child); if the child fails, pytest reports that for every such test without running
+    it again."""
 
-    def get(name: str) -> dict:
-        if not results:
-            def update(name: str, arch: str = "llama", dtype: str = "float32", **extra) -> dict:
-                return dict(update_args(checkpoints, arch, dtype, "inproc", **extra), name=name)
+    def update(name: str, arch: str = "llama", dtype: str = "float32", **extra) -> dict:
+        return dict(update_args(checkpoints, arch, dtype, "inproc", **extra), name=name)
 
-            a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
-            jobs = [update(arch, arch, dtype, **(PACED if arch == "llama" else {}))
-                    for arch, dtype in ARCHS]
-            jobs += [
-                dict(name="selfcheck", what="selfcheck", dtype="float32", models=[a]),
-                update("no_prefix_cache_reset", reset_prefix_cache=False),
-                update("under_load", under_load=True),
-                update("under_load_preempt", under_load=True, preempt_running=True),
-                update("omit", omit=[OMITTED]),
-                dict(name="lora", what="lora", dtype="float32", base=a, base_b=b,
-                     adapters=lora_adapters, r=LORA_R, lora_alpha=LORA_ALPHA,
-                     max_loras=LORA_SLOTS),
-            ]
-            batch = run_child(dict(what="batch", mode="inproc", prompts=PROMPTS,
-                                   max_tokens=MAX_TOKENS, bucket_bytes=BUCKET_BYTES, jobs=jobs))
-            results.update(batch["results"])
-        return job_result(results, name)
-
-    return get
+    a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
+    jobs = [update(arch, arch, dtype, **(PACED if arch == "llama" else {}))
+            for arch, dtype in ARCHS]
+    jobs += [
+        dict(name="selfcheck", what="selfcheck", dtype="float32", models=[a]),
+        update("no_prefix_cache_reset", reset_prefix_cache=False),
+        update("under_load", under_load=True),
+        update("under_load_preempt", under_load=True, preempt_running=True),
+        update("omit", omit=[OMITTED]),
+        dict(name="lora", what="lora", dtype="float32", base=a, base_b=b, adapters=lora_adapters,
+             r=LORA_R, lora_alpha=LORA_ALPHA, max_loras=LORA_SLOTS),
+    ]
+    results = run_child(dict(what="batch", mode="inproc", prompts=PROMPTS, max_tokens=MAX_TOKENS,
+                             bucket_bytes=BUCKET_BYTES, jobs=jobs))["results"]
+    return lambda name: job_result(results, name)
 
 
 def only_versions(per_request: dict) -> set[int]:
@@ -511,7 +495,7 @@ def test_an_engine_without_the_extension_says_the_method_is_not_implemented(refu
 
 def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoints,
                                                                          lora_adapters,
-                                                                         all_references,
+                                                                         reference_runs,
                                                                          inproc_runs):
     """vLLM CPU with enable_lora (two slots) serves adapter 1 (PEFT, every projection,
     embed_tokens and lm_head, r 8, alpha 16) on checkpoint A. The trainer's layout is A's HF
@@ -522,10 +506,10 @@ def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoi
     checkpoint alone, token for token. Bad LoRA set-ups are refused, named, and change nothing."""
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
     l1, l2 = lora_adapters
-    ref = {(model, adapter): all_references.lora(model, adapter)
-           for model, adapter in ((a, None), (a, l1), (a, l2), (b, None), (b, l1))}
+    ref = {(r["model"], r["adapter"]): r["tokens"]
+           for r in job_result(reference_runs, "lora")["outputs"]}
     # The oracle tells every pair apart.
-    distinct = list(ref.values())
+    distinct = [ref[(a, None)], ref[(a, l1)], ref[(a, l2)], ref[(b, None)], ref[(b, l1)]]
     assert all(x != y for i, x in enumerate(distinct) for y in distinct[i + 1:])
 
     out = inproc_runs("lora")
