@@ -6,7 +6,7 @@
 #   carry [".vllm-gpu/piece1", ".vllm-gpu/install_piece.sh"]:  bash .vllm-gpu/install_piece.sh 1
 #   carry [".vllm-gpu/piece2", ".vllm-gpu/install_piece.sh"]:  bash .vllm-gpu/install_piece.sh 2
 #   carry [".vllm-gpu/piece3", ".vllm-gpu/install_piece.sh", ".deps"]:
-#       bash .vllm-gpu/install_piece.sh 3 && bash scripts/gpu/session_vllm.sh
+#       bash .vllm-gpu/install_piece.sh 3 && bash scripts/gpu/vllm_runs.sh
 # install_piece.sh unpacks any piece N the same way (its tarballs, its wheels, its checksums).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
