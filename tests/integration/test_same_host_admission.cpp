@@ -20,6 +20,7 @@
 
 #include "child_process.h"
 #include "deadline.h"
+#include "socket_dir.h"
 #include "shadowsync/error.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/same_host_transport.h"
@@ -49,20 +50,6 @@ same_host::Fd connect_and_take_challenge(const std::string& path) {
   return socket;
 }
 
-struct SocketDir {
-  std::filesystem::path dir;
-  SocketDir() {
-    char name[] = "/tmp/shadowsync_same_host_admission_XXXXXX";
-    REQUIRE(::mkdtemp(name) != nullptr);
-    dir = name;
-  }
-  ~SocketDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(dir, ignored);
-  }
-  std::string path() const { return (dir / "trainer.sock").string(); }
-};
-
 }  // namespace
 
 // The silent peer. Environment: SS_SILENT_PATH. Connects, takes the challenge, prints
@@ -78,7 +65,7 @@ TEST_CASE("same-host silent peer child", "[.same_host_silent_peer]") {
 }
 
 TEST_CASE("same-host admission: a silent peer on the socket delays no receiver") {
-  SocketDir dir;
+  shadowsync::testing::SocketDir dir{"shadowsync_same_host_admission"};
   HostBackend sender_backend;
   HostBackend receiver_backend;
   SameHostConfig config;
@@ -114,7 +101,7 @@ TEST_CASE("same-host admission: a silent peer on the socket delays no receiver")
 }
 
 TEST_CASE("same-host admission: a set-up that times out names the peers that stalled") {
-  SocketDir dir;
+  shadowsync::testing::SocketDir dir{"shadowsync_same_host_admission"};
   HostBackend sender_backend;
   SameHostConfig config;
   // The peers connect within milliseconds of the socket appearing; both are still there (the

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "deadline.h"
+#include "socket_dir.h"
 #include "fake_engine.h"
 #include "live_hash.h"
 #include "pattern.h"
@@ -168,20 +169,6 @@ struct Engines {
   }
 };
 
-struct SocketDir {
-  std::filesystem::path dir;
-  SocketDir() {
-    char name[] = "/tmp/shadowsync_same_host_proc_XXXXXX";
-    REQUIRE(::mkdtemp(name) != nullptr);
-    dir = name;
-  }
-  ~SocketDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(dir, ignored);
-  }
-  std::string path() const { return (dir / "trainer.sock").string(); }
-};
-
 ReceiverConfig receiver_config() {
   ReceiverConfig rc;
   rc.bucket_deadline = std::chrono::milliseconds(1000);
@@ -194,7 +181,7 @@ ReceiverConfig receiver_config() {
 
 TEST_CASE("same-host processes: 1,000 updates to three receivers, 0 torn steps") {
   const Layout layout = test_layout();
-  SocketDir dir;
+  shadowsync::testing::SocketDir dir{"shadowsync_same_host_proc"};
   Engines engines(layout, receiver_config());
   constexpr std::uint64_t kUpdates = 1000;
   auto trainer = spawn_trainer(dir.path(), 1, kUpdates, false);
@@ -217,7 +204,7 @@ TEST_CASE("same-host processes: 1,000 updates to three receivers, 0 torn steps")
 TEST_CASE("same-host processes: a trainer killed or stopped mid-update fails it cleanly, and a "
           "new trainer's next update applies") {
   const Layout layout = test_layout();
-  SocketDir dir;
+  shadowsync::testing::SocketDir dir{"shadowsync_same_host_proc"};
   Engines engines(layout, receiver_config());
   const int signal = GENERATE(SIGKILL, SIGSTOP);
   CAPTURE(signal);
@@ -283,7 +270,7 @@ std::size_t memory_files() {
 }  // namespace
 
 TEST_CASE("same-host: 100 connect/abort cycles leave no fd, thread or memory file behind") {
-  SocketDir dir;
+  shadowsync::testing::SocketDir dir{"shadowsync_same_host_proc"};
   HostBackend sender_backend;
   HostBackend receiver_backend;
   auto sender_stream = sender_backend.create_stream(StreamPriority::kNormal);
