@@ -138,7 +138,7 @@ class ShadowsyncInitInfo:
         if self.receiver_config is not None and not isinstance(self.receiver_config,
                                                                ReceiverConfig):
             _refuse("receiver_config", self.receiver_config, "a shadowsync.ReceiverConfig")
-        self.paced_receiver_config()._c_fields()  # refuses a bad value (a budget < 1.0, ...)
+        self.merged_receiver_config()._c_fields()  # refuses a bad value (a budget < 1.0, ...)
 
     @classmethod
     def coerce(cls, info: ShadowsyncInitInfo | Mapping[str, Any] | None = None,
@@ -182,8 +182,9 @@ class ShadowsyncInitInfo:
         del fields["group_of"]
         return fields
 
-    def paced_receiver_config(self) -> ReceiverConfig:
-        """`receiver_config` with the pacing fields given here written into it."""
+    def merged_receiver_config(self) -> ReceiverConfig:
+        """`receiver_config` with the fields given here (pacing, offer_after_clean_step) written
+        into it: what the receiver is created with."""
         config = dataclasses.replace(self.receiver_config or ReceiverConfig())
         if self.decode_slowdown_budget is not None:
             config.decode_slowdown_budget = self.decode_slowdown_budget

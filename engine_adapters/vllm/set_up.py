@@ -43,7 +43,7 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
     swap_strategy, engine_uses_cuda_graphs = info.swap_strategy, info.engine_uses_cuda_graphs
     commit_mode, track_request_versions = info.commit_mode, info.track_request_versions
     adopt_current_weights = info.adopt_current_weights
-    receiver_config = info.paced_receiver_config()
+    receiver_config = info.merged_receiver_config()
     model = worker._shadowsync_model()
     params = dict(items(worker._shadowsync_named_parameters()))
     if not params:
