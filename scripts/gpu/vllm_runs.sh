@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call after .vllm-gpu's install calls (PYTHONPATH=/tmp/site holds vLLM 0.25.0;
-# ../shared/vllm-gpu/README.md, scripts/gpu/split_vllm_pieces.sh): builds the C library with CUDA
-# (and EXTRA_TARGETS), then runs what the environment asks for, each with its log under $OUT:
+# vLLM runs on a GPU machine: builds the C library with CUDA into build-gpu/ (and EXTRA_TARGETS),
+# then runs what the environment asks for, each with its log under $OUT (default ./gpu-out).
+# vLLM comes from the Python environment; a vLLM installed into a folder of its own (pip install
+# --target DIR) is found when VLLM_SITE names that folder (default: /tmp/site, used if it exists).
 #   GPU_TESTS="a b"  tests/gpu/<a>, tests/gpu/<b> (built as gpu_<a>; Catch2 filters: GPU_TEST_ARGS)
 #   SAME_HOST=1      tests/gpu/test_same_host_gpu and the mini worker's same-host cases
 #   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
@@ -12,11 +13,25 @@
 #   BENCH_PACING="..." bench/bench_vllm_pacing.py with these arguments (BENCH_TIMEOUT, default 420)
 #   SKIP_BUILD=1     build-gpu is already built (two of these scripts running side by side on
 #                    different GPUs must not configure the same build folder at once)
+#
+#   E2E_RUNS="--arch llama;--arch qwen2 --live-arena" bash scripts/gpu/vllm_runs.sh
+#
 # Each step has its own timeout; a failed step does not stop the next.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
 source scripts/gpu/common.sh
 gpu_unpack_deps "$PWD" >/dev/null
+# with_vllm COMMAND...: COMMAND with VLLM_SITE first on PYTHONPATH when that folder exists.
+VLLM_SITE="${VLLM_SITE:-/tmp/site}"
+with_vllm() {
+  if [[ -d "$VLLM_SITE" ]]; then
+    PYTHONPATH="$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH}" "$@"
+  else
+    "$@"
+  fi
+}
 if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
   gpu_configure "$PWD" build-gpu "$OUT/cfg.log" 300
   targets=(shadowsync_c ${EXTRA_TARGETS:-})
@@ -47,14 +62,14 @@ fi
 IFS=';' read -r -a runs <<<"${E2E_RUNS:-}"
 for i in "${!runs[@]}"; do
   read -r -a run_args <<<"${runs[$i]}"
-  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${E2E_TIMEOUT:-300}" \
+  with_vllm timeout "${E2E_TIMEOUT:-300}" \
     python3 scripts/vllm_e2e.py --device cuda "${run_args[@]}" >"$OUT/vllm-e2e-$i.log" 2>&1
   echo "vllm_e2e ${runs[$i]}: exit $?"
   grep -E "\[vllm-e2e\]" "$OUT/vllm-e2e-$i.log" | head -20
 done
 if [[ -n "${KV_CHECK+set}" ]]; then
   read -r -a kv_args <<<"$KV_CHECK"
-  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout 400 \
+  with_vllm timeout 400 \
     python3 scripts/gpu/check_live_arena_kv.py "${kv_args[@]}" >"$OUT/live-arena-kv.log" 2>&1
   echo "check_live_arena_kv $KV_CHECK: exit $?"
   grep -E "^\[live-arena-kv\]" "$OUT/live-arena-kv.log" || tail -20 "$OUT/live-arena-kv.log"
@@ -65,7 +80,7 @@ run_bench() {
   local script=$1 log=$2 out=${4:-$OUT} args
   read -r -a args <<<"$3"
   mkdir -p "$out"
-  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" \
+  with_vllm timeout "${BENCH_TIMEOUT:-420}" \
     python3 "$script" --out "$out" "${args[@]}" >"$out/$log" 2>&1
   echo "$(basename "$script") ${args[*]}: exit $?"
   tail -${BENCH_TAIL:-30} "$out/$log"

@@ -41,7 +41,7 @@ namespace shadowsync::same_host {
 // state: on the H100 machines the trainer's progress thread took 35-47 us to wake for an
 // update's first chunk (the same-host bench's "enqueued -> filled"), 5-7 % of a 0.5B model's
 // transfer. Sleeping in 200 us slices instead woke it in 13-16 us, but an idle link then cost
-// 4.2-4.6 % of a core per process (scripts/gpu/probe_idle_link_cpu.py, docs/gpu.md): a price
+// 4.2-4.6 % of a core per process (measured with a one-off probe, kept in git history): a price
 // paid all the time between updates for tens of microseconds per update (0.11 % blocked), so
 // idle means blocked, and the sender's caller, which spins for acks anyway, rings a filled slot
 // itself (wait_acked). A receiver's caller spins on the gate for kGateSpin before it sleeps
