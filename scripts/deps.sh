@@ -5,11 +5,11 @@
 # Idempotent: when everything is present it only checks, and returns in well under a second.
 # (nvcc and NCCL are not installed here: the CUDA backend is built when CMake finds them.)
 #
-# Machines without network (the GPU machines): `scripts/gpu/run.sh collect-debs` downloads the
-# library .debs into .deps/ on a machine with apt; carry .deps/ along. There, when a library package
-# is not installed, deps.sh unpacks those .debs into .deps/prefix (dpkg -x: no root, no network,
-# the same place `scripts/gpu/run.sh tests` uses), and test.sh / demo.sh add .deps/prefix/usr to
-# CMAKE_PREFIX_PATH.
+# Optional, for a machine without a package registry: `scripts/gpu/run.sh collect-debs`, run on a
+# machine with apt, downloads the library .debs into .deps/; copy .deps/ along with the tree. There,
+# when a library package is not installed, deps.sh unpacks those .debs into .deps/prefix (dpkg -x:
+# no root, no network, the same place `scripts/gpu/run.sh tests` uses), and test.sh / demo.sh add
+# .deps/prefix/usr to CMAKE_PREFIX_PATH.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

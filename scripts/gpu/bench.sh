@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
 # Runs the update benchmark (bench/bench_gpu.cu) on a GPU machine with two GPUs, then plots it.
-# Run it from the repository root after scripts/gpu/run.sh tests built build-gpu/ (or let it build
-# bench_gpu the same way: it needs the .deb files of scripts/gpu/run.sh collect-debs in .deps/).
+# Run it from the repository root; it configures build-gpu/ as scripts/gpu/run.sh tests does and
+# builds bench_gpu.
 #
 #   bash scripts/gpu/run.sh bench [--commit SHA] [-- BENCH_ARGS...]
 #
-# With the device tool (the working tree has no .git there, so pass the commit):
-#   run(kind="nvidia-h200-x2", carry=[".deps"], timeout_s=600,
-#       command="bash scripts/gpu/run.sh bench --commit <sha>")
-#
-#   --commit SHA   stamped into every artefact (default: $SHADOWSYNC_COMMIT, else git, else unknown)
+#   --commit SHA   stamped into every artefact (default: $SHADOWSYNC_COMMIT, else git, else unknown;
+#                  pass it when the tree is a copy without .git)
 #   BENCH_ARGS     passed to bench_gpu (e.g. --no-sweep, --models llama3-8b, --budget 120)
 #
 # Writes to ${OUT:-./gpu-out} (6 files): env.log, build.log, bench.log, and the run's
@@ -26,7 +23,7 @@ while (($#)); do
   case "$1" in
     --commit) COMMIT="${2:?--commit needs a value}"; shift ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu/run.sh bench: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one-GPU benchmarks, on a GPU machine, after scripts/gpu/run.sh tests configured build-gpu/ (it
-# unpacks .deps and configures with CUDA on; see docs/gpu.md and docs/benchmarks.md):
+# The one-GPU benchmarks, on a GPU machine, after scripts/gpu/run.sh tests configured build-gpu/
+# with CUDA on (see docs/benchmarks.md):
 #
 #   bash scripts/gpu/run.sh bench-one-gpu [--updates N] [--link-gbps G] [--skip-swap] [--commit SHA]
 #
@@ -8,7 +8,8 @@
 #                                                         inside a receive (default N = 10)
 #   bench_swap_one_gpu --swaps N                          the swap strategies' stall (unless
 #                                                         --skip-swap)
-#   --commit SHA   the commit to print (the device tool's copy of the tree has no .git)
+#   --commit SHA   the commit to print (default: git's; pass it when the tree is a copy without
+#                  .git)
 #
 # Output: ${OUT:-./gpu-out}/bench_one_gpu.txt (the machine, the commit, each command and its
 # tables). Exit status: 0, 1 if a build or a program failed, 77 without a GPU.
@@ -27,7 +28,7 @@ while (($#)); do
     --link-gbps) LINK=(--link-gbps "${2:?--link-gbps needs GB/s}"); shift ;;
     --skip-swap) SWAP=0 ;;
     --commit) COMMIT="${2:?--commit needs a SHA}"; shift ;;
-    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu/run.sh bench-one-gpu: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift

@@ -2,16 +2,12 @@
 # The same-host transport's device flavour on ONE GPU (bench/bench_same_host_one_gpu.cu): the
 # trainer and the engine as two processes on GPU 0, for the Qwen2.5-0.5B, Llama-3-8B and
 # Qwen2.5-14B layouts; then its plot. Run from anywhere (it works from the repository root); it
-# configures build-gpu/ as scripts/gpu/run.sh tests does (needs the .deb files of
-# scripts/gpu/run.sh collect-debs in .deps/) and builds only bench_same_host_one_gpu.
+# configures build-gpu/ as scripts/gpu/run.sh tests does and builds only bench_same_host_one_gpu.
 #
 #   bash scripts/gpu/run.sh bench-same-host [--commit SHA] [-- BENCH_ARGS...]
 #
-# With the device tool (the working tree has no .git there, so pass the commit):
-#   run(kind="nvidia-h100-x1", carry=[".deps"], timeout_s=600,
-#       command="bash scripts/gpu/run.sh bench-same-host --commit <sha>")
-#
-#   --commit SHA   stamped into every artefact (default: $SHADOWSYNC_COMMIT, else git, else unknown)
+#   --commit SHA   stamped into every artefact (default: $SHADOWSYNC_COMMIT, else git, else unknown;
+#                  pass it when the tree is a copy without .git)
 #   BENCH_ARGS     passed to bench_same_host_one_gpu (e.g. --models llama3-8b, --updates 100,
 #                  --sources shared, --checksums, --budget 120)
 #
@@ -31,7 +27,7 @@ while (($#)); do
   case "$1" in
     --commit) COMMIT="${2:?--commit needs a value}"; shift ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu/run.sh bench-same-host: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift

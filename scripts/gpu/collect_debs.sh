@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Run on the development machine (it has apt and a network; the GPU machines have neither).
-# Downloads the .deb files of the build dependencies the GPU machines lack (Catch2 v2, fmt and its
-# shared library, moodycamel concurrentqueue, OpenSSL's libcrypto for the control channel) into
-# .deps/, which .gitignore ignores. Carry that folder to the GPU machine with the device tool
-# (carry: [".deps"]); scripts/gpu/run.sh tests unpacks it there with dpkg -x. Nothing is installed here.
+# Optional: only for a GPU machine that cannot reach a package registry. Where the GPU machine has
+# apt, scripts/deps.sh installs the build dependencies there and this script is not needed.
+#
+# Run it on a Debian or Ubuntu machine that has apt and a network (the same release as the GPU
+# machine). It downloads the .deb files of the build dependencies (Catch2 v2, fmt and its shared
+# library, moodycamel concurrentqueue, OpenSSL's libcrypto for the control channel) into .deps/,
+# which .gitignore ignores. Copy the tree with .deps/ to the GPU machine: the scripts of
+# scripts/gpu/ (and scripts/deps.sh) unpack them there with dpkg -x, without root or network.
+# Nothing is installed on the machine that runs this script.
 #
 # Idempotent: a package whose .deb is already in .deps/ is not downloaded again. apt-get update
 # runs only when a download fails (stale package lists), then the download is retried once.

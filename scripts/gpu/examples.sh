@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of the two examples, from the repository root of a GPU machine, against a
 # CUDA build (scripts/gpu/run.sh tests calls it with build-gpu/ after building control_channel and
-# shadowsync_c; see docs/gpu.md):
+# shadowsync_c; see docs/testing.md):
 #
 #   bash scripts/gpu/run.sh examples BUILD_DIR [--rounds N] [--deadline SECONDS] [--cpu-dry-run]
 #

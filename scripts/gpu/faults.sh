@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU fault runs: a trainer process that dies or hangs mid-update never takes the engine
 # down, and the next trainer's updates apply. From the repository root of a GPU machine, against
-# a CUDA build (scripts/gpu/run.sh tests calls it with build-gpu/ unless --no-faults; docs/gpu.md):
+# a CUDA build (scripts/gpu/run.sh tests calls it with build-gpu/ unless --no-faults; docs/testing.md):
 #
 #   bash scripts/gpu/run.sh faults BUILD_DIR [--cycles N] [--bucket-deadline-ms MS]
 #                              [--growth-mib MIB] [--deadline SECONDS] [--cpu-dry-run]

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# On a GPU machine (no network): builds the wheel with CUDA on from the repository root (pip wheel,
-# build requirements from the .whl files of .whl/: carry [".whl", ".deps"]), installs it into a
-# venv that sees the machine's torch (--system-site-packages), and runs python/tests against the
-# installed package: the NCCL runtime tests (which NCCL it loads, both import orders with torch, a
-# one-rank communicator), the mini worker's CUDA case, packaging. Prints ldd of the installed
-# library (it must name no libnccl).
+# On a GPU machine: builds the wheel with CUDA on from the repository root (pip wheel), installs it
+# into a venv that sees the machine's torch (--system-site-packages), and runs python/tests against
+# the installed package: the NCCL runtime tests (which NCCL it loads, both import orders with
+# torch, a one-rank communicator), the mini worker's CUDA case, packaging. Prints ldd of the
+# installed library (it must name no libnccl).
+#
+# pip takes the build requirements (scikit-build-core, pathspec, packaging) and pytest and ninja
+# from the package index. Optional, for a machine without one: if .whl/ exists, they are taken
+# from the wheel files there instead (pip --no-index --find-links .whl); the build dependencies
+# likewise from .deps/ if it holds Debian packages (scripts/gpu/common.sh).
 #
 #   bash scripts/gpu/run.sh python [PYTEST_ARGS...]
 #
@@ -22,7 +26,13 @@ note() { echo "[gpu python] $*"; echo "$*" >>"$SUMMARY"; }
 # shellcheck source=scripts/gpu/common.sh
 source "$ROOT/scripts/gpu/common.sh"
 gpu_unpack_deps "$ROOT" >/dev/null || { note "FAIL deps: $DEPS_MESSAGE"; exit 1; }
-[[ -d .whl ]] || { note "FAIL no .whl/ (download scikit-build-core, pathspec, packaging, pytest, ninja wheels into .whl/ and carry it)"; exit 1; }
+# Where pip finds packages: the index, or the wheel files of .whl/ when that folder exists.
+pip_source=()
+[[ -d "$ROOT/.whl" ]] && pip_source=(--no-index --find-links "$ROOT/.whl")
+# The unpacked .deps prefix, when there is one, for the wheel's CMake configure.
+cmake_deps=()
+[[ -n "$PREFIX" ]] && cmake_deps=("-Ccmake.define.CMAKE_PREFIX_PATH=$PREFIX/usr"
+  "-Ccmake.define.fmt_DIR=$FMT_DIR" "-Ccmake.define.SHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR=$CQ_DIR")
 
 python3 -m venv --clear "$WORK/venv" || { note "FAIL venv"; exit 1; }
 readonly PY="$WORK/venv/bin/python"
@@ -30,8 +40,8 @@ readonly PY="$WORK/venv/bin/python"
 # would reach only the base interpreter's packages, so hand the new venv python3's own ones.
 python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
   >"$("$PY" -c 'import site; print(site.getsitepackages()[0])')/machine-packages.pth"
-"$PY" -m pip install --quiet --no-index --find-links .whl pytest ninja >"$WORK/pip.log" 2>&1 ||
-  { cat "$WORK/pip.log"; note "FAIL pip install pytest ninja from .whl/"; exit 1; }
+"$PY" -m pip install --quiet "${pip_source[@]}" pytest ninja >"$WORK/pip.log" 2>&1 ||
+  { cat "$WORK/pip.log"; note "FAIL pip install pytest ninja ${pip_source[*]}"; exit 1; }
 note "info $("$PY" -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())' 2>&1 | tail -n 1)"
 
 # pip's build isolation hides the machine's site-packages, so a `cmake` that is pip's Python
@@ -41,9 +51,7 @@ cmake_bin=$(python3 -c 'import cmake; print(cmake.CMAKE_BIN_DIR)' 2>/dev/null) &
 note "info cmake for the wheel: $(command -v cmake) ($(cmake --version | head -n 1))"
 rm -rf "$WORK/dist"
 if ! SHADOWSYNC_WITH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip wheel -v --no-deps \
-    --no-index --find-links "$ROOT/.whl" -w "$WORK/dist" "-Cbuild-dir=$WORK/cmake" \
-    "-Ccmake.define.CMAKE_PREFIX_PATH=$PREFIX/usr" "-Ccmake.define.fmt_DIR=$FMT_DIR" \
-    "-Ccmake.define.SHADOWSYNC_CONCURRENTQUEUE_INCLUDE_DIR=$CQ_DIR" \
+    "${pip_source[@]}" -w "$WORK/dist" "-Cbuild-dir=$WORK/cmake" "${cmake_deps[@]}" \
     "-Ccmake.define.CMAKE_POLICY_VERSION_MINIMUM=3.5" . >"$OUT_DIR/wheel.log" 2>&1; then
   tail -n 40 "$OUT_DIR/wheel.log"
   note "FAIL wheel build (see wheel.log)"

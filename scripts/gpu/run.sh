@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one entry to the GPU-machine scripts (see docs/gpu.md). Run from anywhere; each command runs
-# from the repository root.
+# The one entry to the GPU-machine scripts (see docs/testing.md). Run from anywhere; each command
+# runs from the repository root.
 #
 #   bash scripts/gpu/run.sh COMMAND [ARGS...]      (COMMAND --help: its own usage)
 #
@@ -16,14 +16,15 @@
 #                  run time (import orders with torch), one-rank communicator (python.sh)
 #   faults         trainer processes killed and stopped mid-update (faults.sh; --cpu-dry-run runs
 #                  it on the CPU, as ctest integration.gpu_faults_cpu does)
-#   collect-debs   on the development machine: download the .deb files the GPU machines lack into
-#                  .deps/ (collect_debs.sh)
+#   collect-debs   optional, for a GPU machine without a package registry: run it on a Debian or
+#                  Ubuntu machine that has one, to download the build dependencies' .deb files
+#                  into .deps/; copy .deps/ along with the tree (collect_debs.sh)
 #
 # Exit status: the command's; 2 for an unknown command.
 set -uo pipefail
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-usage() { sed -n '2,21p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,22p' "${BASH_SOURCE[0]}"; }
 
 command="${1:-}"
 case "$command" in

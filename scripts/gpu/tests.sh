@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Builds and runs the GPU tests on a GPU machine (no network, no apt), in one command, from the
-# repository root, with the .deb files of scripts/gpu/run.sh collect-debs in .deps/ (carried there with
-# the device tool: carry [".deps"]). See docs/gpu.md.
+# Builds and runs the GPU tests on a GPU machine, in one command, from the repository root. The
+# build dependencies come from the system (scripts/deps.sh), or from .deps/ if it holds Debian
+# packages (scripts/gpu/common.sh). See docs/testing.md.
 #
 #   bash scripts/gpu/run.sh tests [--sanitize] [--receivers R] [--all] [--no-examples] [--no-faults]
 #                           [--budget SECONDS]
 #
-#   (always)       unpack .deps/*.deb into .deps/prefix (dpkg -x), print the GPUs and their
+#   (always)       unpack .deps/*.deb into .deps/prefix if there are any, print the GPUs and their
 #                  topology, configure build-gpu/ with CUDA on, build the GPU tests, and run
 #                  `ctest --output-on-failure -L gpu` (test_cuda_transport_smoke, test_gpu_updates
 #                  with its defaults: 1 receiver, 1000 updates, both engine modes, medium layout).
@@ -22,10 +22,10 @@
 #   --all          build every target (CPU tests too), not only the GPU tests.
 #   --no-examples  do not build or run the examples step.
 #   --no-faults    do not build or run the fault step.
-#   --budget S     stop starting new steps once S seconds have passed (default 540: the device
-#                  tool allows 600 per command).
+#   --budget S     stop starting new steps once S seconds have passed (default 540, so that the
+#                  whole run stays within ten minutes).
 #
-# Logs go to ${OUT:-./gpu-out} (at most 8 files: the device tool brings back 8): env.log,
+# Logs go to ${OUT:-./gpu-out} (eight files at most): env.log,
 # build.log, ctest.log, examples.log, memcheck.log, racecheck.log, receivers.log, summary.txt.
 # Exit status: 0 if every step that ran passed (a test that skips for lack of GPUs passes), else 1.
 set -uo pipefail
@@ -77,7 +77,7 @@ step_timeout() {
 # shellcheck source=scripts/gpu/common.sh
 source "$ROOT/scripts/gpu/common.sh"
 
-# --- 1. dependencies from .deps/*.deb ------------------------------------------------------------
+# --- 1. dependencies: the system's, or .deps/*.deb ------------------------------------------------
 if gpu_unpack_deps "$ROOT"; then
   note "ok   deps: $DEPS_MESSAGE"
 else
@@ -196,7 +196,7 @@ fi
 
 # --- 5b. the fault runs on two GPUs --------------------------------------------------------------
 if ((FAULTS)); then
-  # Its log joins examples.log afterwards: the device tool brings back at most 8 files.
+  # Its log joins examples.log afterwards, to keep the logs to eight files.
   run_step "faults (SIGKILL, SIGSTOP, 20 kill/restart cycles)" "$OUT_DIR/faults.tmp" 300 \
     bash "$ROOT/scripts/gpu/faults.sh" "$BUILD"
   grep -E '^(fault |cycle |faults: )' "$OUT_DIR/faults.tmp" >>"$SUMMARY" 2>/dev/null
