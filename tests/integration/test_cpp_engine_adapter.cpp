@@ -1,7 +1,8 @@
 // The C++ engine adapter (engine_adapters/cpp, shadowsync::engine_adapter) on a fake vLLM-like
-// worker, host backend and loopback transport: the worker's parameters are rebound to the live slots by the step hook, hold the new
-// version's bytes after a swap (the pattern oracle of tests/support/pattern.h), no step reads two
-// versions of a group, and the worker keeps stepping while an update streams in.
+// worker, host backend and loopback transport: the step hook rebinds the worker's parameters to
+// the live slots, they hold the new version's bytes after a swap (the pattern oracle of
+// tests/support/pattern.h), no step reads two versions of a group, and the worker keeps stepping
+// while an update streams in.
 #include <catch2/catch.hpp>
 
 #include <fmt/format.h>
@@ -175,7 +176,7 @@ struct Setup {
 
 }  // namespace
 
-TEST_CASE("vLLM adapter: init adopts the worker's weights into the live slots") {
+TEST_CASE("C++ engine adapter: init adopts the worker's weights into the live slots") {
   Setup setup;
   CHECK(setup.fingerprint == setup.layout.fingerprint());
   CHECK(setup.worker.load_calls() == 1);
@@ -188,7 +189,7 @@ TEST_CASE("vLLM adapter: init adopts the worker's weights into the live slots") 
                     Catch::Contains("already initialized"));
 }
 
-TEST_CASE("vLLM adapter: the worker keeps stepping while updates stream in; each swap rebinds it") {
+TEST_CASE("C++ engine adapter: the worker keeps stepping while updates stream in; each swap rebinds it") {
   Setup setup;
   engine_adapter::WorkerExtension& extension = *setup.extension;
   StepHook& hook = extension.receiver().step_hook();
@@ -278,7 +279,7 @@ TEST_CASE("vLLM adapter: the worker keeps stepping while updates stream in; each
   CHECK(setup.worker.steps().front() == std::vector<std::uint64_t>{1, 1});
 }
 
-TEST_CASE("vLLM adapter: the trainer's specs must match the worker's parameters") {
+TEST_CASE("C++ engine adapter: the trainer's specs must match the worker's parameters") {
   const Layout layout = model_layout();
   HostBackend backend;
   FakeVllmWorker worker(backend, layout, 1);
