@@ -59,7 +59,8 @@ class ToyWorker final : public engine_adapter::Worker {
       // The weights the engine loaded itself: version 1.
       storage_.emplace_back(bytes / 8);
       examples::fill_weights(storage_.back().data(), bytes, 0, t, 1);
-      parameters_.push_back({model[t].name, model[t].dtype, model[t].shape, storage_.back().data()});
+      parameters_.push_back(
+          {model[t].name, model[t].dtype, model[t].shape, storage_.back().data()});
     }
   }
 
