@@ -57,8 +57,9 @@ std::string results_markdown(const Results& r, const Options& o) {
 
   md += "\n## Swap strategies (" + label + ")\n\n";
   md += strf("Per swap: host time in `before_step()` and engine-stream time between stamps around it. "
-             "rebind: the rows above (%d swaps). copy_in and remap: a session each, %d swaps after %d "
-             "unmeasured; no swap callback (the live addresses do not move). copy_in's stamps are queued "
+             "rebind: the rows above (%d swaps). copy_in and remap: a sender/receiver pair each, "
+             "%d swaps after %d unmeasured; no swap callback (the live addresses do not move). "
+             "copy_in's stamps are queued "
              "behind a 1 ms hold, so they time its copy on the engine stream; remap synchronizes the "
              "engine stream, so it runs on an idle stream and its stamps bracket the host's remap. Raw "
              "copy: one plain device-to-device copy of the same bytes on an engine stream, behind the "
@@ -120,8 +121,9 @@ std::string results_markdown(const Results& r, const Options& o) {
   md += "\n## Integrity cost (" + label + ")\n\n";
   md += strf("Transfer time (`UpdateReport.transfer`, which includes the receiver's checks) with "
              "checksums on (`SenderConfig::checksums` + `ReceiverConfig::require_checksums`) and with "
-             "the non-finite guard (`ReceiverConfig::reject_nonfinite`), a session each, %d updates "
-             "after %d unmeasured, against the plain transfers of the stall rows (%d updates).\n\n",
+             "the non-finite guard (`ReceiverConfig::reject_nonfinite`), a sender/receiver pair "
+             "each, %d updates after %d unmeasured, against the plain transfers of the stall rows "
+             "(%d updates).\n\n",
              o.integrity_updates, o.warmup, o.swaps);
   md += "| model | bytes | plain ms (median, min–max) | checksums ms (median, min–max) | checksums cost | "
         "non-finite guard ms (median, min–max) | guard cost |\n|---|---|---|---|---|---|---|\n";
@@ -187,7 +189,8 @@ std::string results_markdown(const Results& r, const Options& o) {
       staging += strf("%s%s %s", staging.empty() ? "" : "; ", m.name.c_str(), bytes_text(*m.sender_staging_bytes).c_str());
     }
   }
-  md += "\nNCCL communicator of the session (receiver device, measured): " + (nccl.empty() ? "not measured" : nccl) +
+  md += "\nNCCL communicator of a sender/receiver pair (receiver device, measured): " +
+        (nccl.empty() ? "not measured" : nccl) +
         ".\nSender staging (trainer device, two buckets): " + (staging.empty() ? "not measured" : staging) + ".\n";
 
   md += "\n## Knob sweep (" + label + ")\n\n";
