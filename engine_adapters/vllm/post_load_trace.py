@@ -36,6 +36,8 @@ from typing import Any
 from shadowsync.errors import LayoutMismatchError
 from shadowsync.layout import format_shape
 
+from .import_hook import when_imported
+
 __all__ = ["PostLoadChange", "PostLoadRecord", "install", "install_when_vllm_loads",
            "refuse_post_load_transforms"]
 
@@ -95,37 +97,13 @@ def install(utils=None) -> bool:
     return True
 
 
-class _TraceWhenImported:
-    """A meta path finder that installs the trace right after vLLM's loader utilities are
-    imported (once), for a process that imported shadowsync.vllm before vllm."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != _LOADER_UTILS:
-            return None
-        import importlib.util
-
-        sys.meta_path.remove(self)  # once; and find_spec below must not find this finder
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            install(module)  # before any other module imports the step by name
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def install_when_vllm_loads() -> None:
-    """Installs the trace now if vLLM's loader utilities are imported, else right after they are
+    """Installs the trace now if vLLM is imported, else right after its loader utilities are
     (whatever the order of ``import shadowsync.vllm`` and ``import vllm``)."""
-    if _LOADER_UTILS in sys.modules or "vllm" in sys.modules:
+    if "vllm" in sys.modules:
         install()
-        return
-    if not any(isinstance(f, _TraceWhenImported) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TraceWhenImported())
+    else:
+        when_imported(_LOADER_UTILS, install)
 
 
 def _traced(original):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ._handle import Handle
 from ._library import NCCL_UNIQUE_ID_BYTES, SAME_HOST_MEMORY, NcclConfigC, config_struct
-from .backend import Backend, require_cuda
+from .backend import Backend, CudaBackend, require_cuda
 from .errors import InvalidArgumentError, call
 
 
@@ -236,7 +236,7 @@ def same_host_sender_transport(
     backend: Backend,
     slot_bytes: int,
     *,
-    memory: str = "host",
+    memory: str | None = None,
     connect_timeout_ms: int | None = None,
 ) -> Transport:
     """The sender's side of the same-host transport (SameHostTransport::serve), for the trainer
@@ -249,7 +249,7 @@ def same_host_sender_transport(
     same-host rendezvous), then call this. It then shares two staging slots of `slot_bytes` each
     (the layout's bucket size: ``layout.groups[0].bucket_bytes``) in `memory`: "host" (a shared
     memory file; `backend` a HostBackend) or "device" (GPU memory; `backend` a CudaBackend;
-    NotSupportedError without CUDA).
+    NotSupportedError without CUDA); None (the default) takes the backend's own memory.
 
     A receiver with the wrong token is refused and the wait goes on (handshakes run side by side:
     a peer that connects and says nothing delays no other): ShadowsyncTimeoutError then names how
@@ -263,6 +263,8 @@ def same_host_sender_transport(
     )
     receivers = _int_arg(receivers, "receivers", what, 1, 65535)
     slot_bytes = _int_arg(slot_bytes, "slot_bytes", what, 1, _INT64_MAX)
+    if memory is None:
+        memory = "device" if isinstance(backend, CudaBackend) else "host"
     if memory not in SAME_HOST_MEMORY:
         raise InvalidArgumentError(
             f"{what}: memory is {memory!r}, expected one of {sorted(SAME_HOST_MEMORY)}"

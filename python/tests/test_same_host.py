@@ -95,7 +95,8 @@ def test_two_processes_move_several_updates_byte_for_byte(socket_path):
         transport = ss.same_host_sender_transport(
             socket_path, TOKEN.encode(), 1, backend, layout.groups[0].bucket_bytes,
             connect_timeout_ms=DEADLINE_MS)
-        assert "same_host sender" in repr(transport)
+        # No memory given: the backend's own (host memory for a HostBackend).
+        assert "same_host sender" in repr(transport) and "(host memory)" in repr(transport)
         assert _receive(conn, "connect")[0] == "connected"
         assert not os.path.exists(socket_path)  # removed once every receiver came
         sender = ss.Sender(layout, backend, transport,
