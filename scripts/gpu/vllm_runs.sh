@@ -6,6 +6,7 @@
 #   GPU_TESTS="a b"  tests/gpu/<a>, tests/gpu/<b> (built as gpu_<a>; Catch2 filters: GPU_TEST_ARGS)
 #   SAME_HOST=1      tests/gpu/test_same_host_gpu and the mini worker's same-host cases
 #   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
+#   QUICK_START=1    the README's vLLM quick start on GPU 0 (python/tests/test_readme_quick_start.py)
 #   E2E_RUNS="A;B"   scripts/vllm_e2e.py --device cuda with each ;-separated argument list
 #   KV_CHECK="ARGS"  scripts/gpu/check_live_arena_kv.py ARGS (the live arena's KV-cache sizing)
 #   BENCH_VLLM="A;B" bench/bench_vllm_update.py with each ;-separated argument list (one run:
@@ -58,6 +59,12 @@ if [[ "${MEMCHECK:-0}" == 1 ]]; then
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     ./build-gpu/tests/gpu/test_same_host_gpu "[conformance]" >"$OUT/memcheck.log" 2>&1
   echo "memcheck [conformance] exit $?: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+fi
+if [[ "${QUICK_START:-0}" == 1 ]]; then
+  QUICK_START_DEVICE=cuda with_vllm timeout 400 python3 -m pytest python/tests/test_readme_quick_start.py \
+    -q -rs -p no:cacheprovider >"$OUT/quick-start.log" 2>&1
+  echo "README quick start on the GPU: exit $? $(grep -E '[0-9]+ (passed|failed|skipped)' \
+    "$OUT/quick-start.log" | tail -1)"
 fi
 IFS=';' read -r -a runs <<<"${E2E_RUNS:-}"
 for i in "${!runs[@]}"; do
