@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from shadowsync.errors import InvalidArgumentError, LayoutMismatchError
-from shadowsync.layout import Layout, TensorSpec, format_shape
+from shadowsync.layout import Layout, TensorSpec, canonical_dtype, format_shape
 from shadowsync.tensors import TensorDesc, describe
 
 from . import vllm_worker
@@ -37,9 +37,20 @@ def refuse_empty(params: dict[str, Any]) -> None:
         )
 
 
-def names_are_parameters(specs: list[TensorSpec], descs: dict) -> bool:
-    """The trainer sends the engine's own tensors (by name): no receive plan."""
-    return all(s.name in descs for s in specs)
+def receives_in_place(specs: list[TensorSpec], descs: dict, live_arena=None) -> bool:
+    """The trainer sends the engine's own tensors (by name), so the receive needs no plan
+    (zero-copy). With a live arena (swapped whole, its layout the parameters in the model's
+    order) only when they are laid out as the arena is: every parameter, in its order, one
+    group. A trainer whose fused tensors come in another order (Phi-3 in Hugging Face's order:
+    o_proj before qkv_proj) gets a plan that copies them into the arena's places instead."""
+    if not all(s.name in descs for s in specs):
+        return False
+    if live_arena is None:
+        return True
+    arena = live_arena.layout.groups[0].tensors
+    return len(specs) == len(arena) and len({s.group for s in specs}) == 1 and all(
+        s.name == t.name and canonical_dtype(s.dtype)[0] == t.dtype
+        and tuple(s.shape) == tuple(t.shape) for s, t in zip(specs, arena))
 
 
 def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partial: bool,

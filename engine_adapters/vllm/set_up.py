@@ -24,8 +24,8 @@ from . import step_hook_site, tensor_parallel, vllm_worker
 from .init_info import ShadowsyncInitInfo
 from .lora_plan import is_lora_tensor
 from .post_load_trace import refuse_post_load_transforms
-from .receive_planning import (check_specs, names_are_parameters, placement, receive_plan,
-                               receive_plan_with_lora, refuse_empty)
+from .receive_planning import (check_specs, placement, receive_plan, receive_plan_with_lora,
+                               receives_in_place, refuse_empty)
 from .update_group import UpdateGroup, address, adopt, param_data
 
 __all__ = ["set_up_update_group"]
@@ -81,7 +81,7 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
         if lora_adapter is not None or any(is_lora_tensor(s.name) for s in specs):
             layout, plan, params, descs = receive_plan_with_lora(
                 worker, model, specs, lora_adapter, bucket_bytes, allow_partial, arena_to_remap)
-        elif names_are_parameters(specs, descs):
+        elif receives_in_place(specs, descs, arena_to_remap):
             check_specs(specs, descs)  # the engine's own layout: zero-copy receive
             layout = Layout(specs, bucket_bytes)
         else:

@@ -720,3 +720,28 @@ def test_a_plan_for_the_live_arena_keeps_what_the_trainer_does_not_send():
             assert torch.equal(torch.from_numpy(receiver.live_array(name).copy()), want), name
     receiver.close()
     sender.close()
+
+
+def test_the_engines_own_tensors_in_another_order_than_the_live_arena_get_a_plan():
+    """A trainer that sends the engine's own tensors receives in place (no plan) unless a live
+    arena is swapped whole and the tensors are not laid out as it is (Phi-3's Hugging Face order
+    puts o_proj before qkv_proj): then the set-up derives a plan that copies each into the
+    arena's place (vLLM's loader takes fused tensors whole: test_vllm_loaders_trace_to_plans_that_replay_bit_for_bit)."""
+    from types import SimpleNamespace
+
+    from shadowsync.layout import Layout, TensorSpec
+    from shadowsync.tensors import describe
+    from shadowsync.vllm.receive_planning import receives_in_place
+
+    engine = Engine()
+    own = [TensorSpec(n, "fp32", tuple(p.shape)) for n, p in engine.named_parameters()]
+    descs = {n: describe(n, p.detach()) for n, p in engine.named_parameters()}
+    arena = SimpleNamespace(layout=Layout(own), params=list(engine.parameters()))
+    shuffled = own[1:] + own[:1]
+    assert receives_in_place(own, descs, arena)
+    assert receives_in_place(shuffled, descs)  # no arena: any order is the engine's layout
+    assert not receives_in_place(shuffled, descs, arena)
+    assert not receives_in_place(own[:-1], descs, arena)  # the arena is swapped whole
+    assert not receives_in_place([TensorSpec(own[0].name, "bf16", own[0].shape)] + own[1:],
+                                 descs, arena)
+    assert not receives_in_place([TensorSpec("not_a_param", "fp32", (4,))], descs)
