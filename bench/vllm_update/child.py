@@ -62,7 +62,7 @@ def child_main(args) -> int:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The same-host transport's sender waits for acks on its stream: more hardware queues make
-    # it less likely to share one with the engine's work (see README).
+    # it less likely to share one with the engine's work (docs/reference/environment.md).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     if args.device == "cpu" and args.tp > 1:  # vLLM CPU: one core per rank
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))

@@ -74,7 +74,7 @@ struct ReceiverConfig {
   // its host process unless asked.
   bool exit_on_stuck_abort = false;
   // How a swap makes an update visible to the engine (SwapStrategy in step_hook.h;
-  // docs/ARCHITECTURE.md says when to pick which). rebind is the cheapest swap; copy_in and remap
+  // docs/guides/swap-strategies.md says when to pick which). rebind is the cheapest swap; copy_in and remap
   // keep the live addresses.
   SwapStrategy swap_strategy = SwapStrategy::kRebind;
   // The engine replays CUDA graphs captured over the weights. A graph keeps the addresses it was
@@ -92,7 +92,7 @@ struct ReceiverConfig {
   bool gated_swaps = false;
   std::chrono::milliseconds gate_deadline{50};
   CommitMode commit_mode = CommitMode::kAuto;
-  // Pacing (docs/ARCHITECTURE.md, "Pacing"): a receive shares memory bandwidth with decoding.
+  // Pacing (docs/guides/pacing.md): a receive shares memory bandwidth with decoding.
   // With a budget (for example 1.05), the step hook records when each engine step starts, the
   // receiver learns the engine's step time while no update streams in, and holds its buckets
   // back between receives so that the mean step while an update streams in (what decode

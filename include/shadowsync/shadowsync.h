@@ -156,7 +156,7 @@ typedef struct {
 /* The exit status of a process ended by exit_on_stuck_abort (EX_SOFTWARE). */
 #define SHADOWSYNC_STUCK_ABORT_EXIT_STATUS 70
 
-/* How a swap makes an update visible (shadowsync::SwapStrategy; README "Usage" says when to pick
+/* How a swap makes an update visible (shadowsync::SwapStrategy; docs/guides/swap-strategies.md says when to pick
  * which). */
 typedef enum {
   SHADOWSYNC_SWAP_REBIND = 0,  /* live pointers flip; not under CUDA graphs */

@@ -29,7 +29,7 @@
 namespace shadowsync {
 
 // How a swap makes an update's bytes visible to the engine. Chosen per receiver
-// (ReceiverConfig::swap_strategy); docs/ARCHITECTURE.md says when to pick which.
+// (ReceiverConfig::swap_strategy); docs/guides/swap-strategies.md says when to pick which.
 enum class SwapStrategy {
   // The live pointer table flips to the other slot (live_arena() moves); the engine reads its
   // weights through it, or its adapter rebinds its tensors in the swap callback. Microseconds, no

@@ -9,7 +9,7 @@
 //   u32 magic (kControlMagic)  u16 wire version  u16 type  u32 body length
 //
 // The body of the three handshake frames is their payload; every later frame's body is its
-// payload followed by a 32-byte HMAC-SHA256 tag (docs/ARCHITECTURE.md, "Control channel").
+// payload followed by a 32-byte HMAC-SHA256 tag (docs/architecture.md, "Control channel").
 #pragma once
 
 #include <array>

@@ -41,7 +41,7 @@ class ReceiverConfig:
     poll_interval_us: int | None = None  # progress/error polling while receiving (200)
     # How a swap makes an update visible: "rebind" (default; live pointers flip), "copy_in" (one
     # device copy into fixed live storage, any backend), "remap" (CUDA VMM remap of a fixed
-    # virtual range; CUDA backend only). README "Usage" says when to pick which.
+    # virtual range; CUDA backend only). docs/guides/swap-strategies.md says when to pick which.
     swap_strategy: str | None = None
     # The engine replays CUDA graphs captured over the weights: rebind is then refused.
     engine_uses_cuda_graphs: bool | None = None
@@ -57,7 +57,7 @@ class ReceiverConfig:
     # "auto" (default: live at the next step) or "coordinated": held ready until commit(version),
     # which every tensor-parallel rank makes between the same two steps.
     commit_mode: str | None = None
-    # Pacing (README "Pacing"): a receive shares memory bandwidth with decoding. With a budget
+    # Pacing (docs/guides/pacing.md): a receive shares memory bandwidth with decoding. With a budget
     # (e.g. 1.05) the step hook stamps each step's start, the receiver learns the engine's step
     # time while no update streams in, and holds its buckets back so that the mean step while
     # one streams in (what decode tokens/s sees) stays within budget x that time; the update

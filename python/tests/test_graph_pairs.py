@@ -3,7 +3,7 @@ holders: a runner whose capture_model fills its CudaGraphManager's dict and two
 CUDAGraphWrappers' dicts the way vLLM's does (refusing a batch size it already holds), each
 "graph" remembering which slot the parameters pointed at when it was captured. A replay looks the
 graphs up as vLLM does, so a step replays the slot its graphs were captured over. The GPU run
-(scripts/vllm_e2e.py --graph-pairs, docs/gpu.md) proves it in real vLLM with real graphs.
+(scripts/vllm_e2e.py --graph-pairs, docs/testing.md) proves it in real vLLM with real graphs.
 
 Checked to fail without their behaviour (each broken by hand once, then restored): without
 the empty dicts before the second capture, the stand-in capture refuses ("already captured");

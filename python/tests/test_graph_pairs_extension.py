@@ -3,7 +3,7 @@ close_weight_update_group) on the fake vLLM worker of test_vllm_extension.py, on
 vLLM's graph-pairs engine (live_arena.GraphPairsEngine, CUDA only) is stood in for by an object
 with its interface over a testing host arena (testing_hooks.HostArena: two host slots), which
 records the slots it is moved to. The real engine in real vLLM: scripts/vllm_e2e.py
---graph-pairs on a GPU (docs/gpu.md).
+--graph-pairs on a GPU (docs/testing.md).
 
 Checked to fail without their behaviour (each broken by hand once, then restored): with the swap
 callback rebinding without use_slot, the first test fails on the recorded slots; with

@@ -1,4 +1,4 @@
-// One test per invariant, numbered 1 to 7 as in docs/ARCHITECTURE.md; each test's name states its
+// One test per invariant, numbered 1 to 7 as in docs/architecture.md; each test's name states its
 // invariant. Each names the mutation (a patch under tests/mutations/) that breaks its invariant on
 // purpose; scripts/mutation_check.sh applies each patch to a copy of the tree, builds this test
 // and shows that the test named here fails with it.

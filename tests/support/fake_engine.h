@@ -1,6 +1,6 @@
 // A fake inference engine on the HostBackend: each decode step runs on the engine stream, reads
 // every group's live weights (sampled words each step, every word every Nth step) and records
-// the versions it saw: the test oracle (docs/ARCHITECTURE.md, 'Testing approach').
+// the versions it saw: the test oracle (docs/architecture.md, 'Testing approach').
 #pragma once
 
 #include <atomic>
