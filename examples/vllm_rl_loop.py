@@ -8,7 +8,8 @@ Two processes take part:
 
 * this one, the FRONT END: an ``AsyncLLM`` (vLLM's asynchronous engine, in its default
   multiprocess mode: the engine core and the worker run in processes of their own) with the
-  worker extension ``shadowsync.vllm.WorkerExtension``. A fixed number of client tasks keep
+  worker extension ``shadowsync.vllm.WorkerExtension`` and ``weight_transfer_config={"backend":
+  "shadowsync"}`` (the weights placed for the fastest correct swap; it prints which). A fixed number of client tasks keep
   submitting sampled requests, so the engine is never idle: that is the load an RL rollout puts
   on it.
 * the TRAINER process: holds the same checkpoint as a Hugging Face model, "trains" (each step
@@ -265,7 +266,10 @@ def engine_args(args, model_path: str):
 
     kwargs = dict(model=model_path, dtype=args.dtype, max_model_len=256, max_num_seqs=args.clients,
                   skip_tokenizer_init=True, disable_log_stats=True, seed=0,
-                  worker_extension_cls="shadowsync.vllm.WorkerExtension")
+                  worker_extension_cls="shadowsync.vllm.WorkerExtension",
+                  # Places the weights at load for the fastest correct swap (graph pairs under
+                  # CUDA graphs, in place on vLLM CPU) and says which.
+                  weight_transfer_config={"backend": "shadowsync"})
     if args.device == "cpu":
         # vLLM's CPU backend computes linear layers from packed copies of their weights, which an
         # update would not reach; this registered "quantization" keeps vLLM's plain weights as
@@ -333,6 +337,9 @@ async def run(args, model_path: str, work: Path) -> int:
             raise RuntimeError(f"layout fingerprints differ: worker(s) {worker_fingerprint:#x}, "
                                f"trainer {fingerprint:#x}")
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        swap = (await engine.collective_rpc("memory_report"))[0]["swap"]
+        if swap is not None:
+            log(f"swap: {swap['placement']} ({swap['why']})")
         log(f"worker joined the trainer: {len(specs)} trainer tensors, {stats['plan_copies']} "
             f"copies into vLLM's parameters per update")
 
