@@ -124,6 +124,14 @@ def choose_placement(vllm_config, device, model) -> tuple[str, str]:
     if getattr(model_config, "enforce_eager", False):
         return "in place", ("vLLM runs eagerly (enforce_eager=True): a swap rebinds the "
                             "parameters to the new slot, which no captured CUDA graph holds on to")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    ranks = (int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+             * int(getattr(parallel, "pipeline_parallel_size", 1) or 1))
+    if ranks > 1:
+        return "in place", (f"vLLM runs {ranks} ranks: under tensor or pipeline parallelism "
+                            f"updates are shown copied into vLLM's own storage (copy_in); name "
+                            f"the backend 'shadowsync_graph_pairs' or 'shadowsync_live_arena' to "
+                            f"use those, which are not shown there")
     if getattr(vllm_config, "lora_config", None) is not None:
         return "live arena", ("LoRA is on: an adapter is copied into vLLM's LoRA buffers at the "
                               "swap, which graph pairs cannot do beside a rebind")

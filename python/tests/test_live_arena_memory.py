@@ -76,3 +76,25 @@ def test_no_runner_among_the_callers_changes_nothing_and_warns():
         report = make_engine(object(), freed=GIB)
     assert not report["corrected"]
     assert "model runner was not found" in str(caught[0].message)
+
+
+def test_the_default_backend_copies_in_under_tensor_parallelism():
+    """backend "shadowsync" places the weights for graph pairs or the live arena only on one
+    rank: under tensor (or pipeline) parallelism it leaves them in place (copy_in under CUDA
+    graphs, what TP runs have shown), saying why and how to ask for the others."""
+    from types import SimpleNamespace
+
+    from shadowsync.vllm.weight_transfer_backend import choose_placement
+
+    def config(tp, pp=1, lora=None):
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False), lora_config=lora,
+                               parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                                               pipeline_parallel_size=pp))
+
+    cuda = SimpleNamespace(type="cuda")
+    for tp, pp in ((2, 1), (1, 2), (4, 2)):
+        placement, why = choose_placement(config(tp, pp), cuda, model=None)
+        assert placement == "in place", (tp, pp, placement, why)
+        assert f"vLLM runs {tp * pp} ranks" in why and "'shadowsync_graph_pairs'" in why
+    placement, _ = choose_placement(config(1, lora=object()), cuda, model=None)
+    assert placement == "live arena"  # one rank: the parallelism rule does not apply
