@@ -204,7 +204,8 @@ class WorkerExtension:
         """The receiver's counters as a dict (plain data for collective_rpc), among them
         ``"last_transfer_s"`` (the last ready update's transfer time, seconds), ``"pacing"``
         (what pacing did to it: the fields of shadowsync.PacingReport, ``"paced"`` False without
-        a budget or a cap), and what the engine thread spent on the last update, in seconds, with
+        a budget or a cap; ``"clean_step_wait_s"`` and ``"clean_step_missed"`` are filled with
+        offer_after_clean_step, the default, paced or not), and what the engine thread spent on the last update, in seconds, with
         when it started on time.monotonic's clock: its swap (``"last_swap_s"``,
         ``"last_swap_started_s"``), begin_update (``"last_begin_update_s"``, ``..._started_s``)
         and wait_applied (``"last_wait_applied_s"``, ``..._started_s``); and where the step hook

@@ -467,8 +467,8 @@ typedef struct {
   /* The last update that became ready: its transfer time and what pacing did to it
    * (shadowsync::PacingReport; durations are host wall time). All 0 before the first one. */
   int64_t last_transfer_ns;      /* first receive posted -> completion observed */
-  int32_t last_paced;            /* 1: a budget or a rate cap was set; the fields below are
-                                    filled only then */
+  int32_t last_paced;            /* 1: a budget or a rate cap was set; the fields below, to
+                                    last_duty, are filled only then */
   int32_t last_deadline_limited; /* 1: a hold was shortened to meet update_deadline_ms */
   double last_pacing_budget;     /* decode_slowdown_budget; 0: none (a rate cap only) */
   int64_t last_idle_step_ns;     /* mean engine step while no update streamed in; 0: not
@@ -487,9 +487,11 @@ typedef struct {
   /* gated_swaps: gates closed so far, and those a watchdog had to open (then no more gates). */
   uint64_t gated_swaps;
   uint64_t gates_abandoned;
-  /* Paced by a budget: how long the last ready update was held, complete, for an engine step
-   * that started after its last bucket (the step a swap delays is then not the one that bucket
-   * slowed), and 1 when none started within 4 idle steps (an idle engine: offered anyway). */
+  /* With a budget or offer_after_clean_step, paced or not (filled whatever last_paced says): how
+   * long the last ready update was held, complete, for an engine step that started after its
+   * last bucket (the step a swap delays is then not the one that bucket slowed; 0: the idle step
+   * was not known yet), and 1 when none started within 4 idle steps (an idle engine: offered
+   * anyway). */
   int64_t last_clean_step_wait_ns;
   int32_t last_clean_step_missed;
 } shadowsync_receiver_stats_t;

@@ -555,9 +555,10 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
       full.last_busy_ns = pacing.busy.count();
       full.last_held_back_ns = pacing.held_back.count();
       full.last_duty = pacing.duty;
-      full.last_clean_step_wait_ns = pacing.clean_step_wait.count();
-      full.last_clean_step_missed = pacing.clean_step_missed ? 1 : 0;
     }
+    // Not pacing: offer_after_clean_step alone (no budget, no cap) waits for a clean step too.
+    full.last_clean_step_wait_ns = pacing.clean_step_wait.count();
+    full.last_clean_step_missed = pacing.clean_step_missed ? 1 : 0;
     const StepHook& hook = object->receiver->step_hook();
     full.gated_swaps = hook.gated_swaps();
     full.gates_abandoned = hook.gates_abandoned();

@@ -124,7 +124,8 @@ def _check_pacing(budget, max_bytes_per_second) -> None:
 class PacingReport:
     """What pacing did to one update that became ready (ReceiverConfig.decode_slowdown_budget,
     max_receive_bytes_per_second). Durations are host wall time in seconds. Without a budget or a
-    cap `paced` is False and every other field is 0 / None."""
+    cap `paced` is False and every other field is 0 / None, but for the clean-step wait, which
+    offer_after_clean_step reports on its own."""
 
     paced: bool = False
     budget: float | None = None  # the budget; None: a rate cap only, or unpaced
@@ -139,16 +140,21 @@ class PacingReport:
     held_back_s: float = 0.0  # sum of the holds between buckets
     duty: float = 0.0  # busy / (busy + held back): the share of the window with a bucket in flight
     deadline_limited: bool = False  # a hold was shortened so that update_deadline_ms is met
-    # With a budget the complete update is offered once an engine step started after its last
-    # bucket (the step a swap delays is then not the one that bucket slowed): how long it was
-    # held for that, and whether none started within 4 idle steps (an idle engine: offered anyway).
+    # With a budget or offer_after_clean_step (paced or not) the complete update is offered once
+    # an engine step started after its last bucket (the step a swap delays is then not the one
+    # that bucket slowed): how long it was held for that (0: the idle step was not known yet),
+    # and whether none started within 4 idle steps (an idle engine: offered anyway).
     clean_step_wait_s: float = 0.0
     clean_step_missed: bool = False
 
     @classmethod
     def _from_c(cls, s: ReceiverStatsC) -> PacingReport:
+        # The clean-step wait is not pacing: offer_after_clean_step alone (no budget, no cap; the
+        # vLLM workers' default) holds a complete update for a clean step too, unpaced.
+        clean_step = dict(clean_step_wait_s=s.last_clean_step_wait_ns / 1e9,
+                          clean_step_missed=bool(s.last_clean_step_missed))
         if not s.last_paced:
-            return cls()
+            return cls(**clean_step)
         return cls(
             paced=True,
             budget=s.last_pacing_budget or None,
@@ -160,8 +166,7 @@ class PacingReport:
             held_back_s=s.last_held_back_ns / 1e9,
             duty=s.last_duty,
             deadline_limited=bool(s.last_deadline_limited),
-            clean_step_wait_s=s.last_clean_step_wait_ns / 1e9,
-            clean_step_missed=bool(s.last_clean_step_missed),
+            **clean_step,
         )
 
 

@@ -133,6 +133,40 @@ def test_a_rate_cap_alone_holds_the_buckets_back_and_reports_no_budget():
     assert pacing.idle_step_s == 0 and pacing.steps == 0  # no budget: no step stamps read
 
 
+def test_offer_after_clean_step_without_a_budget_reports_the_clean_step_wait_unpaced():
+    """The vLLM workers' default: offer_after_clean_step on, no budget, no cap. Nothing is paced,
+    but the receiver still holds the complete update for a clean step, and the report says how
+    long (or that none came) although `paced` is False."""
+    config = ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000),
+                               offer_after_clean_step=True)
+    layout, loopback, receiver, sender = _rig(config)
+    engine = SteppingEngine(receiver)
+    try:
+        # Enough idle steps for the idle step time the clean-step limit is counted in.
+        engine.wait_for(lambda: engine.steps >= 16, "16 idle engine steps")
+        handle = sender.publish(1, tensors(BASE + LORA, 1))
+        receiver.begin_update(handle.header_bytes)
+        engine.wait_for(lambda: receiver.applied_version == 1, "update 1 applied by the engine")
+        handle.wait(DEADLINE_S)
+    finally:
+        engine.stop()
+    stats = receiver.stats()
+    pacing = stats.last_pacing
+    receiver.close()
+    sender.close()
+
+    assert stats.updates_ready == 1
+    assert not pacing.paced and pacing.budget is None, pacing
+    assert pacing.held_back_s == 0 and pacing.steps == 0, pacing
+    # The receiver waited from the last bucket to the next step's start (a step is at least
+    # STEP_S), or 4 idle steps when the engine thread was kept from stepping that long.
+    assert pacing.clean_step_wait_s > 0, pacing
+    if pacing.clean_step_missed:
+        assert pacing.clean_step_wait_s >= 4 * STEP_S, pacing
+    else:
+        assert pacing.clean_step_wait_s <= 4 * 2 * STEP_S + 0.5, pacing
+
+
 def test_an_unpaced_update_reports_its_transfer_time_and_paced_false(pair):
     assert pair.receiver.stats().last_transfer_s == 0.0  # none yet
     assert pair.receiver.stats().last_pacing == ss.PacingReport()
