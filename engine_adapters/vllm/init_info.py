@@ -1,10 +1,12 @@
 """ShadowsyncInitInfo: how a vLLM worker takes updates, in one typed object, checked once.
 
-The same object sets up every way in: ``shadowsync.vllm.init_weight_update_group(llm, info)`` on
-the front end, the worker extension's ``init_weight_update_group(info)`` through collective_rpc,
-and (as a dict of its fields) vLLM's ``init_weight_transfer_engine``. Every field has a default
-that is right for a single-GPU engine fed by one trainer over NCCL; a value that cannot work is
-refused here, naming the field and the value, before anything is set up or connected.
+The info goes to ``shadowsync.vllm.init_weight_update_group(llm, info)`` on the front end, or to
+the worker extension's ``init_weight_update_group(info)`` (the object or a dict of its fields)
+through collective_rpc. vLLM's own weight-transfer calls (``init_weight_transfer_engine``,
+``update_weights``, ...) are refused by the shadowsync backend, naming these instead. Every field
+has a default that is right for a single-GPU engine fed by one trainer over NCCL; a value that
+cannot work is refused here, naming the field and the value, before anything is set up or
+connected.
 """
 
 from __future__ import annotations
