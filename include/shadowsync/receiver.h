@@ -132,7 +132,9 @@ enum class UpdateOutcome {
 // What pacing did to one update (ReceiverConfig::decode_slowdown_budget,
 // max_receive_bytes_per_second). Durations are host wall time.
 struct PacingReport {
-  bool paced = false;  // a budget or a rate cap was set; the fields below are filled only then
+  // A budget or a rate cap was set; the fields below are filled only then, except clean_step_wait
+  // and clean_step_missed (filled with offer_after_clean_step too).
+  bool paced = false;
   std::optional<double> budget;
   // The engine's mean step time while no update streamed in, the baseline the budget
   // multiplies; 0: not measured (fewer than kMinBaselineSteps steps seen outside an update yet).
