@@ -21,11 +21,12 @@ with numpy "parameters" on the host backend.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import time
 from typing import Any, Callable, Iterable
 
-from shadowsync.errors import InvalidArgumentError
+from shadowsync.errors import BadHeaderError, InvalidArgumentError
 from shadowsync.layout import UpdateHeader
 from shadowsync.transport import Transport
 
@@ -92,11 +93,13 @@ class WorkerExtension:
         """Whether init_weight_update_group set this worker up (and it was not closed since)."""
         return self._shadowsync is not None
 
-    def begin_update(self, header_bytes: bytes, verify_matches_live: bool = False) -> int:
+    def begin_update(self, header_bytes: bytes | str | list, verify_matches_live: bool = False
+                     ) -> int:
         """Announces an update: validates the header (BadHeaderError, LayoutMismatchError,
         StaleVersionError, ... naming the field and both values; nothing changes then), queues it
         and returns its version at once. The receive runs on the library's native thread.
-        Thread-safe.
+        Thread-safe. `header_bytes`: the trainer's PublishHandle.header_bytes, or, where the RPC
+        carries JSON, its header_base64 (a str) or the bytes as a list of ints.
 
         `verify_matches_live`: the self-check, for an update of the checkpoint the engine holds
         (at set-up, say): once it landed, every parameter it wrote is compared with the engine's
@@ -105,7 +108,7 @@ class WorkerExtension:
         writes every byte where this engine reads it."""
         state = self._require()
         started = time.monotonic()
-        header_bytes = bytes(header_bytes)
+        header_bytes = _header_bytes(header_bytes)
         state.receiver.begin_update(header_bytes, verify_matches_live=bool(verify_matches_live))
         state.last_begin_update = (started, time.monotonic() - started)
         return UpdateHeader.from_bytes(header_bytes).version
@@ -277,3 +280,21 @@ class WorkerExtension:
                 "the weight update group is not initialized: call init_weight_update_group first"
             )
         return self._shadowsync
+
+
+def _header_bytes(header) -> bytes:
+    """An update header as an RPC carried it: bytes, base64 text or a list of ints (JSON)."""
+    if isinstance(header, str):
+        try:
+            return base64.b64decode(header, validate=True)
+        except ValueError:
+            raise BadHeaderError(
+                f"begin_update: the header is a str of {len(header)} characters that is not "
+                f"base64; send PublishHandle.header_base64 (or header_bytes)") from None
+    try:
+        return bytes(header)
+    except (TypeError, ValueError):
+        raise BadHeaderError(
+            f"begin_update: the header is a {type(header).__name__}; send the trainer's "
+            f"PublishHandle.header_bytes, its header_base64 or the bytes as a list of ints "
+            f"(0-255)") from None

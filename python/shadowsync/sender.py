@@ -12,6 +12,7 @@ need to be gathered at a time.
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import threading
 from ctypes import byref, c_char_p, c_int, c_size_t, c_void_p
@@ -65,6 +66,12 @@ class PublishHandle(Handle):
     @property
     def version(self) -> int:
         return self.header.version
+
+    @property
+    def header_base64(self) -> str:
+        """header_bytes as base64 text, for an RPC that carries JSON (vLLM's /collective_rpc):
+        the vLLM worker's begin_update takes it as it takes the bytes."""
+        return base64.b64encode(self.header_bytes).decode("ascii")
 
     def done(self) -> bool:
         """Finished, successfully or not. Never blocks."""

@@ -225,9 +225,19 @@ def test_versions_increase_and_bad_headers_change_nothing(setup):
         worker.begin_update(handle.header_bytes)
     with pytest.raises(ss.BadHeaderError):
         worker.begin_update(b"not a header")
+    with pytest.raises(ss.BadHeaderError, match="not base64"):
+        worker.begin_update("not base64!")
+    with pytest.raises(ss.BadHeaderError, match="a float"):
+        worker.begin_update(1.5)
     worker.execute_model("b")
     assert worker.steps[-1] == {2}
     assert worker.weight_update_stats()["last_accepted_version"] == 2
+    # Where the RPC carries JSON (vLLM's /collective_rpc): the header as base64 text or a list of
+    # ints is the same header.
+    for version, as_json in ((3, lambda h: h.header_base64), (4, lambda h: list(h.header_bytes))):
+        handle = sender.publish(version, tensors(BASE + LORA, version))
+        assert worker.begin_update(as_json(handle)) == version
+        _step_until(worker, version)
 
 
 def test_trainer_specs_that_do_not_match_the_model_are_refused():
