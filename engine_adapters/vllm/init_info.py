@@ -11,9 +11,11 @@ connected.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from typing import Any, Callable, Mapping
 
+from shadowsync.transport import NCCL_UNIQUE_ID_BYTES
 from shadowsync.errors import InvalidArgumentError
 from shadowsync.layout import TensorSpec
 from shadowsync.receiver import ReceiverConfig
@@ -107,9 +109,7 @@ class ShadowsyncInitInfo:
 
     def __post_init__(self) -> None:
         if self.unique_id is not None:
-            if not isinstance(self.unique_id, (bytes, bytearray)):
-                _refuse("unique_id", self.unique_id, "the bytes of shadowsync.nccl_unique_id()")
-            self.unique_id = bytes(self.unique_id)
+            self.unique_id = _unique_id_bytes(self.unique_id)
         _check_int("rank_offset", self.rank_offset, minimum=0)
         _check_int("world_size", self.world_size, minimum=1)
         _check_int("bucket_bytes", self.bucket_bytes, minimum=0)
@@ -168,8 +168,9 @@ class ShadowsyncInitInfo:
         return cls(**merged)
 
     def to_rpc(self) -> dict[str, Any]:
-        """The fields as plain data (bytes, numbers, strings, lists, dicts), which vLLM's
-        collective_rpc carries to its workers without pickling; coerce() reads it back.
+        """The fields as plain data (numbers, strings, lists, dicts; the unique id as base64
+        text), which vLLM's collective_rpc carries to its workers without pickling, and JSON too
+        when the same-host token is a str; coerce() reads it back.
         ``group_of`` (a function) cannot cross: give the specs with their groups instead."""
         if self.group_of is not None:
             raise InvalidArgumentError(
@@ -181,6 +182,8 @@ class ShadowsyncInitInfo:
                                for t in map(TensorSpec.coerce, self.specs)]
         if self.receiver_config is not None:
             fields["receiver_config"] = dataclasses.asdict(self.receiver_config)
+        if self.unique_id is not None:
+            fields["unique_id"] = base64.b64encode(self.unique_id).decode("ascii")
         del fields["group_of"]
         return fields
 
@@ -194,6 +197,25 @@ class ShadowsyncInitInfo:
             config.max_receive_bytes_per_second = self.max_receive_bytes_per_second
         config.offer_after_clean_step = self.offer_after_clean_step
         return config
+
+
+def _unique_id_bytes(value: Any) -> bytes:
+    """NCCL's unique id from its bytes, or as an RPC that carries JSON has it: base64 text (what
+    to_rpc writes) or a list of ints."""
+    wanted = (f"the {NCCL_UNIQUE_ID_BYTES} bytes of shadowsync.nccl_unique_id() (or them as "
+              f"base64 text or a list of ints)")
+    try:
+        if isinstance(value, str):
+            unique_id = base64.b64decode(value, validate=True)
+        elif isinstance(value, (bytes, bytearray, list, tuple)):
+            unique_id = bytes(value)
+        else:
+            _refuse("unique_id", value, wanted)
+    except (TypeError, ValueError):
+        _refuse("unique_id", value, wanted)
+    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        _refuse("unique_id", value, f"{wanted}: it has {len(unique_id)} bytes")
+    return unique_id
 
 
 def _refuse(field: str, value: Any, wanted: str) -> None:

@@ -41,6 +41,7 @@ from .receiver import (
 )
 from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
 from .transport import (
+    NCCL_UNIQUE_ID_BYTES,
     Loopback,
     NcclConfig,
     NcclLibrary,
@@ -125,6 +126,7 @@ __all__ = [
     "nccl_library",
     "nccl_transport",
     "nccl_unique_id",
+    "NCCL_UNIQUE_ID_BYTES",
     "same_host_sender_transport",
     "same_host_transport",
 ]
