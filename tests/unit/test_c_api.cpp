@@ -17,11 +17,11 @@
 #include <utility>
 #include <vector>
 
-#include <stdlib.h>
 #include <time.h>
 
 #include "deadline.h"
 #include "pattern.h"
+#include "socket_dir.h"
 #include "shadowsync/shadowsync.h"
 #include "c_api/shadowsync_testing.h"
 
@@ -942,29 +942,14 @@ TEST_CASE("C ABI: rollback flips back one level and says when it cannot") {
 
 namespace {
 
-// A fresh private directory (mode 0700, as mkdtemp makes it) for a same-host socket.
-struct SocketDir {
-  std::filesystem::path path;
-  SocketDir() {
-    char name[] = "/tmp/shadowsync_c_api_XXXXXX";
-    REQUIRE(::mkdtemp(name) != nullptr);
-    path = name;
-  }
-  ~SocketDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path, ignored);
-  }
-  std::string socket() const { return (path / "sock").string(); }
-};
-
 constexpr char kSameHostToken[] = "ssk1-ded952b6063bf160ed7d94ce93798cced35abbce9b811bd0d11a58d3eaf21707";
 constexpr size_t kSameHostTokenBytes = sizeof kSameHostToken - 1;
 
 }  // namespace
 
 TEST_CASE("C ABI: same-host transports across threads carry updates; bad input is refused") {
-  SocketDir dir;
-  const std::string path = dir.socket();
+  shadowsync::testing::SocketDir dir{"shadowsync_c_api"};
+  const std::string path = dir.path();
   const Layout layout = cpp_layout();
   shadowsync_layout_t c_layout = make_layout();
   shadowsync_backend_t sender_backend = nullptr;
