@@ -146,7 +146,7 @@ from vllm_update.checkpoint import make_checkpoint
 from vllm_update.child import child_main
 from vllm_update.configs import CONFIGS, GOALS, PATHS, VLLM_REFERENCE_STOP_MS
 from vllm_update.decode_load import DecodeLoad  # noqa: F401  (bench_vllm_pacing.py, the tests)
-from vllm_update.options import child_passthrough, placement_error  # noqa: F401  (scripts, tests)
+from vllm_update.options import child_passthrough
 from vllm_update.report import one_line, write_outputs
 
 from run_children import run_logged, tail  # on sys.path through vllm_update

@@ -225,14 +225,11 @@ def main() -> int:
                              "update (an odd number of swaps before the close)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
-    from bench_vllm_update import placement_error  # standard library only at import
+    from vllm_update.options import engine_options_error  # standard library only at import
 
-    refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
+    refused = engine_options_error(args)
     if refused:
         parser.error(refused)
-    if sum(map(bool, (args.live_arena, args.graph_pairs, args.backend))) > 1:
-        parser.error("--backend, --live-arena and --graph-pairs each name a weight-transfer "
-                     "backend: pick one")
     if args.live_arena:
         args.backend = "shadowsync_live_arena"
     if args.graph_pairs:

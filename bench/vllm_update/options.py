@@ -1,5 +1,5 @@
-"""bench_vllm_update.py's command line: its options, the placements it refuses, and the options a
-path's child process is given."""
+"""bench_vllm_update.py's command line: its options, the engine placements it refuses (shared with
+scripts/vllm_e2e.py), and the options a path's child process is given."""
 
 from __future__ import annotations
 
@@ -14,17 +14,12 @@ def parse_args(description: str):
     starts. `description`: the --help text's."""
     parser = build_parser(description)
     args = parser.parse_args()
-    if sum(map(bool, (args.live_arena, args.graph_pairs, args.backend))) > 1:
-        parser.error("--backend, --live-arena and --graph-pairs each name a weight-transfer "
-                     "backend: pick one")
-    if args.tp < 1:
-        parser.error(f"--tp {args.tp}: the tensor-parallel size is at least 1")
+    refused = engine_options_error(args)
+    if refused:
+        parser.error(refused)
     if args.progress_poll_s is not None and not 0 < args.progress_poll_s < math.inf:
         parser.error(f"--progress-poll-s {args.progress_poll_s}: a positive, finite number of "
                      f"seconds")
-    refused = placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
-    if refused:
-        parser.error(refused)
     # A child runs its one path; --paths is the parent's (a child sees its default).
     paths = [args.child] if args.child else args.paths.split(",")
     if (args.device == "cuda" and args.transport == "same-host"
@@ -37,9 +32,21 @@ def parse_args(description: str):
     return args
 
 
+def engine_options_error(args) -> str | None:
+    """Why the engine options in `args` (--backend, --live-arena, --graph-pairs, --tp, --device,
+    --transport, --trainer-gpu) cannot run together, or None. Shared with scripts/vllm_e2e.py,
+    whose engine takes the same options."""
+    if sum(map(bool, (args.live_arena, args.graph_pairs, args.backend))) > 1:
+        return ("--backend, --live-arena and --graph-pairs each name a weight-transfer backend: "
+                "pick one")
+    if args.tp < 1:
+        return f"--tp {args.tp}: the tensor-parallel size is at least 1"
+    return placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
+
+
 def placement_error(device: str, transport: str, trainer_gpu: int, tp: int) -> str | None:
     """Why a trainer on `trainer_gpu` sending over `transport` to `tp` engine ranks on GPUs
-    0..tp-1 cannot run, or None (shared with scripts/vllm_e2e.py)."""
+    0..tp-1 cannot run, or None."""
     if device != "cuda" and (transport == "nccl" or trainer_gpu != 0):
         return (f"--transport {transport} --trainer-gpu {trainer_gpu} with --device {device}: "
                 f"NCCL and a trainer GPU need --device cuda")
