@@ -2,7 +2,7 @@
 # vLLM runs on a GPU machine: builds the C library with CUDA into build-gpu/ (and EXTRA_TARGETS),
 # then runs what the environment asks for, each with its log under $OUT (default ./gpu-out).
 # vLLM comes from the Python environment; a vLLM installed into a folder of its own (pip install
-# --target DIR) is found when VLLM_SITE names that folder (default: /tmp/site, used if it exists).
+# --target DIR) is found when VLLM_SITE names that folder.
 #   GPU_TESTS="a b"  tests/gpu/<a>, tests/gpu/<b> (built as gpu_<a>; Catch2 filters: GPU_TEST_ARGS)
 #   SAME_HOST=1      tests/gpu/test_same_host_gpu and the mini worker's same-host cases
 #   MEMCHECK=1       compute-sanitizer memcheck on test_same_host_gpu "[conformance]"
@@ -24,10 +24,14 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 source scripts/gpu/common.sh
 gpu_unpack_deps "$PWD" >/dev/null
-# with_vllm COMMAND...: COMMAND with VLLM_SITE first on PYTHONPATH when that folder exists.
-VLLM_SITE="${VLLM_SITE:-/tmp/site}"
+# with_vllm COMMAND...: COMMAND with VLLM_SITE, when set, first on PYTHONPATH.
+VLLM_SITE="${VLLM_SITE:-}"
+if [[ -n "$VLLM_SITE" && ! -d "$VLLM_SITE" ]]; then
+  echo "vllm_runs.sh: VLLM_SITE=$VLLM_SITE is not a folder (a pip install --target folder of vLLM)" >&2
+  exit 2
+fi
 with_vllm() {
-  if [[ -d "$VLLM_SITE" ]]; then
+  if [[ -n "$VLLM_SITE" ]]; then
     PYTHONPATH="$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH}" "$@"
   else
     "$@"
