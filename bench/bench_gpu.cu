@@ -6,8 +6,7 @@
 //   bench_gpu --cpu ...      the CPU smoke mode (as bench_updates)
 //
 // This file holds only what is CUDA: the platform (backends, NCCL transports, an engine stream,
-// event stamps, a plain device copy, cudaMemGetInfo) and two kernels (hold, fill); the decode
-// step is support/bench_decode_step.h.
+// event stamps, a plain device copy, cudaMemGetInfo) and three kernels (hold, decode, fill).
 // Exit: 0 all phases ran, 1 a phase failed (results are still written), 2 bad arguments,
 // 3 watchdog, 77 fewer than 2 GPUs.
 #include <cuda_runtime.h>
@@ -24,7 +23,6 @@
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/nccl_transport.h"
 #include "support/bench_cuda.h"
-#include "support/bench_decode_step.h"
 #include "support/bench_platform.h"
 #include "support/bench_runner.h"
 
@@ -48,6 +46,55 @@ void check_launch(const char* what) {
 __global__ void hold_kernel(unsigned long long ns) {
   const unsigned long long start = global_timer_ns();
   while (global_timer_ns() - start < ns) __nanosleep(2000);
+}
+
+__device__ __forceinline__ float bf16_pair_sum(unsigned word) {
+  return __uint_as_float(word << 16) + __uint_as_float(word & 0xffff0000u);
+}
+__device__ __forceinline__ float sum_bf16x8(uint4 v) {
+  return (bf16_pair_sum(v.x) + bf16_pair_sum(v.y)) + (bf16_pair_sum(v.z) + bf16_pair_sum(v.w));
+}
+
+constexpr int kDecodeThreads = 512;
+constexpr int kDecodeWordsPerThread = 16;  // 16-byte words: 128 KiB per block
+constexpr int kDecodeUnroll = 8;           // 16-byte loads in flight per thread
+constexpr std::size_t kDecodeBlockBytes = std::size_t{kDecodeThreads} * kDecodeWordsPerThread * 16;
+static_assert(kDecodeWordsPerThread % kDecodeUnroll == 0);
+
+// The fake decode step: memory-bound like a batch-1 decode's weight reads (a GEMV kernel: many
+// short blocks, each streaming its own slice of the weights once). Block b sums the bf16 values of
+// 16-byte words [b * W, (b + 1) * W) of `data` (W = kDecodeBlockBytes / 16): coalesced 16-byte
+// loads, kDecodeUnroll in flight per thread; one partial per block, so nothing is optimized away.
+// Many blocks (32768 for 4 GiB) let the block scheduler fit them around an NCCL kernel's CTAs as
+// a real decode step's kernels would.
+__global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const uint4* __restrict__ data,
+                                                                std::size_t n,
+                                                                float* __restrict__ partials) {
+  const std::size_t base = static_cast<std::size_t>(blockIdx.x) * (kDecodeBlockBytes / 16) + threadIdx.x;
+  float acc = 0.f;
+#pragma unroll
+  for (int batch = 0; batch < kDecodeWordsPerThread; batch += kDecodeUnroll) {
+    uint4 v[kDecodeUnroll];
+#pragma unroll
+    for (int u = 0; u < kDecodeUnroll; ++u) {
+      const std::size_t i = base + static_cast<std::size_t>(batch + u) * kDecodeThreads;
+      v[u] = i < n ? data[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kDecodeUnroll; ++u) acc += sum_bf16x8(v[u]);
+  }
+
+  __shared__ float warp_sums[kDecodeThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    acc = threadIdx.x < blockDim.x / 32 ? warp_sums[threadIdx.x] : 0.f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+    if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+  }
 }
 
 __device__ __forceinline__ unsigned long long mix(unsigned long long x) {
@@ -242,8 +289,15 @@ class CudaPlatform final : public Platform {
   }
 
   void decode(Stream& stream, const std::byte* data, std::size_t bytes) override {
+    const std::size_t blocks = (bytes + kDecodeBlockBytes - 1) / kDecodeBlockBytes;
+    if (blocks == 0 || blocks > partials_capacity_) {
+      throw BenchError(cat("decode of ", bytes, " bytes: ", blocks, " blocks (capacity ", partials_capacity_, ")"));
+    }
     BENCH_CUDA(cudaSetDevice(1));
-    launch_decode(data, bytes, partials_, partials_capacity_, CudaBackend::native(stream));
+    clear_last_error();
+    decode_kernel<<<static_cast<unsigned>(blocks), kDecodeThreads, 0, CudaBackend::native(stream)>>>(
+        reinterpret_cast<const uint4*>(data), bytes / 16, partials_);
+    check_launch("decode_kernel");
   }
 
   void device_copy(Stream& stream, std::byte* dst, const std::byte* src, std::size_t bytes) override {

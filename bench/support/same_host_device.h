@@ -1,6 +1,5 @@
-// What bench_same_host_one_gpu does on the device around the library besides the decode step
-// (bench_decode_step.h): the SM copy kernel it measures against, and plain device memory. CUDA
-// builds only.
+// What bench_same_host_one_gpu does on the device around the library: the memory-bound decode
+// step and the SM copy kernel it measures against, and plain device memory. CUDA builds only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,8 +8,18 @@
 
 namespace shadowsync::bench::same_host {
 
+// The decode step's threads per block, and the bytes each block reads (16 16-byte words per
+// thread: 128 KiB): a step over N bytes writes ceil(N / kDecodeBlockBytes) partial sums.
+inline constexpr int kDecodeThreads = 512;
+inline constexpr std::size_t kDecodeBlockBytes = std::size_t{kDecodeThreads} * 16 * 16;
+
 // Threads per block of the SM copy kernel.
 inline constexpr int kSmCopyThreads = 512;
+
+// Enqueues one decode step over `bytes` (a multiple of 16) of `data` on `stream`: a memory-bound
+// read like a batch-1 GEMV's, one partial sum per block into `partials`. Throws BenchError if the
+// launch fails.
+void launch_decode(const std::byte* data, std::size_t bytes, float* partials, cudaStream_t stream);
 
 // Enqueues a copy of `bytes` (a multiple of 16) from `from` to `to` on `stream`, done by SMs
 // (`ctas` blocks of kSmCopyThreads) instead of the copy engines. Throws BenchError if the launch

@@ -6,7 +6,6 @@
 #include <exception>
 
 #include "bench_cuda.h"
-#include "bench_decode_step.h"
 #include "same_host_device.h"
 #include "same_host_report.h"
 
@@ -34,8 +33,13 @@ Engine::~Engine() {
 }
 
 double Engine::decode(const std::byte* data, std::size_t bytes) {
+  const std::size_t blocks = (bytes + kDecodeBlockBytes - 1) / kDecodeBlockBytes;
+  if (blocks == 0 || blocks > partials_capacity) {
+    throw BenchError(
+        cat("decode of ", bytes, " bytes: ", blocks, " blocks (room for ", partials_capacity, ")"));
+  }
   BENCH_CUDA(cudaEventRecord(start, native));
-  launch_decode(data, bytes, partials, partials_capacity, native);
+  launch_decode(data, bytes, partials, native);
   BENCH_CUDA(cudaEventRecord(stop, native));
   BENCH_CUDA(cudaEventSynchronize(stop));
   float ms = 0;
