@@ -61,7 +61,6 @@
 #include "fake_engine.h"
 #include "gpu_fake_engine.cuh"
 #include "same_host_fixture.h"
-#include "socket_dir.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
 #include "shadowsync/receiver.h"
@@ -291,6 +290,20 @@ std::unique_ptr<ChildProcess> spawn_trainer(const std::string& path, std::uint64
                      std::string("SS_SHG_HANG=") + (hang ? "1" : "0")});
 }
 
+struct SocketDir {
+  std::filesystem::path dir;
+  SocketDir() {
+    char name[] = "/tmp/shadowsync_same_host_gpu_XXXXXX";
+    REQUIRE(::mkdtemp(name) != nullptr);
+    dir = name;
+  }
+  ~SocketDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+  std::string path() const { return (dir / "trainer.sock").string(); }
+};
+
 // The engine process's side: one receiver and its GPU fake engine on GPU 0.
 struct Engine {
   const Layout& layout;
@@ -371,7 +384,7 @@ TEST_CASE("same-host gpu processes: a trainer process and an engine on one GPU, 
           "[same_host][gpu][processes]") {
   Watchdog watchdog(240s);
   const Layout layout = process_layout();
-  SocketDir dir{"shadowsync_same_host_gpu"};
+  SocketDir dir;
   Engine engine(layout);
   constexpr std::uint64_t kUpdates = 1000;
   const auto start = Clock::now();
@@ -407,7 +420,7 @@ TEST_CASE("same-host gpu processes: a trainer SIGKILLed mid-update fails it clea
           "[same_host][gpu][processes]") {
   Watchdog watchdog(180s);
   const Layout layout = process_layout();
-  SocketDir dir{"shadowsync_same_host_gpu"};
+  SocketDir dir;
   Engine engine(layout);
 
   auto trainer = spawn_trainer(dir.path(), 1, 3, true);
@@ -555,7 +568,7 @@ TEST_CASE("same-host gpu: a receiver that cannot open the sender's export says w
           "and names both GPUs",
           "[same_host][gpu]") {
   Watchdog watchdog(120s);
-  SocketDir dir{"shadowsync_same_host_gpu"};
+  SocketDir dir;
   CudaBackend backend(0);
   cudaDeviceProp prop{};
   REQUIRE(cudaGetDeviceProperties(&prop, 0) == cudaSuccess);
@@ -658,8 +671,8 @@ TEST_CASE("same-host gpu processes: the engine synchronizes the device while a r
   // Before, a receiver enqueued "wait for the doorbell" on its stream at once; a device-wide
   // synchronize in the engine's process then waited for the trainer, which waits for the engine.
   Watchdog watchdog(120s);
-  SocketDir dir{"shadowsync_same_host_gpu"};
-  const std::filesystem::path synced = dir.directory() / "synced";
+  SocketDir dir;
+  const std::filesystem::path synced = dir.dir / "synced";
   auto trainer = spawn_self("[.same_host_gpu_sync_trainer]",
                             {"SS_SHG_PATH=" + dir.path(), "SS_SHG_SYNCED=" + synced.string()});
   CudaBackend backend(0);
@@ -724,7 +737,7 @@ TEST_CASE("same-host gpu: a doorbell that never comes ends the receive at "
           "SameHostConfig::doorbell_timeout, enqueueing nothing",
           "[same_host][gpu]") {
   Watchdog watchdog(120s);
-  SocketDir dir{"shadowsync_same_host_gpu"};
+  SocketDir dir;
   CudaBackend sender_backend(0);
   CudaBackend receiver_backend(0);
   auto serving = std::async(std::launch::async, [&] {

@@ -31,8 +31,6 @@ class SocketDir {
   SocketDir& operator=(const SocketDir&) = delete;
 
   std::string path() const { return (dir_ / "trainer.sock").string(); }
-  // The directory itself, for files a test keeps beside the socket.
-  const std::filesystem::path& directory() const { return dir_; }
 
  private:
   std::filesystem::path dir_;
