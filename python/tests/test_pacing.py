@@ -72,17 +72,19 @@ def _rig(config: ss.ReceiverConfig):
     return layout, loopback, receiver, sender
 
 
-def test_a_paced_update_reports_the_idle_step_and_the_steps_it_spanned():
-    config = ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000),
-                               decode_slowdown_budget=1.05)
+def _one_update_while_stepping(config: ss.ReceiverConfig, bucket_delay_us: int = 0):
+    """(the receiver's stats, the update's bucket count) after one update (every tensor, version
+    1) made live by an engine stepping every STEP_S; 16 idle steps first, so the receiver knows
+    the idle step time (a budget's baseline, the clean-step limit). `bucket_delay_us`: delays
+    each receive by that much."""
     layout, loopback, receiver, sender = _rig(config)
     engine = SteppingEngine(receiver)
+    buckets = sum(g.bucket_count for g in layout.groups)
     try:
-        # Enough idle steps for a baseline (the receiver needs at least 4).
         engine.wait_for(lambda: engine.steps >= 16, "16 idle engine steps")
-        buckets = sum(g.bucket_count for g in layout.groups)
-        for call_index in range(2 * buckets):  # every receive of this update (and then some)
-            inject_delay(loopback, 1, call_index, BUCKET_DELAY_US)
+        if bucket_delay_us:
+            for call_index in range(2 * buckets):  # every receive of this update (and more)
+                inject_delay(loopback, 1, call_index, bucket_delay_us)
         handle = sender.publish(1, tensors(BASE + LORA, 1))
         receiver.begin_update(handle.header_bytes)
         engine.wait_for(lambda: receiver.applied_version == 1, "update 1 applied by the engine")
@@ -90,9 +92,16 @@ def test_a_paced_update_reports_the_idle_step_and_the_steps_it_spanned():
     finally:
         engine.stop()
     stats = receiver.stats()
-    pacing = stats.last_pacing
     receiver.close()
     sender.close()
+    return stats, buckets
+
+
+def test_a_paced_update_reports_the_idle_step_and_the_steps_it_spanned():
+    config = ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000),
+                               decode_slowdown_budget=1.05)
+    stats, buckets = _one_update_while_stepping(config, bucket_delay_us=BUCKET_DELAY_US)
+    pacing = stats.last_pacing
 
     assert stats.updates_ready == 1
     assert pacing.paced and pacing.budget == 1.05
@@ -139,21 +148,8 @@ def test_offer_after_clean_step_without_a_budget_reports_the_clean_step_wait_unp
     long (or that none came) although `paced` is False."""
     config = ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000),
                                offer_after_clean_step=True)
-    layout, loopback, receiver, sender = _rig(config)
-    engine = SteppingEngine(receiver)
-    try:
-        # Enough idle steps for the idle step time the clean-step limit is counted in.
-        engine.wait_for(lambda: engine.steps >= 16, "16 idle engine steps")
-        handle = sender.publish(1, tensors(BASE + LORA, 1))
-        receiver.begin_update(handle.header_bytes)
-        engine.wait_for(lambda: receiver.applied_version == 1, "update 1 applied by the engine")
-        handle.wait(DEADLINE_S)
-    finally:
-        engine.stop()
-    stats = receiver.stats()
+    stats, _ = _one_update_while_stepping(config)
     pacing = stats.last_pacing
-    receiver.close()
-    sender.close()
 
     assert stats.updates_ready == 1
     assert not pacing.paced and pacing.budget is None, pacing
