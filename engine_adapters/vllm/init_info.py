@@ -15,10 +15,12 @@ import base64
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from shadowsync.transport import NCCL_UNIQUE_ID_BYTES
 from shadowsync.errors import InvalidArgumentError
 from shadowsync.layout import TensorSpec
 from shadowsync.receiver import ReceiverConfig
+from shadowsync.transport import NCCL_UNIQUE_ID_BYTES
+
+from .rpc_bytes import bytes_from_rpc
 
 __all__ = ["ShadowsyncInitInfo"]
 
@@ -200,17 +202,12 @@ class ShadowsyncInitInfo:
 
 
 def _unique_id_bytes(value: Any) -> bytes:
-    """NCCL's unique id from its bytes, or as an RPC that carries JSON has it: base64 text (what
-    to_rpc writes) or a list of ints."""
+    """NCCL's unique id from its bytes, or as an RPC that carries JSON has it (base64 text, what
+    to_rpc writes, or a list of ints)."""
     wanted = (f"the {NCCL_UNIQUE_ID_BYTES} bytes of shadowsync.nccl_unique_id() (or them as "
               f"base64 text or a list of ints)")
     try:
-        if isinstance(value, str):
-            unique_id = base64.b64decode(value, validate=True)
-        elif isinstance(value, (bytes, bytearray, list, tuple)):
-            unique_id = bytes(value)
-        else:
-            _refuse("unique_id", value, wanted)
+        unique_id = bytes_from_rpc(value)
     except (TypeError, ValueError):
         _refuse("unique_id", value, wanted)
     if len(unique_id) != NCCL_UNIQUE_ID_BYTES:

@@ -98,12 +98,9 @@ def install(utils=None) -> bool:
 
 
 def install_when_vllm_loads() -> None:
-    """Installs the trace now if vLLM is imported, else right after its loader utilities are
+    """Installs the trace now if vLLM's loader utilities are imported, else right after they are
     (whatever the order of ``import shadowsync.vllm`` and ``import vllm``)."""
-    if "vllm" in sys.modules:
-        install()
-    else:
-        when_imported(_LOADER_UTILS, install)
+    when_imported(_LOADER_UTILS, install)
 
 
 def _traced(original):

@@ -21,7 +21,6 @@ with numpy "parameters" on the host backend.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import time
 from typing import Any, Callable, Iterable
@@ -32,6 +31,7 @@ from shadowsync.transport import Transport
 
 from . import step_hook_site, tensor_parallel, vllm_worker
 from .init_info import ShadowsyncInitInfo
+from .rpc_bytes import bytes_from_rpc
 from .set_up import set_up_update_group
 from .update_group import UpdateGroup, param_data
 
@@ -282,19 +282,14 @@ class WorkerExtension:
         return self._shadowsync
 
 
+
 def _header_bytes(header) -> bytes:
-    """An update header as an RPC carried it: bytes, base64 text or a list of ints (JSON)."""
-    if isinstance(header, str):
-        try:
-            return base64.b64decode(header, validate=True)
-        except ValueError:
-            raise BadHeaderError(
-                f"begin_update: the header is a str of {len(header)} characters that is not "
-                f"base64; send PublishHandle.header_base64 (or header_bytes)") from None
+    """An update header as an RPC carried it (rpc_bytes.bytes_from_rpc), else BadHeaderError."""
     try:
-        return bytes(header)
+        return bytes_from_rpc(header)
     except (TypeError, ValueError):
+        what = (f"a str of {len(header)} characters that is not base64" if isinstance(header, str)
+                else f"a {type(header).__name__}")
         raise BadHeaderError(
-            f"begin_update: the header is a {type(header).__name__}; send the trainer's "
-            f"PublishHandle.header_bytes, its header_base64 or the bytes as a list of ints "
-            f"(0-255)") from None
+            f"begin_update: the header is {what}; send the trainer's PublishHandle.header_bytes, "
+            f"its header_base64 or the bytes as a list of ints (0-255)") from None
