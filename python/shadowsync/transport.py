@@ -229,6 +229,11 @@ def same_host_transport(
     return Transport(handle.value, f"same_host rank {rank} on {os.fsdecode(path_bytes)}")
 
 
+def _backend_memory(backend: Backend) -> str:
+    """Where a backend's buffers live: the same-host staging slots' default memory."""
+    return "device" if isinstance(backend, CudaBackend) else "host"
+
+
 def same_host_sender_transport(
     path: str | os.PathLike,
     token: bytes | str,
@@ -264,7 +269,7 @@ def same_host_sender_transport(
     receivers = _int_arg(receivers, "receivers", what, 1, 65535)
     slot_bytes = _int_arg(slot_bytes, "slot_bytes", what, 1, _INT64_MAX)
     if memory is None:
-        memory = "device" if isinstance(backend, CudaBackend) else "host"
+        memory = _backend_memory(backend)
     if memory not in SAME_HOST_MEMORY:
         raise InvalidArgumentError(
             f"{what}: memory is {memory!r}, expected one of {sorted(SAME_HOST_MEMORY)}"

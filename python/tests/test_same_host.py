@@ -204,3 +204,12 @@ def test_make_token_is_accepted_and_a_weak_token_is_refused_saying_how_to_make_o
     # A made token gets past the check: the sender then waits for a receiver that never comes.
     with pytest.raises(ss.ShadowsyncTimeoutError):
         ss.same_host_sender_transport(socket_path, token, 1, backend, 1024, connect_timeout_ms=100)
+
+
+def test_the_staging_slots_default_to_the_backends_own_memory():
+    """same_host_sender_transport without `memory`: device memory for a CudaBackend (checked on
+    an uninitialised instance: no GPU needed to see the rule), host memory otherwise."""
+    from shadowsync.transport import _backend_memory
+
+    assert _backend_memory(ss.CudaBackend.__new__(ss.CudaBackend)) == "device"
+    assert _backend_memory(ss.HostBackend()) == "host"
