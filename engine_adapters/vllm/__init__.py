@@ -26,11 +26,12 @@ from .front_end import (
 )
 from .import_hook import when_imported as _when_imported
 from .init_info import ShadowsyncInitInfo
+from .update_info import ShadowsyncUpdateInfo
 from .lora_plan import scaled_lora_b
 from .post_load_trace import install_when_vllm_loads as _trace_post_load
 from .worker_extension import WorkerExtension
 
-__all__ = ["ShadowsyncInitInfo", "WorkerExtension", "apply_update", "apply_update_async",
+__all__ = ["ShadowsyncInitInfo", "ShadowsyncUpdateInfo", "WorkerExtension", "apply_update", "apply_update_async",
            "commit_update", "commit_update_async", "init_weight_update_group",
            "init_weight_update_group_async", "scaled_lora_b"]
 
@@ -40,14 +41,19 @@ _FACTORY = "vllm.distributed.weight_transfer.factory"  # vLLM's registry of weig
 def _register_backends(factory) -> None:
     """Registers the weight-transfer backends with vLLM's factory (weight_transfer_backend.py):
     "shadowsync" (chooses the placement), "shadowsync_live_arena" and "shadowsync_graph_pairs"
-    (ask for one); lazily: vLLM imports the module only when an engine asks for that backend."""
-    for name, module, cls in (
-            ("shadowsync", "weight_transfer_backend", "ShadowsyncEngine"),
-            ("shadowsync_live_arena", "live_arena", "LiveArenaEngine"),
-            ("shadowsync_graph_pairs", "live_arena", "GraphPairsEngine")):
+    (ask for one), and from vLLM 0.28 on the trainer engine "shadowsync" (trainer_engine.py);
+    lazily: vLLM imports the module only when an engine asks for that backend."""
+    registries = [(factory.WeightTransferEngineFactory, name, module, cls) for name, module, cls in (
+        ("shadowsync", "weight_transfer_backend", "ShadowsyncEngine"),
+        ("shadowsync_live_arena", "live_arena", "LiveArenaEngine"),
+        ("shadowsync_graph_pairs", "live_arena", "GraphPairsEngine"))]
+    trainer_factory = getattr(factory, "WeightTransferTrainerFactory", None)
+    if trainer_factory is not None:
+        registries.append((trainer_factory, "shadowsync", "trainer_engine",
+                           "ShadowsyncTrainerEngine"))
+    for registry, name, module, cls in registries:
         try:
-            factory.WeightTransferEngineFactory.register_engine(
-                name, f"shadowsync.vllm.{module}", cls)
+            registry.register_engine(name, f"shadowsync.vllm.{module}", cls)
         except ValueError:
             pass  # registered already (this module imported again under another name)
 

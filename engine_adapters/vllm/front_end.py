@@ -9,6 +9,7 @@ import warnings
 
 from shadowsync.errors import InvalidArgumentError, LayoutMismatchError
 
+from . import tensor_parallel
 from .init_info import ShadowsyncInitInfo
 
 __all__ = ["apply_update", "apply_update_async", "commit_update", "commit_update_async",
@@ -47,25 +48,13 @@ def _rpc_kwargs(info, transport, fields: dict) -> dict:
 
 def _fingerprint(results: list) -> int:
     """The workers' answers to init_weight_update_group: a refusal raised, else the fingerprint."""
-    import builtins
-
-    from shadowsync import errors
-
     refusals = [(i, r) for i, r in enumerate(results) if isinstance(r, dict)]
     if refusals:
         # The rank that refused for a reason of its own; the others say another rank refused.
         own = [(i, r) for i, r in refusals
                if "on another tensor-parallel rank" not in r["refused"]] or refusals
         worker, refusal = own[0]
-        message = f"worker {worker}: {refusal['refused']}"
-        name = refusal.get("error", "")
-        error = getattr(errors, name, None)
-        if isinstance(error, type) and issubclass(error, errors.ShadowsyncError):
-            raise error(message)
-        error = getattr(builtins, name, None)
-        if isinstance(error, type) and issubclass(error, Exception):
-            raise error(f"{name}: {message}")
-        raise RuntimeError(f"{name}: {message}")
+        tensor_parallel.raise_refusal(refusal, f"worker {worker}: {refusal['refused']}")
     fingerprints = sorted({int(r) for r in results})
     if len(fingerprints) != 1:
         raise LayoutMismatchError(

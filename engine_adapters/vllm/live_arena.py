@@ -28,7 +28,6 @@ found, nothing is changed and a warning says the KV cache is that much smaller
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 from shadowsync.backend import CudaBackend
@@ -40,6 +39,7 @@ from shadowsync.tensors import describe
 from .graph_pairs import GraphSets
 from .rebind import Rebinding
 from .update_group import CudaBytes
+from .vllm_worker import runner_loading
 from .weight_transfer_backend import (GRAPH_PAIRS_BACKEND_NAME, LIVE_ARENA_BACKEND_NAME,
                                       PlacedWeightsEngine)
 
@@ -151,25 +151,6 @@ def count_weights_once(model, freed_bytes: int, slot_bytes: int) -> dict:
     report.update(model_memory_usage_before=before,
                   model_memory_usage_after=int(runner.model_memory_usage), corrected=True)
     return report
-
-
-def runner_loading(model, depth: int = 12):
-    """The model runner whose get_model() is `model`, found as an attribute `model_runner` of a
-    caller's `self` within `depth` frames; None if there is none."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        runner = getattr(frame.f_locals.get("self"), "model_runner", None)
-        get_model = getattr(runner, "get_model", None)
-        if callable(get_model) and hasattr(runner, "model_memory_usage"):
-            try:
-                if get_model() is model:
-                    return runner
-            except Exception:  # a runner of another state: not the one loading this model
-                pass
-        frame = frame.f_back
-    return None
 
 
 def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:

@@ -68,6 +68,23 @@ def all_ranks_or_none(set_up):
     return init
 
 
+def raise_refusal(refusal: dict, message: str) -> None:
+    """Raises a refusal a worker returned, as the error class it names (a shadowsync error, else
+    a builtin one, else RuntimeError), with `message`."""
+    import builtins
+
+    from shadowsync import errors
+
+    name = str(refusal.get("error", ""))
+    error = getattr(errors, name, None)
+    if isinstance(error, type) and issubclass(error, errors.ShadowsyncError):
+        raise error(message)
+    error = getattr(builtins, name, None)
+    if isinstance(error, type) and issubclass(error, Exception):
+        raise error(f"{name}: {message}")
+    raise RuntimeError(f"{name}: {message}")
+
+
 def on_every_rank(flag: bool) -> bool:
     """True when `flag` holds on every rank of vLLM's tensor-parallel group (an all-reduce over
     its CPU group: every worker runs the same collective_rpc, so all of them take part)."""

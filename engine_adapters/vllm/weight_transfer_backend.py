@@ -1,7 +1,6 @@
 """vLLM's weight-transfer backend "shadowsync": the one way to turn shadowsync on.
 
-    llm = vllm.LLM(model=..., worker_extension_cls="shadowsync.vllm.WorkerExtension",
-                   weight_transfer_config={"backend": "shadowsync"})
+    llm = vllm.LLM(model=..., weight_transfer_config={"backend": "shadowsync"})
 
 vLLM makes its weight-transfer engine right after it loads the model, before it profiles memory
 and captures CUDA graphs: the only moment the weights can still be placed where a swap costs the
@@ -21,17 +20,24 @@ engine vLLM built, and says which and why (printed once per worker; ``memory_rep
 The explicit backends "shadowsync_graph_pairs" and "shadowsync_live_arena" ask for one of the
 first two and are refused, naming why, where it cannot work.
 
-vLLM's own weight-transfer calls (init_weight_transfer_engine, update_weights, ...) are refused
-for now: updates go through the worker extension (shadowsync.vllm.init_weight_update_group, then
-begin_update and apply_update).
+vLLM's own weight-transfer calls are served without a pause (PlacedWeightsEngine): code written
+against vLLM's API switches by naming the backend; the trainer side is trainer_engine.py. The
+worker extension's calls (shadowsync.vllm.init_weight_update_group, begin_update, apply_update)
+work beside them, for what the API cannot say (pacing, readiness, rollback, statistics).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from shadowsync.errors import InvalidArgumentError, NotSupportedError
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from . import tensor_parallel
+from .init_info import ShadowsyncInitInfo
+from .update_info import ShadowsyncUpdateInfo
+from .vllm_worker import worker_loading
 
 __all__ = ["PlacedWeightsEngine", "ShadowsyncEngine", "choose_placement"]
 
@@ -43,44 +49,154 @@ GRAPH_PAIRS_BACKEND_NAME = "shadowsync_graph_pairs"
 
 class PlacedWeightsEngine(WeightTransferEngine):
     """What every shadowsync weight-transfer engine is: it places vLLM's weights at load (here:
-    leaves them in place) and refuses vLLM's own transfer calls."""
+    leaves them in place) and serves vLLM's weight-transfer calls without a pause:
 
-    init_info_cls = dict
-    update_info_cls = dict
+    * ``init_weight_transfer_engine(init_info)``: the fields of ShadowsyncInitInfo as plain data;
+      sets the worker up as the worker extension's init_weight_update_group does, with
+      commit_mode "coordinated" (the commit is finish_weight_update).
+    * ``start_weight_update()``: opens the update; nothing moves.
+    * ``update_weights(update_info)``: ShadowsyncUpdateInfo (the trainer's header) announces the
+      update and returns at once: the receive runs on the library's own thread while the engine
+      keeps stepping (no device synchronization, unlike vLLM's base engine).
+    * ``finish_weight_update()``: waits for the update to land and be checked, then makes it live
+      between two steps, on every tensor-parallel rank together.
+
+    vLLM's worker class gets shadowsync's worker extension mixed in (as ``worker_extension_cls``
+    would), so its statistics, per-request versions and rollback stay reachable through
+    collective_rpc."""
+
+    init_info_cls = ShadowsyncInitInfo
+    update_info_cls = ShadowsyncUpdateInfo
+    defers_processing = True  # update_weights returns before the weights landed (vLLM 0.28+)
+    supports_draft_weight_update = False
     # What the worker extension looks for on vLLM's weight_transfer_engine (it imports no vLLM).
     shadowsync_live_arena = False
     shadowsync_graph_pairs = False
     # (placement, why): set by ShadowsyncEngine when it chose; memory_report()["swap"].
     swap_choice: tuple[str, str] | None = None
     memory_accounting: dict | None = None
+    # The worker that loaded the model (found at load) and the update update_weights announced.
+    _worker = None
+    _announced: ShadowsyncUpdateInfo | None = None
+    _announced_version: int | None = None
 
-    def _refuse(self, call: str):
-        raise InvalidArgumentError(
-            f"{call}: the shadowsync weight-transfer backends place vLLM's weights at load for the "
-            f"fastest swap; updates go through the worker extension "
-            f"(shadowsync.vllm.init_weight_update_group, then apply_update or begin_update)")
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._worker = worker_loading(model)
 
-    def init_transfer_engine(self, init_info: Any) -> None:
-        self._refuse("init_weight_transfer_engine")
+    def parse_init_info(self, init_dict: dict[str, Any]) -> ShadowsyncInitInfo:
+        return ShadowsyncInitInfo.coerce(init_dict)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> ShadowsyncUpdateInfo:
+        return ShadowsyncUpdateInfo.coerce(update_dict)
+
+    def init_transfer_engine(self, init_info: ShadowsyncInitInfo) -> None:
+        if init_info.commit_mode == "auto":
+            raise InvalidArgumentError(
+                "init_weight_transfer_engine: commit_mode 'auto' would make an update live at "
+                "the next step, before finish_weight_update; through vLLM's weight-transfer API "
+                "finish_weight_update is the commit: leave commit_mode unset")
+        worker = self._worker_with_extension()
+        if worker.has_weight_update_group():
+            worker.close_weight_update_group()  # a trainer joining again replaces the last
+        info = ShadowsyncInitInfo.coerce(init_info, commit_mode="coordinated")
+        _raise_refusal("init_weight_transfer_engine", worker.init_weight_update_group(info))
 
     def start_weight_update(self) -> None:
-        self._refuse("start_weight_update")
+        self._worker_with_extension()._require()
+        self._announced = self._announced_version = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # Not vLLM's base update_weights: that synchronizes the device after the receive, which
+        # here runs on in the background.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: ShadowsyncUpdateInfo) -> None:
+        if self._announced is not None:
+            raise InvalidArgumentError(
+                f"update_weights: update {self._announced_version} was announced in this "
+                f"start_weight_update already; one header holds a whole update: call "
+                f"finish_weight_update, then start the next")
+        worker = self._worker_with_extension()
+        self._announced_version = worker.begin_update(update_info.header,
+                                                      update_info.verify_matches_live)
+        self._announced = update_info
 
     def finish_weight_update(self) -> None:
-        self._refuse("finish_weight_update")
-
-    def receive_weights(self, update_info: Any) -> None:
-        self._refuse("update_weights")
+        announced, version = self._announced, self._announced_version
+        self._announced = self._announced_version = None
+        if announced is None:
+            raise InvalidArgumentError(
+                "finish_weight_update: no update_weights since start_weight_update; send the "
+                "trainer's header with update_weights first")
+        worker = self._worker_with_extension()
+        _wait_ready(worker, version, announced.finish_timeout_s)
+        # Every rank commits (or refuses) together: commit_update checks readiness across the
+        # tensor-parallel group first.
+        _raise_refusal("finish_weight_update", worker.commit_update(version))
 
     def shutdown(self) -> None:
-        pass  # an arena lives as long as the model reads it: freed with this object
+        # Releases the trainer's connection (vLLM's shutdown_weight_transfer_engine, and at
+        # exit); the weights stay usable. An arena lives as long as the model reads it.
+        worker = self._worker
+        if worker is not None and getattr(worker, "_shadowsync", None) is not None:
+            worker.close_weight_update_group()
+
+    def _worker_with_extension(self):
+        """The worker, with shadowsync's worker extension mixed into its class."""
+        from .worker_extension import WorkerExtension
+
+        worker = self._worker
+        if worker is None:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: the vLLM worker that loaded the model was not found "
+                f"among the callers at load; use the worker extension "
+                f"(worker_extension_cls=\"shadowsync.vllm.WorkerExtension\") and its calls")
+        if not isinstance(worker, WorkerExtension):
+            _mix_in(type(worker), WorkerExtension)
+        return worker
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:
+        """vLLM 0.25's trainer side (a static method of the worker engine's class):
+        trainer_engine.send_weights_025 sends `iterator`'s tensors with the shadowsync Sender in
+        `trainer_args`."""
+        from .trainer_engine import send_weights_025
+
+        send_weights_025(iterator, trainer_args)
+
+
+def _mix_in(worker_class, extension) -> None:
+    """`extension`'s methods added to `worker_class`, as vLLM does for ``worker_extension_cls``
+    (a name both define is refused, naming it)."""
+    clashes = sorted(a for a in vars(extension) if not a.startswith("__")
+                     and hasattr(worker_class, a))
+    if clashes:
         raise InvalidArgumentError(
-            "trainer_send_weights: the shadowsync weight-transfer backends have no sender of "
-            "vLLM's kind; the trainer sends with shadowsync (a Sender over NCCL or the same-host "
-            "transport)")
+            f"the shadowsync weight-transfer backend: vLLM's worker class "
+            f"{worker_class.__name__} already has {clashes}, which shadowsync's worker "
+            f"extension defines; pass worker_extension_cls=\"shadowsync.vllm.WorkerExtension\"")
+    worker_class.__bases__ = worker_class.__bases__ + (extension,)
+
+
+def _wait_ready(worker, version: int, timeout_s: float) -> None:
+    """Until this worker holds `version` received and checked, or it failed, or `timeout_s`
+    passed: finish_weight_update's commit then goes ahead or refuses on every rank together."""
+    receiver = worker._require().receiver
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = receiver.stats()
+        failed = stats.last_failure is not None and stats.last_failure.version == version
+        if stats.ready_version == version or failed:
+            return
+        time.sleep(0.0005)
+
+
+def _raise_refusal(call: str, result) -> None:
+    """A refusal the worker extension returned (under tensor parallelism it returns them: a raise
+    there ends vLLM's engine), raised: the weight-transfer API has no other way to say it."""
+    if isinstance(result, dict) and "refused" in result:
+        tensor_parallel.raise_refusal(result, f"{call}: {result['refused']}")
 
 
 class ShadowsyncEngine(PlacedWeightsEngine):
@@ -115,7 +231,7 @@ class ShadowsyncEngine(PlacedWeightsEngine):
 def choose_placement(vllm_config, device, model) -> tuple[str, str]:
     """("graph pairs" | "live arena" | "in place", why) for the engine vLLM built."""
     from .graph_pairs import why_unswitchable
-    from .live_arena import runner_loading
+    from .vllm_worker import runner_loading
 
     if getattr(device, "type", str(device)) != "cuda":
         return "in place", ("the weights are in host memory (vLLM CPU), which cannot be remapped: "
