@@ -192,7 +192,7 @@ readonly VLLM_DIR=build-vllm
 # third of the step.
 readonly VLLM_LANES=(
   "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py"
-  "test_vllm_benches.py test_vllm_example.py test_readme_quick_start.py"
+  "test_vllm_benches.py test_vllm_example.py test_readme_quick_start.py test_vllm_api.py"
   "test_vllm_tp.py"
 )
 
