@@ -189,11 +189,11 @@ readonly VLLM_DIR=build-vllm
 # clocks. The step's tests are about 570 s of CPU; on the 2-core machine (other work on it too)
 # one pytest of them all took 12 min, two lanes 385 s, these three 322 s. The lanes are about
 # equally long (the --durations lines of each lane's log): test_vllm_tp.py's two TP=2 runs are a
-# third of the step.
+# third of the step. test_trl_grpo.py (real TRL: a vLLM server and two GRPO steps) is about 35 s.
 readonly VLLM_LANES=(
   "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py"
   "test_vllm_benches.py test_vllm_example.py test_readme_quick_start.py test_vllm_api.py"
-  "test_vllm_tp.py"
+  "test_vllm_tp.py test_trl_grpo.py"
 )
 
 # run_vllm_lane LANE FILE...: pytest of python/tests/FILE... with the vllm venv's python, output

