@@ -45,6 +45,7 @@ workers join it from the unique id alone (init_weight_update_group(unique_id=...
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import multiprocessing as mp
 import os
@@ -220,6 +221,11 @@ def main() -> int:
                         help="the trainer's transport (nccl: CUDA, the trainer on --trainer-gpu)")
     parser.add_argument("--trainer-gpu", type=int, default=0,
                         help="the trainer's GPU (CUDA; with nccl none of vLLM's 0..tp-1)")
+    parser.add_argument("--api", action="store_true",
+                        help="drive the updates through vLLM's own weight-transfer calls "
+                             "(init_weight_transfer_engine, start_weight_update, update_weights, "
+                             "finish_weight_update) with the backend (default 'shadowsync') "
+                             "instead of the worker extension's")
     parser.add_argument("--reinit", action="store_true",
                         help="a third update, close, a second init with a new trainer, a fourth "
                              "update (an odd number of swaps before the close)")
@@ -230,6 +236,10 @@ def main() -> int:
     refused = engine_options_error(args)
     if refused:
         parser.error(refused)
+    if args.api and args.reinit:
+        parser.error("--api: --reinit re-initializes through the worker extension; leave it out")
+    if args.api and not args.backend:
+        args.backend = "shadowsync"
     if args.live_arena:
         args.backend = "shadowsync_live_arena"
     if args.graph_pairs:
@@ -251,7 +261,6 @@ def main() -> int:
     from vllm_models import (LORA_EMBEDDING_TARGETS, LORA_TARGETS, make_tiny_lora,
                              make_tiny_model, with_tensors_of)
 
-    import shadowsync as ss
     import shadowsync.vllm as ssv
 
     work = Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
@@ -277,8 +286,9 @@ def main() -> int:
         log("FAIL: A and B answer alike; the check could not tell them apart")
         return 1
 
-    llm = LLM(**engine_kwargs(args.device, a, args.tp, lora=args.lora),
-              worker_extension_cls="shadowsync.vllm.WorkerExtension",
+    # --api: no worker extension named; the backend mixes it into vLLM's worker itself.
+    extension = {} if args.api else {"worker_extension_cls": "shadowsync.vllm.WorkerExtension"}
+    llm = LLM(**engine_kwargs(args.device, a, args.tp, lora=args.lora), **extension,
               **({"weight_transfer_config": {"backend": args.backend}} if args.backend else {}))
     if args.backend == "shadowsync":  # what it chose is checked below as if asked for by name
         swap = llm.collective_rpc("memory_report")[0]["swap"]
@@ -330,17 +340,26 @@ def main() -> int:
     # nothing set up (no transport either: the trainer still waits for the real one), and the
     # engine goes on answering.
     extra = ("model.layers.0.mlp.not_a_weight", specs[0][1], (4,))
+    def set_up(specs) -> int:
+        """The worker joins the trainer: vLLM's init_weight_transfer_engine (--api, the info as
+        plain data; the fingerprint from the receiver's statistics) or the front-end call."""
+        if not args.api:
+            return ssv.init_weight_update_group(llm, specs=specs, **settings, **transport)
+        info = ssv.ShadowsyncInitInfo(specs=specs, **settings, **transport)
+        llm.init_weight_transfer_engine({"init_info": info.to_rpc()})
+        return llm.collective_rpc("weight_update_stats")[0]["wire_fingerprint"]
+
     try:
-        ssv.init_weight_update_group(llm, specs=specs + [extra], **settings, **transport)
+        set_up(specs + [extra])
         refused = "not refused"
-    except ss.ShadowsyncError as error:
+    except Exception as error:  # noqa: BLE001 - through vLLM's API a plain Exception names it
         refused = str(error)
     ok = extra[0] in refused and not any(llm.collective_rpc("has_weight_update_group"))
     failures += not ok
     log(f"{'ok  ' if ok else 'FAIL'} init with a tensor load_weights does not take refused, "
         f"nothing set up: {refused[:160]}")
     check("after the refused set-up", greedy(llm, adapter["A"]), "A")
-    fingerprint = ssv.init_weight_update_group(llm, specs=specs, **settings, **transport)
+    fingerprint = set_up(specs)
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"set-up: {len(specs)} trainer tensors over {args.transport}, {stats['plan_copies']} plan "
         f"copies, {stats['kept_params']} kept, swap strategy {stats['swap_strategy']}, "
@@ -364,12 +383,20 @@ def main() -> int:
         nonlocal failures
         parent.send(("publish", version, source))
         kind, header = parent.recv()
-        llm.collective_rpc("begin_update", args=(header, verify))
+        if args.api:  # returns at once: the receive runs on while the engine generates
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"header": base64.b64encode(header).decode(),
+                                                "verify_matches_live": verify}})
+        else:
+            llm.collective_rpc("begin_update", args=(header, verify))
         during = 0
         while not parent.poll():  # the engine keeps generating while the update streams
             during += sum(len(t) for t in greedy(llm, adapter["A"]))
         kind, seconds, nbytes = parent.recv()
-        if args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
+        if args.api:  # live between two steps on every rank when it returns
+            llm.finish_weight_update()
+            applied = min(int(s["applied_version"]) for s in llm.collective_rpc("step_versions"))
+        elif args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
             wait_ready(llm, version)
             # A version no rank holds ready: refused on every rank, nothing flips anywhere.
             before = [int(s["applied_version"]) for s in llm.collective_rpc("step_versions")]

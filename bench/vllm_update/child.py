@@ -98,12 +98,12 @@ async def run_child(args, result: dict) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     path = args.child
-    driver = {"vllm": VllmTransfer, "shadowsync": ShadowsyncTransfer,
-              "copy": CopyReference}[path](args)
+    driver = ({"vllm": VllmTransfer, "shadowsync": ShadowsyncTransfer, "copy": CopyReference,
+               "shadowsync-api": lambda a: ShadowsyncTransfer(a, api=True)}[path](args))
     result["api"] = driver.api_description()
     log(f"{path}: {result['api']}")
     t0 = time.monotonic()
-    kwargs = engine_args(args, extension=path == "shadowsync")
+    kwargs = engine_args(args, extension=path.startswith("shadowsync"))
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     result["engine_start_s"] = round(time.monotonic() - t0, 1)
     log(f"{path}: engine up in {result['engine_start_s']} s")

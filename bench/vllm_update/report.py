@@ -67,7 +67,7 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {config} | {path} | - | FAILED: {why} | | | | | | | | | |")
                 continue
             s, b = r.get("summary", {}), r.get("baseline", {})
-            if path == "shadowsync":
+            if path.startswith("shadowsync"):
                 goal = (f"stop ≤ {GOALS['engine_stop_ms']:g} ms (8B), slowdown ≤ "
                         f"{GOALS['slowdown']:.2f}x")
             elif path == "copy":

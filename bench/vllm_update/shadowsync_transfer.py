@@ -5,6 +5,7 @@ sequence)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import shutil
 import sys
@@ -101,7 +102,10 @@ class ShadowsyncTransfer:
                      f"same-host transport (memory="
                      f"{'device' if self.args.device == 'cuda' else 'host'})")
         live = "commit_update_async" if self.args.tp > 1 else "apply_update_async"
-        return (f"shadowsync {shadowsync.__version__}: {transport}, WorkerExtension, {live}; "
+        calls = ("vLLM's weight-transfer API (init_weight_transfer_engine; start_weight_update, "
+                 "update_weights, finish_weight_update)" if self.api
+                 else f"WorkerExtension, {live}")
+        return (f"shadowsync {shadowsync.__version__}: {transport}, {calls}; "
                 f"library {shadowsync.library_path()}")
 
     async def recv(self, expected: str, timeout: float = 300):
@@ -129,9 +133,18 @@ class ShadowsyncTransfer:
         # At once: the workers' init blocks until the trainer's transport is up (NCCL: both
         # join one communicator), and a trainer that fails says so here instead of leaving the
         # workers waiting unheard.
-        fingerprints, (arena_bytes, bucket_bytes) = await asyncio.gather(
-            engine.collective_rpc("init_weight_update_group", kwargs=kwargs), self.recv("ready"))
+        if self.api:
+            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+            from shadowsync.vllm import ShadowsyncInitInfo
+
+            joined = engine.init_weight_transfer_engine(WeightTransferInitRequest(
+                init_info=ShadowsyncInitInfo(**kwargs).to_rpc()))
+        else:
+            joined = engine.collective_rpc("init_weight_update_group", kwargs=kwargs)
+        _, (arena_bytes, bucket_bytes) = await asyncio.gather(joined, self.recv("ready"))
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        fingerprints = [stats["wire_fingerprint"]]
         swap = (await engine.collective_rpc("memory_report"))[0]["swap"]
         if self.args.trace_steps:
             import vllm_step_trace
@@ -195,11 +208,21 @@ class ShadowsyncTransfer:
         self.conn.send(("publish", version))
         header, publish_s, header_buckets = await self.recv("header")
         t1 = time.perf_counter()
-        await engine.collective_rpc("begin_update", args=(header,))
+        if self.api:
+            from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+            await engine.start_weight_update()
+            await engine.update_weights(WeightTransferUpdateRequest(
+                update_info={"header": base64.b64encode(header).decode()}))
+        else:
+            await engine.collective_rpc("begin_update", args=(header,))
         t2 = time.perf_counter()
         (sent_s,) = await self.recv("sent")
         t3 = time.perf_counter()
-        if self.args.tp > 1:  # coordinated: every rank makes it live between the same two steps
+        if self.api:  # live on every rank, between two steps, when it returns
+            await engine.finish_weight_update()
+            applied = (await engine.collective_rpc("weight_update_stats"))[0]["applied_version"]
+        elif self.args.tp > 1:  # coordinated: every rank makes it live between the same two steps
             applied = await commit_update_async(engine, version, timeout=60,
                                                 reset_prefix_cache=False)
         else:

@@ -81,8 +81,12 @@ class PlacedWeightsEngine(WeightTransferEngine):
     _announced_version: int | None = None
 
     def __init__(self, config, vllm_config, device, model) -> None:
+        from .worker_extension import WorkerExtension
+
         super().__init__(config, vllm_config, device, model)
         self._worker = worker_loading(model)
+        if self._worker is not None and not isinstance(self._worker, WorkerExtension):
+            _mix_in(type(self._worker), WorkerExtension)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> ShadowsyncInitInfo:
         return ShadowsyncInitInfo.coerce(init_dict)
@@ -96,14 +100,14 @@ class PlacedWeightsEngine(WeightTransferEngine):
                 "init_weight_transfer_engine: commit_mode 'auto' would make an update live at "
                 "the next step, before finish_weight_update; through vLLM's weight-transfer API "
                 "finish_weight_update is the commit: leave commit_mode unset")
-        worker = self._worker_with_extension()
+        worker = self._loading_worker()
         if worker.has_weight_update_group():
             worker.close_weight_update_group()  # a trainer joining again replaces the last
         info = ShadowsyncInitInfo.coerce(init_info, commit_mode="coordinated")
         _raise_refusal("init_weight_transfer_engine", worker.init_weight_update_group(info))
 
     def start_weight_update(self) -> None:
-        self._worker_with_extension()._require()
+        self._loading_worker()._require()
         self._announced = self._announced_version = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -117,7 +121,7 @@ class PlacedWeightsEngine(WeightTransferEngine):
                 f"update_weights: update {self._announced_version} was announced in this "
                 f"start_weight_update already; one header holds a whole update: call "
                 f"finish_weight_update, then start the next")
-        worker = self._worker_with_extension()
+        worker = self._loading_worker()
         self._announced_version = worker.begin_update(update_info.header,
                                                       update_info.verify_matches_live)
         self._announced = update_info
@@ -129,11 +133,21 @@ class PlacedWeightsEngine(WeightTransferEngine):
             raise InvalidArgumentError(
                 "finish_weight_update: no update_weights since start_weight_update; send the "
                 "trainer's header with update_weights first")
-        worker = self._worker_with_extension()
+        worker = self._loading_worker()
         _wait_ready(worker, version, announced.finish_timeout_s)
         # Every rank commits (or refuses) together: commit_update checks readiness across the
         # tensor-parallel group first.
         _raise_refusal("finish_weight_update", worker.commit_update(version))
+
+    def drain_pending(self) -> None:
+        # vLLM 0.28+: a caller that finishes an update itself (its own layerwise reload) calls
+        # this expecting the weights in the model; here an update goes live only in
+        # finish_weight_update, between two steps on every rank together.
+        if self._announced is not None:
+            raise InvalidArgumentError(
+                f"drain_pending: update {self._announced_version} is received in the background "
+                f"and goes live only in finish_weight_update (between two steps, on every rank "
+                f"together); there is no layerwise reload to finish: call finish_weight_update")
 
     def shutdown(self) -> None:
         # Releases the trainer's connection (vLLM's shutdown_weight_transfer_engine, and at
@@ -142,19 +156,14 @@ class PlacedWeightsEngine(WeightTransferEngine):
         if worker is not None and getattr(worker, "_shadowsync", None) is not None:
             worker.close_weight_update_group()
 
-    def _worker_with_extension(self):
-        """The worker, with shadowsync's worker extension mixed into its class."""
-        from .worker_extension import WorkerExtension
-
-        worker = self._worker
-        if worker is None:
+    def _loading_worker(self):
+        """The worker (its class has shadowsync's worker extension: mixed in at load)."""
+        if self._worker is None:
             raise InvalidArgumentError(
                 f"{type(self).__name__}: the vLLM worker that loaded the model was not found "
                 f"among the callers at load; use the worker extension "
                 f"(worker_extension_cls=\"shadowsync.vllm.WorkerExtension\") and its calls")
-        if not isinstance(worker, WorkerExtension):
-            _mix_in(type(worker), WorkerExtension)
-        return worker
+        return self._worker
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:

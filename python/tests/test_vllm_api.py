@@ -139,3 +139,17 @@ def test_vllm_weight_versions_of_requests_that_span_the_swap(api_run):
         # Each decode step schedules one token and makes one: the new weights made ran_new.
         assert 0 < labelled_new <= ran_new, (request, counted[ids[0]])
     print(f"{spanning} request(s) spanned the swap")
+
+
+def test_drain_pending_refuses_an_update_only_finish_makes_live():
+    """vLLM 0.28+'s drain_pending, for a caller that finishes an update itself: nothing to do
+    with nothing announced; refused, naming finish_weight_update, while an update is announced."""
+    from shadowsync.errors import InvalidArgumentError
+    from shadowsync.vllm import ShadowsyncUpdateInfo
+    from shadowsync.vllm.weight_transfer_backend import PlacedWeightsEngine
+
+    engine = PlacedWeightsEngine.__new__(PlacedWeightsEngine)  # no vLLM worker needed for this
+    engine.drain_pending()
+    engine._announced, engine._announced_version = ShadowsyncUpdateInfo(header=b"h"), 7
+    with pytest.raises(InvalidArgumentError, match=r"update 7 .*call finish_weight_update"):
+        engine.drain_pending()
