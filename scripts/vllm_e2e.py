@@ -395,6 +395,7 @@ def main() -> int:
         kind, seconds, nbytes = parent.recv()
         if args.api:  # live between two steps on every rank when it returns
             llm.finish_weight_update()
+            llm.reset_prefix_cache()  # nothing runs here: prompts' KV of the old weights goes
             applied = min(int(s["applied_version"]) for s in llm.collective_rpc("step_versions"))
         elif args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
             wait_ready(llm, version)
