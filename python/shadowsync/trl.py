@@ -8,17 +8,22 @@ through shadowsync's same-host transport, the engine receives them into its shad
 shadowsync's receiver thread while it keeps stepping, and the update goes live between two of
 its steps. Nothing else of TRL changes (generation, ``reset_prefix_cache``, the trainer).
 
-    # the vLLM server, on the trainer's host (the shadowsync package installed: its plugin
-    # registers quantization "shadowsync_unpacked"; on CUDA leave --quantization out)
+    # the vLLM server (its CPU build, as tested), on the trainer's host; the shadowsync package
+    # installed there: its vLLM plugin registers quantization "shadowsync_unpacked"
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
         --worker-extension-cls shadowsync.vllm.WorkerExtension \\
-        --quantization shadowsync_unpacked --enforce-eager
+        --quantization shadowsync_unpacked --enforce-eager --dtype float32 \\
+        --kv-cache-memory-bytes 268435456
 
     # the trainer
     import shadowsync.trl
     shadowsync.trl.enable()            # before the GRPOTrainer is created
     trainer = GRPOTrainer(model=MODEL, args=GRPOConfig(use_vllm=True, vllm_mode="server"), ...)
     trainer.train()
+
+The trainer's dtypes must be the engine's (the receive copies bytes, it does not convert): a
+float32 trainer needs ``--dtype float32`` (vLLM CPU's default is bfloat16); the engine refuses a
+mismatch at the first sync, naming the tensor and both dtypes.
 
 What the server needs, and what is refused (naming the setting) when it lacks it:
 ``VLLM_SERVER_DEV_MODE=1`` (vLLM serves ``/collective_rpc`` only then, and TRL's own
@@ -110,8 +115,8 @@ def enable(timeout: float = _TIMEOUT_S) -> None:
 
 
 def disable() -> None:
-    """Puts TRL's own two methods back (clients already set up keep shadowsync's state, which a
-    sync then no longer uses). Not thread-safe."""
+    """Puts TRL's own two methods back. A client set up while enabled then cannot sync (it has
+    no NCCL group for TRL's method): create the trainer again. Not thread-safe."""
     if not _originals:
         return
     client_class, _ = _vllm_client_class()
