@@ -103,6 +103,8 @@ async def run_child(args, result: dict) -> dict:
     result["api"] = driver.api_description()
     log(f"{path}: {result['api']}")
     t0 = time.monotonic()
+    if path == "shadowsync-api" and not getattr(args, "backend", None):
+        args.backend = "shadowsync"  # vLLM's calls reach a weight-transfer backend only
     kwargs = engine_args(args, extension=path.startswith("shadowsync"))
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     result["engine_start_s"] = round(time.monotonic() - t0, 1)

@@ -87,10 +87,14 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
 
 
 class ShadowsyncTransfer:
-    """shadowsync's path: the trainer in its own process, the extension in vLLM's worker."""
+    """shadowsync's path: the trainer in its own process, the extension in vLLM's worker.
+    `api` (path "shadowsync-api"): the same trainer and backend, driven through vLLM's own
+    weight-transfer calls (init_weight_transfer_engine, start_weight_update, update_weights,
+    finish_weight_update) instead of the extension's."""
 
-    def __init__(self, args):
+    def __init__(self, args, api: bool = False):
         self.args = args
+        self.api = api
         self.process = None
         self.conn = None
         self.socket_dir = None
