@@ -139,7 +139,10 @@ class PlacedWeightsEngine(WeightTransferEngine):
                 "finish_weight_update: no update_weights since start_weight_update; send the "
                 "trainer's header with update_weights first")
         worker = self._loading_worker()
+        started = time.monotonic()
         _wait_ready(worker, version, announced.finish_timeout_s)
+        # The engine thread's wait for the update, as wait_applied's (weight_update_stats).
+        worker._require().last_wait_applied = (started, time.monotonic() - started)
         # Every rank commits (or refuses) together: commit_update checks readiness across the
         # tensor-parallel group first.
         _raise_refusal("finish_weight_update", worker.commit_update(version))
