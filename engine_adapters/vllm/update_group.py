@@ -124,8 +124,7 @@ class UpdateGroup:
             self.last_swap_callback_s = time.perf_counter() - started
 
     def _swap(self, version: int, swaps: list[GroupSwap]) -> None:
-        if not self.coordinated:
-            self.step_log.append((self.steps, version))  # commit_update logs its own
+        self.step_log.append((self.steps, version))
         for swap in swaps:
             if self.graph_pairs is not None:  # its arena is the update's one group
                 self.graph_pairs.use_slot(swap.slot)
