@@ -223,9 +223,9 @@ class ShadowsyncTransfer:
         t2 = time.perf_counter()
         (sent_s,) = await self.recv("sent")
         t3 = time.perf_counter()
-        if self.api:  # live on every rank, between two steps, when it returns
+        if self.api:  # committed on every rank: the next step runs on it
             await engine.finish_weight_update()
-            applied = (await engine.collective_rpc("weight_update_stats"))[0]["applied_version"]
+            applied = version
         elif self.args.tp > 1:  # coordinated: every rank makes it live between the same two steps
             applied = await commit_update_async(engine, version, timeout=60,
                                                 reset_prefix_cache=False)

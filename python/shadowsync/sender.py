@@ -330,6 +330,8 @@ class Sender(Handle):
         with self._inflight_lock:
             running = []
             for p in self._inflight:
+                if p.closed:
+                    continue  # the caller closed it once it was done: nothing left to keep
                 if not p.done():
                     running.append(p)
                 elif p._close_when_done:

@@ -33,6 +33,18 @@ def test_update_end_to_end(pair):
     assert pair.receiver.last_update_error() == ""
 
 
+def test_a_publish_handle_closed_when_done_does_not_stop_the_next_publish(pair):
+    """A trainer that closes each handle once it waited for it (what the vLLM trainer engine
+    does) publishes again: the sender skips closed handles among those it keeps alive."""
+    for version in (1, 2):
+        handle = pair.sender.publish(version, tensors(BASE + LORA, version))
+        pair.receiver.begin_update(handle.header_bytes)
+        pair.receiver.wait_applied(version, DEADLINE_S)
+        handle.wait(DEADLINE_S)
+        handle.close()
+    assert pair.live_versions() == {s[0]: 2 for s in SPECS}
+
+
 def test_engine_steps_on_the_old_version_while_the_update_streams(pair):
     """The trainer holds the update after its first bucket; meanwhile the engine steps and every
     step reads version 1 whole. Released, the update lands between two steps, all at once."""

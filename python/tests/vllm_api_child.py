@@ -13,7 +13,7 @@ line ``RESULT <json>``; the test makes the assertions.
 * ``async``: an ``AsyncLLM`` of B generating continuously (requests salted with the version they
   started under), and a trainer thread holding A that drives vLLM's trainer engine "shadowsync"
   through a client of vLLM's four-method protocol: ``trainer_init`` then ``send_weights
-  (weight_version="policy-A")``. What each finished request's ``weight_versions`` say, beside
+  (weight_version="policy-A")`` and a second round of the same weights ("policy-A2"). What each finished request's ``weight_versions`` say, beside
   what shadowsync counted per step (``request_versions``), comes back.
 """
 
@@ -180,6 +180,8 @@ def trainer_thread(client, model_path: str, dtype: str, result: dict) -> None:
         result["joined_s"] = time.monotonic()
         with torch.no_grad():
             engine.send_weights(weight_version="policy-A")
+            result["first_window"] = [client.started_s, client.finished_s]
+            engine.send_weights(weight_version="policy-A2")  # a second round: the same weights
         result["engine_version"] = engine.version
         engine.shutdown()
     except BaseException:  # noqa: BLE001 - reported by the test
