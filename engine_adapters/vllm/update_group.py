@@ -124,7 +124,8 @@ class UpdateGroup:
             self.last_swap_callback_s = time.perf_counter() - started
 
     def _swap(self, version: int, swaps: list[GroupSwap]) -> None:
-        self.step_log.append((self.steps, version))
+        if not self.coordinated:
+            self.step_log.append((self.steps, version))  # commit_update logs its own
         for swap in swaps:
             if self.graph_pairs is not None:  # its arena is the update's one group
                 self.graph_pairs.use_slot(swap.slot)

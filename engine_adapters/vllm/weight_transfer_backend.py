@@ -144,10 +144,8 @@ class PlacedWeightsEngine(WeightTransferEngine):
         # The engine thread's wait for the update, as wait_applied's (weight_update_stats).
         worker._require().last_wait_applied = (started, time.monotonic() - started)
         # Every rank commits (or refuses) together: commit_update checks readiness across the
-        # tensor-parallel group first. The swap itself happens inside the next step, where the
-        # step hook makes updates live: made here, between two steps of a held engine, it cost
-        # 10 ms of engine stop at 8B on one H200 (0.2 ms in the step).
-        _raise_refusal("finish_weight_update", worker.commit_update(version, at_next_step=True))
+        # tensor-parallel group first.
+        _raise_refusal("finish_weight_update", worker.commit_update(version))
 
     def drain_pending(self) -> None:
         # vLLM 0.28+: a caller that finishes an update itself (its own layerwise reload) calls

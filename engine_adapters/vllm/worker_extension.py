@@ -157,11 +157,9 @@ class WorkerExtension:
         for commit_update (0: none). Thread-safe."""
         return self._require().receiver.stats().ready_version
 
-    def commit_update(self, version: int, at_next_step: bool = False) -> dict:
+    def commit_update(self, version: int) -> dict:
         """commit_mode "coordinated": makes the ready update `version` live now; the next step
         runs on it. Through collective_rpc every worker makes it between the same two steps.
-        `at_next_step`: it goes live inside the next step instead, where the step hook makes an
-        update live in auto mode (the engine's next step is the same step on every rank).
         Returns ``{"applied_version": v}``, or ``{"refused": message, "applied_version": v}``
         when `version` is not ready on every tensor-parallel rank (checked across the TP group
         first: then no rank flips) or on this one. A refusal is returned, not raised: vLLM's
@@ -177,13 +175,10 @@ class WorkerExtension:
                                f"rank",
                     "applied_version": state.receiver.applied_version}
         try:
-            if at_next_step:
-                state.receiver.commit_at_next_step(version)
-                applied = state.receiver.applied_version
-            else:
-                applied = state.receiver.commit(version)
+            applied = state.receiver.commit(version)
         except InvalidArgumentError as error:
             return {"refused": str(error), "applied_version": state.receiver.applied_version}
+        state.step_log.append((state.steps, applied))
         return {"applied_version": applied}
 
     def step_versions(self) -> dict:
@@ -264,8 +259,6 @@ class WorkerExtension:
         thread."""
         state, self._shadowsync = self._shadowsync, None
         if state is not None:
-            if state.coordinated and state.receiver.stats().has_pending:
-                state.receiver.apply_pending_now()  # committed for the next step: live now
             if state.stream is not None:
                 state.stream.synchronize()  # a swap's copy out of the shadow may still run
             # Under engine storage the parameters are the engine's own memory already (and CUDA

@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -295,13 +294,6 @@ class Receiver {
   // Engine thread.
   std::uint64_t commit(std::uint64_t version, Stream& engine_stream);
 
-  // kCoordinated only: commits the ready update `version` as commit() does, but it goes live at
-  // the start of the engine's next step (its before_step, as an update in kAuto mode), not now.
-  // For a commit made between two steps by a call that holds the engine (vLLM's
-  // finish_weight_update): the swap then happens inside the next step, where kAuto's happens,
-  // and every rank's next step is the same step. Same refusals as commit(). Engine thread.
-  void commit_at_next_step(std::uint64_t version);
-
   // Called on the receiver thread once per update outcome. Set before the first update.
   void set_observer(std::function<void(const UpdateReport&)> observer);
 
@@ -333,12 +325,6 @@ class Receiver {
   std::unique_ptr<SlotTable> slots_;
   std::unique_ptr<StepHook> hook_;
   std::unique_ptr<Impl> impl_;
-
-  // commit()'s and commit_at_next_step()'s checks: the commit lock, held while the update held
-  // ready as `version` is published; refusals as commit() says, naming `caller`.
-  std::unique_lock<std::mutex> lock_ready(std::uint64_t version, const char* caller);
-  // The held update is no longer held (commit lock held).
-  void release_ready();
 };
 
 }  // namespace shadowsync

@@ -593,12 +593,6 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_commit(shadowsync_receive
                                                               shadowsync_stream_t stream,
                                                               uint64_t version,
                                                               uint64_t* applied_version);
-/* commit_mode coordinated: commits the ready update `version` as shadowsync_receiver_commit does,
- * but it goes live at the start of the engine's next step (its shadowsync_receiver_before_step),
- * not now: for a commit made between two steps by a call that holds the engine, the swap then
- * happens inside the next step, as in auto mode. The same refusals. Engine thread. */
-SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_commit_at_next_step(
-    shadowsync_receiver_t receiver, uint64_t version);
 /* Stops the thread (aborting an update in flight) and frees both slots: the engine must be done
  * with the live pointers. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_destroy(shadowsync_receiver_t receiver);

@@ -325,13 +325,6 @@ shadowsync_status_t shadowsync_receiver_commit(shadowsync_receiver_t receiver,
   });
 }
 
-shadowsync_status_t shadowsync_receiver_commit_at_next_step(shadowsync_receiver_t receiver,
-                                                            uint64_t version) {
-  return guard(__func__, [&] {
-    lookup<ReceiverObject>(receiver, "receiver")->receiver->commit_at_next_step(version);
-  });
-}
-
 shadowsync_status_t shadowsync_receiver_destroy(shadowsync_receiver_t receiver) {
   return guard(__func__, [&] {
     auto object = Registry::instance().remove<ReceiverObject>(receiver, "receiver");

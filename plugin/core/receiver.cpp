@@ -229,52 +229,33 @@ void Receiver::shutdown() {
 }
 
 std::uint64_t Receiver::commit(std::uint64_t version, Stream& engine_stream) {
-  std::optional<std::uint64_t> applied;
-  {
-    std::unique_lock lock = lock_ready(version, "commit");
-    hook_->publish(impl_->held_ready);
-    applied = hook_->apply_pending_now(engine_stream);
-    release_ready();
-  }
-  impl_->committed.notify_all();
-  return applied.value_or(version);
-}
-
-void Receiver::commit_at_next_step(std::uint64_t version) {
-  {
-    std::unique_lock lock = lock_ready(version, "commit_at_next_step");
-    hook_->publish(impl_->held_ready);  // the next before_step makes it live
-    release_ready();
-  }
-  impl_->committed.notify_all();
-}
-
-std::unique_lock<std::mutex> Receiver::lock_ready(std::uint64_t version, const char* caller) {
   if (impl_->config.commit_mode != CommitMode::kCoordinated) {
     throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("{}({}): the receiver's commit_mode is auto, where updates go live "
+                fmt::format("commit({}): the receiver's commit_mode is auto, where updates go live "
                             "at the next step by themselves; set ReceiverConfig::commit_mode to "
                             "coordinated",
-                            caller, version));
+                            version));
   }
-  std::unique_lock lock(impl_->commit_mutex);
+  std::lock_guard lock(impl_->commit_mutex);
   if (impl_->held_ready == nullptr || impl_->held_version != version) {
     const std::string ready = impl_->held_ready == nullptr
                                   ? std::string("none is")
                                   : fmt::format("update {} is", impl_->held_version);
     throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("{}({}): {} ready on this rank (applied version {}); commit a "
+                fmt::format("commit({}): {} ready on this rank (applied version {}); commit a "
                             "version every rank reported ready",
-                            caller, version, ready, hook_->applied_version()));
+                            version, ready, hook_->applied_version()));
   }
-  return lock;
-}
-
-void Receiver::release_ready() {
+  hook_->publish(impl_->held_ready);
+  const std::optional<std::uint64_t> applied = hook_->apply_pending_now(engine_stream);
   impl_->held_ready = nullptr;
   impl_->held_version = 0;
-  std::lock_guard stats_lock(impl_->stats_mutex);
-  impl_->stats.ready_version = 0;
+  {
+    std::lock_guard stats_lock(impl_->stats_mutex);
+    impl_->stats.ready_version = 0;
+  }
+  impl_->committed.notify_all();
+  return applied.value_or(version);
 }
 
 }  // namespace shadowsync

@@ -137,9 +137,7 @@ struct Receiver::Impl {
   std::condition_variable committed;
   const PendingUpdate* held_ready = nullptr;
   std::uint64_t held_version = 0;
-  // Waits until no update is held ready or committed and not yet applied (commit_at_next_step:
-  // the engine's next step applies it; a new receive must not take it back, or one rank could
-  // step on it and another not), the receiver stops, or `deadline` passes.
+  // Waits until no update is held ready (committed), the receiver stops, or `deadline` passes.
   bool wait_for_commit(Clock::time_point deadline);
 
   mutable std::mutex stats_mutex;

@@ -62,7 +62,7 @@ void Receiver::Impl::resolve_offer() {
 
 bool Receiver::Impl::wait_for_commit(Clock::time_point deadline) {
   std::unique_lock lock(commit_mutex);
-  while (held_ready != nullptr || owner.hook_->has_pending()) {
+  while (held_ready != nullptr) {
     if (stopping.load() || Clock::now() > deadline) return false;
     committed.wait_for(lock, config.poll_interval);
   }
@@ -89,13 +89,9 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
     failed.code = stopping.load() ? ErrorCode::kShutdown : ErrorCode::kTimeout;
     std::lock_guard lock(commit_mutex);
     failed.error = fmt::format(
-        "update {}: the previous update ({}) was not live within {} ms (commit_mode "
-        "coordinated keeps a ready update until commit(), and one committed at the next step "
-        "until the engine steps; its slots cannot take another)",
-        header.version,
-        held_version != 0 ? fmt::format("{}: ready, not committed", held_version)
-                          : std::string("committed, waiting for the engine's next step"),
-        config.update_deadline.count());
+        "update {}: update {} is ready and was not committed within {} ms (commit_mode "
+        "coordinated keeps a ready update until commit(); its slots cannot take another)",
+        header.version, held_version, config.update_deadline.count());
     report(failed);
     return;
   }

@@ -301,7 +301,6 @@ _PROTOTYPES = {
     # receiver
     "shadowsync_receiver_create": (c_int, [_H, _H, _H, _P(ReceiverConfigC), _P(_H)]),
     "shadowsync_receiver_commit": (c_int, [_H, _H, c_uint64, _P(c_uint64)]),
-    "shadowsync_receiver_commit_at_next_step": (c_int, [_H, c_uint64]),
     "shadowsync_receiver_use_engine_storage": (c_int, [_H, c_size_t, _P(c_void_p), c_size_t]),
     "shadowsync_remap_arena_create": (c_int, [_H, c_size_t, _P(_H)]),
     "shadowsync_remap_arena_info": (c_int, [_H, c_void_p]),

@@ -496,13 +496,6 @@ class Receiver(Handle):
             self._raise_swap_error()
         return applied.value
 
-    def commit_at_next_step(self, version: int) -> None:
-        """commit_mode "coordinated": commits the ready update `version` as commit() does, but it
-        goes live at the start of the engine's next step (before_step), not now: for a commit
-        made between two steps by a call that holds the engine. The same refusals. Engine
-        thread."""
-        call("shadowsync_receiver_commit_at_next_step", self._handle, int(version))
-
     def use_engine_storage(self, group: str | int, addresses) -> None:
         """copy_in (or remap, for a group without an engine arena: vLLM's LoRA buffers beside
         its live arena), before the first update: the live storage of `group` becomes the

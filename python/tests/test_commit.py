@@ -21,9 +21,7 @@ UPDATES = 2000
 DEADLINE_S = 30.0
 
 
-def _run(mode: str, updates: int, seed: int, at_next_step: bool = False) -> dict:
-    """`at_next_step`: the engine commits with commit_at_next_step (live at each rank's next
-    before_step) instead of commit (live now)."""
+def _run(mode: str, updates: int, seed: int) -> dict:
     rng = random.Random(seed)
     loopback = ss.Loopback(3)
     backend = ss.HostBackend()
@@ -63,11 +61,7 @@ def _run(mode: str, updates: int, seed: int, at_next_step: bool = False) -> dict
                 ready = {r.stats().ready_version for r in ranks}
                 if len(ready) == 1 and 0 not in ready:
                     (v,) = ready
-                    if at_next_step:
-                        for r in ranks:
-                            r.commit_at_next_step(v)
-                    else:
-                        assert [r.commit(v) for r in ranks] == [v, v]
+                    assert [r.commit(v) for r in ranks] == [v, v]
                     commits += 1
             # One step of the TP engine: each rank's hook, then a result that needs both shards.
             for r in ranks:
@@ -94,41 +88,6 @@ def test_coordinated_commit_keeps_every_rank_on_one_version_at_every_step():
     assert result["commits"] > UPDATES // 20, result  # many updates went live, each on both ranks
 
 
-def test_commit_at_next_step_keeps_every_rank_on_one_version_at_every_step():
-    result = _run("coordinated", UPDATES // 4, seed=2, at_next_step=True)
-    assert result["differing"] == 0, result
-    assert result["commits"] > UPDATES // 80, result
-
-
-def test_commit_at_next_step_makes_the_update_live_at_the_next_step_not_now():
-    loopback = ss.Loopback(2)
-    backend = ss.HostBackend()
-    layout = ss.Layout(SPECS, bucket_bytes=256)
-    receiver = ss.Receiver(layout, backend, loopback.transport(1),
-                           ss.ReceiverConfig(commit_mode="coordinated"))
-    sender = ss.Sender(layout, backend, loopback.transport(0))
-    try:
-        with pytest.raises(ss.InvalidArgumentError,
-                           match=r"commit_at_next_step\(1\): none is ready on this rank"):
-            receiver.commit_at_next_step(1)
-        handle = sender.publish(1, {"w": np.full(256, 1, np.int32)})
-        receiver.begin_update(handle.header_bytes)
-        handle.wait(DEADLINE_S)
-        deadline = time.monotonic() + DEADLINE_S
-        while receiver.stats().ready_version != 1:
-            assert time.monotonic() < deadline, receiver.stats()
-            time.sleep(0.001)
-        receiver.commit_at_next_step(1)
-        # Committed (no longer held), not live yet: the next step's hook makes it live.
-        assert receiver.stats().ready_version == 0 and receiver.applied_version == 0
-        assert int(receiver.live_array("w")[0]) == 0
-        assert receiver.before_step() == 1
-        assert int(receiver.live_array("w")[0]) == 1 and receiver.applied_version == 1
-    finally:
-        sender.close()
-        receiver.close()
-
-
 def test_auto_mode_lets_ranks_differ_the_control_that_shows_the_test_can_fail():
     result = _run("auto", UPDATES, seed=1)
     assert result["differing"] > 0, result
@@ -141,9 +100,6 @@ def test_commit_refusals_change_nothing():
     auto = ss.Receiver(layout, backend, None)
     with pytest.raises(ss.InvalidArgumentError, match=r"commit\(1\): the receiver's commit_mode is auto"):
         auto.commit(1)
-    with pytest.raises(ss.InvalidArgumentError,
-                       match=r"commit_at_next_step\(1\): the receiver's commit_mode is auto"):
-        auto.commit_at_next_step(1)
     auto.close()
     receiver = ss.Receiver(layout, backend, loopback.transport(1),
                            ss.ReceiverConfig(commit_mode="coordinated"))
