@@ -145,7 +145,11 @@ class PlacedWeightsEngine(WeightTransferEngine):
         worker._require().last_wait_applied = (started, time.monotonic() - started)
         # Every rank commits (or refuses) together: commit_update checks readiness across the
         # tensor-parallel group first.
-        _raise_refusal("finish_weight_update", worker.commit_update(version))
+        result = worker.commit_update(version)
+        why = worker._require().receiver.last_update_error()
+        if "refused" in result and why:  # the update failed here: say why, not only "not ready"
+            result["refused"] += f"; this rank's last failed update: {why}"
+        _raise_refusal("finish_weight_update", result)
 
     def drain_pending(self) -> None:
         # vLLM 0.28+: a caller that finishes an update itself (its own layerwise reload) calls

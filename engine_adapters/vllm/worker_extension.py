@@ -160,7 +160,8 @@ class WorkerExtension:
     def commit_update(self, version: int) -> dict:
         """commit_mode "coordinated": makes the ready update `version` live now; the next step
         runs on it. Through collective_rpc every worker makes it between the same two steps.
-        Returns ``{"applied_version": v}``, or ``{"refused": message, "applied_version": v}``
+        Returns ``{"applied_version": v}``, or ``{"refused": message, "error":
+        "InvalidArgumentError", "applied_version": v}``
         when `version` is not ready on every tensor-parallel rank (checked across the TP group
         first: then no rank flips) or on this one. A refusal is returned, not raised: vLLM's
         multiprocess executor ends the engine when a worker raises in a collective_rpc.
@@ -169,7 +170,8 @@ class WorkerExtension:
         version = int(version)
         ready = state.receiver.stats().ready_version
         if tensor_parallel.size(self) > 1 and not tensor_parallel.on_every_rank(ready == version):
-            return {"refused": f"commit_update({version}): not ready on every tensor-parallel "
+            return {"error": "InvalidArgumentError",
+                    "refused": f"commit_update({version}): not ready on every tensor-parallel "
                                f"rank (this rank holds {ready or 'none'} ready, applied "
                                f"{state.receiver.applied_version}); nothing was committed on any "
                                f"rank",
@@ -177,7 +179,8 @@ class WorkerExtension:
         try:
             applied = state.receiver.commit(version)
         except InvalidArgumentError as error:
-            return {"refused": str(error), "applied_version": state.receiver.applied_version}
+            return {"error": "InvalidArgumentError", "refused": str(error),
+                    "applied_version": state.receiver.applied_version}
         state.step_log.append((state.steps, applied))
         return {"applied_version": applied}
 

@@ -99,6 +99,8 @@ def test_vllm_api_refusals_name_the_fix_and_change_nothing(api_run):
     assert "'header' required" in run["no_header"] and "['version']" in run["no_header"]
     assert "commit_mode 'auto'" in run["auto_commit"]
     assert "leave commit_mode unset" in run["auto_commit"]
+    assert "finish_weight_update:" in run["late_update"]
+    assert "commit(3): none is ready on this rank" in run["late_update"]
     assert run["after_refusals"] == refs["a"]
 
 

@@ -115,9 +115,16 @@ def run_offline(args: dict) -> dict:
         out["no_header"] = refused(lambda: llm.update_weights({"update_info": {"version": 3}}))
         out["auto_commit"] = refused(lambda: llm.init_weight_transfer_engine(
             {"init_info": dict(info.to_rpc(), commit_mode="auto")}))
+        # An update whose bytes do not come within finish_timeout_s: finish refuses it, nothing
+        # goes live. (The trainer then cancels it and stops.)
+        llm.start_weight_update()
+        conn.send(("stream", 3, b))
+        _, header, _ = real.expect(conn, "header")
+        llm.update_weights({"update_info": {"header": base64.b64encode(header).decode(),
+                                            "finish_timeout_s": 0.5}})
+        out["late_update"] = refused(lambda: llm.finish_weight_update())
+        conn.send("cancel")
         out["after_refusals"] = real.greedy(llm, prompts, max_tokens)
-        conn.send(None)
-        real.expect(conn, "closed")
     finally:
         real.shut_down(llm)
         real.stop_trainer(process, conn, directory)
