@@ -158,3 +158,38 @@ def test_drain_pending_refuses_an_update_only_finish_makes_live():
     engine._announced, engine._announced_version = ShadowsyncUpdateInfo(header=b"h"), 7
     with pytest.raises(InvalidArgumentError, match=r"update 7 .*call finish_weight_update"):
         engine.drain_pending()
+
+
+def test_vllm_025_trainer_send_weights_publishes_and_announces():
+    """vLLM 0.25's static trainer_send_weights (ShadowsyncEngine.trainer_send_weights): the
+    iterator's tensors published as the version asked, the update info handed to `announce` (here
+    straight to a receiver, as vLLM's update_weights would), returning once every byte was
+    sent. A loopback pair on the host backend: no engine needed."""
+    import numpy as np
+
+    import shadowsync as ss
+    from shadowsync.vllm.rpc_bytes import bytes_from_rpc
+    from shadowsync.vllm.trainer_engine import ShadowsyncSendArgs
+    from shadowsync.vllm.weight_transfer_backend import ShadowsyncEngine
+
+    specs = [("w", "int32", (64,)), ("b", "int32", (8,))]
+    layout = ss.Layout(specs, bucket_bytes=256)
+    loopback, backend = ss.Loopback(2), ss.HostBackend()
+    receiver = ss.Receiver(layout, backend, loopback.transport(1))
+    sender = ss.Sender(layout, backend, loopback.transport(0))
+    announced = []
+
+    def announce(info):
+        announced.append(info)
+        receiver.begin_update(bytes_from_rpc(info["header"]))
+
+    try:
+        tensors = [("w", np.full(64, 7, np.int32)), ("b", np.full(8, 7, np.int32))]
+        ShadowsyncEngine.trainer_send_weights(iter(tensors), ShadowsyncSendArgs(
+            sender=sender, version=3, announce=announce, timeout_s=30))
+        receiver.wait_applied(3, 30)
+        assert [sorted(info) for info in announced] == [["header"]]
+        assert int(receiver.live_array("w")[0]) == 7 and int(receiver.live_array("b")[-1]) == 7
+    finally:
+        sender.close()
+        receiver.close()
