@@ -161,7 +161,7 @@ if TrainerInitInfo is not None:
             # on a daemon thread: a worker's refusal is raised at once, and the trainer can exit
             # while the serve still waits out its timeout.
             served: concurrent.futures.Future = concurrent.futures.Future()
-            threading.Thread(target=_resolve, daemon=True, name="shadowsync-serve", args=(
+            threading.Thread(target=_serve_into, daemon=True, name="shadowsync-serve", args=(
                 served, ss.same_host_sender_transport, path, token, init_info.engine_workers,
                 backend, layout.groups[0].bucket_bytes, timeout_ms)).start()
             self.client.init_weight_transfer_engine(worker_info.to_rpc())
@@ -197,8 +197,7 @@ if TrainerInitInfo is not None:
                 self._socket_dir = None
 
 
-
-def _resolve(future: concurrent.futures.Future, serve, path, token, receivers, backend,
+def _serve_into(future: concurrent.futures.Future, serve, path, token, receivers, backend,
              slot_bytes: int, timeout_ms: int) -> None:
     """Serves the same-host transport into `future` (its result, or the error)."""
     try:
