@@ -186,10 +186,11 @@ readonly VLLM_DIR=build-vllm
 # The vllm step's test files (python/tests/), in lanes that run side by side. One pytest keeps
 # about one core busy: most of its time goes to processes importing vLLM and torch on one core
 # each, a tiny engine computes little, and the example and the benchmarks wait on their own
-# clocks. The step's tests are about 570 s of CPU; on the 2-core machine (other work on it too)
-# one pytest of them all took 12 min, two lanes 385 s, these three 322 s. The lanes are about
-# equally long (the --durations lines of each lane's log): test_vllm_tp.py's two TP=2 runs are a
-# third of the step. test_trl_grpo.py (real TRL: a vLLM server and two GRPO steps) is about 35 s.
+# clocks. On the 2-core machine one pytest of them all once took 12 min, two lanes 385 s, three
+# 322 s; with test_vllm_api.py (vLLM's own weight-transfer calls, about 100 s) and
+# test_trl_grpo.py (real TRL: a vLLM server and two GRPO steps, about 40 s) the three lanes took
+# 504, 562 and 544 s side by side. The lanes are about equally long (the --durations lines of
+# each lane's log): test_vllm_tp.py's two TP=2 runs are a third of the step.
 readonly VLLM_LANES=(
   "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py"
   "test_vllm_benches.py test_vllm_example.py test_readme_quick_start.py test_vllm_api.py"
