@@ -103,12 +103,13 @@ class PlacedWeightsEngine(WeightTransferEngine):
         worker = self._loading_worker()
         if worker.has_weight_update_group():
             worker.close_weight_update_group()  # a trainer joining again replaces the last
-        # The commit is finish_weight_update, which holds the engine between two steps while
-        # it waits: an offer held back for a clean step would wait there for steps that cannot
-        # come (4 idle steps' time: 20 ms at 8B on one H200). The caller calls finish once the
-        # bytes landed, so no step a bucket slowed is next anyway.
-        info = ShadowsyncInitInfo.coerce(init_info, commit_mode="coordinated",
-                                         offer_after_clean_step=False)
+        # The commit is finish_weight_update, which holds the engine between two steps while it
+        # runs. With offer_after_clean_step (the default) and the trainer's checksums (its
+        # default), the receiver takes the update's last broadcast, the checksum block, only
+        # after a step no bucket slowed: the trainer's send returns after that step, and a
+        # finish_weight_update called then swaps at a clean step rather than in the step the
+        # last bucket slowed.
+        info = ShadowsyncInitInfo.coerce(init_info, commit_mode="coordinated")
         _raise_refusal("init_weight_transfer_engine", worker.init_weight_update_group(info))
 
     def start_weight_update(self) -> None:

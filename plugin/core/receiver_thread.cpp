@@ -172,12 +172,28 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
     if (failure) break;
   }
   Event* sent_block_done = nullptr;
+  // The clean step (offer_after_clean_step, or a budget) is waited for before the checksum block
+  // where there is one: that block, a few bytes, is then the only receive work after the clean
+  // step, and the sender's publish returns only once the engine ran a step no bucket slowed. A
+  // caller that commits right after the send (vLLM's finish_weight_update, which holds the engine
+  // while it runs: no step could start during the wait) thus swaps at a clean step as well.
+  PacingReport clean_step;
+  const auto clean_step_limit = pacer.clean_step_limit();
+  const bool clean_step_before_block = clean_step_limit && checks.checksums();
   if (!failure && checks.checksums()) {
-    // The sender's checksums, one per bucket, as one more broadcast (update_header.h says why).
-    transport->broadcast_async(checks.sent_checksums(), posted * sizeof(std::uint64_t),
-                               config.root_rank, *stream);
-    sent_block_done = bucket_events[posted++].get();
-    backend.event_record(*sent_block_done, *stream);
+    if (clean_step_before_block) {
+      failure = wait_for_buckets(completed, posted, start, bucket_start);
+      if (!failure) {
+        failure = wait_for_clean_step(pacer.steps_started(), *clean_step_limit, clean_step);
+      }
+    }
+    if (!failure) {
+      // The sender's checksums, one per bucket, as one more broadcast (update_header.h says why).
+      transport->broadcast_async(checks.sent_checksums(), posted * sizeof(std::uint64_t),
+                                 config.root_rank, *stream);
+      sent_block_done = bucket_events[posted++].get();
+      backend.event_record(*sent_block_done, *stream);
+    }
   }
 
   if (!failure) failure = wait_for_buckets(completed, posted, start, bucket_start);
@@ -188,10 +204,12 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
   }
   const std::uint64_t steps_at_completion = pacer.steps_started();
   PacingReport pacing = pacer.active() ? pacer.finish() : PacingReport{};
+  pacing.clean_step_wait = clean_step.clean_step_wait;
+  pacing.clean_step_missed = clean_step.clean_step_missed;
   if (!failure) failure = verify(targets, sent_block_done, start);
   const auto transfer = Clock::now() - start;
-  if (const auto limit = pacer.clean_step_limit(); limit && !failure) {
-    failure = wait_for_clean_step(steps_at_completion, *limit, pacing);
+  if (clean_step_limit && !clean_step_before_block && !failure) {
+    failure = wait_for_clean_step(steps_at_completion, *clean_step_limit, pacing);
   }
   if (failure) {
     discard(header, *failure);

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <mutex>
@@ -68,21 +69,48 @@ Layout test_layout() {
   return Layout::build(std::move(specs), {.bucket_bytes = kBucketBytes});
 }
 
+// When the link carried what: the last data bucket's end and the checksum block's post.
+struct LinkLog {
+  std::mutex mutex;
+  Clock::time_point last_bucket_done{};
+  Clock::time_point block_posted{};
+  bool block_done = false;
+};
+
 // Rank 1 of 2: every broadcast keeps the link busy for a fixed time on the receiver's stream
-// (a host stream task), then writes a fill byte over the bucket.
+// (a host stream task), then writes a fill byte over the bucket. With `bucket_checksum` set, a
+// broadcast of kBuckets checksums is the sender's checksum block: it writes that checksum (of a
+// filled bucket) for every bucket, at once, as a few bytes would take.
 class SimulatedLink final : public Transport {
  public:
-  SimulatedLink(HostBackend& backend, std::atomic<int>& busy) : backend_(backend), busy_(busy) {}
+  SimulatedLink(HostBackend& backend, std::atomic<int>& busy, LinkLog& log,
+                std::optional<std::uint64_t> bucket_checksum)
+      : backend_(backend), busy_(busy), log_(log), bucket_checksum_(bucket_checksum) {}
   std::string_view name() const override { return "simulated link (test)"; }
   int rank() const override { return 1; }
   int world_size() const override { return 2; }
   void broadcast_async(void* buffer, std::size_t bytes, int /*root*/, Stream& stream) override {
+    if (bucket_checksum_ && bytes == kBuckets * sizeof(std::uint64_t)) {
+      {
+        std::lock_guard lock(log_.mutex);
+        log_.block_posted = Clock::now();
+      }
+      backend_.launch_async(stream, [this, buffer] {
+        auto* sums = static_cast<std::uint64_t*>(buffer);
+        std::fill(sums, sums + kBuckets, *bucket_checksum_);
+        std::lock_guard lock(log_.mutex);
+        log_.block_done = true;
+      });
+      return;
+    }
     backend_.launch_async(stream, [this, buffer, bytes] {
       busy_.fetch_add(1);
       // Simulated transfer time: the work a real link would do, not a wait for a condition.
       std::this_thread::sleep_for(kBucketTime);
       std::memset(buffer, 0x5a, bytes);
       busy_.fetch_sub(1);
+      std::lock_guard lock(log_.mutex);
+      log_.last_bucket_done = Clock::now();
     });
   }
   std::optional<std::string> async_error() override { return std::nullopt; }
@@ -91,6 +119,8 @@ class SimulatedLink final : public Transport {
  private:
   HostBackend& backend_;
   std::atomic<int>& busy_;
+  LinkLog& log_;
+  const std::optional<std::uint64_t> bucket_checksum_;
 };
 
 // The engine thread: steps back to back, each calling the step hook first. A step needs
@@ -105,11 +135,16 @@ class ContendedEngine {
     std::optional<std::uint64_t> swapped;  // the version its before_step made live
   };
 
+  // `between_steps`, when set, runs on the engine thread before each step's hook, as vLLM serves
+  // a call between two steps; a version it returns was made live there.
+  using BetweenSteps = std::function<std::optional<std::uint64_t>(Stream&)>;
+
   ContendedEngine(HostBackend& backend, Receiver& receiver, const std::atomic<int>& busy,
-                  EngineModel model)
+                  EngineModel model, BetweenSteps between_steps = nullptr)
       : receiver_(receiver),
         busy_(busy),
         model_(model),
+        between_steps_(std::move(between_steps)),
         stream_(backend.create_stream(StreamPriority::kNormal)) {
     thread_ = std::thread([this] { run(); });
   }
@@ -131,7 +166,9 @@ class ContendedEngine {
   void run() {
     while (!stop_.load()) {
       const auto start = Clock::now();
-      const auto swapped = receiver_.step_hook().before_step(*stream_);
+      std::optional<std::uint64_t> swapped;
+      if (between_steps_) swapped = between_steps_(*stream_);
+      if (const auto hooked = receiver_.step_hook().before_step(*stream_)) swapped = hooked;
       bool met_bucket = false;
       double progress = 0.0;
       auto last = start;
@@ -153,6 +190,7 @@ class ContendedEngine {
   Receiver& receiver_;
   const std::atomic<int>& busy_;
   const EngineModel model_;
+  const BetweenSteps between_steps_;
   std::unique_ptr<Stream> stream_;
   std::atomic<bool> stop_{false};
   mutable std::mutex mutex_;
@@ -163,8 +201,11 @@ class ContendedEngine {
 // A receiver over the SimulatedLink and the last update it reported: what the tests stream
 // through. Members in construction order (the receiver uses the ones before it).
 struct LinkRig {
-  explicit LinkRig(const ReceiverConfig& config)
-      : receiver(layout, backend, std::make_unique<SimulatedLink>(backend, busy), config) {
+  explicit LinkRig(const ReceiverConfig& config,
+                   std::optional<std::uint64_t> bucket_checksum = std::nullopt)
+      : receiver(layout, backend,
+                 std::make_unique<SimulatedLink>(backend, busy, link_log, bucket_checksum),
+                 config) {
     receiver.set_observer([this](const UpdateReport& r) {
       report = r;
       ready.store(true);
@@ -172,6 +213,7 @@ struct LinkRig {
   }
   HostBackend backend;
   std::atomic<int> busy{0};
+  LinkLog link_log;
   const Layout layout = test_layout();
   Receiver receiver;
   std::atomic<bool> ready{false};
@@ -208,7 +250,7 @@ struct Measured {
 // 30 idle steps, as a receiver that has paced before (its duty persists across updates).
 Measured stream_one_update(ReceiverConfig config, EngineModel model = {}, int warmups = 0) {
   LinkRig rig(config);
-  auto& [backend, busy, layout, receiver, ready, report] = rig;
+  auto& [backend, busy, link_log, layout, receiver, ready, report] = rig;
   ContendedEngine engine(backend, receiver, busy, model);
   Clock::time_point idle_start{};
   for (std::uint64_t version = 1;; ++version) {
@@ -360,6 +402,92 @@ TEST_CASE("offer_after_clean_step without a budget: the swap and the step before
   CHECK(measured.pacing.held_back == 0ns);
 }
 
+// The checksum of one bucket as the SimulatedLink fills it, computed by the backend.
+std::uint64_t filled_bucket_checksum(HostBackend& backend) {
+  std::vector<std::byte> bucket(kBucketBytes, std::byte{0x5a});
+  auto* sum = static_cast<std::uint64_t*>(backend.allocate(sizeof(std::uint64_t)));
+  auto stream = backend.create_stream(StreamPriority::kNormal);
+  backend.checksum_async(bucket.data(), bucket.size(), sum, *stream);
+  backend.stream_synchronize(*stream);
+  const std::uint64_t value = *sum;
+  backend.deallocate(sum);
+  return value;
+}
+
+// vLLM's finish_weight_update: the caller commits as soon as the trainer's send returned (the
+// checksum block, the update's last broadcast, done), and the engine thread, between two steps,
+// waits there for the update to be ready and makes it live; no step runs meanwhile. With
+// checksums, offer_after_clean_step holds the block back until a step started after the last
+// bucket: so the send returns after a clean step, and the swap's step and the one before it met
+// no bucket. Held after the block instead, the update would wait for a step the waiting engine
+// cannot start (4 idle steps, clean_step_missed) and go live after the step the last bucket
+// slowed.
+TEST_CASE("with checksums, a commit right after the send swaps after a step no bucket slowed",
+          "[pacing]") {
+  ReceiverConfig config;
+  config.offer_after_clean_step = true;
+  config.commit_mode = CommitMode::kCoordinated;
+  HostBackend checksum_backend;
+  LinkRig rig(config, filled_bucket_checksum(checksum_backend));
+  auto& [backend, busy, link_log, layout, receiver, ready, report] = rig;
+  std::atomic<std::uint64_t> to_commit{0};
+  ContendedEngine engine(backend, receiver, busy, {}, [&](Stream& stream) {
+    std::optional<std::uint64_t> committed;
+    const std::uint64_t version = to_commit.load();
+    bool sent = false;
+    {
+      std::lock_guard lock(link_log.mutex);
+      sent = link_log.block_done;
+    }
+    if (version == 0 || !sent) return committed;
+    wait_until([&] { return ready.load(); }, "the sent update to be ready for the commit", 10s);
+    committed = receiver.commit(version, stream);
+    to_commit.store(0);
+    return committed;
+  });
+  for (std::uint64_t version = 1; version <= 2; ++version) {
+    const std::size_t idle_from = engine.step_count();
+    wait_until([&] { return engine.step_count() >= idle_from + 30; }, "30 idle engine steps");
+    {
+      std::lock_guard lock(link_log.mutex);
+      link_log.block_done = false;
+    }
+    ready.store(false);
+    to_commit.store(version);
+    receiver.begin_update(make_update_header(layout, version, {"base"}, /*checksums=*/true));
+    wait_until([&] { return receiver.step_hook().applied_version() == version; },
+               "the engine to commit the update", 60s);
+    REQUIRE(report.outcome == UpdateOutcome::kReady);
+  }
+  wait_until(
+      [&] {
+        const auto all = engine.steps();
+        return std::any_of(all.begin(), all.end(),
+                           [](const ContendedEngine::Step& s) { return s.swapped == 2u; });
+      },
+      "the step that made update 2 live to end");
+  const auto steps = engine.steps();
+  const auto swap = std::find_if(steps.begin(), steps.end(),
+                                 [](const auto& s) { return s.swapped == 2u; });
+  REQUIRE(swap != steps.begin());
+  Clock::time_point last_bucket_done;
+  Clock::time_point block_posted;
+  {
+    std::lock_guard lock(link_log.mutex);
+    last_bucket_done = link_log.last_bucket_done;
+    block_posted = link_log.block_posted;
+  }
+  const bool step_between = std::any_of(steps.begin(), steps.end(), [&](const auto& s) {
+    return s.start > last_bucket_done && s.start < block_posted;
+  });
+  INFO("held " << ms(report.pacing.clean_step_wait) << " ms for a clean step"
+               << (report.pacing.clean_step_missed ? " (none came)" : ""));
+  CHECK(step_between);
+  CHECK_FALSE(report.pacing.clean_step_missed);
+  CHECK_FALSE(swap->met_bucket);
+  CHECK_FALSE(std::prev(swap)->met_bucket);
+}
+
 // An idle engine starts no step: the complete update is offered after 4 idle steps anyway, and
 // wait_applied makes it live.
 TEST_CASE("with a budget and an idle engine, the update is offered after 4 idle steps",
@@ -367,7 +495,7 @@ TEST_CASE("with a budget and an idle engine, the update is offered after 4 idle 
   ReceiverConfig config;
   config.decode_slowdown_budget = 1.10;
   LinkRig rig(config);
-  auto& [backend, busy, layout, receiver, ready, report] = rig;
+  auto& [backend, busy, link_log, layout, receiver, ready, report] = rig;
   auto stream = backend.create_stream(StreamPriority::kNormal);
   for (int step = 0; step < 30; ++step) {  // the idle step the limit is counted in: about 2 ms
     REQUIRE_FALSE(receiver.step_hook().before_step(*stream).has_value());
