@@ -422,7 +422,7 @@ std::uint64_t filled_bucket_checksum(HostBackend& backend) {
 // no bucket. Held after the block instead, the update would wait for a step the waiting engine
 // cannot start (4 idle steps, clean_step_missed) and go live after the step the last bucket
 // slowed.
-TEST_CASE("with checksums, a commit right after the send swaps after a step no bucket slowed",
+TEST_CASE("checksums on: a commit right after the send swaps after a step no bucket slowed",
           "[pacing]") {
   ReceiverConfig config;
   config.offer_after_clean_step = true;
