@@ -73,8 +73,10 @@ class ShadowsyncInitInfo:
     * ``max_receive_bytes_per_second``: a cap on the receive rate (0: none).
     * ``offer_after_clean_step`` (on by default): a complete update goes live only after a step
       started once its last bucket landed (at most 4 idle steps later; an idle engine gets it
-      then), so the step the swap delays is not also one a bucket slowed. The step hook reads the
-      clock once per step for it.
+      then), so the step the swap delays is not also one a bucket slowed. With the trainer's
+      checksums the receiver takes their block, the update's last broadcast, only after that
+      step, so the trainer's send returns after it (vLLM's finish_weight_update, called then,
+      swaps at a clean step). The step hook reads the clock once per step for it.
 
     Bookkeeping:
 

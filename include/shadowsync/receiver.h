@@ -106,8 +106,11 @@ struct ReceiverConfig {
   std::uint64_t max_receive_bytes_per_second = 0;
   // A complete update is offered only once an engine step has started after its last bucket
   // completed (at most 4 idle steps later; an idle engine gets it then), so that the step the
-  // swap delays is not also one a bucket slowed. A budget implies it. The step hook stamps when
-  // each step starts (one clock read per step), which is how the receiver learns the idle step.
+  // swap delays is not also one a bucket slowed. A budget implies it. With checksums the wait
+  // comes before the checksum block (the update's last broadcast), so the sender's publish
+  // returns only after the clean step: a commit made right after it, while the engine waits
+  // (vLLM's finish_weight_update), swaps at a clean step too. The step hook stamps when each step
+  // starts (one clock read per step), which is how the receiver learns the idle step.
   bool offer_after_clean_step = false;
 };
 
