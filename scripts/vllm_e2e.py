@@ -17,9 +17,11 @@ every parameter the update writes must equal the engine's own bytes, or nothing 
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that collective_rpc runs between generate calls.
 
 --lora: vLLM also serves a LoRA adapter (enable_lora; lora_int_id 1, loaded from adapter L1 by
-the first request) and every update carries a new adapter with the base (B with adapter L2, then
-A with L1), as PEFT tensors in their own group (lora_adapter=1); the answers are those of
-requests with the adapter, against fresh vLLMs that loaded the adapter from its directory.
+the first request with it) and every update carries a new adapter with the base (B with adapter
+L2, then A with L1), as PEFT tensors in their own group (lora_adapter=1). Every stage checks
+two sets of answers, requests without an adapter (the base model alone) and requests with the
+adapter, against a fresh vLLM (enable_lora) of that checkpoint that answers both ways (the
+adapter loaded from its directory).
 --lora-embeddings: the adapters adapt the embedding and lm_head too (PEFT's lora_embedding_A/B).
 
 --omit NAME (repeatable): the trainer leaves tensor NAME out and the worker allows it
@@ -98,20 +100,27 @@ def greedy(llm, adapter: str | None = None) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def reference(device: str, model: str, tp: int, adapter: str | None) -> list[list[int]]:
-    """Greedy answers of a fresh vLLM of `model` (with LoRA `adapter`), in a process of its
-    own."""
+# What a reference engine prints: the answers to requests without an adapter, and with one.
+ANSWER_LINES = {"base": "ANSWERS ", "adapter": "ADAPTER_ANSWERS "}
+
+
+def reference(device: str, model: str, tp: int, adapter: str | None) -> dict:
+    """Greedy answers of a fresh vLLM of `model`, in a process of its own: {"base": answers
+    without an adapter}, and with LoRA `adapter` (the engine then starts with enable_lora) also
+    {"adapter": answers of requests with it}."""
     extra = ["--reference-adapter", adapter] if adapter else []
     out = subprocess.run([sys.executable, __file__, "--device", device, "--reference", model,
                           "--tp", str(tp)] + extra,
                          capture_output=True, text=True, timeout=400)
     if out.returncode != 0:
         raise RuntimeError(f"reference engine of {model} failed:\n{out.stderr[-3000:]}")
-    answers = [line for line in out.stdout.splitlines() if line.startswith("ANSWERS ")]
-    if not answers:
-        raise RuntimeError(f"reference engine of {model} printed no answers:\n"
-                           f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return json.loads(answers[-1][len("ANSWERS "):])
+    answers = {kind: json.loads(line[len(prefix):]) for line in out.stdout.splitlines()
+               for kind, prefix in ANSWER_LINES.items() if line.startswith(prefix)}
+    kinds = ["base", "adapter"] if adapter else ["base"]
+    if sorted(answers) != sorted(kinds):
+        raise RuntimeError(f"reference engine of {model} printed answers {sorted(answers)}, "
+                           f"expected {kinds}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return answers
 
 
 def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
@@ -255,7 +264,10 @@ def main() -> int:
     if args.reference:
         llm = LLM(**engine_kwargs(args.device, args.reference, args.tp,
                                   lora=bool(args.reference_adapter)))
-        print("ANSWERS " + json.dumps(greedy(llm, args.reference_adapter)), flush=True)
+        print(ANSWER_LINES["base"] + json.dumps(greedy(llm)), flush=True)
+        if args.reference_adapter:
+            print(ANSWER_LINES["adapter"] + json.dumps(greedy(llm, args.reference_adapter)),
+                  flush=True)
         return 0
 
     from vllm_models import (LORA_EMBEDDING_TARGETS, LORA_TARGETS, make_tiny_lora,
@@ -281,10 +293,16 @@ def main() -> int:
                 "B": reference(args.device, b_kept, args.tp, adapter["B"])}
     log(f"{args.arch}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
         f"references of A and B from fresh engines in {time.monotonic() - started:.1f} s; "
-        f"A {expected['A'][0][:6]}..., B {expected['B'][0][:6]}...")
-    if expected["A"] == expected["B"]:
-        log("FAIL: A and B answer alike; the check could not tell them apart")
-        return 1
+        f"A {expected['A']['base'][0][:6]}..., B {expected['B']['base'][0][:6]}...")
+    # Every pair of expected answers differs: the checks below can tell each from the others.
+    distinct = [(name, kind, answers) for name in expected
+                for kind, answers in expected[name].items()]
+    for i, (name, kind, answers) in enumerate(distinct):
+        for other, other_kind, other_answers in distinct[i + 1:]:
+            if answers == other_answers:
+                log(f"FAIL: {name}'s {kind} answers equal {other}'s {other_kind} answers; the "
+                    f"check could not tell them apart")
+                return 1
 
     # --api: no worker extension named; the backend mixes it into vLLM's worker itself.
     extension = {} if args.api else {"worker_extension_cls": "shadowsync.vllm.WorkerExtension"}
@@ -297,15 +315,23 @@ def main() -> int:
         args.graph_pairs = swap["placement"] == "graph pairs"
     failures = 0
 
-    def check(stage: str, got, want: str) -> None:
+    def check(stage: str, want: str) -> None:
+        """The engine's answers now against a fresh vLLM of `want`: requests without an
+        adapter, and with --lora also requests with adapter 1 (whatever its slot holds now)."""
         nonlocal failures
-        same = got == expected[want]
-        failures += not same
-        log(f"{'ok  ' if same else 'FAIL'} {stage}: answers {'equal' if same else 'differ from'} "
-            f"a fresh vLLM of {want}" + (f" with adapter {Path(adapter[want]).name}"
-                                         if adapter[want] else "") + ("" if same else f" (got {got[0][:8]}, want {expected[want][0][:8]})"))
+        for kind in expected[want]:
+            got = greedy(llm, adapter["A"] if kind == "adapter" else None)
+            same = got == expected[want][kind]
+            failures += not same
+            if kind == "adapter":
+                what = f" with adapter {Path(adapter[want]).name}"
+            else:
+                what = " (requests without an adapter)" if args.lora else ""
+            log(f"{'ok  ' if same else 'FAIL'} {stage}: answers "
+                f"{'equal' if same else 'differ from'} a fresh vLLM of {want}{what}"
+                + ("" if same else f" (got {got[0][:8]}, want {expected[want][kind][0][:8]})"))
 
-    check("before set-up", greedy(llm, adapter["A"]), "A")
+    check("before set-up", "A")
     ctx = mp.get_context("spawn")
     adapters = {1: adapter["B"], 2: adapter["A"]} if args.lora else {}
 
@@ -358,7 +384,7 @@ def main() -> int:
     failures += not ok
     log(f"{'ok  ' if ok else 'FAIL'} init with a tensor load_weights does not take refused, "
         f"nothing set up: {refused[:160]}")
-    check("after the refused set-up", greedy(llm, adapter["A"]), "A")
+    check("after the refused set-up", "A")
     fingerprint = set_up(specs)
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"set-up: {len(specs)} trainer tensors over {args.transport}, {stats['plan_copies']} plan "
@@ -374,7 +400,7 @@ def main() -> int:
         failures += not ok
         log(f"{'ok  ' if ok else 'FAIL'} the receiver rebinds between the arena's slots and "
             f"switches vLLM's graph sets")
-    check("after set-up, before any update", greedy(llm, adapter["A"]), "A")
+    check("after set-up, before any update", "A")
 
     def update(parent, version: int, source: int, name: str, verify: bool = False) -> None:
         """The trainer publishes checkpoint `source` as `version` while the engine generates;
@@ -418,7 +444,7 @@ def main() -> int:
                        f"{seconds_ready * 1e3:.1f} ms)")
         log(f"update {version}: {nbytes} bytes sent in {seconds * 1e3:.1f} ms; {during} tokens "
             f"generated meanwhile; applied {applied}{checked}")
-        check(f"after update {version}", greedy(llm, adapter["A"]), name)
+        check(f"after update {version}", name)
 
     def ranks_agree() -> None:
         """Under TP: every rank made each version live at the same step."""
@@ -452,16 +478,16 @@ def main() -> int:
     log(f"request_versions: {len(versions)} requests, versions seen {seen}")
     stop_trainer(process, parent)
     llm.collective_rpc("close_weight_update_group")
-    check("after close_weight_update_group", greedy(llm, adapter["A"]), "B" if args.reinit else "A")
+    check("after close_weight_update_group", "B" if args.reinit else "A")
     if args.reinit:  # a second group over what the first one left live
         process, parent, specs, transport = start_trainer()
         ssv.init_weight_update_group(llm, specs=specs, **settings, **transport)
-        check("after the second set-up", greedy(llm, adapter["A"]), "B")
+        check("after the second set-up", "B")
         update(parent, 5, 2, "A")
         ranks_agree()
         stop_trainer(process, parent)
         llm.collective_rpc("close_weight_update_group")
-        check("after the second close_weight_update_group", greedy(llm, adapter["A"]), "A")
+        check("after the second close_weight_update_group", "A")
     log("PASSED" if failures == 0 else f"FAILED ({failures} stage(s))")
     return 1 if failures else 0
 
