@@ -4,7 +4,11 @@ line ``RESULT <json>``; the test makes the assertions.
 
     python vllm_api_child.py JSON_ARGS      (models: [A, B], dtype, prompts, max_tokens, ...)
 
-* references: fresh engines of A and B (the same settings), greedy tokens.
+* references: fresh in-process engines of A and B (the same settings), greedy tokens. In-process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0) because no engine-core process has to start then, which is
+  cheaper; the two modes compute the same tokens (test_vllm_real.py's multiprocess engine
+  answers as its in-process references). The engines under test keep vLLM's default
+  multiprocess engine: its RPCs are what the API path crosses.
 * ``offline``: a ``vllm.LLM`` of A (vLLM's default engine-core process) and a trainer process
   with the Hugging Face weights of B and A over the same-host transport (vllm_real_child.trainer).
   Update 1 (B) streams bucket by bucket: ``start_weight_update``, ``update_weights`` with the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import sys
@@ -45,11 +50,32 @@ def refused(call) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def in_process_engines():
+    """Engines started in the block run in this process. vLLM caches its environment variables
+    once an engine started; the cache is dropped at the end, so that later engines read
+    VLLM_ENABLE_V1_MULTIPROCESSING again (restored) and start their own processes."""
+    import vllm.envs
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+        vllm.envs.disable_envs_cache()
+
+
 def run_references(args: dict) -> dict:
     out = {}
-    for name, model in zip("ab", args["models"]):
-        with real.fresh_engine(args, model, quantization="shadowsync_unpacked") as llm:
-            out[name] = real.greedy(llm, args["prompts"], args["max_tokens"])
+    with in_process_engines():
+        for name, model in zip("ab", args["models"]):
+            with real.fresh_engine(args, model, quantization="shadowsync_unpacked") as llm:
+                out[name] = real.greedy(llm, args["prompts"], args["max_tokens"])
     return out
 
 
