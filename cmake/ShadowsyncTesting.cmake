@@ -50,6 +50,19 @@ function(shadowsync_add_testkit)
     shadowsync::shadowsync shadowsync::control shadowsync::c_api fmt::fmt)
 endfunction()
 
+# How test code compiles: for the build's time, not the debugger's (every build of CI compiles
+# all tests, and Catch2's assertion macros expand to much code). CATCH_CONFIG_FAST_COMPILE drops
+# the try/catch around each REQUIRE (an exception still fails the test case; Catch2 wants it in
+# every file of a test binary or in none). Test sources get line tables only (-g1: file:line in
+# failures, sanitizer reports and backtraces) and, in RelWithDebInfo, -O1; the library keeps the
+# build type's flags. Catch's main(), the slowest file of all, is compiled without optimization
+# or debug info: its speed and its frames never matter.
+set(SHADOWSYNC_TEST_DEFINITIONS CATCH_CONFIG_FAST_COMPILE)
+set(SHADOWSYNC_TEST_OPTIONS
+  "$<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>:-g1>"
+  "$<$<AND:$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>,$<CONFIG:RelWithDebInfo>>:-O1>")
+set(SHADOWSYNC_CATCH_MAIN_OPTIONS "$<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>:-O0;-g0>")
+
 # tests/support/catch_main.cpp -> object libraries holding Catch2's main(), compiled once and
 # linked into every test (Catch's main is the slowest file to compile). The GPU variant returns 77
 # (ctest: skipped) when no CUDA device is usable.
@@ -58,9 +71,13 @@ function(shadowsync_add_catch_main)
   add_library(shadowsync_catch_main OBJECT "${source}")
   target_link_libraries(shadowsync_catch_main PUBLIC Catch2::Catch2)
   target_compile_features(shadowsync_catch_main PUBLIC cxx_std_20)
+  target_compile_definitions(shadowsync_catch_main PRIVATE ${SHADOWSYNC_TEST_DEFINITIONS})
+  target_compile_options(shadowsync_catch_main PRIVATE ${SHADOWSYNC_CATCH_MAIN_OPTIONS})
   if(SHADOWSYNC_CUDA_ENABLED)
     add_library(shadowsync_catch_main_gpu OBJECT "${source}")
-    target_compile_definitions(shadowsync_catch_main_gpu PRIVATE SHADOWSYNC_GPU_TEST_MAIN=1)
+    target_compile_definitions(shadowsync_catch_main_gpu PRIVATE SHADOWSYNC_GPU_TEST_MAIN=1
+      ${SHADOWSYNC_TEST_DEFINITIONS})
+    target_compile_options(shadowsync_catch_main_gpu PRIVATE ${SHADOWSYNC_CATCH_MAIN_OPTIONS})
     target_link_libraries(shadowsync_catch_main_gpu PUBLIC Catch2::Catch2 CUDA::cudart)
     target_compile_features(shadowsync_catch_main_gpu PUBLIC cxx_std_20)
   endif()
@@ -79,6 +96,8 @@ function(shadowsync_add_tests kind timeout)
     set(target "${kind}_${stem}")
     add_executable(${target} "${source}")
     target_link_libraries(${target} PRIVATE shadowsync_testkit Catch2::Catch2)
+    target_compile_definitions(${target} PRIVATE ${SHADOWSYNC_TEST_DEFINITIONS})
+    target_compile_options(${target} PRIVATE ${SHADOWSYNC_TEST_OPTIONS})
     set_target_properties(${target} PROPERTIES
       OUTPUT_NAME "${stem}"
       RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/tests/${kind}")
