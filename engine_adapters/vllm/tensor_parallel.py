@@ -97,6 +97,18 @@ def on_every_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+def gathered(value) -> tuple[list, int]:
+    """`value` of every rank of vLLM's tensor-parallel group, in rank order, and this rank's
+    index (an all-gather over its CPU group: every worker runs the same collective_rpc)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    values = [None] * group.world_size
+    dist.all_gather_object(values, value, group=group.cpu_group)
+    return values, group.rank_in_group
+
+
 def size(worker) -> int:
     """vLLM's tensor_parallel_size for this worker; 1 when it is not vLLM's."""
     parallel = getattr(worker, "parallel_config", None)

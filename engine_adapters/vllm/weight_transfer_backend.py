@@ -28,6 +28,7 @@ work beside them, for what the API cannot say (pacing, readiness, rollback, stat
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -45,6 +46,67 @@ __all__ = ["PlacedWeightsEngine", "ShadowsyncEngine", "choose_placement"]
 BACKEND_NAME = "shadowsync"
 LIVE_ARENA_BACKEND_NAME = "shadowsync_live_arena"
 GRAPH_PAIRS_BACKEND_NAME = "shadowsync_graph_pairs"
+
+
+# What a non-last tensor-parallel rank's parse_init_info returns when the parse failed (the last
+# rank raised): that rank's init_transfer_engine then does nothing.
+_REFUSED_ON_THE_LAST_RANK = object()
+
+
+# The calls after whose failure vLLM's worker ends the update session on the rank that raised;
+# every rank ends it, so that the ranks agree on whether a session is open.
+_ENDS_THE_SESSION = ("update_weights", "finish_weight_update")
+
+
+def _end_session(engine, worker) -> None:
+    """What vLLM's worker does on a rank whose update_weights raised, done on every rank (after
+    a failed finish_weight_update too, which vLLM would leave open on the rank that raised)."""
+    if hasattr(worker, "_weight_update_active"):
+        worker._weight_update_active = False
+    reset = getattr(engine, "reset_weight_update_target", None)  # vLLM 0.32
+    if callable(reset):
+        reset()
+
+
+def _raised_on_the_last_rank(method):
+    """vLLM's weight-transfer calls have no return value: a refusal is raised. Under tensor
+    parallelism vLLM's multiprocess executor reads the workers' replies in rank order and stops
+    at the first failure, leaving the later ranks' replies queued as the answers to the next
+    calls. So every rank runs the call, the ranks gather what failed where, and only the last
+    rank raises, naming every rank's reason; the others return normally."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if args and args[0] is _REFUSED_ON_THE_LAST_RANK:
+            return None  # parse_init_info failed: raised on the last rank, nothing to do here
+        worker = self._worker
+        if worker is None or tensor_parallel.size(worker) == 1:
+            return method(self, *args, **kwargs)
+        error = None
+        result = None
+        try:
+            result = method(self, *args, **kwargs)
+        except Exception as raised:  # noqa: BLE001 - gathered, raised once below
+            error = raised
+        failures, rank = tensor_parallel.gathered(
+            None if error is None else (type(error).__name__, str(error)))
+        failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+        if not failed:
+            return result
+        if method.__name__ in _ENDS_THE_SESSION:
+            _end_session(self, worker)
+        if rank != len(failures) - 1:
+            return _REFUSED_ON_THE_LAST_RANK if method.__name__ == "parse_init_info" else None
+        if error is not None and len(failed) == len(failures) and all(
+                f == failed[0][1] for _, f in failed):
+            raise error  # the same refusal on every rank
+        name, _ = failed[0][1]
+        reasons = "; ".join(f"rank {r}: {message}" for r, (_, message) in failed)
+        tensor_parallel.raise_refusal({"error": name}, f"{method.__name__} failed on "
+                                      f"{len(failed)} of {len(failures)} tensor-parallel "
+                                      f"ranks: {reasons}")
+
+    return call
 
 
 class PlacedWeightsEngine(WeightTransferEngine):
@@ -88,12 +150,14 @@ class PlacedWeightsEngine(WeightTransferEngine):
         if self._worker is not None and not isinstance(self._worker, WorkerExtension):
             _mix_in(type(self._worker), WorkerExtension)
 
+    @_raised_on_the_last_rank
     def parse_init_info(self, init_dict: dict[str, Any]) -> ShadowsyncInitInfo:
         return ShadowsyncInitInfo.coerce(init_dict)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> ShadowsyncUpdateInfo:
         return ShadowsyncUpdateInfo.coerce(update_dict)
 
+    @_raised_on_the_last_rank
     def init_transfer_engine(self, init_info: ShadowsyncInitInfo) -> None:
         if init_info.commit_mode == "auto":
             raise InvalidArgumentError(
@@ -113,9 +177,11 @@ class PlacedWeightsEngine(WeightTransferEngine):
         _raise_refusal("init_weight_transfer_engine", worker.init_weight_update_group(info))
 
     def start_weight_update(self) -> None:
-        self._loading_worker()._require()
+        # Never raises: vLLM's worker marks the session open on the ranks that returned, so a
+        # refusal here would leave the ranks disagreeing. update_weights refuses instead.
         self._announced = self._announced_version = None
 
+    @_raised_on_the_last_rank
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # Not vLLM's base update_weights: that synchronizes the device after the receive, which
         # here runs on in the background.
@@ -132,6 +198,7 @@ class PlacedWeightsEngine(WeightTransferEngine):
                                                       update_info.verify_matches_live)
         self._announced = update_info
 
+    @_raised_on_the_last_rank
     def finish_weight_update(self) -> None:
         announced, version = self._announced, self._announced_version
         self._announced = self._announced_version = None
@@ -152,6 +219,7 @@ class PlacedWeightsEngine(WeightTransferEngine):
             result["refused"] += f"; this rank's last failed update: {why}"
         _raise_refusal("finish_weight_update", result)
 
+    @_raised_on_the_last_rank
     def drain_pending(self) -> None:
         # vLLM 0.28+: a caller that finishes an update itself (its own layerwise reload) calls
         # this expecting the weights in the model; here an update goes live only in
