@@ -192,7 +192,7 @@ readonly VLLM_DIR=build-vllm
 # 504, 562 and 544 s side by side. The lanes are about equally long (the --durations lines of
 # each lane's log): test_vllm_tp.py's two TP=2 runs are a third of the step.
 readonly VLLM_LANES=(
-  "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py"
+  "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py test_vllm_api_tensor_parallel_refusals.py"
   "test_vllm_benches.py test_vllm_example.py test_readme_quick_start.py test_vllm_api.py"
   "test_vllm_tp.py test_trl_grpo.py"
 )
