@@ -146,7 +146,9 @@ typedef struct {
                                    receiver swaps without gates from then on (default 50) */
   int32_t offer_after_clean_step; /* 1: a complete update is offered once an engine step started
                                      after its last bucket (at most 4 idle steps later), so that
-                                     the swap's step is not one a bucket slowed; implied by a
+                                     the swap's step is not one a bucket slowed; with checksums
+                                     the wait comes before their block, so the sender's publish
+                                     returns after that step; implied by a
                                      decode_slowdown_budget (default 0) */
 } shadowsync_receiver_config_t;
 
