@@ -5,8 +5,10 @@ of the new checkpoint: the end-to-end check of the vLLM worker extension on one 
     python3 scripts/vllm_e2e.py --device cpu           # vLLM's CPU build
 
 Two tiny random Llama checkpoints A and B are made with transformers (no download). The
-reference answers (greedy token ids of a few prompts) come from a fresh vLLM of A and of B, each
-in its own process. The engine under test starts on A with the extension; a trainer process loads
+reference answers (greedy token ids of a few prompts) come from a fresh vLLM of A and of B, in a
+process of their own (on cpu one process for both, one engine after the other, each shut down
+before the next starts, vLLM's engine core in that process; on cuda a process each). The engine
+under test starts on A with the extension; a trainer process loads
 B and A with transformers and serves the same-host transport (GPU memory on cuda, a shared memory
 file on cpu); the worker joins it through collective_rpc with the trainer's own
 named_parameters() as the layout (HF names: the worker derives the receive plan from vLLM's
@@ -100,26 +102,32 @@ def greedy(llm, adapter: str | None = None) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-# What a reference engine prints: the answers to requests without an adapter, and with one.
-ANSWER_LINES = {"base": "ANSWERS ", "adapter": "ADAPTER_ANSWERS "}
+ANSWERS = "ANSWERS "  # what a reference process prints before each engine's answers
 
 
-def reference(device: str, model: str, tp: int, adapter: str | None) -> dict:
-    """Greedy answers of a fresh vLLM of `model`, in a process of its own: {"base": answers
-    without an adapter}, and with LoRA `adapter` (the engine then starts with enable_lora) also
-    {"adapter": answers of requests with it}."""
-    extra = ["--reference-adapter", adapter] if adapter else []
-    out = subprocess.run([sys.executable, __file__, "--device", device, "--reference", model,
-                          "--tp", str(tp)] + extra,
-                         capture_output=True, text=True, timeout=400)
-    if out.returncode != 0:
-        raise RuntimeError(f"reference engine of {model} failed:\n{out.stderr[-3000:]}")
-    answers = {kind: json.loads(line[len(prefix):]) for line in out.stdout.splitlines()
-               for kind, prefix in ANSWER_LINES.items() if line.startswith(prefix)}
-    kinds = ["base", "adapter"] if adapter else ["base"]
-    if sorted(answers) != sorted(kinds):
-        raise RuntimeError(f"reference engine of {model} printed answers {sorted(answers)}, "
-                           f"expected {kinds}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+def references(device: str, tp: int, engines: list[tuple[str, str | None]]) -> list[dict]:
+    """Greedy answers of a fresh vLLM of each (model, LoRA adapter or None) of `engines`, in a
+    process of their own: per engine {"base": answers without an adapter}, with an adapter (the
+    engine then starts with enable_lora) also {"adapter": answers of requests with it}. On cpu
+    one process makes them all (vLLM imported once, each engine shut down before the next); on
+    cuda each engine gets a process of its own, which surely gives its GPU memory back when it
+    ends."""
+    batches = [engines] if device == "cpu" else [[engine] for engine in engines]
+    answers = []
+    for batch in batches:
+        out = subprocess.run([sys.executable, __file__, "--device", device, "--tp", str(tp),
+                              "--reference", json.dumps(batch)],
+                             capture_output=True, text=True, timeout=400 * len(batch))
+        models = [model for model, _ in batch]
+        if out.returncode != 0:
+            raise RuntimeError(f"reference engines of {models} failed:\n{out.stderr[-3000:]}")
+        printed = [json.loads(line[len(ANSWERS):]) for line in out.stdout.splitlines()
+                   if line.startswith(ANSWERS)]
+        if len(printed) != len(batch):
+            raise RuntimeError(f"reference engines of {models} printed {len(printed)} answer "
+                               f"lines, expected {len(batch)}:\n{out.stdout[-2000:]}\n"
+                               f"{out.stderr[-2000:]}")
+        answers += printed
     return answers
 
 
@@ -191,8 +199,7 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--reference", help=argparse.SUPPRESS)
-    parser.add_argument("--reference-adapter", help=argparse.SUPPRESS)
+    parser.add_argument("--reference", help=argparse.SUPPRESS)  # JSON [[model, adapter], ...]
     parser.add_argument("--lora", action="store_true",
                         help="vLLM serves a LoRA adapter that every update carries too")
     parser.add_argument("--lora-embeddings", action="store_true",
@@ -257,17 +264,22 @@ def main() -> int:
         args.multiprocess = True
         if args.device == "cpu":
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
+    # A reference process on cpu keeps vLLM's engine core in itself (under TP its workers still
+    # get processes of their own): one process fewer to start per reference engine.
+    core_process = args.multiprocess and not (args.reference and args.device == "cpu")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core_process else "0"
     import torch  # noqa: F401  (before vLLM: one NCCL/CUDA runtime in the process)
     from vllm import LLM
 
     if args.reference:
-        llm = LLM(**engine_kwargs(args.device, args.reference, args.tp,
-                                  lora=bool(args.reference_adapter)))
-        print(ANSWER_LINES["base"] + json.dumps(greedy(llm)), flush=True)
-        if args.reference_adapter:
-            print(ANSWER_LINES["adapter"] + json.dumps(greedy(llm, args.reference_adapter)),
-                  flush=True)
+        for model, reference_adapter in json.loads(args.reference):
+            llm = LLM(**engine_kwargs(args.device, model, args.tp, lora=bool(reference_adapter)))
+            answers = {"base": greedy(llm)}
+            if reference_adapter:
+                answers["adapter"] = greedy(llm, reference_adapter)
+            print(ANSWERS + json.dumps(answers), flush=True)
+            llm.llm_engine.engine_core.shutdown()  # before the next engine starts
+            del llm
         return 0
 
     from vllm_models import (LORA_EMBEDDING_TARGETS, LORA_TARGETS, make_tiny_lora,
@@ -289,8 +301,8 @@ def main() -> int:
     # What the engine holds after update 1: B, with A's tensors where the trainer omits them.
     b_kept = with_tensors_of(b, a, args.omit, work / "B-kept") if args.omit else b
     started = time.monotonic()
-    expected = {"A": reference(args.device, a, args.tp, adapter["A"]),
-                "B": reference(args.device, b_kept, args.tp, adapter["B"])}
+    expected = dict(zip("AB", references(args.device, args.tp,
+                                         [(a, adapter["A"]), (b_kept, adapter["B"])])))
     log(f"{args.arch}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
         f"references of A and B from fresh engines in {time.monotonic() - started:.1f} s; "
         f"A {expected['A']['base'][0][:6]}..., B {expected['B']['base'][0][:6]}...")
