@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
-import os
 import sys
 import threading
 import time
@@ -50,29 +48,9 @@ def refused(call) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def in_process_engines():
-    """Engines started in the block run in this process. vLLM caches its environment variables
-    once an engine started; the cache is dropped at the end, so that later engines read
-    VLLM_ENABLE_V1_MULTIPROCESSING again (restored) and start their own processes."""
-    import vllm.envs
-
-    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
-    before = os.environ.get(key)
-    os.environ[key] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = before
-        vllm.envs.disable_envs_cache()
-
-
 def run_references(args: dict) -> dict:
     out = {}
-    with in_process_engines():
+    with real.engine_mode("inproc"):
         for name, model in zip("ab", args["models"]):
             with real.fresh_engine(args, model, quantization="shadowsync_unpacked") as llm:
                 out[name] = real.greedy(llm, args["prompts"], args["max_tokens"])
