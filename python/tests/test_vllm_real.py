@@ -14,19 +14,19 @@ in-process engines; the multiprocess engine's output before its first update equ
 shows the two modes compute the same tokens. The in-process llama engine's receiver is paced
 (decode_slowdown_budget 1.5): the same tokens, and its stats report the pacing.
 
-The engines run in child processes (vllm_real_child.py), never in pytest's: vLLM's configuration
+The engines run in a child process (vllm_real_child.py), never in pytest's: vLLM's configuration
 and parallel state are process-global, and its worker_extension_cls is mixed into vLLM's worker
 class for the rest of a process. A child imports vLLM, torch and transformers once (about 8 s of
-CPU on 2 cores, more than a tiny engine's start) and runs its engines one after the other, each
-fresh and shut down before the next: one child makes every reference (engines without the
-extension), one runs every in-process update case (the `inproc_runs` fixture), one the
-refusals, one the multiprocess engine. Skipped, visibly, where vllm or transformers is not
-importable."""
+CPU on 2 cores, more than a tiny engine's start, and its first engine starts slower than the
+next), so one child starts every engine of this file (the `runs` fixture), one after the
+other, each fresh and shut down before the next: first every reference and the refusals' engine
+without the extension, then those with it: the refusals, every in-process update case, the
+multiprocess engine (its engine-core and worker processes are its own), and last the live
+arena's refused start. Skipped, visibly, where vllm or transformers is not importable."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -86,6 +86,10 @@ def run_child(args: dict) -> dict:
                     f"lines:\n{proc.stderr[-6000:]}")
     result = json.loads(lines[0][len("RESULT "):])
     result["child_s"] = time.monotonic() - started
+    # Each job's time, for the log of a run with -rP (or of a failed test).
+    jobs = "".join(f", {name} {job['job_s']:.1f} s"
+                   for name, job in result.get("results", {}).items())
+    print(f"{args['what']} child: {result['child_s']:.1f} s{jobs}")
     return result
 
 
@@ -133,14 +137,16 @@ def lora_adapters(checkpoints, tmp_path_factory):
 
 
 def reference_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict]:
-    """The reference engines' jobs: checkpoints A and B of every arch (and B with A's OMITTED
-    tensor for llama), and the LoRA test's checkpoint-adapter pairs."""
-    jobs = [dict(name=arch, what="generate", dtype=dtype, quantization="shadowsync_unpacked",
+    """The reference engines' jobs (fresh in-process engines without the extension, greedy
+    token ids of PROMPTS): checkpoints A and B of every arch (and B with A's OMITTED tensor for
+    llama), and the LoRA test's checkpoint-adapter pairs."""
+    jobs = [dict(name=f"reference {arch}", what="generate", dtype=dtype,
+                 quantization="shadowsync_unpacked",
                  models=[checkpoints.get(arch, w) for w in reference_whiches(arch)])
             for arch, dtype in ARCHS]
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
     l1, l2 = lora_adapters
-    jobs.append(dict(name="lora", what="lora_references", dtype="float32", r=LORA_R,
+    jobs.append(dict(name="reference lora", what="lora_references", dtype="float32", r=LORA_R,
                      max_loras=LORA_SLOTS, engines=[[a, [None, l1, l2]], [b, [None, l1]]]))
     return jobs
 
@@ -150,21 +156,12 @@ def reference_whiches(arch: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference_runs(checkpoints, lora_adapters) -> dict:
-    """Job name -> greedy token ids of PROMPTS on fresh in-process engines without the extension
-    (reference_jobs), all from one child. Made when the first test that needs them starts; if it
-    fails, pytest reports that for every such test without running it again."""
-    return run_child(dict(what="batch", mode="inproc", prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                          jobs=reference_jobs(checkpoints, lora_adapters)))["results"]
-
-
-@pytest.fixture(scope="module")
-def references(reference_runs):
+def references(runs):
     """(arch, dtype, which) -> the greedy token ids of a fresh engine of that checkpoint."""
 
     def tokens(arch: str, dtype: str, which: str) -> list[list[int]]:
         assert (arch, dtype) in ARCHS, (arch, dtype)
-        outputs = job_result(reference_runs, arch)["outputs"]
+        outputs = runs(f"reference {arch}")["outputs"]
         found = dict(zip(reference_whiches(arch), (output["tokens"] for output in outputs)))
         # The oracle can tell the checkpoints apart on every prompt.
         assert all(x != y for x, y in zip(found["a"], found["b"])), (arch, found)
@@ -182,13 +179,11 @@ def update_args(checkpoints, arch: str, dtype: str, mode: str, **extra) -> dict:
 PACED = dict(decode_slowdown_budget=1.5)  # llama's in-process engine runs paced
 
 
-@pytest.fixture(scope="module")
-def inproc_runs(checkpoints, lora_adapters):
-    """name -> what that case on an in-process engine with the extension saw (vllm_real_child.py's
-    result). Every case runs in one child when the first test that needs one starts, each on a
-    fresh engine of its own with a trainer process of its own (the LoRA case: a loopback trainer
-    in the child); if the child fails, pytest reports that for every such test without running
-    it again."""
+def update_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict]:
+    """The update cases' jobs, each on a fresh engine with the extension and a trainer process of
+    its own (the LoRA case: a loopback trainer in the child): in-process for every arch and
+    case, and llama once with vLLM's engine-core and worker processes ("mp", started as a user
+    turns shadowsync on: vLLM's weight_transfer_config names the backend)."""
 
     def update(name: str, arch: str = "llama", dtype: str = "float32", **extra) -> dict:
         return dict(update_args(checkpoints, arch, dtype, "inproc", **extra), name=name)
@@ -204,7 +199,20 @@ def inproc_runs(checkpoints, lora_adapters):
         update("omit", omit=[OMITTED]),
         dict(name="lora", what="lora", dtype="float32", base=a, base_b=b, adapters=lora_adapters,
              r=LORA_R, lora_alpha=LORA_ALPHA, max_loras=LORA_SLOTS),
+        dict(update_args(checkpoints, "llama", "float32", "mp", backend="shadowsync"),
+             name="llama mp"),
     ]
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, lora_adapters):
+    """Job name -> its result (vllm_real_child.py's): every engine of this file, from one batch
+    child, made when the first test that needs one starts; if the child fails, pytest reports
+    that for every such test without running it again. Engines without the extension first:
+    the references and the refusals' first engine."""
+    jobs = (reference_jobs(checkpoints, lora_adapters) + [refusal_job(checkpoints)]
+            + update_jobs(checkpoints, lora_adapters) + [live_arena_job(checkpoints)])
     results = run_child(dict(what="batch", mode="inproc", prompts=PROMPTS, max_tokens=MAX_TOKENS,
                              bucket_bytes=BUCKET_BYTES, jobs=jobs))["results"]
     return lambda name: job_result(results, name)
@@ -223,9 +231,8 @@ def tokens_under(per_request: dict, version: int) -> int:
 @pytest.mark.parametrize("arch,dtype,mode", [(a, d, "inproc") for a, d in ARCHS]
                          + [("llama", "float32", "mp")],
                          ids=[f"{a}-{d}-inproc" for a, d in ARCHS] + ["llama-float32-mp"])
-def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoints, references,
-                                                                      inproc_runs, arch, dtype,
-                                                                      mode):
+def test_update_while_generating_equals_a_fresh_engine_back_and_forth(references, runs, arch,
+                                                                      dtype, mode):
     ref_a = references(arch, dtype, "a")
     ref_b = references(arch, dtype, "b")
     # One engine runs paced: the token-for-token oracle below must hold with pacing too.
@@ -233,12 +240,8 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
     # The multiprocess engine is started as a user turns shadowsync on: vLLM's
     # weight_transfer_config names the backend, and the front end takes a ShadowsyncInitInfo.
     backend = mode == "mp"
-    if mode == "inproc":
-        out = inproc_runs(arch)
-    else:
-        out = run_child(update_args(checkpoints, arch, dtype, mode, backend="shadowsync"))
-    print(f"{arch} {dtype} {mode}: engine start {out['start_s']:.1f} s, case "
-          f"{out.get('job_s', out.get('child_s')):.1f} s")
+    out = runs(arch if mode == "inproc" else f"{arch} {mode}")
+    print(f"{arch} {dtype} {mode}: engine start {out['start_s']:.1f} s, case {out['job_s']:.1f} s")
 
     assert out["fingerprints"] == [out["trainer_fingerprint"]]
     if arch == "phi3":
@@ -304,11 +307,11 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(checkpoint
         assert out["refused_extra"].startswith("Exception: ")
 
 
-def test_the_self_check_refuses_an_update_through_a_broken_plan(references, inproc_runs):
+def test_the_self_check_refuses_an_update_through_a_broken_plan(references, runs):
     """A receive plan broken on purpose (two layers' down_proj destinations swapped) on an
     engine of A; the trainer sends A with verify_matches_live: the update fails naming a
     down_proj and its first differing element, nothing goes live, the output stays A's."""
-    out = inproc_runs("selfcheck")
+    out = runs("selfcheck")
     assert "applied" not in out, out
     refusal = out["refusal"]
     assert "self-check (verify_matches_live): tensor 'model.layers.0.mlp.down_proj.weight'" \
@@ -318,12 +321,11 @@ def test_the_self_check_refuses_an_update_through_a_broken_plan(references, inpr
     assert out["before"] == out["after"] == references("llama", "float32", "a")
 
 
-def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(references,
-                                                                              inproc_runs):
+def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(references, runs):
     """What apply_update's prefix-cache reset prevents (and what the test above would catch):
     without it, the prompts with a full cached block are computed on version 0's KV."""
     ref_b = references("llama", "float32", "b")
-    out = inproc_runs("no_prefix_cache_reset")
+    out = runs("no_prefix_cache_reset")
     for i, tokens in enumerate(out["after_b"]):
         if i in LONG:
             assert tokens != ref_b[i], PROMPTS[i]
@@ -331,11 +333,11 @@ def test_without_the_prefix_cache_reset_long_prompts_reuse_the_old_weights_kv(re
             assert tokens == ref_b[i], PROMPTS[i]
 
 
-def test_under_load_vllm_refuses_the_reset_and_apply_update_says_so(references, inproc_runs):
+def test_under_load_vllm_refuses_the_reset_and_apply_update_says_so(references, runs):
     """A request runs (holds KV blocks) when update 1 goes live: vLLM refuses the prefix cache
     reset, apply_update warns, and the long prompts are then computed on version 0's KV."""
     ref_b = references("llama", "float32", "b")
-    out = inproc_runs("under_load")
+    out = runs("under_load")
     assert out["applied1"] == 1
     assert any("refused to reset its prefix cache" in w and "preempt_running=True" in w
                for w in out["load_warnings"]), out["load_warnings"]
@@ -344,24 +346,24 @@ def test_under_load_vllm_refuses_the_reset_and_apply_update_says_so(references, 
         assert (tokens != ref_b[i]) if i in LONG else (tokens == ref_b[i]), PROMPTS[i]
 
 
-def test_under_load_preempt_running_resets_the_prefix_cache_anyway(references, inproc_runs):
+def test_under_load_preempt_running_resets_the_prefix_cache_anyway(references, runs):
     """The same, with apply_update(preempt_running=True): vLLM preempts the running request
     (it recomputes and finishes), the reset happens, and every answer equals a fresh engine of
     the new weights."""
     ref_b = references("llama", "float32", "b")
-    out = inproc_runs("under_load_preempt")
+    out = runs("under_load_preempt")
     assert out["applied1"] == 1
     assert not out["load_warnings"], out["load_warnings"]
     assert out["load_finished"] == ["running"] and out["load_tokens"] == [MAX_TOKENS]
     assert out["after_b"] == ref_b
 
 
-def test_a_tensor_the_trainer_omits_keeps_the_engines_value(references, inproc_runs):
+def test_a_tensor_the_trainer_omits_keeps_the_engines_value(references, runs):
     """The trainer leaves model.norm.weight out of its layout and the worker allows it
     (allow_partial=True): the engine's layout then holds only the parameters its loader writes
     from the trainer's tensors, and the norm keeps the engine's value. After update 1 the engine is B with A's final norm, token for token a fresh
     engine of exactly that checkpoint; after update 2 it is A again."""
-    out = inproc_runs("omit")
+    out = runs("omit")
     assert out["after_b"] == references("llama", "float32", "b_norm_of_a")
     assert out["after_b"] != references("llama", "float32", "b")
     assert out["after_a"] == references("llama", "float32", "a")
@@ -369,39 +371,44 @@ def test_a_tensor_the_trainer_omits_keeps_the_engines_value(references, inproc_r
 
 # --- refusals ---------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def refusals(checkpoints):
-    """The messages of init_weight_update_group attempts on real engines, in-process (errors
-    keep their type there), in one child. The engine without the extension comes first: vLLM
-    mixes a worker_extension_cls into its worker class for the rest of the process."""
+# The init_weight_update_group attempts on the bf16 engine, by name (vllm_real_child.run_refusals).
+ATTEMPTS = {
+    "extra_skipped": dict(extra=[["model.layers.0.self_attn.rotary_emb.inv_freq", "fp32", [16]]]),
+    "extra_unknown": dict(extra=[["model.layers.1.mlp.extra_proj.weight", "bf16", [4, 128]]]),
+    "dtype": dict(spec_dtype="fp32"),
+    "omitted": dict(omit=[OMITTED]),
+    "full": {},
+    "again": {},
+}
+
+
+def refusal_job(checkpoints: Checkpoints) -> dict:
+    """init_weight_update_group attempts on real in-process engines (errors keep their type
+    there). The engine without the extension comes first: vLLM mixes a worker_extension_cls into
+    its worker class for the rest of the process."""
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
     plain = dict(engine=dict(model=a, quantization="shadowsync_unpacked"), specs_from=b,
                  attempts=[{}])
-    attempts = {
-        "extra_skipped": dict(extra=[["model.layers.0.self_attn.rotary_emb.inv_freq", "fp32",
-                                      [16]]]),
-        "extra_unknown": dict(extra=[["model.layers.1.mlp.extra_proj.weight", "bf16",
-                                      [4, 128]]]),
-        "dtype": dict(spec_dtype="fp32"),
-        "omitted": dict(omit=[OMITTED]),
-        "full": {},
-        "again": {},
-    }
     transformed = [dict(engine=dict(model=checkpoints.get(arch, "a"),
                                     quantization="shadowsync_unpacked",
                                     worker_extension_cls=EXTENSION),
                         specs_from=checkpoints.get(arch, "a"), attempts=[{}])
                    for arch in TRANSFORMED]
-    messages = run_child(dict(what="refusals", mode="inproc", dtype="float32",
-                              bucket_bytes=BUCKET_BYTES, engines=[
+    return dict(name="refusals", what="refusals", dtype="float32", engines=[
         plain,
         dict(engine=dict(model=a, worker_extension_cls=EXTENSION), specs_from=b,
              attempts=[{}]),
         dict(engine=dict(model=a, dtype="bfloat16", quantization="shadowsync_unpacked",
                          worker_extension_cls=EXTENSION), specs_from=b,
-             attempts=list(attempts.values())),
-    ] + transformed))["messages"]
-    found = dict(zip(attempts, messages[2]))
+             attempts=list(ATTEMPTS.values())),
+    ] + transformed)
+
+
+@pytest.fixture(scope="module")
+def refusals(runs):
+    """What refusal_job's attempts raised, by name."""
+    messages = runs("refusals")["messages"]
+    found = dict(zip(ATTEMPTS, messages[2]))
     found["packed"] = messages[1][0]
     for arch, arch_messages in zip(TRANSFORMED, messages[3:]):
         found[arch] = arch_messages[0]
@@ -494,9 +501,7 @@ def test_an_engine_without_the_extension_says_the_method_is_not_implemented(refu
 # --- a LoRA adapter vLLM serves, updated in place ------------------------------------------------
 
 def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoints,
-                                                                         lora_adapters,
-                                                                         reference_runs,
-                                                                         inproc_runs):
+                                                                         lora_adapters, runs):
     """vLLM CPU with enable_lora (two slots) serves adapter 1 (PEFT, every projection,
     embed_tokens and lm_head, r 8, alpha 16) on checkpoint A. The trainer's layout is A's HF
     tensors ("base") and the adapter's PEFT tensors ("lora", lora_B and lora_embedding_B
@@ -507,12 +512,12 @@ def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoi
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
     l1, l2 = lora_adapters
     ref = {(r["model"], r["adapter"]): r["tokens"]
-           for r in job_result(reference_runs, "lora")["outputs"]}
+           for r in runs("reference lora")["outputs"]}
     # The oracle tells every pair apart.
     distinct = [ref[(a, None)], ref[(a, l1)], ref[(a, l2)], ref[(b, None)], ref[(b, l1)]]
     assert all(x != y for i, x in enumerate(distinct) for y in distinct[i + 1:])
 
-    out = inproc_runs("lora")
+    out = runs("lora")
     for stage in ("before", "after_refusals", "after_init"):
         assert out[stage] == dict(lora=ref[(a, l1)], plain=ref[(a, None)]), stage
     assert out["fingerprint_matches"]
@@ -539,38 +544,21 @@ def test_a_lora_adapter_vllm_serves_is_updated_in_place_token_for_token(checkpoi
     assert out["pinned_after_init"] is True
 
 
-LIVE_ARENA_CHILD = """
-import json, os, sys
-if os.environ.get("SHADOWSYNC_TEST_INSTALLED") != "1":
-    sys.path.insert(0, sys.argv[2])  # shadowsync of this checkout, as vllm_real_child.py does
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-import torch
-from vllm import LLM
-import shadowsync.vllm  # registers the 'shadowsync' weight-transfer backend with vLLM
-try:
-    LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=128,
-        kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True,
-        worker_extension_cls="shadowsync.vllm.WorkerExtension",
-        weight_transfer_config={"backend": "shadowsync_live_arena"})
-    print("RESULT " + json.dumps({"started": True, "message": ""}))
-except Exception as error:  # the engine's start-up must fail, saying why
-    print("RESULT " + json.dumps({"started": False, "message": f"{type(error).__name__}: {error}"}))
-"""
+def live_arena_job(checkpoints: Checkpoints) -> dict:
+    """An engine asking for the live arena by name on vLLM CPU, whose start must fail. Last in
+    the batch: a start that failed part way may leave vLLM's process-global state behind."""
+    return dict(name="live arena", what="start", dtype="float32", engine=dict(
+        model=checkpoints.get("llama", "a"), worker_extension_cls=EXTENSION,
+        weight_transfer_config={"backend": "shadowsync_live_arena"}))
 
 
-def test_the_live_arena_backend_reaches_vllm_and_refuses_cpu_weights_naming_why(checkpoints):
+def test_the_live_arena_backend_reaches_vllm_and_refuses_cpu_weights_naming_why(runs):
     # vLLM's own factory finds the backend import shadowsync.vllm registered and makes it at
     # load; a live arena is CUDA virtual memory, so asked for by name ("shadowsync_live_arena")
     # on vLLM CPU the start-up fails with the reason (never an engine whose swaps would silently
     # do nothing). The backend "shadowsync" chooses instead (the multiprocess update above).
-    proc = subprocess.run([sys.executable, "-c", LIVE_ARENA_CHILD, checkpoints.get("llama", "a"),
-                           str(CHILD.parent.parent)],
-                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stderr[-4000:]
-    result = json.loads(lines[0][len("RESULT "):])
+    result = runs("live arena")
     assert not result["started"]
     assert "'shadowsync_live_arena' weight-transfer backend needs every parameter on one CUDA " \
-           "device" in \
-        result["message"] + proc.stderr, result["message"]
-    assert "['cpu']" in result["message"] + proc.stderr
+           "device" in result["message"], result["message"]
+    assert "['cpu']" in result["message"], result["message"]

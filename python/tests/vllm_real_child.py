@@ -17,21 +17,24 @@ JSON_ARGS holds ``what`` and its arguments:
   and the receiver's counters come back.
 * ``refusals``: for each of ``engines``, an engine started with its settings, then each of its
   ``attempts`` at init_weight_update_group; the message each raised (run_refusals).
+* ``start``: an engine started with ``engine``'s settings, which must fail; its error
+  (run_start).
 * ``selfcheck``, ``lora``, ``lora_references``: see run_selfcheck, run_lora, run_lora_references.
-* ``batch``: each of ``jobs`` (the arguments of one of the above, with a ``name``) in turn, in
-  this one process: vLLM, torch and transformers are imported once for all of them (about 8 s of
-  CPU per process on 2 cores, more than a tiny engine's start), yet each job still starts fresh
+* ``batch``: each of ``jobs`` (the arguments of one of the above, with a ``name``; its keys over
+  the batch's) in turn, in this one process: vLLM, torch and transformers are imported once for
+  all of them (about 8 s of CPU per process on 2 cores, more than a tiny engine's start, and the
+  first engine of a process starts slower than the next), yet each job still starts fresh
   engines of its own and shuts them down before the next. Its result is ``results``: each job's
   name -> its result, or ``{"error": traceback}`` (the jobs after a failed one still run).
 
 Every engine is shut down before the next starts. vLLM mixes a ``worker_extension_cls`` into its
 worker class for the rest of the process: engines without the extension must come before any
-with it.
+with it (in this process: an engine with vLLM's own processes mixes it into theirs).
 
-Environment: ``mode`` ``inproc`` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine runs in this
-process: collective_rpc then runs in the caller's thread, so every call here comes from the
-thread that generates); ``mp`` keeps vLLM's default (engine core and worker processes, RPCs
-between steps).
+Environment: ``mode`` (of the call, or of a job) ``inproc`` sets VLLM_ENABLE_V1_MULTIPROCESSING=0
+(the engine runs in this process: collective_rpc then runs in the caller's thread, so every call
+here comes from the thread that generates); ``mp`` keeps vLLM's default (engine core and worker
+processes, RPCs between steps). See engine_mode.
 """
 
 from __future__ import annotations
@@ -198,6 +201,28 @@ def stop_trainer(process, conn, directory) -> None:
 
 
 # --- what the child does -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def engine_mode(mode: str):
+    """Engines started in the block run in this process (``inproc``) or in vLLM's engine-core and
+    worker processes (``mp``, vLLM's default). vLLM caches its environment variables once an
+    engine started: the cache is dropped on entry and on exit, so that every engine reads
+    VLLM_ENABLE_V1_MULTIPROCESSING as it is then (restored on exit)."""
+    import vllm.envs
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(key)
+    os.environ[key] = {"inproc": "0", "mp": "1"}[mode]
+    vllm.envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+        vllm.envs.disable_envs_cache()
+
 
 def make_llm(args: dict, model: str, **extra):
     import vllm
@@ -583,14 +608,27 @@ def run_refusals(args: dict) -> dict:
     return dict(messages=results)
 
 
+def run_start(args: dict) -> dict:
+    """An engine of ``engine["model"]`` started with the rest of ``engine`` as its settings, whose
+    start must fail: whether it started, and the error it raised as "<type>: <message>"."""
+    engine = dict(args["engine"])
+    try:
+        with fresh_engine(args, engine.pop("model"), **engine):
+            return dict(started=True, message="")
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return dict(started=False, message=f"{type(error).__name__}: {error}")
+
+
 def run_batch(args: dict) -> dict:
-    """Each of ``jobs`` in turn (its keys over this call's), each timed; a job that raises gives
-    its traceback, and the next job still runs."""
+    """Each of ``jobs`` in turn (its keys over this call's, its mode too), each timed; a job that
+    raises gives its traceback, and the next job still runs."""
     results = {}
     for job in args["jobs"]:
         started = time.monotonic()
+        job_args = dict(args, **job)
         try:
-            result = WHAT[job["what"]](dict(args, **job))
+            with engine_mode(job_args["mode"]):
+                result = WHAT[job["what"]](job_args)
         except Exception:  # noqa: BLE001 - the test of that job reports it
             result = {"error": traceback.format_exc()}
         result["job_s"] = time.monotonic() - started
@@ -599,16 +637,15 @@ def run_batch(args: dict) -> dict:
 
 
 WHAT = {"generate": run_generate, "update": run_update, "refusals": run_refusals,
-        "selfcheck": run_selfcheck, "lora": run_lora, "lora_references": run_lora_references,
-        "batch": run_batch}
+        "start": run_start, "selfcheck": run_selfcheck, "lora": run_lora,
+        "lora_references": run_lora_references, "batch": run_batch}
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    if args["mode"] == "inproc":
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     started = time.monotonic()
-    result = WHAT[args["what"]](args)
+    with engine_mode(args["mode"]):
+        result = WHAT[args["what"]](args)
     result["wall_s"] = time.monotonic() - started
     print("RESULT " + json.dumps(result, default=repr), flush=True)
 
