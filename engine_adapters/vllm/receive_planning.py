@@ -38,12 +38,15 @@ def refuse_empty(params: dict[str, Any]) -> None:
 
 
 def receives_in_place(specs: list[TensorSpec], descs: dict, live_arena=None) -> bool:
-    """The trainer sends the engine's own tensors (by name), so the receive needs no plan
-    (zero-copy). With a live arena (swapped whole, its layout the parameters in the model's
-    order) only when they are laid out as the arena is: every parameter, in its order, one
-    group. A trainer whose fused tensors come in another order (Phi-3 in Hugging Face's order:
-    o_proj before qkv_proj) gets a plan that copies them into the arena's places instead."""
-    if not all(s.name in descs for s in specs):
+    """The trainer sends the engine's own tensors (by name and shape), so the receive needs no
+    plan (zero-copy). A tensor named as a parameter but of another shape goes through the
+    model's loader (its traced plan): GPT-2's Hugging Face Conv1D weights are [in, out], and
+    vLLM's loader transposes them into its [out, in] layers. With a live arena (swapped whole, its
+    layout the parameters in the model's order) only when they are laid out as the arena is:
+    every parameter, in its order, one group. A trainer whose fused tensors come in another order
+    (Phi-3 in Hugging Face's order: o_proj before qkv_proj) gets a plan that copies them into the
+    arena's places instead."""
+    if not all(s.name in descs and tuple(s.shape) == tuple(descs[s.name].shape) for s in specs):
         return False
     if live_arena is None:
         return True

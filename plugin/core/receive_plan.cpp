@@ -216,14 +216,12 @@ class PlanBuilder {
                       static_cast<std::size_t>(copy.src_strides[k]) * element,
                       static_cast<std::size_t>(copy.dst_strides[k]) * element});
     }
-    // A last dimension of one element (a column) is a row of one element, whatever its strides.
-    if (rank == 0 || copy.shape.back() == 1) dims.push_back({1, element, element});
-    if (dims.back().src_stride != element || dims.back().dst_stride != element) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("{}: the last dimension is not contiguous on both sides (source "
-                              "strides {}, destination strides {}); a receive plan copies rows",
-                              name(i, copy), format_dims(copy.src_strides),
-                              format_dims(copy.dst_strides)));
+    // A plan copies rows of contiguous bytes. A last dimension of one element (a column), or one
+    // that is not contiguous on both sides (a transposing copy: vLLM's loaders transpose Hugging
+    // Face's Conv1D weights), is copied as rows of one element each.
+    if (rank == 0 || dims.empty() || dims.back().src_stride != element ||
+        dims.back().dst_stride != element) {
+      dims.push_back({1, element, element});
     }
     // Merge each dimension into the one inside it where both sides are contiguous across them.
     std::vector<Dim> merged{dims.back()};

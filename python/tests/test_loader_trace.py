@@ -639,19 +639,27 @@ def vllm_children(tmp_path, world, archs):
     for r in found.values():
         assert r["unchanged"] and r["mismatched"] == [] and r["unwritten"] == [], r
         assert r["written"] == r["params"], r
-        assert "is empty (shape [0])" in r["prepacked"] and "qkv_proj.weight" in r["prepacked"], r
+        fused_attention = "c_attn.weight" if r["arch"] == "gpt2" else "qkv_proj.weight"
+        assert "is empty (shape [0])" in r["prepacked"] and fused_attention in r["prepacked"], r
         assert "(torch.float32) into parameter" in r["converting"], r
         assert "(torch.bfloat16) with aten::copy_" in r["converting"], r
     return found
 
 
 def test_vllm_loaders_trace_to_plans_that_replay_bit_for_bit(tmp_path):
-    """vLLM's load_weights of tiny llama / qwen2 (tied, biases) / qwen3 / phi3 (fused on disk)
-    checkpoints, in a child process (vLLM's parallel state is process-global): each plan replayed
-    equals vLLM's loader on the real tensors; after process_weights_after_loading (CPU prepacking)
-    tracing is refused, as is an engine in bf16 given fp32 tensors."""
-    found = vllm_children(tmp_path, 1, ["llama", "qwen2", "qwen3", "phi3"])
+    """vLLM's load_weights of tiny llama / qwen2 (tied, biases) / qwen3 / phi3 (fused on disk) /
+    gpt2 (Hugging Face's Conv1D weights, [in, out], which vLLM's loader transposes into its
+    [out, in] layers) checkpoints, in a child process (vLLM's parallel state is process-global):
+    each plan replayed equals vLLM's loader on the real tensors; after
+    process_weights_after_loading (CPU prepacking) tracing is refused, as is an engine in bf16
+    given fp32 tensors."""
+    found = vllm_children(tmp_path, 1, ["llama", "qwen2", "qwen3", "phi3", "gpt2"])
     qwen2, llama, phi3 = found[("qwen2", 0)], found[("llama", 0)], found[("phi3", 0)]
+    # GPT-2's fused attention weight: the wire's [128, 384] (in, out) lands in the engine's
+    # [384, 128] through transposing copies (replayed above: equal to vLLM's loader).
+    c_attn = "transformer.h.0.attn.c_attn.weight"
+    shapes = [shape for w, e, shape, _, _ in found[("gpt2", 0)]["plan"] if w == e == c_attn]
+    assert shapes and sum(rows * cols for rows, cols in shapes) == 384 * 128, shapes
     assert qwen2["wires"] == qwen2["copies"]  # tied: no lm_head on the wire
     assert "model.layers.0.self_attn.qkv_proj.bias" in qwen2["fused"]
     assert "model.layers.0.mlp.gate_up_proj.weight" in llama["fused"]

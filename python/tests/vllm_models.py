@@ -88,6 +88,11 @@ def make_config(arch: str, vocab_size: int = VOCAB_SIZE):
         return transformers.MixtralConfig(**common, head_dim=HEAD_DIM, num_local_experts=EXPERTS,
                                           num_experts_per_tok=2, tie_word_embeddings=False,
                                           sliding_window=None)
+    if arch == "gpt2":
+        return transformers.GPT2Config(vocab_size=vocab_size, n_positions=MAX_POSITIONS,
+                                       n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                       n_inner=INTERMEDIATE, bos_token_id=1, eos_token_id=2,
+                                       tie_word_embeddings=True)
     if arch == "gemma2":
         return transformers.Gemma2Config(**common, head_dim=HEAD_DIM, tie_word_embeddings=True,
                                          sliding_window=MAX_POSITIONS)
