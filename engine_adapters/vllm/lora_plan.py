@@ -280,15 +280,8 @@ def _copy_of(engine: str, block, specs: list[TensorSpec], live, torch) -> PlanCo
     if not bool((elements == expected).all()):
         raise LayoutMismatchError(f"LoRA slot block '{engine}': vLLM places tensor "
                                   f"'{spec.name}' in it in a way that is not a strided view")
-    if col_stride == 1 or cols == 1:
-        return PlanCopy(wire=spec.name, engine=engine, shape=(rows, cols), src_offset=offset,
-                        src_strides=(row_stride, col_stride), dst_offset=0,
-                        dst_strides=(cols, 1))
-    # The block's rows are not runs of the wire tensor (vLLM keeps the embedding's lora_A
-    # transposed): a receive plan copies rows, so each element is a row of one (the trailing
-    # unit dimension), and the block is filled a column at a time, each column one 2-D copy of
-    # `rows` elements.
-    return PlanCopy(wire=spec.name, engine=engine, shape=(cols, rows, 1), src_offset=offset,
-                    src_strides=(col_stride, row_stride, 1), dst_offset=0,
-                    dst_strides=(1, cols, 1))
+    # Where the block's rows are not runs of the wire tensor (vLLM keeps the embedding's lora_A
+    # transposed), the plan copies it element by element.
+    return PlanCopy(wire=spec.name, engine=engine, shape=(rows, cols), src_offset=offset,
+                    src_strides=(row_stride, col_stride), dst_offset=0, dst_strides=(cols, 1))
 

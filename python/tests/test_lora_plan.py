@@ -302,11 +302,10 @@ def test_embedding_and_lm_head_plans_fill_vllms_slots_as_its_set_lora_does(vllm_
             assert bool(got[1].any()) and not bool(got[0].any()) and not bool(got[2].any())
     assert len(plan.copies) == 4
     # vLLM keeps the embedding's lora_A transposed ([vocab, r]): one strided view of the wire's
-    # [r, vocab], no computation; a column of the slot (a row of the wire) at a time, since the
-    # receiver copies rows (here rows of one element).
+    # [r, vocab], no computation (the receiver copies it element by element).
     (embed_a,) = [c for c in plan.copies if c.engine == f"{EMBED}.lora_a.0"]
     assert (embed_a.shape, embed_a.src_strides, embed_a.dst_strides) == (
-        (VLLM_RANK, VOCAB, 1), (VOCAB, 1, 1), (1, VLLM_RANK, 1))
+        (VOCAB, VLLM_RANK), (1, VOCAB), (VLLM_RANK, 1))
     live = plan.engine_tensors[f"{EMBED}.lora_a.0"]
     assert live.data_ptr() == planned.modules[EMBED].lora_a_stacked[1].data_ptr()
     # The forward reads the same storage through its 2-D view of every slot.

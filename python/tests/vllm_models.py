@@ -19,6 +19,7 @@ Architectures, chosen for what they exercise in vLLM's weight loading:
   qwen3_moe, mixtral - 4 experts, 2 per token: vLLM stacks them into w13/w2, and its CPU backend
            repacks those after loading (same shape, other order).
   gemma2 - embedding and lm_head tied, built by vLLM without the model's quantization config.
+  gpt2   - Hugging Face's Conv1D weights ([in, out]), which vLLM's loader transposes; tied.
 
 Weights are float32 on disk (vLLM casts to the dtype it is given); torch and transformers are
 imported lazily, so importing this module costs nothing for tests that skip."""
