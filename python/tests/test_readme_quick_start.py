@@ -28,7 +28,7 @@ import vllm_models  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- quick start: vllm"
-TIMEOUT_S = 420  # three engine starts on two cores; a hung run fails the test, not the suite
+TIMEOUT_S = 420  # two engine starts on two cores; a hung run fails the test, not the suite
 
 MODEL_LINE = re.compile(r"^    model, device = .*$", re.M)
 OPTIONS_LINE = re.compile(r"^    options = .*$", re.M)
@@ -42,7 +42,9 @@ GPU_OPTIONS = dict(gpu_memory_utilization=0.3, max_model_len=256, seed=0)
 PROLOGUE = "import shadowsync.vllm.unpacked; shadowsync.vllm.unpacked.register()\n"
 
 # At the end of the README's main(): the updated weights as a checkpoint, and a fresh engine of
-# them.
+# them. On the CPU that engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 read anew:
+# vLLM cached its environment when the README's engine started): no engine-core and worker
+# processes to start, and the same tokens (test_vllm_real.py's engines of both kinds agree).
 EPILOGUE = textwrap.indent(textwrap.dedent("""
     import json as _json, shutil as _shutil
     _updated = os.path.join(os.environ["QUICK_START_WORK"], "updated")
@@ -54,6 +56,10 @@ EPILOGUE = textwrap.indent(textwrap.dedent("""
     llm.collective_rpc("close_weight_update_group")
     sender.close()
     llm.llm_engine.engine_core.shutdown()
+    if device == "cpu":
+        import vllm.envs as _envs
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        _envs.disable_envs_cache()
     _fresh = vllm.LLM(_updated, dtype="bfloat16", **options)
     _expected = _fresh.generate(["The capital of France is"], greedy)[0].outputs[0].token_ids
     print("QUICK-START-RESULT " + _json.dumps(dict(
