@@ -69,8 +69,14 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
     from .loader_trace import trace_load_weights
 
     if not callable(getattr(model, "load_weights", None)):
-        known = {name for name, _ in model.named_parameters()}
+        known = dict(model.named_parameters())
         foreign = [s.name for s in specs if s.name not in known]
+        if not foreign:  # every name is a parameter: a shape or a dtype differs, named here
+            check_specs(specs, {n: describe(n, param_data(p)) for n, p in known.items()})
+            raise LayoutMismatchError(
+                f"the trainer's tensors are parameters of the worker, but not laid out as its "
+                f"live arena ({len(specs)} tensors), and {type(model).__name__} has no "
+                f"load_weights to derive a receive plan from")
         raise LayoutMismatchError(
             f"tensor '{foreign[0]}' of the trainer's layout is not a parameter of the worker "
             f"({len(known)} parameters; {len(foreign)} of the trainer's tensors are not), and "
