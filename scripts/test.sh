@@ -185,16 +185,19 @@ readonly VLLM_DIR=build-vllm
 
 # The vllm step's test files (python/tests/), in lanes that run side by side. One pytest keeps
 # about one core busy: most of its time goes to processes importing vLLM and torch on one core
-# each, a tiny engine computes little, and the example and the benchmarks wait on their own
-# clocks. On the 2-core machine one pytest of them all once took 12 min, two lanes 385 s, three
-# 322 s; with test_vllm_api.py (vLLM's own weight-transfer calls, about 100 s) and
-# test_trl_grpo.py (real TRL: a vLLM server and two GRPO steps, about 40 s) the three lanes took
-# 504, 562 and 544 s side by side. The lanes are about equally long (the --durations lines of
-# each lane's log): test_vllm_tp.py's two TP=2 runs are a third of the step.
+# each and to vLLM's engine starts, a tiny engine computes little, and the example and the
+# benchmarks wait on their own clocks. With both cores busy the step lasts about its CPU work
+# over two, so the files start as few engines and processes as their checks allow: one child for
+# all of test_vllm_real.py's engines, reference engines in-process, one TP=2 run for
+# test_vllm_tp.py. In a CI run on the 2-core machine the three lanes took 374, 432 and 295 s
+# side by side with test_vllm_example.py (61 s) in the second lane; in the third, as below, that
+# makes about 374, 371 and 356 s (504, 562 and 544 s when test_vllm_tp.py made two TP=2 runs and
+# test_vllm_real.py used five child processes). Keep the lanes about equally long: the
+# --durations lines of each lane's log say what each file took.
 readonly VLLM_LANES=(
   "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py test_vllm_api_tensor_parallel_refusals.py"
-  "test_vllm_benches.py test_vllm_example.py test_readme_quick_start.py test_vllm_api.py"
-  "test_vllm_tp.py test_trl_grpo.py"
+  "test_vllm_benches.py test_readme_quick_start.py test_vllm_api.py"
+  "test_vllm_tp.py test_trl_grpo.py test_vllm_example.py"
 )
 
 # run_vllm_lane LANE FILE...: pytest of python/tests/FILE... with the vllm venv's python, output
