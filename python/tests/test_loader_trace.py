@@ -753,3 +753,8 @@ def test_the_engines_own_tensors_in_another_order_than_the_live_arena_get_a_plan
     assert not receives_in_place([TensorSpec(own[0].name, "bf16", own[0].shape)] + own[1:],
                                  descs, arena)
     assert not receives_in_place([TensorSpec("not_a_param", "fp32", (4,))], descs)
+    # A parameter's name with another shape (GPT-2's Conv1D weights, [in, out]) goes through the
+    # loader's plan, which transposes it.
+    matrix = next(s for s in own if len(s.shape) == 2 and s.shape[0] != s.shape[1])
+    transposed = TensorSpec(matrix.name, "fp32", tuple(reversed(matrix.shape)))
+    assert not receives_in_place([transposed if s is matrix else s for s in own], descs)
