@@ -134,6 +134,15 @@ std::vector<std::byte> send_and_apply(Sender& sender, Receiver& receiver, HostBa
   return wire_arena;
 }
 
+// The plan of `copies`, run bucket by bucket over random wire bytes (`seed`), equals the
+// reference.
+bool pieces_match_reference(const Layout& wire, const Layout& engine,
+                            const std::vector<PlanCopy>& copies, unsigned seed) {
+  const ReceivePlan plan = ReceivePlan::build(wire, engine, copies);
+  const auto wire_arena = random_bytes(wire.groups()[0].arena_bytes(), seed);
+  return run_pieces(plan, engine, wire_arena) == reference(wire, engine, copies, wire_arena);
+}
+
 }  // namespace
 
 TEST_CASE("a plan's pieces, bucket by bucket, give what the copies define") {
@@ -165,11 +174,9 @@ TEST_CASE("random copies of sub-blocks split at any bucket size match the refere
     const std::vector<PlanCopy> copies = {
         {"w", "e", {rows, cols}, r0 * C + c0, {C, 1}, 0, {cols, 1}},
         {"pad", "p", {1}, 0, {1}, 0, {1}}};
-    const ReceivePlan plan = ReceivePlan::build(wire, engine, copies);
-    const auto wire_arena = random_bytes(wire.groups()[0].arena_bytes(), trial);
     INFO("R=" << R << " C=" << C << " r0=" << r0 << " c0=" << c0 << " rows=" << rows
               << " cols=" << cols << " bucket=" << bucket);
-    REQUIRE(run_pieces(plan, engine, wire_arena) == reference(wire, engine, copies, wire_arena));
+    REQUIRE(pieces_match_reference(wire, engine, copies, trial));
   }
 }
 
@@ -189,10 +196,8 @@ TEST_CASE("a transposing copy (a Conv1D weight into a linear layer) matches the 
     // engine[o][i] = wire[i][o]
     const std::vector<PlanCopy> copies = {{"c_attn", "qkv", {out, in}, 0, {1, out}, 0, {in, 1}},
                                           {"pad", "p", {1}, 0, {1}, 0, {1}}};
-    const ReceivePlan plan = ReceivePlan::build(wire, engine, copies);
-    const auto wire_arena = random_bytes(wire.groups()[0].arena_bytes(), trial);
     INFO("in=" << in << " out=" << out << " bucket=" << bucket);
-    REQUIRE(run_pieces(plan, engine, wire_arena) == reference(wire, engine, copies, wire_arena));
+    REQUIRE(pieces_match_reference(wire, engine, copies, trial));
   }
 }
 
