@@ -105,6 +105,12 @@ def install_when_vllm_loads() -> None:
 
 def _traced(original):
     def process_weights_after_loading(model, *args, **kwargs):
+        from .unpacked import unpack_unconfigured_layers
+
+        # Before the trace's first look: the layers it unpacks are then as vLLM would load them
+        # with the quantization config, not something the step changed.
+        model_config = args[0] if args else kwargs.get("model_config")
+        unpack_unconfigured_layers(model, model_config)
         before = None
         try:
             before = _snapshot(model)

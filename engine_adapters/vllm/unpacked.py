@@ -16,6 +16,11 @@ Use: import this module in the process that creates the engine (or install the p
 ``vllm.LLM(model=..., quantization="shadowsync_unpacked", worker_extension_cls=...)``. vLLM's
 spawned processes import it again when they unpickle the config, which registers it there.
 
+vLLM builds some layers without the model's quantization config (Gemma-2's embedding, Mixtral's
+router gate): they get vLLM's plain unquantized methods, which repack. In an engine started with
+this method, ``unpack_unconfigured_layers`` gives them the unpacked methods too, just before vLLM's
+post-load step runs (the post-load trace calls it), so every unquantized weight stays unpacked.
+
 Cost: the layers run ``torch.nn.functional.linear`` instead of vLLM's packed CPU kernels.
 """
 
@@ -27,6 +32,24 @@ NAME = "shadowsync_unpacked"
 def register() -> None:
     """Registers the method with vLLM (idempotent): the ``vllm.general_plugins`` entry point."""
     _register()
+
+
+def unpack_unconfigured_layers(model, model_config) -> None:
+    """In an engine started with quantization="shadowsync_unpacked", the layers vLLM built
+    without that config (plain UnquantizedLinearMethod / UnquantizedEmbeddingMethod) get the
+    unpacked methods before vLLM's post-load step runs. Nothing for any other engine."""
+    if getattr(model_config, "quantization", None) != NAME:
+        return
+    _register()
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    unpacked = {UnquantizedLinearMethod: UnpackedLinearMethod,
+                UnquantizedEmbeddingMethod: UnpackedEmbeddingMethod}
+    for module in model.modules():
+        replacement = unpacked.get(type(getattr(module, "quant_method", None)))
+        if replacement is not None:
+            module.quant_method = replacement()
 
 
 def _register():
@@ -43,23 +66,25 @@ def _register():
     from .post_load_trace import install as trace_post_load
 
     trace_post_load()  # this runs in every vLLM process that is to serve shadowsync
-    global UnpackedConfig
+    global UnpackedConfig, UnpackedLinearMethod, UnpackedEmbeddingMethod
     if "UnpackedConfig" in globals():
         return UnpackedConfig
 
-    class UnpackedLinearMethod(UnquantizedLinearMethod):
+    class _UnpackedLinearMethod(UnquantizedLinearMethod):
         def process_weights_after_loading(self, layer):
             pass  # the loaded parameter stays the weight: no packed copy, no empty parameter
 
         def apply(self, layer, x, bias=None):
             return F.linear(x, layer.weight, bias)
 
-    class UnpackedEmbeddingMethod(UnquantizedEmbeddingMethod):
+    class _UnpackedEmbeddingMethod(UnquantizedEmbeddingMethod):
         def process_weights_after_loading(self, layer):
             pass
 
         def apply(self, layer, x, bias=None):  # lm_head's logits, from the parameter itself
             return F.linear(x, layer.weight, bias)
+
+    UnpackedLinearMethod, UnpackedEmbeddingMethod = _UnpackedLinearMethod, _UnpackedEmbeddingMethod
 
     class _UnpackedConfig(QuantizationConfig):
         def get_name(self):
