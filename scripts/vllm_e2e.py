@@ -62,6 +62,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "python" / "tests"))
+from vllm_models import ARCHS  # noqa: E402 - plain Python, no torch
+
 PROMPTS = [[1, 72, 101, 108, 108, 111], [1, 84, 104, 101, 32, 113, 117], [1, 50, 43, 50, 61]]
 TOKENS = 24
 
@@ -142,13 +144,14 @@ def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
 
 def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
             receivers: int, adapters: dict, omit: list[str], nccl: bool = False, gpu: int = 0):
-    """The trainer process, on GPU `gpu`: HF models of every version (and
+    """The trainer process, on GPU `gpu`: the tensors of every version's HF model
+    (vllm_models.trainer_tensors) and
     its LoRA adapter's PEFT tensors, in group "lora", lora_B scaled as vLLM computes with it),
     one Sender over the same-host transport, or over NCCL (rank 0 of 1 + receivers) with
     `nccl`."""
     import torch
-    import transformers
     from safetensors.torch import load_file
+    from vllm_models import trainer_tensors
 
     import shadowsync as ss
     import shadowsync.vllm as ssv
@@ -157,12 +160,9 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
     where = f"cuda:{gpu}" if device == "cuda" else "cpu"
     if device == "cuda":
         torch.cuda.set_device(gpu)
-    models = {}
-    for version, checkpoint in checkpoints.items():
-        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
-        models[version] = model.to(where)
-    named = {v: {n: p for n, p in m.named_parameters() if n not in omit}
-             for v, m in models.items()}
+    named = {v: {n: t.to(where) for n, t in trainer_tensors(checkpoint, dtype).items()
+                 if n not in omit}
+             for v, checkpoint in checkpoints.items()}
     groups = {}
     for version, adapter in adapters.items():
         # In the engine's dtype first, then scaled: the order vLLM loads an adapter in.
@@ -205,7 +205,7 @@ def main() -> int:
     parser.add_argument("--lora-embeddings", action="store_true",
                         help="with --lora: the adapters also adapt embed_tokens and lm_head")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
-    parser.add_argument("--arch", default="llama", help="llama, qwen2 (biases, tied), qwen3, phi3")
+    parser.add_argument("--arch", default="llama", help=", ".join(ARCHS) + " (vllm_models.py)")
     parser.add_argument("--backend", choices=("shadowsync", "shadowsync_live_arena",
                                               "shadowsync_graph_pairs"),
                         help="the engine under test starts with weight_transfer_config "

@@ -12,9 +12,10 @@ So the post-load step itself is traced, not guessed per architecture: ``install(
 ``process_weights_after_loading`` so that, around the real call at load time, every module's
 parameters (shape, strides, dtype and a position-sensitive digest of their bytes) and attributes
 (its own and its quant method's) are taken before and after. What changed is kept on the model
-(``PostLoadRecord``). At set-up, ``refuse_post_load_transforms(model, ...)`` refuses an engine
-where the step changed a parameter or set something that is not a plain value (a tensor, a
-function, a kernel object), naming the layer, its quant method and what the step did. One check
+(``PostLoadRecord``). At set-up, ``check_post_load_transforms(model, ...)`` accepts the one
+transform an update is written through (vLLM CPU's expert packing: a reordering the plan writes
+into, expert_packing.py) and refuses an engine where the step otherwise changed a parameter or
+set something that is not a plain value (a tensor, a function, a kernel object), naming the layer, its quant method and what the step did. One check
 decides by running the layer, not by its class: a layer that gained such an attribute but still
 computes from its parameter (a lookup embedding beside its unused packed copy) passes, shown by
 calling its quant method on a copy of the layer with other weights, in each role the model gives
@@ -38,8 +39,8 @@ from shadowsync.layout import format_shape
 
 from .import_hook import when_imported
 
-__all__ = ["PostLoadChange", "PostLoadRecord", "install", "install_when_vllm_loads",
-           "refuse_post_load_transforms"]
+__all__ = ["PostLoadChange", "PostLoadRecord", "check_post_load_transforms", "install",
+           "install_when_vllm_loads"]
 
 RECORD_ATTR = "_shadowsync_post_load"
 _LOADER_UTILS = "vllm.model_executor.model_loader.utils"  # where vLLM defines the step
@@ -359,34 +360,51 @@ def _close(torch, got, want) -> bool:
         torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
 
 
+# What vLLM CPU's grouped-GEMM experts change when they repack (expert_packing.py).
+_PACKING_PARAMETERS = {"w13_weight", "w2_weight"}
+_PACKING_ATTRIBUTES = {"quant_method.moe_quant_config", "quant_method.moe_kernel"}
+
+
+def _expert_packing(model, layer: str, changes: list[PostLoadChange]) -> dict | None:
+    """{parameter: PackedOrder} when what the step did to `layer` is vLLM CPU's expert packing
+    and nothing else; None otherwise."""
+    from .expert_packing import cpu_expert_packing
+
+    for c in changes:
+        if c.kind == "parameter" and not (c.name in _PACKING_PARAMETERS
+                                          and c.what.startswith("rewrote its values in place")):
+            return None
+        if c.kind == "attribute" and c.name not in _PACKING_ATTRIBUTES:
+            return None
+    if not any(c.kind == "parameter" for c in changes):
+        return None
+    return cpu_expert_packing(model.get_submodule(layer), layer)
+
+
 def _advice(changes: list[PostLoadChange], quantization: str | None, device: str) -> str:
     from .unpacked import NAME as UNPACKED
 
-    supported = ("supported are dense models whose layers compute from their parameters "
-                 "(tested: llama, qwen2, qwen3, phi3 on vLLM CPU with quantization="
-                 f"\"{UNPACKED}\"; unquantized dense models on CUDA); MoE experts and FP8 "
-                 "weights are not yet")
-    if device == "cpu" and quantization == UNPACKED:
-        unreached = sorted({c.layer for c in changes if c.method.startswith("Unquantized")})
-        if unreached:
-            shown = ", ".join(f"'{n}'" for n in unreached[:_MAX_LISTED])
-            return (f"quantization=\"{UNPACKED}\" is in use, but vLLM builds {shown} without "
-                    f"the model's quantization config, so it does not reach these layers and "
-                    f"vLLM's CPU backend repacks them; {supported}")
-    elif device == "cpu" and quantization is None and any(
+    supported = ("supported are weights vLLM computes with as loaded, and the expert packing of "
+                 f"vLLM CPU's MoE layers (quantization=\"{UNPACKED}\" on vLLM CPU; unquantized "
+                 "weights on CUDA); quantized weights (FP8) and other post-load transforms are "
+                 "not yet")
+    if device == "cpu" and quantization is None and any(
             c.method.startswith("Unquantized") for c in changes):
         return (f"start vLLM with quantization=\"{UNPACKED}\" (vLLM's unquantized weights "
                 f"without the CPU repacking); {supported}")
     return supported
 
 
-def refuse_post_load_transforms(model, quantization: str | None = None,
-                                device: str = "cpu") -> None:
-    """Raises LayoutMismatchError, naming every layer, its quant method and what vLLM's post-load
-    step did, when that step changed a weight or derived something from one that the layer
-    computes with; nothing when it left every weight as loaded. A vLLM model whose post-load step
-    was not traced (shadowsync.vllm imported only after the engine loaded) is refused too; a
-    model without quant methods (not vLLM's) passes."""
+def check_post_load_transforms(model, quantization: str | None = None,
+                               device: str = "cpu") -> dict:
+    """What vLLM's post-load step did to the weights, checked. Returns {parameter name:
+    PackedOrder} for the one transform an update is written through (vLLM CPU's expert packing,
+    expert_packing.py: a reordering the plan writes into directly); raises LayoutMismatchError,
+    naming every layer, its quant method and what the step did, when the step changed a weight in
+    any other way or derived something from one that the layer computes with. Empty when it left
+    every weight as loaded. A vLLM model whose post-load step was not traced (shadowsync.vllm
+    imported only after the engine loaded) is refused too; a model without quant methods (not
+    vLLM's) passes."""
     record = getattr(model, RECORD_ATTR, None)
     if record is None:
         modules = model.modules() if callable(getattr(model, "modules", None)) else ()
@@ -399,7 +417,7 @@ def refuse_post_load_transforms(model, quantization: str | None = None,
                 "computes with: import shadowsync.vllm in the process that creates the engine "
                 "before it loads (vLLM's workers do so through worker_extension_cls), or install "
                 "the package (its vLLM plugin traces every process)")
-        return
+        return {}
     if record.failure:
         raise LayoutMismatchError(
             f"tracing vLLM's post-load step failed ({record.failure}), so nothing shows that the "
@@ -413,8 +431,12 @@ def refuse_post_load_transforms(model, quantization: str | None = None,
               if layer and all(c.kind == "attribute" for c in changes)}
     logits_layers = _logits_layers(model, {n: m for n, m in probed.items()
                                            if "weight" in m._parameters})
-    refused = []
+    refused, packed = [], {}
     for layer, changes in by_layer.items():
+        orders = _expert_packing(model, layer, changes)
+        if orders:
+            packed.update(orders)
+            continue
         if layer in probed:
             follows = _computes_from_its_weight(model, layer, logits_layers)
             if follows:
@@ -427,7 +449,7 @@ def refuse_post_load_transforms(model, quantization: str | None = None,
                      "what the step set (only embeddings and linear layers can be probed)")]
         refused.extend(changes)
     if not refused:
-        return
+        return packed
     layers = []
     for layer in dict.fromkeys(c.layer for c in refused):
         mine = [c for c in refused if c.layer == layer]

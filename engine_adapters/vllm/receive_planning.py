@@ -56,16 +56,45 @@ def receives_in_place(specs: list[TensorSpec], descs: dict, live_arena=None) -> 
         and tuple(s.shape) == tuple(t.shape) for s, t in zip(specs, arena))
 
 
+def packed_in_place_plan(layout: Layout, packed: dict):
+    """A plan for a trainer that sends the engine's own parameters (`layout`) when vLLM keeps
+    some of them packed (`packed`: {name: PackedOrder}, expert_packing.py): each tensor copied
+    whole, into its packed order where it has one. None when none of them is packed (the receive
+    is zero-copy)."""
+    from shadowsync.receive_plan import PlanCopy, ReceivePlan
+
+    from .expert_packing import compose_all
+
+    tensors = [t for g in layout.groups for t in g.tensors]
+    if not any(t.name in packed for t in tensors):
+        return None
+    copies = []
+    for s in tensors:
+        strides = tuple(int(_prod(s.shape[k + 1:])) for k in range(len(s.shape)))
+        copies.append(PlanCopy(s.name, s.name, tuple(s.shape), 0, strides, 0, strides))
+    return ReceivePlan(layout, compose_all(copies, packed))
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
+
+
 def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partial: bool,
-                  live_arena=None):
+                  live_arena=None, packed: dict | None = None):
     """(engine layout, ReceivePlan, {engine parameter name: parameter}) from the model's own
     load_weights, traced without data (loader_trace). The engine layout holds the parameters the
-    plan writes, each in the group of the trainer's tensors that write it. With `live_arena`
+    plan writes, each in the group of the trainer's tensors that write it; copies into a
+    parameter vLLM keeps packed (`packed`, expert_packing.py) go to its packed positions. With
+    `live_arena`
     (the live-arena engine the receiver will swap by remap) and allow_partial, it holds every
     parameter in the model's order, as the arena does: the ones no trainer tensor writes are the
     plan's kept tensors (the receiver copies their live bytes into each slot once)."""
     from shadowsync.receive_plan import ReceivePlan
 
+    from .expert_packing import compose_all
     from .loader_trace import trace_load_weights
 
     if not callable(getattr(model, "load_weights", None)):
@@ -116,11 +145,12 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
     # name among the wrapped model's parameters.
     descs = {n: describe(n, param_data(p)) for n, p in params.items()}
     engine = Layout([TensorSpec(n, descs[n].dtype, descs[n].shape, group_of[n]) for n in names])
-    return engine, ReceivePlan(wire, trace.copies, kept), params
+    return engine, ReceivePlan(wire, compose_all(trace.copies, packed or {}), kept), params
 
 
 def receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter: int | None,
-                            bucket_bytes: int, allow_partial: bool, live_arena=None):
+                            bucket_bytes: int, allow_partial: bool, live_arena=None,
+                            packed: dict | None = None):
     """(engine layout, ReceivePlan, params, descs) for a trainer that sends a LoRA adapter's
     tensors (and maybe base weights): the base through receive_plan, the adapter into its vLLM
     slot (lora_plan.py). Both in one plan over the trainer's layout as it sends it."""
@@ -151,7 +181,7 @@ def receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter:
     base_specs = [s for s in specs if not is_lora_tensor(s.name)]
     if base_specs:
         base_layout, base_plan, base_params = receive_plan(model, base_specs, bucket_bytes,
-                                                            allow_partial, live_arena)
+                                                            allow_partial, live_arena, packed)
         copies += base_plan.copies
         kept = base_plan.kept
         engine_specs = list(base_layout.specs) + engine_specs

@@ -23,9 +23,9 @@ from shadowsync.transport import Transport, nccl_transport, same_host_transport
 from . import step_hook_site, tensor_parallel, vllm_worker
 from .init_info import ShadowsyncInitInfo
 from .lora_plan import is_lora_tensor
-from .post_load_trace import refuse_post_load_transforms
-from .receive_planning import (check_specs, placement, receive_plan, receive_plan_with_lora,
-                               receives_in_place, refuse_empty)
+from .post_load_trace import check_post_load_transforms
+from .receive_planning import (check_specs, packed_in_place_plan, placement, receive_plan,
+                               receive_plan_with_lora, receives_in_place, refuse_empty)
 from .update_group import UpdateGroup, address, adopt, param_data
 
 __all__ = ["set_up_update_group"]
@@ -51,7 +51,9 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
     descs = {name: describe(name, param_data(p)) for name, p in params.items()}
     kind, device = placement(descs)
     # Before anything else reads the parameters: are they what the model computes with?
-    refuse_post_load_transforms(model, vllm_worker.quantization(worker), device.split(":")[0])
+    # (vLLM CPU's packed experts are written in their packed order: `packed`.)
+    packed = check_post_load_transforms(model, vllm_worker.quantization(worker),
+                                        device.split(":")[0])
     refuse_empty(params)
 
     chosen = swap_strategy if swap_strategy is not None else (
@@ -76,17 +78,20 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
             for n, d in descs.items()
         ]
         layout = Layout(specs, bucket_bytes)
+        plan = packed_in_place_plan(layout, packed)
     else:
         specs = [TensorSpec.coerce(s) for s in specs]
         if lora_adapter is not None or any(is_lora_tensor(s.name) for s in specs):
             layout, plan, params, descs = receive_plan_with_lora(
-                worker, model, specs, lora_adapter, bucket_bytes, allow_partial, arena_to_remap)
+                worker, model, specs, lora_adapter, bucket_bytes, allow_partial, arena_to_remap,
+                packed)
         elif receives_in_place(specs, descs, arena_to_remap):
             check_specs(specs, descs)  # the engine's own layout: zero-copy receive
             layout = Layout(specs, bucket_bytes)
+            plan = packed_in_place_plan(layout, packed)
         else:
             layout, plan, params = receive_plan(model, specs, bucket_bytes, allow_partial,
-                                                 arena_to_remap)
+                                                 arena_to_remap, packed)
             descs = {name: describe(name, param_data(p)) for name, p in params.items()}
 
     backend: Backend

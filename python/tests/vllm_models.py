@@ -17,7 +17,8 @@ Architectures, chosen for what they exercise in vLLM's weight loading:
   qwen3  - q_norm / k_norm per head, no biases; own lm_head.
   phi3   - qkv_proj and gate_up_proj already fused in HF (vLLM loads them whole).
   qwen3_moe, mixtral - 4 experts, 2 per token: vLLM stacks them into w13/w2, and its CPU backend
-           repacks those after loading (same shape, other order).
+           repacks those after loading (same shape, other order); Mixtral's router gate is built
+           without the model's quantization config.
   gemma2 - embedding and lm_head tied, built by vLLM without the model's quantization config.
   gpt2   - Hugging Face's Conv1D weights ([in, out]), which vLLM's loader transposes; tied.
 
@@ -29,10 +30,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3")
-# Architectures vLLM transforms after loading (MoE experts, layers it builds without the model's
-# quantization config): the set-up must refuse them, naming what vLLM does.
-TRANSFORMED_ARCHS = ("qwen3_moe", "mixtral", "gemma2")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "gemma2", "gpt2")
+# Architectures whose module names in transformers 5 are not what vLLM's loader takes: Mixtral
+# holds each layer's experts as one fused tensor (mlp.experts.gate_up_proj) while its
+# checkpoints, and vLLM's loader, name each expert's w1/w2/w3. Their trainer sends the tensors as
+# the checkpoint names them (what save_pretrained writes: trainer_tensors).
+CHECKPOINT_NAMED = ("mixtral",)
 EXPERTS = 4
 
 VOCAB_SIZE = 320  # 256 byte tokens + 3 specials + fillers
@@ -97,8 +100,7 @@ def make_config(arch: str, vocab_size: int = VOCAB_SIZE):
     if arch == "gemma2":
         return transformers.Gemma2Config(**common, head_dim=HEAD_DIM, tie_word_embeddings=True,
                                          sliding_window=MAX_POSITIONS)
-    raise ValueError(f"make_config: unknown arch {arch!r}; known: "
-                     f"{', '.join(ARCHS + TRANSFORMED_ARCHS)}")
+    raise ValueError(f"make_config: unknown arch {arch!r}; known: {', '.join(ARCHS)}")
 
 
 def make_tokenizer(vocab_size: int = VOCAB_SIZE):
@@ -155,6 +157,25 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0,
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def trainer_tensors(path: str | os.PathLike, dtype) -> dict:
+    """What a trainer of checkpoint `path` sends, in torch dtype `dtype`: its Hugging Face
+    model's named_parameters(), or for CHECKPOINT_NAMED architectures the tensors as the
+    checkpoint names them."""
+    import json
+
+    import torch
+    import transformers
+
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    if model_type in CHECKPOINT_NAMED:
+        from safetensors.torch import load_file
+
+        return {n: t.to(dtype).contiguous()
+                for n, t in load_file(str(Path(path) / "model.safetensors")).items()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {n: p.detach().to(dtype).contiguous() for n, p in model.named_parameters()}
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

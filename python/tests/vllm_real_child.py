@@ -78,14 +78,13 @@ def greedy(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
 
 
 def hf_tensors(path: str, dtype: str) -> dict:
-    """The trainer's tensors: a Hugging Face model's named_parameters(), fp32 on disk, cast to
-    the engine's dtype."""
+    """The trainer's tensors (vllm_models.trainer_tensors: a Hugging Face model's
+    named_parameters()), fp32 on disk, cast to the engine's dtype."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    target = getattr(torch, TORCH_DTYPE[dtype])
-    return {n: p.detach().to(target).contiguous() for n, p in model.named_parameters()}
+    from vllm_models import trainer_tensors
+
+    return trainer_tensors(path, getattr(torch, TORCH_DTYPE[dtype]))
 
 
 # --- the trainer process -------------------------------------------------------------------------
