@@ -360,25 +360,36 @@ def _close(torch, got, want) -> bool:
         torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
 
 
-# What vLLM CPU's grouped-GEMM experts change when they repack (expert_packing.py).
-_PACKING_PARAMETERS = {"w13_weight", "w2_weight"}
-_PACKING_ATTRIBUTES = {"quant_method.moe_quant_config", "quant_method.moe_kernel"}
+# What vLLM changes on a MoE layer when it sets up its expert kernel after loading, and on vLLM CPU
+# when its grouped GEMM repacks the experts (expert_packing.py).
+_MOE_KERNEL_ATTRIBUTES = {"quant_method.moe_quant_config", "quant_method.moe_kernel"}
+_PACKED_EXPERTS = {"w13_weight", "w2_weight"}
 
 
-def _expert_packing(model, layer: str, changes: list[PostLoadChange]) -> dict | None:
-    """{parameter: PackedOrder} when what the step did to `layer` is vLLM CPU's expert packing
-    and nothing else; None otherwise."""
+def _moe_kernel_set_up(model, layer: str, changes: list[PostLoadChange]) -> dict | None:
+    """{parameter: PackedOrder} (empty when nothing is packed) when what the step did to `layer`
+    is vLLM setting up its MoE kernel, maybe with vLLM CPU's expert packing; None otherwise.
+    The kernel is called with the layer's w13_weight and w2_weight at every step, so an update
+    of them takes effect. Layers with expert biases are not accepted: the kernel's config holds
+    those tensors themselves."""
     from .expert_packing import cpu_expert_packing
 
-    for c in changes:
-        if c.kind == "parameter" and not (c.name in _PACKING_PARAMETERS
-                                          and c.what.startswith("rewrote its values in place")):
-            return None
-        if c.kind == "attribute" and c.name not in _PACKING_ATTRIBUTES:
-            return None
-    if not any(c.kind == "parameter" for c in changes):
+    module = model.get_submodule(layer)
+    if any(name.endswith("_bias") for name in module._parameters):
         return None
-    return cpu_expert_packing(model.get_submodule(layer), layer)
+    if not any(c.kind == "attribute" and c.name in _MOE_KERNEL_ATTRIBUTES for c in changes):
+        return None
+    repacked = False
+    for c in changes:
+        if c.kind == "attribute" and c.name not in _MOE_KERNEL_ATTRIBUTES:
+            return None
+        if c.kind == "parameter":
+            if c.name not in _PACKED_EXPERTS or not c.what.startswith("rewrote its values"):
+                return None
+            repacked = True
+    if not repacked:
+        return {}
+    return cpu_expert_packing(module, layer)
 
 
 def _advice(changes: list[PostLoadChange], quantization: str | None, device: str) -> str:
@@ -399,7 +410,8 @@ def check_post_load_transforms(model, quantization: str | None = None,
                                device: str = "cpu") -> dict:
     """What vLLM's post-load step did to the weights, checked. Returns {parameter name:
     PackedOrder} for the one transform an update is written through (vLLM CPU's expert packing,
-    expert_packing.py: a reordering the plan writes into directly); raises LayoutMismatchError,
+    expert_packing.py: a reordering the plan writes into directly). A MoE kernel vLLM sets up
+    over the layer's own experts passes. Raises LayoutMismatchError,
     naming every layer, its quant method and what the step did, when the step changed a weight in
     any other way or derived something from one that the layer computes with. Empty when it left
     every weight as loaded. A vLLM model whose post-load step was not traced (shadowsync.vllm
@@ -433,8 +445,8 @@ def check_post_load_transforms(model, quantization: str | None = None,
                                            if "weight" in m._parameters})
     refused, packed = [], {}
     for layer, changes in by_layer.items():
-        orders = _expert_packing(model, layer, changes)
-        if orders:
+        orders = _moe_kernel_set_up(model, layer, changes) if layer else None
+        if orders is not None:
             packed.update(orders)
             continue
         if layer in probed:

@@ -36,6 +36,10 @@ ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "gemma2", "g
 # checkpoints, and vLLM's loader, name each expert's w1/w2/w3. Their trainer sends the tensors as
 # the checkpoint names them (what save_pretrained writes: trainer_tensors).
 CHECKPOINT_NAMED = ("mixtral",)
+# qwen3_moe with an experts' intermediate size (48) vLLM CPU pads to a multiple of 32 after
+# loading: a post-load step shadowsync does not reproduce, so the set-up refuses it.
+PADDED_MOE = "qwen3_moe_padded"
+PADDED_MOE_INTERMEDIATE = 48
 EXPERTS = 4
 
 VOCAB_SIZE = 320  # 256 byte tokens + 3 specials + fillers
@@ -82,10 +86,11 @@ def make_config(arch: str, vocab_size: int = VOCAB_SIZE):
     if arch == "phi3":
         return transformers.Phi3Config(**common, tie_word_embeddings=False,
                                        sliding_window=None)
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", PADDED_MOE):
+        experts_intermediate = INTERMEDIATE // 2 if arch == "qwen3_moe" else PADDED_MOE_INTERMEDIATE
         return transformers.Qwen3MoeConfig(**common, head_dim=HEAD_DIM, num_experts=EXPERTS,
                                            num_experts_per_tok=2,
-                                           moe_intermediate_size=INTERMEDIATE // 2,
+                                           moe_intermediate_size=experts_intermediate,
                                            decoder_sparse_step=1, tie_word_embeddings=False,
                                            use_sliding_window=False)
     if arch == "mixtral":
@@ -100,7 +105,8 @@ def make_config(arch: str, vocab_size: int = VOCAB_SIZE):
     if arch == "gemma2":
         return transformers.Gemma2Config(**common, head_dim=HEAD_DIM, tie_word_embeddings=True,
                                          sliding_window=MAX_POSITIONS)
-    raise ValueError(f"make_config: unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+    raise ValueError(f"make_config: unknown arch {arch!r}; known: "
+                     f"{', '.join(ARCHS + (PADDED_MOE,))}")
 
 
 def make_tokenizer(vocab_size: int = VOCAB_SIZE):
