@@ -14,7 +14,8 @@ its own group (PEFT tensors) with the base; each rank's LoRA shards land in its 
 stacked LoRA buffers. At every stage both the requests without an adapter (the base model
 alone) and those with the adapter answer as a fresh TP=2 vLLM (enable_lora) of the new checkpoint
 that loaded the new adapter. Three TP=2 engines start: the references of A and B, and the
-engine under test."""
+engine under test. A second run does the same for a MoE model (qwen3_moe, its experts packed by
+vLLM CPU), without LoRA."""
 
 import os
 import subprocess
@@ -65,3 +66,24 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
     assert any("does not take refused" in line for line in ok), lines
     # A commit of a version no rank holds ready: refused on every rank, nothing flipped anywhere.
     assert sum("refused on every rank" in line for line in ok) == UPDATES, lines
+
+
+def test_a_tensor_parallel_moe_engine_takes_updates_into_its_packed_experts():
+    """qwen3_moe with tensor_parallel_size=2 (scripts/vllm_e2e.py --arch qwen3_moe --tp 2): each
+    rank holds its slice of every expert, repacked by vLLM CPU for its grouped GEMM; each rank's
+    plan writes its slice of the trainer's experts into that packed order. Three updates, the
+    third self-checked, each token for token against a fresh TP=2 vLLM; the ranks commit at the
+    same steps. (No LoRA: vLLM CPU serves none for MoE layers.)"""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_e2e.py"), "--device", "cpu",
+                          "--arch", "qwen3_moe", "--tp", "2"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[vllm-e2e]")]
+    assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
+    ok = [line for line in lines if line.startswith("[vllm-e2e] ok")]
+    # Before set-up, after the refused set-up, after set-up, after each update, after the close.
+    assert sum("answers equal a fresh vLLM of" in line for line in ok) == 7, lines
+    assert sum(line.startswith("[vllm-e2e] update ") for line in lines) == 3, lines
+    assert sum("step versions of the 2 ranks agree" in line for line in ok) == 1, lines
+    assert sum("(self-check: every parameter matched the live copy" in line
+               for line in lines) == 1, lines
