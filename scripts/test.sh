@@ -189,15 +189,14 @@ readonly VLLM_DIR=build-vllm
 # benchmarks wait on their own clocks. With both cores busy the step lasts about its CPU work
 # over two, so the files start as few engines and processes as their checks allow: one child for
 # all of test_vllm_real.py's engines, reference engines in-process, one TP=2 run for
-# test_vllm_tp.py. In a CI run on the 2-core machine the three lanes took 374, 432 and 295 s
-# side by side with test_vllm_example.py (61 s) in the second lane; in the third, as below, that
-# makes about 374, 371 and 356 s (504, 562 and 544 s when test_vllm_tp.py made two TP=2 runs and
-# test_vllm_real.py used five child processes). Keep the lanes about equally long: the
-# --durations lines of each lane's log say what each file took.
+# test_vllm_tp.py (and one for a MoE model). In a CI run on the 2-core machine the three lanes
+# took 381, 467 and 324 s with test_vllm_example.py (61 s) in the third lane; test_vllm_tp.py's
+# MoE run added about 100 s there, so the example moved to the first. Keep the lanes about
+# equally long: the --durations lines of each lane's log say what each file took.
 readonly VLLM_LANES=(
-  "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py test_vllm_api_tensor_parallel_refusals.py"
+  "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py test_vllm_api_tensor_parallel_refusals.py test_vllm_example.py test_expert_packing.py test_fp8_quantize.py"
   "test_vllm_benches.py test_readme_quick_start.py test_vllm_api.py"
-  "test_vllm_tp.py test_trl_grpo.py test_vllm_example.py"
+  "test_vllm_tp.py test_trl_grpo.py"
 )
 
 # run_vllm_lane LANE FILE...: pytest of python/tests/FILE... with the vllm venv's python, output

@@ -132,6 +132,16 @@ class Backend {
   virtual void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                                      std::uint64_t* result, Stream& stream);
 
+  // FP8 quantization as vLLM computes it after loading (optional; both backends of this project
+  // have it): enqueues on `stream` the per-part quantization of `elements` elements of `dtype`
+  // (kBFloat16, kFloat16, kFloat32) at `src`, cut into `parts` equal consecutive parts (one for
+  // a layer, one per expert of a MoE layer): per part, scales[part] = max|x| / 448 (float32) and
+  // each element float8_e4m3fn(x / scale) into `dst` (`elements` bytes;
+  // plugin/core/fp8_quantize.h has the arithmetic). `src` and `dst` must not overlap. The
+  // default throws Error(kBackend) naming the backend. One thread at a time per stream.
+  virtual void quantize_fp8_async(const void* src, DType dtype, std::size_t elements,
+                                  std::size_t parts, void* dst, float* scales, Stream& stream);
+
   // Virtual memory remapping, for the remap swap strategy (optional). Why this backend cannot
   // remap (no VMM, no such device), or an empty string when it can. The default names the
   // backend. Never throws. Thread-safe.

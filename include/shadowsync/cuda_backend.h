@@ -95,6 +95,9 @@ class CudaBackend final : public Backend {
                       Stream& stream) override;
   void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                              std::uint64_t* result, Stream& stream) override;
+  // Per-tensor FP8 quantization (Backend::quantize_fp8_async), as kernels on the stream (plugin/backends/cuda/fp8_kernels.cu).
+  void quantize_fp8_async(const void* src, DType dtype, std::size_t elements, std::size_t parts,
+                          void* dst, float* scales, Stream& stream) override;
 
   // The remap swap strategy's memory (plugin/backends/cuda/cuda_remap.cpp over VmmSlots): the reason is
   // empty where the device and driver support CUDA virtual memory management. The arena's slots

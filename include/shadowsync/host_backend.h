@@ -48,6 +48,9 @@ class HostBackend final : public Backend {
                       Stream& stream) override;
   void count_nonfinite_async(const void* data, std::size_t elements, DType dtype,
                              std::uint64_t* result, Stream& stream) override;
+  // Per-tensor FP8 quantization (Backend::quantize_fp8_async), element by element on the stream's thread.
+  void quantize_fp8_async(const void* src, DType dtype, std::size_t elements, std::size_t parts,
+                          void* dst, float* scales, Stream& stream) override;
 
   // A gate is a task that holds the stream's thread until open().
   std::unique_ptr<StreamGate> create_stream_gate() override;

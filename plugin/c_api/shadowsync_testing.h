@@ -49,6 +49,16 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_testing_loopback_inject_flip(
 SHADOWSYNC_API shadowsync_status_t shadowsync_testing_host_arena_create(
     shadowsync_backend_t backend, size_t bytes, int live_slot, shadowsync_remap_arena_t* arena);
 
+/* HostBackend::quantize_fp8_async on a stream of its own, waited for: `elements` elements of
+ * `dtype` ("bf16", "fp16", "fp32") at `src` in `parts` equal parts into `dst` (float8_e4m3fn,
+ * `elements` bytes) and `scales` (`parts` floats), as vLLM quantizes a weight after loading
+ * (plugin/core/fp8_quantize.h). Plain host memory, no handles: tests compare it with another
+ * implementation. SHADOWSYNC_INVALID_ARGUMENT as the backend call refuses. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_testing_quantize_fp8(const void* src,
+                                                                  const char* dtype,
+                                                                  size_t elements, size_t parts,
+                                                                  void* dst, float* scales);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,5 +1,5 @@
-// The C ABI's test hooks (c_api/shadowsync_testing.h): fault injection into a loopback world, and
-// an engine arena in host memory.
+// The C ABI's test hooks (c_api/shadowsync_testing.h): fault injection into a loopback world, an
+// engine arena in host memory, and the host backend's FP8 quantization on plain memory.
 // Not in the product library libshadowsync_c.so: built, with the tests only, into
 // libshadowsync_c_testing.so and the static shadowsync_c_api_testing (plugin/c_api/CMakeLists.txt).
 #include "c_api/shadowsync_testing.h"
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "c_api/c_api_internal.h"
+#include "shadowsync/host_backend.h"
 
 using namespace shadowsync;
 using namespace shadowsync::c_api;
@@ -85,6 +86,19 @@ shadowsync_status_t shadowsync_testing_host_arena_create(shadowsync_backend_t ba
     }
     object->arena = std::make_shared<HostSlotsArena>(bytes, live_slot);
     out = to_handle<shadowsync_remap_arena_t>(std::move(object));
+  });
+}
+
+shadowsync_status_t shadowsync_testing_quantize_fp8(const void* src, const char* dtype,
+                                                   size_t elements, size_t parts, void* dst,
+                                                   float* scales) {
+  return guard(__func__, [&] {
+    if (dtype == nullptr) throw_invalid("'dtype' is NULL");
+    HostBackend backend;
+    auto stream = backend.create_stream(StreamPriority::kLow);
+    backend.quantize_fp8_async(src, dtype_from_string(dtype), elements, parts, dst, scales,
+                               *stream);
+    backend.stream_synchronize(*stream);
   });
 }
 

@@ -27,6 +27,15 @@ void Backend::count_nonfinite_async(const void* /*data*/, std::size_t elements, 
                           name(), elements, dtype_name(dtype)));
 }
 
+void Backend::quantize_fp8_async(const void* /*src*/, DType dtype, std::size_t elements,
+                                 std::size_t /*parts*/, void* /*dst*/, float* /*scales*/,
+                                 Stream& /*stream*/) {
+  throw Error(ErrorCode::kBackend,
+              fmt::format("backend '{}' has no quantize_fp8_async (asked for {} {} elements); an "
+                          "engine whose weights are FP8 needs the host or the CUDA backend",
+                          name(), elements, dtype_name(dtype)));
+}
+
 std::string Backend::remap_unsupported_reason() const {
   return fmt::format("backend '{}' has no virtual memory remapping (only the CUDA backend on a "
                      "device with CUDA VMM has)",

@@ -1,4 +1,5 @@
-// The argument checks of Backend::checksum_async and count_nonfinite_async, shared by every
+// The argument checks of Backend::checksum_async, count_nonfinite_async and quantize_fp8_async
+// (the data-path kernels besides copies), shared by every
 // backend that has them: each throws Error(kInvalidArgument) naming the call, the pointers and
 // the sizes, before anything is enqueued. `alignment` is what the backend's implementation needs
 // of `data` (1: none).
@@ -43,6 +44,37 @@ inline void check_nonfinite_args(std::string_view call, const void* data, std::s
                             "({} {} elements)",
                             call, data, static_cast<const void*>(result), alignment, elements,
                             dtype_name(dtype)));
+  }
+}
+
+// Also refuses a source dtype other than fp32, fp16 and bf16, parts that do not divide the
+// elements, and overlapping source and destination.
+inline void check_quantize_fp8_args(std::string_view call, const void* src, DType dtype,
+                                    std::size_t elements, std::size_t parts, const void* dst,
+                                    const float* scales) {
+  if (!dtype_has_nonfinite_check(dtype)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: source dtype {} cannot be quantized to fp8 (fp32, fp16 and bf16 "
+                            "can)",
+                            call, dtype_name(dtype)));
+  }
+  if (parts == 0 || elements % parts != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: {} elements do not split into {} equal parts", call, elements,
+                            parts));
+  }
+  const auto* s = static_cast<const std::byte*>(src);
+  const auto* d = static_cast<const std::byte*>(dst);
+  const std::size_t src_bytes = elements * dtype_size(dtype);
+  const bool overlap = s < d + elements && d < s + src_bytes;
+  if (src == nullptr || dst == nullptr || scales == nullptr || overlap ||
+      reinterpret_cast<std::uintptr_t>(src) % dtype_size(dtype) != 0 ||
+      reinterpret_cast<std::uintptr_t>(scales) % alignof(float) != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: src {}, dst {} and scales {} must be non-null, src and scales "
+                            "element-aligned, src ({} bytes) and dst ({} bytes) apart",
+                            call, src, dst, static_cast<const void*>(scales), src_bytes,
+                            elements));
   }
 }
 

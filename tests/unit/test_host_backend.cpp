@@ -405,3 +405,64 @@ TEST_CASE("host backend: streams and events may outlive the backend", "[host_bac
   stream.reset();  // drains
   REQUIRE(ran.load());
 }
+
+TEST_CASE("host backend: quantize_fp8_async rounds to the nearest e4m3 per part, as vLLM does",
+          "[host_backend][fp8]") {
+  HostBackend backend;
+  auto stream = backend.create_stream(StreamPriority::kLow);
+  // Part 0's largest magnitude is 448: scale 1, so each value is rounded as it is. Ties go to the
+  // even mantissa; below 2^-6 the steps are 2^-9 (subnormals). Part 1 is all zeros: vLLM's scale
+  // is 0 and each 0 * (1 / 0) clamps to 448. Part 2's scale is 2 / 448.
+  const std::vector<float> src = {1.0f,      -448.0f,    0.5f,          3.0f,
+                                  1.0625f,   1.1875f,    0.001953125f,  0.0009765625f,
+                                  0.0029296875f, 500.0f / 2, -0.0f,     240.0f,
+                                  0.0f,      0.0f,       0.0f,          0.0f,
+                                  0.0f,      0.0f,       0.0f,          0.0f,
+                                  0.0f,      0.0f,       0.0f,          0.0f,
+                                  2.0f,      -1.0f,      0.5f,          0.0f,
+                                  0.0f,      0.0f,       0.0f,          0.0f,
+                                  0.0f,      0.0f,       0.0f,          0.0f};
+  std::vector<std::uint8_t> dst(src.size(), 0xAA);
+  std::vector<float> scales(3, -1.0f);
+  backend.quantize_fp8_async(src.data(), shadowsync::DType::kFloat32, src.size(), 3, dst.data(),
+                             scales.data(), *stream);
+  backend.stream_synchronize(*stream);
+  CHECK(scales[0] == 1.0f);
+  CHECK(scales[1] == 0.0f);
+  CHECK(scales[2] == 2.0f / 448.0f);
+  const std::vector<std::uint8_t> part0 = {0x38, 0xFE, 0x30, 0x44, 0x38, 0x3A,
+                                           0x01, 0x00, 0x02, 0x78, 0x80, 0x77};
+  CHECK(std::vector<std::uint8_t>(dst.begin(), dst.begin() + 12) == part0);
+  CHECK(std::vector<std::uint8_t>(dst.begin() + 12, dst.begin() + 24) ==
+        std::vector<std::uint8_t>(12, 0x7E));
+  // 2 * (448 / 2) = 448 and -224, 112: exact.
+  CHECK(dst[24] == 0x7E);
+  CHECK(dst[25] == 0xF6);
+  CHECK(dst[26] == 0x6E);
+  CHECK(dst[27] == 0x00);
+}
+
+TEST_CASE("host backend: quantize_fp8_async refuses what it cannot quantize, enqueuing nothing",
+          "[host_backend][fp8]") {
+  HostBackend backend;
+  auto stream = backend.create_stream(StreamPriority::kLow);
+  std::vector<std::uint16_t> src(8, 0x3f80);  // bf16 1.0
+  std::vector<std::uint8_t> dst(8, 0xAA);
+  float scales[3] = {-1.0f, -1.0f, -1.0f};
+  const auto refused = [&](shadowsync::DType dtype, std::size_t elements, std::size_t parts,
+                           void* out, const char* says) {
+    try {
+      backend.quantize_fp8_async(src.data(), dtype, elements, parts, out, scales, *stream);
+      FAIL("not refused");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kInvalidArgument);
+      CHECK_THAT(e.what(), Catch::Matchers::Contains(says));
+    }
+  };
+  refused(shadowsync::DType::kInt8, 8, 1, dst.data(), "source dtype int8 cannot be quantized");
+  refused(shadowsync::DType::kBFloat16, 8, 3, dst.data(), "8 elements do not split into 3");
+  refused(shadowsync::DType::kBFloat16, 8, 1, src.data(), "apart");
+  backend.stream_synchronize(*stream);
+  CHECK(dst == std::vector<std::uint8_t>(8, 0xAA));
+  CHECK(scales[0] == -1.0f);
+}

@@ -20,6 +20,7 @@
 #include "core/check_integrity_args.h"
 #include "core/check_memcpy_args.h"
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/fp8_kernels.h"
 #include "backends/cuda/integrity_kernels.h"
 #include "backends/cuda/scoped_device.h"
 #include "shadowsync/error.h"
@@ -370,6 +371,20 @@ void CudaBackend::count_nonfinite_async(const void* data, std::size_t elements, 
                                           result, cuda_stream.handle()),
       "data={} elements={} dtype={} stream={} device={}", data, elements, dtype_name(dtype),
       static_cast<void*>(cuda_stream.handle()), device_);
+}
+
+void CudaBackend::quantize_fp8_async(const void* src, DType dtype, std::size_t elements,
+                                     std::size_t parts, void* dst, float* scales,
+                                     Stream& stream) {
+  CudaStream& cuda_stream = cuda_stream_or_throw(stream, "quantize_fp8_async");
+  check_quantize_fp8_args("CudaBackend::quantize_fp8_async", src, dtype, elements, parts, dst,
+                          scales);
+  make_current();
+  SHADOWSYNC_CUDA_CHECK(
+      cuda_detail::launch_quantize_fp8(src, dtype_size(dtype), dtype == DType::kBFloat16,
+                                       elements, parts, dst, scales, cuda_stream.handle()),
+      "src={} dtype={} elements={} parts={} dst={} stream={} device={}", src, dtype_name(dtype),
+      elements, parts, dst, static_cast<void*>(cuda_stream.handle()), device_);
 }
 
 CudaStreamHandle CudaBackend::native(Stream& stream) {

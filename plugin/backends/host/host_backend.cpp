@@ -3,6 +3,7 @@
 #include "shadowsync/host_backend.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include "core/backend_cast.h"
 #include "core/check_integrity_args.h"
 #include "core/check_memcpy_args.h"
+#include "core/fp8_quantize.h"
 #include "core/integrity.h"
 #include "core/type_name.h"
 #include "backends/host/host_stream.h"
@@ -380,6 +382,41 @@ void HostBackend::count_nonfinite_async(const void* data, std::size_t elements, 
       }
     }
     *result = count;
+  });
+}
+
+void HostBackend::quantize_fp8_async(const void* src, DType dtype, std::size_t elements,
+                                     std::size_t parts, void* dst, float* scales,
+                                     Stream& stream) {
+  HostStream& host_stream = host_stream_or_throw(stream, "quantize_fp8_async");
+  check_quantize_fp8_args("HostBackend::quantize_fp8_async", src, dtype, elements, parts, dst,
+                          scales);
+  host_stream.enqueue([src = static_cast<const std::byte*>(src), dtype, elements, parts,
+                       dst = static_cast<std::uint8_t*>(dst), scales] {
+    const auto load = [&](std::size_t i) {
+      if (dtype == DType::kFloat32) {
+        float value;
+        std::memcpy(&value, src + 4 * i, 4);
+        return value;
+      }
+      std::uint16_t bits = 0;
+      std::memcpy(&bits, src + 2 * i, 2);
+      return dtype == DType::kBFloat16 ? fp8::bf16_to_float(bits) : fp8::fp16_to_float(bits);
+    };
+    const std::size_t per_part = elements / parts;
+    for (std::size_t part = 0; part < parts; ++part) {
+      const std::size_t begin = part * per_part;
+      float amax = 0.0f;
+      for (std::size_t i = begin; i < begin + per_part; ++i) {
+        amax = std::max(amax, std::fabs(load(i)));
+      }
+      const float scale = fp8::scale_of(amax);
+      const float inverse = 1.0f / scale;
+      for (std::size_t i = begin; i < begin + per_part; ++i) {
+        dst[i] = fp8::quantize(load(i), inverse);
+      }
+      scales[part] = scale;
+    }
   });
 }
 
