@@ -586,6 +586,27 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create_with_arenas(
     const shadowsync_remap_arena_t* arenas, size_t count, shadowsync_backend_t backend,
     shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
     shadowsync_receiver_t* receiver);
+/* An engine tensor that holds the FP8 quantization of what the plan's copies into it write, as
+ * vLLM's quantization="fp8" computes it after loading (receive_plan.h, PlanQuantization): `engine`
+ * (fp8_e4m3) in `parts` equal consecutive parts, their float32 scales in `scale` (`parts`
+ * elements, same group). The copies into `engine` land in the receiver's staging memory in their
+ * wire dtype (fp32, fp16 or bf16); right after the bucket with the last of them the receiver
+ * quantizes them into the shadow, before the update is offered. */
+typedef struct {
+  const char* engine;
+  const char* scale;
+  int64_t parts;
+} shadowsync_plan_quantization_t;
+/* As shadowsync_receiver_create_with_arenas (`arenas` may be NULL with `count` 0) with
+ * `quantized_count` quantized tensors in the plan (`wire_layout` must not be NULL). Refused, naming
+ * the tensor and both values, as receive_plan.h says, before anything is allocated. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_create_with_quantized_plan(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, size_t copy_count,
+    const shadowsync_plan_quantization_t* quantized, size_t quantized_count,
+    const shadowsync_remap_arena_t* arenas, size_t count, shadowsync_backend_t backend,
+    shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
+    shadowsync_receiver_t* receiver);
 /* commit_mode coordinated: makes the ready update `version` live now on `stream` (the engine's;
  * the next step runs on it); call it between two steps on every rank with the same version.
  * SHADOWSYNC_INVALID_ARGUMENT in auto mode or when `version` is not the ready one (the message

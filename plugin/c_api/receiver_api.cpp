@@ -219,7 +219,19 @@ shadowsync_receiver_t create_receiver(const Layout& layout, std::optional<Receiv
 
 // The plan the entries describe: each a copy, or (wire NULL) an engine tensor the plan keeps.
 ReceivePlan plan_arg(const Layout& wire, const Layout& engine,
-                     const shadowsync_plan_copy_t* copies, std::size_t count) {
+                     const shadowsync_plan_copy_t* copies, std::size_t count,
+                     const shadowsync_plan_quantization_t* quantized = nullptr,
+                     std::size_t quantized_count = 0) {
+  if (quantized_count > 0 && quantized == nullptr) {
+    throw_invalid(fmt::format("'quantized' is NULL but the count is {}", quantized_count));
+  }
+  std::vector<PlanQuantization> quantizations;
+  for (std::size_t i = 0; i < quantized_count; ++i) {
+    const std::string argument = fmt::format("quantized[{}]", i);
+    quantizations.push_back({string_arg(quantized[i].engine, argument + ".engine"),
+                             string_arg(quantized[i].scale, argument + ".scale"),
+                             quantized[i].parts});
+  }
   if (count > 0 && copies == nullptr) {
     throw_invalid(fmt::format("'copies' is NULL but the count is {}", count));
   }
@@ -249,7 +261,7 @@ ReceivePlan plan_arg(const Layout& wire, const Layout& engine,
     copy.dst_strides = dims(c.dst_strides, "dst_strides");
     out.push_back(std::move(copy));
   }
-  return ReceivePlan::build(wire, engine, out, kept);
+  return ReceivePlan::build(wire, engine, out, kept, quantizations);
 }
 
 }  // namespace
@@ -296,6 +308,24 @@ shadowsync_status_t shadowsync_receiver_create_with_arenas(
       auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
       plan = plan_arg(wire_object->layout, layout_object->layout, copies, copy_count);
     }
+    out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config,
+                          arenas, count);
+  });
+}
+
+shadowsync_status_t shadowsync_receiver_create_with_quantized_plan(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, size_t copy_count,
+    const shadowsync_plan_quantization_t* quantized, size_t quantized_count,
+    const shadowsync_remap_arena_t* arenas, size_t count, shadowsync_backend_t backend,
+    shadowsync_transport_t transport, const shadowsync_receiver_config_t* config,
+    shadowsync_receiver_t* receiver) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(receiver, "receiver");
+    auto layout_object = lookup<LayoutObject>(layout, "layout");
+    auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
+    ReceivePlan plan = plan_arg(wire_object->layout, layout_object->layout, copies, copy_count,
+                                quantized, quantized_count);
     out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config,
                           arenas, count);
   });

@@ -3,9 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
+#include <set>
+#include <tuple>
 #include <utility>
 
+#include "shadowsync/backend.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
@@ -62,9 +66,20 @@ class PlanBuilder {
 
   void add(std::size_t i, const PlanCopy& copy) {
     const Located& src = find(wire_index_, copy.wire, "wire", i, copy);
+    const auto staged = staged_.find(copy.engine);
+    if (staged != staged_.end()) {
+      add_staged(i, copy, src, staged->second);
+      return;
+    }
     const Located& dst = find(engine_index_, copy.engine, "engine", i, copy);
     const TensorSpec& s = src.placement->spec;
     const TensorSpec& d = dst.placement->spec;
+    if (scales_.count({dst.group, dst.tensor}) > 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("{}: engine tensor '{}' holds the scales of a quantized tensor, "
+                              "which the receiver computes; no copy may write it",
+                              name(i, copy), d.name));
+    }
     if (src.group != dst.group) {
       throw Error(ErrorCode::kLayoutMismatch,
                   fmt::format("{}: wire tensor '{}' is in group '{}' but engine tensor '{}' in "
@@ -103,6 +118,56 @@ class PlanBuilder {
     }
   }
 
+  // The quantized tensors, checked against the engine layout and the kept ones (keep() first).
+  void quantize(const std::vector<PlanQuantization>& quantized) {
+    for (const PlanQuantization& q : quantized) {
+      const std::string what = fmt::format("quantized tensor '{}'", q.engine);
+      const Located& engine = engine_tensor(q.engine, what);
+      const Located& scale = engine_tensor(q.scale, what + ": its scale tensor");
+      const TensorSpec& e = engine.placement->spec;
+      const TensorSpec& sc = scale.placement->spec;
+      if (e.dtype != DType::kFloat8E4M3) {
+        throw Error(ErrorCode::kLayoutMismatch,
+                    fmt::format("{} is {}; a quantized tensor is fp8_e4m3", what,
+                                dtype_name(e.dtype)));
+      }
+      const std::size_t elements = engine.placement->bytes;
+      if (q.parts <= 0 || elements % static_cast<std::size_t>(q.parts) != 0) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    fmt::format("{}: its {} elements do not split into {} equal parts", what,
+                                elements, q.parts));
+      }
+      const auto parts = static_cast<std::size_t>(q.parts);
+      if (sc.dtype != DType::kFloat32 || scale.placement->bytes != parts * 4 ||
+          scale.group != engine.group) {
+        throw Error(ErrorCode::kLayoutMismatch,
+                    fmt::format("{}: scale tensor '{}' is {} of {} elements in group '{}'; it "
+                                "needs fp32 of {} elements (one per part) in group '{}'",
+                                what, q.scale, dtype_name(sc.dtype),
+                                scale.placement->bytes / dtype_size(sc.dtype), sc.group, parts,
+                                e.group));
+      }
+      for (const Located* t : {&engine, &scale}) {
+        const auto& kept = kept_[t->group];
+        const bool named = staged_.count(t->placement->spec.name) > 0 ||
+                           scales_.count({t->group, t->tensor}) > 0;
+        if (named || std::find(kept.begin(), kept.end(), t->tensor) != kept.end()) {
+          throw Error(ErrorCode::kInvalidArgument,
+                      fmt::format("{}: '{}' is {}; a quantized tensor and its scales are "
+                                  "written by the receiver alone, once",
+                                  what, t->placement->spec.name,
+                                  named ? "named by another quantization" : "kept"));
+        }
+      }
+      Staged& staged = staged_[q.engine];
+      staged.engine = &engine;
+      staged.scale = &scale;
+      staged.parts = parts;
+      staged.placement.spec = e;  // its dtype is the copies' (add_staged), its offset 0
+      scales_.insert({scale.group, scale.tensor});
+    }
+  }
+
   // Every engine tensor written exactly once, or kept and not written at all: no byte twice
   // (record_destination collected the ranges), and as many bytes as it has.
   void check_coverage(const std::vector<PlanCopy>& copies) {
@@ -137,11 +202,33 @@ class PlanBuilder {
                                   tensors[t].spec.name, written, tensors[t].bytes));
         }
         if (written == tensors[t].bytes) continue;
+        if (scales_.count({g, t}) > 0 || staged_.count(tensors[t].spec.name) > 0) {
+          continue;  // written by the quantization (the staged bytes are checked below)
+        }
         ++missing_count;
         if (missing.size() < 8) {
           missing.push_back(fmt::format("'{}' ({} of {} bytes)", tensors[t].spec.name, written,
                                         tensors[t].bytes));
         }
+      }
+    }
+    for (auto& [name, staged] : staged_) {
+      auto& ranges = staged.ranges;
+      std::sort(ranges.begin(), ranges.end());
+      for (std::size_t k = 1; k < ranges.size(); ++k) {
+        if (ranges[k].begin >= ranges[k - 1].end) continue;
+        throw Error(ErrorCode::kInvalidArgument,
+                    fmt::format("quantized tensor '{}': staged bytes {}..{} of it are written "
+                                "twice (by the copies from '{}' and from '{}'); a receive plan "
+                                "writes each byte once",
+                                name, ranges[k].begin, std::min(ranges[k].end, ranges[k - 1].end),
+                                copies[ranges[k - 1].copy].wire, copies[ranges[k].copy].wire));
+      }
+      if (staged.written == staged.placement.bytes && staged.dtype_known) continue;
+      ++missing_count;
+      if (missing.size() < 8) {
+        missing.push_back(fmt::format("'{}' (quantized: {} of {} staged bytes)", name,
+                                      staged.written, staged.placement.bytes));
       }
     }
     if (missing_count > 0) {
@@ -153,6 +240,47 @@ class PlanBuilder {
     }
   }
 
+  // Places each staged tensor in the staging memory from the bucket of its first piece to the
+  // bucket of its last, after which its quantization runs (stream order: a tensor whose first
+  // piece comes in a later bucket may reuse the bytes), and lists the quantizations per bucket.
+  // Returns the staging memory's size.
+  std::size_t place_staged() {
+    steps_.resize(pieces_.size());
+    for (std::size_t g = 0; g < pieces_.size(); ++g) steps_[g].resize(pieces_[g].size());
+    std::vector<Staged*> order;
+    for (auto& [name, staged] : staged_) order.push_back(&staged);
+    std::sort(order.begin(), order.end(),
+              [](const Staged* a, const Staged* b) { return a->first < b->first; });
+    struct Live {
+      std::size_t begin, end;
+      std::pair<std::size_t, std::size_t> last;
+    };
+    std::vector<Live> live;
+    std::size_t staging = 0;
+    for (Staged* t : order) {
+      live.erase(std::remove_if(live.begin(), live.end(),
+                                [&](const Live& l) { return l.last < t->first; }),
+                 live.end());
+      std::sort(live.begin(), live.end(),
+                [](const Live& a, const Live& b) { return a.begin < b.begin; });
+      const std::size_t bytes = align_up(t->placement.bytes);
+      std::size_t at = 0;
+      for (const Live& l : live) {
+        if (at + bytes <= l.begin) break;
+        at = std::max(at, l.end);
+      }
+      live.push_back({at, at + bytes, t->last});
+      staging = std::max(staging, at + bytes);
+      for (const auto& [g, b, index] : t->pieces) pieces_[g][b][index].dst_offset += at;
+      const TensorPlacement& e = *t->engine->placement;
+      steps_[t->last.first][t->last.second].push_back(
+          {at, e.bytes, t->placement.spec.dtype, t->parts, e.offset,
+           t->scale->placement->offset});
+    }
+    return staging;
+  }
+
+  std::vector<std::vector<std::vector<PlanQuantizeStep>>> take_steps() { return std::move(steps_); }
   std::vector<std::vector<std::vector<PlanPiece>>> take_pieces() { return std::move(pieces_); }
   std::vector<std::vector<std::size_t>> take_kept() { return std::move(kept_); }
   std::size_t piece_count() const { return piece_count_; }
@@ -164,6 +292,72 @@ class PlanBuilder {
     std::size_t copy = 0;
     bool operator<(const Interval& other) const { return begin < other.begin; }
   };
+
+  // A quantized tensor as the copies write it: staged in their wire dtype, then quantized.
+  struct Staged {
+    const Located* engine = nullptr;  // the fp8 tensor
+    const Located* scale = nullptr;
+    std::size_t parts = 1;
+    TensorPlacement placement;  // its shape in the copies' dtype, from the staging offset 0
+    bool dtype_known = false;
+    std::size_t written = 0;
+    std::vector<Interval> ranges;
+    std::vector<std::tuple<std::size_t, std::size_t, std::size_t>> pieces;  // (group, bucket, i)
+    std::pair<std::size_t, std::size_t> first{SIZE_MAX, SIZE_MAX};  // (group, bucket)
+    std::pair<std::size_t, std::size_t> last{0, 0};
+  };
+
+  static std::size_t align_up(std::size_t bytes) {
+    return (bytes + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment;
+  }
+
+  const Located& engine_tensor(const std::string& tensor, const std::string& what) const {
+    const auto it = engine_index_.find(tensor);
+    if (it == engine_index_.end()) {
+      throw Error(ErrorCode::kLayoutMismatch,
+                  fmt::format("{}: '{}' is not a tensor of the engine layout ({} tensors)", what,
+                              tensor, engine_index_.size()));
+    }
+    return it->second;
+  }
+
+  void add_staged(std::size_t i, const PlanCopy& copy, const Located& src, Staged& staged) {
+    const TensorSpec& s = src.placement->spec;
+    const TensorSpec& e = staged.engine->placement->spec;
+    if (src.group != staged.engine->group) {
+      throw Error(ErrorCode::kLayoutMismatch,
+                  fmt::format("{}: wire tensor '{}' is in group '{}' but engine tensor '{}' in "
+                              "group '{}'; a copy stays inside one group",
+                              name(i, copy), s.name, s.group, e.name, e.group));
+    }
+    if (!staged.dtype_known) {
+      if (!dtype_has_nonfinite_check(s.dtype)) {
+        throw Error(ErrorCode::kLayoutMismatch,
+                    fmt::format("{}: wire tensor '{}' is {}; a quantized tensor is quantized "
+                                "from fp32, fp16 or bf16",
+                                name(i, copy), s.name, dtype_name(s.dtype)));
+      }
+      staged.placement.spec.dtype = s.dtype;
+      staged.placement.bytes = staged.engine->placement->bytes * dtype_size(s.dtype);
+      staged.dtype_known = true;
+    } else if (s.dtype != staged.placement.spec.dtype) {
+      throw Error(ErrorCode::kLayoutMismatch,
+                  fmt::format("{}: wire tensor '{}' is {} but the copies before it into "
+                              "quantized tensor '{}' are {}; one tensor is quantized from one "
+                              "dtype",
+                              name(i, copy), s.name, dtype_name(s.dtype), e.name,
+                              dtype_name(staged.placement.spec.dtype)));
+    }
+    const Normalized n = normalize(i, copy, *src.placement, staged.placement);
+    for_each_block(n, [&](std::size_t, std::size_t start) {
+      staged.written += n.rows * n.row_bytes;
+      for (std::size_t r = 0; r < n.rows; ++r) {
+        staged.ranges.push_back(
+            {start + r * n.dst_pitch, start + r * n.dst_pitch + n.row_bytes, i});
+      }
+    });
+    split(src.group, n, &staged);
+  }
 
   static std::string name(std::size_t i, const PlanCopy& copy) {
     return fmt::format("plan copy {} ('{}' -> '{}')", i, copy.wire, copy.engine);
@@ -317,14 +511,19 @@ class PlanBuilder {
 
   // Cuts each 2-D block at the wire's bucket boundaries: runs of whole rows inside one bucket
   // become one piece; a row that crosses a boundary becomes one piece per bucket it touches.
-  void split(std::size_t group, const Normalized& n) {
+  void split(std::size_t group, const Normalized& n, Staged* staged = nullptr) {
     const std::size_t bucket = wire_.groups()[group].bucket_bytes();
     auto& out = pieces_[group];
     const auto emit = [&](std::size_t src, std::size_t src_pitch, std::size_t dst,
                           std::size_t dst_pitch, std::size_t row_bytes, std::size_t rows) {
       const std::size_t b = src / bucket;
-      out[b].push_back({src - b * bucket, src_pitch, dst, dst_pitch, row_bytes, rows});
+      out[b].push_back({src - b * bucket, src_pitch, dst, dst_pitch, row_bytes, rows,
+                        staged != nullptr});
       ++piece_count_;
+      if (staged == nullptr) return;
+      staged->pieces.emplace_back(group, b, out[b].size() - 1);
+      staged->first = std::min(staged->first, std::pair{group, b});
+      staged->last = std::max(staged->last, std::pair{group, b});
     };
     for_each_block(n, [&](std::size_t src_start, std::size_t dst_start) {
       std::size_t r = 0;
@@ -366,6 +565,9 @@ class PlanBuilder {
   std::vector<std::vector<Interval>> intervals_;                       // per engine group
   std::map<std::pair<std::size_t, std::size_t>, std::size_t> written_;  // (group, tensor) -> bytes
   std::vector<std::vector<std::size_t>> kept_;                          // per engine group
+  std::map<std::string, Staged, std::less<>> staged_;                   // by engine tensor name
+  std::set<std::pair<std::size_t, std::size_t>> scales_;                // (group, tensor)
+  std::vector<std::vector<std::vector<PlanQuantizeStep>>> steps_;       // [group][bucket]
   std::size_t piece_count_ = 0;
 };
 
@@ -373,13 +575,17 @@ class PlanBuilder {
 
 ReceivePlan ReceivePlan::build(Layout wire, const Layout& engine,
                                const std::vector<PlanCopy>& copies,
-                               const std::vector<std::string>& kept) {
+                               const std::vector<std::string>& kept,
+                               const std::vector<PlanQuantization>& quantized) {
   PlanBuilder builder(wire, engine);
   builder.keep(kept);
+  builder.quantize(quantized);
   for (std::size_t i = 0; i < copies.size(); ++i) builder.add(i, copies[i]);
   builder.check_coverage(copies);
   ReceivePlan plan(std::move(wire));
   plan.engine_fingerprint_ = engine.fingerprint();
+  plan.staging_bytes_ = builder.place_staged();
+  plan.steps_ = builder.take_steps();
   plan.pieces_ = builder.take_pieces();
   plan.kept_ = builder.take_kept();
   plan.piece_count_ = builder.piece_count();

@@ -59,6 +59,9 @@ struct Receiver::Impl {
     std::size_t max_buckets = 0;  // of an update that carries every group
     for (const auto& g : owner.wire_layout().groups()) max_buckets += g.bucket_count();
     if (owner.plan_) bucket_buffer = DeviceBuffer(backend, owner.plan_->max_bucket_bytes());
+    if (owner.plan_ && owner.plan_->staging_bytes() > 0) {
+      staging = DeviceBuffer(backend, owner.plan_->staging_bytes());
+    }
     // One more event for a trailing checksum block.
     for (std::size_t i = 0; i <= max_buckets; ++i) bucket_events.push_back(backend.create_event());
   }
@@ -118,6 +121,7 @@ struct Receiver::Impl {
   // enough: the receive, the checksum and the pieces of a bucket and the next bucket's receive are
   // all on `stream`, in that order.
   DeviceBuffer bucket_buffer;
+  DeviceBuffer staging;  // the plan's quantized tensors before their quantization
   // Per group and slot: the slot holds the plan's kept tensors. Empty until the first receive.
   std::vector<std::array<bool, 2>> kept_seeded;  // receiver thread only
   ReceiveChecks checks;  // receiver thread only

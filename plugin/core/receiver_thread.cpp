@@ -149,8 +149,15 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
         transport->broadcast_async(landed, bucket.bytes, config.root_rank, *stream);
         if (checks.checksums()) checks.enqueue_bucket_checksum(landed, bucket.bytes, *stream);
         for (const PlanPiece& p : plan->pieces(target.group, k)) {
-          backend.memcpy_2d_async(arena + p.dst_offset, p.dst_pitch, landed + p.src_offset,
-                                  p.src_pitch, p.row_bytes, p.rows, *stream);
+          std::byte* dst = (p.to_staging ? staging.data() : arena) + p.dst_offset;
+          backend.memcpy_2d_async(dst, p.dst_pitch, landed + p.src_offset, p.src_pitch,
+                                  p.row_bytes, p.rows, *stream);
+        }
+        // The tensors whose last bytes this bucket brought: quantized into the shadow.
+        for (const PlanQuantizeStep& q : plan->quantize_steps(target.group, k)) {
+          backend.quantize_fp8_async(staging.data() + q.staging_offset, q.source, q.elements,
+                                     q.parts, arena + q.dst_offset,
+                                     reinterpret_cast<float*>(arena + q.scale_offset), *stream);
         }
         backend.event_record(bucket_done, *stream);
       }

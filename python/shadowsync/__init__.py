@@ -29,7 +29,7 @@ from .errors import (
     TransportError,
 )
 from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
-from .receive_plan import PlanCopy, ReceivePlan
+from .receive_plan import PlanCopy, PlanQuantization, ReceivePlan
 from .remap_arena import RemapArena
 from .receiver import (
     GroupSwap,

@@ -230,6 +230,10 @@ class SourceTensorC(Structure):
     ]
 
 
+class PlanQuantizationC(Structure):
+    _fields_ = [("engine", c_char_p), ("scale", c_char_p), ("parts", c_int64)]
+
+
 class PlanCopyC(Structure):
     _fields_ = [
         ("wire", c_char_p),
@@ -308,6 +312,11 @@ _PROTOTYPES = {
     "shadowsync_receiver_create_with_arenas": (
         c_int,
         [_H, _H, _P(PlanCopyC), c_size_t, _P(_H), c_size_t, _H, _H, _P(ReceiverConfigC), _P(_H)],
+    ),
+    "shadowsync_receiver_create_with_quantized_plan": (
+        c_int,
+        [_H, _H, _P(PlanCopyC), c_size_t, _P(PlanQuantizationC), c_size_t, _P(_H), c_size_t, _H,
+         _H, _P(ReceiverConfigC), _P(_H)],
     ),
     "shadowsync_receiver_create_with_plan": (
         c_int,

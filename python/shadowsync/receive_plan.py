@@ -27,6 +27,19 @@ class PlanCopy:
     dst_strides: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class PlanQuantization:
+    """Engine tensor `engine` (fp8_e4m3) holds the FP8 quantization of what the copies into it
+    write, as vLLM's quantization="fp8" computes it after loading, in `parts` equal consecutive
+    parts (1: a layer; a MoE layer's experts: one each) with their float32 scales in engine tensor
+    `scale` (`parts` elements). The copies land in the receiver's staging memory in their wire
+    dtype; the receiver quantizes them into the shadow once the last of them landed."""
+
+    engine: str
+    scale: str
+    parts: int = 1
+
+
 class ReceivePlan:
     """The trainer's layout (`wire`, a Layout of its tensors as it sends them) and the copies
     that put them into the engine's layout. Given to Receiver(plan=...), which checks it against
@@ -34,9 +47,11 @@ class ReceivePlan:
     tensor named in `kept`) and raises LayoutMismatchError or InvalidArgumentError naming the
     tensors otherwise."""
 
-    def __init__(self, wire, copies, kept=()):
+    def __init__(self, wire, copies, kept=(), quantized=()):
         self.wire = wire
         self.copies = [c if isinstance(c, PlanCopy) else PlanCopy(*c) for c in copies]
+        self.quantized = [q if isinstance(q, PlanQuantization) else PlanQuantization(*q)
+                          for q in quantized]
         # Engine tensors no copy writes (frozen weights): the receiver copies their live bytes
         # into each slot once, before its first receive, so every swap shows them unchanged.
         self.kept = [str(name) for name in kept]
@@ -72,4 +87,20 @@ class ReceivePlan:
             engine = name.encode()  # wire NULL: a kept tensor
             keep.append(engine)
             entry.engine = engine
+        return array, keep
+
+    def _c_quantized(self):
+        """The quantized tensors as a shadowsync_plan_quantization_t array (None without any),
+        and what keeps its memory alive."""
+        from ._library import PlanQuantizationC
+
+        if not self.quantized:
+            return None, []
+        array = (PlanQuantizationC * len(self.quantized))()
+        keep = []
+        for entry, q in zip(array, self.quantized):
+            names = (q.engine.encode(), q.scale.encode())
+            keep.extend(names)
+            entry.engine, entry.scale = names
+            entry.parts = int(q.parts)
         return array, keep

@@ -273,7 +273,15 @@ class Receiver(Handle):
         c_config_ref = byref(c_config) if c_config is not None else None
         c_transport = transport.handle if transport is not None else None
         handle = c_void_p()
-        if arenas:
+        if plan is not None and plan.quantized:
+            c_arenas = _arena_array(layout, arenas) if arenas else None
+            copies, _keep = plan._c_array()
+            quantized, _keep_names = plan._c_quantized()
+            call("shadowsync_receiver_create_with_quantized_plan", layout.handle,
+                 plan.wire.handle, copies, len(copies), quantized, len(plan.quantized),
+                 c_arenas, len(c_arenas) if c_arenas else 0, backend.handle, c_transport,
+                 c_config_ref, byref(handle))
+        elif arenas:
             c_arenas = _arena_array(layout, arenas)
             copies, _keep = plan._c_array() if plan is not None else (None, None)
             call("shadowsync_receiver_create_with_arenas", layout.handle,

@@ -378,3 +378,50 @@ TEST_CASE("a kept tensor keeps the engine's bytes through every swap, under each
     }
   }
 }
+
+TEST_CASE("quantized tensors share staging memory once quantized, each step after its last bucket") {
+  // Three fp8 tensors, each from one bf16 wire tensor of 512 bytes; buckets of 512 bytes: tensor
+  // t lands in bucket t alone, so its quantization runs after bucket t and the next one can use
+  // the same staging bytes (stream order). A fourth, cut across two buckets, runs after the second.
+  const auto spec = [](const std::string& name, DType dtype, std::vector<std::int64_t> shape) {
+    return TensorSpec{name, dtype, std::move(shape), "base"};
+  };
+  std::vector<TensorSpec> wire_specs;
+  std::vector<TensorSpec> engine_specs;
+  std::vector<PlanCopy> copies;
+  std::vector<PlanQuantization> quantized;
+  for (int t = 0; t < 3; ++t) {
+    const std::string w = "w" + std::to_string(t);
+    const std::string e = "e" + std::to_string(t);
+    wire_specs.push_back(spec(w, DType::kBFloat16, {16, 16}));
+    engine_specs.push_back(spec(e, DType::kFloat8E4M3, {16, 16}));
+    engine_specs.push_back(spec(e + "_scale", DType::kFloat32, {1}));
+    copies.push_back({w, e, {16, 16}, 0, {16, 1}, 0, {16, 1}});
+    quantized.push_back({e, e + "_scale", 1});
+  }
+  wire_specs.push_back(spec("cut", DType::kFloat32, {4, 64}));  // 1024 bytes: buckets 3 and 4
+  engine_specs.push_back(spec("cut_fp8", DType::kFloat8E4M3, {4, 64}));
+  engine_specs.push_back(spec("cut_scales", DType::kFloat32, {4}));
+  copies.push_back({"cut", "cut_fp8", {4, 64}, 0, {64, 1}, 0, {64, 1}});
+  quantized.push_back({"cut_fp8", "cut_scales", 4});
+  const Layout wire = Layout::build(wire_specs, {.bucket_bytes = 512});
+  const Layout engine = Layout::build(engine_specs);
+  const ReceivePlan plan = ReceivePlan::build(wire, engine, copies, {}, quantized);
+  REQUIRE(wire.groups()[0].bucket_count() == 5);
+  // The largest staged tensor, not the sum (3 x 512 + 1024 bytes).
+  CHECK(plan.staging_bytes() == 1024);
+  for (std::size_t b = 0; b < 3; ++b) {
+    REQUIRE(plan.quantize_steps(0, b).size() == 1);
+    const PlanQuantizeStep& step = plan.quantize_steps(0, b)[0];
+    CHECK(step.staging_offset == 0);
+    CHECK(step.elements == 256);
+    CHECK(step.source == DType::kBFloat16);
+    CHECK(step.dst_offset == placement(engine, "e" + std::to_string(b)).offset);
+    CHECK(step.scale_offset == placement(engine, "e" + std::to_string(b) + "_scale").offset);
+    for (const PlanPiece& p : plan.pieces(0, b)) CHECK(p.to_staging);
+  }
+  CHECK(plan.quantize_steps(0, 3).empty());
+  REQUIRE(plan.quantize_steps(0, 4).size() == 1);
+  CHECK(plan.quantize_steps(0, 4)[0].parts == 4);
+  CHECK(plan.quantize_steps(0, 4)[0].source == DType::kFloat32);
+}
