@@ -166,7 +166,7 @@ def _logical_of_packed(torch, order: PackedOrder, n: int):
     return source
 
 
-# --- the plan's copies into the packed order -------------------------------------------------------
+# --- the plan's copies into the packed order --------------------------------------------------
 
 def compose_all(copies: list[PlanCopy], orders: dict[str, PackedOrder]) -> list[PlanCopy]:
     """`copies` with every copy into a packed parameter rewritten into its packed positions."""

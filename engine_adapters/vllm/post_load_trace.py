@@ -14,8 +14,10 @@ parameters (shape, strides, dtype and a position-sensitive digest of their bytes
 (its own and its quant method's) are taken before and after. What changed is kept on the model
 (``PostLoadRecord``). At set-up, ``check_post_load_transforms(model, ...)`` accepts the one
 transform an update is written through (vLLM CPU's expert packing: a reordering the plan writes
-into, expert_packing.py) and refuses an engine where the step otherwise changed a parameter or
-set something that is not a plain value (a tensor, a function, a kernel object), naming the layer, its quant method and what the step did. One check
+into, expert_packing.py) and the MoE kernel vLLM sets up over a layer's own experts, and refuses
+an engine where the step otherwise changed a parameter or set something that is not a plain
+value (a tensor, a function, a kernel object), naming the layer, its quant method and what the
+step did. One check
 decides by running the layer, not by its class: a layer that gained such an attribute but still
 computes from its parameter (a lookup embedding beside its unused packed copy) passes, shown by
 calling its quant method on a copy of the layer with other weights, in each role the model gives
@@ -411,10 +413,10 @@ def check_post_load_transforms(model, quantization: str | None = None,
     """What vLLM's post-load step did to the weights, checked. Returns {parameter name:
     PackedOrder} for the one transform an update is written through (vLLM CPU's expert packing,
     expert_packing.py: a reordering the plan writes into directly). A MoE kernel vLLM sets up
-    over the layer's own experts passes. Raises LayoutMismatchError,
-    naming every layer, its quant method and what the step did, when the step changed a weight in
-    any other way or derived something from one that the layer computes with. Empty when it left
-    every weight as loaded. A vLLM model whose post-load step was not traced (shadowsync.vllm
+    over the layer's own experts passes. Raises LayoutMismatchError, naming every layer, its
+    quant method and what the step did, when the step changed a weight in any other way or
+    derived something from one that the layer computes with. Empty when it left every weight as
+    loaded. A vLLM model whose post-load step was not traced (shadowsync.vllm
     imported only after the engine loaded) is refused too; a model without quant methods (not
     vLLM's) passes."""
     record = getattr(model, RECORD_ATTR, None)
