@@ -3,11 +3,14 @@
 // by the receiver's GPU must equal the one the sender's host or GPU computed, bit for bit, for any
 // length (tail bytes included) at any 8-byte-aligned start (buckets start 256-aligned; an unaligned
 // start is refused with a clear error), and the non-finite count must be exact for each dtype.
+// The FP8 quantization kernels (fp8_kernels.cu) likewise against the host's (fp8_quantize.h).
 // One GPU; skips (77) without one.
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -150,6 +153,73 @@ TEST_CASE("integrity kernels: the GPU counts exactly the NaN and Inf elements of
           gpu.count_nonfinite_async(d + first * c.element_bytes, length, c.dtype, r, s);
         });
         CHECK(got == want);
+      }
+    }
+  }
+}
+
+TEST_CASE("fp8 kernels: the GPU quantizes bit for bit as the host, per part") {
+  // What the receiver runs in the shadow for an engine with quantization="fp8": random weights of
+  // several magnitudes per part (so each part has its own scale), one all-zero part, lengths that
+  // are not multiples of a warp or a block; bf16, fp16 and fp32 sources.
+  CudaBackend gpu(0);
+  HostBackend host;
+  std::mt19937 random(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const std::size_t parts : {std::size_t{1}, std::size_t{8}}) {
+      for (const std::size_t per_part : {std::size_t{1}, std::size_t{33}, std::size_t{70'001}}) {
+        INFO(dtype_name(dtype) << ", " << parts << " parts of " << per_part << " elements");
+        const std::size_t elements = parts * per_part;
+        const std::size_t element = dtype_size(dtype);
+        std::vector<std::byte> src(elements * element);
+        for (std::size_t i = 0; i < elements; ++i) {
+          const std::size_t part = i / per_part;
+          const float value = part == parts - 1 && parts > 1
+                                  ? 0.0f  // the last of several parts: all zeros
+                                  : normal(random) * std::ldexp(1.0f, static_cast<int>(part) - 4);
+          if (dtype == DType::kFloat32) {
+            std::memcpy(src.data() + i * 4, &value, 4);
+          } else {
+            // bf16: the top half of the float; fp16: the host's conversion through the GPU's.
+            std::uint32_t bits = 0;
+            std::memcpy(&bits, &value, 4);
+            std::uint16_t half = 0;
+            if (dtype == DType::kBFloat16) {
+              half = static_cast<std::uint16_t>(bits >> 16);
+            } else {
+              const __half h = __float2half(value);
+              std::memcpy(&half, &h, 2);
+            }
+            std::memcpy(src.data() + i * 2, &half, 2);
+          }
+        }
+        std::vector<std::uint8_t> want(elements);
+        std::vector<float> want_scales(parts);
+        auto stream = host.create_stream(StreamPriority::kNormal);
+        host.quantize_fp8_async(src.data(), dtype, elements, parts, want.data(),
+                                want_scales.data(), *stream);
+        host.stream_synchronize(*stream);
+
+        DeviceBuffer d_src(gpu, src.size());
+        DeviceBuffer d_dst(gpu, elements);
+        DeviceBuffer d_scales(gpu, parts * sizeof(float));
+        REQUIRE(cudaMemcpy(d_src.data(), src.data(), src.size(), cudaMemcpyHostToDevice) ==
+                cudaSuccess);
+        auto gpu_stream = gpu.create_stream(StreamPriority::kLow);
+        gpu.quantize_fp8_async(d_src.data(), dtype, elements, parts, d_dst.data(),
+                               reinterpret_cast<float*>(d_scales.data()), *gpu_stream);
+        gpu.stream_synchronize(*gpu_stream);
+        std::vector<std::uint8_t> got(elements);
+        std::vector<float> got_scales(parts);
+        REQUIRE(cudaMemcpy(got.data(), d_dst.data(), elements, cudaMemcpyDeviceToHost) ==
+                cudaSuccess);
+        REQUIRE(cudaMemcpy(got_scales.data(), d_scales.data(), parts * sizeof(float),
+                           cudaMemcpyDeviceToHost) == cudaSuccess);
+        CHECK(std::memcmp(got_scales.data(), want_scales.data(), parts * sizeof(float)) == 0);
+        std::size_t differ = 0;
+        for (std::size_t i = 0; i < elements; ++i) differ += got[i] != want[i] ? 1 : 0;
+        CHECK(differ == 0);
       }
     }
   }
