@@ -13,7 +13,7 @@ from typing import Any
 
 from shadowsync.errors import InvalidArgumentError, LayoutMismatchError
 from shadowsync.layout import Layout, TensorSpec, canonical_dtype, format_shape
-from shadowsync.tensors import TensorDesc, describe
+from shadowsync.tensors import TensorDesc, contiguous_strides, describe
 
 from . import vllm_worker
 from .lora_plan import is_lora_tensor, lora_layers_unwrapped, lora_receive_plan
@@ -70,16 +70,9 @@ def packed_in_place_plan(layout: Layout, packed: dict):
         return None
     copies = []
     for s in tensors:
-        strides = tuple(int(_prod(s.shape[k + 1:])) for k in range(len(s.shape)))
+        strides = contiguous_strides(tuple(s.shape))
         copies.append(PlanCopy(s.name, s.name, tuple(s.shape), 0, strides, 0, strides))
     return ReceivePlan(layout, compose_all(copies, packed))
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out
 
 
 def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partial: bool,

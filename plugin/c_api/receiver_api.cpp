@@ -264,6 +264,26 @@ ReceivePlan plan_arg(const Layout& wire, const Layout& engine,
   return ReceivePlan::build(wire, engine, out, kept, quantizations);
 }
 
+// A receiver whose updates come in `wire_layout` through the plan of `copies` and `quantized`
+// (no plan where `wire_layout` is NULL), over `arenas` where given: what every create call but
+// the plain one shares.
+shadowsync_receiver_t create_planned_receiver(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, std::size_t copy_count,
+    const shadowsync_plan_quantization_t* quantized, std::size_t quantized_count,
+    const shadowsync_remap_arena_t* arenas, std::size_t arena_count, shadowsync_backend_t backend,
+    shadowsync_transport_t transport, const shadowsync_receiver_config_t* config) {
+  auto layout_object = lookup<LayoutObject>(layout, "layout");
+  std::optional<ReceivePlan> plan;
+  if (wire_layout != nullptr) {
+    auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
+    plan = plan_arg(wire_object->layout, layout_object->layout, copies, copy_count, quantized,
+                    quantized_count);
+  }
+  return create_receiver(layout_object->layout, std::move(plan), backend, transport, config,
+                         arenas, arena_count);
+}
+
 }  // namespace
 
 extern "C" {
@@ -287,10 +307,9 @@ shadowsync_status_t shadowsync_receiver_create_with_plan(
     shadowsync_receiver_t* receiver) {
   return guard(__func__, [&] {
     auto& out = out_arg(receiver, "receiver");
-    auto layout_object = lookup<LayoutObject>(layout, "layout");
-    auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
-    ReceivePlan plan = plan_arg(wire_object->layout, layout_object->layout, copies, count);
-    out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config);
+    lookup<LayoutObject>(wire_layout, "wire_layout");  // required here: NULL is refused, named
+    out = create_planned_receiver(layout, wire_layout, copies, count, nullptr, 0, nullptr, 0,
+                                  backend, transport, config);
   });
 }
 
@@ -302,14 +321,8 @@ shadowsync_status_t shadowsync_receiver_create_with_arenas(
     shadowsync_receiver_t* receiver) {
   return guard(__func__, [&] {
     auto& out = out_arg(receiver, "receiver");
-    auto layout_object = lookup<LayoutObject>(layout, "layout");
-    std::optional<ReceivePlan> plan;
-    if (wire_layout != nullptr) {
-      auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
-      plan = plan_arg(wire_object->layout, layout_object->layout, copies, copy_count);
-    }
-    out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config,
-                          arenas, count);
+    out = create_planned_receiver(layout, wire_layout, copies, copy_count, nullptr, 0, arenas,
+                                  count, backend, transport, config);
   });
 }
 
@@ -322,12 +335,9 @@ shadowsync_status_t shadowsync_receiver_create_with_quantized_plan(
     shadowsync_receiver_t* receiver) {
   return guard(__func__, [&] {
     auto& out = out_arg(receiver, "receiver");
-    auto layout_object = lookup<LayoutObject>(layout, "layout");
-    auto wire_object = lookup<LayoutObject>(wire_layout, "wire_layout");
-    ReceivePlan plan = plan_arg(wire_object->layout, layout_object->layout, copies, copy_count,
-                                quantized, quantized_count);
-    out = create_receiver(layout_object->layout, std::move(plan), backend, transport, config,
-                          arenas, count);
+    lookup<LayoutObject>(wire_layout, "wire_layout");  // required here: NULL is refused, named
+    out = create_planned_receiver(layout, wire_layout, copies, copy_count, quantized,
+                                  quantized_count, arenas, count, backend, transport, config);
   });
 }
 

@@ -36,14 +36,20 @@ STAGES = 11
 UPDATES = 5
 
 
-def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
+def run_e2e(*args: str) -> tuple[list[str], list[str]]:
+    """scripts/vllm_e2e.py --device cpu --tp 2 ARGS, one core per rank: its [vllm-e2e] lines and
+    those of them that say ok; a non-zero exit fails the test with its log."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_e2e.py"), "--device", "cpu",
-                          "--tp", "2", "--lora", "--reinit"],
+                          "--tp", "2", *args],
                          capture_output=True, text=True, timeout=900, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("[vllm-e2e]")]
     assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
-    ok = [line for line in lines if line.startswith("[vllm-e2e] ok")]
+    return lines, [line for line in lines if line.startswith("[vllm-e2e] ok")]
+
+
+def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
+    lines, ok = run_e2e("--lora", "--reinit")
     # Both sets of answers at every stage: the base model alone, and with the adapter (each
     # against the adapter the reference loaded from its directory).
     assert sum("answers equal a fresh vLLM" in line for line in ok) == 2 * STAGES, lines
@@ -74,13 +80,7 @@ def test_a_tensor_parallel_moe_engine_takes_updates_into_its_packed_experts():
     plan writes its slice of the trainer's experts into that packed order. Three updates, the
     third self-checked, each token for token against a fresh TP=2 vLLM; the ranks commit at the
     same steps. (No LoRA: vLLM CPU serves none for MoE layers.)"""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_e2e.py"), "--device", "cpu",
-                          "--arch", "qwen3_moe", "--tp", "2"],
-                         capture_output=True, text=True, timeout=900, env=env)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("[vllm-e2e]")]
-    assert out.returncode == 0, "\n".join(lines) + "\n" + out.stderr[-3000:]
-    ok = [line for line in lines if line.startswith("[vllm-e2e] ok")]
+    lines, ok = run_e2e("--arch", "qwen3_moe")
     # Before set-up, after the refused set-up, after set-up, after each update, after the close.
     assert sum("answers equal a fresh vLLM of" in line for line in ok) == 7, lines
     assert sum(line.startswith("[vllm-e2e] update ") for line in lines) == 3, lines

@@ -12,13 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if !defined(SHADOWSYNC_HOST_DEVICE)
-#if defined(__CUDACC__)
-#define SHADOWSYNC_HOST_DEVICE __host__ __device__
-#else
-#define SHADOWSYNC_HOST_DEVICE
-#endif
-#endif
+#include "core/host_device.h"
 
 namespace shadowsync::testing {
 

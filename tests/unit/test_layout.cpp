@@ -1,9 +1,11 @@
 #include <catch2/catch.hpp>
 
+#include "error_message.h"
 #include "shadowsync/error.h"
 #include "shadowsync/layout.h"
 
 using namespace shadowsync;
+using shadowsync::testing::message_of;
 
 namespace {
 
@@ -14,15 +16,6 @@ std::vector<TensorSpec> small_specs() {
       {"lora_a.q", DType::kBFloat16, {8, 64}, "adapter_a"},  // 1024 B
       {"head", DType::kBFloat16, {3, 7}, "base"},            // 42 B
   };
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <functional>
 #include <random>
 
+#include "error_message.h"
 #include "shadowsync/error.h"
 #include "shadowsync/host_backend.h"
 #include "shadowsync/loopback_transport.h"
@@ -15,17 +16,9 @@
 #include "shadowsync/sender.h"
 
 using namespace shadowsync;
+using shadowsync::testing::message_of;
 
 namespace {
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
 
 // What vLLM does with a Llama attention block at tensor-parallel rank 1 of 2: q, k and v (HF
 // names, full shapes) go into rows of one fused qkv_proj shard; o_proj is split by columns, so its

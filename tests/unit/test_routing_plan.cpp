@@ -7,22 +7,15 @@
 #include <functional>
 #include <random>
 
+#include "error_message.h"
 #include "shadowsync/error.h"
 #include "shadowsync/receive_plan.h"
 #include "core/routing_plan.h"
 
 using namespace shadowsync;
+using shadowsync::testing::message_of;
 
 namespace {
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
 
 // q [13, 8] (rows divisible by no rank count, across two buckets), k [3, 8], a norm [8];
 // buckets of 256 bytes.
