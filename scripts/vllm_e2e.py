@@ -75,7 +75,8 @@ def log(message: str) -> None:
 LORA_R, LORA_ALPHA = 8, 16
 
 
-def engine_kwargs(device: str, model: str, tp: int = 1, lora: bool = False) -> dict:
+def engine_kwargs(device: str, model: str, tp: int = 1, lora: bool = False,
+                  quantization: str | None = None) -> dict:
     kwargs = dict(model=model, max_model_len=256, max_num_seqs=8, seed=0, skip_tokenizer_init=True,
                   tensor_parallel_size=tp)
     if lora:
@@ -88,7 +89,24 @@ def engine_kwargs(device: str, model: str, tp: int = 1, lora: bool = False) -> d
                       quantization=unpacked.NAME)
     else:
         kwargs.update(dtype="bfloat16", gpu_memory_utilization=0.25, enforce_eager=False)
+        if quantization:
+            kwargs.update(quantization=quantization)
     return kwargs
+
+
+def quantized_weights(worker) -> dict:
+    """{parameter name: digest of its bytes} of every float8 parameter and every scale of the
+    worker's model (collective_rpc): what vLLM computed from the weights after loading them."""
+    import hashlib
+
+    import torch
+
+    digests = {}
+    for name, p in worker.model_runner.model.named_parameters():
+        if p.dtype == torch.float8_e4m3fn or name.endswith("_scale"):
+            raw = p.data.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+            digests[name] = hashlib.sha256(raw).hexdigest()[:16]
+    return digests
 
 
 def greedy(llm, adapter: str | None = None) -> list[list[int]]:
@@ -107,18 +125,20 @@ def greedy(llm, adapter: str | None = None) -> list[list[int]]:
 ANSWERS = "ANSWERS "  # what a reference process prints before each engine's answers
 
 
-def references(device: str, tp: int, engines: list[tuple[str, str | None]]) -> list[dict]:
+def references(device: str, tp: int, engines: list[tuple[str, str | None]],
+               quantization: str | None = None) -> list[dict]:
     """Greedy answers of a fresh vLLM of each (model, LoRA adapter or None) of `engines`, in a
     process of their own: per engine {"base": answers without an adapter}, with an adapter (the
     engine then starts with enable_lora) also {"adapter": answers of requests with it}. On cpu
     one process makes them all (vLLM imported once, each engine shut down before the next); on
     cuda each engine gets a process of its own, which surely gives its GPU memory back when it
-    ends."""
+    ends. With `quantization` also {"weights": quantized_weights} of the fresh engine."""
     batches = [engines] if device == "cpu" else [[engine] for engine in engines]
     answers = []
     for batch in batches:
         out = subprocess.run([sys.executable, __file__, "--device", device, "--tp", str(tp),
-                              "--reference", json.dumps(batch)],
+                              "--reference", json.dumps(batch)]
+                             + (["--quantization", quantization] if quantization else []),
                              capture_output=True, text=True, timeout=400 * len(batch))
         models = [model for model, _ in batch]
         if out.returncode != 0:
@@ -205,6 +225,11 @@ def main() -> int:
     parser.add_argument("--lora-embeddings", action="store_true",
                         help="with --lora: the adapters also adapt embed_tokens and lm_head")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
+    parser.add_argument("--quantization", choices=("fp8",),
+                        help="the engines start with quantization=QUANTIZATION (CUDA): vLLM "
+                             "quantizes the bf16 checkpoint while loading, the receiver each "
+                             "update; after each update the engine's float8 weights and scales "
+                             "must equal a fresh engine's, byte for byte")
     parser.add_argument("--arch", default="llama", help=", ".join(ARCHS) + " (vllm_models.py)")
     parser.add_argument("--backend", choices=("shadowsync", "shadowsync_live_arena",
                                               "shadowsync_graph_pairs"),
@@ -252,6 +277,8 @@ def main() -> int:
     refused = engine_options_error(args)
     if refused:
         parser.error(refused)
+    if args.quantization and args.device != "cuda":
+        parser.error("--quantization: vLLM's FP8 kernels run on CUDA; use --device cuda")
     if args.api and args.reinit:
         parser.error("--api: --reinit re-initializes through the worker extension; leave it out")
     if args.api and not args.backend:
@@ -273,8 +300,11 @@ def main() -> int:
 
     if args.reference:
         for model, reference_adapter in json.loads(args.reference):
-            llm = LLM(**engine_kwargs(args.device, model, args.tp, lora=bool(reference_adapter)))
+            llm = LLM(**engine_kwargs(args.device, model, args.tp, lora=bool(reference_adapter),
+                                      quantization=args.quantization))
             answers = {"base": greedy(llm)}
+            if args.quantization:
+                answers["weights"] = llm.collective_rpc(quantized_weights)[0]
             if reference_adapter:
                 answers["adapter"] = greedy(llm, reference_adapter)
             print(ANSWERS + json.dumps(answers), flush=True)
@@ -302,7 +332,10 @@ def main() -> int:
     b_kept = with_tensors_of(b, a, args.omit, work / "B-kept") if args.omit else b
     started = time.monotonic()
     expected = dict(zip("AB", references(args.device, args.tp,
-                                         [(a, adapter["A"]), (b_kept, adapter["B"])])))
+                                         [(a, adapter["A"]), (b_kept, adapter["B"])],
+                                         args.quantization)))
+    # What a fresh engine computed from each checkpoint after loading it (--quantization).
+    weights = {name: answers.pop("weights", None) for name, answers in expected.items()}
     log(f"{args.arch}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
         f"references of A and B from fresh engines in {time.monotonic() - started:.1f} s; "
         f"A {expected['A']['base'][0][:6]}..., B {expected['B']['base'][0][:6]}...")
@@ -318,7 +351,8 @@ def main() -> int:
 
     # --api: no worker extension named; the backend mixes it into vLLM's worker itself.
     extension = {} if args.api else {"worker_extension_cls": "shadowsync.vllm.WorkerExtension"}
-    llm = LLM(**engine_kwargs(args.device, a, args.tp, lora=args.lora), **extension,
+    llm = LLM(**engine_kwargs(args.device, a, args.tp, lora=args.lora,
+                              quantization=args.quantization), **extension,
               **({"weight_transfer_config": {"backend": args.backend}} if args.backend else {}))
     if args.backend == "shadowsync":  # what it chose is checked below as if asked for by name
         swap = llm.collective_rpc("memory_report")[0]["swap"]
@@ -342,6 +376,14 @@ def main() -> int:
             log(f"{'ok  ' if same else 'FAIL'} {stage}: answers "
                 f"{'equal' if same else 'differ from'} a fresh vLLM of {want}{what}"
                 + ("" if same else f" (got {got[0][:8]}, want {expected[want][kind][0][:8]})"))
+        if weights[want] is not None:
+            have = llm.collective_rpc(quantized_weights)[0]
+            differ = sorted(n for n in weights[want] if have.get(n) != weights[want][n])
+            same = bool(weights[want]) and not differ and have.keys() == weights[want].keys()
+            failures += not same
+            log(f"{'ok  ' if same else 'FAIL'} {stage}: the engine's {len(have)} float8 weights "
+                f"and scales {'equal' if same else 'differ from'} a fresh vLLM of {want}'s, "
+                f"byte for byte" + ("" if same else f" ({len(differ)} differ: {differ[:4]})"))
 
     check("before set-up", "A")
     ctx = mp.get_context("spawn")

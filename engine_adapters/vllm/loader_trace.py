@@ -37,6 +37,7 @@ from shadowsync.layout import TensorSpec, canonical_dtype, format_shape
 from shadowsync.receive_plan import PlanCopy
 
 from .loader_dispatch import make_recording_mode
+from .online_fp8 import STAND_IN_FLAG
 
 __all__ = ["LoaderTrace", "trace_load_weights"]
 
@@ -124,10 +125,16 @@ class _State:
         self.computed: dict[int, tuple[int, str]] = {}
         self.computed_keep: list = []
         self.params = params
-        # real storage address -> [(name, param)]
+        # real storage address -> [(name, param)]; a stand-in (meta, no address): its storage id
         self.params_by_storage: dict[int, list[tuple[str, Any]]] = {}
+        self.stand_ins_by_storage: dict[int, list[tuple[str, Any]]] = {}
         for name, p in params:
-            self.params_by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
+            if p.device.type == "meta":
+                self.stand_ins_by_storage.setdefault(p.untyped_storage()._cdata, []).append(
+                    (name, p))
+            else:
+                self.params_by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(
+                    (name, p))
         self.buffers_by_storage = {}
         for name, b in buffers:
             if b.device.type != "meta" and b.numel() > 0:
@@ -157,7 +164,8 @@ class _State:
     def param_storage(self, t) -> list[tuple[str, Any]] | None:
         """The parameters sharing t's storage (None when t aliases no parameter)."""
         if t.device.type == "meta":
-            return None
+            sid = self._storage_id(t)
+            return None if sid is None else self.stand_ins_by_storage.get(sid)
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
@@ -349,7 +357,11 @@ def trace_load_weights(model, wire_specs: Iterable, load_weights: Callable | Non
             f"{type(model).__name__} has no load_weights method and no load_weights was given")
 
     params = list(model.named_parameters())
-    empty = [(n, p) for n, p in params if p.device.type == "meta" or p.numel() == 0]
+    # A stand-in (online_fp8.as_loaded: the parameter vLLM loaded into, before it quantized it)
+    # is a meta parameter on purpose: its copies are recorded like any other.
+    empty = [(n, p) for n, p in params
+             if (p.device.type == "meta" and not getattr(p, STAND_IN_FLAG, False))
+             or p.numel() == 0]
     if empty:
         listed = "; ".join(
             f"parameter '{n}' is {'on the meta device' if p.device.type == 'meta' else 'empty'} "

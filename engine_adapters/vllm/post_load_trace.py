@@ -397,10 +397,10 @@ def _moe_kernel_set_up(model, layer: str, changes: list[PostLoadChange]) -> dict
 def _advice(changes: list[PostLoadChange], quantization: str | None, device: str) -> str:
     from .unpacked import NAME as UNPACKED
 
-    supported = ("supported are weights vLLM computes with as loaded, and the expert packing of "
+    supported = ("supported are weights vLLM computes with as loaded, the expert packing of "
                  f"vLLM CPU's MoE layers (quantization=\"{UNPACKED}\" on vLLM CPU; unquantized "
-                 "weights on CUDA); quantized weights (FP8) and other post-load transforms are "
-                 "not yet")
+                 "weights on CUDA), and FP8 as vLLM's quantization=\"fp8\" computes it while "
+                 "loading a bf16/fp16 checkpoint (CUDA); other post-load transforms are not")
     if device == "cpu" and quantization is None and any(
             c.method.startswith("Unquantized") for c in changes):
         return (f"start vLLM with quantization=\"{UNPACKED}\" (vLLM's unquantized weights "

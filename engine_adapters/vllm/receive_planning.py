@@ -76,19 +76,24 @@ def packed_in_place_plan(layout: Layout, packed: dict):
 
 
 def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partial: bool,
-                  live_arena=None, packed: dict | None = None):
+                  live_arena=None, packed: dict | None = None, fp8: dict | None = None):
     """(engine layout, ReceivePlan, {engine parameter name: parameter}) from the model's own
     load_weights, traced without data (loader_trace). The engine layout holds the parameters the
     plan writes, each in the group of the trainer's tensors that write it; copies into a
-    parameter vLLM keeps packed (`packed`, expert_packing.py) go to its packed positions. With
-    `live_arena`
+    parameter vLLM keeps packed (`packed`, expert_packing.py) go to its packed positions, and
+    into one it keeps quantized (`fp8`: {name: online_fp8.Fp8Weight}) to its as-loaded
+    positions, quantized by the receiver into its float8 bytes and its scale (which follows it
+    in the layout). With `live_arena`
     (the live-arena engine the receiver will swap by remap) and allow_partial, it holds every
     parameter in the model's order, as the arena does: the ones no trainer tensor writes are the
     plan's kept tensors (the receiver copies their live bytes into each slot once)."""
-    from shadowsync.receive_plan import ReceivePlan
+    from shadowsync.receive_plan import PlanQuantization, ReceivePlan
 
     from .expert_packing import compose_all
     from .loader_trace import trace_load_weights
+    from .online_fp8 import as_loaded
+
+    fp8 = fp8 or {}
 
     if not callable(getattr(model, "load_weights", None)):
         known = dict(model.named_parameters())
@@ -105,8 +110,12 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
             f"{type(model).__name__} has no load_weights to derive a receive plan from"
         )
     with lora_layers_unwrapped(model):  # checkpoint names, as load_weights knows them
-        trace = trace_load_weights(model, specs)
+        with as_loaded(fp8):
+            trace = trace_load_weights(model, specs)
         every = dict(model.named_parameters())
+    # Scales are written by the quantization, not by copies.
+    scales = {w.scale_name for w in fp8.values()}
+    trace.unwritten_params = [n for n in trace.unwritten_params if n not in scales]
     if trace.unwritten_params and not allow_partial:
         missing = trace.unwritten_params
         raise LayoutMismatchError(
@@ -134,11 +143,27 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
     order = {g.name: i for i, g in enumerate(wire.groups)}
     names = sorted(engine_params, key=lambda n: order[group_of[n]])  # stable: model order
     params = {n: engine_params[n] for n in names}
+    quantized = []
+    if fp8:
+        written = names
+        names, params = [], {}
+        for n in written:
+            names.append(n)
+            w = fp8.get(n)
+            if w is None:
+                params[n] = engine_params[n]
+                continue
+            params[n] = w.storage  # its float8 bytes, in the layout the copies write
+            names.append(w.scale_name)
+            params[w.scale_name] = w.scale
+            group_of[w.scale_name] = group_of[n]
+            quantized.append(PlanQuantization(n, w.scale_name, w.parts))
     # Described here: with LoRA on, a parameter's name in the trace (the checkpoint's) is not its
     # name among the wrapped model's parameters.
     descs = {n: describe(n, param_data(p)) for n, p in params.items()}
     engine = Layout([TensorSpec(n, descs[n].dtype, descs[n].shape, group_of[n]) for n in names])
-    return engine, ReceivePlan(wire, compose_all(trace.copies, packed or {}), kept), params
+    return engine, ReceivePlan(wire, compose_all(trace.copies, packed or {}), kept,
+                               quantized=quantized), params
 
 
 def receive_plan_with_lora(worker, model, specs: list[TensorSpec], lora_adapter: int | None,

@@ -23,6 +23,7 @@ from shadowsync.transport import Transport, nccl_transport, same_host_transport
 from . import step_hook_site, tensor_parallel, vllm_worker
 from .init_info import ShadowsyncInitInfo
 from .lora_plan import is_lora_tensor
+from .online_fp8 import online_fp8_weights
 from .post_load_trace import check_post_load_transforms
 from .receive_planning import (check_specs, packed_in_place_plan, placement, receive_plan,
                                receive_plan_with_lora, receives_in_place, refuse_empty)
@@ -48,6 +49,10 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
     params = dict(items(worker._shadowsync_named_parameters()))
     if not params:
         raise InvalidArgumentError("init_weight_update_group: the model has no parameters")
+    # Weights vLLM quantized while loading (quantization="fp8"): described by their float8
+    # bytes in the as-loaded layout, which the receive writes.
+    fp8 = online_fp8_weights(model)
+    params.update({name: w.storage for name, w in fp8.items() if name in params})
     descs = {name: describe(name, param_data(p)) for name, p in params.items()}
     kind, device = placement(descs)
     # Before anything else reads the parameters: are they what the model computes with?
@@ -66,6 +71,8 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
     # The live arena, when swaps may swap it (by remap, or by rebind under graph pairs): it is
     # swapped whole, so a plan for it keeps what the trainer does not send.
     arena_to_remap = live_arena if chosen in (None, arena_strategy) else None
+    if fp8:
+        check_fp8_engine(specs, lora_adapter, chosen, live_arena)
     plan = None
     if specs is None and lora_adapter is not None:
         raise InvalidArgumentError(
@@ -91,7 +98,7 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
             plan = packed_in_place_plan(layout, packed)
         else:
             layout, plan, params = receive_plan(model, specs, bucket_bytes, allow_partial,
-                                                 arena_to_remap, packed)
+                                                 arena_to_remap, packed, fp8)
             descs = {name: describe(name, param_data(p)) for name, p in params.items()}
 
     backend: Backend
@@ -146,7 +153,7 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
             f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
             f"adapter lives in vLLM's stacked LoRA buffers), or 'remap' with the live "
             f"arena for the base weights beside it; got {chosen!r}")
-    if lora_groups and arena_group is None:
+    if (lora_groups or fp8) and arena_group is None:
         swap_strategy = chosen = "copy_in"
     if engine_uses_cuda_graphs and chosen == "remap" and live_arena is None:
         # remap keeps one virtual range live, but it is the receiver's: vLLM captured its
@@ -236,6 +243,34 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
         # unpin), as an adapter that is being trained would be.
         vllm_worker.lora_manager(worker).pin_adapter(int(lora_adapter))
     return state
+
+
+def check_fp8_engine(specs, lora_adapter, chosen, live_arena) -> None:
+    """An engine vLLM quantized to FP8 while loading takes updates as the trainer's tensors
+    (bf16/fp16, quantized by the receiver), copied into vLLM's own storage at each swap: its
+    expert kernels hold the scale tensors themselves, and its float8 weights are views that a
+    rebind would not reproduce."""
+    if specs is None:
+        raise InvalidArgumentError(
+            "init_weight_update_group: vLLM quantized this engine's weights to FP8 while loading "
+            "them; pass specs (the trainer's tensors, e.g. named_parameters() in bf16): the "
+            "receiver quantizes them as vLLM does")
+    if lora_adapter is not None:
+        raise InvalidArgumentError(
+            f"init_weight_update_group: lora_adapter={lora_adapter} with an FP8 engine "
+            f"(quantization=\"fp8\"): not supported; serve the adapter from a bf16 engine")
+    if live_arena is not None:
+        raise InvalidArgumentError(
+            "init_weight_update_group: an FP8 engine (quantization=\"fp8\") with a "
+            "'shadowsync' weight-transfer backend (live arena or graph pairs): not supported; "
+            "start vLLM without weight_transfer_config (updates are copied into vLLM's storage "
+            "at each swap, CUDA graphs kept)")
+    if chosen not in (None, "copy_in"):
+        raise InvalidArgumentError(
+            f"init_weight_update_group: swap_strategy {chosen!r} with an FP8 engine "
+            f"(quantization=\"fp8\"): its updates are copied into vLLM's storage at each swap "
+            f"(vLLM's FP8 kernels hold its weights and scales); leave swap_strategy unset or "
+            f"pass 'copy_in'")
 
 
 def check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> None:

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 import shadowsync as ss  # noqa: E402
 from shadowsync.receive_plan import PlanCopy  # noqa: E402
 from shadowsync.vllm.loader_trace import LoaderTrace, trace_load_weights  # noqa: E402
+from shadowsync.vllm.online_fp8 import STAND_IN_FLAG  # noqa: E402
 
 nn = torch.nn
 
@@ -326,6 +327,38 @@ def test_identity_when_a_loader_copies_a_tensor_in_pieces_to_its_own_positions()
     assert trace.identity and len(trace.copies) == 3
     renamed = trace_load_weights(model, [("w.hf", "fp32", (6, 4))], load_weights=pieces)
     assert not renamed.identity
+
+
+def as_loaded_stand_in(param):
+    """What shadowsync.vllm.online_fp8.as_loaded puts in place of a weight vLLM quantized while
+    loading: a meta parameter of the as-loaded shape and dtype, with its loader, marked."""
+    stand = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                         requires_grad=False)
+    stand.weight_loader = param.weight_loader
+    setattr(stand, STAND_IN_FLAG, True)
+    return stand
+
+
+def test_copies_into_an_as_loaded_stand_in_are_those_into_the_parameter():
+    """A fused weight quantized after loading is traced through a meta stand-in of the
+    parameter the loader wrote: the copies are the ones the real parameter would get."""
+    real = trace_load_weights(Engine(rank=1, world=2), hf_specs())
+    model = Engine(rank=1, world=2)
+    for layer in model.layers:
+        for fused in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+            fused._parameters["weight"] = as_loaded_stand_in(fused.weight)
+    traced = trace_load_weights(model, hf_specs())
+    assert traced.copies == real.copies
+    assert traced.engine_params["layers.1.mlp.gate_up_proj.weight"].device.type == "meta"
+    # Two stand-ins never alias: each is its own storage.
+    assert len({c.engine for c in traced.copies if "qkv_proj.weight" in c.engine}) == 2
+    # A meta parameter that is no stand-in is still refused: it holds no weights.
+    unmarked = Engine()
+    unmarked.layers[0].mlp.gate_up_proj._parameters["weight"] = nn.Parameter(
+        torch.empty(2 * INTER, HIDDEN, device="meta"), requires_grad=False)
+    with pytest.raises(ss.LayoutMismatchError,
+                       match=r"'layers.0.mlp.gate_up_proj.weight' is on the meta device"):
+        trace_load_weights(unmarked, hf_specs())
 
 
 def test_a_partial_update_lists_the_parameters_it_leaves():
