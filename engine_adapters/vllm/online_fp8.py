@@ -137,14 +137,16 @@ def online_fp8_weights(model) -> dict[str, Fp8Weight]:
             loaded = metadata.get("weight")
             out_in = tuple(loaded.shape) if loaded is not None else ()
             # Row-major [out, in] float8 bytes, held as they are (vLLM CPU) or as their
-            # transposed view (CUDA's scaled-mm kernels take [in, out]).
+            # transposed view (CUDA's scaled-mm kernels take [in, out]; CUTLASS pads out to a
+            # multiple of 16 with rows of zeros after them, which no update changes).
             storage = None
-            if weight is not None and weight.dtype == fp8 and weight.dim() == 2:
-                if tuple(weight.shape) == out_in and weight.is_contiguous():
-                    storage = weight.data
-                elif tuple(weight.shape) == out_in[::-1] and weight.t().is_contiguous():
-                    storage = weight.data.t()
-            if storage is None or len(out_in) != 2:
+            if (weight is not None and weight.dtype == fp8 and weight.dim() == 2
+                    and len(out_in) == 2):
+                rows = weight.data if weight.is_contiguous() else weight.data.t()
+                if (rows.is_contiguous() and rows.shape[0] >= out_in[0]
+                        and rows.shape[1] == out_in[1]):
+                    storage = rows[:out_in[0]]
+            if storage is None:
                 got = "none" if weight is None else (
                     f"{weight.dtype}, shape {format_shape(tuple(weight.shape))}, strides "
                     f"{format_shape(tuple(weight.stride()))}")

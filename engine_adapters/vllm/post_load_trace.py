@@ -394,6 +394,15 @@ def _moe_kernel_set_up(model, layer: str, changes: list[PostLoadChange]) -> dict
     return cpu_expert_packing(module, layer)
 
 
+def _kv_cache_scales(changes: list[PostLoadChange]) -> bool:
+    """Whether all the step did to a layer is vLLM's KV-cache quantization (quantization="fp8"
+    gives attention layers a KV-cache method) turning the checkpoint's activation scales
+    (q_scale, k_scale, v_scale, prob_scale) into constants: they are no trained weights, no
+    trainer sends them, and no receive plan writes them."""
+    return all(c.method.endswith("KVCacheMethod") and c.kind == "parameter"
+               and c.name.endswith("_scale") and c.what == "removed it" for c in changes)
+
+
 def _advice(changes: list[PostLoadChange], quantization: str | None, device: str) -> str:
     from .unpacked import NAME as UNPACKED
 
@@ -447,6 +456,8 @@ def check_post_load_transforms(model, quantization: str | None = None,
                                            if "weight" in m._parameters})
     refused, packed = [], {}
     for layer, changes in by_layer.items():
+        if _kv_cache_scales(changes):
+            continue
         orders = _moe_kernel_set_up(model, layer, changes) if layer else None
         if orders is not None:
             packed.update(orders)
