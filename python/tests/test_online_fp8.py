@@ -1,0 +1,244 @@
+"""shadowsync.vllm.online_fp8 on the CPU: an engine that vLLM quantized to FP8 while loading
+(quantization="fp8"), from the set-up's discovery of its float8 weights to their bytes after a
+receive.
+
+vLLM's CPU build cannot run FP8 layers, so the model here is a small torch module built the way
+vLLM 0.25 leaves one (online/fp8.py): a fused q/k/v linear whose weight is the float8 transpose
+([in, out] view) of row-major [out, in] bytes with one float32 scale, and a MoE layer whose
+w13_weight/w2_weight are float8 [experts, ...] with a scale per expert; vLLM's record of the
+as-loaded parameters (its layerwise reload metadata: meta bf16 tensors whose loaders are wrapped
+by vLLM's online-processing loader, or bound to its placeholder) is registered in vLLM's own
+table. The real engines are covered on one H200 (scripts/vllm_e2e.py --quantization fp8).
+
+The receive: the plan is traced from the model's load_weights through the as-loaded stand-ins,
+the trainer's bf16 tensors go through the loopback transport on the host backend, and the
+engine's float8 bytes and scales must equal torch's float8_e4m3fn quantization of the fused
+tensors (vLLM's arithmetic: scale = max|x| / 448, x times its reciprocal, clamped, rounded to
+the nearest e4m3) bit for bit. Then every refusal, named. Needs torch and vllm (vLLM's lane)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from support import DEADLINE_S
+
+torch = pytest.importorskip("torch")
+layerwise = pytest.importorskip("vllm.model_executor.model_loader.reload.layerwise")
+reload_types = pytest.importorskip("vllm.model_executor.model_loader.reload.types")
+sanitize = pytest.importorskip("vllm.model_executor.model_loader.reload.sanitize")
+
+import shadowsync as ss  # noqa: E402
+from shadowsync.layout import TensorSpec  # noqa: E402
+from shadowsync.vllm.online_fp8 import STAND_IN_FLAG, as_loaded, online_fp8_weights  # noqa: E402
+from shadowsync.vllm.receive_planning import receive_plan  # noqa: E402
+
+nn = torch.nn
+FP8 = torch.float8_e4m3fn
+H, Q, KV, I, E = 32, 32, 8, 16, 4  # hidden, q rows, k/v rows, experts' intermediate, experts
+
+
+def method(name: str, **attributes):
+    """A quant method object of vLLM's class name (the set-up knows them by name)."""
+    return type(name, (), {"uses_meta_device": True, **attributes})()
+
+
+def online_process_loader(original):
+    """vLLM's online-processing wrapper of a loader, as the record holds it (buffers the load in
+    vLLM; here it must never be called)."""
+    def online_process_loader(*args, **kwargs):
+        raise AssertionError("the trace called vLLM's buffering wrapper, not the loader")
+
+    online_process_loader.__wrapped__ = original
+    return online_process_loader
+
+
+def record(layer, **as_loaded_params):
+    """vLLM's record of `layer`'s parameters as created before loading (meta tensors)."""
+    layerwise.LAYERWISE_INFO[layer] = reload_types.LayerReloadingInfo(
+        restore_metadata=(as_loaded_params, {}), restore_device=torch.device("cpu"))
+
+
+def meta(shape, loader):
+    p = nn.Parameter(torch.empty(shape, dtype=torch.bfloat16, device="meta"), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class QkvLinear(nn.Module):
+    """vLLM's fused q/k/v after online FP8: weight [in, out] float8 (a view of [out, in] bytes),
+    weight_scale [1]. `padded_in`: bytes laid out for a K padded to it (a kernel that pads)."""
+
+    SHARDS = {"q": (0, Q), "k": (Q, KV), "v": (Q + KV, KV)}
+
+    def __init__(self, padded_in: int = H, scale_parts: int = 1):
+        super().__init__()
+        self.quant_method = method("Fp8PerTensorOnlineLinearMethod")
+        rows = torch.zeros(Q + 2 * KV, padded_in, dtype=FP8)
+        self.weight = nn.Parameter(rows[:, :H].t(), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(scale_parts), requires_grad=False)
+        record(self, weight=meta((Q + 2 * KV, H), online_process_loader(self.load)))
+
+    def load(self, param, loaded, shard):
+        start, rows = self.SHARDS[shard]
+        param.data.narrow(0, start, rows).copy_(loaded)
+
+
+class Experts(nn.Module):
+    """vLLM's stacked experts after online FP8 (per-expert scales)."""
+
+    def __init__(self, backend: str = "TRITON"):
+        super().__init__()
+        self.quant_method = method("Fp8PerTensorOnlineMoEMethod",
+                                   fp8_backend=types.SimpleNamespace(value=backend))
+        self.w13_weight = nn.Parameter(torch.zeros(E, 2 * I, H, dtype=FP8), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.zeros(E, H, I, dtype=FP8), requires_grad=False)
+        self.w13_weight_scale = nn.Parameter(torch.ones(E), requires_grad=False)
+        self.w2_weight_scale = nn.Parameter(torch.ones(E), requires_grad=False)
+        # As vLLM records them: loaders bound to its placeholder instead of the layer.
+        placeholder = self.load.__func__.__get__(sanitize.layer_ref_sentinel)
+        record(self, w13_weight=meta((E, 2 * I, H), placeholder),
+               w2_weight=meta((E, H, I), placeholder))
+
+    def load(self, param, loaded, shard, expert):
+        target = param.data[expert]
+        if shard in ("w1", "w3"):
+            target = target.narrow(0, 0 if shard == "w1" else I, I)
+        target.copy_(loaded)
+
+
+class Model(nn.Module):
+    def __init__(self, **layers):
+        super().__init__()
+        self.qkv = layers.get("qkv") or QkvLinear()
+        self.experts = layers.get("experts") or Experts()
+        self.norm = nn.Parameter(torch.zeros(H, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, loaded in weights:
+            parts = name.split(".")
+            if parts[0] in ("q_proj", "k_proj", "v_proj"):
+                p = params["qkv.weight"]
+                p.weight_loader(p, loaded, parts[0][0])
+            elif parts[0] == "experts":
+                shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[parts[2]]
+                p = params["experts.w2_weight" if shard == "w2" else "experts.w13_weight"]
+                p.weight_loader(p, loaded, shard, int(parts[1]))
+            else:
+                params[name].data.copy_(loaded)
+
+
+WIRE = [("q_proj.weight", (Q, H)), ("k_proj.weight", (KV, H)), ("v_proj.weight", (KV, H))]
+WIRE += [(f"experts.{e}.{p}.weight", (I, H)) for e in range(E) for p in ("gate_proj", "up_proj")]
+WIRE += [(f"experts.{e}.down_proj.weight", (H, I)) for e in range(E)]
+WIRE += [("norm", (H,))]
+SPECS = [TensorSpec(n, "bf16", shape) for n, shape in WIRE]
+
+
+def vllm_quantize(x, parts: int):
+    """What vLLM's dynamic per-tensor scaled_fp8_quant computes, per part: (float8 bytes, scales)."""
+    x = x.float().reshape(parts, -1)
+    scales = x.abs().amax(dim=1) / 448.0
+    q = (x * (1.0 / scales)[:, None]).clamp(-448.0, 448.0).to(FP8)
+    return q.view(torch.uint8).reshape(-1).numpy(), scales.numpy()
+
+
+def test_discovery_describes_the_float8_bytes_in_the_as_loaded_layout():
+    model = Model()
+    found = online_fp8_weights(model)
+    assert list(found) == ["qkv.weight", "experts.w13_weight", "experts.w2_weight"]
+    qkv = found["qkv.weight"]
+    assert tuple(qkv.storage.shape) == (Q + 2 * KV, H) and qkv.storage.is_contiguous()
+    assert qkv.storage.data_ptr() == model.qkv.weight.data_ptr()  # the engine's own bytes
+    assert (qkv.scale_name, qkv.parts) == ("qkv.weight_scale", 1)
+    assert [(w.scale_name, w.parts) for w in list(found.values())[1:]] == [
+        ("experts.w13_weight_scale", E), ("experts.w2_weight_scale", E)]
+    # While the trace runs, the as-loaded stand-ins are the parameters; then the float8 again.
+    quantized = model.qkv.weight
+    with as_loaded(found):
+        stand = model.qkv.weight
+        assert stand.device.type == "meta" and stand.dtype == torch.bfloat16
+        assert getattr(stand, STAND_IN_FLAG) and stand.weight_loader == model.qkv.load
+        assert model.experts.w13_weight.weight_loader == model.experts.load
+    assert model.qkv.weight is quantized
+    with pytest.raises(RuntimeError, match="boom"), as_loaded(found):
+        raise RuntimeError("boom")
+    assert model.qkv.weight is quantized and model.experts.w2_weight.dtype == FP8
+
+
+def test_the_receive_quantizes_as_vllm_does_bit_for_bit():
+    model = Model()
+    engine, plan, params = receive_plan(model, SPECS, 1024, False, fp8=online_fp8_weights(model))
+    # The model's order, each scale right after its weight.
+    assert [t.name for t in engine.specs] == [
+        "norm", "qkv.weight", "qkv.weight_scale", "experts.w13_weight",
+        "experts.w13_weight_scale", "experts.w2_weight", "experts.w2_weight_scale"]
+    assert [(q.engine, q.parts) for q in plan.quantized] == [
+        ("qkv.weight", 1), ("experts.w13_weight", E), ("experts.w2_weight", E)]
+    loopback = ss.Loopback(2)
+    receiver = ss.Receiver(engine, ss.HostBackend(), loopback.transport(1),
+                           ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000)),
+                           plan=plan)
+    sender = ss.Sender(plan.wire, ss.HostBackend(), loopback.transport(0))
+    try:
+        for version in (1, 2):
+            gen = torch.Generator().manual_seed(version)
+            wire = {n: (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+                    for n, shape in WIRE}
+            wire["experts.2.up_proj.weight"] *= 7  # expert 2's scale stands apart
+            handle = sender.publish(version, wire)
+            receiver.begin_update(handle.header_bytes)
+            receiver.wait_applied(version, DEADLINE_S)
+            handle.wait(DEADLINE_S)
+            fused = {
+                "qkv.weight": (torch.cat([wire[f"{p}_proj.weight"] for p in "qkv"]), 1),
+                "experts.w13_weight": (torch.stack([torch.cat(
+                    [wire[f"experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")])
+                    for e in range(E)]), E),
+                "experts.w2_weight": (torch.stack(
+                    [wire[f"experts.{e}.down_proj.weight"] for e in range(E)]), E),
+            }
+            for name, (tensor, parts) in fused.items():
+                want, scales = vllm_quantize(tensor, parts)
+                got = receiver.live_array(name, np.uint8).reshape(-1)
+                np.testing.assert_array_equal(got, want, err_msg=name)
+                np.testing.assert_array_equal(
+                    receiver.live_array(name + "_scale").view(np.uint32),
+                    scales.view(np.uint32), err_msg=name)
+            np.testing.assert_array_equal(receiver.live_array("norm", np.int16),
+                                          wire["norm"].view(torch.int16).numpy())
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("layers,message", [
+    (dict(qkv=QkvLinear(padded_in=H + 16)),
+     r"layer 'qkv' \(Fp8PerTensorOnlineLinearMethod\): its weight is torch.float8_e4m3fn, shape "
+     r"\[32, 48\], strides \[1, 48\], not the float8 bytes of the loaded \[48, 32\]"),
+    (dict(qkv=QkvLinear(scale_parts=3)),
+     r"layer 'qkv' .*its scale 'weight_scale' is torch.float32, shape \[3\], not 1 float32"),
+    (dict(experts=Experts(backend="FLASHINFER_CUTLASS")),
+     r"layer 'experts' \(Fp8PerTensorOnlineMoEMethod\): vLLM's FP8 expert kernel "
+     r"FLASHINFER_CUTLASS rearranges the quantized experts"),
+])
+def test_layouts_vllm_rearranged_are_refused_naming_the_layer(layers, message):
+    with pytest.raises(ss.LayoutMismatchError, match=message):
+        online_fp8_weights(Model(**layers))
+
+
+def test_other_online_quantization_and_a_missing_record_are_refused():
+    blockwise = Model()
+    blockwise.qkv.quant_method = method("Fp8PerBlockOnlineLinearMethod")
+    with pytest.raises(ss.LayoutMismatchError,
+                       match=r"layer 'qkv' \(Fp8PerBlockOnlineLinearMethod\): this online "
+                             r"quantization is not served"):
+        online_fp8_weights(blockwise)
+    unrecorded = Model()
+    del layerwise.LAYERWISE_INFO[unrecorded.experts]
+    with pytest.raises(ss.LayoutMismatchError,
+                       match=r"layer 'experts' .*keeps no record of the layer's parameters as "
+                             r"loaded"):
+        online_fp8_weights(unrecorded)
