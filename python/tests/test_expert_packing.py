@@ -127,3 +127,22 @@ def test_folding_vllms_order_recovers_its_digits():
     shuffled = torch.randperm(one_expert, generator=torch.Generator().manual_seed(0))
     with pytest.raises(LayoutMismatchError, match="'w13'.*not a nested strided reordering"):
         _fold(torch, shuffled, "w13")
+
+
+@pytest.mark.parametrize("kind", ORDERS)
+def test_a_trainer_sending_the_engines_own_tensors_writes_them_packed(kind):
+    """packed_in_place_plan: the trainer sends vLLM's own parameters (its stacked experts as
+    loaded): each is copied whole, the packed one into its packed order; nothing packed, no
+    plan (the receive stays zero-copy)."""
+    import shadowsync as ss
+    from shadowsync.vllm.receive_planning import packed_in_place_plan
+
+    layout = ss.Layout([("norm", "fp32", (COLUMNS,)), ("w13", "fp32", (EXPERTS, ROWS, COLUMNS))])
+    plan = packed_in_place_plan(layout, {"w13": ORDERS[kind]})
+    assert plan.wire is layout
+    norm = [c for c in plan.copies if c.engine == "norm"]
+    assert norm == [PlanCopy("norm", "norm", (COLUMNS,), 0, (1,), 0, (1,))]
+    experts = [c for c in plan.copies if c.engine == "w13"]
+    # Element i of the trainer's w13 lands where packing the loaded tensor puts element i.
+    assert run(experts, {"w13": SIZE}) == packed(ORDERS[kind], [("w13", i) for i in range(SIZE)])
+    assert packed_in_place_plan(layout, {"other": ORDERS[kind]}) is None
