@@ -37,9 +37,13 @@ from shadowsync.layout import TensorSpec, canonical_dtype, format_shape
 from shadowsync.receive_plan import PlanCopy
 
 from .loader_dispatch import make_recording_mode
-from .online_fp8 import STAND_IN_FLAG
 
-__all__ = ["LoaderTrace", "trace_load_weights"]
+__all__ = ["STAND_IN_FLAG", "LoaderTrace", "trace_load_weights"]
+
+# A meta parameter carrying this attribute (True) stands in for a parameter as the loader wrote
+# it, which the engine replaced afterwards (online_fp8.as_loaded: vLLM's FP8 quantized while
+# loading): the trace records copies into it like into any parameter.
+STAND_IN_FLAG = "_shadowsync_as_loaded"
 
 # Canonical dtype name (shadowsync) -> torch dtype attribute.
 _TORCH_DTYPE = {
@@ -357,8 +361,7 @@ def trace_load_weights(model, wire_specs: Iterable, load_weights: Callable | Non
             f"{type(model).__name__} has no load_weights method and no load_weights was given")
 
     params = list(model.named_parameters())
-    # A stand-in (online_fp8.as_loaded: the parameter vLLM loaded into, before it quantized it)
-    # is a meta parameter on purpose: its copies are recorded like any other.
+    # A stand-in (STAND_IN_FLAG) is a meta parameter on purpose.
     empty = [(n, p) for n, p in params
              if (p.device.type == "meta" and not getattr(p, STAND_IN_FLAG, False))
              or p.numel() == 0]

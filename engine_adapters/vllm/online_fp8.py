@@ -32,6 +32,8 @@ from typing import Any
 from shadowsync.errors import LayoutMismatchError
 from shadowsync.layout import format_shape
 
+from .loader_trace import STAND_IN_FLAG
+
 __all__ = ["Fp8Weight", "as_loaded", "online_fp8_weights"]
 
 LINEAR_METHOD = "Fp8PerTensorOnlineLinearMethod"
@@ -42,7 +44,6 @@ _MOE_BACKENDS_AS_QUANTIZED = frozenset({"TRITON", "BATCHED_TRITON", "VLLM_CUTLAS
                                         "BATCHED_VLLM_CUTLASS"})
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _SANITIZE = "vllm.model_executor.model_loader.reload.sanitize"
-STAND_IN_FLAG = "_shadowsync_as_loaded"  # loader_trace accepts meta parameters marked so
 
 
 @dataclass

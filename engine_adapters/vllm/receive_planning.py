@@ -143,21 +143,14 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
     order = {g.name: i for i, g in enumerate(wire.groups)}
     names = sorted(engine_params, key=lambda n: order[group_of[n]])  # stable: model order
     params = {n: engine_params[n] for n in names}
-    quantized = []
-    if fp8:
-        written = names
-        names, params = [], {}
-        for n in written:
-            names.append(n)
-            w = fp8.get(n)
-            if w is None:
-                params[n] = engine_params[n]
-                continue
-            params[n] = w.storage  # its float8 bytes, in the layout the copies write
-            names.append(w.scale_name)
-            params[w.scale_name] = w.scale
-            group_of[w.scale_name] = group_of[n]
-            quantized.append(PlanQuantization(n, w.scale_name, w.parts))
+    # A weight vLLM keeps quantized: the copies write its float8 bytes (in the layout as
+    # loaded), the receiver quantizes them, and its scale follows it in the layout.
+    quantized = [PlanQuantization(n, fp8[n].scale_name, fp8[n].parts) for n in names if n in fp8]
+    for q in quantized:
+        params[q.engine] = fp8[q.engine].storage
+        params[q.scale] = fp8[q.engine].scale
+        group_of[q.scale] = group_of[q.engine]
+    names = [m for n in names for m in ((n, fp8[n].scale_name) if n in fp8 else (n,))]
     # Described here: with LoRA on, a parameter's name in the trace (the checkpoint's) is not its
     # name among the wrapped model's parameters.
     descs = {n: describe(n, param_data(p)) for n, p in params.items()}

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 import shadowsync as ss  # noqa: E402
 from shadowsync.receive_plan import PlanCopy  # noqa: E402
-from shadowsync.vllm.loader_trace import LoaderTrace, trace_load_weights  # noqa: E402
-from shadowsync.vllm.online_fp8 import STAND_IN_FLAG  # noqa: E402
+from shadowsync.vllm.loader_trace import (STAND_IN_FLAG, LoaderTrace,  # noqa: E402
+                                          trace_load_weights)
 
 nn = torch.nn
 

@@ -31,7 +31,8 @@ sanitize = pytest.importorskip("vllm.model_executor.model_loader.reload.sanitize
 
 import shadowsync as ss  # noqa: E402
 from shadowsync.layout import TensorSpec  # noqa: E402
-from shadowsync.vllm.online_fp8 import STAND_IN_FLAG, as_loaded, online_fp8_weights  # noqa: E402
+from shadowsync.vllm.loader_trace import STAND_IN_FLAG  # noqa: E402
+from shadowsync.vllm.online_fp8 import as_loaded, online_fp8_weights  # noqa: E402
 from shadowsync.vllm.receive_planning import receive_plan  # noqa: E402
 
 nn = torch.nn
