@@ -5,19 +5,38 @@ generation stops, decode tokens/s during the update against tokens/s without one
 update's time.
 
     python3 bench/bench_vllm_update.py --config qwen2.5-0.5b,llama-3-8b          # one GPU
+    python3 bench/bench_vllm_update.py --config olmoe-1b-7b --quantization fp8   # MoE, FP8
+    python3 bench/bench_vllm_update.py --config qwen3-30b-a3b --layers 24        # one H200
     python3 bench/bench_vllm_update.py --device cpu --config tiny --requests 4 --max-tokens 64
 
 Outputs ``bench_vllm_update.json`` and ``bench_vllm_update.md`` in --out (default ``$OUT``, else
 ./bench-vllm-update), each figure with the command, the machine (nvidia-smi's GPU name), the
 commit and vLLM's version; plus one log per engine run.
 
-**Models.** Random weights at the real shapes of Qwen2.5-0.5B (tied embeddings) and Llama-3-8B
-(hidden sizes, layers, heads, vocab from their public configs; ``CONFIGS``), or a tiny Llama.
+**Models.** Random weights at the real shapes of Qwen2.5-0.5B (tied embeddings), Llama-3-8B and
+two mixtures of experts, Qwen3-30B-A3B (48 layers of 128 experts, 8 per token; 57 GiB in bf16)
+and OLMoE-1B-7B (16 layers of 64 experts, 8 per token; 12.9 GiB) (hidden sizes, layers, heads,
+experts, vocab from their public configs; ``CONFIGS``), or a tiny Llama, or a tiny Qwen3-MoE
+(``tiny-moe``: 16 experts, 2 per token) for CPU checks. ``--layers N`` builds each config with
+its first N decoder layers (the same shapes; refused above the config's own count): whole,
+Qwen3-30B-A3B does not fit one 141 GB GPU (the trainer, the engine and the receiver's two slots
+are four copies of 57 GiB); with ``--layers 24`` (29 GiB a copy) it does, and the report names it
+"qwen3-30b-a3b (24 of 48 layers)".
 transformers builds the model from the config directly on the device in the benchmark's dtype
 (bf16 on cuda, fp32 on cpu) and saves it (save_pretrained) for vLLM to load; no tokenizer
 (vLLM runs with skip_tokenizer_init and token-id prompts). The trainer of either path builds a
 model of the same config with another seed: every update changes every weight once (later
 updates send the same values again; the timing does not depend on them).
+
+**FP8** (``--quantization fp8``, cuda only). Every engine the run starts gets
+``quantization="fp8"``: vLLM quantizes the bf16 checkpoint while loading (a scale per weight; in
+a MoE layer, per expert). The trainers stay bf16: shadowsync's receiver quantizes each update the
+same way before it is offered and swaps it in by copy_in only, so --live-arena, --graph-pairs,
+--backend, another --swap-strategy and the shadowsync-api path are refused with it, as is
+--device cpu (vLLM's CPU build runs no FP8). The vllm path runs its documented sequence
+unchanged: what vLLM does with bf16 weights sent into an FP8 engine is measured, not assumed.
+The JSON's ``quantization`` and the table's title and model column say so; vLLM's reference stop
+is shown for whole bf16 models only.
 
 **Process layout.** This process orchestrates and never touches the GPU: the checkpoint is made
 in a subprocess, and each path runs in a subprocess of its own (``--child``) with one vLLM
@@ -122,6 +141,14 @@ of steps that admitted none (``stop_floor_not_admitting_ms_*``);
 step of its kind (admitting or not). Diagnostics: ``engine_stop_ms`` and the goals count every
 update against the median step.
 
+**Set-up.** Each path's result also holds ``engine_start_s`` (AsyncLLM.from_engine_args),
+``setup_s`` (the path's whole set-up: its trainer started and built too), ``update_setup_s`` with
+``update_setup_call``, the weight-update set-up's call alone (shadowsync:
+``collective_rpc("init_weight_update_group")``, the receive plan, the receiver's memory and the
+transport joined; shadowsync-api and vllm: ``init_weight_transfer_engine``, with NCCL beside the
+trainer's ``trainer_init``), and ``kv_cache_tokens``, the engine's KV-cache capacity as vLLM logs
+it ("GPU KV cache size: N tokens", read from the path's log); the report has a table of them.
+
 Median and max over the measured updates. Goals printed next to shadowsync's figures: engine stop
 at most 1 ms per update at 8B, decode slowdown during the update at most 1.10x. vLLM's reported
 reference for its path: 119 ms stop at Qwen2.5-0.5B, 239 ms at Llama-3-8B.
@@ -135,6 +162,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -144,7 +172,7 @@ from pathlib import Path
 from vllm_update import options
 from vllm_update.checkpoint import make_checkpoint
 from vllm_update.child import child_main
-from vllm_update.configs import CONFIGS, GOALS, PATHS, VLLM_REFERENCE_STOP_MS
+from vllm_update.configs import CONFIGS, GOALS, PATHS, VLLM_REFERENCE_STOP_MS, model_label
 from vllm_update.decode_load import DecodeLoad  # noqa: F401  (bench_vllm_pacing.py, the tests)
 from vllm_update.options import child_passthrough
 from vllm_update.report import one_line, write_outputs
@@ -172,7 +200,8 @@ def main() -> int:
     if args.child:
         return child_main(args)
     if args.make_checkpoint:
-        make_checkpoint(args.make_checkpoint, args.config, args.device, args.dummy_load)
+        make_checkpoint(args.make_checkpoint, args.config, args.device, args.dummy_load,
+                        args.layers)
         return 0
     configs = [c.strip() for c in args.config.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
@@ -195,10 +224,17 @@ def main() -> int:
                             tp=args.tp, transport=args.transport, trainer_gpu=args.trainer_gpu,
                             live_arena=args.live_arena, graph_pairs=args.graph_pairs,
                             gated_swaps="off" if args.no_gated_swaps else "auto",
-                            decode_slowdown_budget=args.decode_slowdown_budget)
+                            decode_slowdown_budget=args.decode_slowdown_budget,
+                            layers=args.layers, quantization=args.quantization)
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
+    # Each config as built: its name in the report (with --layers, "qwen3-30b-a3b (24 of 48
+    # layers)"), its decoder layers and the engines' quantization.
+    models = {c: dict(model=model_label(c, args.layers),
+                      layers=args.layers or CONFIGS[c]["num_hidden_layers"],
+                      config_layers=CONFIGS[c]["num_hidden_layers"],
+                      quantization=args.quantization) for c in configs}
     results: dict = {"meta": meta, "goals": GOALS, "vllm_reference_stop_ms": VLLM_REFERENCE_STOP_MS,
-                     "configs": {}}
+                     "quantization": args.quantization, "models": models, "configs": {}}
     started = time.monotonic()
 
     def timeout_left() -> float:
@@ -219,14 +255,15 @@ def main() -> int:
                 continue
             made = run_logged([sys.executable, __file__, "--make-checkpoint", str(model_dir),
                                "--config", config, "--device", args.device]
-                              + (["--dummy-load"] if args.dummy_load else []),
+                              + (["--dummy-load"] if args.dummy_load else [])
+                              + (["--layers", str(args.layers)] if args.layers else []),
                               out / f"{config}-checkpoint.log", timeout_left())
             if made != 0:
                 entry["error"] = (f"making the checkpoint failed (exit {made}): "
                                   f"{tail(out / f'{config}-checkpoint.log')}")
                 log(f"{config}: {entry['error']}")
                 continue
-            log(f"{config}: checkpoint in {time.monotonic() - t0:.1f} s")
+            log(f"{models[config]['model']}: checkpoint in {time.monotonic() - t0:.1f} s")
             for path in paths:
                 if timeout_left() < 60:
                     entry[path] = {"error": "skipped: less than 60 s left of --budget-s "
@@ -268,6 +305,11 @@ def run_path(args, config: str, path: str, model_dir: Path, out: Path, timeout_s
         result["error"] = f"exit {code} after writing its result: {tail(log_file)}"
     result["seconds"] = round(seconds, 1)
     result["log"] = str(log_file)
+    # The engine's KV-cache capacity as vLLM counts it (its EngineCore logs "GPU KV cache size:
+    # N tokens" into this log; "CPU ..." on its CPU build).
+    found = re.findall(r"KV cache size: ([0-9,]+) tokens", log_file.read_text(errors="replace")
+                       if log_file.exists() else "")
+    result["kv_cache_tokens"] = int(found[-1].replace(",", "")) if found else None
     if "error" in result:
         log(f"{config} {path}: FAILED in {seconds:.0f} s: {result['error'][:2000]}")
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 from run_report import fmt_ms, log
 
 from .configs import (GPU_MEMORY_UTILIZATION, LIVE_ARENA_GPU_MEMORY_UTILIZATION, PROMPT_LEN,
-                      VLLM_BACKENDS)
+                      VLLM_BACKENDS, model_label)
 from .copy_reference import CopyReference
 from .decode_load import DecodeLoad
 from .paths import BENCH_DIR, PYTHON_DIR, prepend_pythonpath
@@ -43,6 +43,10 @@ def engine_args(args, extension: bool) -> dict:
             GPU_MEMORY_UTILIZATION
         kwargs.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization
                       or table[args.config])
+        # --quantization: vLLM quantizes the bf16 checkpoint while loading (bench_vllm_pacing.py
+        # has no such option: getattr).
+        if getattr(args, "quantization", None):
+            kwargs["quantization"] = args.quantization
     if extension:
         kwargs["worker_extension_cls"] = "shadowsync.vllm.WorkerExtension"
         if args.graph_pairs:
@@ -57,7 +61,9 @@ def engine_args(args, extension: bool) -> dict:
 
 
 def child_main(args) -> int:
-    result: dict = {"path": args.child, "config": args.config}
+    result: dict = {"path": args.child, "config": args.config,
+                    "model": model_label(args.config, args.layers), "layers": args.layers,
+                    "quantization": args.quantization}
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer may be absent
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -115,6 +121,11 @@ async def run_child(args, result: dict) -> dict:
         t0 = time.monotonic()
         result["setup"] = await driver.setup(engine)
         result["setup_s"] = round(time.monotonic() - t0, 2)
+        # The weight-update set-up's own call (shadowsync: init_weight_update_group; vllm:
+        # init_weight_transfer_engine), without starting or building the trainer around it.
+        for key in ("update_setup_call", "update_setup_s"):
+            if key in result["setup"]:
+                result[key] = result["setup"][key]
         log(f"{path}: set up in {result['setup_s']} s: {result['setup']}")
         warm = await driver.update(engine, version=1)
         after = await load.greedy_probe()

@@ -11,7 +11,8 @@ from .checkpoint import parameter_bytes
 from .helper_pipe import pipe_recv
 
 
-def copier_process(conn, config: str, device: str, bucket_bytes: int, passes: int):
+def copier_process(conn, config: str, device: str, bucket_bytes: int, passes: int,
+                   layers: int | None = None):
     """The copy path's other process: two buffers of the model's bytes on the engine's device;
     ("copy",) copies one into the other `passes` times, bucket by bucket (torch's copy_, a
     cudaMemcpyAsync on cuda: what the same-host transport's receive is), and answers ("sent",
@@ -19,7 +20,7 @@ def copier_process(conn, config: str, device: str, bucket_bytes: int, passes: in
     try:
         import torch
 
-        model_bytes = parameter_bytes(config, device)
+        model_bytes = parameter_bytes(config, device, layers)
         on = torch.device("cuda:0" if device == "cuda" else "cpu")
         buffers = [torch.ones(model_bytes, dtype=torch.uint8, device=on),
                    torch.zeros(model_bytes, dtype=torch.uint8, device=on)]
@@ -62,7 +63,8 @@ class CopyReference:
         self.conn, child = ctx.Pipe()
         bucket = self.args.bucket_bytes or 512 << 20
         self.process = ctx.Process(target=copier_process, daemon=True, args=(
-            child, self.args.config, self.args.device, bucket, self.args.copy_passes))
+            child, self.args.config, self.args.device, bucket, self.args.copy_passes,
+            self.args.layers))
         self.process.start()
         model_bytes, bucket_bytes = await self.recv("ready")
         return dict(copier="torch in its own process", bytes=model_bytes,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from .configs import CONFIGS, DEFAULT_PATHS, GPU_MEMORY_UTILIZATION, PATHS, TRANSPORTS
+from .configs import (CONFIGS, DEFAULT_PATHS, GPU_MEMORY_UTILIZATION, PATHS, QUANTIZATIONS,
+                      TRANSPORTS)
 
 
 def parse_args(description: str):
@@ -22,6 +23,9 @@ def parse_args(description: str):
                      f"seconds")
     # A child runs its one path; --paths is the parent's (a child sees its default).
     paths = [args.child] if args.child else args.paths.split(",")
+    refused = layers_error(args) or quantization_error(args, paths)
+    if refused:
+        parser.error(refused)
     if (args.device == "cuda" and args.transport == "same-host"
             and (args.tp > 1 or args.trainer_gpu != 0) and "vllm" in paths):
         parser.error(f"--paths {args.paths} with --tp {args.tp} --trainer-gpu {args.trainer_gpu}: "
@@ -44,6 +48,51 @@ def engine_options_error(args) -> str | None:
     return placement_error(args.device, args.transport, args.trainer_gpu, args.tp)
 
 
+def layers_error(args) -> str | None:
+    """Why --layers cannot apply to every config of --config, or None (an unknown config is
+    left to the orchestrator, which names the known ones)."""
+    if args.layers is None:
+        return None
+    if args.layers < 1:
+        return f"--layers {args.layers}: a model has at least 1 decoder layer"
+    for config in (c.strip() for c in args.config.split(",")):
+        total = CONFIGS.get(config, {}).get("num_hidden_layers")
+        if total is not None and args.layers > total:
+            return (f"--layers {args.layers} with --config {config}: {config} has {total} "
+                    f"layers; pick 1..{total} (--layers takes the first N of them)")
+    return None
+
+
+def quantization_error(args, paths: list[str]) -> str | None:
+    """Why --quantization cannot run with the other options, or None. vLLM quantizes the bf16
+    checkpoint while loading; shadowsync's receiver quantizes each update the same way and
+    swaps it in by copy_in only (the extension refuses the rest at init: refused here first,
+    before any engine starts)."""
+    q = args.quantization
+    if q is None:
+        return None
+    if args.device != "cuda":
+        return (f"--quantization {q} with --device {args.device}: vLLM's FP8 kernels run on "
+                f"CUDA only (its CPU build cannot run an FP8 engine); use --device cuda")
+    for flag in ("live_arena", "graph_pairs", "backend"):
+        if getattr(args, flag):
+            name = "--" + flag.replace("_", "-")
+            value = f" {args.backend}" if flag == "backend" else ""
+            return (f"--quantization {q} with {name}{value}: shadowsync swaps an FP8 engine's "
+                    f"updates in by copy_in only (into vLLM's own storage: its FP8 kernels hold "
+                    f"the weights and scales), not through a weight-transfer backend; leave "
+                    f"{name} out")
+    if args.swap_strategy not in (None, "copy_in"):
+        return (f"--quantization {q} with --swap-strategy {args.swap_strategy}: shadowsync "
+                f"swaps an FP8 engine's updates in by copy_in only; leave --swap-strategy out "
+                f"or pass copy_in")
+    if "shadowsync-api" in paths:
+        return (f"--quantization {q} with --paths {','.join(paths)}: the shadowsync-api path "
+                f"goes through the 'shadowsync' weight-transfer backend, and shadowsync swaps an "
+                f"FP8 engine's updates in by copy_in only; leave shadowsync-api out")
+    return None
+
+
 def placement_error(device: str, transport: str, trainer_gpu: int, tp: int) -> str | None:
     """Why a trainer on `trainer_gpu` sending over `transport` to `tp` engine ranks on GPUs
     0..tp-1 cannot run, or None."""
@@ -63,6 +112,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", default="qwen2.5-0.5b,llama-3-8b",
                    help=f"comma-separated, of {sorted(CONFIGS)}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--layers", type=int,
+                   help="build each config with its first N decoder layers instead of all (the "
+                        "same shapes; e.g. --layers 24 for Qwen3-30B-A3B, whose 48 layers do not "
+                        "fit the trainer, the engine and the receiver's slots on one 141 GB GPU); "
+                        "at most each config's own count")
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="every engine of the run starts with quantization=QUANTIZATION (cuda "
+                        "only): vLLM quantizes the bf16 checkpoint while loading, shadowsync's "
+                        "receiver each update the same way (copy_in swaps only: refused with "
+                        "--live-arena, --graph-pairs, --backend, another --swap-strategy); the "
+                        "vllm path runs vLLM's documented sequence unchanged")
     p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
                    help="comma-separated: vllm, shadowsync, copy (a reference: the model's bytes "
                         "copied in another process, no weights change)")
@@ -156,6 +216,10 @@ def child_passthrough(args) -> list[str]:
         flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.progress_poll_s is not None:
         flags += ["--progress-poll-s", str(args.progress_poll_s)]
+    if args.layers is not None:
+        flags += ["--layers", str(args.layers)]
+    if args.quantization:
+        flags += ["--quantization", args.quantization]
     flags += ["--copy-passes", str(args.copy_passes), "--tp", str(args.tp),
               "--transport", args.transport, "--trainer-gpu", str(args.trainer_gpu)]
     for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "graph_pairs",

@@ -25,9 +25,23 @@ def write_outputs(out: Path, results: dict) -> None:
     write_report(out, "bench_vllm_update", results, markdown)
 
 
+def model_name(results: dict, config: str) -> str:
+    """`config` as the report names it: with --layers "qwen3-30b-a3b (24 of 48 layers)", with
+    --quantization ", FP8" after it."""
+    name = results.get("models", {}).get(config, {}).get("model", config)
+    quantization = results.get("quantization")
+    return f"{name}, {quantization.upper()}" if quantization else name
+
+
 def markdown(results: dict) -> str:
     meta = results["meta"]
-    lines = ["# Weight updates into a generating vLLM: vLLM's weight transfer vs shadowsync", "",
+    quantization = results.get("quantization")
+    title = "# Weight updates into a generating vLLM: vLLM's weight transfer vs shadowsync"
+    if quantization:
+        title += (f" ({quantization.upper()} engines: quantization=\"{quantization}\", the bf16 "
+                  f"weights quantized by vLLM while loading and by shadowsync's receiver per "
+                  f"update)")
+    lines = [title, "",
              *stamp_lines(meta), f"* settings: {json.dumps(meta['settings'])}", "",
              "Per update (median / max over the measured updates). Engine stop: how much longer "
              "than the baseline step generation stood still to change weights (vLLM: the longest "
@@ -55,8 +69,9 @@ def markdown(results: dict) -> str:
         return f"{f(entry['median'])} / {f(entry['max'])}"
 
     for config, entry in results["configs"].items():
+        name = model_name(results, config)
         if "error" in entry:
-            lines.append(f"| {config} | - | - | FAILED: {entry['error'][:300]} | | | | | | | | | |")
+            lines.append(f"| {name} | - | - | FAILED: {entry['error'][:300]} | | | | | | | | | |")
             continue
         for path in PATHS:
             r = entry.get(path)
@@ -64,7 +79,7 @@ def markdown(results: dict) -> str:
                 continue
             if "error" in r:
                 why = r["error"].replace("|", "/").replace("\n", " ")[:400]
-                lines.append(f"| {config} | {path} | - | FAILED: {why} | | | | | | | | | |")
+                lines.append(f"| {name} | {path} | - | FAILED: {why} | | | | | | | | | |")
                 continue
             s, b = r.get("summary", {}), r.get("baseline", {})
             if path.startswith("shadowsync"):
@@ -73,13 +88,14 @@ def markdown(results: dict) -> str:
             elif path == "copy":
                 goal = "reference: bytes copied in another process, no update"
             else:
-                ref = VLLM_REFERENCE_STOP_MS.get(config)
+                # vLLM's figure is for the whole bf16 model: none for fewer layers or FP8.
+                ref = None if name != config else VLLM_REFERENCE_STOP_MS.get(config)
                 goal = f"vLLM reported {ref:g} ms stop (one GPU, IPC)" if ref else "-"
                 if r.get("api", "").find("control sequence only") >= 0:
                     goal += " (control sequence only: no weights sent)"
             tps = s.get("tokens_per_s", {})
             lines.append(
-                f"| {config} | {path} | {len(r.get('updates', []))} | {pair(s, 'engine_stop_ms', 2, 'n/a')} | "
+                f"| {name} | {path} | {len(r.get('updates', []))} | {pair(s, 'engine_stop_ms', 2, 'n/a')} | "
                 f"{pair(s, 'max_token_gap_ms', 2)} | {b.get('step_ms_median', '-')} / "
                 f"{b.get('step_ms_max', '-')} | "
                 f"{b.get('tokens_per_s', '-')} | "
@@ -87,6 +103,19 @@ def markdown(results: dict) -> str:
                 f"{pair(s, 'slowdown', 3)} | {pair(s, 'update_ms')} | "
                 f"{pair(s, 'transfer_gbps', 2)} | "
                 f"{pair(s, 'start_to_finish_ms') if path == 'vllm' else '-'} | {goal} |")
+    # A path that failed later still says how far its set-up got.
+    setups = [(config, path, r) for config, entry in results["configs"].items()
+              for path, r in entry.items() if isinstance(r, dict)]
+    if setups:
+        lines += ["", "Set-up per path (failed paths too, as far as they got): the engine's start "
+                  "(AsyncLLM.from_engine_args), the weight-update set-up's own call (the "
+                  "trainer's start and build not counted), and the engine's KV-cache capacity as "
+                  "vLLM logged it.", "",
+                  "| model | path | engine start s | weight-update set-up s | the call | "
+                  "KV cache tokens |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {model_name(results, config)} | {path} | {r.get('engine_start_s', '-')} | "
+                  f"{r.get('update_setup_s', '-')} | {r.get('update_setup_call', '-')} | "
+                  f"{r.get('kv_cache_tokens') or '-'} |" for config, path, r in setups]
     floors = [(config, path, r["baseline"]) for config, entry in results["configs"].items()
               for path, r in entry.items()
               if isinstance(r, dict) and "stop_floor_ms_median" in r.get("baseline", {})]
@@ -133,7 +162,7 @@ def markdown(results: dict) -> str:
                   "| model | swap ms | gap at the swap ms | begin_update ms | gap at it ms | "
                   "wait_applied ms | gap at it ms | largest other gap ms |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {config} | "
+        lines += [f"| {model_name(results, config)} | "
                   + "".join(f"{pair(s, f'{e}_ms', 3)} | {pair(s, f'gap_at_{e}_ms', 2)} | "
                             for e in ENGINE_EVENTS)
                   + f"{pair(s, 'largest_other_gap_ms', 2)} |" for config, s in where]

@@ -23,15 +23,16 @@ from .paths import PYTHON_DIR
 
 
 def trainer_process(conn, config: str, device: str, path: str, token: bytes, bucket_bytes: int,
-                    checksums: bool = True, receivers: int = 1, nccl: bool = False, gpu: int = 0):
-    """The shadowsync trainer, on GPU `gpu`: a transformers model of
-    `config` and one Sender to `receivers` engine ranks over the same-host transport (GPU memory
-    on cuda, a shared memory file on cpu) or, with `nccl`, NCCL (rank 0 of 1 + receivers; the
-    unique id goes to the engine with the specs), sending per-bucket checksums when `checksums`
-    (SenderConfig.checksums). Answers ("publish", version) with ("header", bytes, seconds, the
-    header's bucket count: one more with checksums) then ("sent", seconds); ("serve", path[,
-    checksums]) closes the Sender and serves a new same-host transport on `path` (a
-    re-initialized engine group), answering ("ready", ...) again; ("stop",) ends it."""
+                    checksums: bool = True, receivers: int = 1, nccl: bool = False, gpu: int = 0,
+                    layers: int | None = None):
+    """The shadowsync trainer, on GPU `gpu`: a transformers model of `config` (`layers` decoder
+    layers, when given) and one Sender to `receivers` engine ranks over the same-host transport
+    (GPU memory on cuda, a shared memory file on cpu) or, with `nccl`, NCCL (rank 0 of 1 +
+    receivers; the unique id goes to the engine with the specs), sending per-bucket checksums
+    when `checksums` (SenderConfig.checksums). Answers ("publish", version) with ("header",
+    bytes, seconds, the header's bucket count: one more with checksums) then ("sent", seconds);
+    ("serve", path[, checksums]) closes the Sender and serves a new same-host transport on `path`
+    (a re-initialized engine group), answering ("ready", ...) again; ("stop",) ends it."""
     try:
         sys.path.insert(0, str(PYTHON_DIR))
         import shadowsync as ss
@@ -40,7 +41,7 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
             import torch
 
             torch.cuda.set_device(gpu)
-        model = make_model(config, device, seed=2, gpu=gpu)
+        model = make_model(config, device, seed=2, gpu=gpu, layers=layers)
         named = {n: p.detach() for n, p in model.named_parameters()}
         specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in named.items()]
         unique_id = ss.nccl_unique_id() if nccl else None
@@ -86,6 +87,13 @@ def trainer_process(conn, config: str, device: str, path: str, token: bytes, buc
         conn.send(("error", f"trainer: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
+async def timed(awaitable) -> float:
+    """Seconds until `awaitable` completed (its result dropped)."""
+    t0 = time.monotonic()
+    await awaitable
+    return time.monotonic() - t0
+
+
 class ShadowsyncTransfer:
     """shadowsync's path: the trainer in its own process, the extension in vLLM's worker.
     `api` (path "shadowsync-api"): the same trainer and backend, driven through vLLM's own
@@ -128,7 +136,9 @@ class ShadowsyncTransfer:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=trainer_process, daemon=True, args=(
             child, self.args.config, self.args.device, path, token, self.args.bucket_bytes,
-            checksums, self.args.tp, self.args.transport == "nccl", self.args.trainer_gpu))
+            checksums, self.args.tp, self.args.transport == "nccl", self.args.trainer_gpu),
+            # bench_vllm_pacing.py has no --layers: getattr
+            kwargs=dict(layers=getattr(self.args, "layers", None)))
         self.process.start()
         specs, self.unique_id = await self.recv("specs")
         t0 = time.monotonic()
@@ -142,11 +152,16 @@ class ShadowsyncTransfer:
 
             from shadowsync.vllm import ShadowsyncInitInfo
 
+            call = "init_weight_transfer_engine (backend shadowsync)"
             joined = engine.init_weight_transfer_engine(WeightTransferInitRequest(
                 init_info=ShadowsyncInitInfo(**kwargs).to_rpc()))
         else:
+            call = "collective_rpc('init_weight_update_group')"
             joined = engine.collective_rpc("init_weight_update_group", kwargs=kwargs)
-        _, (arena_bytes, bucket_bytes) = await asyncio.gather(joined, self.recv("ready"))
+        # The set-up call alone (the receive plan, the receiver's memory, joining the trainer's
+        # transport): the trainer's model is built before the specs come.
+        init_s, (arena_bytes, bucket_bytes) = await asyncio.gather(timed(joined),
+                                                                   self.recv("ready"))
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
         fingerprints = [stats["wire_fingerprint"]]
         swap = (await engine.collective_rpc("memory_report"))[0]["swap"]
@@ -169,7 +184,8 @@ class ShadowsyncTransfer:
                     step_hook_at=stats.get("step_hook_at"),
                     gated_swaps="off" if getattr(self.args, "no_gated_swaps", False) else "auto",
                     placement=None if swap is None else f"{swap['placement']}: {swap['why']}",
-                    fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2))
+                    fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2),
+                    update_setup_call=call, update_setup_s=round(init_s, 3))
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
         kwargs = dict(specs=self.specs, bucket_bytes=self.args.bucket_bytes, **(init_extra or {}))

@@ -82,16 +82,21 @@ class VllmTransfer:
         if self.api_error and not self.control_only:
             raise RuntimeError(self.api_error)
         self.loop = asyncio.get_running_loop()
+        timing = {}  # the weight-update set-up's call and its seconds
         if not self.nccl:
+            t_init = time.monotonic()
             await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+            timing = dict(update_setup_call="init_weight_transfer_engine (backend ipc)",
+                          update_setup_s=round(time.monotonic() - t_init, 3))
         if self.control_only:
-            return dict(trainer="none (control sequence only)")
+            return dict(trainer="none (control sequence only)", **timing)
         import torch
 
         gpu = self.args.trainer_gpu
         torch.cuda.set_device(gpu)
         t0 = time.monotonic()
-        self.model = await asyncio.to_thread(make_model, self.args.config, "cuda", 2, gpu)
+        self.model = await asyncio.to_thread(make_model, self.args.config, "cuda", 2, gpu,
+                                             self.args.layers)
         self.named = list(self.model.named_parameters())
         build_s = round(time.monotonic() - t0, 2)
         if self.nccl:  # the trainer and every worker join one group: both calls at once
@@ -104,15 +109,19 @@ class VllmTransfer:
                 torch.cuda.set_device(gpu)
                 return NCCLWeightTransferEngine.trainer_init(init)
 
+            t_init = time.monotonic()
             _, self.group = await asyncio.gather(
                 engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init)),
                 in_daemon_thread(trainer_init))
+            timing = dict(update_setup_call="init_weight_transfer_engine beside "
+                                            "NCCLWeightTransferEngine.trainer_init (backend nccl)",
+                          update_setup_s=round(time.monotonic() - t_init, 3))
         return dict(trainer=f"transformers {type(self.model).__name__} in the driver process "
                             f"on cuda:{gpu}",
                     tensors=len(self.named),
                     bytes=sum(p.numel() * p.element_size() for _, p in self.named),
                     trainer_build_s=build_s,
-                    packed_buffer_bytes=self.args.vllm_packed_bytes)
+                    packed_buffer_bytes=self.args.vllm_packed_bytes, **timing)
 
     def _send(self, engine, chunks: list) -> None:
         """trainer_send_weights on a worker thread; each chunk goes to AsyncLLM.update_weights on

@@ -117,6 +117,12 @@ def test_every_switch_of_the_update_bench_reaches_its_child():
     child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
                                              "--child", "shadowsync"])
     assert child.progress_poll_s == 0.02, child
+    # The model each process builds and how its engine loads it: a child without them would
+    # build the whole model into a bf16 engine beside a trainer of fewer layers.
+    parent = bench.build_parser().parse_args(["--layers", "24", "--quantization", "fp8"])
+    child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
+                                             "--child", "shadowsync"])
+    assert (child.layers, child.quantization) == (24, "fp8"), child
 
 
 def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
@@ -142,6 +148,14 @@ def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
     (["--tp", "2"], "vLLM's IPC backend (the vllm path's with --transport same-host) hands each "
                     "worker its own GPU's handles"),
     (["--paths", "vllm", "--trainer-gpu", "1"], "runs with one worker on the trainer's GPU only"),
+    (["--device", "cpu", "--quantization", "fp8"],
+     "--quantization fp8 with --device cpu: vLLM's FP8 kernels run on CUDA only"),
+    (["--quantization", "fp8", "--live-arena"],
+     "--quantization fp8 with --live-arena: shadowsync swaps an FP8 engine's updates in by "
+     "copy_in only"),
+    (["--layers", "0"], "--layers 0: a model has at least 1 decoder layer"),
+    (["--layers", "99", "--config", "tiny-moe"],
+     "--layers 99 with --config tiny-moe: tiny-moe has 2 layers; pick 1..2"),
 ])
 def test_the_update_bench_refuses_a_placement_nccl_or_vllm_cannot_run(args, message, tmp_path):
     done = subprocess.run([sys.executable, str(BENCH / "bench_vllm_update.py"), "--out",
