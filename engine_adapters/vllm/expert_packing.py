@@ -71,8 +71,16 @@ def cpu_expert_packing(layer, layer_name: str) -> dict[str, PackedOrder] | None:
         weight = layer._parameters.get(pname)
         if weight is None or weight.dim() != 3:
             return None
-        orders[f"{layer_name}.{pname}"] = _derive(experts.isa, weight, f"{layer_name}.{pname}")
+        key = (experts.isa, tuple(weight.shape), weight.dtype)
+        if key not in _DERIVED:  # every layer of a model has the same shapes: derived once
+            _DERIVED[key] = _derive(experts.isa, weight, f"{layer_name}.{pname}")
+        orders[f"{layer_name}.{pname}"] = _DERIVED[key]
     return orders
+
+
+# (isa, shape, dtype) -> the order vLLM's op packs such a parameter in, derived and verified once
+# per process: the op is a function of these alone (its expert weights' values do not matter).
+_DERIVED: dict = {}
 
 
 def _prepack(torch, x, isa: str):
