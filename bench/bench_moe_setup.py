@@ -22,9 +22,9 @@ count, seconds of:
 * ``packed``: on vLLM CPU, whose grouped GEMM repacks the experts, the plan again with the copies
   composed with that order, and its native build.
 
-It also counts the trainer's tensors and the plan's copies: per update the receiver's thread
-issues at least one ``memcpy_2d_async`` per copy on its stream (more where a bucket boundary cuts
-one), the per-update host work; none of it runs in Python. Outputs ``bench_moe_setup.json`` and ``.md`` in --out
+It also counts the trainer's tensors, the plan's copies and its pieces: per update the
+receiver's thread issues one ``memcpy_2d_async`` per piece on its stream (the copies cut at the
+buckets), the per-update host work; none of it runs in Python. Outputs ``bench_moe_setup.json`` and ``.md`` in --out
 (default ``$OUT``, else ./bench-moe-setup), with the command, machine, versions and date."""
 
 from __future__ import annotations
@@ -101,10 +101,12 @@ def measure(worker, specs, bucket_bytes: int, device: str) -> dict:
     # The loader's copies, as a GPU engine's plan holds them (its experts stay as loaded).
     engine, plan, _ = receive_plan(model, specs, bucket_bytes, False)
     t2 = time.perf_counter()
-    ss.Receiver(engine, backend, None, plan=plan).close()
+    receiver = ss.Receiver(engine, backend, None, plan=plan)
     t3 = time.perf_counter()
+    pieces = receiver.stats().plan_pieces
+    receiver.close()
     result = dict(post_load_check_s=t1 - t0, trace_s=t2 - t1, receiver_s=t3 - t2,
-                  trainer_tensors=len(specs), plan_copies=len(plan.copies),
+                  trainer_tensors=len(specs), plan_copies=len(plan.copies), plan_pieces=pieces,
                   packed_params=len(packed))
     if packed:  # vLLM CPU: the copies into its packed experts, composed with their order
         engine, plan, _ = receive_plan(model, specs, bucket_bytes, False, None, packed)
@@ -177,7 +179,7 @@ def main() -> int:
         row = json.loads(lines[-1][len("RESULT "):])
         rows.append(row)
         print(f"[moe-setup] {layers} layers: {row['trainer_tensors']} trainer tensors, "
-              f"{row['plan_copies']} plan copies; post-load "
+              f"{row['plan_copies']} plan copies, {row['plan_pieces']} pieces per update; post-load "
               f"check {row['post_load_check_s']:.2f} s, trace {row['trace_s']:.2f} s, receiver "
               f"{row['receiver_s']:.2f} s; packed: {row.get('packed_plan_copies', '-')} copies, "
               f"receiver {row.get('packed_receiver_s', row.get('packed_receiver_error', '-'))}",
@@ -194,12 +196,12 @@ def main() -> int:
     lines = [f"Set-up at Qwen3-30B-A3B's layer shapes, every expert its own trainer tensor: "
              f"`{meta['command']}`; {meta['machine']}; vLLM {meta['vllm']}; {meta['date']}; "
              f"commit {meta['commit']}.", "",
-             "| layers | trainer tensors | plan copies | post-load check s | trace s | "
-             "receiver s | packed: plan copies | packed: receiver s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| layers | trainer tensors | plan copies | pieces per update | post-load check s | "
+             "trace s | receiver s | packed: plan copies | packed: receiver s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['layers']} of {FULL_LAYERS} | {r['trainer_tensors']} | "
-                     f"{r['plan_copies']} | {r['post_load_check_s']:.2f} | "
+                     f"{r['plan_copies']} | {r['plan_pieces']} | {r['post_load_check_s']:.2f} | "
                      f"{r['trace_s']:.2f} | {r['receiver_s']:.2f} | "
                      f"{r.get('packed_plan_copies', '-')} | "
                      + (f"{r['packed_receiver_s']:.2f} |" if "packed_receiver_s" in r

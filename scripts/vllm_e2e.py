@@ -442,7 +442,9 @@ def main() -> int:
     fingerprint = set_up(specs)
     stats = llm.collective_rpc("weight_update_stats")[0]
     log(f"set-up: {len(specs)} trainer tensors over {args.transport}, {stats['plan_copies']} plan "
-        f"copies, {stats['kept_params']} kept, swap strategy {stats['swap_strategy']}, "
+        f"copies ({stats['plan_pieces']} pieces per update, staging "
+        f"{stats['plan_staging_bytes']} bytes), {stats['kept_params']} kept, swap strategy "
+        f"{stats['swap_strategy']}, "
         f"live arena {stats['live_arena']}, graph pairs {stats['graph_pairs']}, "
         f"fingerprint {fingerprint:#018x}")
     if args.live_arena:

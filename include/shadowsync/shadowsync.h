@@ -496,12 +496,17 @@ typedef struct {
    * anyway). */
   int64_t last_clean_step_wait_ns;
   int32_t last_clean_step_missed;
+  /* With a receive plan (0 without one): the pieces the receiver thread issues per update (one
+   * Backend::memcpy_2d_async each: the plan's copies cut at the wire's buckets), and its staging
+   * memory for quantized tensors (allocated with the receiver; 0: it quantizes none). */
+  uint64_t plan_pieces;
+  uint64_t plan_staging_bytes;
 } shadowsync_receiver_stats_t;
 
 #define SHADOWSYNC_RECEIVER_STATS_INITIALIZER                                                  \
   {                                                                                            \
     sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
-        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0                                         \
+        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0                                   \
   }
 
 /* One group made live by a swap. */

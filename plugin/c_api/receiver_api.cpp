@@ -599,6 +599,10 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
     // Not pacing: offer_after_clean_step alone (no budget, no cap) waits for a clean step too.
     full.last_clean_step_wait_ns = pacing.clean_step_wait.count();
     full.last_clean_step_missed = pacing.clean_step_missed ? 1 : 0;
+    if (const ReceivePlan* plan = object->receiver->plan()) {
+      full.plan_pieces = plan->piece_count();
+      full.plan_staging_bytes = plan->staging_bytes();
+    }
     const StepHook& hook = object->receiver->step_hook();
     full.gated_swaps = hook.gated_swaps();
     full.gates_abandoned = hook.gates_abandoned();

@@ -213,6 +213,8 @@ class ReceiverStatsC(Structure):
         ("gates_abandoned", c_uint64),
         ("last_clean_step_wait_ns", c_int64),
         ("last_clean_step_missed", c_int32),
+        ("plan_pieces", c_uint64),
+        ("plan_staging_bytes", c_uint64),
     ]
 
 

@@ -194,6 +194,10 @@ class ReceiverStats:
     # gated_swaps: gates closed so far, and those the watchdog had to open.
     gated_swaps: int = 0
     gates_abandoned: int = 0
+    # With a receive plan (0 without one): the pieces the receiver's thread issues per update
+    # (one copy on its stream each) and the staging memory it holds for quantized tensors.
+    plan_pieces: int = 0
+    plan_staging_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -373,6 +377,8 @@ class Receiver(Handle):
             s.last_swap_started_ns / 1e9,
             s.gated_swaps,
             s.gates_abandoned,
+            s.plan_pieces,
+            s.plan_staging_bytes,
         )
 
     def _failure(self, s: ReceiverStatsC) -> UpdateFailure | None:

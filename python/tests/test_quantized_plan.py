@@ -90,6 +90,11 @@ def test_the_receiver_quantizes_fused_and_expert_tensors_as_vllm_does():
                                           w13_scale.view(np.uint32))
             np.testing.assert_array_equal(receiver.live_array("norm"), tensors["norm"])
             assert len(set(w13_scale.tolist())) > 1 and qkv_scale[0] > 0
+        # Staging holds the quantized tensors' wire bytes while their pieces arrive: at least the
+        # largest of them (q, k, v: 8 KiB of fp32), at most both (w13's fp16: 8 KiB more).
+        stats = receiver.stats()
+        assert 8192 <= stats.plan_staging_bytes <= 16384, stats
+        assert stats.plan_pieces >= len(COPIES), stats  # each copy, cut at the buckets
     finally:
         sender.close()
         receiver.close()

@@ -166,6 +166,8 @@ static void structs(void) {
   FIELD(shadowsync_receiver_stats_t, gates_abandoned);
   FIELD(shadowsync_receiver_stats_t, last_clean_step_wait_ns);
   FIELD(shadowsync_receiver_stats_t, last_clean_step_missed);
+  FIELD(shadowsync_receiver_stats_t, plan_pieces);
+  FIELD(shadowsync_receiver_stats_t, plan_staging_bytes);
   end_struct();
 
   STRUCT(shadowsync_group_swap_t);
