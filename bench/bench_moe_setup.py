@@ -186,9 +186,14 @@ def main() -> int:
               flush=True)
     import vllm
 
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
+    if args.device == "cuda":
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader",
+                              "-i", "0"], capture_output=True, text=True).stdout.strip()
+        machine = f"{gpu or 'a GPU'}; {machine}"
     meta = dict(command=" ".join([Path(sys.executable).name] + sys.argv),
                 date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), device=args.device,
-                machine=f"{platform.machine()}, {os.cpu_count()} CPUs",
+                machine=machine,
                 vllm=vllm.__version__, python=platform.python_version(),
                 commit=subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                       capture_output=True, text=True).stdout.strip())
