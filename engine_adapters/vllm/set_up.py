@@ -72,7 +72,7 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
     # swapped whole, so a plan for it keeps what the trainer does not send.
     arena_to_remap = live_arena if chosen in (None, arena_strategy) else None
     if fp8:
-        check_fp8_engine(specs, lora_adapter, chosen, live_arena)
+        check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel.size(worker))
     plan = None
     if specs is None and lora_adapter is not None:
         raise InvalidArgumentError(
@@ -245,11 +245,20 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
     return state
 
 
-def check_fp8_engine(specs, lora_adapter, chosen, live_arena) -> None:
+def check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel_size: int = 1
+                     ) -> None:
     """An engine vLLM quantized to FP8 while loading takes updates as the trainer's tensors
     (bf16/fp16, quantized by the receiver), copied into vLLM's own storage at each swap: its
     expert kernels hold the scale tensors themselves, and its float8 weights are views that a
-    rebind would not reproduce."""
+    rebind would not reproduce. One rank only: under tensor parallelism a rank's scale is taken
+    over its own shard by some vLLM versions and over every rank's by others, and no run has
+    shown which one the receiver matches."""
+    if tensor_parallel_size > 1:
+        raise InvalidArgumentError(
+            f"init_weight_update_group: an FP8 engine (quantization=\"fp8\") with "
+            f"tensor_parallel_size {tensor_parallel_size}: not supported yet (vLLM versions "
+            f"differ in the shard a rank's per-tensor scale is taken over); serve it with "
+            f"tensor_parallel_size 1, or in bf16 under tensor parallelism")
     if specs is None:
         raise InvalidArgumentError(
             "init_weight_update_group: vLLM quantized this engine's weights to FP8 while loading "

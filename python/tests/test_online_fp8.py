@@ -243,3 +243,23 @@ def test_other_online_quantization_and_a_missing_record_are_refused():
                        match=r"layer 'experts' .*keeps no record of the layer's parameters as "
                              r"loaded"):
         online_fp8_weights(unrecorded)
+
+
+def test_an_fp8_engine_refuses_what_its_swap_cannot_do():
+    """init_weight_update_group's checks for an FP8 engine, each named: no specs (the trainer's
+    own tensors are needed), a LoRA adapter, a live arena, a swap strategy other than copy_in,
+    tensor parallelism. Nothing else passes; copy_in (or none chosen) on one rank does."""
+    from shadowsync.vllm.set_up import check_fp8_engine
+
+    cases = [
+        ((None, None, None, None), r"pass specs \(the trainer's tensors"),
+        ((SPECS, 1, None, None), r"lora_adapter=1 with an FP8 engine"),
+        ((SPECS, None, None, object()), r"'shadowsync' weight-transfer backend"),
+        ((SPECS, None, "rebind", None), r"swap_strategy 'rebind' with an FP8 engine"),
+        ((SPECS, None, None, None, 2), r"tensor_parallel_size 2: not supported yet"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ss.InvalidArgumentError, match=message):
+            check_fp8_engine(*args)
+    check_fp8_engine(SPECS, None, None, None)
+    check_fp8_engine(SPECS, None, "copy_in", None, 1)
