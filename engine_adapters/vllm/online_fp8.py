@@ -121,14 +121,17 @@ def _scale(layer, layer_name: str, method: str, name: str, parts: int):
 def online_fp8_weights(model) -> dict[str, Fp8Weight]:
     """{parameter name: Fp8Weight} for every weight vLLM quantized online in `model`; empty when
     none. Raises LayoutMismatchError naming the layer for online quantization it cannot take."""
+    named = model.named_modules() if callable(getattr(model, "named_modules", None)) else ()
+    online = [(n, m) for n, m in named
+              if getattr(getattr(m, "quant_method", None), "uses_meta_device", False)]
+    if not online:
+        return {}  # (torch is imported only for an engine that has such layers)
     import torch
 
     fp8 = getattr(torch, "float8_e4m3fn", None)
     found: dict[str, Fp8Weight] = {}
-    for layer_name, layer in model.named_modules():
-        method = getattr(layer, "quant_method", None)
-        if method is None or not getattr(method, "uses_meta_device", False):
-            continue
+    for layer_name, layer in online:
+        method = layer.quant_method
         kind = type(method).__name__
         if kind not in (LINEAR_METHOD, MOE_METHOD):
             raise _refuse(layer_name, kind, "this online quantization is not served")
