@@ -48,13 +48,12 @@ _SANITIZE = "vllm.model_executor.model_loader.reload.sanitize"
 
 @dataclass
 class Fp8Weight:
-    """One parameter vLLM keeps quantized: ``name`` (the model's parameter name), ``storage``
-    (its float8 bytes as a contiguous tensor of the as-loaded shape: what the receive writes),
-    ``scale_name``/``scale`` (its float32 scales, ``parts`` of them: 1 for a linear layer, one per
-    expert), ``layer``/``attribute`` (where the parameter is registered) and ``as_loaded`` (the
-    meta parameter vLLM loaded into, whose loader the trace runs)."""
+    """One parameter vLLM keeps quantized (online_fp8_weights keys it by its name in the model):
+    ``storage`` (its float8 bytes as a contiguous tensor of the as-loaded shape: what the receive
+    writes), ``scale_name``/``scale`` (its float32 scales, ``parts`` of them: 1 for a linear
+    layer, one per expert), ``layer``/``attribute`` (where the parameter is registered) and
+    ``as_loaded`` (the meta parameter vLLM loaded into, whose loader the trace runs)."""
 
-    name: str
     storage: Any
     scale_name: str
     scale: Any
@@ -108,9 +107,9 @@ def _stand_in(torch, meta, layer):
     return stand
 
 
-def _scale(layer, layer_name: str, method: str, name: str, parts: int):
+def _scale(torch, layer, layer_name: str, method: str, name: str, parts: int):
     scale = layer._parameters.get(name)
-    if scale is None or str(scale.dtype) != "torch.float32" or scale.numel() != parts:
+    if scale is None or scale.dtype != torch.float32 or scale.numel() != parts:
         got = ("none" if scale is None
                else f"{scale.dtype}, shape {format_shape(tuple(scale.shape))}")
         raise _refuse(layer_name, method, f"its scale '{name}' is {got}, not {parts} float32 "
@@ -173,11 +172,11 @@ def online_fp8_weights(model) -> dict[str, Fp8Weight]:
                     raise _refuse(layer_name, kind, f"its {attribute} is not the float8 of the "
                                   f"loaded experts, in their layout")
                 entries.append((attribute, weight.data, f"{attribute}_scale", weight.shape[0]))
+        prefix = f"{layer_name}." if layer_name else ""
         for attribute, storage, scale_name, parts in entries:
-            prefix = f"{layer_name}." if layer_name else ""
             found[prefix + attribute] = Fp8Weight(
-                name=prefix + attribute, storage=storage, scale_name=prefix + scale_name,
-                scale=_scale(layer, layer_name, kind, scale_name, parts), parts=int(parts),
+                storage=storage, scale_name=prefix + scale_name,
+                scale=_scale(torch, layer, layer_name, kind, scale_name, parts), parts=int(parts),
                 layer=layer, attribute=attribute, as_loaded=metadata[attribute])
     return found
 

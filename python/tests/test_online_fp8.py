@@ -263,3 +263,29 @@ def test_an_fp8_engine_refuses_what_its_swap_cannot_do():
             check_fp8_engine(*args)
     check_fp8_engine(SPECS, None, None, None)
     check_fp8_engine(SPECS, None, "copy_in", None, 1)
+
+
+def test_the_kv_cache_methods_scales_pass_and_nothing_else_it_does():
+    """quantization="fp8" also gives attention layers vLLM's KV-cache method, whose post-load
+    step turns the checkpoint's q/k/v/prob scales into constants (removing those parameters):
+    no trained weights, so the post-load check passes them. Anything else such a layer's step
+    does to a parameter is still refused, naming it."""
+    from shadowsync.vllm.post_load_trace import (RECORD_ATTR, PostLoadChange, PostLoadRecord,
+                                                 check_post_load_transforms)
+
+    def engine(*extra):
+        model = nn.Module()
+        model.attn = nn.Module()
+        model.attn.quant_method = types.SimpleNamespace()  # vLLM's layers have one
+        scales = [PostLoadChange("attn", "Fp8KVCacheMethod", "parameter", name, "removed it")
+                  for name in ("q_scale", "k_scale", "v_scale", "prob_scale")]
+        object.__setattr__(model, RECORD_ATTR, PostLoadRecord(changes=list(extra) + scales))
+        return model
+
+    assert check_post_load_transforms(engine(), "fp8", "cuda") == {}
+    rewritten = PostLoadChange("attn", "Fp8KVCacheMethod", "parameter", "weight",
+                               "converted it from torch.bfloat16 to torch.float8_e4m3fn")
+    with pytest.raises(ss.LayoutMismatchError,
+                       match=r"layer 'attn' \(Fp8KVCacheMethod\): parameter 'weight': converted "
+                             r"it from torch.bfloat16 to torch.float8_e4m3fn; parameter 'q_scale'"):
+        check_post_load_transforms(engine(rewritten), "fp8", "cuda")
