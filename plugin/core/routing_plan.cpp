@@ -1,6 +1,7 @@
 #include "core/routing_plan.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <string>
@@ -43,25 +44,40 @@ std::string describe(const GroupLayout& group, ByteRange r) {
                      group.name());
 }
 
-// The ranks of `lists`, which must be 0..count-1 each once: the lists by rank.
+// The ranks of `lists`, which must be 0..count-1 each once: the lists by rank. One refusal names
+// every rank that is missing, outside or given twice, so that a wrong world size or a rank
+// numbered from 1 shows at once.
 std::vector<const RankRanges*> by_rank(const std::vector<RankRanges>& lists, const char* side,
                                        std::size_t groups) {
   if (lists.empty()) refuse(fmt::format("a routing plan needs at least one {} rank", side));
-  std::vector<const RankRanges*> out(lists.size(), nullptr);
+  const std::size_t count = lists.size();
+  std::vector<const RankRanges*> out(count, nullptr);
+  std::vector<std::string> outside;
+  std::vector<std::string> twice;
   for (const RankRanges& r : lists) {
-    if (r.rank < 0 || static_cast<std::size_t>(r.rank) >= lists.size()) {
-      refuse(fmt::format("{} rank {} is outside 0..{} ({} {} ranks)", side, r.rank,
-                         lists.size() - 1, lists.size(), side));
+    if (r.rank < 0 || static_cast<std::size_t>(r.rank) >= count) {
+      outside.push_back(fmt::format("rank {} outside", r.rank));
+    } else if (out[r.rank] != nullptr) {
+      twice.push_back(fmt::format("rank {} given twice", r.rank));
+    } else {
+      out[r.rank] = &r;
     }
-    if (out[r.rank] != nullptr) {
-      refuse(fmt::format("{} rank {} is given twice; each of the {} ranks once", side, r.rank,
-                         lists.size()));
-    }
-    if (r.ranges.size() != groups) {
+  }
+  std::vector<std::string> problems;
+  for (std::size_t rank = 0; rank < count; ++rank) {
+    if (out[rank] == nullptr) problems.push_back(fmt::format("rank {} missing", rank));
+  }
+  problems.insert(problems.end(), outside.begin(), outside.end());
+  problems.insert(problems.end(), twice.begin(), twice.end());
+  if (!problems.empty()) {
+    refuse(fmt::format("{} ranks 0..{} expected ({} lists given, one per rank): {}", side,
+                       count - 1, count, fmt::join(problems, ", ")));
+  }
+  for (const RankRanges* r : out) {
+    if (r->ranges.size() != groups) {
       refuse(fmt::format("{} rank {} gives ranges of {} groups; the wire layout has {}", side,
-                         r.rank, r.ranges.size(), groups));
+                         r->rank, r->ranges.size(), groups));
     }
-    out[r.rank] = &r;
   }
   return out;
 }
@@ -85,6 +101,9 @@ RoutingPlan RoutingPlan::build(const Layout& wire, const std::vector<RankRanges>
   plan.bytes_to_.assign(engines.size(), 0);
   plan.bytes_from_.assign(trainers.size(), 0);
   plan.routes_.resize(groups.size());
+  plan.packed_.resize(groups.size());
+  plan.held_.assign(trainers.size(), std::vector<std::vector<ByteRange>>(groups.size()));
+  plan.max_packed_.assign(trainers.size(), 0);
   const auto check_inside = [&](const ByteRange& r, const char* side, int rank, std::size_t g) {
     if (r.begin >= r.end || r.end > groups[g].arena_bytes()) {
       refuse(fmt::format("{} rank {}: bytes {}..{} of group '{}' are empty or outside its arena "
@@ -100,7 +119,8 @@ RoutingPlan RoutingPlan::build(const Layout& wire, const std::vector<RankRanges>
     for (const RankRanges* t : trainer_lists) {
       for (const ByteRange& r : t->ranges[g]) check_inside(r, "trainer", t->rank, g);
       std::size_t packed = 0;
-      for (const ByteRange& r : merged(t->ranges[g])) {
+      plan.held_[t->rank][g] = merged(t->ranges[g]);
+      for (const ByteRange& r : plan.held_[t->rank][g]) {
         holders.push_back({r, t->rank, packed});
         packed += r.end - r.begin;
       }
@@ -149,11 +169,28 @@ RoutingPlan RoutingPlan::build(const Layout& wire, const std::vector<RankRanges>
         }
       }
     }
-    for (auto& bucket : plan.routes_[g]) {
+    // What each trainer rank packs per bucket: from the first to the last byte its routes of
+    // the bucket read (in wire order, so one slice of its packing of the group).
+    plan.packed_[g].assign(group.bucket_count(), std::vector<ByteRange>(trainers.size()));
+    for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+      auto& bucket = plan.routes_[g][k];
       std::sort(bucket.begin(), bucket.end(), [](const Route& a, const Route& b) {
         return std::tie(a.trainer, a.engine, a.wire_offset) <
                std::tie(b.trainer, b.engine, b.wire_offset);
       });
+      std::vector<bool> seen(trainers.size(), false);
+      for (const Route& r : bucket) {
+        ByteRange& packed = plan.packed_[g][k][r.trainer];
+        const ByteRange read{r.source_offset, r.source_offset + r.bytes};
+        packed = seen[r.trainer] ? ByteRange{std::min(packed.begin, read.begin),
+                                             std::max(packed.end, read.end)}
+                                 : read;
+        seen[r.trainer] = true;
+      }
+      for (std::size_t t = 0; t < trainers.size(); ++t) {
+        const ByteRange& packed = plan.packed_[g][k][t];
+        plan.max_packed_[t] = std::max(plan.max_packed_[t], packed.end - packed.begin);
+      }
     }
   }
   Hash64 hash;

@@ -56,7 +56,9 @@ class RoutingPlan {
  public:
   // Intersects what the trainer ranks hold with what the engine ranks need. Refused with
   // Error(kInvalidArgument), naming the ranks, the tensor and the bytes: trainer or engine ranks
-  // that are not 0..M-1 / 0..N-1 each once, a range outside its group's arena or a list of
+  // that are not 0..M-1 / 0..N-1 each once (every rank missing, outside or given twice named:
+  // "trainer ranks 0..2 expected (3 lists given, one per rank): rank 1 missing, rank 3
+  // outside"), a range outside its group's arena or a list of
   // another number of groups, bytes two trainer ranks both hold (a replicated tensor is sent by
   // one: the caller says which), and bytes an engine rank needs that no trainer rank holds.
   static RoutingPlan build(const Layout& wire, const std::vector<RankRanges>& trainers,
@@ -75,10 +77,30 @@ class RoutingPlan {
   // Of the wire layout and every route: equal on both sides or the set-up is refused.
   std::uint64_t fingerprint() const { return fingerprint_; }
 
+  // The slice of trainer rank `trainer`'s packing of group `group` (what it holds, in wire
+  // order) that the routes of bucket `bucket` from it read, to any engine rank: one contiguous
+  // slice, since a bucket is a contiguous part of the wire. What the rank stages for that bucket;
+  // a route's source_offset - begin is where its bytes lie in it. Empty ({0, 0}) when no route
+  // of the bucket comes from the rank. Indices must be in range.
+  ByteRange packed_range(int trainer, std::size_t group, std::size_t bucket) const {
+    return packed_[group][bucket][trainer];
+  }
+  // The largest packed_range of trainer rank `trainer` over every group and bucket: the staging
+  // a rank needs for one bucket at a time.
+  std::size_t max_packed_bytes(int trainer) const { return max_packed_[trainer]; }
+  // What trainer rank `trainer` holds of group `group`, sorted and merged: its packing is these
+  // ranges back to back.
+  const std::vector<ByteRange>& held(int trainer, std::size_t group) const {
+    return held_[trainer][group];
+  }
+
  private:
   RoutingPlan() = default;
 
-  std::vector<std::vector<std::vector<Route>>> routes_;  // [group][bucket]
+  std::vector<std::vector<std::vector<Route>>> routes_;       // [group][bucket]
+  std::vector<std::vector<std::vector<ByteRange>>> packed_;  // [group][bucket][trainer]
+  std::vector<std::vector<std::vector<ByteRange>>> held_;    // [trainer][group]
+  std::vector<std::size_t> max_packed_;                      // [trainer]
   std::vector<std::size_t> bytes_to_;
   std::vector<std::size_t> bytes_from_;
   int trainer_count_ = 0;

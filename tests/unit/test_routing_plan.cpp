@@ -155,6 +155,44 @@ TEST_CASE("each tensor-parallel engine rank receives exactly the bytes its recei
   CHECK(regions_of_box(wire, "q", {1, 0}, {3, 8}).size() == 1);  // whole rows: merged
 }
 
+TEST_CASE("a trainer rank packs each bucket as one slice of what it holds") {
+  const Layout wire = wire_layout();
+  const std::vector<RankRanges> engines = {{0, {every_tensor(wire)}}};
+  for (const int trainers : {1, 2, 4}) {
+    CAPTURE(trainers);
+    const auto held = fsdp_shards(wire, trainers);
+    const RoutingPlan plan = RoutingPlan::build(wire, held, engines);
+    for (int t = 0; t < trainers; ++t) {
+      CAPTURE(t);
+      std::size_t held_bytes = 0;
+      for (const ByteRange& r : plan.held(t, 0)) held_bytes += r.end - r.begin;
+      std::size_t packed_bytes = 0;
+      std::size_t largest = 0;
+      for (std::size_t b = 0; b < wire.groups()[0].bucket_count(); ++b) {
+        const ByteRange packed = plan.packed_range(t, 0, b);
+        std::size_t routed = 0;
+        for (const Route& r : plan.routes(0, b)) {
+          if (r.trainer != t) continue;
+          CHECK(r.source_offset >= packed.begin);
+          CHECK(r.source_offset + r.bytes <= packed.end);
+          routed += r.bytes;
+        }
+        // One engine rank needs every byte: the slice is exactly what the routes read.
+        CHECK(packed.end - packed.begin == routed);
+        packed_bytes += packed.end - packed.begin;
+        largest = std::max(largest, packed.end - packed.begin);
+      }
+      CHECK(packed_bytes == held_bytes);
+      CHECK(packed_bytes == plan.bytes_from(t));
+      CHECK(plan.max_packed_bytes(t) == largest);
+    }
+  }
+  // held() is sorted and merged: one rank holds every tensor, each one range (q's 13 rows
+  // merged), apart where the layout pads between tensors.
+  const RoutingPlan one = RoutingPlan::build(wire, fsdp_shards(wire, 1), engines);
+  CHECK(one.held(0, 0) == every_tensor(wire));
+}
+
 TEST_CASE("the routing plan's fingerprint follows the sharding") {
   const Layout wire = wire_layout();
   const std::vector<RankRanges> engines = {{0, {every_tensor(wire)}}};
@@ -179,13 +217,21 @@ TEST_CASE("a routing plan refuses bad shardings, naming the ranks and the bytes"
                Catch::Matchers::Contains("engine rank 0 needs bytes 0..32 of tensor 'norm' "
                                          "(group 'base'), which no trainer rank holds"));
   }
-  SECTION("ranks missing or twice") {
+  SECTION("ranks missing, outside or twice: each named") {
     held[1].rank = 0;
     CHECK_THAT(message_of([&] { RoutingPlan::build(wire, held, engines); }),
-               Catch::Matchers::Contains("trainer rank 0 is given twice"));
-    held[1].rank = 2;
+               Catch::Matchers::Contains("trainer ranks 0..1 expected (2 lists given, one per "
+                                         "rank): rank 1 missing, rank 0 given twice"));
+    held = fsdp_shards(wire, 3);
+    held[1].rank = 3;
     CHECK_THAT(message_of([&] { RoutingPlan::build(wire, held, engines); }),
-               Catch::Matchers::Contains("trainer rank 2 is outside 0..1"));
+               Catch::Matchers::Contains("trainer ranks 0..2 expected (3 lists given, one per "
+                                         "rank): rank 1 missing, rank 3 outside"));
+    std::vector<RankRanges> two_engines = {engines[0], engines[0]};
+    two_engines[1].rank = -1;
+    CHECK_THAT(message_of([&] { RoutingPlan::build(wire, fsdp_shards(wire, 2), two_engines); }),
+               Catch::Matchers::Contains("engine ranks 0..1 expected (2 lists given, one per "
+                                         "rank): rank 1 missing, rank -1 outside"));
   }
   SECTION("a box outside its tensor") {
     CHECK_THAT(message_of([&] { regions_of_box(wire, "q", {0, 0}, {14, 8}); }),
