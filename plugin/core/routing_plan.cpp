@@ -205,6 +205,7 @@ RoutingPlan RoutingPlan::build(const Layout& wire, const std::vector<RankRanges>
     }
   }
   plan.fingerprint_ = hash.value();
+  plan.wire_fingerprint_ = wire.fingerprint();
   return plan;
 }
 

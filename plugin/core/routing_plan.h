@@ -76,6 +76,8 @@ class RoutingPlan {
   std::size_t bytes_from(int trainer) const { return bytes_from_[trainer]; }
   // Of the wire layout and every route: equal on both sides or the set-up is refused.
   std::uint64_t fingerprint() const { return fingerprint_; }
+  // The fingerprint of the wire layout it was built on.
+  std::uint64_t wire_fingerprint() const { return wire_fingerprint_; }
 
   // The slice of trainer rank `trainer`'s packing of group `group` (what it holds, in wire
   // order) that the routes of bucket `bucket` from it read, to any engine rank: one contiguous
@@ -106,6 +108,7 @@ class RoutingPlan {
   int trainer_count_ = 0;
   int engine_count_ = 0;
   std::uint64_t fingerprint_ = 0;
+  std::uint64_t wire_fingerprint_ = 0;
 };
 
 // The byte ranges of wire tensor `tensor` inside the box `begin[d] <= index[d] < end[d]` of

@@ -1,0 +1,302 @@
+// Route copies against the receive as it runs today: for M trainer ranks (uneven FSDP rows and
+// ZeRO-3 flat partitions that cut rows) and N engine ranks (one, or a tensor-parallel split), the
+// copies composed from the routes, applied from each trainer rank's packing of a random wire
+// image, leave exactly the slot and staging bytes that "the whole bucket received, then the
+// plan's pieces replayed" leaves, writing each byte as often as the pieces do; without a plan,
+// each route lands at its wire offset. And the refusals, named.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+
+#include "error_message.h"
+#include "shadowsync/error.h"
+#include "shadowsync/receive_plan.h"
+#include "core/route_copies.h"
+#include "core/routing_plan.h"
+
+using namespace shadowsync;
+using shadowsync::testing::message_of;
+
+namespace {
+
+// Buckets of 256 bytes: q's rows of 48 bytes straddle bucket boundaries (the plan cuts them
+// there); a and b go into one fused engine tensor (its rows strided: a 2-D copy whose pitches
+// differ); w is quantized to FP8 by the engine (its pieces go to staging).
+Layout wire_layout() {
+  return Layout::build({{"q", DType::kFloat32, {13, 12}, "base"},
+                        {"k", DType::kFloat32, {3, 8}, "base"},
+                        {"a", DType::kFloat32, {8, 8}, "base"},
+                        {"b", DType::kFloat32, {8, 8}, "base"},
+                        {"w", DType::kFloat32, {6, 8}, "base"},
+                        {"norm", DType::kFloat32, {8}, "base"}},
+                       {.bucket_bytes = 256});
+}
+
+// M trainer ranks: q and k FSDP2 Shard(0) (uneven: the first ranks get one row more), a, b and w
+// ZeRO-3 flat partitions cut 3 elements past each even share (mid-row), the norm replicated and
+// sent by the last rank.
+std::vector<RankRanges> trainer_shards(const Layout& wire, int ranks) {
+  std::vector<RankRanges> out;
+  for (int r = 0; r < ranks; ++r) {
+    RankRanges held{r, {{}}};
+    auto& ranges = held.ranges[0];
+    for (const auto& [name, rows, cols] : {std::tuple{"q", 13, 12}, std::tuple{"k", 3, 8}}) {
+      const int per = (rows + ranks - 1) / ranks;
+      const int lo = r * per;
+      const int hi = std::min(rows, lo + per);
+      if (lo >= hi) continue;
+      for (const ByteRange& b : regions_of_box(wire, name, {lo, 0}, {hi, cols})) {
+        ranges.push_back(b);
+      }
+    }
+    for (const auto& [name, elements] :
+         {std::pair{"a", 64}, std::pair{"b", 64}, std::pair{"w", 48}}) {
+      const auto cut = [&](int i) {
+        return i == 0 ? 0 : i == ranks ? elements : elements * i / ranks + 3;
+      };
+      ranges.push_back(regions_of_elements(wire, name, cut(r), cut(r + 1) - cut(r)));
+    }
+    if (r == ranks - 1) ranges.push_back(regions_of_elements(wire, "norm", 0, 8));
+    out.push_back(std::move(held));
+  }
+  return out;
+}
+
+// Engine rank `rank` of `ranks` (1 or 2): q and k column-parallel (rows split, uneven), a and b
+// fused into ab (side by side in each row; with 2 ranks each holds its half of their columns),
+// w quantized to FP8 (rows split), the norm whole.
+ReceivePlan engine_plan(const Layout& wire, int rank, int ranks) {
+  const std::int64_t q_rows = ranks == 1 ? 13 : rank == 0 ? 7 : 6;
+  const std::int64_t k_rows = ranks == 1 ? 3 : rank == 0 ? 2 : 1;
+  const std::int64_t cols = 8 / ranks;  // of a and of b
+  const std::int64_t w_rows = 6 / ranks;
+  const Layout engine = Layout::build({{"q", DType::kFloat32, {q_rows, 12}, "base"},
+                                       {"k", DType::kFloat32, {k_rows, 8}, "base"},
+                                       {"ab", DType::kFloat32, {8, 2 * cols}, "base"},
+                                       {"w", DType::kFloat8E4M3, {w_rows, 8}, "base"},
+                                       {"w_scale", DType::kFloat32, {1}, "base"},
+                                       {"norm", DType::kFloat32, {8}, "base"}});
+  return ReceivePlan::build(
+      wire, engine,
+      {{"q", "q", {q_rows, 12}, rank * 7 * 12, {12, 1}, 0, {12, 1}},
+       {"k", "k", {k_rows, 8}, rank * 2 * 8, {8, 1}, 0, {8, 1}},
+       {"a", "ab", {8, cols}, rank * cols, {8, 1}, 0, {2 * cols, 1}},
+       {"b", "ab", {8, cols}, rank * cols, {8, 1}, cols, {2 * cols, 1}},
+       {"w", "w", {w_rows, 8}, rank * w_rows * 8, {8, 1}, 0, {8, 1}},
+       {"norm", "norm", {8}, 0, {1}, 0, {1}}},
+      {}, {{"w", "w_scale", 1}});
+}
+
+std::vector<unsigned char> random_image(std::size_t bytes) {
+  std::mt19937 rng(11);
+  std::vector<unsigned char> image(bytes);
+  for (auto& b : image) b = static_cast<unsigned char>(rng());
+  return image;
+}
+
+// What an engine rank's receive leaves: its slot arena and its staging memory (0xEE where nothing
+// was written), and how often each of their bytes was written.
+struct Landed {
+  std::vector<unsigned char> slot;
+  std::vector<unsigned char> staging;
+  std::vector<int> slot_writes;
+  std::vector<int> staging_writes;
+  std::size_t bytes = 0;  // written in all
+
+  Landed(std::size_t slot_bytes, std::size_t staging_bytes)
+      : slot(slot_bytes, 0xEE),
+        staging(staging_bytes, 0xEE),
+        slot_writes(slot_bytes, 0),
+        staging_writes(staging_bytes, 0) {}
+
+  void copy_2d(bool to_staging, std::size_t dst, std::size_t dst_pitch, const unsigned char* src,
+               std::size_t src_pitch, std::size_t row_bytes, std::size_t rows) {
+    auto& to = to_staging ? staging : slot;
+    auto& writes = to_staging ? staging_writes : slot_writes;
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::size_t at = dst + r * dst_pitch;
+      REQUIRE(at + row_bytes <= to.size());
+      std::memcpy(to.data() + at, src + r * src_pitch, row_bytes);
+      for (std::size_t i = 0; i < row_bytes; ++i) ++writes[at + i];
+    }
+    bytes += rows * row_bytes;
+  }
+};
+
+// Today's receive: each whole bucket lands, then its pieces run.
+Landed whole_buckets(const Layout& wire, const ReceivePlan& plan, std::size_t slot_bytes,
+                     const std::vector<unsigned char>& image) {
+  Landed out(slot_bytes, plan.staging_bytes());
+  const GroupLayout& group = wire.groups()[0];
+  for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+    const unsigned char* landed = image.data() + group.bucket(k).offset;
+    for (const PlanPiece& p : plan.pieces(0, k)) {
+      out.copy_2d(p.to_staging, p.dst_offset, p.dst_pitch, landed + p.src_offset, p.src_pitch,
+                  p.row_bytes, p.rows);
+    }
+  }
+  return out;
+}
+
+// Each trainer rank's packing of the group: what it holds of `image`, in wire order.
+std::vector<std::vector<unsigned char>> packings(const std::vector<RankRanges>& trainers,
+                                                 const std::vector<unsigned char>& image) {
+  std::vector<std::vector<unsigned char>> packed(trainers.size());
+  for (const RankRanges& t : trainers) {
+    std::vector<ByteRange> held = t.ranges[0];
+    std::sort(held.begin(), held.end(),
+              [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
+    for (const ByteRange& r : held) {
+      packed[t.rank].insert(packed[t.rank].end(), image.begin() + r.begin, image.begin() + r.end);
+    }
+  }
+  return packed;
+}
+
+// The composed copies of engine rank `engine`, each reading the slice its trainer rank stages
+// for the bucket (packed_range) and nothing outside it, and one route only.
+Landed routed(const Layout& wire, const RoutingPlan& routing, int engine,
+              const std::vector<std::vector<std::vector<RouteCopy>>>& copies,
+              std::size_t slot_bytes, std::size_t staging_bytes,
+              const std::vector<std::vector<unsigned char>>& packed) {
+  Landed out(slot_bytes, staging_bytes);
+  const GroupLayout& group = wire.groups()[0];
+  REQUIRE(copies.size() == 1);
+  REQUIRE(copies[0].size() == group.bucket_count());
+  for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+    for (const RouteCopy& c : copies[0][k]) {
+      CAPTURE(k, c.trainer, c.packed_offset, c.rows, c.row_bytes);
+      const ByteRange slice = routing.packed_range(c.trainer, 0, k);
+      const std::size_t first = c.packed_offset;
+      const std::size_t last = c.packed_offset + (c.rows - 1) * c.src_pitch + c.row_bytes;
+      REQUIRE(last <= slice.end - slice.begin);
+      CHECK((c.rows == 1 || (c.src_pitch >= c.row_bytes && c.dst_pitch >= c.row_bytes)));
+      // One route of this engine rank from this trainer rank holds both ends of the copy.
+      const auto holds = [&](const Route& r) {
+        const std::size_t begin = r.source_offset - slice.begin;
+        return r.engine == engine && r.trainer == c.trainer && first >= begin &&
+               last <= begin + r.bytes;
+      };
+      const auto& routes = routing.routes(0, k);
+      CHECK(std::count_if(routes.begin(), routes.end(), holds) == 1);
+      out.copy_2d(c.to_staging, c.dst_offset, c.dst_pitch,
+                  packed[c.trainer].data() + slice.begin + c.packed_offset, c.src_pitch,
+                  c.row_bytes, c.rows);
+    }
+  }
+  return out;
+}
+
+void check_same(const Landed& got, const Landed& want) {
+  CHECK(got.bytes == want.bytes);  // a byte written twice or a row dropped shows here
+  CHECK(got.slot_writes == want.slot_writes);
+  CHECK(got.staging_writes == want.staging_writes);
+  CHECK(got.slot == want.slot);
+  CHECK(got.staging == want.staging);
+}
+
+}  // namespace
+
+TEST_CASE("route copies land what the whole bucket and the plan's pieces land, each byte once") {
+  const Layout wire = wire_layout();
+  const auto image = random_image(wire.groups()[0].arena_bytes());
+  for (const int engines : {1, 2}) {
+    // Each engine rank's plan, and the layout its slots have (for the slot's size).
+    std::vector<ReceivePlan> plans;
+    std::vector<RankRanges> needs;
+    for (int e = 0; e < engines; ++e) {
+      plans.push_back(engine_plan(wire, e, engines));
+      needs.push_back({e, needed_by(plans.back())});
+    }
+    for (const int trainers : {1, 2, 4}) {
+      CAPTURE(engines, trainers);
+      const auto held = trainer_shards(wire, trainers);
+      const RoutingPlan routing = RoutingPlan::build(wire, held, needs);
+      const auto packed = packings(held, image);
+      for (int e = 0; e < engines; ++e) {
+        CAPTURE(e);
+        const ReceivePlan& plan = plans[e];
+        REQUIRE(plan.staging_bytes() > 0);
+        // The slot: as large as the furthest byte a piece writes.
+        std::size_t slot_bytes = 0;
+        for (std::size_t k = 0; k < wire.groups()[0].bucket_count(); ++k) {
+          for (const PlanPiece& p : plan.pieces(0, k)) {
+            if (p.to_staging) continue;
+            slot_bytes = std::max(slot_bytes,
+                                  p.dst_offset + (p.rows - 1) * p.dst_pitch + p.row_bytes);
+          }
+        }
+        const Landed want = whole_buckets(wire, plan, slot_bytes, image);
+        const auto copies = compose_route_copies(routing, e, wire, &plan);
+        const Landed got =
+            routed(wire, routing, e, copies, slot_bytes, plan.staging_bytes(), packed);
+        check_same(got, want);
+        // This plan reads each wire byte it needs once and writes each slot or staging byte
+        // once: the copies move what the routes bring, no more.
+        CHECK(want.bytes == routing.bytes_to(e));
+        CHECK(*std::max_element(want.slot_writes.begin(), want.slot_writes.end()) == 1);
+        CHECK(*std::max_element(want.staging_writes.begin(), want.staging_writes.end()) == 1);
+      }
+    }
+  }
+}
+
+TEST_CASE("without a receive plan each route lands at its wire offset") {
+  const Layout wire = wire_layout();
+  const GroupLayout& group = wire.groups()[0];
+  const auto image = random_image(group.arena_bytes());
+  std::vector<ByteRange> every_tensor;
+  for (const TensorPlacement& t : group.tensors()) every_tensor.push_back({t.offset, t.offset + t.bytes});
+  for (const int trainers : {1, 2, 4}) {
+    CAPTURE(trainers);
+    const auto held = trainer_shards(wire, trainers);
+    const RoutingPlan routing = RoutingPlan::build(wire, held, {{0, {every_tensor}}});
+    const auto copies = compose_route_copies(routing, 0, wire, nullptr);
+    const Landed got =
+        routed(wire, routing, 0, copies, group.arena_bytes(), 0, packings(held, image));
+    std::size_t tensor_bytes = 0;
+    for (const ByteRange& r : every_tensor) {
+      CHECK(std::equal(image.begin() + r.begin, image.begin() + r.end, got.slot.begin() + r.begin));
+      CHECK(std::all_of(got.slot_writes.begin() + r.begin, got.slot_writes.begin() + r.end,
+                        [](int n) { return n == 1; }));
+      tensor_bytes += r.end - r.begin;
+    }
+    CHECK(got.bytes == tensor_bytes);  // the padding between tensors untouched
+    std::size_t routes = 0;
+    std::size_t copy_count = 0;
+    for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+      routes += routing.routes(0, k).size();
+      copy_count += copies[0][k].size();
+    }
+    CHECK(copy_count == routes);  // one copy per route
+  }
+}
+
+TEST_CASE("route copies are refused for another wire, another engine rank or missing routes") {
+  const Layout wire = wire_layout();
+  const ReceivePlan plan = engine_plan(wire, 0, 1);
+  const auto held = trainer_shards(wire, 2);
+  SECTION("an engine rank outside the plan") {
+    const RoutingPlan routing = RoutingPlan::build(wire, held, {{0, needed_by(plan)}});
+    CHECK_THAT(message_of([&] { compose_route_copies(routing, 1, wire, &plan); }),
+               Catch::Matchers::Contains("engine rank 1 is outside the routing plan's 0..0"));
+  }
+  SECTION("another wire layout") {
+    const RoutingPlan routing = RoutingPlan::build(wire, held, {{0, needed_by(plan)}});
+    const Layout other = Layout::build({{"q", DType::kFloat32, {13, 12}, "base"}});
+    CHECK_THAT(message_of([&] { compose_route_copies(routing, 0, other, nullptr); }),
+               Catch::Matchers::Contains("is not the one the routing plan was built on"));
+  }
+  SECTION("bytes a piece reads that no route brings") {
+    // The engine rank asked for q only, but its plan reads every tensor.
+    const RoutingPlan routing =
+        RoutingPlan::build(wire, held, {{0, {regions_of_box(wire, "q", {0, 0}, {13, 12})}}});
+    CHECK_THAT(message_of([&] { compose_route_copies(routing, 0, wire, &plan); }),
+               Catch::Matchers::Contains("engine rank 0 reads bytes 768..864 of group 'base' "
+                                         "(bucket 3), which no route brings to it"));
+  }
+}
