@@ -98,6 +98,7 @@ typedef struct shadowsync_receiver* shadowsync_receiver_t;
 typedef struct shadowsync_sender* shadowsync_sender_t;
 typedef struct shadowsync_publish* shadowsync_publish_t;
 typedef struct shadowsync_remap_arena* shadowsync_remap_arena_t;
+typedef struct shadowsync_routing_plan* shadowsync_routing_plan_t;
 
 /* ---------------------------------------------------------------------------------------------
  * Config structs
@@ -782,6 +783,132 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_publish_wait(shadowsync_publish_t 
 SHADOWSYNC_API shadowsync_status_t shadowsync_publish_done(shadowsync_publish_t publish, int* done);
 /* Releases the handle; a publish keeps running (a streamed one still missing tensors fails). */
 SHADOWSYNC_API shadowsync_status_t shadowsync_publish_destroy(shadowsync_publish_t publish);
+
+/* ---------------------------------------------------------------------------------------------
+ * Routing plans (core/routing_plan.h): sharded trainers, every byte moved once from the trainer
+ * rank that holds it to each engine rank that needs it (DESIGN.md section 14). Built at set-up on
+ * both sides from the same inputs; the fingerprints must agree. No transport moves routes yet.
+ *
+ * Output arrays take a capacity and a count: *count is set to the entries there are; when the
+ * capacity is smaller the call returns SHADOWSYNC_INVALID_ARGUMENT and writes none (call with
+ * capacity 0 to learn the count).
+ * ------------------------------------------------------------------------------------------- */
+
+/* Bytes [begin, end) of the wire arena of group `group` (an index of the wire layout's groups).
+ * `reserved` must be 0. */
+typedef struct {
+  uint32_t group;
+  uint32_t reserved;
+  uint64_t begin;
+  uint64_t end;
+} shadowsync_wire_range_t;
+
+/* Kinds of shadowsync_tensor_region_t. */
+#define SHADOWSYNC_REGION_BOX 0      /* begin[d] <= index[d] < end[d] in each of ndim dimensions */
+#define SHADOWSYNC_REGION_ELEMENTS 1 /* elements [first, first + count) of the row-major tensor */
+
+/* What a trainer rank holds of wire tensor `tensor`: a box (an FSDP2 Shard(d) slice, a Megatron
+ * column- or row-parallel slice; `ndim` entries in `begin` and `end`, `first`/`count` ignored) or
+ * a flat element range (a ZeRO-3 partition of the flattened parameter; `ndim`, `begin`, `end`
+ * ignored). */
+typedef struct {
+  const char* tensor;
+  int32_t kind; /* SHADOWSYNC_REGION_BOX or SHADOWSYNC_REGION_ELEMENTS */
+  size_t ndim;
+  const int64_t* begin;
+  const int64_t* end;
+  int64_t first;
+  int64_t count;
+} shadowsync_tensor_region_t;
+
+/* What rank `rank` holds (a trainer rank) or needs (an engine rank): `count` wire ranges of any
+ * groups, in any order (they are sorted and merged). */
+typedef struct {
+  int32_t rank;
+  const shadowsync_wire_range_t* ranges;
+  size_t count;
+} shadowsync_rank_ranges_t;
+
+/* One route (core/routing_plan.h, Route): `bytes` bytes of bucket `bucket` of group `group`, at
+ * `wire_offset` of the group's wire arena, from trainer rank `trainer` (at `source_offset` of
+ * what it holds of the group, packed in wire order) to engine rank `engine`. */
+typedef struct {
+  int32_t trainer;
+  int32_t engine;
+  uint32_t group;
+  uint32_t reserved;
+  uint64_t bucket;
+  uint64_t wire_offset;
+  uint64_t source_offset;
+  uint64_t bytes;
+} shadowsync_route_t;
+
+/* shadowsync_routing_plan_info: the caller sets `size` (SHADOWSYNC_ROUTING_PLAN_INFO_INITIALIZER);
+ * the library fills min(size, its sizeof) bytes, so fields appended later stay unread by older
+ * callers. */
+typedef struct {
+  size_t size;
+  int32_t trainer_count;
+  int32_t engine_count;
+  uint64_t fingerprint;  /* of the wire layout and every route: compare across ranks */
+  uint64_t route_count;  /* over every group and bucket */
+} shadowsync_routing_plan_info_t;
+
+#define SHADOWSYNC_ROUTING_PLAN_INFO_INITIALIZER \
+  { sizeof(shadowsync_routing_plan_info_t), 0, 0, 0, 0 }
+
+/* The wire ranges of `region` of a tensor of `layout` (regions_of_box, regions_of_elements),
+ * sorted and merged: a box of whole rows is one range, a box of part rows one range per row.
+ * SHADOWSYNC_INVALID_ARGUMENT naming the tensor and the box or elements when they are empty or
+ * outside its shape, or the kind is unknown; SHADOWSYNC_LAYOUT_MISMATCH for a tensor the layout
+ * does not have. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_layout_region_ranges(
+    shadowsync_layout_t layout, const shadowsync_tensor_region_t* region,
+    shadowsync_wire_range_t* ranges, size_t capacity, size_t* count);
+/* The wire ranges `receiver` reads of each update: with a receive plan what its pieces read
+ * (needed_by), in the plan's wire layout; without one every tensor of its layout (which is then
+ * the wire layout). An engine rank's needs for shadowsync_routing_plan_create. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_needed_ranges(
+    shadowsync_receiver_t receiver, shadowsync_wire_range_t* ranges, size_t capacity,
+    size_t* count);
+/* RoutingPlan::build over `wire_layout`: `trainers[i]` what trainer rank trainers[i].rank holds,
+ * `engines[j]` what engine rank engines[j].rank needs; ranks 0..M-1 and 0..N-1 each once, in any
+ * order. `engines` NULL with `engine_count` 0: one engine rank needing every tensor. Refused with
+ * SHADOWSYNC_INVALID_ARGUMENT, the last error naming the ranks and the bytes (tensor and group):
+ * a rank missing, outside or given twice, a range of a group the layout does not have or outside
+ * its arena, bytes two trainer ranks both hold (a replicated tensor is sent by one: leave it out
+ * of the others' ranges), bytes an engine rank needs that no trainer rank holds. The plan keeps
+ * its own copy of everything. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_create(
+    shadowsync_layout_t wire_layout, const shadowsync_rank_ranges_t* trainers,
+    size_t trainer_count, const shadowsync_rank_ranges_t* engines, size_t engine_count,
+    shadowsync_routing_plan_t* plan);
+SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_destroy(shadowsync_routing_plan_t plan);
+/* Counts and fingerprint; info->size must be set. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_info(
+    shadowsync_routing_plan_t plan, shadowsync_routing_plan_info_t* info);
+/* Bytes engine rank `engine` receives per update, and trainer rank `trainer` sends, over every
+ * group. SHADOWSYNC_INVALID_ARGUMENT for a rank outside the plan. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_bytes_to_engine(
+    shadowsync_routing_plan_t plan, int32_t engine, uint64_t* bytes);
+SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_bytes_from_trainer(
+    shadowsync_routing_plan_t plan, int32_t trainer, uint64_t* bytes);
+/* The slice [*begin, *end) of trainer rank `trainer`'s packing of group `group` (what it holds,
+ * in wire order) that the routes of bucket `bucket` from it read: what it stages for that bucket
+ * (empty, 0 and 0, when none comes from it). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_packed_range(
+    shadowsync_routing_plan_t plan, int32_t trainer, size_t group, size_t bucket, uint64_t* begin,
+    uint64_t* end);
+/* The largest packed range of trainer rank `trainer` over every bucket: its staging for one
+ * bucket at a time. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_max_packed_bytes(
+    shadowsync_routing_plan_t plan, int32_t trainer, uint64_t* bytes);
+/* The routes of bucket `bucket` of group `group`, by trainer rank, then engine rank, then wire
+ * offset. SHADOWSYNC_INVALID_ARGUMENT for a group or bucket out of range. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_routes(shadowsync_routing_plan_t plan,
+                                                                  size_t group, size_t bucket,
+                                                                  shadowsync_route_t* routes,
+                                                                  size_t capacity, size_t* count);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/routing_plan.h"
 #include "shadowsync/backend.h"
 #include "shadowsync/error.h"
 #include "shadowsync/layout.h"
@@ -86,6 +87,7 @@ enum class Kind : std::uint8_t {
   kSender,
   kPublish,
   kRemapArena,
+  kRoutingPlan,
 };
 const char* kind_name(Kind kind) noexcept;  // "shadowsync_layout_t", ...
 
@@ -152,6 +154,12 @@ struct PublishObject {
   std::optional<StreamedPublish> streamed;
 };
 
+struct RoutingPlanObject {
+  RoutingPlanObject(Layout w, RoutingPlan p) : wire(std::move(w)), plan(std::move(p)) {}
+  const Layout wire;  // what the plan's groups and buckets are of, for messages
+  const RoutingPlan plan;
+};
+
 template <typename T>
 struct KindOf;
 template <> struct KindOf<LayoutObject> { static constexpr Kind value = Kind::kLayout; };
@@ -163,6 +171,7 @@ template <> struct KindOf<ReceiverObject> { static constexpr Kind value = Kind::
 template <> struct KindOf<SenderObject> { static constexpr Kind value = Kind::kSender; };
 template <> struct KindOf<PublishObject> { static constexpr Kind value = Kind::kPublish; };
 template <> struct KindOf<RemapArenaObject> { static constexpr Kind value = Kind::kRemapArena; };
+template <> struct KindOf<RoutingPlanObject> { static constexpr Kind value = Kind::kRoutingPlan; };
 
 // ---------------------------------------------------------------------------------------------
 // The handle registry

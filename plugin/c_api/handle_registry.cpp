@@ -17,6 +17,7 @@ const char* kind_name(Kind kind) noexcept {
     case Kind::kSender: return "shadowsync_sender_t";
     case Kind::kPublish: return "shadowsync_publish_t";
     case Kind::kRemapArena: return "shadowsync_remap_arena_t";
+    case Kind::kRoutingPlan: return "shadowsync_routing_plan_t";
   }
   return "handle";
 }

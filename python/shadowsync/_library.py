@@ -249,6 +249,54 @@ class PlanCopyC(Structure):
     ]
 
 
+class WireRangeC(Structure):
+    _fields_ = [("group", c_uint32), ("reserved", c_uint32), ("begin", c_uint64), ("end", c_uint64)]
+
+
+# shadowsync_tensor_region_t's kinds.
+REGION_BOX = 0
+REGION_ELEMENTS = 1
+
+
+class TensorRegionC(Structure):
+    _fields_ = [
+        ("tensor", c_char_p),
+        ("kind", c_int32),
+        ("ndim", c_size_t),
+        ("begin", POINTER(c_int64)),
+        ("end", POINTER(c_int64)),
+        ("first", c_int64),
+        ("count", c_int64),
+    ]
+
+
+class RankRangesC(Structure):
+    _fields_ = [("rank", c_int32), ("ranges", POINTER(WireRangeC)), ("count", c_size_t)]
+
+
+class RouteC(Structure):
+    _fields_ = [
+        ("trainer", c_int32),
+        ("engine", c_int32),
+        ("group", c_uint32),
+        ("reserved", c_uint32),
+        ("bucket", c_uint64),
+        ("wire_offset", c_uint64),
+        ("source_offset", c_uint64),
+        ("bytes", c_uint64),
+    ]
+
+
+class RoutingPlanInfoC(Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("trainer_count", c_int32),
+        ("engine_count", c_int32),
+        ("fingerprint", c_uint64),
+        ("route_count", c_uint64),
+    ]
+
+
 SWAP_CALLBACK = CFUNCTYPE(None, c_void_p, c_uint64, POINTER(GroupSwapC), c_size_t)
 
 # --- function prototypes --------------------------------------------------------------------
@@ -361,6 +409,29 @@ _PROTOTYPES = {
     "shadowsync_publish_wait": (c_int, [_H, c_int64]),
     "shadowsync_publish_done": (c_int, [_H, _P(c_int)]),
     "shadowsync_publish_destroy": (c_int, [_H]),
+    # routing plans
+    "shadowsync_layout_region_ranges": (
+        c_int,
+        [_H, _P(TensorRegionC), _P(WireRangeC), c_size_t, _P(c_size_t)],
+    ),
+    "shadowsync_receiver_needed_ranges": (c_int, [_H, _P(WireRangeC), c_size_t, _P(c_size_t)]),
+    "shadowsync_routing_plan_create": (
+        c_int,
+        [_H, _P(RankRangesC), c_size_t, _P(RankRangesC), c_size_t, _P(_H)],
+    ),
+    "shadowsync_routing_plan_destroy": (c_int, [_H]),
+    "shadowsync_routing_plan_info": (c_int, [_H, _P(RoutingPlanInfoC)]),
+    "shadowsync_routing_plan_bytes_to_engine": (c_int, [_H, c_int32, _P(c_uint64)]),
+    "shadowsync_routing_plan_bytes_from_trainer": (c_int, [_H, c_int32, _P(c_uint64)]),
+    "shadowsync_routing_plan_packed_range": (
+        c_int,
+        [_H, c_int32, c_size_t, c_size_t, _P(c_uint64), _P(c_uint64)],
+    ),
+    "shadowsync_routing_plan_max_packed_bytes": (c_int, [_H, c_int32, _P(c_uint64)]),
+    "shadowsync_routing_plan_routes": (
+        c_int,
+        [_H, c_size_t, c_size_t, _P(RouteC), c_size_t, _P(c_size_t)],
+    ),
 }
 
 

@@ -36,6 +36,11 @@ STRUCTS = {
     "shadowsync_group_swap_t": _library.GroupSwapC,
     "shadowsync_source_tensor_t": _library.SourceTensorC,
     "shadowsync_plan_copy_t": _library.PlanCopyC,
+    "shadowsync_wire_range_t": _library.WireRangeC,
+    "shadowsync_tensor_region_t": _library.TensorRegionC,
+    "shadowsync_rank_ranges_t": _library.RankRangesC,
+    "shadowsync_route_t": _library.RouteC,
+    "shadowsync_routing_plan_info_t": _library.RoutingPlanInfoC,
 }
 
 # C constant -> the package's copy.
@@ -57,6 +62,8 @@ CONSTANTS = {
     "SHADOWSYNC_COMMIT_COORDINATED": _library.COMMIT_MODES["coordinated"],
     "SHADOWSYNC_SAME_HOST_MEMORY_HOST": _library.SAME_HOST_MEMORY["host"],
     "SHADOWSYNC_SAME_HOST_MEMORY_DEVICE": _library.SAME_HOST_MEMORY["device"],
+    "SHADOWSYNC_REGION_BOX": _library.REGION_BOX,
+    "SHADOWSYNC_REGION_ELEMENTS": _library.REGION_ELEMENTS,
 }
 
 # ctypes types by the element-type names abi_layout.c prints. c_size_t and c_uint64 are one
@@ -71,6 +78,7 @@ CTYPE_NAMES = {
     ctypes.c_char_p: "char_p",
     ctypes.c_void_p: "void_p",
     ctypes.POINTER(ctypes.c_int64): "int64_p",
+    ctypes.POINTER(_library.WireRangeC): "wire_range_p",
 }
 
 

@@ -21,6 +21,7 @@
       const char*: "char_p",     \
       const void*: "void_p",     \
       const int64_t*: "int64_p", \
+      const shadowsync_wire_range_t*: "wire_range_p", \
       default: "unknown")
 
 static int first_item;
@@ -194,6 +195,48 @@ static void structs(void) {
   FIELD(shadowsync_plan_copy_t, dst_offset);
   FIELD(shadowsync_plan_copy_t, dst_strides);
   end_struct();
+
+  STRUCT(shadowsync_wire_range_t);
+  FIELD(shadowsync_wire_range_t, group);
+  FIELD(shadowsync_wire_range_t, reserved);
+  FIELD(shadowsync_wire_range_t, begin);
+  FIELD(shadowsync_wire_range_t, end);
+  end_struct();
+
+  STRUCT(shadowsync_tensor_region_t);
+  FIELD(shadowsync_tensor_region_t, tensor);
+  FIELD(shadowsync_tensor_region_t, kind);
+  FIELD(shadowsync_tensor_region_t, ndim);
+  FIELD(shadowsync_tensor_region_t, begin);
+  FIELD(shadowsync_tensor_region_t, end);
+  FIELD(shadowsync_tensor_region_t, first);
+  FIELD(shadowsync_tensor_region_t, count);
+  end_struct();
+
+  STRUCT(shadowsync_rank_ranges_t);
+  FIELD(shadowsync_rank_ranges_t, rank);
+  FIELD(shadowsync_rank_ranges_t, ranges);
+  FIELD(shadowsync_rank_ranges_t, count);
+  end_struct();
+
+  STRUCT(shadowsync_route_t);
+  FIELD(shadowsync_route_t, trainer);
+  FIELD(shadowsync_route_t, engine);
+  FIELD(shadowsync_route_t, group);
+  FIELD(shadowsync_route_t, reserved);
+  FIELD(shadowsync_route_t, bucket);
+  FIELD(shadowsync_route_t, wire_offset);
+  FIELD(shadowsync_route_t, source_offset);
+  FIELD(shadowsync_route_t, bytes);
+  end_struct();
+
+  STRUCT(shadowsync_routing_plan_info_t);
+  FIELD(shadowsync_routing_plan_info_t, size);
+  FIELD(shadowsync_routing_plan_info_t, trainer_count);
+  FIELD(shadowsync_routing_plan_info_t, engine_count);
+  FIELD(shadowsync_routing_plan_info_t, fingerprint);
+  FIELD(shadowsync_routing_plan_info_t, route_count);
+  end_struct();
 }
 
 static void statuses(void) {
@@ -232,6 +275,8 @@ static void constants(void) {
   CONSTANT(SHADOWSYNC_COMMIT_COORDINATED);
   CONSTANT(SHADOWSYNC_SAME_HOST_MEMORY_HOST);
   CONSTANT(SHADOWSYNC_SAME_HOST_MEMORY_DEVICE);
+  CONSTANT(SHADOWSYNC_REGION_BOX);
+  CONSTANT(SHADOWSYNC_REGION_ELEMENTS);
 }
 
 int main(void) {

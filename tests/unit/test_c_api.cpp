@@ -14,6 +14,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "socket_dir.h"
 #include "shadowsync/shadowsync.h"
 #include "c_api/shadowsync_testing.h"
+#include "core/routing_plan.h"
 
 using namespace shadowsync;
 using namespace shadowsync::testing;
@@ -1285,4 +1287,301 @@ TEST_CASE("C ABI: remap arenas on the host backend, and receivers made with engi
   REQUIRE_OK(shadowsync_loopback_destroy(loopback));
   REQUIRE_OK(shadowsync_backend_destroy(backend));
   REQUIRE_OK(shadowsync_layout_destroy(layout));
+}
+
+namespace {
+
+// The routing tests' wire: q [13, 8] and k [3, 8] (fp32, Shard(0) over the trainer ranks) and a
+// norm [8] rank 0 sends; buckets of 256 bytes.
+shadowsync_layout_t make_routing_wire() {
+  const std::int64_t q[] = {13, 8}, k[] = {3, 8}, norm[] = {8};
+  const shadowsync_tensor_spec_t specs[] = {{"q", "fp32", q, 2, nullptr},
+                                            {"k", "fp32", k, 2, nullptr},
+                                            {"norm", "fp32", norm, 1, nullptr}};
+  shadowsync_layout_t layout = nullptr;
+  REQUIRE_OK(shadowsync_layout_create(specs, 3, 256, &layout));
+  return layout;
+}
+
+std::vector<shadowsync_wire_range_t> region_ranges(shadowsync_layout_t layout,
+                                                   const shadowsync_tensor_region_t& region) {
+  std::size_t count = 0;
+  CHECK(shadowsync_layout_region_ranges(layout, &region, nullptr, 0, &count) ==
+        SHADOWSYNC_INVALID_ARGUMENT);  // capacity 0: the count only
+  std::vector<shadowsync_wire_range_t> out(count);
+  REQUIRE_OK(shadowsync_layout_region_ranges(layout, &region, out.data(), out.size(), &count));
+  REQUIRE(count == out.size());
+  return out;
+}
+
+// What trainer rank `rank` of two holds: its rows of q and k (7 and 6, 2 and 1), rank 0 the norm.
+std::vector<shadowsync_wire_range_t> held_by(shadowsync_layout_t wire, int rank) {
+  std::vector<shadowsync_wire_range_t> held;
+  for (const auto& [name, rows, split] : {std::tuple{"q", 13, 7}, std::tuple{"k", 3, 2}}) {
+    const std::int64_t begin[] = {rank == 0 ? 0 : split, 0};
+    const std::int64_t end[] = {rank == 0 ? split : rows, 8};
+    const shadowsync_tensor_region_t box = {name, SHADOWSYNC_REGION_BOX, 2, begin, end, 0, 0};
+    for (const auto& r : region_ranges(wire, box)) held.push_back(r);
+  }
+  if (rank == 0) {
+    const shadowsync_tensor_region_t norm = {"norm", SHADOWSYNC_REGION_ELEMENTS, 0, nullptr,
+                                             nullptr, 0, 8};
+    for (const auto& r : region_ranges(wire, norm)) held.push_back(r);
+  }
+  return held;
+}
+
+std::vector<RankRanges> cpp_ranks(const std::vector<std::vector<shadowsync_wire_range_t>>& lists) {
+  std::vector<RankRanges> out;
+  for (std::size_t i = 0; i < lists.size(); ++i) {
+    RankRanges ranks{static_cast<int>(i), {{}}};
+    for (const auto& r : lists[i]) ranks.ranges[r.group].push_back({r.begin, r.end});
+    out.push_back(std::move(ranks));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("C ABI: a routing plan from regions, its routes and counts as the C++ plan has them") {
+  shadowsync_layout_t wire = make_routing_wire();
+  const Layout cpp_wire = Layout::build({{"q", DType::kFloat32, {13, 8}, "base"},
+                                         {"k", DType::kFloat32, {3, 8}, "base"},
+                                         {"norm", DType::kFloat32, {8}, "base"}},
+                                        {.bucket_bytes = 256});
+  // A box of whole rows is one range; half of every row (Megatron row-parallel) one per row.
+  const std::int64_t rows_begin[] = {1, 0}, rows_end[] = {3, 8};
+  const auto rows = region_ranges(wire, {"q", SHADOWSYNC_REGION_BOX, 2, rows_begin, rows_end, 0, 0});
+  REQUIRE(rows.size() == 1);
+  CHECK((rows[0].group == 0 && rows[0].begin == 32 && rows[0].end == 96));
+  const std::int64_t half_begin[] = {0, 4}, half_end[] = {5, 8};
+  CHECK(region_ranges(wire, {"q", SHADOWSYNC_REGION_BOX, 2, half_begin, half_end, 0, 0}).size() ==
+        5);
+
+  const std::vector<std::vector<shadowsync_wire_range_t>> held = {held_by(wire, 0),
+                                                                  held_by(wire, 1)};
+  // Given in reverse: ranks are named, not positional.
+  const shadowsync_rank_ranges_t trainers[] = {{1, held[1].data(), held[1].size()},
+                                               {0, held[0].data(), held[0].size()}};
+  shadowsync_routing_plan_t plan = nullptr;
+  REQUIRE_OK(shadowsync_routing_plan_create(wire, trainers, 2, nullptr, 0, &plan));
+
+  // The C++ plan of the same inputs: one engine rank needing every tensor.
+  std::vector<ByteRange> every;
+  for (const TensorPlacement& t : cpp_wire.groups()[0].tensors()) {
+    every.push_back({t.offset, t.offset + t.bytes});
+  }
+  const RoutingPlan cpp = RoutingPlan::build(cpp_wire, cpp_ranks(held), {{0, {every}}});
+
+  shadowsync_routing_plan_info_t info = SHADOWSYNC_ROUTING_PLAN_INFO_INITIALIZER;
+  REQUIRE_OK(shadowsync_routing_plan_info(plan, &info));
+  CHECK(info.trainer_count == 2);
+  CHECK(info.engine_count == 1);
+  CHECK(info.fingerprint == cpp.fingerprint());
+  std::uint64_t bytes = 0;
+  REQUIRE_OK(shadowsync_routing_plan_bytes_to_engine(plan, 0, &bytes));
+  CHECK(bytes == (104 + 24 + 8) * 4);
+  std::uint64_t sent = 0;
+  for (int t = 0; t < 2; ++t) {
+    REQUIRE_OK(shadowsync_routing_plan_bytes_from_trainer(plan, t, &bytes));
+    CHECK(bytes == cpp.bytes_from(t));
+    sent += bytes;
+    REQUIRE_OK(shadowsync_routing_plan_max_packed_bytes(plan, t, &bytes));
+    CHECK(bytes == cpp.max_packed_bytes(t));
+  }
+  CHECK(sent == (104 + 24 + 8) * 4);
+
+  std::uint64_t routes = 0;
+  for (std::size_t b = 0; b < cpp_wire.groups()[0].bucket_count(); ++b) {
+    const auto& want = cpp.routes(0, b);
+    std::size_t count = 0;
+    std::vector<shadowsync_route_t> got(want.size() + 1);
+    REQUIRE_OK(shadowsync_routing_plan_routes(plan, 0, b, got.data(), got.size(), &count));
+    REQUIRE(count == want.size());
+    for (std::size_t i = 0; i < count; ++i) {
+      const shadowsync_route_t& r = got[i];
+      CHECK(Route{r.trainer, r.engine, r.group, r.bucket, r.wire_offset, r.source_offset,
+                  r.bytes} == want[i]);
+      CHECK(r.reserved == 0);
+    }
+    routes += count;
+    for (int t = 0; t < 2; ++t) {
+      std::uint64_t begin = 1, end = 1;
+      REQUIRE_OK(shadowsync_routing_plan_packed_range(plan, t, 0, b, &begin, &end));
+      CHECK(ByteRange{begin, end} == cpp.packed_range(t, 0, b));
+    }
+  }
+  CHECK(info.route_count == routes);
+
+  // A smaller struct (an older caller's) is filled up to its size only.
+  struct {
+    shadowsync_routing_plan_info_t info;
+    unsigned char guard[8];
+  } small;
+  std::memset(&small, 0xAB, sizeof(small));
+  small.info.size = offsetof(shadowsync_routing_plan_info_t, fingerprint);
+  REQUIRE_OK(shadowsync_routing_plan_info(plan, &small.info));
+  CHECK(small.info.engine_count == 1);
+  CHECK(small.info.fingerprint == 0xABABABABABABABABull);
+
+  SECTION("too small a capacity: nothing written, *count says how many") {
+    REQUIRE(cpp.routes(0, 0).size() >= 2);
+    shadowsync_route_t one[1] = {};
+    one[0].trainer = -7;
+    std::size_t count = 0;
+    CHECK(shadowsync_routing_plan_routes(plan, 0, 0, one, 1, &count) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK(count == cpp.routes(0, 0).size());
+    CHECK(one[0].trainer == -7);
+    CHECK_THAT(last_error(),
+               Catch::Contains("shadowsync_routing_plan_routes") &&
+                   Catch::Contains("'routes' holds 1 entries (capacity), " +
+                                   std::to_string(count) + " are needed"));
+    CHECK(shadowsync_routing_plan_routes(plan, 0, 0, nullptr, 4, &count) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'routes' is NULL but the capacity is 4"));
+  }
+  SECTION("indices out of range are refused, named") {
+    std::size_t count = 0;
+    CHECK(shadowsync_routing_plan_routes(plan, 1, 0, nullptr, 0, &count) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(),
+               Catch::Contains("group index 1 out of range (the wire layout has 1 groups)"));
+    CHECK(shadowsync_routing_plan_routes(plan, 0, 4, nullptr, 0, &count) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("bucket 4 out of range (group 'base' has 4 buckets)"));
+    CHECK(shadowsync_routing_plan_bytes_to_engine(plan, 1, &bytes) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("engine rank 1 is outside the routing plan's ranks 0..0"));
+    CHECK(shadowsync_routing_plan_max_packed_bytes(plan, -1, &bytes) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("trainer rank -1 is outside the routing plan's ranks 0..1"));
+    shadowsync_routing_plan_info_t zero = SHADOWSYNC_ROUTING_PLAN_INFO_INITIALIZER;
+    zero.size = 0;
+    CHECK(shadowsync_routing_plan_info(plan, &zero) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("info->size is 0"));
+  }
+  SECTION("a destroyed plan and a handle of another kind are refused") {
+    REQUIRE_OK(shadowsync_routing_plan_destroy(plan));
+    CHECK(shadowsync_routing_plan_info(plan, &info) == SHADOWSYNC_INVALID_HANDLE);
+    CHECK_THAT(last_error(), Catch::Contains("is not a live shadowsync_routing_plan_t"));
+    CHECK(shadowsync_routing_plan_info(reinterpret_cast<shadowsync_routing_plan_t>(wire), &info) ==
+          SHADOWSYNC_INVALID_HANDLE);
+    plan = nullptr;
+  }
+  if (plan != nullptr) REQUIRE_OK(shadowsync_routing_plan_destroy(plan));
+  REQUIRE_OK(shadowsync_layout_destroy(wire));
+}
+
+TEST_CASE("C ABI: routing plans and regions are refused with the ranks, tensors and bytes named") {
+  shadowsync_layout_t wire = make_routing_wire();
+  std::vector<std::vector<shadowsync_wire_range_t>> held = {held_by(wire, 0), held_by(wire, 1)};
+  shadowsync_routing_plan_t plan = nullptr;
+  const auto create = [&](std::vector<shadowsync_rank_ranges_t> trainers) {
+    return shadowsync_routing_plan_create(wire, trainers.data(), trainers.size(), nullptr, 0,
+                                          &plan);
+  };
+  SECTION("a rank missing and one outside") {
+    CHECK(create({{0, held[0].data(), held[0].size()}, {2, held[1].data(), held[1].size()}}) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("shadowsync_routing_plan_create") &&
+                                 Catch::Contains("trainer ranks 0..1 expected (2 lists given, one "
+                                                 "per rank): rank 1 missing, rank 2 outside"));
+  }
+  SECTION("bytes two trainer ranks both hold") {
+    held[1].push_back(held[0].back());  // the norm
+    CHECK(create({{0, held[0].data(), held[0].size()}, {1, held[1].data(), held[1].size()}}) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("trainer ranks 0 and 1 both hold bytes 0..32 of "
+                                             "tensor 'norm'"));
+  }
+  SECTION("bytes no trainer rank holds") {
+    held[0].pop_back();  // nobody sends the norm
+    CHECK(create({{0, held[0].data(), held[0].size()}, {1, held[1].data(), held[1].size()}}) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("engine rank 0 needs bytes 0..32 of tensor 'norm' "
+                                             "(group 'base'), which no trainer rank holds"));
+  }
+  SECTION("a range of a group the wire does not have") {
+    held[1][0].group = 3;
+    CHECK(create({{0, held[0].data(), held[0].size()}, {1, held[1].data(), held[1].size()}}) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'trainers[1].ranges[0]' (rank 1): group 3 with "
+                                             "reserved 0; the wire layout has groups 0..0"));
+  }
+  SECTION("NULL ranges with a count") {
+    CHECK(create({{0, nullptr, 2}}) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'trainers[0].ranges' is NULL but its count is 2"));
+  }
+  SECTION("regions outside their tensor, of unknown tensors or kinds") {
+    std::size_t count = 0;
+    shadowsync_wire_range_t out[4];
+    const std::int64_t begin[] = {0, 0}, end[] = {14, 8};
+    shadowsync_tensor_region_t region = {"q", SHADOWSYNC_REGION_BOX, 2, begin, end, 0, 0};
+    CHECK(shadowsync_layout_region_ranges(wire, &region, out, 4, &count) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("tensor 'q' of shape [13, 8]: the box [0, 0]..[14, 8] "
+                                             "is empty or outside it"));
+    region = {"q", SHADOWSYNC_REGION_ELEMENTS, 0, nullptr, nullptr, 100, 5};
+    CHECK(shadowsync_layout_region_ranges(wire, &region, out, 4, &count) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("tensor 'q' of 104 elements: elements 100..105"));
+    region = {"v", SHADOWSYNC_REGION_ELEMENTS, 0, nullptr, nullptr, 0, 1};
+    CHECK(shadowsync_layout_region_ranges(wire, &region, out, 4, &count) ==
+          SHADOWSYNC_LAYOUT_MISMATCH);
+    CHECK_THAT(last_error(), Catch::Contains("tensor 'v' is not in the wire layout"));
+    region = {"q", 7, 0, nullptr, nullptr, 0, 1};
+    CHECK(shadowsync_layout_region_ranges(wire, &region, out, 4, &count) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("kind 7 is not SHADOWSYNC_REGION_BOX"));
+  }
+  CHECK(plan == nullptr);
+  REQUIRE_OK(shadowsync_layout_destroy(wire));
+}
+
+TEST_CASE("C ABI: a receiver's needed ranges: its plan's reads, or every tensor without one") {
+  shadowsync_layout_t wire = make_routing_wire();
+  shadowsync_backend_t backend = nullptr;
+  REQUIRE_OK(shadowsync_host_backend_create(&backend));
+  const auto needed = [](shadowsync_receiver_t receiver) {
+    std::size_t count = 0;
+    CHECK(shadowsync_receiver_needed_ranges(receiver, nullptr, 0, &count) ==
+          SHADOWSYNC_INVALID_ARGUMENT);
+    std::vector<shadowsync_wire_range_t> out(count);
+    REQUIRE_OK(shadowsync_receiver_needed_ranges(receiver, out.data(), out.size(), &count));
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+    for (const auto& r : out) {
+      CHECK(r.group == 0);
+      ranges.emplace_back(r.begin, r.end);
+    }
+    return ranges;
+  };
+  SECTION("without a plan: every tensor of its layout") {
+    shadowsync_receiver_t receiver = nullptr;
+    REQUIRE_OK(shadowsync_receiver_create(wire, backend, nullptr, nullptr, &receiver));
+    // q at 0, k and the norm each at the next 256-byte boundary.
+    CHECK(needed(receiver) ==
+          std::vector<std::pair<std::uint64_t, std::uint64_t>>{{0, 416}, {512, 608}, {768, 800}});
+    REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+  }
+  SECTION("with a plan: the rows it reads (rank 1 of a column-parallel split)") {
+    const std::int64_t q[] = {6, 8}, norm[] = {8};
+    const shadowsync_tensor_spec_t specs[] = {{"q", "fp32", q, 2, nullptr},
+                                              {"norm", "fp32", norm, 1, nullptr}};
+    shadowsync_layout_t engine = nullptr;
+    REQUIRE_OK(shadowsync_layout_create(specs, 2, 0, &engine));
+    const std::int64_t strides[] = {8, 1}, one[] = {1};
+    const shadowsync_plan_copy_t copies[] = {
+        {"q", "q", 2, q, 7 * 8, strides, 0, strides},
+        {"norm", "norm", 1, norm, 0, one, 0, one},
+    };
+    shadowsync_receiver_t receiver = nullptr;
+    REQUIRE_OK(shadowsync_receiver_create_with_plan(engine, wire, copies, 2, backend, nullptr,
+                                                    nullptr, &receiver));
+    CHECK(needed(receiver) ==
+          std::vector<std::pair<std::uint64_t, std::uint64_t>>{{7 * 32, 416}, {768, 800}});
+    REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+    REQUIRE_OK(shadowsync_layout_destroy(engine));
+  }
+  REQUIRE_OK(shadowsync_backend_destroy(backend));
+  REQUIRE_OK(shadowsync_layout_destroy(wire));
 }
