@@ -30,6 +30,7 @@ from .errors import (
 )
 from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
 from .receive_plan import PlanCopy, PlanQuantization, ReceivePlan
+from .regions import TensorRegion, WireRange
 from .remap_arena import RemapArena
 from .receiver import (
     GroupSwap,
@@ -39,6 +40,7 @@ from .receiver import (
     ReceiverStats,
     UpdateFailure,
 )
+from .routing import Route, RoutingPlan
 from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
 from .transport import (
     NCCL_UNIQUE_ID_BYTES,
@@ -104,6 +106,8 @@ __all__ = [
     "ReceiverConfig",
     "ReceiverStats",
     "RemapArena",
+    "Route",
+    "RoutingPlan",
     "Sender",
     "SenderConfig",
     "ShadowsyncError",
@@ -114,11 +118,13 @@ __all__ = [
     "StreamedPublish",
     "SupersededError",
     "TensorInfo",
+    "TensorRegion",
     "TensorSpec",
     "Transport",
     "TransportError",
     "UpdateFailure",
     "UpdateHeader",
+    "WireRange",
     "canonical_dtype",
     "has_cuda",
     "library_path",

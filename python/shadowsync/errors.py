@@ -7,6 +7,8 @@ layout, before anything is sent) raise the same classes, so a caller catches one
 
 from __future__ import annotations
 
+import ctypes as _ctypes
+
 from . import _library
 from ._library import LibraryNotFoundError
 
@@ -156,6 +158,22 @@ def call_keeping_gil(name: str, *args) -> None:
     status = getattr(_library.load_keeping_gil(), name)(*args)
     if status != SUCCESS:
         raise error_for(status)
+
+
+def call_array(name: str, ctype, *args) -> list:
+    """Calls the C function `name` that fills an array of `ctype` by capacity and count (its last
+    three arguments, after `args`): asks again with the count it says when the first guess was
+    too small. The entries, as ctypes structs."""
+    capacity = 64
+    while True:
+        out = (ctype * capacity)()
+        count = _ctypes.c_size_t()
+        status = getattr(_library.load(), name)(*args, out, capacity, _ctypes.byref(count))
+        if status == SUCCESS:
+            return list(out[: count.value])
+        if status != InvalidArgumentError.status or count.value <= capacity:
+            raise error_for(status)
+        capacity = count.value
 
 
 def call_status(name: str, *args) -> int:

@@ -14,8 +14,9 @@ from typing import Iterable, Mapping, Sequence
 
 from . import _library
 from ._handle import Handle
-from ._library import MAX_HEADER_BYTES, TensorSpecC, UpdateHeaderC
-from .errors import InvalidArgumentError, call
+from ._library import MAX_HEADER_BYTES, TensorRegionC, TensorSpecC, UpdateHeaderC, WireRangeC
+from .errors import InvalidArgumentError, call, call_array
+from .regions import BOX, ELEMENTS, TensorRegion, WireRange
 
 BASE_GROUP = "base"
 
@@ -277,6 +278,31 @@ class Layout(Handle):
             if names:
                 plan.append(names)
         return plan
+
+    def region_ranges(self, region: TensorRegion) -> list[WireRange]:
+        """The bytes of this layout's arenas that `region` of a tensor covers, sorted and merged
+        (shadowsync_layout_region_ranges): a box of whole rows is one range, a box of part rows
+        (a Megatron row-parallel slice, FSDP2 Shard(1)) one range per row. Raises
+        InvalidArgumentError naming the tensor and the box or elements when they are empty or
+        outside its shape, LayoutMismatchError for a tensor the layout does not have. Thread-safe."""
+        c = TensorRegionC()
+        c.tensor = str(region.tensor).encode()
+        if region.kind == BOX:
+            c.kind = _library.REGION_BOX
+            c.ndim = len(region.begin)
+            begin = (c_int64 * max(len(region.begin), 1))(*region.begin)
+            end = (c_int64 * max(len(region.end), 1))(*region.end)
+            c.begin = ctypes.cast(begin, ctypes.POINTER(c_int64))
+            c.end = ctypes.cast(end, ctypes.POINTER(c_int64))
+        elif region.kind == ELEMENTS:
+            c.kind = _library.REGION_ELEMENTS
+            c.first, c.count = region.first, region.count
+        else:
+            raise InvalidArgumentError(
+                f"region of tensor '{region.tensor}': kind '{region.kind}' is not '{BOX}' or "
+                f"'{ELEMENTS}'")
+        ranges = call_array("shadowsync_layout_region_ranges", WireRangeC, self._handle, byref(c))
+        return [WireRange(r.group, r.begin, r.end) for r in ranges]
 
     def __repr__(self) -> str:
         groups = ", ".join(f"{g.name}: {len(g.tensors)} tensors" for g in self._groups)

@@ -22,12 +22,21 @@ from ._library import (
     SWAP_STRATEGIES,
     ReceiverConfigC,
     ReceiverStatsC,
+    WireRangeC,
     config_struct,
 )
 from .backend import Backend, Stream
-from .errors import STATUS_NAMES, InvalidArgumentError, NotSupportedError, call, call_keeping_gil
+from .errors import (
+    STATUS_NAMES,
+    InvalidArgumentError,
+    NotSupportedError,
+    call,
+    call_array,
+    call_keeping_gil,
+)
 from .layout import Layout, TensorInfo, UpdateHeader
 from .receive_plan import ReceivePlan
+from .regions import WireRange
 from .transport import Transport
 
 
@@ -539,6 +548,14 @@ class Receiver(Handle):
             )
         info = tensor if isinstance(tensor, TensorInfo) else self.layout.tensor(tensor)
         return host_view(self.live_pointer(info), info, dtype, owner=self)
+
+    def needed_ranges(self) -> list[WireRange]:
+        """The bytes of the wire layout this receiver reads of each update, sorted and merged per
+        group: with a receive plan what its copies read, without one every tensor of its layout
+        (shadowsync_receiver_needed_ranges). An engine rank's needs for a RoutingPlan.
+        Thread-safe."""
+        ranges = call_array("shadowsync_receiver_needed_ranges", WireRangeC, self._handle)
+        return [WireRange(r.group, r.begin, r.end) for r in ranges]
 
     def live_content_version(self, group: str | int) -> int:
         """Version of the update whose bytes the group's live slot holds (0: never updated).
