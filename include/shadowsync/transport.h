@@ -21,6 +21,8 @@ struct RendezvousId {
   friend bool operator==(const RendezvousId&, const RendezvousId&) = default;
 };
 
+class RouteMover;  // plugin/core/route_mover.h: routes of a sharded trainer (DESIGN §14)
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -57,6 +59,11 @@ class Transport {
   // the root's part is done, which NCCL may report before every receiver has consumed the
   // bytes). One thread at a time.
   virtual void flush() {}
+
+  // Optional: the transport moves routes of a routing plan (M trainer ranks, N engine ranks)
+  // instead of broadcasting whole buckets. nullptr (the default): it broadcasts only. The mover
+  // lives as long as the transport.
+  virtual RouteMover* route_mover() { return nullptr; }
 
   // Brackets several broadcasts that are launched as one (ncclGroupStart/End). Optional.
   virtual void group_begin() {}
