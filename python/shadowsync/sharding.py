@@ -111,10 +111,12 @@ def _is_fully_replicated(name: str, param) -> bool:
 
 
 def _local_tensor(param):
-    """The DTensor's local tensor, where the object has one (stand-ins in tests may not)."""
-    if hasattr(param, "to_local"):
-        return param.to_local()
-    return getattr(param, "_local_tensor", None)
+    """The DTensor's local tensor (``to_local()`` without its autograd view), where the object
+    has one (stand-ins in tests may not)."""
+    local = getattr(param, "_local_tensor", None)
+    if local is None and hasattr(param, "to_local"):
+        local = param.to_local()
+    return local
 
 
 def dtensor_region(name: str, param, *, replicated_index: int = 0) -> TensorRegion | None:
