@@ -1,0 +1,311 @@
+// The point-to-point schedule of a routing plan (plugin/core/p2p_schedule.h) for M = 1, 2, 4
+// trainer ranks (uneven FSDP rows, ZeRO-3 partitions cutting rows) and N = 1, 2 engine ranks (a
+// tensor-parallel split with a fused tensor and an FP8-staged one): every send has exactly one
+// receive at the same position of both ends' per-peer order with the same byte count (else NCCL
+// truncates or hangs); an engine rank receives bytes_to(e); and running the schedule with memcpy
+// between per-rank buffers of a random image, then the engine's copies from its landing buffer,
+// leaves the slot and staging bytes of "whole bucket received, then the plan's pieces".
+#include <catch2/catch.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "core/p2p_schedule.h"
+#include "core/route_copies.h"
+#include "core/routing_plan.h"
+#include "error_message.h"
+#include "shadowsync/error.h"
+#include "shadowsync/receive_plan.h"
+
+using namespace shadowsync;
+using shadowsync::testing::message_of;
+
+namespace {
+
+// Buckets of 256 bytes: q's rows of 48 bytes straddle bucket boundaries; a and b are fused into
+// one engine tensor (strided rows); w is quantized by the engine (its pieces go to staging).
+Layout wire_layout() {
+  return Layout::build({{"q", DType::kFloat32, {13, 12}, "base"},
+                        {"k", DType::kFloat32, {3, 8}, "base"},
+                        {"a", DType::kFloat32, {8, 8}, "base"},
+                        {"b", DType::kFloat32, {8, 8}, "base"},
+                        {"w", DType::kFloat32, {6, 8}, "base"},
+                        {"norm", DType::kFloat32, {8}, "base"}},
+                       {.bucket_bytes = 256});
+}
+
+// M trainer ranks: q and k Shard(0) (uneven), a, b and w ZeRO-3 partitions cut mid-row, the
+// norm sent by the last rank.
+std::vector<RankRanges> trainer_shards(const Layout& wire, int ranks) {
+  std::vector<RankRanges> out;
+  for (int r = 0; r < ranks; ++r) {
+    RankRanges held{r, {{}}};
+    auto& ranges = held.ranges[0];
+    for (const auto& [name, rows, cols] : {std::tuple{"q", 13, 12}, std::tuple{"k", 3, 8}}) {
+      const int per = (rows + ranks - 1) / ranks;
+      const int lo = r * per;
+      const int hi = std::min(rows, lo + per);
+      if (lo >= hi) continue;
+      for (const ByteRange& b : regions_of_box(wire, name, {lo, 0}, {hi, cols})) {
+        ranges.push_back(b);
+      }
+    }
+    for (const auto& [name, elements] :
+         {std::pair{"a", 64}, std::pair{"b", 64}, std::pair{"w", 48}}) {
+      const auto cut = [&](int i) {
+        return i == 0 ? 0 : i == ranks ? elements : elements * i / ranks + 3;
+      };
+      ranges.push_back(regions_of_elements(wire, name, cut(r), cut(r + 1) - cut(r)));
+    }
+    if (r == ranks - 1) ranges.push_back(regions_of_elements(wire, "norm", 0, 8));
+    out.push_back(std::move(held));
+  }
+  return out;
+}
+
+// Engine rank `rank` of `ranks` (1 or 2): q, k split by rows, a and b fused into ab (each rank
+// half of their columns), w quantized to FP8, the norm whole.
+ReceivePlan engine_plan(const Layout& wire, int rank, int ranks) {
+  const std::int64_t q_rows = ranks == 1 ? 13 : rank == 0 ? 7 : 6;
+  const std::int64_t k_rows = ranks == 1 ? 3 : rank == 0 ? 2 : 1;
+  const std::int64_t cols = 8 / ranks;
+  const std::int64_t w_rows = 6 / ranks;
+  const Layout engine = Layout::build({{"q", DType::kFloat32, {q_rows, 12}, "base"},
+                                       {"k", DType::kFloat32, {k_rows, 8}, "base"},
+                                       {"ab", DType::kFloat32, {8, 2 * cols}, "base"},
+                                       {"w", DType::kFloat8E4M3, {w_rows, 8}, "base"},
+                                       {"w_scale", DType::kFloat32, {1}, "base"},
+                                       {"norm", DType::kFloat32, {8}, "base"}});
+  return ReceivePlan::build(wire, engine,
+                            {{"q", "q", {q_rows, 12}, rank * 7 * 12, {12, 1}, 0, {12, 1}},
+                             {"k", "k", {k_rows, 8}, rank * 2 * 8, {8, 1}, 0, {8, 1}},
+                             {"a", "ab", {8, cols}, rank * cols, {8, 1}, 0, {2 * cols, 1}},
+                             {"b", "ab", {8, cols}, rank * cols, {8, 1}, cols, {2 * cols, 1}},
+                             {"w", "w", {w_rows, 8}, rank * w_rows * 8, {8, 1}, 0, {8, 1}},
+                             {"norm", "norm", {8}, 0, {1}, 0, {1}}},
+                            {}, {{"w", "w_scale", 1}});
+}
+
+std::vector<unsigned char> random_image(std::size_t bytes) {
+  std::mt19937 rng(43);
+  std::vector<unsigned char> image(bytes);
+  for (auto& b : image) b = static_cast<unsigned char>(rng());
+  return image;
+}
+
+// Each trainer rank's packing of the group: what it holds of `image`, in wire order.
+std::vector<std::vector<unsigned char>> packings(const RoutingPlan& routing,
+                                                 const std::vector<unsigned char>& image) {
+  std::vector<std::vector<unsigned char>> packed(routing.trainer_count());
+  for (int t = 0; t < routing.trainer_count(); ++t) {
+    for (const ByteRange& r : routing.held(t, 0)) {
+      packed[t].insert(packed[t].end(), image.begin() + r.begin, image.begin() + r.end);
+    }
+  }
+  return packed;
+}
+
+// An engine rank's slot and staging memory (0xEE where nothing was written), with write counts.
+struct Landed {
+  std::vector<unsigned char> slot;
+  std::vector<unsigned char> staging;
+  std::vector<int> slot_writes;
+  std::vector<int> staging_writes;
+
+  Landed(std::size_t slot_bytes, std::size_t staging_bytes)
+      : slot(slot_bytes, 0xEE),
+        staging(staging_bytes, 0xEE),
+        slot_writes(slot_bytes, 0),
+        staging_writes(staging_bytes, 0) {}
+
+  void copy_2d(bool to_staging, std::size_t dst, std::size_t dst_pitch, const unsigned char* src,
+               std::size_t src_pitch, std::size_t row_bytes, std::size_t rows) {
+    auto& to = to_staging ? staging : slot;
+    auto& writes = to_staging ? staging_writes : slot_writes;
+    for (std::size_t r = 0; r < rows; ++r) {
+      const std::size_t at = dst + r * dst_pitch;
+      REQUIRE(at + row_bytes <= to.size());
+      std::memcpy(to.data() + at, src + r * src_pitch, row_bytes);
+      for (std::size_t i = 0; i < row_bytes; ++i) ++writes[at + i];
+    }
+  }
+};
+
+std::size_t slot_bytes_of(const ReceivePlan& plan, std::size_t buckets) {
+  std::size_t bytes = 0;
+  for (std::size_t k = 0; k < buckets; ++k) {
+    for (const PlanPiece& p : plan.pieces(0, k)) {
+      if (!p.to_staging)
+        bytes = std::max(bytes, p.dst_offset + (p.rows - 1) * p.dst_pitch + p.row_bytes);
+    }
+  }
+  return bytes;
+}
+
+// The ops of one kind between communicator ranks `from` and `to`, in `from`'s posting order.
+std::vector<P2pOp> ops_with(const std::vector<P2pOp>& ops, P2pOp::Kind kind, int peer) {
+  std::vector<P2pOp> out;
+  for (const P2pOp& op : ops) {
+    if (op.kind == kind && op.peer == peer) out.push_back(op);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("every send meets one receive, and the schedule lands what the plan's pieces land") {
+  const Layout wire = wire_layout();
+  const GroupLayout& group = wire.groups()[0];
+  const auto image = random_image(group.arena_bytes());
+  for (const int engines : {1, 2}) {
+    std::vector<ReceivePlan> plans;
+    std::vector<RankRanges> needs;
+    for (int e = 0; e < engines; ++e) {
+      plans.push_back(engine_plan(wire, e, engines));
+      needs.push_back({e, needed_by(plans.back())});
+    }
+    for (const int trainers : {1, 2, 4}) {
+      CAPTURE(engines, trainers);
+      const RoutingPlan routing = RoutingPlan::build(wire, trainer_shards(wire, trainers), needs);
+      const auto packed = packings(routing, image);
+      const int world = trainers + engines;
+      std::vector<Landed> got;
+      std::vector<Landed> want;
+      std::vector<std::vector<std::vector<RouteCopy>>> copies;  // [engine][bucket]
+      for (int e = 0; e < engines; ++e) {
+        const std::size_t slot = slot_bytes_of(plans[e], group.bucket_count());
+        got.emplace_back(slot, plans[e].staging_bytes());
+        want.emplace_back(slot, plans[e].staging_bytes());
+        copies.push_back(compose_route_copies(routing, e, wire, &plans[e])[0]);
+      }
+      std::vector<std::size_t> received(engines, 0);
+      std::size_t most_landing = 0;
+      for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+        CAPTURE(k);
+        std::vector<std::vector<P2pOp>> ops(world);
+        for (int rank = 0; rank < world; ++rank) ops[rank] = p2p_schedule(routing, rank, 0, k);
+        // Trainer ranks only send, to engine ranks; engine ranks only receive, from trainers.
+        for (int rank = 0; rank < world; ++rank) {
+          for (const P2pOp& op : ops[rank]) {
+            const bool trainer = rank < trainers;
+            CHECK(op.kind == (trainer ? P2pOp::kSend : P2pOp::kRecv));
+            CHECK((trainer ? op.peer >= trainers && op.peer < world
+                           : op.peer >= 0 && op.peer < trainers));
+            CHECK(op.bytes > 0);
+          }
+        }
+        // The landing buffers of the bucket, then each pair's ops matched position by position
+        // and run as memcpy.
+        std::vector<std::vector<unsigned char>> landing(engines);
+        for (int e = 0; e < engines; ++e) {
+          std::size_t bytes = 0;
+          for (const P2pOp& op : ops[trainers + e]) bytes = std::max(bytes, op.offset + op.bytes);
+          landing[e].assign(bytes, 0xCC);
+          most_landing = std::max(most_landing, bytes);
+        }
+        for (int t = 0; t < trainers; ++t) {
+          const ByteRange slice = routing.packed_range(t, 0, k);
+          for (int e = 0; e < engines; ++e) {
+            CAPTURE(t, e);
+            const auto sends = ops_with(ops[t], P2pOp::kSend, trainers + e);
+            const auto recvs = ops_with(ops[trainers + e], P2pOp::kRecv, t);
+            REQUIRE(sends.size() == recvs.size());
+            for (std::size_t i = 0; i < sends.size(); ++i) {
+              CAPTURE(i);
+              REQUIRE(sends[i].bytes == recvs[i].bytes);
+              REQUIRE(sends[i].offset + sends[i].bytes <= slice.end - slice.begin);
+              std::memcpy(landing[e].data() + recvs[i].offset,
+                          packed[t].data() + slice.begin + sends[i].offset, sends[i].bytes);
+              received[e] += recvs[i].bytes;
+            }
+          }
+        }
+        // The engine's copies, from its landing buffer.
+        for (int e = 0; e < engines; ++e) {
+          const auto layout = landing_layout(routing, e, 0, k);
+          for (const RouteCopy& c : copies[e][k]) {
+            const RouteCopy l = landing_copy(layout, c);
+            REQUIRE(l.packed_offset + (l.rows - 1) * l.src_pitch + l.row_bytes <=
+                    landing[e].size());
+            got[e].copy_2d(l.to_staging, l.dst_offset, l.dst_pitch,
+                           landing[e].data() + l.packed_offset, l.src_pitch, l.row_bytes, l.rows);
+          }
+          for (const PlanPiece& p : plans[e].pieces(0, k)) {
+            want[e].copy_2d(p.to_staging, p.dst_offset, p.dst_pitch,
+                            image.data() + group.bucket(k).offset + p.src_offset, p.src_pitch,
+                            p.row_bytes, p.rows);
+          }
+        }
+      }
+      std::size_t most = 0;
+      for (int e = 0; e < engines; ++e) {
+        CAPTURE(e);
+        CHECK(received[e] == routing.bytes_to(e));
+        CHECK(got[e].slot == want[e].slot);
+        CHECK(got[e].staging == want[e].staging);
+        CHECK(got[e].slot_writes == want[e].slot_writes);
+        CHECK(got[e].staging_writes == want[e].staging_writes);
+        most = std::max(most, max_landing_bytes(routing, wire, e));
+      }
+      CHECK(most == most_landing);
+    }
+  }
+}
+
+TEST_CASE("a landing copy is refused for a copy no route into the rank holds") {
+  const Layout wire = wire_layout();
+  const ReceivePlan plan = engine_plan(wire, 0, 1);
+  const RoutingPlan routing =
+      RoutingPlan::build(wire, trainer_shards(wire, 2), {{0, needed_by(plan)}});
+  const auto layout = landing_layout(routing, 0, 0, 0);
+  REQUIRE(!layout.empty());
+  const LandingRoute& r = layout.front();
+  // One byte past the route (a copy never spans two routes), and a trainer rank with none.
+  const RouteCopy past{r.trainer, r.packed_offset, 0, r.bytes + 1, r.bytes + 1, r.bytes + 1, 1};
+  const RouteCopy stranger{7, 0, 0, 1, 1, 1, 1};
+  CHECK(landing_copy(layout, {r.trainer, r.packed_offset, 5, r.bytes, r.bytes, r.bytes, 1}) ==
+        RouteCopy{r.trainer, r.landing_offset, 5, r.bytes, r.bytes, r.bytes, 1});
+  CHECK(message_of([&] { landing_copy(layout, past); }) ==
+        fmt::format("a route copy reads bytes {}..{} of trainer rank {}'s packing, which no "
+                    "route of this bucket into this engine rank holds: the copies were composed "
+                    "for another engine rank, bucket or routing plan",
+                    r.packed_offset, r.packed_offset + r.bytes + 1, r.trainer));
+  CHECK_THAT(message_of([&] { landing_copy(layout, stranger); }),
+             Catch::Matchers::Contains("bytes 0..1 of trainer rank 7's packing"));
+}
+
+TEST_CASE("communicator ranks outside the plan and ranks sharing a GPU are refused, named") {
+  const Layout wire = wire_layout();
+  const ReceivePlan plan = engine_plan(wire, 0, 1);
+  const RoutingPlan routing =
+      RoutingPlan::build(wire, trainer_shards(wire, 2), {{0, needed_by(plan)}});
+  CHECK_THAT(message_of([&] { p2p_schedule(routing, 3, 0, 0); }),
+             Catch::Matchers::Contains("communicator rank 3 is outside 0..2 (trainer ranks 0..1, "
+                                       "then engine ranks)"));
+  CHECK_THAT(message_of([&] { landing_layout(routing, 1, 0, 0); }),
+             Catch::Matchers::Contains("engine rank 1 is outside the routing plan's 0..0"));
+  CHECK(message_of([&] {
+          check_p2p_gpus(routing, {"h/GPU-0", "h/GPU-1", "h/GPU-2"});
+        }) == "<no error>");
+  CHECK(message_of([&] {
+          check_p2p_gpus(routing, {"h/GPU-0", "h/GPU-1", "h/GPU-1"});
+        }) ==
+        "trainer rank 1 and engine rank 0 (communicator rank 2) are both on GPU 'h/GPU-1': NCCL "
+        "cannot connect two ranks of one communicator on one GPU; use the same-host pull "
+        "transport for a trainer and an engine sharing a GPU");
+  CHECK_THAT(message_of([&] {
+               check_p2p_gpus(routing, {"h/GPU-0", "h/GPU-0", "h/GPU-2"});
+             }),
+             Catch::Matchers::Contains("trainer rank 0 and trainer rank 1 are both on GPU "
+                                       "'h/GPU-0'") &&
+                 Catch::Matchers::Contains("give each rank a GPU of its own"));
+  CHECK_THAT(message_of([&] { check_p2p_gpus(routing, {"h/GPU-0"}); }),
+             Catch::Matchers::Contains("1 GPUs given for a communicator of 3 ranks (2 trainer and "
+                                       "1 engine ranks)"));
+}
