@@ -205,12 +205,20 @@ struct ReceiverStats {
   // (PacingReport::paced is false without a budget or a cap), for callers that poll.
   std::chrono::nanoseconds last_transfer{0};
   PacingReport last_pacing;
+  // With a routing plan (Receiver::use_routing_plan): the bytes the last ready update's routes
+  // carried into this engine rank (the RouteMover's count over that update: the plan's
+  // bytes_to(engine rank)), the plan's trainer ranks and its fingerprint; 0 without one.
+  std::uint64_t routed_bytes = 0;
+  int trainer_count = 0;
+  std::uint64_t routing_fingerprint = 0;
 };
 
 // Remap arenas an engine made before it met the receiver, by group index (a null entry, or
 // none: the receiver makes its own). Shared: the engine keeps reading the live range after the
 // receiver is gone, and a later receiver can take the same arena again.
 using EngineArenas = std::vector<std::shared_ptr<RemappableArena>>;
+
+class RoutingPlan;  // plugin/core/routing_plan.h: which trainer rank sends which bytes (§14)
 
 class Receiver {
  public:
@@ -262,6 +270,19 @@ class Receiver {
   // Installs a new transport after a failure aborted the old one (or the first one). Queued
   // behind earlier commands. Thread-safe.
   void replace_transport(std::unique_ptr<Transport> transport);
+
+  // Makes this receiver engine rank `engine_rank` of `routing`, a sharded trainer's routing
+  // plan built on wire_layout() (DESIGN §14): from then on an update is not one broadcast per
+  // bucket but every trainer rank's routes into this rank, which the transport's RouteMover
+  // moves, copied straight to where the receive plan (or, without one, the wire layout) puts
+  // them: no bucket buffer. Headers must carry the plan's fingerprint (its trainer ranks'
+  // Sender::publish_shards make them). An update fails, named, when the transport then moves no
+  // routes or was set up for another plan, rank or rank count. Routed updates carry no
+  // checksums yet (a follow-up). Throws Error(kInvalidArgument) naming both values, before
+  // anything changes, for a null plan, an engine rank outside 0..N-1, an update already accepted,
+  // ReceiverConfig::require_checksums; Error(kLayoutMismatch) for a plan of another wire layout
+  // (both fingerprints). Queued behind earlier commands, like replace_transport. Thread-safe.
+  void use_routing_plan(std::shared_ptr<const RoutingPlan> routing, int engine_rank);
 
   // Destroys the transport, queued behind earlier commands (an update in flight finishes or fails
   // first): its trainer left (`why` says how). NCCL's teardown within a node waits for every

@@ -45,6 +45,38 @@ struct SourceTensor {
   std::vector<std::int64_t> shape;
 };
 
+// What one trainer rank holds of a wire tensor (DESIGN §14): a box of index ranges over the
+// tensor's dimensions, begin[d] <= index[d] < end[d] (an FSDP2 Shard(d) slice, a Megatron
+// column- or row-parallel slice), or elements [first, first + count) of the row-major tensor (a
+// ZeRO-3 flat partition).
+struct TensorRegion {
+  enum class Kind { kBox, kElements };
+  Kind kind = Kind::kBox;
+  std::vector<std::int64_t> begin;  // kBox
+  std::vector<std::int64_t> end;    // kBox
+  std::int64_t first = 0;           // kElements
+  std::int64_t count = 0;           // kElements
+
+  static TensorRegion box(std::vector<std::int64_t> begin, std::vector<std::int64_t> end) {
+    return {Kind::kBox, std::move(begin), std::move(end), 0, 0};
+  }
+  static TensorRegion elements(std::int64_t first, std::int64_t count) {
+    return {Kind::kElements, {}, {}, first, count};
+  }
+};
+
+// One trainer rank's shard of a wire tensor: `region` of it, in memory of the sender's backend,
+// contiguous in row-major order of the region (the local tensor FSDP2's to_local() gives, a
+// Megatron slice, a ZeRO-3 partition without its padding).
+struct SourceShard {
+  std::string name;
+  const void* data = nullptr;
+  DType dtype = DType::kBFloat16;
+  TensorRegion region;
+};
+
+class RoutingPlan;  // plugin/core/routing_plan.h: which trainer rank sends which bytes (§14)
+
 // Tracks one publish. Copyable; all copies see the same update. Thread-safe.
 class PublishHandle {
  public:
@@ -107,6 +139,19 @@ class Sender {
  public:
   Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
          SenderConfig config = {});
+  // Trainer rank `trainer_rank` of a sharded trainer (DESIGN §14): it publishes only its shards
+  // (publish_shards), each bucket's bytes it holds packed into one of two staging slots of
+  // routing->max_packed_bytes(trainer_rank) (staging_bytes()) and handed to the transport's
+  // RouteMover, which every engine rank pulls its routes from. `transport` (null: given later by
+  // replace_transport) must move routes for trainer rank `trainer_rank` of the same plan.
+  // Routed updates carry no checksums yet (a per-route checksum is a follow-up): the default
+  // config here has them off, and SenderConfig::checksums set is refused. Throws
+  // Error(kInvalidArgument) naming both values for a null plan, a rank outside 0..M-1, a
+  // transport without a RouteMover or of another rank or plan, and Error(kLayoutMismatch) for a
+  // plan of another wire layout (both fingerprints); nothing is started then.
+  Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
+         std::shared_ptr<const RoutingPlan> routing, int trainer_rank,
+         SenderConfig config = {.checksums = false});
   ~Sender();
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
@@ -129,10 +174,26 @@ class Sender {
   // covers the whole of it, gathering included. Thread-safe.
   StreamedPublish publish_streamed(std::uint64_t version, const std::vector<std::string>& groups);
 
-  // Installs a new transport after a failure aborted the old one. Thread-safe.
+  // A routed sender (the constructor with a routing plan): publishes `groups` at `version` from
+  // this trainer rank's shards. Every tensor of those groups the plan says this rank holds must
+  // be in `shards`, with its spec's dtype and exactly the region the plan was built with;
+  // shards of tensors it holds nothing of (a replicated tensor another rank sends) and of other
+  // groups are ignored. Checks everything first and throws Error(kInvalidArgument) naming the
+  // tensor, the rank and both values (nothing is sent). Every trainer rank publishes the same
+  // versions and groups; the engine ranks are given the header of any of them. The shards must
+  // stay unchanged until the handle is done. Thread-safe.
+  PublishHandle publish_shards(std::uint64_t version, const std::vector<std::string>& groups,
+                               const std::vector<SourceShard>& shards);
+
+  // Installs a new transport after a failure aborted the old one. A routed sender's must move
+  // routes of its plan for its rank (refused as in the constructor). Thread-safe.
   void replace_transport(std::unique_ptr<Transport> transport);
 
   const Layout& layout() const { return layout_; }
+  // The staging memory the sender packs into, allocated at the first update (or the transport's
+  // own): two buckets, or for a routed sender two slots of the plan's max_packed_bytes of its
+  // rank, the only trainer memory a routed publish adds. Thread-safe.
+  std::size_t staging_bytes() const;
 
  private:
   struct Impl;

@@ -48,6 +48,12 @@ std::uint64_t data_bucket_count(const UpdateHeader& header, const Layout& layout
 // Error (kBadHeader, kLayoutMismatch, kStaleVersion) naming the field and both values.
 void validate_update_header(const UpdateHeader& header, const Layout& layout,
                             std::uint64_t last_version);
+// The same for the receiver of a sharded trainer's routes (DESIGN §14; `routing_fingerprint`
+// nonzero): a routed update's header carries the routing plan's fingerprint (which covers the
+// wire layout and every route) in place of the layout's, so that routed and unrouted ends refuse
+// each other's updates (kLayoutMismatch, naming the routing plan). 0: no routing plan, as above.
+void validate_update_header(const UpdateHeader& header, const Layout& layout,
+                            std::uint64_t last_version, std::uint64_t routing_fingerprint);
 
 // The header as bytes, for control planes that carry opaque bytes (vLLM's collective_rpc, the C
 // ABI, Python). Little-endian: magic u32, protocol version u32, version u64, fingerprint u64,

@@ -108,8 +108,17 @@ void Receiver::begin_update(const UpdateHeader& header, const UpdateChecks& chec
                 fmt::format("update {}: the receiver is shut down", header.version));
   }
   std::lock_guard lock(impl_->accept_mutex);
-  validate_update_header(header, wire_layout(), impl_->last_accepted_version);
+  validate_update_header(header, wire_layout(), impl_->last_accepted_version,
+                         impl_->routing_fingerprint);
   const bool checksums = carries_checksums(header, wire_layout());
+  if (checksums && impl_->routing_fingerprint != 0) {
+    // A follow-up: a checksum per route (a bucket's cannot be: no trainer rank holds a whole one).
+    throw Error(ErrorCode::kBadHeader,
+                fmt::format("update {}: announces a checksum block (bucket count {}), but this "
+                            "receiver takes the routes of a routing plan, which carry no "
+                            "checksums yet; publish with SenderConfig::checksums off",
+                            header.version, header.bucket_count));
+  }
   if (!checksums && impl_->config.require_checksums) {
     throw Error(ErrorCode::kBadHeader,
                 fmt::format("update {}: carries no checksums (bucket count {}, the layout's), but "
@@ -177,6 +186,44 @@ void Receiver::use_engine_storage(std::size_t group, const std::vector<void*>& t
 }
 
 void Receiver::abort_update() { impl_->abort_requested.store(true); }
+
+void Receiver::use_routing_plan(std::shared_ptr<const RoutingPlan> routing, int engine_rank) {
+  const auto refuse = [](const std::string& why) {
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("use_routing_plan: {}", why));
+  };
+  if (!routing) refuse("the routing plan is null");
+  std::lock_guard lock(impl_->accept_mutex);  // no update may be accepted meanwhile
+  if (impl_->last_accepted_version != 0) {
+    refuse(fmt::format("update {} was already accepted; give the routing plan before the first "
+                       "update",
+                       impl_->last_accepted_version));
+  }
+  if (routing->wire_fingerprint() != wire_layout().fingerprint()) {
+    throw Error(ErrorCode::kLayoutMismatch,
+                fmt::format("use_routing_plan: the routing plan was built on wire layout "
+                            "{:#018x}, but this receiver's updates come in {:#018x}",
+                            routing->wire_fingerprint(), wire_layout().fingerprint()));
+  }
+  if (engine_rank < 0 || engine_rank >= routing->engine_count()) {
+    refuse(fmt::format("engine rank {} is outside 0..{} (the routing plan has {} engine ranks)",
+                       engine_rank, routing->engine_count() - 1, routing->engine_count()));
+  }
+  if (impl_->config.require_checksums) {
+    // A follow-up: a checksum per route, computed over its packed slice by the trainer rank and
+    // over where it landed by the engine rank.
+    refuse("ReceiverConfig::require_checksums is set, but routed updates carry no checksums yet; "
+           "unset it to take a routing plan");
+  }
+  auto prepared = std::make_shared<Impl::Routing>();
+  prepared->engine_rank = engine_rank;
+  prepared->copies = compose_route_copies(*routing, engine_rank, wire_layout(), plan_.get());
+  prepared->plan = std::move(routing);
+  impl_->routing_fingerprint = prepared->plan->fingerprint();
+  Impl::Command command;
+  command.kind = Impl::Command::Kind::kUseRoutingPlan;
+  command.routing = std::move(prepared);
+  impl_->commands.enqueue(std::move(command));
+}
 
 void Receiver::replace_transport(std::unique_ptr<Transport> transport) {
   if (!transport) throw Error(ErrorCode::kInvalidArgument, "replace_transport: transport is null");

@@ -24,6 +24,9 @@
 #include "core/pacer.h"
 #include "core/receive_checks.h"
 #include "core/refusal.h"
+#include "core/route_copies.h"
+#include "core/route_mover.h"
+#include "core/routing_plan.h"
 #include "core/slot_planner.h"
 #include "core/slot_table.h"
 #include "shadowsync/receiver.h"
@@ -33,14 +36,30 @@ namespace shadowsync {
 struct Receiver::Impl {
   using Clock = std::chrono::steady_clock;
 
+  // Receiver::use_routing_plan: this engine rank of a routing plan, and its copies of every
+  // bucket, composed once (compose_route_copies, with the receive plan if there is one).
+  struct Routing {
+    std::shared_ptr<const RoutingPlan> plan;
+    int engine_rank = 0;
+    std::vector<std::vector<std::vector<RouteCopy>>> copies;  // [group][bucket]
+  };
+
   // What the other threads ask of the receiver thread, in order.
   struct Command {
-    enum class Kind { kBegin, kReplaceTransport, kReleaseTransport, kDrain, kShutdown };
+    enum class Kind {
+      kBegin,
+      kReplaceTransport,
+      kReleaseTransport,
+      kUseRoutingPlan,
+      kDrain,
+      kShutdown
+    };
     Kind kind = Kind::kBegin;
     UpdateHeader header;
     UpdateChecks checks;  // kBegin
     std::unique_ptr<Transport> transport;
     std::string why;  // kReleaseTransport
+    std::shared_ptr<const Routing> routing;  // kUseRoutingPlan
     std::shared_ptr<std::promise<void>> drained;
   };
 
@@ -68,6 +87,9 @@ struct Receiver::Impl {
 
   void run();
   void receive(const UpdateHeader& header, const UpdateChecks& asked);
+  // Routed: the transport's RouteMover, when it moves this rank's routes of `routing`'s plan;
+  // otherwise why not (the update fails with it).
+  std::optional<Refusal> check_route_mover(RouteMover*& mover) const;
   void resolve_offer();
   // Waits until the first `until` posted buckets completed (`completed` counts them; a bucket's
   // deadline runs from `bucket_start`, the last completion or hold). Nothing: they did.
@@ -108,6 +130,7 @@ struct Receiver::Impl {
   Backend& backend;
   const ReceiverConfig config;
   std::unique_ptr<Transport> transport;  // receiver thread only
+  std::shared_ptr<const Routing> routing;  // receiver thread only; null: broadcasts
   // Receiver thread only: why `transport` is null, for the message of an update that finds none
   // (read only while it is).
   std::string why_no_transport =
@@ -134,6 +157,8 @@ struct Receiver::Impl {
 
   std::mutex accept_mutex;  // begin_update callers
   std::uint64_t last_accepted_version = 0;
+  // The routing plan's fingerprint the headers must carry (use_routing_plan); 0: none.
+  std::uint64_t routing_fingerprint = 0;
 
   // kCoordinated: the update held ready until commit(). Set by the receiver thread, cleared by
   // commit() on the engine thread.

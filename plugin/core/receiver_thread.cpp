@@ -29,6 +29,16 @@ void Receiver::Impl::run() {
           stats.needs_transport = false;
         }
         break;
+      case Command::Kind::kUseRoutingPlan:
+        routing = std::move(command.routing);
+        // Routes land straight where they belong: the bucket buffer of a plan goes unused.
+        bucket_buffer = DeviceBuffer();
+        {
+          std::lock_guard lock(stats_mutex);
+          stats.trainer_count = routing->plan->trainer_count();
+          stats.routing_fingerprint = routing->plan->fingerprint();
+        }
+        break;
       case Command::Kind::kReleaseTransport:
         if (transport) {
           // NCCL: finalize and destroy, with the departed trainer's end.
@@ -77,6 +87,23 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
     failed.outcome = UpdateOutcome::kFailed;
     failed.code = ErrorCode::kTransport;
     failed.error = fmt::format("update {}: no transport ({})", header.version, why_no_transport);
+    report(failed);
+    return;
+  }
+
+  RouteMover* mover = nullptr;
+  if (std::optional<Refusal> wrong = check_route_mover(mover)) {
+    // Its peers (trainer ranks of another set-up) would wait for this rank's acks: end them.
+    abort_transport_watched(transport, header.version, config,
+                            [this](const std::string& message) { count_stuck(message); });
+    why_no_transport = fmt::format("the last one was aborted: {}; call replace_transport with "
+                                   "one of the routing plan",
+                                   wrong->why);
+    UpdateReport failed;
+    failed.version = header.version;
+    failed.outcome = UpdateOutcome::kFailed;
+    failed.code = wrong->code;
+    failed.error = fmt::format("update {}: {}", header.version, wrong->why);
     report(failed);
     return;
   }
@@ -130,6 +157,8 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
   }
   std::size_t posted = 0;
   std::size_t completed = 0;  // buckets (and the checksum block) done
+  std::uint64_t sequence = 0;  // routed: the bucket's index within the update
+  const std::uint64_t routed_before = mover != nullptr ? mover->routed_bytes() : 0;
   std::size_t bytes = 0;
   auto bucket_start = start;
   std::optional<Refusal> failure;
@@ -140,7 +169,25 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
       const Bucket bucket = group.bucket(k);
       Event& bucket_done = *bucket_events[posted++];
       bytes += bucket.bytes;
-      if (plan == nullptr) {
+      if (mover != nullptr) {
+        // Every trainer rank's routes of the bucket, straight to the slot (or the staging of a
+        // quantized tensor) as the receive plan places them: no bucket buffer.
+        mover->receive_routes_async(
+            {.version = header.version, .sequence = sequence++, .group = target.group, .bucket = k},
+            routing->copies[target.group][k], {.slot = arena, .staging = staging.data()},
+            *stream);
+        if (plan != nullptr) {
+          for (const PlanQuantizeStep& q : plan->quantize_steps(target.group, k)) {
+            backend.quantize_fp8_async(staging.data() + q.staging_offset, q.source, q.elements,
+                                       q.parts, arena + q.dst_offset,
+                                       reinterpret_cast<float*>(arena + q.scale_offset), *stream);
+          }
+        }
+        backend.event_record(bucket_done, *stream);
+        if (plan == nullptr && checks.active()) {
+          checks.enqueue_bucket(group, target.group, arena, k, bucket_done);
+        }
+      } else if (plan == nullptr) {
         transport->broadcast_async(arena + bucket.offset, bucket.bytes, config.root_rank, *stream);
         backend.event_record(bucket_done, *stream);
         if (checks.active()) checks.enqueue_bucket(group, target.group, arena, k, bucket_done);
@@ -241,6 +288,10 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
   reports.push_back(std::move(ready));
 
   // Counted before the offer is visible, so that stats never lag behind what the engine applied.
+  if (mover != nullptr) {
+    std::lock_guard lock(stats_mutex);
+    stats.routed_bytes = mover->routed_bytes() - routed_before;
+  }
   for (const UpdateReport& r : reports) count(r);
   const PendingUpdate* offered = &planner.complete();
   if (config.commit_mode == CommitMode::kCoordinated) {
@@ -253,6 +304,47 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
     owner.hook_->publish(offered);
   }
   for (const UpdateReport& r : reports) notify(r);
+}
+
+std::optional<Refusal> Receiver::Impl::check_route_mover(RouteMover*& mover) const {
+  if (!routing) return std::nullopt;
+  const RoutingPlan& plan = *routing->plan;
+  const auto wrong = [](std::string why) {
+    Refusal refusal;
+    refusal.code = ErrorCode::kInvalidArgument;
+    refusal.why = std::move(why);
+    return refusal;
+  };
+  mover = transport->route_mover();
+  if (mover == nullptr) {
+    return wrong(fmt::format("transport '{}' moves no routes (route_mover() is null), but this "
+                             "receiver is engine rank {} of a routing plan; replace_transport "
+                             "with one of that plan",
+                             transport->name(), routing->engine_rank));
+  }
+  const RoutingPlan& theirs = mover->routing_plan();
+  if (theirs.trainer_count() != plan.trainer_count()) {
+    return wrong(fmt::format("the routing plan has {} trainer ranks, transport '{}' {}",
+                             plan.trainer_count(), transport->name(), theirs.trainer_count()));
+  }
+  if (theirs.engine_count() != plan.engine_count()) {
+    return wrong(fmt::format("the routing plan has {} engine ranks, transport '{}' {}",
+                             plan.engine_count(), transport->name(), theirs.engine_count()));
+  }
+  if (mover->engine_rank() != routing->engine_rank) {
+    return wrong(fmt::format("this receiver is engine rank {} of the routing plan, its transport "
+                             "'{}' {} {}",
+                             routing->engine_rank, transport->name(),
+                             mover->engine_rank() >= 0 ? "engine rank" : "trainer rank",
+                             mover->engine_rank() >= 0 ? mover->engine_rank()
+                                                       : mover->trainer_rank()));
+  }
+  if (theirs.fingerprint() != plan.fingerprint()) {
+    return wrong(fmt::format("the routing plan {:#018x} differs from transport '{}''s {:#018x} "
+                             "(the trainer ranks' regions or the engine ranks' needs differ)",
+                             plan.fingerprint(), transport->name(), theirs.fingerprint()));
+  }
+  return std::nullopt;
 }
 
 void Receiver::Impl::seed_kept(const std::vector<ReceiveTarget>& targets) {

@@ -70,6 +70,9 @@ class RoutingPlan {
     return routes_[group][bucket];
   }
   int trainer_count() const { return trainer_count_; }
+  // The wire layout's group count, and the bucket count of group `group` (in range).
+  std::size_t group_count() const { return routes_.size(); }
+  std::size_t bucket_count(std::size_t group) const { return routes_[group].size(); }
   int engine_count() const { return engine_count_; }
   // Bytes engine rank `engine` receives per update, and trainer rank `trainer` sends.
   std::size_t bytes_to(int engine) const { return bytes_to_[engine]; }

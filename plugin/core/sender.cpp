@@ -13,6 +13,9 @@
 
 #include "core/check_root_rank.h"
 #include "core/check_source_tensor.h"
+#include "core/route_mover.h"
+#include "core/routing_plan.h"
+#include "core/shard_packing.h"
 #include "core/streamed_publish.h"
 #include "shadowsync/error.h"
 
@@ -22,8 +25,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Where one group's bytes come from: an arena with the layout's byte image, one pointer per
-// tensor (packed through the staging buffers), or, with neither, tensors the caller supplies
-// while the update runs (StreamedPublish).
+// tensor (packed through the staging buffers; a routed sender's shards, null where the rank
+// holds nothing of the tensor), or, with neither, tensors the caller supplies while the update
+// runs (StreamedPublish).
 struct GroupSource {
   std::size_t group = 0;
   const std::byte* arena = nullptr;
@@ -88,11 +92,47 @@ bool PublishHandle::wait_for(std::chrono::nanoseconds timeout) const {
   return true;
 }
 
+// A routed sender's transport must move routes of its plan for its rank. Throws
+// Error(kInvalidArgument) naming both values.
+void check_route_mover(Transport& transport, const RoutingPlan& routing, int trainer_rank,
+                       const char* what) {
+  RouteMover* mover = transport.route_mover();
+  if (mover == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: transport '{}' moves no routes (route_mover() is null), but this "
+                            "sender is trainer rank {} of a routing plan; give it a transport "
+                            "made for that rank (loopback routes, same-host pull)",
+                            what, transport.name(), trainer_rank));
+  }
+  if (mover->trainer_rank() != trainer_rank) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: the sender is trainer rank {}, but its transport '{}' is {} {}",
+                            what, trainer_rank, transport.name(),
+                            mover->trainer_rank() >= 0 ? "trainer rank" : "engine rank",
+                            mover->trainer_rank() >= 0 ? mover->trainer_rank()
+                                                       : mover->engine_rank()));
+  }
+  if (mover->routing_plan().fingerprint() != routing.fingerprint()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: the sender's routing plan {:#018x} differs from its transport "
+                            "'{}''s {:#018x} ({} and {} trainer ranks, {} and {} engine ranks)",
+                            what, routing.fingerprint(), transport.name(),
+                            mover->routing_plan().fingerprint(), routing.trainer_count(),
+                            mover->routing_plan().trainer_count(), routing.engine_count(),
+                            mover->routing_plan().engine_count()));
+  }
+}
+
 struct Sender::Impl {
-  Impl(Sender& owner, Backend& backend, std::unique_ptr<Transport> transport, SenderConfig config)
+  Impl(Sender& owner, Backend& backend, std::unique_ptr<Transport> transport, SenderConfig config,
+       std::shared_ptr<const RoutingPlan> routing_plan, int trainer)
       : owner(owner),
         backend(backend),
         config(config),
+        routing(std::move(routing_plan)),
+        trainer_rank(trainer),
+        packing(routing ? std::make_unique<ShardPacking>(owner.layout_, *routing, trainer)
+                        : nullptr),
         transport(std::move(transport)),
         pack_stream(backend.create_stream(StreamPriority::kNormal)),
         comm_stream(backend.create_stream(StreamPriority::kNormal)),
@@ -126,6 +166,9 @@ struct Sender::Impl {
   }
   void run();
   void send(const Job& job, Clock::time_point start);
+  // A routed sender's update: per bucket, this rank's bytes of it packed into a staging slot and
+  // handed to the RouteMover (empty buckets ring too: every engine rank hears from every rank).
+  void send_routes(const Job& job);
   std::optional<Error> wait_done(std::uint64_t version, Clock::time_point start);
 
   // Packing, shared by publish() and publish_streamed(): copies one tensor into the staging
@@ -143,6 +186,10 @@ struct Sender::Impl {
   Sender& owner;
   Backend& backend;
   const SenderConfig config;
+  // Routed (DESIGN §14): the plan, this trainer rank and its pack runs; null and -1 otherwise.
+  const std::shared_ptr<const RoutingPlan> routing;
+  const int trainer_rank;
+  const std::unique_ptr<const ShardPacking> packing;
   std::unique_ptr<Transport> transport;  // worker thread only
   std::unique_ptr<Stream> pack_stream;
   std::unique_ptr<Stream> comm_stream;
@@ -153,6 +200,17 @@ struct Sender::Impl {
   // same-host transport shares it with the receivers, so packing is the only copy), else ours.
   std::byte* staging_data(int s) {
     const std::size_t bytes = owner.layout_.bucket_bytes();
+    if (void* shared = transport->staging_buffer(s, bytes)) return static_cast<std::byte*>(shared);
+    if (staging[0].size() == 0) {
+      for (auto& buffer : staging) buffer = DeviceBuffer(backend, bytes);
+    }
+    return staging[s].data();
+  }
+  // A routed sender's staging slot s: max_packed_bytes of its rank (what every bucket's slice
+  // fits in), the transport's own when it has one (same-host pull: the engines read it there).
+  std::byte* routed_staging(int s) {
+    const std::size_t bytes = routing->max_packed_bytes(trainer_rank);
+    if (bytes == 0) return nullptr;  // the rank holds nothing any engine rank needs
     if (void* shared = transport->staging_buffer(s, bytes)) return static_cast<std::byte*>(shared);
     if (staging[0].size() == 0) {
       for (auto& buffer : staging) buffer = DeviceBuffer(backend, bytes);
@@ -184,15 +242,23 @@ struct Sender::Impl {
   std::uint64_t last_version = 0;
 };
 
-Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
-               SenderConfig config)
-    : layout_(std::move(layout)) {
+namespace {
+
+void check_deadlines(const SenderConfig& config) {
   if (config.update_deadline.count() <= 0 || config.poll_interval.count() <= 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("SenderConfig: update_deadline ({} ms) and poll_interval ({} us) must "
                             "be positive",
                             config.update_deadline.count(), config.poll_interval.count()));
   }
+}
+
+}  // namespace
+
+Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
+               SenderConfig config)
+    : layout_(std::move(layout)) {
+  check_deadlines(config);
   check_root_rank(config.root_rank, transport.get(), "SenderConfig::root_rank");
   if (transport && transport->rank() != config.root_rank) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -206,8 +272,80 @@ Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> trans
                             "checksums (supports_integrity() is false)",
                             backend.name()));
   }
-  impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config);
+  impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config, nullptr, -1);
   impl_->thread = std::thread([this] { impl_->run(); });
+}
+
+Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
+               std::shared_ptr<const RoutingPlan> routing, int trainer_rank, SenderConfig config)
+    : layout_(std::move(layout)) {
+  check_deadlines(config);
+  if (!routing) {
+    throw Error(ErrorCode::kInvalidArgument, "Sender: the routing plan is null");
+  }
+  if (routing->wire_fingerprint() != layout_.fingerprint()) {
+    throw Error(ErrorCode::kLayoutMismatch,
+                fmt::format("Sender: the routing plan was built on wire layout {:#018x}, but the "
+                            "sender's layout is {:#018x}",
+                            routing->wire_fingerprint(), layout_.fingerprint()));
+  }
+  if (trainer_rank < 0 || trainer_rank >= routing->trainer_count()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("Sender: trainer rank {} is outside 0..{} (the routing plan has {} "
+                            "trainer ranks)",
+                            trainer_rank, routing->trainer_count() - 1, routing->trainer_count()));
+  }
+  if (config.checksums) {
+    // A follow-up: a checksum per route, computed over its packed slice and checked over where
+    // it landed (a bucket's checksum cannot be: no rank holds a whole bucket).
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("SenderConfig::checksums is set, but trainer rank {} of a routing "
+                            "plan sends routes, which carry no checksums yet; set it false",
+                            trainer_rank));
+  }
+  if (transport) check_route_mover(*transport, *routing, trainer_rank, "Sender");
+  impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config, std::move(routing),
+                                 trainer_rank);
+  impl_->thread = std::thread([this] { impl_->run(); });
+}
+
+std::size_t Sender::staging_bytes() const {
+  if (impl_->routing) return 2 * impl_->routing->max_packed_bytes(impl_->trainer_rank);
+  return 2 * layout_.bucket_bytes();
+}
+
+namespace {
+
+[[noreturn]] void refuse_routed(const char* call, std::uint64_t version, int trainer_rank) {
+  throw Error(ErrorCode::kInvalidArgument,
+              fmt::format("Sender::{} (update {}): this sender is trainer rank {} of a routing "
+                          "plan, which publishes only its shards; call publish_shards",
+                          call, version, trainer_rank));
+}
+
+}  // namespace
+
+PublishHandle Sender::publish_shards(std::uint64_t version, const std::vector<std::string>& groups,
+                                     const std::vector<SourceShard>& shards) {
+  if (!impl_->routing) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("Sender::publish_shards (update {}): this sender has no routing plan "
+                            "(it publishes whole tensors: call publish, or make the sender with "
+                            "the routing plan and its trainer rank)",
+                            version));
+  }
+  UpdateHeader header = make_update_header(layout_, version, groups, /*checksums=*/false);
+  // A routed update names the routing plan: routed and unrouted ends refuse each other's.
+  header.layout_fingerprint = impl_->routing->fingerprint();
+  const auto data = impl_->packing->check(version, header.groups, shards);
+  Job job;
+  for (std::size_t i = 0; i < header.groups.size(); ++i) {
+    GroupSource source;
+    source.group = header.groups[i];
+    source.tensors = data[i];
+    job.sources.push_back(std::move(source));
+  }
+  return impl_->enqueue(std::move(header), std::move(job));
 }
 
 Sender::~Sender() {
@@ -222,6 +360,7 @@ Sender::~Sender() {
 
 PublishHandle Sender::publish(std::uint64_t version, const std::vector<std::string>& groups,
                               const std::vector<SourceTensor>& tensors) {
+  if (impl_->routing) refuse_routed("publish", version, impl_->trainer_rank);
   UpdateHeader header = make_update_header(layout_, version, groups, impl_->config.checksums);
 
   std::unordered_map<std::string_view, const SourceTensor*> by_name;
@@ -268,6 +407,7 @@ PublishHandle Sender::publish_arenas(std::uint64_t version, const std::vector<st
                 fmt::format("update {}: {} arenas given for {} groups", version, arenas.size(),
                             groups.size()));
   }
+  if (impl_->routing) refuse_routed("publish_arenas", version, impl_->trainer_rank);
   UpdateHeader header = make_update_header(layout_, version, groups, impl_->config.checksums);
   Job job;
   for (std::size_t i = 0; i < groups.size(); ++i) {
@@ -289,6 +429,7 @@ PublishHandle Sender::publish_arenas(std::uint64_t version, const std::vector<st
 
 StreamedPublish Sender::publish_streamed(std::uint64_t version,
                                          const std::vector<std::string>& groups) {
+  if (impl_->routing) refuse_routed("publish_streamed", version, impl_->trainer_rank);
   UpdateHeader header = make_update_header(layout_, version, groups, impl_->config.checksums);
   auto state = std::make_shared<StreamedPublish::State>();
   state->version = version;
@@ -309,7 +450,12 @@ StreamedPublish Sender::publish_streamed(std::uint64_t version,
 
 void Sender::replace_transport(std::unique_ptr<Transport> transport) {
   if (!transport) throw Error(ErrorCode::kInvalidArgument, "replace_transport: transport is null");
-  check_root_rank(impl_->config.root_rank, transport.get(), "SenderConfig::root_rank");
+  if (impl_->routing) {
+    check_route_mover(*transport, *impl_->routing, impl_->trainer_rank,
+                      "Sender::replace_transport");
+  } else {
+    check_root_rank(impl_->config.root_rank, transport.get(), "SenderConfig::root_rank");
+  }
   Job job;
   job.new_transport = std::move(transport);
   impl_->jobs.enqueue(std::move(job));
@@ -368,6 +514,12 @@ void Sender::Impl::abort_transport() noexcept {
 
 void Sender::Impl::send(const Job& job, Clock::time_point start) {
   const Layout& layout = owner.layout_;
+  if (routing) {
+    send_routes(job);
+    transport->flush();
+    backend.event_record(*done_event, *comm_stream);
+    return;
+  }
   next_checksum = 0;
   // What a streamed job's worker side uses; the other jobs ignore it.
   const StreamedWorkerContext streamed{.backend = backend,
@@ -422,6 +574,44 @@ void Sender::Impl::send(const Job& job, Clock::time_point start) {
   // consumed the bytes). Whether the update went live is the engine's to say.
   transport->flush();
   backend.event_record(*done_event, *comm_stream);
+}
+
+void Sender::Impl::send_routes(const Job& job) {
+  RouteMover* mover = transport->route_mover();
+  if (mover == nullptr) {  // replace_transport checked it; a transport that changed its mind
+    throw Error(ErrorCode::kInternal,
+                fmt::format("transport '{}' no longer moves routes", transport->name()));
+  }
+  const std::uint64_t version = job.handle->header.version;
+  std::uint64_t sequence = 0;
+  std::vector<Backend::CopyRegion> copies;
+  for (const GroupSource& source : job.sources) {
+    const GroupLayout& group = owner.layout_.groups()[source.group];
+    for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+      // Slot b % 2 for the b-th bucket on this transport, as for broadcasts: a transport that
+      // hands its engines its own two slots in turn finds each bucket in the slot it expects.
+      const int s = static_cast<int>(broadcasts % 2);
+      std::byte* slot = routed_staging(s);
+      // The last send from this slot (bucket b-2) completed: every engine rank acknowledged it.
+      backend.stream_wait_event(*pack_stream, *sent[s]);
+      copies.clear();
+      for (const PackRun& run : packing->runs(source.group, k)) {
+        copies.push_back({.dst = slot + run.packed_offset,
+                          .src = source.tensors[run.tensor] + run.local_offset,
+                          .bytes = run.bytes});
+      }
+      if (!copies.empty()) backend.memcpy_batch_async(copies, *pack_stream);
+      backend.event_record(*packed[s], *pack_stream);
+      backend.stream_wait_event(*comm_stream, *packed[s]);
+      mover->send_routes_async({.version = version,
+                                .sequence = sequence++,
+                                .group = source.group,
+                                .bucket = k},
+                               slot, packing->packed_bytes(source.group, k), *comm_stream);
+      backend.event_record(*sent[s], *comm_stream);
+      ++broadcasts;
+    }
+  }
 }
 
 void Sender::Impl::broadcast(void* buffer, std::size_t bytes) {

@@ -52,6 +52,11 @@ bool carries_checksums(const UpdateHeader& header, const Layout& layout) {
 
 void validate_update_header(const UpdateHeader& header, const Layout& layout,
                             std::uint64_t last_version) {
+  validate_update_header(header, layout, last_version, 0);
+}
+
+void validate_update_header(const UpdateHeader& header, const Layout& layout,
+                            std::uint64_t last_version, std::uint64_t routing_fingerprint) {
   if (header.magic != kHeaderMagic) {
     throw Error(ErrorCode::kBadHeader,
                 fmt::format("update header: magic {:#010x} is not shadowsync's {:#010x}",
@@ -62,11 +67,23 @@ void validate_update_header(const UpdateHeader& header, const Layout& layout,
                 fmt::format("update header: protocol version {} differs from this receiver's {}",
                             header.protocol_version, kProtocolVersion));
   }
-  if (header.layout_fingerprint != layout.fingerprint()) {
+  if (routing_fingerprint != 0 && header.layout_fingerprint != routing_fingerprint) {
+    const bool unrouted = header.layout_fingerprint == layout.fingerprint();
+    throw Error(ErrorCode::kLayoutMismatch,
+                fmt::format("update {}: fingerprint {:#018x} of the sender differs from this "
+                            "receiver's routing plan {:#018x} ({})",
+                            header.version, header.layout_fingerprint, routing_fingerprint,
+                            unrouted ? "the sender has no routing plan: it publishes whole "
+                                       "tensors, this receiver takes the routes of trainer ranks"
+                                     : "the trainer ranks' regions, the engine ranks' needs or "
+                                       "the wire layout differ"));
+  }
+  if (routing_fingerprint == 0 && header.layout_fingerprint != layout.fingerprint()) {
     throw Error(ErrorCode::kLayoutMismatch,
                 fmt::format("update {}: layout fingerprint {:#018x} of the sender differs from the "
                             "receiver's {:#018x} (tensor names, dtypes, shapes, order or bucket "
-                            "size differ)",
+                            "size differ, or the sender is a trainer rank of a routing plan and "
+                            "this receiver has none: Receiver::use_routing_plan)",
                             header.version, header.layout_fingerprint, layout.fingerprint()));
   }
   if (header.version > kMaxUpdateVersion) {
