@@ -39,6 +39,7 @@ struct Exchange {
   int acked = 0;     // engine ranks done copying
   int copying = 0;   // engine ranks reading the trainers' packings now (outside the lock)
   int present = 0;   // ranks inside the exchange now
+  int finished = 0;  // ranks that took their part and left
 };
 
 struct TrainerFaults {
@@ -99,12 +100,18 @@ struct LoopbackRouteCommunicator::State {
     return exchanges.try_emplace(call, trainer_count()).first->second;
   }
 
-  // The rank leaves exchange `call`; the last one out counts and erases it. Ranks that never
-  // arrived can only come after an abort, which they check first. Caller holds `mutex`.
+  // The rank leaves exchange `call`. It is erased once every rank took part (a rank that
+  // arrives later finds the posts it reads), or after an abort once nobody is inside (ranks that
+  // never arrived can only come later, and they check for the abort first). Caller holds `mutex`.
   void leave_locked(std::uint64_t call, Exchange& x) {
-    if (--x.present > 0) return;
-    if (x.posted == trainer_count() && x.acked == engine_count()) ++completed;
-    exchanges.erase(call);
+    --x.present;
+    ++x.finished;
+    if (x.finished == trainer_count() + engine_count()) {
+      ++completed;
+      exchanges.erase(call);
+    } else if (aborted && x.present == 0) {
+      exchanges.erase(call);
+    }
   }
 
   // Runs on trainer rank `trainer`'s stream: posts its packing for call `call` and stays until
@@ -141,14 +148,13 @@ struct LoopbackRouteCommunicator::State {
                    std::atomic<std::uint64_t>& routed_bytes) {
     std::unique_lock lock(mutex);
     if (aborted) return;
-    if (auto it = engines[engine].delays.find(call); it != engines[engine].delays.end()) {
-      // A slow reader, cut short by an abort (which also keeps teardown from waiting it out).
-      const auto delay = it->second;
-      changed.wait_for(lock, delay, [this] { return aborted; });
-      if (aborted) return;
-    }
     Exchange& x = exchange_locked(call);
     ++x.present;
+    if (auto it = engines[engine].delays.find(call); it != engines[engine].delays.end()) {
+      // A slow reader, inside the exchange (the posts it will read stay listed), cut short by an
+      // abort (which also keeps teardown from waiting it out).
+      changed.wait_for(lock, it->second, [this] { return aborted; });
+    }
     changed.wait(lock, [&] { return aborted || x.posted == trainer_count(); });
     if (!aborted) {
       if (std::optional<std::string> wrong = check_posts(engine, bucket, x)) {
