@@ -22,12 +22,16 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "shadowsync/transport.h"
 
 struct ncclComm;  // NCCL's opaque communicator: ncclComm_t is ncclComm*.
 
 namespace shadowsync {
+
+class Layout;
+class RoutingPlan;  // plugin/core/routing_plan.h: a sharded trainer's routes (DESIGN §14)
 
 // The rendezvous token of one communicator: ncclUniqueId's 128 bytes.
 using NcclUniqueId = RendezvousId;
@@ -59,6 +63,18 @@ struct NcclTransportConfig {
   std::chrono::milliseconds enqueue_timeout{std::chrono::minutes(2)};
   // How long the destructor lets ncclCommFinalize flush outstanding work before it aborts instead.
   std::chrono::milliseconds finalize_timeout{std::chrono::seconds(30)};
+};
+
+// What create_routed() needs beyond create()'s arguments.
+struct NcclRouteConfig {
+  // The GPU of every communicator rank, trainer ranks first (M + N entries): any name unique to
+  // a GPU across the hosts, such as the host name and the device's UUID. NCCL cannot connect two
+  // ranks of one communicator on one GPU; create_routed() refuses that before NCCL is called.
+  std::vector<std::string> gpus;
+  // Engine processes per engine rank (data-parallel replicas of the engine). Only 1 for now: the
+  // routes would go once to replica 0, which broadcasts within its replica group (DESIGN §14);
+  // not built yet.
+  int replicas = 1;
 };
 
 class NcclTransport final : public Transport {
@@ -108,6 +124,22 @@ class NcclTransport final : public Transport {
   static std::unique_ptr<NcclTransport> create(const NcclUniqueId& id, int rank, int world_size,
                                                int device, NcclTransportConfig config = {});
 
+  // A communicator of the M trainer ranks and N engine ranks of routing plan `plan` (built on
+  // `wire`) that moves its routes: route_mover() is then non-null, as create()'s transport
+  // otherwise (its broadcasts work the same). Communicator rank `rank`: trainer rank t is t,
+  // engine rank e is M + e; world size M + N. Every rank calls this with the same id and an
+  // equal plan. Refused with Error(kInvalidArgument) before NCCL is called: route_config.gpus not
+  // naming one GPU per rank, or two ranks on one GPU ("trainer rank 1 and engine rank 0
+  // (communicator rank 2) are both on GPU '...'": use the same-host pull transport), replicas
+  // other than 1 (not supported yet). Then as create(). An engine rank allocates its landing
+  // buffer (the largest bucket it receives) from `backend`, the CudaBackend of `device` whose
+  // streams the routed calls get; `backend` must outlive the transport.
+  static std::unique_ptr<NcclTransport> create_routed(const NcclUniqueId& id, int rank, int device,
+                                                      std::shared_ptr<const RoutingPlan> plan,
+                                                      const Layout& wire, Backend& backend,
+                                                      NcclRouteConfig route_config,
+                                                      NcclTransportConfig config = {});
+
   // ncclCommFinalize (bounded by finalize_timeout) then ncclCommDestroy; ncclCommAbort instead
   // when finalizing fails or times out; nothing more after abort(). No other call may be running.
   ~NcclTransport() override;
@@ -139,6 +171,11 @@ class NcclTransport final : public Transport {
   // saying so (with the failure that led to it, if any). Thread-safe.
   std::optional<std::string> async_error() override;
 
+  // The routes of a create_routed() transport (nccl_route_mover.h: one NCCL group of
+  // ncclSend/ncclRecv per bucket per rank, receives posted only inside receive_routes_async);
+  // nullptr for create()'s. Lives as long as the transport.
+  RouteMover* route_mover() override;
+
   // ncclCommAbort, once: kernels of this communicator still running on the GPU exit, so every
   // enqueued collective completes (with undefined bytes in its buffer). When called while the
   // owner thread is between group_begin() and group_end(), the abort happens at group_end()
@@ -157,6 +194,11 @@ class NcclTransport final : public Transport {
   void abort_locked(const std::string& reason) noexcept;  // requires mutex_
   std::string describe() const;                           // "rank 1 of 2, device 1"
 
+  // ncclSend (`send`) or ncclRecv of `bytes` bytes with communicator rank `peer` on `stream`;
+  // checks, enqueues and throws as broadcast_async. Owner thread only.
+  void p2p_async(bool send, void* buffer, std::size_t bytes, int peer, Stream& stream);
+  class P2p;  // the route mover's view of this communicator (nccl_transport.cpp)
+
   const int rank_;
   const int world_size_;
   const int device_;
@@ -171,6 +213,11 @@ class NcclTransport final : public Transport {
   bool abort_pending_ = false;        // abort() came while a group was open
   std::string abort_reason_;          // why the communicator was (or will be) aborted
   std::atomic<bool> aborted_{false};  // abort requested: checked without the lock in poll loops
+
+  // create_routed() only. Destroyed after the destructor's body finalized or aborted the
+  // communicator, the mover first (it frees its landing buffer).
+  std::unique_ptr<P2p> p2p_;
+  std::unique_ptr<RouteMover> route_mover_;
 };
 
 }  // namespace shadowsync

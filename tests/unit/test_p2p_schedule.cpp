@@ -20,77 +20,17 @@
 #include "core/route_copies.h"
 #include "core/routing_plan.h"
 #include "error_message.h"
+#include "routing_fixture.h"
 #include "shadowsync/error.h"
 #include "shadowsync/receive_plan.h"
 
 using namespace shadowsync;
+using shadowsync::testing::engine_plan;
 using shadowsync::testing::message_of;
+using shadowsync::testing::trainer_shards;
+using shadowsync::testing::wire_layout;
 
 namespace {
-
-// Buckets of 256 bytes: q's rows of 48 bytes straddle bucket boundaries; a and b are fused into
-// one engine tensor (strided rows); w is quantized by the engine (its pieces go to staging).
-Layout wire_layout() {
-  return Layout::build({{"q", DType::kFloat32, {13, 12}, "base"},
-                        {"k", DType::kFloat32, {3, 8}, "base"},
-                        {"a", DType::kFloat32, {8, 8}, "base"},
-                        {"b", DType::kFloat32, {8, 8}, "base"},
-                        {"w", DType::kFloat32, {6, 8}, "base"},
-                        {"norm", DType::kFloat32, {8}, "base"}},
-                       {.bucket_bytes = 256});
-}
-
-// M trainer ranks: q and k Shard(0) (uneven), a, b and w ZeRO-3 partitions cut mid-row, the
-// norm sent by the last rank.
-std::vector<RankRanges> trainer_shards(const Layout& wire, int ranks) {
-  std::vector<RankRanges> out;
-  for (int r = 0; r < ranks; ++r) {
-    RankRanges held{r, {{}}};
-    auto& ranges = held.ranges[0];
-    for (const auto& [name, rows, cols] : {std::tuple{"q", 13, 12}, std::tuple{"k", 3, 8}}) {
-      const int per = (rows + ranks - 1) / ranks;
-      const int lo = r * per;
-      const int hi = std::min(rows, lo + per);
-      if (lo >= hi) continue;
-      for (const ByteRange& b : regions_of_box(wire, name, {lo, 0}, {hi, cols})) {
-        ranges.push_back(b);
-      }
-    }
-    for (const auto& [name, elements] :
-         {std::pair{"a", 64}, std::pair{"b", 64}, std::pair{"w", 48}}) {
-      const auto cut = [&](int i) {
-        return i == 0 ? 0 : i == ranks ? elements : elements * i / ranks + 3;
-      };
-      ranges.push_back(regions_of_elements(wire, name, cut(r), cut(r + 1) - cut(r)));
-    }
-    if (r == ranks - 1) ranges.push_back(regions_of_elements(wire, "norm", 0, 8));
-    out.push_back(std::move(held));
-  }
-  return out;
-}
-
-// Engine rank `rank` of `ranks` (1 or 2): q, k split by rows, a and b fused into ab (each rank
-// half of their columns), w quantized to FP8, the norm whole.
-ReceivePlan engine_plan(const Layout& wire, int rank, int ranks) {
-  const std::int64_t q_rows = ranks == 1 ? 13 : rank == 0 ? 7 : 6;
-  const std::int64_t k_rows = ranks == 1 ? 3 : rank == 0 ? 2 : 1;
-  const std::int64_t cols = 8 / ranks;
-  const std::int64_t w_rows = 6 / ranks;
-  const Layout engine = Layout::build({{"q", DType::kFloat32, {q_rows, 12}, "base"},
-                                       {"k", DType::kFloat32, {k_rows, 8}, "base"},
-                                       {"ab", DType::kFloat32, {8, 2 * cols}, "base"},
-                                       {"w", DType::kFloat8E4M3, {w_rows, 8}, "base"},
-                                       {"w_scale", DType::kFloat32, {1}, "base"},
-                                       {"norm", DType::kFloat32, {8}, "base"}});
-  return ReceivePlan::build(wire, engine,
-                            {{"q", "q", {q_rows, 12}, rank * 7 * 12, {12, 1}, 0, {12, 1}},
-                             {"k", "k", {k_rows, 8}, rank * 2 * 8, {8, 1}, 0, {8, 1}},
-                             {"a", "ab", {8, cols}, rank * cols, {8, 1}, 0, {2 * cols, 1}},
-                             {"b", "ab", {8, cols}, rank * cols, {8, 1}, cols, {2 * cols, 1}},
-                             {"w", "w", {w_rows, 8}, rank * w_rows * 8, {8, 1}, 0, {8, 1}},
-                             {"norm", "norm", {8}, 0, {1}, 0, {1}}},
-                            {}, {{"w", "w_scale", 1}});
-}
 
 std::vector<unsigned char> random_image(std::size_t bytes) {
   std::mt19937 rng(43);

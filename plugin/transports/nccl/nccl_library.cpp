@@ -221,6 +221,8 @@ std::optional<Usable> try_candidate(const NcclCandidate& candidate, std::string&
   need("ncclBroadcast", api.broadcast);
   need("ncclGroupStart", api.group_start);
   need("ncclGroupEnd", api.group_end);
+  need("ncclSend", api.send);
+  need("ncclRecv", api.recv);
   if (!missing.empty()) {
     why = fmt::format("{}: NCCL {} but it lacks {}", path, version_string(version),
                       fmt::join(missing, ", "));

@@ -53,6 +53,9 @@ struct NcclApi {
   decltype(&::ncclBroadcast) broadcast = nullptr;
   decltype(&::ncclGroupStart) group_start = nullptr;
   decltype(&::ncclGroupEnd) group_end = nullptr;
+  // Point-to-point (NCCL 2.7): a sharded trainer's routes (nccl_route_mover.h).
+  decltype(&::ncclSend) send = nullptr;
+  decltype(&::ncclRecv) recv = nullptr;
 };
 
 // One place to look.

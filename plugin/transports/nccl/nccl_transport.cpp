@@ -30,9 +30,13 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/scoped_device.h"
+#include "core/p2p_schedule.h"
+#include "core/route_mover.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
+#include "shadowsync/layout.h"
 #include "transports/nccl/nccl_library.h"
+#include "transports/nccl/nccl_route_mover.h"
 
 static_assert(sizeof(ncclUniqueId) == shadowsync::NcclUniqueId::kSize,
               "NcclUniqueId must hold exactly an ncclUniqueId");
@@ -191,6 +195,55 @@ std::unique_ptr<NcclTransport> NcclTransport::create(const NcclUniqueId& id, int
   return transport;
 }
 
+// The route mover's calls, on this transport's communicator: its group brackets, and
+// point-to-point ops enqueued as broadcasts are (lock, enqueue deadline, abort).
+class NcclTransport::P2p final : public nccl_detail::P2pCommunicator {
+ public:
+  explicit P2p(NcclTransport& transport) : transport_(transport) {}
+  void group_begin() override { transport_.group_begin(); }
+  void group_end() override { transport_.group_end(); }
+  void send_async(const void* buffer, std::size_t bytes, int peer, Stream& stream) override {
+    // ncclSend only reads the buffer.
+    transport_.p2p_async(true, const_cast<void*>(buffer), bytes, peer, stream);
+  }
+  void recv_async(void* buffer, std::size_t bytes, int peer, Stream& stream) override {
+    transport_.p2p_async(false, buffer, bytes, peer, stream);
+  }
+
+ private:
+  NcclTransport& transport_;
+};
+
+std::unique_ptr<NcclTransport> NcclTransport::create_routed(const NcclUniqueId& id, int rank,
+                                                            int device,
+                                                            std::shared_ptr<const RoutingPlan> plan,
+                                                            const Layout& wire, Backend& backend,
+                                                            NcclRouteConfig route_config,
+                                                            NcclTransportConfig config) {
+  if (plan == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument, "NcclTransport::create_routed: no routing plan");
+  }
+  if (route_config.replicas != 1) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("NcclTransport::create_routed: {} engine replicas: not supported yet "
+                            "(NCCL routes reach one replica; the broadcast of routed buckets "
+                            "within a replica group is not built). Use one communicator per "
+                            "replica, or the same-host pull transport on one host",
+                            route_config.replicas));
+  }
+  // Before NCCL: its own refusal of two ranks on one GPU comes only after every rank joined,
+  // and names neither role.
+  check_p2p_gpus(*plan, route_config.gpus);
+  const int world_size = plan->trainer_count() + plan->engine_count();
+  std::unique_ptr<NcclTransport> transport = create(id, rank, world_size, device, config);
+  transport->p2p_ = std::make_unique<P2p>(*transport);
+  transport->route_mover_ = std::make_unique<nccl_detail::NcclRouteMover>(
+      *transport->p2p_, std::move(plan), wire, rank, backend);
+  return transport;
+}
+
+RouteMover* NcclTransport::route_mover() { return route_mover_.get(); }
+
 NcclTransport::NcclTransport(::ncclComm* comm, int rank, int world_size, int device,
                              NcclTransportConfig config) noexcept
     : rank_(rank), world_size_(world_size), device_(device), config_(config), comm_(comm) {}
@@ -320,6 +373,51 @@ void NcclTransport::broadcast_async(void* buffer, std::size_t bytes, int root, S
   const std::string message =
       fmt::format("{}: ncclBroadcast of {} bytes at {} from root {} failed: {}", describe(), bytes,
                   buffer, root, nccl_message(result, comm_));
+  if (is_caller_error(result)) throw Error(ErrorCode::kInvalidArgument, message);
+  // Inside a group the abort waits for group_end(), which the caller still owes NCCL.
+  abort_locked(message);
+  throw Error(ErrorCode::kTransport, message);
+}
+
+void NcclTransport::p2p_async(bool send, void* buffer, std::size_t bytes, int peer,
+                              Stream& stream) {
+  const char* call = send ? "ncclSend" : "ncclRecv";
+  if (peer < 0 || peer >= world_size_ || peer == rank_) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: {} with peer {}: not another rank of [0, {})", describe(), call,
+                            peer, world_size_));
+  }
+  if (buffer == nullptr && bytes > 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: {} of {} bytes with a null buffer", describe(), call, bytes));
+  }
+  const cudaStream_t cuda_stream = CudaBackend::native(stream);  // throws for a foreign stream
+  const int stream_device = CudaBackend::device_of(stream);
+  if (stream_device != device_) {
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: the {}'s stream belongs to device {}",
+                                                         describe(), call, stream_device));
+  }
+
+  std::unique_lock lock(mutex_);
+  if (comm_ == nullptr || abort_pending_) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("{}: {} of {} bytes with rank {}: the communicator was aborted ({})",
+                            describe(), call, bytes, peer, abort_reason_));
+  }
+  SHADOWSYNC_CUDA_CHECK(cudaSetDevice(device_), "device={}", device_);
+  const ncclResult_t result = send
+                                  ? nccl().send(buffer, bytes, ncclUint8, peer, comm_, cuda_stream)
+                                  : nccl().recv(buffer, bytes, ncclUint8, peer, comm_, cuda_stream);
+  if (result == ncclSuccess) return;
+  if (result == ncclInProgress) {
+    if (group_depth_ > 0) return;  // group_end() waits for the whole group
+    lock.unlock();
+    wait_until_ready(send ? "send enqueue" : "receive enqueue", config_.enqueue_timeout);
+    return;
+  }
+  const std::string message =
+      fmt::format("{}: {} of {} bytes at {} with rank {} failed: {}", describe(), call, bytes,
+                  buffer, peer, nccl_message(result, comm_));
   if (is_caller_error(result)) throw Error(ErrorCode::kInvalidArgument, message);
   // Inside a group the abort waits for group_end(), which the caller still owes NCCL.
   abort_locked(message);
