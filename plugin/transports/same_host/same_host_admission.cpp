@@ -28,15 +28,15 @@ namespace {
 constexpr std::size_t kFailuresNamed = 8;
 
 // What an accepted connection owes next.
-enum class Awaiting { kProof, kReady };
-
-std::size_t bytes_of(Awaiting awaiting) {
-  return record_bytes(awaiting == Awaiting::kProof ? RecordType::kProof : RecordType::kReady);
-}
+enum class Awaiting { kProof, kReady, kHello };
 
 const char* name_of(Awaiting awaiting) {
-  return awaiting == Awaiting::kProof ? "its proof of the token"
-                                      : "ready (its check of this sender's proof)";
+  switch (awaiting) {
+    case Awaiting::kProof: return "its proof of the token";
+    case Awaiting::kReady: return "ready (its check of this sender's proof)";
+    case Awaiting::kHello: return "its hello (world size, rank and plan fingerprint)";
+  }
+  return "?";
 }
 
 // One accepted connection whose handshake is under way.
@@ -48,7 +48,8 @@ struct Pending {
   Clock::time_point deadline;  // connected + handshake_timeout
   Awaiting awaiting = Awaiting::kProof;
   Nonce sender_nonce{};
-  std::uint32_t rank = 0;                           // once its proof passed: the rank it holds
+  std::uint32_t rank = 0;    // once its proof passed (with a hello: once admitted): the rank held
+  std::uint32_t proved = 0;  // the rank its proof was made for
   std::array<std::byte, kMaxRecordBytes> record{};  // the record being read
   std::size_t filled = 0;
 };
@@ -69,8 +70,10 @@ int poll_timeout(Clock::time_point at) {
 class Admission {
  public:
   Admission(int listener, const std::string& path, std::string_view token, int receivers,
-            std::span<const std::byte> setup_record, int shared_fd, const SameHostConfig& config)
-      : listener_(listener),
+            std::span<const std::byte> setup_record, int shared_fd, const SameHostConfig& config,
+            const AdmissionHello* hello)
+      : hello_(hello),
+        listener_(listener),
         path_(path),
         token_(token),
         receivers_(receivers),
@@ -170,6 +173,20 @@ class Admission {
     pending_.push_back(std::move(p));
   }
 
+  std::size_t bytes_of(Awaiting awaiting) const {
+    switch (awaiting) {
+      case Awaiting::kProof: return record_bytes(RecordType::kProof);
+      case Awaiting::kReady: return record_bytes(RecordType::kReady);
+      case Awaiting::kHello: return hello_->record_bytes;
+    }
+    return 0;
+  }
+
+  // A rank as messages name it (a pull transport's engine rank is its proved rank - 1).
+  long long shown(std::uint32_t rank) const {
+    return static_cast<long long>(rank) + (hello_ != nullptr ? hello_->shown_rank_offset : 0);
+  }
+
   // Reads what `p` sent (no more than the record it owes) and acts on a whole record.
   void advance(Pending& p) {
     const std::size_t want = bytes_of(p.awaiting);
@@ -191,8 +208,10 @@ class Admission {
     const std::span<const std::byte> record(p.record.data(), want);
     if (p.awaiting == Awaiting::kProof) {
       on_proof(p, record);
-    } else {
+    } else if (p.awaiting == Awaiting::kReady) {
       on_ready(p, record);
+    } else {
+      on_hello(p, record);
     }
   }
 
@@ -207,6 +226,8 @@ class Admission {
     if (!macs_equal(proof.mac,
                     receiver_proof(token_, p.sender_nonce, proof.receiver_nonce, proof.rank))) {
       refusal = RefuseReason::kBadProof;
+    } else if (hello_ != nullptr) {
+      // The rank is checked once the hello says what the receiver was set up for.
     } else if (proof.rank < 1 || proof.rank > static_cast<std::uint32_t>(receivers_)) {
       refusal = RefuseReason::kBadRank;
     } else if (taken_[proof.rank]) {
@@ -218,13 +239,16 @@ class Admission {
                           to_string(*refusal)));
       return;
     }
-    // The rank is held from here, so that a second peer proving it is refused.
-    p.rank = proof.rank;
-    taken_[p.rank] = true;
+    p.proved = proof.rank;
+    // Without a hello the rank is held from here, so that a second peer proving it is refused.
+    if (hello_ == nullptr) {
+      p.rank = proof.rank;
+      taken_[p.rank] = true;
+    }
     const Accept accept{sender_proof(token_, p.sender_nonce, proof.receiver_nonce, proof.rank)};
     if (const Io io = write_all(p.fd.get(), encode(accept), -1, p.deadline); io != Io::kOk) {
-      drop(p, fmt::format("sending this sender's proof to {} (rank {}): {}", who(p), p.rank,
-                          describe(io, errno)));
+      drop(p, fmt::format("sending this sender's proof to {} (rank {}): {}", who(p),
+                          shown(p.proved), describe(io, errno)));
       return;
     }
     p.awaiting = Awaiting::kReady;
@@ -233,8 +257,12 @@ class Admission {
   void on_ready(Pending& p, std::span<const std::byte> record) {
     std::string why;
     if (!decode_ready(record, why)) {
-      drop(p,
-           fmt::format("{} (rank {}) did not accept this sender's proof: {}", who(p), p.rank, why));
+      drop(p, fmt::format("{} (rank {}) did not accept this sender's proof: {}", who(p),
+                          shown(p.proved), why));
+      return;
+    }
+    if (hello_ != nullptr) {
+      p.awaiting = Awaiting::kHello;
       return;
     }
     if (const Io io = write_with_fd(p.fd.get(), setup_record_, shared_fd_, p.deadline);
@@ -247,6 +275,29 @@ class Admission {
     ++admitted_;
   }
 
+  void on_hello(Pending& p, std::span<const std::byte> record) {
+    const bool in_range = p.proved >= 1 && p.proved <= static_cast<std::uint32_t>(receivers_);
+    const HelloAnswer answer = hello_->answer(p.proved, record, in_range && taken_[p.proved]);
+    if (!answer.admit || !in_range || taken_[p.proved]) {
+      if (!answer.reply.empty()) (void)write_all(p.fd.get(), answer.reply, -1, p.deadline);
+      drop(p, answer.admit ? fmt::format("{}: rank {} admitted by its hello but outside 1..{} or "
+                                         "taken (a bug: please report it)",
+                                         who(p), p.proved, receivers_)
+                           : fmt::format("refused {}: {}", who(p), answer.why));
+      return;
+    }
+    if (const Io io = write_with_fd(p.fd.get(), answer.reply, shared_fd_, p.deadline);
+        io != Io::kOk) {
+      drop(p, fmt::format("sending the staging memory to {} (rank {}): {}", who(p),
+                          shown(p.proved), describe(io, errno)));
+      return;
+    }
+    p.rank = p.proved;
+    taken_[p.rank] = true;
+    peers_[p.rank - 1] = std::move(p.fd);
+    ++admitted_;
+  }
+
   Error timed_out() const {
     std::vector<std::string> missing;
     for (int r = 1; r <= receivers_; ++r) {
@@ -255,14 +306,16 @@ class Admission {
         missing.push_back("...");
         break;
       }
-      missing.push_back(std::to_string(r));
+      missing.push_back(std::to_string(shown(static_cast<std::uint32_t>(r))));
     }
     std::vector<std::string> peers;
     const auto now = Clock::now();
     for (const Pending& p : pending_) {
       peers.push_back(fmt::format("{} connected {} ms ago and has not sent {}{}", who(p),
                                   ms_between(p.connected, now), name_of(p.awaiting),
-                                  p.rank != 0 ? fmt::format(" (it proved rank {})", p.rank) : ""));
+                                  p.proved != 0 ? fmt::format(" (it proved rank {})",
+                                                              shown(p.proved))
+                                                : ""));
     }
     if (failures_forgotten_ > 0) {
       peers.push_back(fmt::format("{} earlier failed peers not listed", failures_forgotten_));
@@ -278,12 +331,15 @@ class Admission {
                             "holding a connection to the socket",
                             fmt::join(peers, "; "));
     return Error(ErrorCode::kTimeout,
-                 fmt::format("same-host serve on '{}': {} of {} receivers connected within {} ms; "
+                 fmt::format("same-host serve on '{}': {} of {} {} connected within {} ms; "
                              "rank(s) {} not admitted; {}",
-                             path_, admitted_, receivers_, config_.connect_timeout.count(),
-                             fmt::join(missing, ", "), about_peers));
+                             path_, admitted_, receivers_,
+                             hello_ != nullptr ? hello_->receivers : std::string("receivers"),
+                             config_.connect_timeout.count(), fmt::join(missing, ", "),
+                             about_peers));
   }
 
+  const AdmissionHello* const hello_;  // null: none
   const int listener_;
   const std::string& path_;
   const std::string_view token_;
@@ -303,8 +359,9 @@ class Admission {
 
 std::vector<Fd> admit_receivers(int listener, const std::string& path, std::string_view token,
                                 int receivers, std::span<const std::byte> setup_record,
-                                int shared_fd, const SameHostConfig& config) {
-  return Admission(listener, path, token, receivers, setup_record, shared_fd, config).run();
+                                int shared_fd, const SameHostConfig& config,
+                                const AdmissionHello* hello) {
+  return Admission(listener, path, token, receivers, setup_record, shared_fd, config, hello).run();
 }
 
 }  // namespace shadowsync::same_host

@@ -6,6 +6,8 @@
 // rank that was left waiting. Not installed.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -16,6 +18,24 @@
 
 namespace shadowsync::same_host {
 
+// A step some transports add after ready (the pull transport's hello): each receiver then sends
+// one record of `record_bytes`, and `answer` decides from it, from the rank the receiver proved
+// and from whether another receiver holds that rank already. Only then is the receiver's rank
+// checked and held, so that a receiver set up for another world size hears why from `answer`'s
+// refusal, not a bare "rank outside".
+struct HelloAnswer {
+  bool admit = false;
+  std::vector<std::byte> reply;  // sent back (with the shared fd when admitted); empty: none
+  std::string why;               // not admitted: for the timeout's message
+};
+struct AdmissionHello {
+  std::size_t record_bytes = 0;
+  std::function<HelloAnswer(std::uint32_t rank, std::span<const std::byte> record, bool taken)>
+      answer;
+  std::string receivers = "receivers";  // what the timeout's message calls them
+  int shown_rank_offset = 0;            // a proved rank r is named r + this in messages
+};
+
 // Accepts connections on `listener` (listening on `path`, for messages) until `receivers`
 // receivers (ranks 1..receivers) proved `token`, checked the sender's proof and got
 // `setup_record` with `shared_fd` passed along (SCM_RIGHTS). Returns their sockets, rank r at
@@ -24,8 +44,11 @@ namespace shadowsync::same_host {
 // config.handshake_timeout of connecting is dropped, and the others go on. Throws
 // Error(kTimeout) once config.connect_timeout passed, naming the ranks still missing and every
 // peer that stalled or was refused (pid, uid, what it did not send). Blocks the calling thread.
+// With `hello`, each receiver's hello is read after ready and hello->answer's reply replaces
+// `setup_record` (unused then).
 std::vector<Fd> admit_receivers(int listener, const std::string& path, std::string_view token,
                                 int receivers, std::span<const std::byte> setup_record,
-                                int shared_fd, const SameHostConfig& config);
+                                int shared_fd, const SameHostConfig& config,
+                                const AdmissionHello* hello = nullptr);
 
 }  // namespace shadowsync::same_host

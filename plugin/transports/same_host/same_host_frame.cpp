@@ -72,6 +72,10 @@ bool open_record(std::span<const std::byte> record, RecordType expected, std::st
   return true;
 }
 
+// A trainer or engine count a peer announces: a rank is a u32 on the wire, and no job has more
+// than 65536 ranks on one host (the bound keeps a peer's number from sizing anything large).
+bool count_ok(std::uint32_t count) { return count >= 1 && count <= 65536; }
+
 }  // namespace
 
 std::size_t record_bytes(RecordType type) noexcept {
@@ -84,6 +88,11 @@ std::size_t record_bytes(RecordType type) noexcept {
     case RecordType::kRefuse: return 16;
     case RecordType::kDoorbell:
     case RecordType::kAck: return kDataRecordBytes;
+    case RecordType::kPullHello: return 32;
+    case RecordType::kPullSetup: return 104;
+    case RecordType::kPullRefuse: return 32;
+    case RecordType::kRouteDoorbell:
+    case RecordType::kRouteAck: return kDataRecordBytes;
   }
   return 0;
 }
@@ -295,6 +304,167 @@ std::string check_doorbell(const DataRecord& doorbell, std::uint64_t expected_se
                        doorbell.sequence, doorbell.bytes, expected_bytes);
   }
   return {};
+}
+
+std::array<std::byte, 32> encode(const PullHello& record) {
+  std::array<std::byte, 32> out{};
+  Writer w(out, RecordType::kPullHello);
+  w.u32(record.trainer_count);
+  w.u32(record.engine_count);
+  w.u32(record.engine_rank);
+  w.u32(0);
+  w.u64(record.fingerprint);
+  return out;
+}
+
+std::array<std::byte, 104> encode(const PullSetup& record) {
+  std::array<std::byte, 104> out{};
+  Writer w(out, RecordType::kPullSetup);
+  w.u32(record.memory);
+  w.u32(record.trainer_rank);
+  w.u32(record.trainer_count);
+  w.u32(record.engine_count);
+  w.u64(record.fingerprint);
+  w.u64(record.slot_bytes);
+  w.bytes(record.handle);
+  return out;
+}
+
+std::array<std::byte, 32> encode(const PullRefuse& record) {
+  std::array<std::byte, 32> out{};
+  Writer w(out, RecordType::kPullRefuse);
+  w.u32(static_cast<std::uint32_t>(record.reason));
+  w.u32(record.trainer_rank);
+  w.u32(record.trainer_count);
+  w.u32(record.engine_count);
+  w.u64(record.fingerprint);
+  return out;
+}
+
+std::array<std::byte, kDataRecordBytes> encode(const RouteRecord& record) {
+  std::array<std::byte, kDataRecordBytes> out{};
+  Writer w(out, record.type);
+  w.u64(record.version);
+  w.u64(record.sequence);
+  w.u32(record.slot);
+  w.u32(0);
+  w.u64(record.bytes);
+  return out;
+}
+
+bool decode(std::span<const std::byte> record, PullHello& out, std::string& error) {
+  if (!open_record(record, RecordType::kPullHello, error)) return false;
+  Reader r(record.subspan(kHeaderBytes));
+  out.trainer_count = r.u32();
+  out.engine_count = r.u32();
+  out.engine_rank = r.u32();
+  const std::uint32_t reserved = r.u32();
+  out.fingerprint = r.u64();
+  if (!count_ok(out.trainer_count) || !count_ok(out.engine_count)) {
+    error = fmt::format("same-host pull hello: {} trainer ranks and {} engine ranks; each must be "
+                        "in 1..65536",
+                        out.trainer_count, out.engine_count);
+  } else if (out.engine_rank >= out.engine_count) {
+    error = fmt::format("same-host pull hello: engine rank {} is outside 0..{}", out.engine_rank,
+                        out.engine_count - 1);
+  } else if (reserved != 0) {
+    error = fmt::format("same-host pull hello: reserved field is {}, expected 0", reserved);
+  } else {
+    return true;
+  }
+  return false;
+}
+
+bool decode(std::span<const std::byte> record, PullSetup& out, std::string& error) {
+  if (!open_record(record, RecordType::kPullSetup, error)) return false;
+  Reader r(record.subspan(kHeaderBytes));
+  out.memory = r.u32();
+  out.trainer_rank = r.u32();
+  out.trainer_count = r.u32();
+  out.engine_count = r.u32();
+  out.fingerprint = r.u64();
+  out.slot_bytes = r.u64();
+  r.bytes(out.handle);
+  if (out.memory > 1) {
+    error = fmt::format("same-host pull setup: unknown memory flavour {}", out.memory);
+  } else if (!count_ok(out.trainer_count) || !count_ok(out.engine_count)) {
+    error = fmt::format("same-host pull setup: {} trainer ranks and {} engine ranks; each must be "
+                        "in 1..65536",
+                        out.trainer_count, out.engine_count);
+  } else if (out.trainer_rank >= out.trainer_count) {
+    error = fmt::format("same-host pull setup: trainer rank {} is outside 0..{}", out.trainer_rank,
+                        out.trainer_count - 1);
+  } else if (out.slot_bytes == 0) {
+    error = "same-host pull setup: staging slots of 0 bytes";
+  } else {
+    return true;
+  }
+  return false;
+}
+
+bool decode(std::span<const std::byte> record, PullRefuse& out, std::string& error) {
+  if (!open_record(record, RecordType::kPullRefuse, error)) return false;
+  Reader r(record.subspan(kHeaderBytes));
+  const std::uint32_t reason = r.u32();
+  out.trainer_rank = r.u32();
+  out.trainer_count = r.u32();
+  out.engine_count = r.u32();
+  out.fingerprint = r.u64();
+  if (reason < 1 || reason > 4) {
+    error = fmt::format("same-host pull refusal with unknown reason {}", reason);
+  } else if (!count_ok(out.trainer_count) || !count_ok(out.engine_count)) {
+    error = fmt::format("same-host pull refusal: {} trainer ranks and {} engine ranks; each must "
+                        "be in 1..65536",
+                        out.trainer_count, out.engine_count);
+  } else if (out.trainer_rank >= out.trainer_count) {
+    error = fmt::format("same-host pull refusal: trainer rank {} is outside 0..{}",
+                        out.trainer_rank, out.trainer_count - 1);
+  } else {
+    out.reason = static_cast<PullRefuseReason>(reason);
+    return true;
+  }
+  return false;
+}
+
+bool decode(std::span<const std::byte> record, RecordType expected, const SlotGeometry& geometry,
+            RouteRecord& out, std::string& error) {
+  if (expected != RecordType::kRouteDoorbell && expected != RecordType::kRouteAck) {
+    error = "same-host route record: expected type must be route doorbell or route ack";
+    return false;
+  }
+  if (!open_record(record, expected, error)) return false;
+  Reader r(record.subspan(kHeaderBytes));
+  out.type = expected;
+  out.version = r.u64();
+  out.sequence = r.u64();
+  out.slot = r.u32();
+  const std::uint32_t reserved = r.u32();
+  out.bytes = r.u64();
+  const char* what = expected == RecordType::kRouteDoorbell ? "route doorbell" : "route ack";
+  if (reserved != 0) {
+    error = fmt::format("same-host {} of bucket {} of update {}: reserved field is {}, expected 0",
+                        what, out.sequence, out.version, reserved);
+  } else if (out.slot >= geometry.slot_count) {
+    error = fmt::format("same-host {} of bucket {} of update {}: slot {} is outside the {} "
+                        "staging slots",
+                        what, out.sequence, out.version, out.slot, geometry.slot_count);
+  } else if (out.bytes > geometry.slot_bytes) {
+    error = fmt::format("same-host {} of bucket {} of update {}: {} bytes, more than a slot's {}",
+                        what, out.sequence, out.version, out.bytes, geometry.slot_bytes);
+  } else {
+    return true;
+  }
+  return false;
+}
+
+const char* to_string(PullRefuseReason reason) noexcept {
+  switch (reason) {
+    case PullRefuseReason::kWorldSizeDiffers: return "the trainer and engine counts differ";
+    case PullRefuseReason::kPlanDiffers: return "the routing plans differ";
+    case PullRefuseReason::kRankTaken: return "another engine process already took that rank";
+    case PullRefuseReason::kRankOutside: return "the engine rank is outside those served";
+  }
+  return "unknown reason";
 }
 
 const char* to_string(RefuseReason reason) noexcept {

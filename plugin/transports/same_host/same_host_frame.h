@@ -14,6 +14,21 @@
 // Data records, 40 bytes each:
 //   6 doorbell   S->R  sequence u64, slot u32, reserved u32 (0), offset u64, bytes u64
 //   8 ack        R->S  the same fields, echoing the doorbell
+// The pull transport (same_host_pull_transport.h: a trainer rank T serves, each engine process E
+// connects) runs challenge, proof, accept and ready as above (the proof's rank: engine rank + 1),
+// then, instead of setup:
+//   9 pull hello  E->T  trainer count u32, engine count u32, engine rank u32, reserved u32 (0),
+//                       routing fingerprint u64                                     32 bytes
+//  10 pull setup  T->E  memory u32, trainer rank u32, trainer count u32, engine count u32,
+//                       routing fingerprint u64, slot bytes u64, handle (64); the staging fd
+//                       rides along                                                104 bytes
+//  11 pull refuse T->E  reason u32, trainer rank u32, trainer count u32, engine count u32,
+//                       routing fingerprint u64 (the trainer's own, so that the engine can name
+//                       both sides' values)                                          32 bytes
+// and its data records, 40 bytes each (bytes may be 0: a trainer rank rings for every bucket):
+//  12 route doorbell T->E  update version u64, bucket sequence u64, slot u32, reserved u32 (0),
+//                          bytes u64
+//  13 route ack      E->T  the same fields, echoing the doorbell
 #pragma once
 
 #include <array>
@@ -43,13 +58,18 @@ enum class RecordType : std::uint16_t {
   kDoorbell = 6,
   kRefuse = 7,
   kAck = 8,
+  kPullHello = 9,
+  kPullSetup = 10,
+  kPullRefuse = 11,
+  kRouteDoorbell = 12,
+  kRouteAck = 13,
 };
 
 // Size of each record type, header included; 0 for an unknown type.
 std::size_t record_bytes(RecordType type) noexcept;
 inline constexpr std::size_t kHeaderBytes = 8;
 inline constexpr std::size_t kDataRecordBytes = 40;
-inline constexpr std::size_t kMaxRecordBytes = 96;
+inline constexpr std::size_t kMaxRecordBytes = 104;
 
 // Checks magic and version and returns the type of the record that `header` (8 bytes) starts;
 // on failure returns false and says why in `error`.
@@ -94,6 +114,46 @@ struct SlotGeometry {
   std::uint64_t slot_bytes = 0;
 };
 
+// The pull transport's records (see the top of this file).
+struct PullHello {
+  std::uint32_t trainer_count = 0;
+  std::uint32_t engine_count = 0;
+  std::uint32_t engine_rank = 0;
+  std::uint64_t fingerprint = 0;  // RoutingPlan::fingerprint()
+};
+struct PullSetup {
+  std::uint32_t memory = 0;  // SameHostMemory
+  std::uint32_t trainer_rank = 0;
+  std::uint32_t trainer_count = 0;
+  std::uint32_t engine_count = 0;
+  std::uint64_t fingerprint = 0;
+  std::uint64_t slot_bytes = 0;                  // each of the kSlotCount slots
+  std::array<std::byte, kHandleBytes> handle{};  // device flavours: what the fd does not carry
+};
+enum class PullRefuseReason : std::uint32_t {
+  kWorldSizeDiffers = 1,  // the hello's trainer or engine count is not the trainer's plan's
+  kPlanDiffers = 2,       // the routing fingerprints differ
+  kRankTaken = 3,         // another engine process already took that engine rank
+  kRankOutside = 4,       // the engine rank is outside what this trainer rank serves
+};
+struct PullRefuse {
+  PullRefuseReason reason = PullRefuseReason::kWorldSizeDiffers;
+  std::uint32_t trainer_rank = 0;  // the trainer's view, for the engine's message
+  std::uint32_t trainer_count = 0;
+  std::uint32_t engine_count = 0;
+  std::uint64_t fingerprint = 0;
+};
+// Trainer rank's bucket `sequence` of update `version` is `bytes` bytes at the start of staging
+// slot `slot` (a doorbell), or was read by the engine process (its ack, echoing the doorbell).
+struct RouteRecord {
+  RecordType type = RecordType::kRouteDoorbell;
+  std::uint64_t version = 0;
+  std::uint64_t sequence = 0;
+  std::uint32_t slot = 0;
+  std::uint64_t bytes = 0;
+  friend bool operator==(const RouteRecord&, const RouteRecord&) = default;
+};
+
 // Encoders write exactly record_bytes(type) bytes.
 std::array<std::byte, 40> encode(const Challenge& record);
 std::array<std::byte, 80> encode(const Proof& record);
@@ -102,6 +162,10 @@ std::array<std::byte, 8> encode_ready();
 std::array<std::byte, 96> encode(const Setup& record);
 std::array<std::byte, 16> encode(const Refuse& record);
 std::array<std::byte, kDataRecordBytes> encode(const DataRecord& record);
+std::array<std::byte, 32> encode(const PullHello& record);
+std::array<std::byte, 104> encode(const PullSetup& record);
+std::array<std::byte, 32> encode(const PullRefuse& record);
+std::array<std::byte, kDataRecordBytes> encode(const RouteRecord& record);
 
 // Decoders take a whole record (header included) of exactly its size and check every field they
 // can without context; each returns false with the reason in `error` and leaves `out` unspecified.
@@ -118,6 +182,18 @@ bool decode(std::span<const std::byte> record, Refuse& out, std::string& error);
 bool decode(std::span<const std::byte> record, RecordType expected, const SlotGeometry& geometry,
             DataRecord& out, std::string& error);
 
+// Also checks: trainer and engine counts in 1..65536, engine rank < engine count, reserved 0.
+bool decode(std::span<const std::byte> record, PullHello& out, std::string& error);
+// Also checks: memory a known flavour, counts in 1..65536, trainer rank < trainer count, slot
+// bytes > 0.
+bool decode(std::span<const std::byte> record, PullSetup& out, std::string& error);
+// Also checks: a known reason, counts in 1..65536, trainer rank < trainer count.
+bool decode(std::span<const std::byte> record, PullRefuse& out, std::string& error);
+// A route doorbell or ack (`expected` says which). Checks slot < slot_count, bytes <= slot_bytes
+// (0 allowed), reserved == 0.
+bool decode(std::span<const std::byte> record, RecordType expected, const SlotGeometry& geometry,
+            RouteRecord& out, std::string& error);
+
 // What a receiver's call expects of its next doorbell: the sequence it has reached and the byte
 // count it was asked to receive for this chunk. Returns an empty string when `doorbell` matches,
 // else the reason (a sequence never announced, a byte count of another collective).
@@ -125,5 +201,6 @@ std::string check_doorbell(const DataRecord& doorbell, std::uint64_t expected_se
                            std::uint64_t expected_bytes);
 
 const char* to_string(RefuseReason reason) noexcept;
+const char* to_string(PullRefuseReason reason) noexcept;
 
 }  // namespace shadowsync::same_host

@@ -15,7 +15,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -23,7 +22,7 @@
 #include "shadowsync/error.h"
 #include "shadowsync/token.h"
 #include "transports/same_host/same_host_admission.h"
-#include "transports/same_host/same_host_auth.h"
+#include "transports/same_host/same_host_dial.h"
 #include "transports/same_host/same_host_frame.h"
 #include "transports/same_host/same_host_memory_file.h"
 #include "transports/same_host/same_host_socket.h"
@@ -34,7 +33,6 @@ namespace shadowsync {
 using same_host::Clock;
 using same_host::Fd;
 using same_host::Io;
-using same_host::RecordType;
 
 namespace {
 
@@ -55,11 +53,6 @@ Fd make_wake() {
     throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
   }
   return wake;
-}
-
-template <std::size_t N>
-Io read_record(int fd, std::array<std::byte, N>& out, Clock::time_point deadline) {
-  return same_host::read_exact(fd, out, -1, deadline);
 }
 
 }  // namespace
@@ -138,103 +131,22 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
                             rank));
   }
   same_host::check_private_directory(directory_of(path), /*create=*/true);
-  const auto connect_deadline = Clock::now() + config.connect_timeout;
-  Fd socket;
   int last_errno = 0;
-  for (;;) {
-    // Again on every attempt: the directory may have been swapped while no sender listened.
-    same_host::check_private_directory(directory_of(path), /*create=*/false);
-    socket = same_host::try_connect(path);
-    if (socket) {
-      same_host::check_listener_is_this_user(socket.get(), path);
-      break;
-    }
-    last_errno = errno;
-    if (last_errno != ENOENT && last_errno != ECONNREFUSED && last_errno != EAGAIN) {
-      throw Error(ErrorCode::kTransport, fmt::format("same-host connect to '{}': {}", path,
-                                                     std::strerror(last_errno)));
-    }
-    if (Clock::now() >= connect_deadline) {
-      throw Error(ErrorCode::kTimeout,
-                  fmt::format("same-host connect to '{}': no sender listened within {} ms ({})",
-                              path, config.connect_timeout.count(), std::strerror(last_errno)));
-    }
-    // No sender yet (or a stale file of a dead one): poll for the next one.
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  Fd socket = same_host::dial(path, Clock::now() + config.connect_timeout, last_errno);
+  if (!socket) {
+    throw Error(ErrorCode::kTimeout,
+                fmt::format("same-host connect to '{}': no sender listened within {} ms ({})",
+                            path, config.connect_timeout.count(), std::strerror(last_errno)));
   }
   const auto deadline = Clock::now() + config.handshake_timeout;
+  same_host::prove_to_sender(socket.get(), path, token, static_cast<std::uint32_t>(rank),
+                             deadline);
   const auto failed = [&](const std::string& what, Io io) {
     return Error(io == Io::kTimeout ? ErrorCode::kTimeout : ErrorCode::kTransport,
                  fmt::format("same-host connect to '{}' as rank {}: {}: {}", path, rank, what,
                              same_host::describe(io, errno)));
   };
-  std::array<std::byte, 40> challenge_record{};
-  if (const Io io = read_record(socket.get(), challenge_record, deadline); io != Io::kOk) {
-    throw failed("waiting for the sender's challenge", io);
-  }
   std::string problem;
-  same_host::Challenge challenge;
-  if (!same_host::decode(challenge_record, challenge, problem)) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host connect to '{}': {}", path, problem));
-  }
-  same_host::Proof proof;
-  proof.rank = static_cast<std::uint32_t>(rank);
-  proof.receiver_nonce = same_host::make_nonce();
-  proof.mac = same_host::receiver_proof(token, challenge.sender_nonce, proof.receiver_nonce,
-                                        proof.rank);
-  if (const Io io = same_host::write_all(socket.get(), same_host::encode(proof), -1, deadline);
-      io != Io::kOk) {
-    throw failed("sending the proof", io);
-  }
-  std::array<std::byte, 40> answer{};
-  const std::span<std::byte> head(answer.data(), same_host::kHeaderBytes);
-  if (const Io io = same_host::read_exact(socket.get(), head, -1, deadline); io != Io::kOk) {
-    throw failed("waiting for the sender's answer", io);
-  }
-  RecordType type{};
-  if (!same_host::parse_record_header(head, type, problem)) {
-    throw Error(ErrorCode::kTransport, fmt::format("same-host connect to '{}': {}", path, problem));
-  }
-  if (type == RecordType::kRefuse) {
-    const std::span<std::byte> rest(answer.data() + same_host::kHeaderBytes, 8);
-    same_host::Refuse refuse;
-    if (same_host::read_exact(socket.get(), rest, -1, deadline) == Io::kOk &&
-        same_host::decode(std::span<const std::byte>(answer.data(), 16), refuse, problem)) {
-      problem = same_host::to_string(refuse.reason);
-    }
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host connect to '{}' as rank {}: the sender refused: {}", path,
-                            rank, problem));
-  }
-  if (type != RecordType::kAccept) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host connect to '{}': record type {} where the sender's proof "
-                            "was expected",
-                            path, static_cast<int>(type)));
-  }
-  const std::span<std::byte> rest(answer.data() + same_host::kHeaderBytes,
-                                  answer.size() - same_host::kHeaderBytes);
-  if (const Io io = same_host::read_exact(socket.get(), rest, -1, deadline); io != Io::kOk) {
-    throw failed("reading the sender's proof", io);
-  }
-  same_host::Accept accept;
-  if (!same_host::decode(answer, accept, problem)) {
-    throw Error(ErrorCode::kTransport, fmt::format("same-host connect to '{}': {}", path, problem));
-  }
-  if (!same_host::macs_equal(accept.mac,
-                             same_host::sender_proof(token, challenge.sender_nonce,
-                                                     proof.receiver_nonce, proof.rank))) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host connect to '{}': the sender could not prove the token "
-                            "(wrong token, or not our sender); refusing it before any memory is "
-                            "shared",
-                            path));
-  }
-  if (const Io io = same_host::write_all(socket.get(), same_host::encode_ready(), -1, deadline);
-      io != Io::kOk) {
-    throw failed("sending ready", io);
-  }
   std::array<std::byte, 96> setup_record{};
   Fd memory_file;
   if (const Io io = same_host::read_with_fd(socket.get(), setup_record, memory_file, deadline);

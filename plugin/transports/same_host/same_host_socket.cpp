@@ -283,6 +283,52 @@ Io read_with_fd(int fd, std::span<std::byte> out, Fd& received, Clock::time_poin
   return Io::kOk;
 }
 
+Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std::byte>& out,
+             int wake, std::size_t& failed) {
+  out.assign(fds.size() * record_bytes, std::byte{0});
+  std::vector<std::size_t> filled(fds.size(), 0);
+  std::size_t complete = 0;
+  std::vector<pollfd> polled;
+  std::vector<std::size_t> index;  // polled[i + 1] is fds[index[i]]
+  while (complete < fds.size()) {
+    polled.assign(1, {wake, POLLIN, 0});
+    index.clear();
+    for (std::size_t i = 0; i < fds.size(); ++i) {
+      if (filled[i] == record_bytes) continue;
+      polled.push_back({fds[i].get(), POLLIN, 0});
+      index.push_back(i);
+    }
+    const int n = ::poll(polled.data(), polled.size(), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      failed = fds.size();
+      return Io::kError;
+    }
+    if (wake >= 0 && (polled[0].revents & POLLIN)) {
+      failed = fds.size();
+      return Io::kWoken;
+    }
+    for (std::size_t p = 1; p < polled.size(); ++p) {
+      if (polled[p].revents == 0) continue;
+      const std::size_t i = index[p - 1];
+      const ssize_t got = ::recv(fds[i].get(), out.data() + i * record_bytes + filled[i],
+                                 record_bytes - filled[i], MSG_DONTWAIT);
+      if (got == 0 || (got < 0 && closed_errno(errno))) {
+        failed = i;
+        return Io::kClosed;
+      }
+      if (got < 0) {
+        if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+        failed = i;
+        return Io::kError;
+      }
+      filled[i] += static_cast<std::size_t>(got);
+      if (filled[i] == record_bytes) ++complete;
+    }
+  }
+  return Io::kOk;
+}
+
 std::string describe(Io result, int saved_errno) {
   switch (result) {
     case Io::kOk: return "ok";

@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "core/unique_fd.h"
 
@@ -48,6 +49,15 @@ Io write_all(int fd, std::span<const std::byte> data, int wake,
 Io write_with_fd(int fd, std::span<const std::byte> data, int passed, Clock::time_point deadline);
 // As read_exact; a descriptor received along is stored in `received` (close-on-exec).
 Io read_with_fd(int fd, std::span<std::byte> out, Fd& received, Clock::time_point deadline);
+
+// Reads one record of `record_bytes` bytes from every socket of `fds` side by side: one poll()
+// over all of them and `wake`, so that a peer that closed its socket is seen at once, whatever
+// the others do. Record i lands at out[i * record_bytes] (`out` is resized). Reads no byte past
+// each record, so the next ones stay queued. kOk once every record came; otherwise the first
+// other result, with `failed` the index of its socket (fds.size() for kWoken) and errno kept.
+// No deadline: it waits until the records came, a peer closed, or `wake` is readable.
+Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std::byte>& out,
+             int wake, std::size_t& failed);
 
 // Words for an Io result, for messages ("the peer closed its socket", "timed out", ...).
 std::string describe(Io result, int saved_errno);

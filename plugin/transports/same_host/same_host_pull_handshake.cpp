@@ -1,0 +1,399 @@
+// SameHostPullTransport's handshake: a trainer rank admits its engine processes (the same-host
+// admission, with the pull hello as its last step) and shares its staging; an engine rank
+// connects to every trainer rank in rank order, says hello and maps each one's staging
+// read-only. See same_host_pull_transport.h for the protocol.
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "shadowsync/error.h"
+#include "shadowsync/token.h"
+#include "transports/same_host/same_host_admission.h"
+#include "transports/same_host/same_host_dial.h"
+#include "transports/same_host/same_host_frame.h"
+#include "transports/same_host/same_host_memory_file.h"
+#include "transports/same_host/same_host_pull_state.h"
+#include "transports/same_host/same_host_pull_transport.h"
+
+namespace shadowsync {
+
+using same_host::Clock;
+using same_host::Fd;
+using same_host::Io;
+using same_host::RecordType;
+
+namespace {
+
+std::string directory_of(const std::string& path) {
+  const std::filesystem::path p(path);
+  if (!p.has_parent_path() || p.filename().empty()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host socket path '{}' needs a directory and a file name", path));
+  }
+  return p.parent_path().string();
+}
+
+Fd make_wake() {
+  Fd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake) {
+    throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
+  }
+  return wake;
+}
+
+// Each slot of trainer rank `t`: the plan's largest packing of one bucket, rounded up to 64 bytes
+// (the second slot starts aligned for the packer's copies) and never 0 (a rank that sends
+// nothing still shares a mappable file and rings empty doorbells).
+std::size_t slot_bytes_for(const RoutingPlan& plan, int t) {
+  const std::size_t packed = plan.max_packed_bytes(t);
+  return (std::max<std::size_t>(packed, 1) + 63) / 64 * 64;
+}
+
+void check_plan(const std::shared_ptr<const RoutingPlan>& plan, const char* call) {
+  if (!plan) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull {}: no routing plan", call));
+  }
+}
+
+// The trainer rank's answer to an engine process's hello.
+same_host::HelloAnswer answer_hello(const RoutingPlan& plan, int trainer_rank, int engine_processes,
+                                    const std::string& path, std::span<const std::byte> setup,
+                                    std::uint32_t proved, std::span<const std::byte> record,
+                                    bool taken) {
+  same_host::PullHello hello;
+  std::string problem;
+  if (!same_host::decode(record, hello, problem)) {
+    return {false, {}, fmt::format("a malformed hello: {}", problem)};
+  }
+  const auto refuse = [&](same_host::PullRefuseReason reason, std::string why) {
+    const same_host::PullRefuse refusal{reason, static_cast<std::uint32_t>(trainer_rank),
+                                        static_cast<std::uint32_t>(plan.trainer_count()),
+                                        static_cast<std::uint32_t>(plan.engine_count()),
+                                        plan.fingerprint()};
+    const auto bytes = same_host::encode(refusal);
+    return same_host::HelloAnswer{false, {bytes.begin(), bytes.end()}, std::move(why)};
+  };
+  if (hello.engine_rank + 1 != proved) {
+    return {false,
+            {},
+            fmt::format("its hello names engine rank {}, but it proved the token for engine rank "
+                        "{}",
+                        hello.engine_rank, static_cast<long long>(proved) - 1)};
+  }
+  if (hello.trainer_count != static_cast<std::uint32_t>(plan.trainer_count()) ||
+      hello.engine_count != static_cast<std::uint32_t>(plan.engine_count())) {
+    return refuse(same_host::PullRefuseReason::kWorldSizeDiffers,
+                  fmt::format("engine rank {} was set up for {} trainer ranks and {} engine ranks, "
+                              "trainer rank {} at {} for {} and {}",
+                              hello.engine_rank, hello.trainer_count, hello.engine_count,
+                              trainer_rank, path, plan.trainer_count(), plan.engine_count()));
+  }
+  if (hello.fingerprint != plan.fingerprint()) {
+    return refuse(
+        same_host::PullRefuseReason::kPlanDiffers,
+        fmt::format("engine rank {} has routing plan {:#018x}, trainer rank {} at {} has "
+                    "{:#018x}",
+                    hello.engine_rank, hello.fingerprint, trainer_rank, path, plan.fingerprint()));
+  }
+  if (hello.engine_rank >= static_cast<std::uint32_t>(engine_processes)) {
+    return refuse(same_host::PullRefuseReason::kRankOutside,
+                  fmt::format("engine rank {} is outside the {} engine ranks trainer rank {} "
+                              "serves",
+                              hello.engine_rank, engine_processes, trainer_rank));
+  }
+  if (taken) {
+    return refuse(same_host::PullRefuseReason::kRankTaken,
+                  fmt::format("engine rank {} was taken by another engine process already",
+                              hello.engine_rank));
+  }
+  return {true, {setup.begin(), setup.end()}, {}};
+}
+
+// What an engine rank says when the trainer rank at `path` refused it.
+Error refused(const same_host::PullRefuse& r, const RoutingPlan& plan, int engine_rank,
+              const std::string& path) {
+  switch (r.reason) {
+    case same_host::PullRefuseReason::kWorldSizeDiffers:
+      if (r.trainer_count != static_cast<std::uint32_t>(plan.trainer_count())) {
+        return Error(
+            ErrorCode::kInvalidArgument,
+            fmt::format("engine rank {} was set up for {} trainer ranks, trainer rank {} "
+                        "at {} for {}: every rank must build its routing plan from the "
+                        "same trainer and engine ranks",
+                        engine_rank, plan.trainer_count(), r.trainer_rank, path, r.trainer_count));
+      }
+      return Error(
+          ErrorCode::kInvalidArgument,
+          fmt::format("engine rank {} was set up for {} engine ranks, trainer rank {} at "
+                      "{} for {}: every rank must build its routing plan from the same "
+                      "trainer and engine ranks",
+                      engine_rank, plan.engine_count(), r.trainer_rank, path, r.engine_count));
+    case same_host::PullRefuseReason::kPlanDiffers:
+      return Error(
+          ErrorCode::kLayoutMismatch,
+          fmt::format("engine rank {}'s routing plan (fingerprint {:#018x}) differs from "
+                      "trainer rank {}'s at {} ({:#018x}): build both from the same wire "
+                      "layout, trainer regions and engine needs",
+                      engine_rank, plan.fingerprint(), r.trainer_rank, path, r.fingerprint));
+    case same_host::PullRefuseReason::kRankTaken:
+      return Error(ErrorCode::kInvalidArgument,
+                   fmt::format("engine rank {}: trainer rank {} at {} already admitted another "
+                               "engine process as engine rank {}; each engine rank connects once",
+                               engine_rank, r.trainer_rank, path, engine_rank));
+    case same_host::PullRefuseReason::kRankOutside:
+      break;
+  }
+  return Error(ErrorCode::kInvalidArgument,
+               fmt::format("engine rank {}: trainer rank {} at {} serves {} engine ranks only",
+                           engine_rank, r.trainer_rank, path, r.engine_count));
+}
+
+// Maps trainer rank `t`'s staging (a sealed memory file of two slots) read-only.
+SameHostPullTransport::State::Staging map_staging(Fd memory_file, const same_host::PullSetup& setup,
+                                                  const std::string& path) {
+  if (!memory_file) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("same-host pull connect to '{}': the trainer's setup carried no "
+                            "memory file descriptor (SCM_RIGHTS)",
+                            path));
+  }
+  same_host::check_staging_seals(memory_file.get(), path);
+  SameHostPullTransport::State::Staging staging;
+  staging.slot_bytes = static_cast<std::size_t>(setup.slot_bytes);
+  staging.mapped_bytes = same_host::kSlotCount * staging.slot_bytes;
+  struct stat st {};
+  if (setup.slot_bytes > (std::uint64_t{1} << 40) || ::fstat(memory_file.get(), &st) != 0 ||
+      static_cast<std::uint64_t>(st.st_size) < staging.mapped_bytes) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("same-host pull connect to '{}': the trainer's memory file holds {} "
+                            "bytes, but 2 slots of {} bytes were announced",
+                            path, st.st_size, setup.slot_bytes));
+  }
+  void* mapped = ::mmap(nullptr, staging.mapped_bytes, PROT_READ, MAP_SHARED, memory_file.get(), 0);
+  if (mapped == MAP_FAILED) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("same-host pull connect to '{}': could not map the trainer's staging "
+                            "(memfd of {} bytes, mmap PROT_READ MAP_SHARED): {}",
+                            path, staging.mapped_bytes, std::strerror(errno)));
+  }
+  staging.base = static_cast<std::byte*>(mapped);
+  return staging;
+}
+
+}  // namespace
+
+std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
+    const std::string& path, std::string_view token, std::shared_ptr<const RoutingPlan> plan,
+    int trainer_rank, int engine_processes, Backend& backend, SameHostMemory memory,
+    SameHostConfig config) {
+  (void)backend;  // the host flavour's stream tasks need nothing of it; the device one will
+  check_token(token, "the same-host token");
+  check_plan(plan, "serve");
+  if (trainer_rank < 0 || trainer_rank >= plan->trainer_count()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull serve on '{}': trainer rank {} is outside the routing "
+                            "plan's 0..{}",
+                            path, trainer_rank, plan->trainer_count() - 1));
+  }
+  if (engine_processes != plan->engine_count()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull serve on '{}': {} engine processes, but the routing "
+                            "plan has {} engine ranks; each engine rank is one process (engine "
+                            "replicas are a follow-up)",
+                            path, engine_processes, plan->engine_count()));
+  }
+  if (memory == SameHostMemory::kDevice) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull serve on '{}': device memory (SameHostMemory::kDevice) "
+                            "is not built yet (issue 43 step 4 follow-up: the device flavour's "
+                            "host-gated copies, same_host_device.h, per trainer rank); serve host "
+                            "memory (SameHostMemory::kHost) with a HostBackend",
+                            path));
+  }
+  if (memory != SameHostMemory::kHost) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull serve on '{}': unknown memory flavour {}", path,
+                            static_cast<int>(memory)));
+  }
+  same_host::check_private_directory(directory_of(path), /*create=*/true);
+
+  auto state = std::make_shared<State>();
+  state->plan = plan;
+  state->trainer_rank = trainer_rank;
+  state->paths = {path};
+  state->wake = make_wake();
+  State::Staging own;
+  own.slot_bytes = slot_bytes_for(*plan, trainer_rank);
+  own.mapped_bytes = same_host::kSlotCount * own.slot_bytes;
+  void* mapped = nullptr;
+  const Fd memory_file = same_host::make_sealed_staging(own.mapped_bytes, &mapped);
+  own.base = static_cast<std::byte*>(mapped);
+  state->staging.push_back(own);
+
+  Fd listener = same_host::listen_on(path, engine_processes + 4);
+  // Whatever happens from here, the socket file goes: a later trainer need not find it stale.
+  struct Unlink {
+    const std::string& path;
+    ~Unlink() { ::unlink(path.c_str()); }
+  } unlink_at_exit{path};
+
+  same_host::PullSetup setup;
+  setup.memory = static_cast<std::uint32_t>(SameHostMemory::kHost);
+  setup.trainer_rank = static_cast<std::uint32_t>(trainer_rank);
+  setup.trainer_count = static_cast<std::uint32_t>(plan->trainer_count());
+  setup.engine_count = static_cast<std::uint32_t>(plan->engine_count());
+  setup.fingerprint = plan->fingerprint();
+  setup.slot_bytes = own.slot_bytes;
+  const auto setup_record = same_host::encode(setup);
+  same_host::AdmissionHello hello;
+  hello.record_bytes = same_host::record_bytes(RecordType::kPullHello);
+  hello.receivers = "engine processes";
+  hello.shown_rank_offset = -1;  // engine rank e proves rank e + 1
+  hello.answer = [&](std::uint32_t proved, std::span<const std::byte> record, bool taken) {
+    return answer_hello(*plan, trainer_rank, engine_processes, path, setup_record, proved, record,
+                        taken);
+  };
+  state->peers = same_host::admit_receivers(listener.get(), path, token, engine_processes, {},
+                                            memory_file.get(), config, &hello);
+  return std::unique_ptr<SameHostPullTransport>(new SameHostPullTransport(std::move(state)));
+}
+
+std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_rank(
+    const std::vector<std::string>& trainer_paths, std::string_view token,
+    std::shared_ptr<const RoutingPlan> plan, int engine_rank, Backend& backend,
+    SameHostConfig config) {
+  (void)backend;  // as serve's
+  check_token(token, "the same-host token");
+  check_plan(plan, "connect");
+  if (engine_rank < 0 || engine_rank >= plan->engine_count()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull connect: engine rank {} is outside the routing plan's "
+                            "0..{}",
+                            engine_rank, plan->engine_count() - 1));
+  }
+  if (trainer_paths.size() != static_cast<std::size_t>(plan->trainer_count())) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull connect as engine rank {}: {} trainer paths, but the "
+                            "routing plan has {} trainer ranks (one path per rank, in rank order)",
+                            engine_rank, trainer_paths.size(), plan->trainer_count()));
+  }
+  for (const std::string& path : trainer_paths) {
+    same_host::check_private_directory(directory_of(path), /*create=*/true);
+  }
+  auto state = std::make_shared<State>();
+  state->plan = plan;
+  state->engine_rank = engine_rank;
+  state->paths = trainer_paths;
+  state->wake = make_wake();
+  const auto connect_deadline = Clock::now() + config.connect_timeout;
+  const auto rank_on_wire = static_cast<std::uint32_t>(engine_rank) + 1;
+  for (std::size_t t = 0; t < trainer_paths.size(); ++t) {
+    const std::string& path = trainer_paths[t];
+    int last_errno = 0;
+    Fd socket = same_host::dial(path, connect_deadline, last_errno);
+    if (!socket) {
+      throw Error(ErrorCode::kTimeout,
+                  fmt::format("same-host pull engine rank {}: trainer rank {} ({}) never served "
+                              "within {} ms ({})",
+                              engine_rank, t, path, config.connect_timeout.count(),
+                              std::strerror(last_errno)));
+    }
+    const auto deadline = Clock::now() + config.handshake_timeout;
+    same_host::prove_to_sender(socket.get(), path, token, rank_on_wire, deadline);
+    const same_host::PullHello hello{static_cast<std::uint32_t>(plan->trainer_count()),
+                                     static_cast<std::uint32_t>(plan->engine_count()),
+                                     static_cast<std::uint32_t>(engine_rank), plan->fingerprint()};
+    const auto failed = [&](const std::string& what, Io io) {
+      return Error(io == Io::kTimeout ? ErrorCode::kTimeout : ErrorCode::kTransport,
+                   fmt::format("same-host pull connect to '{}' as engine rank {}: {}: {}", path,
+                               engine_rank, what, same_host::describe(io, errno)));
+    };
+    if (const Io io = same_host::write_all(socket.get(), same_host::encode(hello), -1, deadline);
+        io != Io::kOk) {
+      throw failed("sending the hello", io);
+    }
+    // The staging fd rides on the setup's first byte: read the header with read_with_fd too, or
+    // the kernel discards it.
+    std::array<std::byte, same_host::kMaxRecordBytes> answer{};
+    Fd memory_file;
+    const std::span<std::byte> head(answer.data(), same_host::kHeaderBytes);
+    if (const Io io = same_host::read_with_fd(socket.get(), head, memory_file, deadline);
+        io != Io::kOk) {
+      throw failed("waiting for the trainer's setup", io);
+    }
+    RecordType type{};
+    std::string problem;
+    if (!same_host::parse_record_header(head, type, problem)) {
+      throw Error(ErrorCode::kTransport,
+                  fmt::format("same-host pull connect to '{}': {}", path, problem));
+    }
+    if (type != RecordType::kPullSetup && type != RecordType::kPullRefuse) {
+      throw Error(ErrorCode::kTransport,
+                  fmt::format("same-host pull connect to '{}': record type {} where a pull "
+                              "trainer's setup was expected{}",
+                              path, static_cast<int>(type),
+                              type == RecordType::kSetup
+                                  ? " (a same-host broadcast sender, SameHostTransport::serve, "
+                                    "listens there, not a trainer rank of the pull transport)"
+                                  : ""));
+    }
+    const std::size_t size = same_host::record_bytes(type);
+    const std::span<std::byte> rest(answer.data() + same_host::kHeaderBytes,
+                                    size - same_host::kHeaderBytes);
+    if (const Io io = same_host::read_with_fd(socket.get(), rest, memory_file, deadline);
+        io != Io::kOk) {
+      throw failed("reading the trainer's setup", io);
+    }
+    const std::span<const std::byte> record(answer.data(), size);
+    if (type == RecordType::kPullRefuse) {
+      same_host::PullRefuse refusal;
+      if (!same_host::decode(record, refusal, problem)) {
+        throw Error(ErrorCode::kTransport,
+                    fmt::format("same-host pull connect to '{}': {}", path, problem));
+      }
+      throw refused(refusal, *plan, engine_rank, path);
+    }
+    same_host::PullSetup setup;
+    if (!same_host::decode(record, setup, problem)) {
+      throw Error(ErrorCode::kTransport,
+                  fmt::format("same-host pull connect to '{}': {}", path, problem));
+    }
+    if (setup.trainer_rank != t) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("{} is served by trainer rank {}; expected {} (trainer paths go in "
+                              "trainer rank order, each once)",
+                              path, setup.trainer_rank, t));
+    }
+    // The trainer checked the hello against its plan; a setup that disagrees is not ours.
+    if (setup.trainer_count != hello.trainer_count || setup.engine_count != hello.engine_count ||
+        setup.fingerprint != hello.fingerprint ||
+        setup.slot_bytes < plan->max_packed_bytes(static_cast<int>(t))) {
+      throw Error(ErrorCode::kTransport,
+                  fmt::format("same-host pull connect to '{}': the trainer's setup ({} trainer "
+                              "ranks, {} engine ranks, plan {:#018x}, slots of {} bytes) does not "
+                              "match this engine rank's plan ({}, {}, {:#018x}, at least {} "
+                              "bytes)",
+                              path, setup.trainer_count, setup.engine_count, setup.fingerprint,
+                              setup.slot_bytes, hello.trainer_count, hello.engine_count,
+                              hello.fingerprint, plan->max_packed_bytes(static_cast<int>(t))));
+    }
+    if (setup.memory != static_cast<std::uint32_t>(SameHostMemory::kHost)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("same-host pull connect to '{}': the trainer shares device memory, "
+                              "which the pull transport does not support yet (host memory only)",
+                              path));
+    }
+    state->staging.push_back(map_staging(std::move(memory_file), setup, path));
+    state->peers.push_back(std::move(socket));
+  }
+  return std::unique_ptr<SameHostPullTransport>(new SameHostPullTransport(std::move(state)));
+}
+
+}  // namespace shadowsync

@@ -1,0 +1,351 @@
+// SameHostPullTransport's data path: per bucket, every trainer rank rings every engine process
+// and waits for all their acks; every engine rank waits for all trainer ranks' doorbells, copies
+// its routes straight out of their mapped slots and acks. The handshake is in
+// same_host_pull_handshake.cpp; see same_host_pull_transport.h for the protocol.
+#include "transports/same_host/same_host_pull_transport.h"
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "backends/host/host_stream.h"
+#include "core/type_name.h"
+#include "shadowsync/error.h"
+#include "transports/same_host/same_host_frame.h"
+#include "transports/same_host/same_host_pull_state.h"
+
+namespace shadowsync {
+
+using same_host::Io;
+using same_host::RecordType;
+using same_host::RouteRecord;
+
+namespace {
+
+std::string bucket_name(const RoutedBucket& b) {
+  return fmt::format("bucket {} of update {} (group {}, bucket {})", b.sequence, b.version, b.group,
+                     b.bucket);
+}
+
+std::uint32_t slot_of(const RoutedBucket& b) {
+  return static_cast<std::uint32_t>(b.sequence % same_host::kSlotCount);
+}
+
+}  // namespace
+
+void SameHostPullTransport::State::run_send(const RoutedBucket& bucket, const std::byte* packed,
+                                            std::size_t bytes, std::uint64_t call) {
+  if (!wait_turn(call)) return;
+  const Staging& own = staging[0];
+  const std::uint32_t s = slot_of(bucket);
+  // The previous bucket in this slot was acked by every engine (its task ended only then): the
+  // slot is free to fill. Packed straight into it by the caller (staging_buffer()): no copy.
+  if (bytes > 0 && packed != own.slot(s)) std::memcpy(own.slot(s), packed, bytes);
+  const RouteRecord doorbell{RecordType::kRouteDoorbell, bucket.version, bucket.sequence, s, bytes};
+  const auto frame = same_host::encode(doorbell);
+  for (std::size_t e = 0; e < peers.size(); ++e) {
+    const Io io = same_host::write_all(peers[e].get(), frame, wake.get(), std::nullopt);
+    if (io == Io::kWoken) return;
+    if (io != Io::kOk) {
+      fail(
+          fmt::format("same-host pull trainer rank {}: engine rank {} {} before the doorbell of "
+                      "{}",
+                      trainer_rank, e,
+                      io == Io::kClosed ? std::string("closed its socket (its process died?)")
+                                        : same_host::describe(io, errno),
+                      bucket_name(bucket)));
+      return;
+    }
+  }
+  // Every engine must have read the slot before it is packed again: wait for all their acks, side
+  // by side, so that an engine that died is seen at once whatever the others do.
+  std::vector<std::byte> records;
+  std::size_t failed = 0;
+  const Io io =
+      same_host::read_each(peers, same_host::kDataRecordBytes, records, wake.get(), failed);
+  if (io == Io::kWoken) return;
+  if (io != Io::kOk) {
+    fail(fmt::format("same-host pull trainer rank {}: engine rank {} {} before acking {}",
+                     trainer_rank, failed,
+                     io == Io::kClosed ? std::string("closed its socket (its process died?)")
+                                       : same_host::describe(io, errno),
+                     bucket_name(bucket)));
+    return;
+  }
+  const same_host::SlotGeometry geometry{same_host::kSlotCount, own.slot_bytes};
+  for (std::size_t e = 0; e < peers.size(); ++e) {
+    const std::span<const std::byte> record(records.data() + e * same_host::kDataRecordBytes,
+                                            same_host::kDataRecordBytes);
+    RouteRecord ack;
+    std::string problem;
+    if (!same_host::decode(record, RecordType::kRouteAck, geometry, ack, problem)) {
+      fail(fmt::format("same-host pull trainer rank {}: engine rank {} broke the protocol: {}",
+                       trainer_rank, e, problem));
+      return;
+    }
+    ack.type = RecordType::kRouteDoorbell;
+    if (ack != doorbell) {
+      fail(
+          fmt::format("same-host pull trainer rank {}: engine rank {} acked bucket {} of update {} "
+                      "(slot {}, {} bytes) where {} (slot {}, {} bytes) was due",
+                      trainer_rank, e, ack.sequence, ack.version, ack.slot, ack.bytes,
+                      bucket_name(bucket), s, bytes));
+      return;
+    }
+  }
+  end_turn();
+}
+
+void SameHostPullTransport::State::run_receive(const RoutedBucket& bucket,
+                                               const std::vector<RouteCopy>& copies,
+                                               const RouteTargets& targets, std::uint64_t call) {
+  if (!wait_turn(call)) return;
+  // Every trainer rank's doorbell first, side by side: a trainer rank that died fails the bucket
+  // at once, and nothing is copied until every doorbell passed its checks.
+  std::vector<std::byte> records;
+  std::size_t failed = 0;
+  const Io io =
+      same_host::read_each(peers, same_host::kDataRecordBytes, records, wake.get(), failed);
+  if (io == Io::kWoken) return;
+  if (io != Io::kOk) {
+    fail(
+        fmt::format("same-host pull engine rank {}: trainer rank {} {} before the doorbell of {}; "
+                    "nothing of the bucket was copied",
+                    engine_rank, failed,
+                    io == Io::kClosed ? std::string("closed its socket (its process died?)")
+                                      : same_host::describe(io, errno),
+                    bucket_name(bucket)));
+    return;
+  }
+  std::vector<RouteRecord> doorbells(peers.size());
+  for (std::size_t t = 0; t < peers.size(); ++t) {
+    const std::span<const std::byte> record(records.data() + t * same_host::kDataRecordBytes,
+                                            same_host::kDataRecordBytes);
+    const same_host::SlotGeometry geometry{same_host::kSlotCount, staging[t].slot_bytes};
+    const ByteRange range = plan->packed_range(static_cast<int>(t), bucket.group, bucket.bucket);
+    RouteRecord doorbell;
+    std::string problem;
+    if (!same_host::decode(record, RecordType::kRouteDoorbell, geometry, doorbell, problem)) {
+      fail(
+          fmt::format("same-host pull engine rank {}: trainer rank {} broke the protocol: {}; "
+                      "nothing of {} was copied",
+                      engine_rank, t, problem, bucket_name(bucket)));
+      return;
+    }
+    if (doorbell.version != bucket.version || doorbell.sequence != bucket.sequence ||
+        doorbell.bytes != range.end - range.begin) {
+      fail(
+          fmt::format("same-host pull engine rank {}: trainer rank {} broke the protocol: its "
+                      "doorbell says bucket {} of update {}, {} bytes, where {} was due with {} "
+                      "bytes (the plan's packed range [{}, {}) of the rank); nothing of the "
+                      "bucket was copied",
+                      engine_rank, t, doorbell.sequence, doorbell.version, doorbell.bytes,
+                      bucket_name(bucket), range.end - range.begin, range.begin, range.end));
+      return;
+    }
+    doorbells[t] = doorbell;
+  }
+  std::uint64_t moved = 0;
+  for (const RouteCopy& c : copies) {
+    const std::size_t t = static_cast<std::size_t>(c.trainer);
+    const std::byte* src = staging[t].slot(doorbells[t].slot) + c.packed_offset;
+    std::byte* dst = (c.to_staging ? targets.staging : targets.slot) + c.dst_offset;
+    for (std::size_t r = 0; r < c.rows; ++r) {
+      std::memcpy(dst + r * c.dst_pitch, src + r * c.src_pitch, c.row_bytes);
+    }
+    moved += c.rows * c.row_bytes;
+  }
+  routed_bytes.fetch_add(moved, std::memory_order_relaxed);
+  for (std::size_t t = 0; t < peers.size(); ++t) {
+    RouteRecord ack = doorbells[t];
+    ack.type = RecordType::kRouteAck;
+    const Io sent =
+        same_host::write_all(peers[t].get(), same_host::encode(ack), wake.get(), std::nullopt);
+    if (sent == Io::kWoken) return;
+    if (sent != Io::kOk) {
+      fail(fmt::format("same-host pull engine rank {}: trainer rank {} {} before the ack of {}",
+                       engine_rank, t,
+                       sent == Io::kClosed ? std::string("closed its socket (its process died?)")
+                                           : same_host::describe(sent, errno),
+                       bucket_name(bucket)));
+      return;
+    }
+  }
+  end_turn();
+}
+
+SameHostPullTransport::SameHostPullTransport(std::shared_ptr<State> state)
+    : state_(std::move(state)) {}
+
+SameHostPullTransport::~SameHostPullTransport() {
+  // A transport that goes away is, to its peers, a peer that died: they see EOF.
+  state_->do_abort("same-host pull transport destroyed");
+}
+
+int SameHostPullTransport::rank() const {
+  return state_->trainer_rank >= 0 ? state_->trainer_rank
+                                   : state_->plan->trainer_count() + state_->engine_rank;
+}
+int SameHostPullTransport::world_size() const {
+  return state_->plan->trainer_count() + state_->plan->engine_count();
+}
+const RoutingPlan& SameHostPullTransport::routing_plan() const { return *state_->plan; }
+int SameHostPullTransport::trainer_rank() const { return state_->trainer_rank; }
+int SameHostPullTransport::engine_rank() const { return state_->engine_rank; }
+std::uint64_t SameHostPullTransport::routed_bytes() const {
+  return state_->routed_bytes.load(std::memory_order_relaxed);
+}
+std::size_t SameHostPullTransport::slot_bytes() const {
+  return state_->trainer_rank >= 0 ? state_->staging[0].slot_bytes : 0;
+}
+
+void SameHostPullTransport::broadcast_async(void* buffer, std::size_t bytes, int root,
+                                            Stream& stream) {
+  (void)buffer;
+  (void)stream;
+  throw Error(ErrorCode::kInvalidArgument,
+              fmt::format("the same_host_pull transport moves routes only: broadcast_async of {} "
+                          "bytes from root {} refused; use its route_mover() (send_routes_async "
+                          "on trainer ranks, receive_routes_async on engine ranks)",
+                          bytes, root));
+}
+
+void* SameHostPullTransport::staging_buffer(int index, std::size_t bytes) {
+  if (state_->trainer_rank < 0 || index < 0 || index >= static_cast<int>(same_host::kSlotCount) ||
+      bytes > state_->staging[0].slot_bytes) {
+    return nullptr;
+  }
+  return state_->staging[0].slot(static_cast<std::uint32_t>(index));
+}
+
+std::optional<std::string> SameHostPullTransport::async_error() {
+  std::lock_guard lock(state_->mutex);
+  return state_->error;
+}
+
+void SameHostPullTransport::abort() noexcept {
+  std::string reason;
+  try {
+    reason = fmt::format("same-host pull transport aborted by {} rank {}",
+                         state_->trainer_rank >= 0 ? "trainer" : "engine",
+                         state_->trainer_rank >= 0 ? state_->trainer_rank : state_->engine_rank);
+  } catch (...) {
+  }
+  state_->do_abort(std::move(reason));
+}
+
+namespace {
+
+host::HostStream& host_stream_of(Stream& stream, const char* call) {
+  host::HostStream* host_stream = host::as_host_stream(stream);
+  if (host_stream == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same_host_pull {}: needs a stream from HostBackend (the host "
+                            "flavour), got a {}",
+                            call, type_name(typeid(stream))));
+  }
+  return *host_stream;
+}
+
+void check_bucket(const RoutingPlan& plan, const RoutedBucket& b, const char* call) {
+  if (b.group >= plan.group_count() || b.bucket >= plan.bucket_count(b.group)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same_host_pull {}: group {}, bucket {} is outside the routing plan "
+                            "({} groups; the group has {} buckets)",
+                            call, b.group, b.bucket, plan.group_count(),
+                            b.group < plan.group_count() ? plan.bucket_count(b.group) : 0));
+  }
+}
+
+}  // namespace
+
+void SameHostPullTransport::send_routes_async(const RoutedBucket& bucket, const void* packed,
+                                              std::size_t bytes, Stream& stream) {
+  host::HostStream& host_stream = host_stream_of(stream, "send_routes_async");
+  if (state_->trainer_rank < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same_host_pull send_routes_async on engine rank {}: only trainer "
+                            "ranks send routes",
+                            state_->engine_rank));
+  }
+  check_bucket(*state_->plan, bucket, "send_routes_async");
+  const ByteRange range =
+      state_->plan->packed_range(state_->trainer_rank, bucket.group, bucket.bucket);
+  if (bytes != range.end - range.begin) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same_host_pull send_routes_async on trainer rank {}: {} bytes for {}, "
+                            "but the routing plan's packed range of this rank there is {} bytes "
+                            "([{}, {}))",
+                            state_->trainer_rank, bytes, bucket_name(bucket),
+                            range.end - range.begin, range.begin, range.end));
+  }
+  if (packed == nullptr && bytes > 0) {
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("same_host_pull send_routes_async: null packed memory for {} bytes", bytes));
+  }
+  const State::Staging& own = state_->staging[0];
+  const std::byte* bytes_at = static_cast<const std::byte*>(packed);
+  const std::uint32_t other = 1 - slot_of(bucket);
+  if (bytes > 0 && bytes_at == own.slot(other)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same_host_pull send_routes_async on trainer rank {}: {} was packed "
+                            "in staging slot {}, but goes in slot {} (sequence % 2): the other "
+                            "slot may still be read by the engines",
+                            state_->trainer_rank, bucket_name(bucket), other, 1 - other));
+  }
+  const std::uint64_t call = state_->calls_enqueued++;
+  host_stream.enqueue([state = state_, bucket, bytes_at, bytes, call] {
+    state->run_send(bucket, bytes_at, bytes, call);
+  });
+}
+
+void SameHostPullTransport::receive_routes_async(const RoutedBucket& bucket,
+                                                 std::span<const RouteCopy> copies,
+                                                 const RouteTargets& targets, Stream& stream) {
+  host::HostStream& host_stream = host_stream_of(stream, "receive_routes_async");
+  if (state_->engine_rank < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same_host_pull receive_routes_async on trainer rank {}: only engine "
+                            "ranks receive routes",
+                            state_->trainer_rank));
+  }
+  const RoutingPlan& plan = *state_->plan;
+  check_bucket(plan, bucket, "receive_routes_async");
+  // A copy reads only its trainer rank's packed slice of the bucket, whatever the doorbell says:
+  // checked here, so that the stream task copies without checks of its own.
+  for (std::size_t i = 0; i < copies.size(); ++i) {
+    const RouteCopy& c = copies[i];
+    if (c.trainer < 0 || c.trainer >= plan.trainer_count()) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("same_host_pull receive_routes_async: copy {} of {} reads trainer "
+                              "rank {}, outside 0..{}",
+                              i, bucket_name(bucket), c.trainer, plan.trainer_count() - 1));
+    }
+    const ByteRange range = plan.packed_range(c.trainer, bucket.group, bucket.bucket);
+    const std::size_t extent = c.rows == 0 ? 0 : (c.rows - 1) * c.src_pitch + c.row_bytes;
+    if (c.packed_offset > range.end - range.begin ||
+        extent > range.end - range.begin - c.packed_offset) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("same_host_pull receive_routes_async: copy {} of {} reads bytes "
+                              "[{}, {}) of trainer rank {}'s packing, which holds {} bytes of the "
+                              "bucket: copies must come from compose_route_copies for this plan",
+                              i, bucket_name(bucket), c.packed_offset, c.packed_offset + extent,
+                              c.trainer, range.end - range.begin));
+    }
+    if ((c.to_staging ? targets.staging : targets.slot) == nullptr && c.rows > 0) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("same_host_pull receive_routes_async: copy {} of {} goes to {}, "
+                              "but targets.{} is null",
+                              i, bucket_name(bucket), c.to_staging ? "staging" : "the slot",
+                              c.to_staging ? "staging" : "slot"));
+    }
+  }
+  const std::uint64_t call = state_->calls_enqueued++;
+  host_stream.enqueue([state = state_, bucket,
+                       copies = std::vector<RouteCopy>(copies.begin(), copies.end()), targets,
+                       call] { state->run_receive(bucket, copies, targets, call); });
+}
+
+}  // namespace shadowsync
