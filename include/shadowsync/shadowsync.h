@@ -502,12 +502,18 @@ typedef struct {
    * memory for quantized tensors (allocated with the receiver; 0: it quantizes none). */
   uint64_t plan_pieces;
   uint64_t plan_staging_bytes;
+  /* With a routing plan (shadowsync_receiver_use_routing_plan; all 0 without one): the bytes the
+   * last ready update's routes carried into this engine rank (the plan's bytes to it), the
+   * plan's trainer ranks and its fingerprint. */
+  uint64_t routed_bytes;
+  int32_t trainer_count;
+  uint64_t routing_fingerprint;
 } shadowsync_receiver_stats_t;
 
 #define SHADOWSYNC_RECEIVER_STATS_INITIALIZER                                                  \
   {                                                                                            \
     sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
-        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0                                   \
+        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0                          \
   }
 
 /* One group made live by a swap. */
@@ -787,7 +793,8 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_publish_destroy(shadowsync_publish
 /* ---------------------------------------------------------------------------------------------
  * Routing plans (core/routing_plan.h): sharded trainers, every byte moved once from the trainer
  * rank that holds it to each engine rank that needs it (DESIGN.md section 14). Built at set-up on
- * both sides from the same inputs; the fingerprints must agree. No transport moves routes yet.
+ * both sides from the same inputs; the fingerprints must agree. A routed sender per trainer rank
+ * and shadowsync_receiver_use_routing_plan move updates by it.
  *
  * Output arrays take a capacity and a count: *count is set to the entries there are; when the
  * capacity is smaller the call returns SHADOWSYNC_INVALID_ARGUMENT and writes none (call with
@@ -909,6 +916,47 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_routing_plan_routes(shadowsync_rou
                                                                   size_t group, size_t bucket,
                                                                   shadowsync_route_t* routes,
                                                                   size_t capacity, size_t* count);
+
+/* One trainer rank's shard of a wire tensor (shadowsync::SourceShard): `region` of tensor
+ * region.tensor, at `data` (memory of the sender's backend, contiguous in the row-major order of
+ * the region: the local tensor of an FSDP2 parameter, a Megatron slice, a ZeRO-3 partition
+ * without its padding). */
+typedef struct {
+  shadowsync_tensor_region_t region;
+  const void* data;
+  const char* dtype; /* a name or alias, as in shadowsync_tensor_spec_t */
+} shadowsync_source_shard_t;
+
+/* A sender for trainer rank `trainer_rank` of `plan` (built on `layout`): it publishes only its
+ * shards (shadowsync_sender_publish_shards) through `transport`, which must move routes of the
+ * plan for that rank. Routed updates carry no checksums yet: config->checksums defaults to 0
+ * here, and 1 is refused. Refused, naming both values: a rank outside the plan, a transport that
+ * moves no routes or is another rank's (SHADOWSYNC_INVALID_ARGUMENT), a plan of another layout
+ * (SHADOWSYNC_LAYOUT_MISMATCH). The plan may be destroyed afterwards. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_create_for_trainer_rank(
+    shadowsync_layout_t layout, shadowsync_routing_plan_t plan, int32_t trainer_rank,
+    shadowsync_backend_t backend, shadowsync_transport_t transport,
+    const shadowsync_sender_config_t* config, shadowsync_sender_t* sender);
+/* A routed sender: publishes `groups` at `version` from this trainer rank's shards. Every tensor
+ * the plan has it hold must be given, with its spec's dtype and the region the plan was built
+ * with; shards of tensors it holds nothing of are ignored. Checked before a byte moves
+ * (SHADOWSYNC_INVALID_ARGUMENT naming the tensor, the rank and both values). The shards must
+ * stay valid and unchanged until the update is done. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_publish_shards(
+    shadowsync_sender_t sender, uint64_t version, const char* const* groups, size_t group_count,
+    const shadowsync_source_shard_t* shards, size_t shard_count, shadowsync_publish_t* publish);
+/* The staging memory the sender packs into: two buckets, or for a routed sender two slots of
+ * the plan's max_packed_bytes of its rank. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_staging_bytes(shadowsync_sender_t sender,
+                                                                   uint64_t* bytes);
+/* Makes `receiver` engine rank `engine_rank` of `plan` (built on its wire layout): its updates
+ * are then every trainer rank's routes into it, moved by its transport (which must move routes of
+ * the plan for that rank, or the update fails, named). Before the first update only. Refused:
+ * a rank outside the plan, an update already accepted, require_checksums set
+ * (SHADOWSYNC_INVALID_ARGUMENT), a plan of another wire layout (SHADOWSYNC_LAYOUT_MISMATCH). The
+ * plan may be destroyed afterwards. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_use_routing_plan(
+    shadowsync_receiver_t receiver, shadowsync_routing_plan_t plan, int32_t engine_rank);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -263,6 +263,13 @@ std::vector<std::string> group_names_arg(const char* const* groups, std::size_t 
 std::vector<SourceTensor> source_tensors_arg(const shadowsync_source_tensor_t* tensors,
                                              std::size_t count);
 
+std::vector<SourceShard> source_shards_arg(const shadowsync_source_shard_t* shards,
+                                           std::size_t count);
+
+// The routing plan of a handle, sharing the handle's object (the caller may destroy the handle
+// while a sender or receiver keeps using the plan).
+std::shared_ptr<const RoutingPlan> routing_plan_arg(shadowsync_routing_plan_t plan);
+
 std::chrono::steady_clock::time_point deadline_after(std::int64_t timeout_ms);
 
 // Update headers between C and C++ (layout_api.cpp). Both check the caller's struct (NULL,

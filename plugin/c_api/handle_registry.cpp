@@ -112,6 +112,50 @@ std::vector<SourceTensor> source_tensors_arg(const shadowsync_source_tensor_t* t
   return sources;
 }
 
+std::vector<SourceShard> source_shards_arg(const shadowsync_source_shard_t* shards,
+                                           std::size_t count) {
+  if (count > 0 && shards == nullptr) {
+    throw_invalid(fmt::format("'shards' is NULL but the count is {}", count));
+  }
+  std::vector<SourceShard> out;
+  out.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const shadowsync_source_shard_t& s = shards[i];
+    const std::string argument = fmt::format("shards[{}]", i);
+    SourceShard shard;
+    shard.name = string_arg(s.region.tensor, argument + ".region.tensor");
+    shard.data = s.data;
+    try {
+      shard.dtype = dtype_from_string(string_arg(s.dtype, argument + ".dtype"));
+    } catch (const Error& e) {
+      throw_invalid(fmt::format("shard of tensor '{}': {}", shard.name, e.what()));
+    }
+    switch (s.region.kind) {
+      case SHADOWSYNC_REGION_BOX: {
+        const auto begin = shape_arg(s.region.begin, s.region.ndim, argument + ".region.begin");
+        const auto end = shape_arg(s.region.end, s.region.ndim, argument + ".region.end");
+        shard.region = TensorRegion::box(begin, end);
+        break;
+      }
+      case SHADOWSYNC_REGION_ELEMENTS:
+        shard.region = TensorRegion::elements(s.region.first, s.region.count);
+        break;
+      default:
+        throw_invalid(fmt::format("shard of tensor '{}': region kind {} is not "
+                                  "SHADOWSYNC_REGION_BOX (0) or SHADOWSYNC_REGION_ELEMENTS (1)",
+                                  shard.name, s.region.kind));
+    }
+    out.push_back(std::move(shard));
+  }
+  return out;
+}
+
+std::shared_ptr<const RoutingPlan> routing_plan_arg(shadowsync_routing_plan_t plan) {
+  std::shared_ptr<RoutingPlanObject> object = lookup<RoutingPlanObject>(plan, "plan");
+  const RoutingPlan* routing = &object->plan;
+  return std::shared_ptr<const RoutingPlan>(std::move(object), routing);
+}
+
 std::chrono::steady_clock::time_point deadline_after(std::int64_t timeout_ms) {
   using Clock = std::chrono::steady_clock;
   // A negative timeout waits without limit; a year is the same in practice and cannot overflow.

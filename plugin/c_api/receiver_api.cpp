@@ -424,6 +424,15 @@ shadowsync_status_t shadowsync_receiver_replace_transport(shadowsync_receiver_t 
   });
 }
 
+shadowsync_status_t shadowsync_receiver_use_routing_plan(shadowsync_receiver_t receiver,
+                                                         shadowsync_routing_plan_t plan,
+                                                         int32_t engine_rank) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    object->receiver->use_routing_plan(routing_plan_arg(plan), engine_rank);
+  });
+}
+
 shadowsync_status_t shadowsync_receiver_drain(shadowsync_receiver_t receiver) {
   return guard(__func__, [&] { lookup<ReceiverObject>(receiver, "receiver")->receiver->drain(); });
 }
@@ -603,6 +612,9 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
       full.plan_pieces = plan->piece_count();
       full.plan_staging_bytes = plan->staging_bytes();
     }
+    full.routed_bytes = s.routed_bytes;
+    full.trainer_count = s.trainer_count;
+    full.routing_fingerprint = s.routing_fingerprint;
     const StepHook& hook = object->receiver->step_hook();
     full.gated_swaps = hook.gated_swaps();
     full.gates_abandoned = hook.gates_abandoned();

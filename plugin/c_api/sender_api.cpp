@@ -8,10 +8,13 @@ using namespace shadowsync::c_api;
 
 namespace {
 
-SenderConfig sender_config(const shadowsync_sender_config_t* user) {
+// `routed`: a trainer rank of a routing plan, whose checksums default to off (routes carry none
+// yet; the Sender refuses them set, by name).
+SenderConfig sender_config(const shadowsync_sender_config_t* user, bool routed = false) {
   const shadowsync_sender_config_t defaults = SHADOWSYNC_SENDER_CONFIG_INITIALIZER;
   const auto c = read_config(user, defaults, "shadowsync_sender_config_t");
   SenderConfig config;
+  config.checksums = !routed;
   config.root_rank = read_int(c.root_rank, config.root_rank);
   config.update_deadline = read_int64(c.update_deadline_ms, config.update_deadline);
   config.poll_interval = read_int64(c.poll_interval_us, config.poll_interval);
@@ -49,6 +52,48 @@ shadowsync_status_t shadowsync_sender_create(shadowsync_layout_t layout,
                                               claim.take(), cpp_config);
     out = to_handle<shadowsync_sender_t>(std::move(object));
     claim.commit();
+  });
+}
+
+shadowsync_status_t shadowsync_sender_create_for_trainer_rank(
+    shadowsync_layout_t layout, shadowsync_routing_plan_t plan, int32_t trainer_rank,
+    shadowsync_backend_t backend, shadowsync_transport_t transport,
+    const shadowsync_sender_config_t* config, shadowsync_sender_t* sender) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(sender, "sender");
+    auto layout_object = lookup<LayoutObject>(layout, "layout");
+    std::shared_ptr<const RoutingPlan> routing = routing_plan_arg(plan);
+    auto object = std::make_shared<SenderObject>();
+    object->backend = lookup<BackendObject>(backend, "backend");
+    const SenderConfig cpp_config = sender_config(config, /*routed=*/true);
+    TransportClaim claim(transport, /*allow_null=*/false);
+    object->sender =
+        std::make_unique<Sender>(layout_object->layout, *object->backend->backend, claim.take(),
+                                 std::move(routing), trainer_rank, cpp_config);
+    out = to_handle<shadowsync_sender_t>(std::move(object));
+    claim.commit();
+  });
+}
+
+shadowsync_status_t shadowsync_sender_publish_shards(shadowsync_sender_t sender, uint64_t version,
+                                                     const char* const* groups,
+                                                     size_t group_count,
+                                                     const shadowsync_source_shard_t* shards,
+                                                     size_t shard_count,
+                                                     shadowsync_publish_t* publish) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(publish, "publish");
+    auto object = lookup<SenderObject>(sender, "sender");
+    PublishHandle handle = object->sender->publish_shards(
+        version, group_names_arg(groups, group_count), source_shards_arg(shards, shard_count));
+    out = to_handle<shadowsync_publish_t>(std::make_shared<PublishObject>(std::move(handle)));
+  });
+}
+
+shadowsync_status_t shadowsync_sender_staging_bytes(shadowsync_sender_t sender, uint64_t* bytes) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(bytes, "bytes");
+    out = lookup<SenderObject>(sender, "sender")->sender->staging_bytes();
   });
 }
 

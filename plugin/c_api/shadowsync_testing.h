@@ -59,6 +59,16 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_testing_quantize_fp8(const void* s
                                                                   size_t elements, size_t parts,
                                                                   void* dst, float* scales);
 
+/* Loopback routes (plugin/transports/loopback/loopback_routes.h): one in-process communicator of
+ * `plan`'s M trainer ranks and N engine ranks, pulling routes on host streams. Writes the
+ * transport of trainer rank t to trainers[t] and of engine rank e to engines[e] (each to give to
+ * shadowsync_sender_create_for_trainer_rank or to a receiver with
+ * shadowsync_receiver_use_routing_plan, or to destroy). SHADOWSYNC_INVALID_ARGUMENT, nothing
+ * made, when trainer_count or engine_count is not the plan's (naming both). */
+SHADOWSYNC_API shadowsync_status_t shadowsync_testing_route_loopback_create(
+    shadowsync_routing_plan_t plan, shadowsync_transport_t* trainers, size_t trainer_count,
+    shadowsync_transport_t* engines, size_t engine_count);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

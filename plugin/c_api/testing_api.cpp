@@ -1,5 +1,6 @@
-// The C ABI's test hooks (c_api/shadowsync_testing.h): fault injection into a loopback world, an
-// engine arena in host memory, and the host backend's FP8 quantization on plain memory.
+// The C ABI's test hooks (c_api/shadowsync_testing.h): fault injection into a loopback world,
+// loopback routes of a routing plan, an engine arena in host memory, and the host backend's FP8
+// quantization on plain memory.
 // Not in the product library libshadowsync_c.so: built, with the tests only, into
 // libshadowsync_c_testing.so and the static shadowsync_c_api_testing (plugin/c_api/CMakeLists.txt).
 #include "c_api/shadowsync_testing.h"
@@ -12,6 +13,7 @@
 
 #include "c_api/c_api_internal.h"
 #include "shadowsync/host_backend.h"
+#include "transports/loopback/loopback_routes.h"
 
 using namespace shadowsync;
 using namespace shadowsync::c_api;
@@ -99,6 +101,43 @@ shadowsync_status_t shadowsync_testing_quantize_fp8(const void* src, const char*
     backend.quantize_fp8_async(src, dtype_from_string(dtype), elements, parts, dst, scales,
                                *stream);
     backend.stream_synchronize(*stream);
+  });
+}
+
+shadowsync_status_t shadowsync_testing_route_loopback_create(shadowsync_routing_plan_t plan,
+                                                            shadowsync_transport_t* trainers,
+                                                            size_t trainer_count,
+                                                            shadowsync_transport_t* engines,
+                                                            size_t engine_count) {
+  return guard(__func__, [&] {
+    std::shared_ptr<const RoutingPlan> routing = routing_plan_arg(plan);
+    const auto counts = [&](const char* what, size_t given, int planned, const void* out) {
+      if (given != static_cast<size_t>(planned)) {
+        throw_invalid(fmt::format("{} transports asked for {} {} ranks, but the routing plan has "
+                                  "{}",
+                                  given, what, what, planned));
+      }
+      if (given > 0 && out == nullptr) throw_invalid(fmt::format("'{}s' is NULL", what));
+    };
+    counts("trainer", trainer_count, routing->trainer_count(), trainers);
+    counts("engine", engine_count, routing->engine_count(), engines);
+    LoopbackRouteCommunicator communicator(std::move(routing));  // its transports keep it
+    std::vector<std::shared_ptr<TransportObject>> made;
+    for (size_t t = 0; t < trainer_count + engine_count; ++t) {
+      auto object = std::make_shared<TransportObject>();
+      object->transport = t < trainer_count
+                              ? communicator.trainer_transport(static_cast<int>(t))
+                              : communicator.engine_transport(static_cast<int>(t - trainer_count));
+      made.push_back(std::move(object));
+    }
+    for (size_t t = 0; t < made.size(); ++t) {
+      auto handle = to_handle<shadowsync_transport_t>(std::move(made[t]));
+      if (t < trainer_count) {
+        trainers[t] = handle;
+      } else {
+        engines[t - trainer_count] = handle;
+      }
+    }
   });
 }
 

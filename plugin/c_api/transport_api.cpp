@@ -38,6 +38,7 @@ class ForwardingTransport final : public Transport {
     return inner_->staging_buffer(index, bytes);
   }
   void flush() override { inner_->flush(); }
+  RouteMover* route_mover() override { return inner_->route_mover(); }
   void group_begin() override { inner_->group_begin(); }
   void group_end() override { inner_->group_end(); }
   std::optional<std::string> async_error() override { return inner_->async_error(); }

@@ -215,6 +215,9 @@ class ReceiverStatsC(Structure):
         ("last_clean_step_missed", c_int32),
         ("plan_pieces", c_uint64),
         ("plan_staging_bytes", c_uint64),
+        ("routed_bytes", c_uint64),
+        ("trainer_count", c_int32),
+        ("routing_fingerprint", c_uint64),
     ]
 
 
@@ -268,6 +271,10 @@ class TensorRegionC(Structure):
         ("first", c_int64),
         ("count", c_int64),
     ]
+
+
+class SourceShardC(Structure):
+    _fields_ = [("region", TensorRegionC), ("data", c_void_p), ("dtype", c_char_p)]
 
 
 class RankRangesC(Structure):
@@ -432,6 +439,16 @@ _PROTOTYPES = {
         c_int,
         [_H, c_size_t, c_size_t, _P(RouteC), c_size_t, _P(c_size_t)],
     ),
+    "shadowsync_sender_create_for_trainer_rank": (
+        c_int,
+        [_H, _H, c_int32, _H, _H, _P(SenderConfigC), _P(_H)],
+    ),
+    "shadowsync_sender_publish_shards": (
+        c_int,
+        [_H, c_uint64, _P(c_char_p), c_size_t, _P(SourceShardC), c_size_t, _P(_H)],
+    ),
+    "shadowsync_sender_staging_bytes": (c_int, [_H, _P(c_uint64)]),
+    "shadowsync_receiver_use_routing_plan": (c_int, [_H, _H, c_int32]),
 }
 
 

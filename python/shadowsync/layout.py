@@ -143,6 +143,30 @@ class UpdateHeader:
         return UpdateHeader._from_c(c)
 
 
+
+def region_struct(region: TensorRegion) -> tuple[TensorRegionC, list]:
+    """`region` as shadowsync_tensor_region_t, and what keeps its pointers valid."""
+    c = TensorRegionC()
+    tensor = str(region.tensor).encode()
+    c.tensor = tensor
+    keep: list = [tensor]
+    if region.kind == BOX:
+        c.kind = _library.REGION_BOX
+        c.ndim = len(region.begin)
+        begin = (c_int64 * max(len(region.begin), 1))(*region.begin)
+        end = (c_int64 * max(len(region.end), 1))(*region.end)
+        c.begin = ctypes.cast(begin, ctypes.POINTER(c_int64))
+        c.end = ctypes.cast(end, ctypes.POINTER(c_int64))
+        keep += [begin, end]
+    elif region.kind == ELEMENTS:
+        c.kind = _library.REGION_ELEMENTS
+        c.first, c.count = region.first, region.count
+    else:
+        raise InvalidArgumentError(
+            f"region of tensor '{region.tensor}': kind '{region.kind}' is not '{BOX}' or "
+            f"'{ELEMENTS}'")
+    return c, keep
+
 class Layout(Handle):
     """The ordered tensor specs of every group, placed in one arena per group (Layout::build).
 
@@ -285,22 +309,7 @@ class Layout(Handle):
         (a Megatron row-parallel slice, FSDP2 Shard(1)) one range per row. Raises
         InvalidArgumentError naming the tensor and the box or elements when they are empty or
         outside its shape, LayoutMismatchError for a tensor the layout does not have. Thread-safe."""
-        c = TensorRegionC()
-        c.tensor = str(region.tensor).encode()
-        if region.kind == BOX:
-            c.kind = _library.REGION_BOX
-            c.ndim = len(region.begin)
-            begin = (c_int64 * max(len(region.begin), 1))(*region.begin)
-            end = (c_int64 * max(len(region.end), 1))(*region.end)
-            c.begin = ctypes.cast(begin, ctypes.POINTER(c_int64))
-            c.end = ctypes.cast(end, ctypes.POINTER(c_int64))
-        elif region.kind == ELEMENTS:
-            c.kind = _library.REGION_ELEMENTS
-            c.first, c.count = region.first, region.count
-        else:
-            raise InvalidArgumentError(
-                f"region of tensor '{region.tensor}': kind '{region.kind}' is not '{BOX}' or "
-                f"'{ELEMENTS}'")
+        c, _keep = region_struct(region)
         ranges = call_array("shadowsync_layout_region_ranges", WireRangeC, self._handle, byref(c))
         return [WireRange(r.group, r.begin, r.end) for r in ranges]
 

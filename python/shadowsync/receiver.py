@@ -207,6 +207,11 @@ class ReceiverStats:
     # (one copy on its stream each) and the staging memory it holds for quantized tensors.
     plan_pieces: int = 0
     plan_staging_bytes: int = 0
+    # With a routing plan (use_routing_plan; 0 without one): the bytes the last ready update's
+    # routes carried into this engine rank, the plan's trainer ranks and its fingerprint.
+    routed_bytes: int = 0
+    trainer_count: int = 0
+    routing_fingerprint: int = 0
 
 
 @dataclass(frozen=True)
@@ -359,6 +364,16 @@ class Receiver(Handle):
         call("shadowsync_receiver_replace_transport", self._handle, transport.handle)
         transport._disown()
 
+    def use_routing_plan(self, plan, engine_rank: int) -> None:
+        """Makes this receiver engine rank `engine_rank` of `plan` (a RoutingPlan over its wire
+        layout; DESIGN §14): its updates are then every trainer rank's routes into it, moved by
+        its transport (which must move routes of the plan for that rank, or the update fails,
+        named), no longer broadcasts. Before the first update only. Raises InvalidArgumentError
+        for a rank outside the plan, an update already accepted or require_checksums set
+        (routed updates carry no checksums yet), LayoutMismatchError for a plan of another wire
+        layout. Thread-safe."""
+        call("shadowsync_receiver_use_routing_plan", self._handle, plan.handle, int(engine_rank))
+
     def drain(self) -> None:
         """Blocks until every queued command was processed. Thread-safe."""
         call("shadowsync_receiver_drain", self._handle)
@@ -388,6 +403,9 @@ class Receiver(Handle):
             s.gates_abandoned,
             s.plan_pieces,
             s.plan_staging_bytes,
+            s.routed_bytes,
+            s.trainer_count,
+            s.routing_fingerprint,
         )
 
     def _failure(self, s: ReceiverStatsC) -> UpdateFailure | None:

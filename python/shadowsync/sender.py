@@ -21,10 +21,11 @@ from typing import Callable, Iterable, Sequence
 
 from . import tensors as _tensors
 from ._handle import Handle
-from ._library import MAX_HEADER_BYTES, SenderConfigC, UpdateHeaderC, config_struct
+from ._library import MAX_HEADER_BYTES, SenderConfigC, SourceShardC, UpdateHeaderC, config_struct
 from .backend import Backend
 from .errors import IN_PROGRESS, InvalidArgumentError, ShadowsyncTimeoutError, call, call_status
-from .layout import Layout, UpdateHeader, format_shape
+from .layout import Layout, UpdateHeader, format_shape, region_struct
+from .regions import TensorRegion
 from .transport import Transport
 
 
@@ -189,8 +190,26 @@ class StreamedPublish:
             Handle.close(self.handle)
 
 
+class _ShardArray:
+    """The C array of shadowsync_source_shard_t for checked shards, and what keeps its pointers
+    valid (names, regions and the tensors themselves) for as long as this object lives."""
+
+    def __init__(self, shards: list[tuple[_tensors.TensorDesc, TensorRegion]]):
+        self.count = len(shards)
+        self.array = (SourceShardC * max(self.count, 1))()
+        self._keep = []
+        for i, (desc, region) in enumerate(shards):
+            c_region, keep = region_struct(region)
+            dtype = desc.dtype.encode()
+            self._keep += [keep, dtype, desc.tensor]
+            self.array[i] = SourceShardC(c_region, desc.data_ptr, dtype)
+
+
 class Sender(Handle):
-    """The trainer side: the broadcast root of `transport` (taken). Thread-safe."""
+    """The trainer side: the broadcast root of `transport` (taken), or with `routing_plan` and
+    `trainer_rank` one trainer rank of a sharded trainer (DESIGN §14), which publishes only its
+    shards (publish_shards) through a transport that moves the plan's routes for that rank.
+    Thread-safe."""
 
     _destroy_fn = "shadowsync_sender_destroy"
 
@@ -200,23 +219,120 @@ class Sender(Handle):
         backend: Backend,
         transport: Transport,
         config: SenderConfig | None = None,
+        *,
+        routing_plan=None,
+        trainer_rank: int | None = None,
     ):
+        if (routing_plan is None) != (trainer_rank is None):
+            raise InvalidArgumentError(
+                f"Sender: routing_plan and trainer_rank go together (a trainer rank of a routing "
+                f"plan), got routing_plan {'set' if routing_plan is not None else 'None'} and "
+                f"trainer_rank {trainer_rank}")
         c_config = config_struct(SenderConfigC, **vars(config)) if config is not None else None
         handle = c_void_p()
-        call(
-            "shadowsync_sender_create",
-            layout.handle,
-            backend.handle,
-            transport.handle,
-            byref(c_config) if c_config is not None else None,
-            byref(handle),
-        )
+        if routing_plan is None:
+            call(
+                "shadowsync_sender_create",
+                layout.handle,
+                backend.handle,
+                transport.handle,
+                byref(c_config) if c_config is not None else None,
+                byref(handle),
+            )
+        else:
+            # Routed updates carry no checksums yet: the library's default here is off.
+            call(
+                "shadowsync_sender_create_for_trainer_rank",
+                layout.handle,
+                routing_plan.handle,
+                int(trainer_rank),
+                backend.handle,
+                transport.handle,
+                byref(c_config) if c_config is not None else None,
+                byref(handle),
+            )
         super().__init__(handle.value)
         transport._disown()
         self.layout = layout
         self.backend = backend
+        self.routing_plan = routing_plan
+        self.trainer_rank = trainer_rank
         self._inflight: list[PublishHandle] = []
         self._inflight_lock = threading.Lock()
+
+    @property
+    def staging_bytes(self) -> int:
+        """The staging memory the sender packs into: two buckets, or for a trainer rank of a
+        routing plan two slots of the plan's max_packed_bytes of its rank. Thread-safe."""
+        out = ctypes.c_uint64()
+        call("shadowsync_sender_staging_bytes", self._handle, byref(out))
+        return out.value
+
+    def publish_shards(self, version: int, shards, groups: Iterable[str] | None = None
+                       ) -> PublishHandle:
+        """A trainer rank of a routing plan: publishes `groups` (default: every group of the
+        layout, which every rank then publishes alike) at `version` from this rank's shards and
+        returns at once. `shards`: (name, tensor, TensorRegion) triples, the tensor (a numpy array
+        or a torch tensor on the backend's device, contiguous) holding `region` of wire tensor
+        `name` in the region's row-major order. Every tensor the plan has this rank hold must be
+        given, with its spec's dtype and the region the plan was built with; others are ignored.
+        Anything else raises InvalidArgumentError naming the tensor, the rank and both values;
+        nothing is sent. The shards must stay unchanged until the handle is done; the Sender
+        keeps them alive until then."""
+        selected = ([self.layout.group(g).name for g in groups] if groups is not None
+                    else [g.name for g in self.layout.groups])
+        checked = []
+        for entry in shards:
+            try:
+                name, tensor, region = entry
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"update {version}: expected (name, tensor, TensorRegion) triples, got an "
+                    f"entry of type {type(entry).__name__}") from None
+            if not isinstance(region, TensorRegion) or region.tensor != name:
+                raise InvalidArgumentError(
+                    f"update {version}: the shard of tensor '{name}' comes with region {region!r}; "
+                    f"give a TensorRegion of that tensor")
+            info = self.layout.tensor(name)  # raises naming an unknown tensor
+            desc = _tensors.describe(name, tensor)
+            if desc.dtype != info.dtype:
+                raise InvalidArgumentError(
+                    f"update {version}: trainer rank {self.trainer_rank}: the shard of tensor "
+                    f"'{name}' has dtype {desc.dtype_repr}, the layout {info.dtype}")
+            if not desc.contiguous:
+                raise InvalidArgumentError(
+                    f"update {version}: trainer rank {self.trainer_rank}: the shard of tensor "
+                    f"'{name}' is not contiguous (strides {desc.strides}); pass a contiguous copy")
+            if desc.device != self.backend.device:
+                raise InvalidArgumentError(
+                    f"update {version}: trainer rank {self.trainer_rank}: the shard of tensor "
+                    f"'{name}' is on {desc.device}, the sender's backend on {self.backend.device}")
+            numel = 1
+            for d in desc.shape:
+                numel *= d
+            if numel != region.numel:
+                raise InvalidArgumentError(
+                    f"update {version}: trainer rank {self.trainer_rank}: the shard of tensor "
+                    f"'{name}' has {numel} elements (shape {format_shape(desc.shape)}), its "
+                    f"region {region.numel} (shape {format_shape(region.shape)})")
+            checked.append((desc, region))
+        _tensors.synchronize_producers([desc for desc, _ in checked])
+        source = _ShardArray(checked)
+        group_array, _keep = _group_array(selected)
+        handle = c_void_p()
+        call(
+            "shadowsync_sender_publish_shards",
+            self._handle,
+            int(version),
+            group_array,
+            len(selected),
+            source.array,
+            source.count,
+            byref(handle),
+        )
+        publish = PublishHandle(handle.value, keepalive=source)
+        self._track(publish)
+        return publish
 
     def publish(self, version: int, tensors, groups: Iterable[str] | None = None) -> PublishHandle:
         """Publishes `groups` at `version` from `tensors` (a mapping of names to tensors, or

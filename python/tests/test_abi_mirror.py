@@ -38,6 +38,7 @@ STRUCTS = {
     "shadowsync_plan_copy_t": _library.PlanCopyC,
     "shadowsync_wire_range_t": _library.WireRangeC,
     "shadowsync_tensor_region_t": _library.TensorRegionC,
+    "shadowsync_source_shard_t": _library.SourceShardC,
     "shadowsync_rank_ranges_t": _library.RankRangesC,
     "shadowsync_route_t": _library.RouteC,
     "shadowsync_routing_plan_info_t": _library.RoutingPlanInfoC,
@@ -79,6 +80,7 @@ CTYPE_NAMES = {
     ctypes.c_void_p: "void_p",
     ctypes.POINTER(ctypes.c_int64): "int64_p",
     ctypes.POINTER(_library.WireRangeC): "wire_range_p",
+    _library.TensorRegionC: "tensor_region",
 }
 
 

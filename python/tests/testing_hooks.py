@@ -1,5 +1,6 @@
 """The C ABI's test hooks (plugin/c_api/shadowsync_testing.h) through ctypes: fault
-injection into a loopback world, and an engine arena in host memory. They are not part of the
+injection into a loopback world, loopback routes of a routing plan, and an engine arena in host
+memory. They are not part of the
 shadowsync package's API, nor of the product library libshadowsync_c.so: a CMake build with the
 tests makes libshadowsync_c_testing.so, the same library plus the hooks (shadowsync_testing_*),
 and the tests that call them need the package to load that one (SHADOWSYNC_LIBRARY=<build>/
@@ -24,6 +25,8 @@ _PROTOTYPES = {
     "shadowsync_testing_loopback_inject_drop": (c_int, [c_void_p, c_int, c_uint64]),
     "shadowsync_testing_loopback_inject_flip": (c_int, [c_void_p, c_int, c_uint64, c_size_t]),
     "shadowsync_testing_host_arena_create": (c_int, [c_void_p, c_size_t, c_int, c_void_p]),
+    "shadowsync_testing_route_loopback_create": (
+        c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t]),
 }
 
 
@@ -61,6 +64,22 @@ def inject_flip(loopback: ss.Loopback, rank: int, call_index: int, offset: int) 
     _declare()
     call("shadowsync_testing_loopback_inject_flip", loopback.handle, int(rank), int(call_index),
          int(offset))
+
+
+def route_loopback(plan: ss.RoutingPlan) -> tuple[list[ss.Transport], list[ss.Transport]]:
+    """One in-process communicator of `plan`'s trainer and engine ranks, moving routes on host
+    streams (shadowsync_testing_route_loopback_create): the transports of trainer ranks 0..M-1
+    (for Sender(..., routing_plan=plan, trainer_rank=t)) and of engine ranks 0..N-1 (for a
+    Receiver given use_routing_plan(plan, e))."""
+    _declare()
+    trainers = (c_void_p * plan.trainer_count)()
+    engines = (c_void_p * plan.engine_count)()
+    call("shadowsync_testing_route_loopback_create", plan.handle, trainers, plan.trainer_count,
+         engines, plan.engine_count)
+    return ([ss.Transport(trainers[t], f"loopback routes, trainer rank {t}")
+             for t in range(plan.trainer_count)],
+            [ss.Transport(engines[e], f"loopback routes, engine rank {e}")
+             for e in range(plan.engine_count)])
 
 
 class HostArena(ss.RemapArena):

@@ -22,6 +22,7 @@
       const void*: "void_p",     \
       const int64_t*: "int64_p", \
       const shadowsync_wire_range_t*: "wire_range_p", \
+      shadowsync_tensor_region_t: "tensor_region", \
       default: "unknown")
 
 static int first_item;
@@ -169,6 +170,9 @@ static void structs(void) {
   FIELD(shadowsync_receiver_stats_t, last_clean_step_missed);
   FIELD(shadowsync_receiver_stats_t, plan_pieces);
   FIELD(shadowsync_receiver_stats_t, plan_staging_bytes);
+  FIELD(shadowsync_receiver_stats_t, routed_bytes);
+  FIELD(shadowsync_receiver_stats_t, trainer_count);
+  FIELD(shadowsync_receiver_stats_t, routing_fingerprint);
   end_struct();
 
   STRUCT(shadowsync_group_swap_t);
@@ -211,6 +215,12 @@ static void structs(void) {
   FIELD(shadowsync_tensor_region_t, end);
   FIELD(shadowsync_tensor_region_t, first);
   FIELD(shadowsync_tensor_region_t, count);
+  end_struct();
+
+  STRUCT(shadowsync_source_shard_t);
+  FIELD(shadowsync_source_shard_t, region);
+  FIELD(shadowsync_source_shard_t, data);
+  FIELD(shadowsync_source_shard_t, dtype);
   end_struct();
 
   STRUCT(shadowsync_rank_ranges_t);
