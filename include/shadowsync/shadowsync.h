@@ -437,6 +437,37 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_transport_serve(
 SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_transport_connect(
     const char* path, const void* token, size_t token_bytes, int rank,
     shadowsync_backend_t backend, int64_t connect_timeout_ms, shadowsync_transport_t* transport);
+/* The same-host pull transport (DESIGN.md section 14): routes of a sharded trainer between
+ * processes of one host, each engine rank pulling its routes straight from every trainer rank's
+ * exported staging. It moves routes only (a sender per trainer rank, a receiver with a routing
+ * plan); broadcasts are refused. Host memory and host backends only for now
+ * (SHADOWSYNC_SAME_HOST_MEMORY_DEVICE: SHADOWSYNC_NOT_SUPPORTED). The transport keeps `plan` and
+ * `backend` alive; both handles may be destroyed afterwards.
+ *
+ * Trainer rank `trainer_rank` of `plan`: listens on the Unix socket `path` (its own; directory
+ * rules as shadowsync_same_host_transport_serve) and blocks until `engine_processes` engine
+ * processes (the plan's engine count: one per engine rank) proved the token and said they were
+ * set up with the same plan, then shares two staging slots of the plan's max_packed_bytes of the
+ * rank. An engine set up for another world size or plan, or asking for an engine rank taken
+ * already, is refused and the wait goes on: SHADOWSYNC_TIMEOUT after connect_timeout_ms (0: the
+ * default, 60000) names each refusal with both sides' values and the engine ranks missing.
+ * Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_pull_serve(
+    const char* path, const void* token, size_t token_bytes, shadowsync_routing_plan_t plan,
+    int32_t trainer_rank, int32_t engine_processes, shadowsync_backend_t backend,
+    shadowsync_same_host_memory_t memory, int64_t connect_timeout_ms,
+    shadowsync_transport_t* transport);
+/* Engine rank `engine_rank` of `plan`: connects to the `count` trainer ranks' paths (`paths[t]`
+ * served by trainer rank t; count is the plan's trainer count) within connect_timeout_ms in all
+ * (SHADOWSYNC_TIMEOUT: "trainer rank 2 (<path>) never served within 60000 ms"), proves the token
+ * and maps each trainer rank's staging. Refused, naming both values: a trainer rank set up for
+ * another world size, or an engine rank taken already (SHADOWSYNC_INVALID_ARGUMENT), another
+ * routing plan (SHADOWSYNC_LAYOUT_MISMATCH), a path served by another trainer rank than its index
+ * (SHADOWSYNC_INVALID_ARGUMENT), a wrong token (SHADOWSYNC_TRANSPORT_ERROR). Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_pull_connect(
+    const char* const* paths, size_t count, const void* token, size_t token_bytes,
+    shadowsync_routing_plan_t plan, int32_t engine_rank, shadowsync_backend_t backend,
+    int64_t connect_timeout_ms, shadowsync_transport_t* transport);
 /* Destroys a transport no receiver or sender took. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_transport_destroy(shadowsync_transport_t transport);
 

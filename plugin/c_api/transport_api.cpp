@@ -9,6 +9,7 @@
 #include "c_api/c_api_internal.h"
 #include "shadowsync/token.h"
 #include "shadowsync/same_host_transport.h"
+#include "transports/same_host/same_host_pull_transport.h"
 #if defined(SHADOWSYNC_WITH_CUDA)
 #include "shadowsync/nccl_transport.h"
 #endif
@@ -288,6 +289,81 @@ shadowsync_status_t shadowsync_same_host_transport_connect(const char* path, con
     const SameHostConfig config = same_host_config(connect_timeout_ms);
     std::unique_ptr<Transport> made = SameHostTransport::connect(
         socket_path, secret, rank, *backend_object->backend, config);
+    out = add_transport(
+        std::make_unique<ForwardingTransport>(std::move(made), std::move(backend_object)));
+  });
+}
+
+shadowsync_status_t shadowsync_same_host_pull_serve(
+    const char* path, const void* token, size_t token_bytes, shadowsync_routing_plan_t plan,
+    int32_t trainer_rank, int32_t engine_processes, shadowsync_backend_t backend,
+    shadowsync_same_host_memory_t memory, int64_t connect_timeout_ms,
+    shadowsync_transport_t* transport) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(transport, "transport");
+    const std::string socket_path = string_arg(path, "path");
+    const std::string_view secret = token_arg(token, token_bytes);
+    auto plan_object = lookup<RoutingPlanObject>(plan, "plan");
+    auto backend_object = lookup<BackendObject>(backend, "backend");
+    static_assert(sizeof(memory) == sizeof(int));
+    int flavour = 0;
+    std::memcpy(&flavour, &memory, sizeof(flavour));
+    if (flavour == SHADOWSYNC_SAME_HOST_MEMORY_DEVICE) {
+      throw_not_supported(fmt::format(
+          "same-host pull transport on '{}' with SHADOWSYNC_SAME_HOST_MEMORY_DEVICE: device "
+          "memory is not built yet (issue 43 step 4 follow-up); serve "
+          "SHADOWSYNC_SAME_HOST_MEMORY_HOST with a host backend",
+          socket_path));
+    }
+    if (flavour != SHADOWSYNC_SAME_HOST_MEMORY_HOST) {
+      throw_invalid(fmt::format("'memory' is {}; expected SHADOWSYNC_SAME_HOST_MEMORY_HOST ({})",
+                                flavour, static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_HOST)));
+    }
+    if (backend_object->cuda) {
+      throw_invalid(fmt::format("same-host pull transport on '{}': host memory needs a host "
+                                "backend, but 'backend' is '{}'",
+                                socket_path, backend_object->backend->name()));
+    }
+    const SameHostConfig config = same_host_config(connect_timeout_ms);
+    // The transport shares the plan handle's object: the caller may destroy the handle.
+    std::shared_ptr<const RoutingPlan> routing(plan_object, &plan_object->plan);
+    std::unique_ptr<Transport> made = SameHostPullTransport::serve(
+        socket_path, secret, std::move(routing), trainer_rank, engine_processes,
+        *backend_object->backend, SameHostMemory::kHost, config);
+    out = add_transport(
+        std::make_unique<ForwardingTransport>(std::move(made), std::move(backend_object)));
+  });
+}
+
+shadowsync_status_t shadowsync_same_host_pull_connect(
+    const char* const* paths, size_t count, const void* token, size_t token_bytes,
+    shadowsync_routing_plan_t plan, int32_t engine_rank, shadowsync_backend_t backend,
+    int64_t connect_timeout_ms, shadowsync_transport_t* transport) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(transport, "transport");
+    if (paths == nullptr && count != 0) {
+      throw_invalid(fmt::format("'paths' is NULL but the count is {}", count));
+    }
+    constexpr std::size_t kMaxPaths = 65536;  // a corrupt count must not allocate gigabytes
+    if (count > kMaxPaths) {
+      throw_invalid(fmt::format("count is {}, more than {}", count, kMaxPaths));
+    }
+    std::vector<std::string> trainer_paths;
+    for (std::size_t i = 0; i < count; ++i) {
+      trainer_paths.push_back(string_arg(paths[i], fmt::format("paths[{}]", i)));
+    }
+    const std::string_view secret = token_arg(token, token_bytes);
+    auto plan_object = lookup<RoutingPlanObject>(plan, "plan");
+    auto backend_object = lookup<BackendObject>(backend, "backend");
+    if (backend_object->cuda) {
+      throw_invalid(fmt::format("same-host pull transport: host memory needs a host backend, "
+                                "but 'backend' is '{}'",
+                                backend_object->backend->name()));
+    }
+    const SameHostConfig config = same_host_config(connect_timeout_ms);
+    std::shared_ptr<const RoutingPlan> routing(plan_object, &plan_object->plan);
+    std::unique_ptr<Transport> made = SameHostPullTransport::connect_engine_rank(
+        trainer_paths, secret, std::move(routing), engine_rank, *backend_object->backend, config);
     out = add_transport(
         std::make_unique<ForwardingTransport>(std::move(made), std::move(backend_object)));
   });

@@ -52,6 +52,8 @@ from .transport import (
     nccl_library,
     nccl_transport,
     nccl_unique_id,
+    same_host_pull_engine_transport,
+    same_host_pull_trainer_transport,
     same_host_sender_transport,
     same_host_transport,
 )
@@ -133,6 +135,8 @@ __all__ = [
     "nccl_transport",
     "nccl_unique_id",
     "NCCL_UNIQUE_ID_BYTES",
+    "same_host_pull_engine_transport",
+    "same_host_pull_trainer_transport",
     "same_host_sender_transport",
     "same_host_transport",
 ]

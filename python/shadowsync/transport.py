@@ -1,5 +1,6 @@
 """Transports: in-process loopback ranks (tests, demos), the same-host transport between processes
-of one host, and NCCL (loopback_transport.h, same_host_transport.h, nccl_transport.h).
+of one host, its pull flavour for sharded trainers (same_host_pull_transport.h), and NCCL
+(loopback_transport.h, same_host_transport.h, nccl_transport.h).
 
 A Transport is taken by the Receiver or Sender it is given to: once that object is made, the
 Transport is spent (closing it does nothing); if making it failed, the caller still owns it.
@@ -8,7 +9,7 @@ Transport is spent (closing it does nothing); if making it failed, the caller st
 from __future__ import annotations
 
 import os
-from ctypes import byref, c_int32, c_uint8, c_void_p, create_string_buffer
+from ctypes import byref, c_char_p, c_int32, c_uint8, c_void_p, create_string_buffer
 from dataclasses import dataclass
 
 from ._handle import Handle
@@ -291,4 +292,127 @@ def same_host_sender_transport(
         handle.value,
         f"same_host sender on {os.fsdecode(path_bytes)} for {receivers} receivers "
         f"({memory} memory)",
+    )
+
+
+def _routing_plan_arg(plan, what: str):
+    from .routing import RoutingPlan  # routing imports layout, which must not import transports
+
+    if not isinstance(plan, RoutingPlan):
+        raise InvalidArgumentError(
+            f"{what}: plan must be a shadowsync.RoutingPlan, not {type(plan).__name__}"
+        )
+    return plan
+
+
+def same_host_pull_trainer_transport(
+    path: str | os.PathLike,
+    token: bytes | str,
+    plan,
+    trainer_rank: int,
+    engine_processes: int,
+    backend: Backend,
+    *,
+    memory: str = "host",
+    connect_timeout_ms: int | None = None,
+) -> Transport:
+    """Trainer rank `trainer_rank` of the routing plan `plan` (a RoutingPlan) for the same-host
+    pull transport: engine ranks pull each route straight from this rank's staging. Give it to
+    this rank's Sender. It moves routes only: broadcasts on it are refused.
+
+    Listens on the Unix socket `path` (this rank's own; directory rules as
+    same_host_sender_transport) and blocks until `engine_processes` engine processes (the plan's
+    engine count) connected with same_host_pull_engine_transport, proved `token` and were set up
+    with the same plan, for up to `connect_timeout_ms` (None: 60000); then shares two staging
+    slots of ``plan.max_packed_bytes(trainer_rank)``. An engine set up for another world size or
+    plan, or asking for an engine rank taken already, is refused and the wait goes on:
+    ShadowsyncTimeoutError then names each refusal with both sides' values. `memory` must be
+    "host" with a HostBackend for now ("device": NotSupportedError, a follow-up). The transport
+    keeps the plan alive. Thread-safe."""
+    what = f"same_host_pull_trainer_transport(path={str(path)!r}, trainer_rank={trainer_rank!r})"
+    path_bytes, token_bytes, timeout = _same_host_args(
+        path, token, backend, connect_timeout_ms, what
+    )
+    plan = _routing_plan_arg(plan, what)
+    trainer_rank = _int_arg(trainer_rank, "trainer_rank", what, 0, 65535)
+    engine_processes = _int_arg(engine_processes, "engine_processes", what, 1, 65536)
+    if memory not in SAME_HOST_MEMORY:
+        raise InvalidArgumentError(
+            f"{what}: memory is {memory!r}, expected one of {sorted(SAME_HOST_MEMORY)}"
+        )
+    handle = c_void_p()
+    call(
+        "shadowsync_same_host_pull_serve",
+        path_bytes,
+        token_bytes,
+        len(token_bytes),
+        plan.handle,
+        trainer_rank,
+        engine_processes,
+        backend.handle,
+        SAME_HOST_MEMORY[memory],
+        timeout,
+        byref(handle),
+    )
+    return Transport(
+        handle.value,
+        f"same_host_pull trainer rank {trainer_rank} on {os.fsdecode(path_bytes)} for "
+        f"{engine_processes} engine processes",
+    )
+
+
+def same_host_pull_engine_transport(
+    paths,
+    token: bytes | str,
+    plan,
+    engine_rank: int,
+    backend: Backend,
+    *,
+    connect_timeout_ms: int | None = None,
+) -> Transport:
+    """Engine rank `engine_rank` of the routing plan `plan` for the same-host pull transport:
+    give it to the engine's Receiver (with the routing plan in use). `paths` holds every trainer
+    rank's socket path, in trainer rank order (``paths[t]`` served by trainer rank t).
+
+    Connects to each within `connect_timeout_ms` in all (None: 60000; ShadowsyncTimeoutError
+    "trainer rank 2 (<path>) never served within 60000 ms"), proves `token` and maps each trainer
+    rank's staging. Refused, naming both values: a trainer rank set up for another world size or
+    an engine rank taken already (InvalidArgumentError), another routing plan
+    (LayoutMismatchError), a path served by another trainer rank than its index
+    (InvalidArgumentError), a wrong token (TransportError). `backend`: a HostBackend.
+    Thread-safe."""
+    what = f"same_host_pull_engine_transport(engine_rank={engine_rank!r})"
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise InvalidArgumentError(
+            f"{what}: paths must be a sequence of every trainer rank's path, not one path "
+            f"{paths!r}"
+        )
+    paths = list(paths)
+    if not paths:
+        raise InvalidArgumentError(f"{what}: paths is empty; give every trainer rank's path")
+    encoded = []
+    for i, path in enumerate(paths):
+        path_bytes, token_bytes, timeout = _same_host_args(
+            path, token, backend, connect_timeout_ms, f"{what}, paths[{i}]"
+        )
+        encoded.append(path_bytes)
+    plan = _routing_plan_arg(plan, what)
+    engine_rank = _int_arg(engine_rank, "engine_rank", what, 0, 65535)
+    c_paths = (c_char_p * len(encoded))(*encoded)
+    handle = c_void_p()
+    call(
+        "shadowsync_same_host_pull_connect",
+        c_paths,
+        len(encoded),
+        token_bytes,
+        len(token_bytes),
+        plan.handle,
+        engine_rank,
+        backend.handle,
+        timeout,
+        byref(handle),
+    )
+    return Transport(
+        handle.value,
+        f"same_host_pull engine rank {engine_rank} of {len(encoded)} trainer ranks",
     )

@@ -1,0 +1,101 @@
+"""The same-host pull transport through the Python package (no torch): two trainer ranks serve on
+threads, an engine rank connects from plain values (paths, token, plan, rank); its handshake's
+refusals arrive as the named errors. Moving routes needs a routed Sender and Receiver; this only
+checks the set-up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+
+import pytest
+
+import shadowsync as ss
+from shadowsync import TensorRegion
+
+TOKEN = "ssk1-ded952b6063bf160ed7d94ce93798cced35abbce9b811bd0d11a58d3eaf21707"
+WIRE = [("q", "fp32", (13, 8)), ("norm", "fp32", (8,))]
+
+
+def _plan(trainers: int, engines_need_norm: bool = True):
+    wire = ss.Layout(WIRE, bucket_bytes=256)
+    held = []
+    for r in range(trainers):
+        regions = [TensorRegion.box("q", (13 * r // trainers, 0), (13 * (r + 1) // trainers, 8))]
+        if r == trainers - 1:
+            regions.append(TensorRegion.whole("norm", (8,)))
+        held.append(regions)
+    needs = None
+    if not engines_need_norm:
+        needs = [wire.region_ranges(TensorRegion.whole("q", (13, 8)))]
+    return ss.RoutingPlan(wire, held, needs)
+
+
+@pytest.fixture
+def paths():
+    directory = tempfile.mkdtemp(prefix="ss_pull_")  # mode 0700, as the transport requires
+    yield [os.path.join(directory, f"trainer{t}.sock") for t in range(2)]
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _serve(path, plan, rank, timeout_ms, results):
+    try:
+        results[rank] = ss.same_host_pull_trainer_transport(
+            path, TOKEN, plan, rank, 1, ss.HostBackend(), connect_timeout_ms=timeout_ms)
+    except ss.ShadowsyncError as error:
+        results[rank] = error
+
+
+def test_two_trainer_ranks_and_an_engine_rank_connect(paths):
+    plan = _plan(2)
+    results = {}
+    threads = [threading.Thread(target=_serve, args=(paths[t], plan, t, 20000, results))
+               for t in range(2)]
+    for t in threads:
+        t.start()
+    engine = ss.same_host_pull_engine_transport(paths, TOKEN, plan, 0, ss.HostBackend(),
+                                                connect_timeout_ms=20000)
+    for t in threads:
+        t.join()
+    assert "engine rank 0 of 2 trainer ranks" in repr(engine)
+    for rank in range(2):
+        assert isinstance(results[rank], ss.Transport), results[rank]
+        assert f"trainer rank {rank}" in repr(results[rank])
+        results[rank].close()
+    engine.close()
+
+
+def test_a_trainer_rank_of_another_plan_is_refused_by_name(paths):
+    results = {}
+    trainer_plan = _plan(1, engines_need_norm=False)
+    engine_plan = _plan(1)
+    thread = threading.Thread(target=_serve, args=(paths[0], trainer_plan, 0, 1000, results))
+    thread.start()
+    with pytest.raises(ss.LayoutMismatchError) as refused:
+        ss.same_host_pull_engine_transport(paths[:1], TOKEN, engine_plan, 0, ss.HostBackend(),
+                                           connect_timeout_ms=20000)
+    thread.join()
+    assert (f"routing plan (fingerprint {engine_plan.fingerprint:#018x}) differs from trainer "
+            f"rank 0's at {paths[0]} ({trainer_plan.fingerprint:#018x})") in str(refused.value)
+    assert isinstance(results[0], ss.ShadowsyncTimeoutError)
+    assert "has routing plan" in str(results[0])
+
+
+def test_a_trainer_rank_that_never_serves_and_bad_arguments(paths):
+    plan = _plan(2)
+    with pytest.raises(ss.ShadowsyncTimeoutError, match=r"trainer rank 0 \(.*trainer0.sock\) "
+                                                        r"never served within 50 ms"):
+        ss.same_host_pull_engine_transport(paths, TOKEN, plan, 0, ss.HostBackend(),
+                                           connect_timeout_ms=50)
+    with pytest.raises(ss.InvalidArgumentError, match="1 trainer paths, but the routing plan "
+                                                      "has 2 trainer ranks"):
+        ss.same_host_pull_engine_transport(paths[:1], TOKEN, plan, 0, ss.HostBackend())
+    with pytest.raises(ss.InvalidArgumentError, match="not one path"):
+        ss.same_host_pull_engine_transport(paths[0], TOKEN, plan, 0, ss.HostBackend())
+    with pytest.raises(ss.InvalidArgumentError, match="plan must be a shadowsync.RoutingPlan"):
+        ss.same_host_pull_trainer_transport(paths[0], TOKEN, None, 0, 1, ss.HostBackend())
+    with pytest.raises(ss.NotSupportedError, match="device memory is not built yet"):
+        ss.same_host_pull_trainer_transport(paths[0], TOKEN, plan, 0, 1, ss.HostBackend(),
+                                            memory="device")
