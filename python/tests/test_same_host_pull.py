@@ -1,7 +1,7 @@
 """The same-host pull transport through the Python package (no torch): two trainer ranks serve on
 threads, an engine rank connects from plain values (paths, token, plan, rank); its handshake's
-refusals arrive as the named errors. Moving routes needs a routed Sender and Receiver; this only
-checks the set-up."""
+refusals arrive as the named errors. Last, three updates through routed Senders (one per
+trainer rank) and a Receiver with the plan."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import threading
 
+import numpy as np
 import pytest
 
 import shadowsync as ss
@@ -99,3 +100,52 @@ def test_a_trainer_rank_that_never_serves_and_bad_arguments(paths):
     with pytest.raises(ss.NotSupportedError, match="device memory is not built yet"):
         ss.same_host_pull_trainer_transport(paths[0], TOKEN, plan, 0, 1, ss.HostBackend(),
                                             memory="device")
+
+
+def test_two_trainer_ranks_update_an_engine_rank_through_senders_and_a_receiver(paths):
+    """End to end: each trainer rank a routed Sender over its pull transport, publishing only its
+    shards; the engine rank's Receiver took the plan. Three updates (the slots alternate across
+    updates as the Sender counts its sends); the live slot comes out as the full tensors."""
+    shapes = {"q": (13, 8), "norm": (8,)}  # 3 buckets: the slots alternate across updates
+    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
+    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
+               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
+    assert layout.groups[0].bucket_count % 2 == 1
+    plan = ss.RoutingPlan(layout, regions)
+    backend = ss.HostBackend()
+    results = {}
+    threads = [threading.Thread(target=_serve, args=(paths[t], plan, t, 20000, results))
+               for t in range(2)]
+    for t in threads:
+        t.start()
+    engine = ss.same_host_pull_engine_transport(paths, TOKEN, plan, 0, backend,
+                                                connect_timeout_ms=20000)
+    for t in threads:
+        t.join()
+    senders = [ss.Sender(layout, backend, results[t], routing_plan=plan, trainer_rank=t)
+               for t in range(2)]
+    receiver = ss.Receiver(layout, backend, engine)
+    receiver.use_routing_plan(plan, 0)
+    try:
+        rng = np.random.default_rng(4)
+        for version in (1, 2, 3):
+            full = {name: rng.standard_normal(shape).astype(np.float32)
+                    for name, shape in shapes.items()}
+            handles = []
+            for t in range(2):
+                shards = []
+                for r in regions[t]:
+                    index = tuple(slice(b, e) for b, e in zip(r.begin, r.end))
+                    shards.append((r.tensor, np.ascontiguousarray(full[r.tensor][index]), r))
+                handles.append(senders[t].publish_shards(version, shards))
+            receiver.begin_update(handles[0].header_bytes)
+            for handle in handles:
+                handle.wait(timeout=20)
+            receiver.wait_applied(version, timeout=20)
+            for name, values in full.items():
+                np.testing.assert_array_equal(receiver.live_array(name), values)
+            assert receiver.stats().routed_bytes == plan.bytes_to_engine(0)
+    finally:
+        receiver.close()
+        for sender in senders:
+            sender.close()

@@ -137,10 +137,11 @@ TEST_CASE("same-host pull trainer child", "[.pull_trainer]") {
   const std::uint64_t first = env_u64("SS_PULL_FIRST");
   const std::uint64_t stop_at = env_u64("SS_PULL_STOP_AT");
   const std::size_t buckets = plan->bucket_count(0);
+  std::uint64_t sends = 0;  // the b-th send goes in slot b % 2, over every update
   for (std::uint64_t v = first; v < first + env_u64("SS_PULL_COUNT"); ++v) {
     const std::vector<std::byte> packed = packing(*plan, rank, v);
     for (std::size_t k = 0; k < buckets; ++k) {
-      const int slot = static_cast<int>(k % 2);
+      const int slot = static_cast<int>(sends++ % 2);
       // Packed again only once every engine read what the slot held (its send completed).
       REQUIRE(backend.event_wait_for(*slot_free[slot], std::chrono::seconds(20)));
       const ByteRange range = plan->packed_range(rank, 0, k);

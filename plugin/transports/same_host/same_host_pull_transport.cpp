@@ -28,8 +28,9 @@ std::string bucket_name(const RoutedBucket& b) {
                      b.bucket);
 }
 
-std::uint32_t slot_of(const RoutedBucket& b) {
-  return static_cast<std::uint32_t>(b.sequence % same_host::kSlotCount);
+// The slot of the b-th send on a trainer rank's transport (`call`: sends are its only calls).
+std::uint32_t slot_of(std::uint64_t call) {
+  return static_cast<std::uint32_t>(call % same_host::kSlotCount);
 }
 
 }  // namespace
@@ -38,7 +39,7 @@ void SameHostPullTransport::State::run_send(const RoutedBucket& bucket, const st
                                             std::size_t bytes, std::uint64_t call) {
   if (!wait_turn(call)) return;
   const Staging& own = staging[0];
-  const std::uint32_t s = slot_of(bucket);
+  const std::uint32_t s = slot_of(call);
   // The previous bucket in this slot was acked by every engine (its task ended only then): the
   // slot is free to fill. Packed straight into it by the caller (staging_buffer()): no copy.
   if (bytes > 0 && packed != own.slot(s)) std::memcpy(own.slot(s), packed, bytes);
@@ -287,11 +288,12 @@ void SameHostPullTransport::send_routes_async(const RoutedBucket& bucket, const 
   }
   const State::Staging& own = state_->staging[0];
   const std::byte* bytes_at = static_cast<const std::byte*>(packed);
-  const std::uint32_t other = 1 - slot_of(bucket);
+  const std::uint32_t other = 1 - slot_of(state_->calls_enqueued);
   if (bytes > 0 && bytes_at == own.slot(other)) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same_host_pull send_routes_async on trainer rank {}: {} was packed "
-                            "in staging slot {}, but goes in slot {} (sequence % 2): the other "
+                            "in staging slot {}, but goes in slot {} (the send's count on this "
+                            "transport % 2): the other "
                             "slot may still be read by the engines",
                             state_->trainer_rank, bucket_name(bucket), other, 1 - other));
   }

@@ -15,7 +15,8 @@
 // connects to the M paths in trainer rank order within one connect_timeout, and checks that the
 // path at index t is served by trainer rank t.
 //
-// Data. Bucket `sequence` of an update travels in slot sequence % 2 of every trainer rank. The
+// Data. The b-th send_routes_async on a trainer rank's transport (counted over its updates, as
+// the Sender counts its sends) travels in that rank's slot b % 2. The
 // trainer's stream task rings a route doorbell {version, sequence, slot, bytes} on every engine
 // process's socket, 0 bytes included (so that a dead trainer rank fails the update everywhere),
 // and waits for every engine's ack before it ends: the slot is packed again only once every
@@ -92,8 +93,8 @@ class SameHostPullTransport final : public Transport, public RouteMover {
   int world_size() const override;
   void broadcast_async(void* buffer, std::size_t bytes, int root, Stream& stream) override;
   // Trainer rank: staging slot `index` (0 or 1) when `bytes` fits in it, else nullptr; an engine
-  // rank has none. Bucket `sequence` is doorbelled from slot sequence % 2: pack it there (or
-  // pass other memory to send_routes_async, which copies it in). Thread-safe.
+  // rank has none. The b-th send on this transport is doorbelled from slot b % 2: pack it there
+  // (or pass other memory to send_routes_async, which copies it in). Thread-safe.
   void* staging_buffer(int index, std::size_t bytes) override;
   RouteMover* route_mover() override { return this; }
   std::optional<std::string> async_error() override;
