@@ -1,6 +1,7 @@
 // libFuzzer target for the same-host transport's record codec
 // (plugin/transports/same_host/same_host_frame.h): what a peer's bytes reach before the handshake
-// is verified (challenge, proof, accept, refuse, setup), and every doorbell and ack after it.
+// is verified (challenge, proof, accept, refuse, setup; the pull transport's hello, setup and
+// refusal), and every doorbell and ack after it (the pull transport's route records too).
 // Built and run by scripts/fuzz.sh.
 //
 // The input's first byte picks the record type and slot geometry; the rest is the record.
@@ -76,6 +77,41 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (decode(record, out, error)) check_same(encode(out), record);
       break;
     }
+    case 7:  // the pull transport's records, by the selector's bits 3-4 (bit 5: ack or doorbell)
+      switch ((selector >> 3) & 3) {
+        case 0: {
+          PullHello out;
+          if (decode(record, out, error)) {
+            check(out.engine_rank < out.engine_count);
+            check_same(encode(out), record);
+          }
+          break;
+        }
+        case 1: {
+          PullSetup out;
+          if (decode(record, out, error)) {
+            check(out.trainer_rank < out.trainer_count && out.slot_bytes > 0);
+            check_same(encode(out), record);
+          }
+          break;
+        }
+        case 2: {
+          PullRefuse out;
+          if (decode(record, out, error)) check_same(encode(out), record);
+          break;
+        }
+        default: {
+          RouteRecord out;
+          const RecordType type =
+              (selector & 32) ? RecordType::kRouteAck : RecordType::kRouteDoorbell;
+          if (decode(record, type, geometry, out, error)) {
+            check(out.slot < geometry.slot_count && out.bytes <= geometry.slot_bytes);
+            check_same(encode(out), record);
+          }
+          break;
+        }
+      }
+      break;
     default:
       if (decode_ready(record, error)) check_same(encode_ready(), record);
       break;
