@@ -12,7 +12,8 @@
 // needed_by(plan); all of them without a plan).
 //
 // Both sides build the same plan from the same inputs and compare fingerprints. Immutable once
-// built; thread-safe to read. Not installed: no transport moves routes yet.
+// built; thread-safe to read. Not installed (the C ABI and Python reach it through a handle);
+// transports that offer a RouteMover (route_mover.h) move its routes.
 #pragma once
 
 #include <cstddef>
