@@ -81,15 +81,20 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
   REQUIRE_OK(shadowsync_host_backend_create(&backend));
 
   SECTION("both trainer ranks serve, the engine rank connects, the plan handle goes first") {
-    std::vector<std::future<shadowsync_transport_t>> serving;
+    // Catch is not thread-safe: the serving threads only call, the test thread checks.
+    struct Served {
+      shadowsync_status_t status;
+      std::string error;
+      shadowsync_transport_t transport;
+    };
+    std::vector<std::future<Served>> serving;
     for (int t = 0; t < 2; ++t) {
       serving.push_back(std::async(std::launch::async, [&, t] {
-        shadowsync_transport_t served = nullptr;
-        const shadowsync_status_t status = shadowsync_same_host_pull_serve(
+        Served served{SHADOWSYNC_SUCCESS, {}, nullptr};
+        served.status = shadowsync_same_host_pull_serve(
             paths[t].c_str(), kToken.data(), kToken.size(), plan.plan, t, 1, backend,
-            SHADOWSYNC_SAME_HOST_MEMORY_HOST, 10000, &served);
-        INFO(last_error());
-        CHECK(status == SHADOWSYNC_SUCCESS);
+            SHADOWSYNC_SAME_HOST_MEMORY_HOST, 10000, &served.transport);
+        if (served.status != SHADOWSYNC_SUCCESS) served.error = last_error();
         return served;
       }));
     }
@@ -98,7 +103,12 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
     REQUIRE_OK(shadowsync_same_host_pull_connect(c_paths, 2, kToken.data(), kToken.size(),
                                                  plan.plan, 0, backend, 10000, &engine));
     std::vector<shadowsync_transport_t> trainers;
-    for (auto& s : serving) trainers.push_back(s.get());
+    for (auto& s : serving) {
+      Served served = s.get();
+      INFO(served.error);
+      CHECK(served.status == SHADOWSYNC_SUCCESS);
+      trainers.push_back(served.transport);
+    }
     REQUIRE_OK(shadowsync_routing_plan_destroy(plan.plan));  // the transports keep the plan
     plan.plan = nullptr;
     REQUIRE_OK(shadowsync_backend_destroy(backend));  // and the backend
