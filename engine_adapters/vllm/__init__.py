@@ -23,6 +23,8 @@ from .front_end import (
     commit_update_async,
     init_weight_update_group,
     init_weight_update_group_async,
+    weight_update_needs,
+    weight_update_needs_async,
 )
 from .import_hook import when_imported as _when_imported
 from .init_info import ShadowsyncInitInfo
@@ -33,7 +35,8 @@ from .worker_extension import WorkerExtension
 
 __all__ = ["ShadowsyncInitInfo", "ShadowsyncUpdateInfo", "WorkerExtension", "apply_update", "apply_update_async",
            "commit_update", "commit_update_async", "init_weight_update_group",
-           "init_weight_update_group_async", "scaled_lora_b"]
+           "init_weight_update_group_async", "scaled_lora_b", "weight_update_needs",
+           "weight_update_needs_async"]
 
 _FACTORY = "vllm.distributed.weight_transfer.factory"  # vLLM's registry of weight-transfer engines
 

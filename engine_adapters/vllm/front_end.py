@@ -13,7 +13,8 @@ from . import tensor_parallel
 from .init_info import ShadowsyncInitInfo
 
 __all__ = ["apply_update", "apply_update_async", "commit_update", "commit_update_async",
-           "init_weight_update_group", "init_weight_update_group_async"]
+           "init_weight_update_group", "init_weight_update_group_async", "weight_update_needs",
+           "weight_update_needs_async"]
 
 
 def init_weight_update_group(llm, info: ShadowsyncInitInfo | dict | None = None, *,
@@ -35,6 +36,41 @@ async def init_weight_update_group_async(engine, info: ShadowsyncInitInfo | dict
     """init_weight_update_group for an ``AsyncLLM``."""
     return _fingerprint(await engine.collective_rpc("init_weight_update_group",
                                                     kwargs=_rpc_kwargs(info, transport, fields)))
+
+
+def weight_update_needs(llm, info: ShadowsyncInitInfo | dict | None = None, **fields
+                        ) -> list[list[list[int]]]:
+    """Front end, a sharded trainer's first step (ShadowsyncInitInfo.trainer_ranks): every
+    worker plans its receive from `info` (as init_weight_update_group would; nothing is set up)
+    and says which bytes of the trainer's wire layout its parameters read. Returns them per
+    engine rank (its tensor-parallel rank), ``[[group, begin, end], ...]`` each: the trainer
+    ranks build their RoutingPlan with these as the engine ranks' needs, and
+    init_weight_update_group takes them back as ``trainer_ranks["engine_needs"]`` with the
+    plan's fingerprint. A worker's refusal is raised here, as the error it names."""
+    return _needs(llm.collective_rpc("weight_update_needs",
+                                     kwargs={"info": ShadowsyncInitInfo.coerce(info, **fields)
+                                             .to_rpc()}))
+
+
+async def weight_update_needs_async(engine, info: ShadowsyncInitInfo | dict | None = None,
+                                    **fields) -> list[list[list[int]]]:
+    """weight_update_needs for an ``AsyncLLM``."""
+    return _needs(await engine.collective_rpc(
+        "weight_update_needs", kwargs={"info": ShadowsyncInitInfo.coerce(info, **fields).to_rpc()}))
+
+
+def _needs(results: list) -> list[list[list[int]]]:
+    """The workers' answers to weight_update_needs: a refusal raised, else the needs in engine
+    rank order (each rank once)."""
+    for worker, result in enumerate(results):
+        if "refused" in result:
+            tensor_parallel.raise_refusal(result, f"worker {worker}: {result['refused']}")
+    ranks = sorted(int(r["engine_rank"]) for r in results)
+    if ranks != list(range(len(results))):
+        raise InvalidArgumentError(
+            f"weight_update_needs: the workers are engine ranks {ranks}, not 0..{len(results) - 1} "
+            f"each once (pipeline or data parallelism is not supported with trainer_ranks)")
+    return [r["needs"] for r in sorted(results, key=lambda r: int(r["engine_rank"]))]
 
 
 def _rpc_kwargs(info, transport, fields: dict) -> dict:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
 from typing import Any, Callable, Mapping
 
 from shadowsync.errors import InvalidArgumentError
 from shadowsync.layout import TensorSpec
 from shadowsync.receiver import ReceiverConfig
+from shadowsync.regions import BOX, ELEMENTS, TensorRegion
 from shadowsync.transport import NCCL_UNIQUE_ID_BYTES
 
 from .rpc_bytes import bytes_from_rpc
@@ -27,6 +29,8 @@ __all__ = ["ShadowsyncInitInfo"]
 _SWAP_STRATEGIES = ("rebind", "copy_in", "remap")
 _COMMIT_MODES = ("auto", "coordinated")
 _SAME_HOST_KEYS = ("path", "token", "rank", "connect_timeout_ms")
+_TRAINER_RANKS_KEYS = ("count", "paths", "token", "regions", "fingerprint", "engine_needs",
+                       "connect_timeout_ms")
 
 
 @dataclasses.dataclass
@@ -40,6 +44,14 @@ class ShadowsyncInitInfo:
       so the trainer creates its own transport concurrently.
     * ``same_host``: ``{"path", "token"[, "rank", "connect_timeout_ms"]}``, the receiver end of
       the trainer's same-host transport (same GPU, GPUs of one host, or CPU processes).
+    * ``trainer_ranks``: a sharded trainer of M ranks on this host, each sending only what it
+      holds (DESIGN §14) over the same-host pull transport: ``{"count": M, "paths": [one socket
+      path per trainer rank], "token", "regions": [per trainer rank: [[tensor, "box", begin,
+      end] | [tensor, "elements", first, count], ...]], "engine_needs": [per engine rank: [[group,
+      begin, end], ...]], "fingerprint": the routing plan's, "connect_timeout_ms"}``.
+      ``engine_needs`` are what the workers' ``weight_update_needs`` returned; with them and the
+      regions every worker builds the trainers' routing plan and compares ``fingerprint``. The
+      worker is engine rank = its tensor-parallel rank (trainer_ranks.py).
 
     What is sent:
 
@@ -94,6 +106,7 @@ class ShadowsyncInitInfo:
     rank_offset: int = 1
     world_size: int = 2
     same_host: dict | None = None
+    trainer_ranks: dict | None = None
     specs: list | None = None
     bucket_bytes: int = 0
     group_of: Callable[[str], str] | None = None
@@ -126,6 +139,14 @@ class ShadowsyncInitInfo:
                 "transport: keep the one the trainer serves")
         if self.same_host is not None:
             _check_same_host(self.same_host)
+        if self.trainer_ranks is not None:
+            for other in ("unique_id", "same_host"):
+                if getattr(self, other) is not None:
+                    raise InvalidArgumentError(
+                        f"ShadowsyncInitInfo: trainer_ranks and {other} are both set; "
+                        f"trainer_ranks is its own transport (the same-host pull transport from "
+                        f"every trainer rank): leave {other} unset")
+            self.trainer_ranks = _checked_trainer_ranks(self.trainer_ranks)
         if self.swap_strategy not in (None, *_SWAP_STRATEGIES):
             _refuse("swap_strategy", self.swap_strategy, f"None or one of {_SWAP_STRATEGIES}")
         if self.commit_mode not in (None, *_COMMIT_MODES):
@@ -236,3 +257,96 @@ def _check_same_host(same_host: Any) -> None:
         raise InvalidArgumentError(
             f"ShadowsyncInitInfo.same_host: unknown key(s) {unknown}; the keys are "
             f"{list(_SAME_HOST_KEYS)}")
+
+
+def region_data(region: TensorRegion) -> list:
+    """A TensorRegion as trainer_ranks carries it: [tensor, "box", begin, end] or [tensor,
+    "elements", first, count]."""
+    if region.kind == ELEMENTS:
+        return [region.tensor, ELEMENTS, region.first, region.count]
+    return [region.tensor, BOX, list(region.begin), list(region.end)]
+
+
+def trainer_regions(trainer_ranks: dict) -> list[list[TensorRegion]]:
+    """The regions of each trainer rank of ``trainer_ranks``, as TensorRegions."""
+    return [[_region(rank, i, r) for i, r in enumerate(regions)]
+            for rank, regions in enumerate(trainer_ranks["regions"])]
+
+
+def _region(rank: int, index: int, item: Any) -> TensorRegion:
+    where = f"ShadowsyncInitInfo.trainer_ranks.regions[{rank}][{index}]"
+    if isinstance(item, TensorRegion):
+        return item
+    if (not isinstance(item, (list, tuple)) or len(item) != 4 or not isinstance(item[0], str)
+            or item[1] not in (BOX, ELEMENTS)):
+        raise InvalidArgumentError(
+            f"{where}: {item!r:.200} is not [tensor, \"box\", begin, end] or [tensor, "
+            f"\"elements\", first, count]")
+    try:
+        if item[1] == BOX:
+            return TensorRegion.box(item[0], item[2], item[3])
+        return TensorRegion.elements(item[0], item[2], item[3])
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{where}: {error.detail}") from None
+    except (TypeError, ValueError) as error:
+        raise InvalidArgumentError(f"{where}: {item!r:.200}: {error}") from None
+
+
+def _checked_trainer_ranks(trainer_ranks: Any) -> dict:
+    """``trainer_ranks`` checked, as plain data (regions as lists, needs as [group, begin, end]
+    lists), so that to_rpc carries it as it is."""
+    field = "ShadowsyncInitInfo.trainer_ranks"
+    if not isinstance(trainer_ranks, Mapping) or not {"count", "paths", "token",
+                                                      "regions"} <= set(trainer_ranks):
+        raise InvalidArgumentError(
+            f"{field}: a dict with 'count', 'paths', 'token' and 'regions' (and optionally "
+            f"'engine_needs', 'fingerprint', 'connect_timeout_ms') is needed, got "
+            f"{trainer_ranks!r:.200}")
+    unknown = sorted(set(trainer_ranks) - set(_TRAINER_RANKS_KEYS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"{field}: unknown key(s) {unknown}; the keys are {list(_TRAINER_RANKS_KEYS)}")
+    out = dict(trainer_ranks)
+    count = out["count"]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        _refuse("trainer_ranks.count", count, "an integer >= 1 (how many trainer ranks send)")
+    for key, what in (("paths", "socket path"), ("regions", "list of regions")):
+        value = out[key]
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            _refuse(f"trainer_ranks.{key}", value, f"a list of one {what} per trainer rank")
+        if len(value) != count:
+            raise InvalidArgumentError(
+                f"{field}: count is {count}, but {key} has {len(value)} entries, one per "
+                f"trainer rank is needed (a rank missing, or one too many)")
+    out["paths"] = [os.fspath(p) for p in out["paths"]]
+    out["regions"] = [[region_data(r) for r in regions] for regions in trainer_regions(out)]
+    fingerprint = out.get("fingerprint")
+    if fingerprint is not None and (isinstance(fingerprint, bool)
+                                    or not isinstance(fingerprint, int)
+                                    or not 0 <= fingerprint < 1 << 64):
+        _refuse("trainer_ranks.fingerprint", fingerprint,
+                "the routing plan's fingerprint (an unsigned 64-bit integer) or None")
+    timeout = out.get("connect_timeout_ms")
+    if timeout is not None:
+        _check_int("trainer_ranks.connect_timeout_ms", timeout, minimum=0)
+    needs = out.get("engine_needs")
+    if needs is not None:
+        if isinstance(needs, (str, bytes)) or not isinstance(needs, (list, tuple)) or not needs:
+            _refuse("trainer_ranks.engine_needs", needs,
+                    "a list of each engine rank's needs (what weight_update_needs returned)")
+        out["engine_needs"] = [_needs(rank, ranges) for rank, ranges in enumerate(needs)]
+    return out
+
+
+def _needs(rank: int, ranges: Any) -> list[list[int]]:
+    where = f"trainer_ranks.engine_needs[{rank}]"
+    if not isinstance(ranges, (list, tuple)):
+        _refuse(where, ranges, "a list of [group, begin, end] wire ranges")
+    out = []
+    for r in ranges:
+        if (not isinstance(r, (list, tuple)) or len(r) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in r)
+                or r[0] < 0 or not 0 <= r[1] < r[2]):
+            _refuse(where, r, "a [group, begin, end] wire range (0 <= begin < end)")
+        out.append([int(v) for v in r])
+    return out

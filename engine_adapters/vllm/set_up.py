@@ -20,7 +20,7 @@ from shadowsync.receiver import Receiver, ReceiverConfig
 from shadowsync.tensors import describe, items
 from shadowsync.transport import Transport, nccl_transport, same_host_transport
 
-from . import step_hook_site, tensor_parallel, vllm_worker
+from . import step_hook_site, tensor_parallel, trainer_ranks, vllm_worker
 from .init_info import ShadowsyncInitInfo
 from .lora_plan import is_lora_tensor
 from .online_fp8 import online_fp8_weights
@@ -29,7 +29,34 @@ from .receive_planning import (check_specs, packed_in_place_plan, placement, rec
                                receive_plan_with_lora, receives_in_place, refuse_empty)
 from .update_group import UpdateGroup, address, adopt, param_data
 
-__all__ = ["set_up_update_group"]
+__all__ = ["PlannedGroup", "connect_update_group", "plan_update_group", "set_up_update_group"]
+
+
+@dataclasses.dataclass
+class PlannedGroup:
+    """What plan_update_group decided for a worker, before anything connects: the layouts, the
+    receive plan and how swaps happen. connect_update_group sets the worker up from it."""
+
+    info: ShadowsyncInitInfo
+    layout: Layout  # the slots' (the engine's)
+    plan: Any  # the receive plan (a ReceivePlan), or None: the trainer sends the engine's layout
+    params: dict[str, Any]
+    kind: str
+    device: str
+    backend: Backend
+    stream: Any
+    receiver_config: ReceiverConfig | None
+    live_arena: Any
+    arena_group: int | None
+    graph_pairs: bool
+    gate: bool
+    routing: Any = None  # trainer_ranks: the RoutingPlan of the trainers' ranks
+    engine_rank: int = 0  # trainer_ranks: this worker's rank in it
+
+    @property
+    def wire(self) -> Layout:
+        """The layout updates arrive in (the trainer's)."""
+        return self.plan.wire if self.plan is not None else self.layout
 
 
 def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport | None,
@@ -38,12 +65,31 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
     ``worker._shadowsync``). `transport`: a ready one (tests), else the one `info` names.
     `agree()` is called once everything is checked, before any transport connects, and once set
     up (tensor_parallel.all_ranks_or_none: every rank or none). Engine thread, before stepping."""
-    unique_id, rank_offset, world_size = info.unique_id, info.rank_offset, info.world_size
+    planned = plan_update_group(worker, info)
+    if transport is None and info.unique_id is not None and planned.device == "cpu":
+        raise InvalidArgumentError(
+            "init_weight_update_group: NCCL needs CUDA parameters, the model's are on cpu")
+    if info.trainer_ranks is not None:
+        if planned.receiver_config is not None and planned.receiver_config.require_checksums:
+            raise InvalidArgumentError(
+                "init_weight_update_group: trainer_ranks with receiver_config.require_checksums: "
+                "routed updates carry no checksums yet; unset it")
+        planned.engine_rank = tensor_parallel.rank(worker)
+        planned.routing = trainer_ranks.routing_plan(
+            planned.wire, info.trainer_ranks, planned.engine_rank, tensor_parallel.size(worker),
+            trainer_ranks.needs_of(planned.wire, planned.plan))
+    agree()  # every rank checked its part: now the transports may connect
+    return connect_update_group(worker, planned, transport, agree)
+
+
+def plan_update_group(worker, info: ShadowsyncInitInfo) -> PlannedGroup:
+    """The set-up's first part, which connects nothing and changes nothing on the worker: reads
+    the model's parameters, refuses what cannot be updated right, plans the receive and chooses
+    how swaps happen (weight_update_needs stops here). Engine thread."""
     specs, bucket_bytes, group_of = info.specs, info.bucket_bytes, info.group_of
     allow_partial, lora_adapter = info.allow_partial, info.lora_adapter
     swap_strategy, engine_uses_cuda_graphs = info.swap_strategy, info.engine_uses_cuda_graphs
-    commit_mode, track_request_versions = info.commit_mode, info.track_request_versions
-    adopt_current_weights = info.adopt_current_weights
+    commit_mode = info.commit_mode
     receiver_config = info.merged_receiver_config()
     model = worker._shadowsync_model()
     params = dict(items(worker._shadowsync_named_parameters()))
@@ -112,9 +158,6 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
         backend = CudaBackend(index)
         # The stream execute_model runs on: release events are recorded there.
         stream = backend.wrap_stream(torch.cuda.current_stream(index).cuda_stream)
-    if transport is None and unique_id is not None and device == "cpu":
-        raise InvalidArgumentError(
-            "init_weight_update_group: NCCL needs CUDA parameters, the model's are on cpu")
 
     if engine_uses_cuda_graphs is None and device != "cpu":
         engine_uses_cuda_graphs = vllm_worker.captures_cuda_graphs(worker)
@@ -145,9 +188,6 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
         # The graphs follow the live slot (one set per slot, switched at each swap), so the
         # swap may move the live address: to the library this is an engine that rebinds.
         engine_uses_cuda_graphs = False
-        # The receiver starts from the slot the arena shows; the model must read that one (a
-        # close that failed before settling could have left it on the other).
-        live_arena.settle()
     if lora_groups and chosen not in (None, "copy_in") and arena_group is None:
         raise InvalidArgumentError(
             f"init_weight_update_group: lora_adapter needs swap_strategy 'copy_in' (the "
@@ -188,17 +228,49 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
     if gate:
         receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),
                                               gated_swaps=True)
-    agree()  # every rank checked its part: now the transports may connect
+    return PlannedGroup(info, layout, plan, params, kind, device, backend, stream,
+                        receiver_config, live_arena, arena_group, graph_pairs, gate)
+
+
+def connect_update_group(worker, planned: PlannedGroup, transport: Transport | None,
+                         agree) -> UpdateGroup:
+    """The set-up's second part, once every rank agreed to plan_update_group's result: connects
+    the transport (`transport`, a ready one, else the one the info names), creates the receiver,
+    binds the parameters and installs the step hook; `agree()` once set up. Engine thread."""
+    info = planned.info
+    unique_id, rank_offset, world_size = info.unique_id, info.rank_offset, info.world_size
+    layout, plan, params, kind, device = (planned.layout, planned.plan, planned.params,
+                                          planned.kind, planned.device)
+    backend, stream, receiver_config = planned.backend, planned.stream, planned.receiver_config
+    live_arena, arena_group, graph_pairs = (planned.live_arena, planned.arena_group,
+                                            planned.graph_pairs)
+    gate, lora_adapter = planned.gate, info.lora_adapter
+    track_request_versions, adopt_current_weights = (info.track_request_versions,
+                                                     info.adopt_current_weights)
+    if graph_pairs:
+        # The receiver starts from the slot the arena shows; the model must read that one (a
+        # close that failed before settling could have left it on the other).
+        live_arena.settle()
     if transport is None and unique_id is not None:
         rank = int(rank_offset) + int(getattr(worker, "rank", 0))
         transport = nccl_transport(unique_id, rank, int(world_size), int(device.split(":")[1]))
     if transport is None and info.same_host is not None:
         transport = _same_host_receiver(info.same_host, rank_offset, getattr(worker, "rank", 0),
                                         backend)
+    if transport is None and planned.routing is not None:
+        transport = trainer_ranks.connect(info.trainer_ranks, planned.routing,
+                                          planned.engine_rank, backend)
 
     receiver = Receiver(layout, backend, transport, receiver_config, engine_stream=stream,
                         plan=plan,
                         arenas={arena_group: live_arena.arena} if live_arena else None)
+    if planned.routing is not None:
+        # Each trainer rank's routes into this rank, moved by the pull transport: no broadcast.
+        try:
+            receiver.use_routing_plan(planned.routing, planned.engine_rank)
+        except BaseException:
+            receiver.close()
+            raise
     state = UpdateGroup(receiver, {t.name: params[t.name] for g in layout.groups
                                     for t in g.tensors}, kind, device)
     state.stream = stream

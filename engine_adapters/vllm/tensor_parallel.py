@@ -115,3 +115,12 @@ def size(worker) -> int:
     if parallel is None:
         parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
     return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+
+
+def rank(worker) -> int:
+    """This worker's rank in vLLM's tensor-parallel group; 0 when it is not vLLM's (or alone)."""
+    if size(worker) == 1:
+        return 0
+    from vllm.distributed import get_tp_group
+
+    return int(get_tp_group().rank_in_group)

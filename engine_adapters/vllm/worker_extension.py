@@ -3,6 +3,8 @@ calls by name through ``collective_rpc``.
 
     llm = vllm.LLM(model=..., worker_extension_cls="shadowsync.vllm.WorkerExtension")
 
+* ``weight_update_needs(info)``: a sharded trainer's first question (trainer_ranks.py): the wire
+  bytes this worker's parameters read, planned as the set-up plans, nothing set up.
 * ``init_weight_update_group(info)``: once (set_up.py). Builds the layout from the model's
   parameters (checked against the trainer's specs), allocates the shadow, joins the transport and
   installs the step hook (step_hook_site.py).
@@ -29,10 +31,10 @@ from shadowsync.errors import BadHeaderError, InvalidArgumentError
 from shadowsync.layout import UpdateHeader
 from shadowsync.transport import Transport
 
-from . import step_hook_site, tensor_parallel, vllm_worker
+from . import step_hook_site, tensor_parallel, trainer_ranks, vllm_worker
 from .init_info import ShadowsyncInitInfo
 from .rpc_bytes import bytes_from_rpc
-from .set_up import set_up_update_group
+from .set_up import plan_update_group, set_up_update_group
 from .update_group import UpdateGroup, param_data
 
 __all__ = ["WorkerExtension"]
@@ -88,6 +90,28 @@ class WorkerExtension:
             )
         info = ShadowsyncInitInfo.coerce(info, **fields)
         return set_up_update_group(self, info, transport, _agree).wire_fingerprint
+
+    def weight_update_needs(self, info: ShadowsyncInitInfo | dict | None = None, **fields
+                            ) -> dict:
+        """A sharded trainer's first question (ShadowsyncInitInfo.trainer_ranks,
+        trainer_ranks.py): which bytes of the trainer's wire layout this worker's parameters
+        read. Plans the receive from `info` as init_weight_update_group would (the same trace and
+        checks), sets nothing up and connects nothing; returns ``{"engine_rank": its
+        tensor-parallel rank, "needs": [[group, begin, end], ...]}`` (wire byte ranges, sorted and
+        merged per group), which the trainer ranks' routing plan takes as this engine rank's
+        needs and init_weight_update_group's ``trainer_ranks["engine_needs"]`` carries back.
+        Under tensor parallelism a refusal is returned as ``{"refused": message, "error": class
+        name}`` (a raise would end vLLM's engine). Engine thread (a collective_rpc)."""
+        try:
+            planned = plan_update_group(self, ShadowsyncInitInfo.coerce(info, **fields))
+            needs = trainer_ranks.needs_of(planned.wire, planned.plan)
+            return {"engine_rank": tensor_parallel.rank(self),
+                    "needs": trainer_ranks.needs_data(needs)}
+        except Exception as error:  # noqa: BLE001 - returned under TP: a raise ends vLLM's engine
+            if tensor_parallel.size(self) == 1:
+                raise
+            return {"refused": getattr(error, "detail", str(error)),
+                    "error": type(error).__name__}
 
     def has_weight_update_group(self) -> bool:
         """Whether init_weight_update_group set this worker up (and it was not closed since)."""
@@ -215,7 +239,9 @@ class WorkerExtension:
         when it started on time.monotonic's clock: its swap (``"last_swap_s"``,
         ``"last_swap_started_s"``), begin_update (``"last_begin_update_s"``, ``..._started_s``)
         and wait_applied (``"last_wait_applied_s"``, ``..._started_s``); and where the step hook
-        runs (``"step_hook_at"``). Thread-safe."""
+        runs (``"step_hook_at"``). Fed by a sharded trainer (trainer_ranks): ``"routed_bytes"``
+        (the bytes the last ready update's routes brought to this rank: its own parameters'),
+        ``"trainer_count"`` and ``"routing_fingerprint"``; 0 otherwise. Thread-safe."""
         state = self._require()
         stats = vars(state.receiver.stats()).copy()
         stats["pacing"] = dataclasses.asdict(stats.pop("last_pacing"))
