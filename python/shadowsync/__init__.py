@@ -42,6 +42,7 @@ from .receiver import (
 )
 from .routing import Route, RoutingPlan
 from .sender import PublishHandle, Sender, SenderConfig, StreamedPublish
+from .sharded_publisher import ShardedPublisher
 from .transport import (
     NCCL_UNIQUE_ID_BYTES,
     Loopback,
@@ -114,6 +115,7 @@ __all__ = [
     "SenderConfig",
     "ShadowsyncError",
     "ShadowsyncTimeoutError",
+    "ShardedPublisher",
     "ShutdownError",
     "StaleVersionError",
     "Stream",

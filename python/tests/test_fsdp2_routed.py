@@ -1,0 +1,219 @@
+"""ShardedPublisher with real FSDP2: two gloo trainer ranks on CPU, this process the engine.
+
+Each rank builds the same seeded module, shards it with fully_shard (a Linear of 13 output rows:
+uneven Shard(0); one weight Shard(1) through shard_placement_fn) and sets up a ShardedPublisher;
+this process takes rank 0's engine_setup and connects a Receiver (HostBackend, pull transport
+to both ranks' paths, the routing plan in use). Updates 1 and 2 follow an SGD step each on both
+ranks, published inside forbid_gathers() (where full_tensor and all_gather_into_tensor raise:
+the positive control): the live tensors equal the same module stepped the same way without
+sharding, and the routes carried exactly the plan's bytes. Update 3: trainer rank 1 SIGKILLs
+itself once the engine has begun the update (rank 0 has published): the update fails on the
+engine naming trainer rank 1, rank 0's publish fails, and the live tensors stay update 2's.
+Before all that, the two set-up refusals (parameters that differ between ranks; a DTensor mesh
+larger than the process group) raise on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import traceback
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import shadowsync as ss  # noqa: E402
+from shadowsync.sharded_publisher import sharded_receiver  # noqa: E402
+
+WORLD = 2
+TOKEN = "ssk1-5f0c6f3a9d2be4817c0a6b2d9e1f4c7a3b8d0e5f2a6c9b1d4e7f0a3c6b9d2e51"
+DEADLINE_S = 30
+STEPS = 2  # good updates; update STEPS + 1 loses trainer rank 1
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 13), torch.nn.ReLU(),  # weight [13, 8], bias [13]: 7 + 6 rows
+        torch.nn.Linear(13, 6), torch.nn.ReLU(),
+        torch.nn.Linear(6, 8))  # weight [8, 6]: Shard(1), 3 + 3 columns
+
+
+def _shard_placement(param):
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if tuple(param.shape) == (8, 6) else None
+
+
+def _step(model, optimizer, step):
+    """One training step: the same input on every rank (and the reference), so that FSDP2's
+    averaged gradient is the single-process gradient, bit for bit."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def _trainer(rank, store, paths, to_engine, kill_rank1):
+    try:
+        _train(rank, store, paths, to_engine, kill_rank1)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    # As test_sharding_torch: torch keeps gloo's threads alive past destroy_process_group once a
+    # DTensor exists, and the interpreter's exit may abort on them. Everything was checked.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _train(rank, store, paths, to_engine, kill_rank1):
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shadowsync.sharding import GatherForbidden, forbid_gathers
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=DEADLINE_S))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _model()
+    fully_shard(model, mesh=mesh, shard_placement_fn=_shard_placement)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    # Refused at set-up, on every rank, naming the first difference / both sizes.
+    named = list(model.named_parameters())
+    if rank == 1:
+        named[2] = ("2.w", named[2][1])
+    with pytest.raises(ss.InvalidArgumentError) as refused:
+        ss.ShardedPublisher.set_up(named, path=paths[rank], token=TOKEN)
+    other = 1 - rank
+    assert (f"trainer rank {rank}: the parameters differ from trainer rank {other}'s: parameter "
+            f"2 is '{'2.weight' if rank == 0 else '2.w'}' fp32 [6, 13] on this rank and "
+            f"'{'2.w' if rank == 0 else '2.weight'}' fp32 [6, 13] there") in str(refused.value)
+    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    with pytest.raises(ss.InvalidArgumentError, match=r"parameter '0.weight': its DTensor mesh "
+                       r"has 2 ranks \(shape \[2\]\), the process group 1"):
+        ss.ShardedPublisher.set_up(model.named_parameters(), path=paths[rank], token=TOKEN,
+                                   process_group=alone)
+
+    publisher = ss.ShardedPublisher.set_up(model.named_parameters(), path=paths[rank],
+                                           token=TOKEN, bucket_bytes=256,
+                                           connect_timeout_ms=DEADLINE_S * 1000)
+    if rank == 0:
+        to_engine.put(("setup", publisher.engine_setup))
+    local_bytes = sum(p._local_tensor.nbytes for p in model.parameters())
+    to_engine.put(("memory", rank, publisher.staging_bytes, publisher.held_bytes, local_bytes))
+
+    for step in range(1, STEPS + 2):
+        _step(model, optimizer, step)
+        if step == STEPS + 1 and rank == 1:
+            kill_rank1.get(timeout=DEADLINE_S)  # the engine has begun update 3
+            os.kill(os.getpid(), signal.SIGKILL)
+        with forbid_gathers():
+            if step == 1:  # positive control: the guard is armed here
+                with pytest.raises(GatherForbidden, match="full_tensor"):
+                    model[0].weight.full_tensor()
+                with pytest.raises(GatherForbidden, match="all_gather_into_tensor"):
+                    dist.all_gather_into_tensor(torch.empty(2), torch.ones(1))
+            handle = publisher.publish(step, model.named_parameters())
+            if rank == 0:
+                to_engine.put(("header", step, handle.header_bytes))
+            if step <= STEPS:
+                handle.wait(DEADLINE_S)
+            else:  # rank 1 died mid-update: the engine aborted, and so does this publish
+                with pytest.raises(ss.ShadowsyncError) as failed:
+                    handle.wait(DEADLINE_S)
+                to_engine.put(("rank 0 failed", str(failed.value)))
+    publisher.close()
+
+
+class _Mailbox:
+    """The trainer ranks' messages by kind: the two ranks' puts interleave."""
+
+    def __init__(self, channel):
+        self.channel, self.held = channel, []
+
+    def get(self, kind):
+        while True:
+            for i, message in enumerate(self.held):
+                if message[0] == kind:
+                    return self.held.pop(i)[1:]
+            try:
+                self.held.append(self.channel.get(timeout=DEADLINE_S))
+            except queue.Empty:
+                raise AssertionError(f"no '{kind}' from the trainer ranks within {DEADLINE_S} "
+                                     f"s; got {self.held}") from None
+
+
+def test_fsdp2_ranks_publish_their_shards_into_a_receiver(tmp_path):
+    directory = tempfile.mkdtemp(prefix="ss_fsdp2_")  # short (socket paths), mode 0700
+    paths = [os.path.join(directory, f"rank{r}.sock") for r in range(WORLD)]
+    context = mp.get_context("spawn")
+    to_engine, kill_rank1 = context.Queue(), context.Queue()
+    ranks = [context.Process(target=_trainer, daemon=True,
+                             args=(r, str(tmp_path / "store"), paths, to_engine, kill_rank1))
+             for r in range(WORLD)]
+    for process in ranks:
+        process.start()
+    mail, receiver = _Mailbox(to_engine), None
+    try:
+        (setup,) = mail.get("setup")
+        receiver = sharded_receiver(setup, TOKEN, 0, connect_timeout_ms=DEADLINE_S * 1000)
+        plan = receiver.routing_plan
+        memory = sorted(mail.get("memory") for _ in range(WORLD))
+        for rank, staging, held, local in memory:
+            print(f"trainer rank {rank}: packing {staging} bytes for {local} parameter bytes held "
+                  f"({held} sent per update)")
+            assert staging == 2 * plan.max_packed_bytes(rank)
+            assert held == local == plan.bytes_from_trainer(rank)
+        assert sum(m[3] for m in memory) == plan.bytes_to_engine(0)
+
+        reference = _model()
+        optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for step in range(1, STEPS + 1):
+            _step(reference, optimizer, step)
+            version, header = mail.get("header")
+            assert version == step
+            receiver.begin_update(header)
+            receiver.wait_applied(step, DEADLINE_S)
+            for name, param in reference.named_parameters():
+                assert torch.equal(torch.from_numpy(receiver.live_array(name).copy()),
+                                   param.detach()), (step, name)
+            stats = receiver.stats()
+            assert stats.routed_bytes == plan.bytes_to_engine(0), stats
+            assert (stats.trainer_count, stats.routing_fingerprint) == (2, plan.fingerprint)
+
+        version, header = mail.get("header")
+        assert version == STEPS + 1
+        receiver.begin_update(header)
+        kill_rank1.put("die")
+        receiver.drain()  # the update in flight fails once trainer rank 1's socket closes
+        stats = receiver.stats()
+        assert (stats.updates_failed, stats.applied_version) == (1, STEPS), stats
+        assert "trainer rank 1" in receiver.last_update_error(), receiver.last_update_error()
+        assert receiver.before_step() is None
+        for name, param in reference.named_parameters():  # still update 2's
+            assert torch.equal(torch.from_numpy(receiver.live_array(name).copy()), param.detach())
+        (rank0_error,) = mail.get("rank 0 failed")
+        print(f"engine: {receiver.last_update_error()}\ntrainer rank 0: {rank0_error}")
+
+        for process in ranks:
+            process.join(DEADLINE_S)
+        assert [p.exitcode for p in ranks] == [0, -signal.SIGKILL]
+    finally:
+        if receiver is not None:
+            receiver.close()
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(DEADLINE_S)
+        shutil.rmtree(directory, ignore_errors=True)
