@@ -1,7 +1,7 @@
-// A sharded trainer's routing plan for tests of moving routes (p2p_schedule, NCCL routes): one
-// group "base" of 256-byte buckets, M trainer ranks holding uneven FSDP2 rows and ZeRO-3
-// partitions that cut rows, N = 1 or 2 engine ranks with a receive plan each (a tensor-parallel
-// split, a fused tensor of strided rows, an FP8-staged tensor).
+// A sharded trainer's routing plan for tests of moving routes (route copies, p2p_schedule, NCCL
+// routes): one group "base" of 256-byte buckets, M trainer ranks holding uneven FSDP2 rows and
+// ZeRO-3 partitions that cut rows, N = 1 or 2 engine ranks with a receive plan each (a
+// tensor-parallel split, a fused tensor of strided rows, an FP8-staged tensor).
 #pragma once
 
 #include <algorithm>
@@ -16,8 +16,9 @@
 
 namespace shadowsync::testing {
 
-// Buckets of 256 bytes: q's rows of 48 bytes straddle bucket boundaries; a and b are fused into
-// one engine tensor (strided rows); w is quantized by the engine (its pieces go to staging).
+// Buckets of 256 bytes: q's rows of 48 bytes straddle bucket boundaries (the plan cuts them
+// there); a and b go into one fused engine tensor (its rows strided: a 2-D copy whose pitches
+// differ); w is quantized to FP8 by the engine (its pieces go to staging).
 inline Layout wire_layout() {
   return Layout::build({{"q", DType::kFloat32, {13, 12}, "base"},
                         {"k", DType::kFloat32, {3, 8}, "base"},
@@ -28,8 +29,9 @@ inline Layout wire_layout() {
                        {.bucket_bytes = 256});
 }
 
-// M trainer ranks: q and k Shard(0) (uneven), a, b and w ZeRO-3 partitions cut mid-row, the
-// norm sent by the last rank.
+// M trainer ranks: q and k FSDP2 Shard(0) (uneven: the first ranks get one row more), a, b and w
+// ZeRO-3 flat partitions cut 3 elements past each even share (mid-row), the norm replicated and
+// sent by the last rank.
 inline std::vector<RankRanges> trainer_shards(const Layout& wire, int ranks) {
   std::vector<RankRanges> out;
   for (int r = 0; r < ranks; ++r) {
@@ -57,12 +59,13 @@ inline std::vector<RankRanges> trainer_shards(const Layout& wire, int ranks) {
   return out;
 }
 
-// Engine rank `rank` of `ranks` (1 or 2): q, k split by rows, a and b fused into ab (each rank
-// half of their columns), w quantized to FP8, the norm whole.
+// Engine rank `rank` of `ranks` (1 or 2): q and k column-parallel (rows split, uneven), a and b
+// fused into ab (side by side in each row; with 2 ranks each holds its half of their columns),
+// w quantized to FP8 (rows split), the norm whole.
 inline ReceivePlan engine_plan(const Layout& wire, int rank, int ranks) {
   const std::int64_t q_rows = ranks == 1 ? 13 : rank == 0 ? 7 : 6;
   const std::int64_t k_rows = ranks == 1 ? 3 : rank == 0 ? 2 : 1;
-  const std::int64_t cols = 8 / ranks;
+  const std::int64_t cols = 8 / ranks;  // of a and of b
   const std::int64_t w_rows = 6 / ranks;
   const Layout engine = Layout::build({{"q", DType::kFloat32, {q_rows, 12}, "base"},
                                        {"k", DType::kFloat32, {k_rows, 8}, "base"},

@@ -11,82 +11,28 @@
 
 #include <algorithm>
 #include <cstring>
-#include <random>
 #include <string>
-#include <tuple>
-#include <utility>
 
 #include "core/p2p_schedule.h"
 #include "core/route_copies.h"
 #include "core/routing_plan.h"
 #include "error_message.h"
+#include "route_replay.h"
 #include "routing_fixture.h"
 #include "shadowsync/error.h"
 #include "shadowsync/receive_plan.h"
 
 using namespace shadowsync;
 using shadowsync::testing::engine_plan;
+using shadowsync::testing::Landed;
 using shadowsync::testing::message_of;
+using shadowsync::testing::packings;
+using shadowsync::testing::random_image;
+using shadowsync::testing::slot_bytes_of;
 using shadowsync::testing::trainer_shards;
 using shadowsync::testing::wire_layout;
 
 namespace {
-
-std::vector<unsigned char> random_image(std::size_t bytes) {
-  std::mt19937 rng(43);
-  std::vector<unsigned char> image(bytes);
-  for (auto& b : image) b = static_cast<unsigned char>(rng());
-  return image;
-}
-
-// Each trainer rank's packing of the group: what it holds of `image`, in wire order.
-std::vector<std::vector<unsigned char>> packings(const RoutingPlan& routing,
-                                                 const std::vector<unsigned char>& image) {
-  std::vector<std::vector<unsigned char>> packed(routing.trainer_count());
-  for (int t = 0; t < routing.trainer_count(); ++t) {
-    for (const ByteRange& r : routing.held(t, 0)) {
-      packed[t].insert(packed[t].end(), image.begin() + r.begin, image.begin() + r.end);
-    }
-  }
-  return packed;
-}
-
-// An engine rank's slot and staging memory (0xEE where nothing was written), with write counts.
-struct Landed {
-  std::vector<unsigned char> slot;
-  std::vector<unsigned char> staging;
-  std::vector<int> slot_writes;
-  std::vector<int> staging_writes;
-
-  Landed(std::size_t slot_bytes, std::size_t staging_bytes)
-      : slot(slot_bytes, 0xEE),
-        staging(staging_bytes, 0xEE),
-        slot_writes(slot_bytes, 0),
-        staging_writes(staging_bytes, 0) {}
-
-  void copy_2d(bool to_staging, std::size_t dst, std::size_t dst_pitch, const unsigned char* src,
-               std::size_t src_pitch, std::size_t row_bytes, std::size_t rows) {
-    auto& to = to_staging ? staging : slot;
-    auto& writes = to_staging ? staging_writes : slot_writes;
-    for (std::size_t r = 0; r < rows; ++r) {
-      const std::size_t at = dst + r * dst_pitch;
-      REQUIRE(at + row_bytes <= to.size());
-      std::memcpy(to.data() + at, src + r * src_pitch, row_bytes);
-      for (std::size_t i = 0; i < row_bytes; ++i) ++writes[at + i];
-    }
-  }
-};
-
-std::size_t slot_bytes_of(const ReceivePlan& plan, std::size_t buckets) {
-  std::size_t bytes = 0;
-  for (std::size_t k = 0; k < buckets; ++k) {
-    for (const PlanPiece& p : plan.pieces(0, k)) {
-      if (!p.to_staging)
-        bytes = std::max(bytes, p.dst_offset + (p.rows - 1) * p.dst_pitch + p.row_bytes);
-    }
-  }
-  return bytes;
-}
 
 // The ops of one kind between communicator ranks `from` and `to`, in `from`'s posting order.
 std::vector<P2pOp> ops_with(const std::vector<P2pOp>& ops, P2pOp::Kind kind, int peer) {
@@ -102,7 +48,7 @@ std::vector<P2pOp> ops_with(const std::vector<P2pOp>& ops, P2pOp::Kind kind, int
 TEST_CASE("every send meets one receive, and the schedule lands what the plan's pieces land") {
   const Layout wire = wire_layout();
   const GroupLayout& group = wire.groups()[0];
-  const auto image = random_image(group.arena_bytes());
+  const auto image = random_image(group.arena_bytes(), 43);
   for (const int engines : {1, 2}) {
     std::vector<ReceivePlan> plans;
     std::vector<RankRanges> needs;
@@ -112,8 +58,9 @@ TEST_CASE("every send meets one receive, and the schedule lands what the plan's 
     }
     for (const int trainers : {1, 2, 4}) {
       CAPTURE(engines, trainers);
-      const RoutingPlan routing = RoutingPlan::build(wire, trainer_shards(wire, trainers), needs);
-      const auto packed = packings(routing, image);
+      const auto held = trainer_shards(wire, trainers);
+      const RoutingPlan routing = RoutingPlan::build(wire, held, needs);
+      const auto packed = packings(held, image);
       const int world = trainers + engines;
       std::vector<Landed> got;
       std::vector<Landed> want;

@@ -7,125 +7,28 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <cstring>
-#include <random>
 #include <string>
 #include <utility>
 
-#include "error_message.h"
-#include "shadowsync/error.h"
-#include "shadowsync/receive_plan.h"
 #include "core/route_copies.h"
 #include "core/routing_plan.h"
+#include "error_message.h"
+#include "route_replay.h"
+#include "routing_fixture.h"
+#include "shadowsync/error.h"
+#include "shadowsync/receive_plan.h"
 
 using namespace shadowsync;
+using shadowsync::testing::engine_plan;
+using shadowsync::testing::Landed;
 using shadowsync::testing::message_of;
+using shadowsync::testing::packings;
+using shadowsync::testing::random_image;
+using shadowsync::testing::slot_bytes_of;
+using shadowsync::testing::trainer_shards;
+using shadowsync::testing::wire_layout;
 
 namespace {
-
-// Buckets of 256 bytes: q's rows of 48 bytes straddle bucket boundaries (the plan cuts them
-// there); a and b go into one fused engine tensor (its rows strided: a 2-D copy whose pitches
-// differ); w is quantized to FP8 by the engine (its pieces go to staging).
-Layout wire_layout() {
-  return Layout::build({{"q", DType::kFloat32, {13, 12}, "base"},
-                        {"k", DType::kFloat32, {3, 8}, "base"},
-                        {"a", DType::kFloat32, {8, 8}, "base"},
-                        {"b", DType::kFloat32, {8, 8}, "base"},
-                        {"w", DType::kFloat32, {6, 8}, "base"},
-                        {"norm", DType::kFloat32, {8}, "base"}},
-                       {.bucket_bytes = 256});
-}
-
-// M trainer ranks: q and k FSDP2 Shard(0) (uneven: the first ranks get one row more), a, b and w
-// ZeRO-3 flat partitions cut 3 elements past each even share (mid-row), the norm replicated and
-// sent by the last rank.
-std::vector<RankRanges> trainer_shards(const Layout& wire, int ranks) {
-  std::vector<RankRanges> out;
-  for (int r = 0; r < ranks; ++r) {
-    RankRanges held{r, {{}}};
-    auto& ranges = held.ranges[0];
-    for (const auto& [name, rows, cols] : {std::tuple{"q", 13, 12}, std::tuple{"k", 3, 8}}) {
-      const int per = (rows + ranks - 1) / ranks;
-      const int lo = r * per;
-      const int hi = std::min(rows, lo + per);
-      if (lo >= hi) continue;
-      for (const ByteRange& b : regions_of_box(wire, name, {lo, 0}, {hi, cols})) {
-        ranges.push_back(b);
-      }
-    }
-    for (const auto& [name, elements] :
-         {std::pair{"a", 64}, std::pair{"b", 64}, std::pair{"w", 48}}) {
-      const auto cut = [&](int i) {
-        return i == 0 ? 0 : i == ranks ? elements : elements * i / ranks + 3;
-      };
-      ranges.push_back(regions_of_elements(wire, name, cut(r), cut(r + 1) - cut(r)));
-    }
-    if (r == ranks - 1) ranges.push_back(regions_of_elements(wire, "norm", 0, 8));
-    out.push_back(std::move(held));
-  }
-  return out;
-}
-
-// Engine rank `rank` of `ranks` (1 or 2): q and k column-parallel (rows split, uneven), a and b
-// fused into ab (side by side in each row; with 2 ranks each holds its half of their columns),
-// w quantized to FP8 (rows split), the norm whole.
-ReceivePlan engine_plan(const Layout& wire, int rank, int ranks) {
-  const std::int64_t q_rows = ranks == 1 ? 13 : rank == 0 ? 7 : 6;
-  const std::int64_t k_rows = ranks == 1 ? 3 : rank == 0 ? 2 : 1;
-  const std::int64_t cols = 8 / ranks;  // of a and of b
-  const std::int64_t w_rows = 6 / ranks;
-  const Layout engine = Layout::build({{"q", DType::kFloat32, {q_rows, 12}, "base"},
-                                       {"k", DType::kFloat32, {k_rows, 8}, "base"},
-                                       {"ab", DType::kFloat32, {8, 2 * cols}, "base"},
-                                       {"w", DType::kFloat8E4M3, {w_rows, 8}, "base"},
-                                       {"w_scale", DType::kFloat32, {1}, "base"},
-                                       {"norm", DType::kFloat32, {8}, "base"}});
-  return ReceivePlan::build(
-      wire, engine,
-      {{"q", "q", {q_rows, 12}, rank * 7 * 12, {12, 1}, 0, {12, 1}},
-       {"k", "k", {k_rows, 8}, rank * 2 * 8, {8, 1}, 0, {8, 1}},
-       {"a", "ab", {8, cols}, rank * cols, {8, 1}, 0, {2 * cols, 1}},
-       {"b", "ab", {8, cols}, rank * cols, {8, 1}, cols, {2 * cols, 1}},
-       {"w", "w", {w_rows, 8}, rank * w_rows * 8, {8, 1}, 0, {8, 1}},
-       {"norm", "norm", {8}, 0, {1}, 0, {1}}},
-      {}, {{"w", "w_scale", 1}});
-}
-
-std::vector<unsigned char> random_image(std::size_t bytes) {
-  std::mt19937 rng(11);
-  std::vector<unsigned char> image(bytes);
-  for (auto& b : image) b = static_cast<unsigned char>(rng());
-  return image;
-}
-
-// What an engine rank's receive leaves: its slot arena and its staging memory (0xEE where nothing
-// was written), and how often each of their bytes was written.
-struct Landed {
-  std::vector<unsigned char> slot;
-  std::vector<unsigned char> staging;
-  std::vector<int> slot_writes;
-  std::vector<int> staging_writes;
-  std::size_t bytes = 0;  // written in all
-
-  Landed(std::size_t slot_bytes, std::size_t staging_bytes)
-      : slot(slot_bytes, 0xEE),
-        staging(staging_bytes, 0xEE),
-        slot_writes(slot_bytes, 0),
-        staging_writes(staging_bytes, 0) {}
-
-  void copy_2d(bool to_staging, std::size_t dst, std::size_t dst_pitch, const unsigned char* src,
-               std::size_t src_pitch, std::size_t row_bytes, std::size_t rows) {
-    auto& to = to_staging ? staging : slot;
-    auto& writes = to_staging ? staging_writes : slot_writes;
-    for (std::size_t r = 0; r < rows; ++r) {
-      const std::size_t at = dst + r * dst_pitch;
-      REQUIRE(at + row_bytes <= to.size());
-      std::memcpy(to.data() + at, src + r * src_pitch, row_bytes);
-      for (std::size_t i = 0; i < row_bytes; ++i) ++writes[at + i];
-    }
-    bytes += rows * row_bytes;
-  }
-};
 
 // Today's receive: each whole bucket lands, then its pieces run.
 Landed whole_buckets(const Layout& wire, const ReceivePlan& plan, std::size_t slot_bytes,
@@ -140,21 +43,6 @@ Landed whole_buckets(const Layout& wire, const ReceivePlan& plan, std::size_t sl
     }
   }
   return out;
-}
-
-// Each trainer rank's packing of the group: what it holds of `image`, in wire order.
-std::vector<std::vector<unsigned char>> packings(const std::vector<RankRanges>& trainers,
-                                                 const std::vector<unsigned char>& image) {
-  std::vector<std::vector<unsigned char>> packed(trainers.size());
-  for (const RankRanges& t : trainers) {
-    std::vector<ByteRange> held = t.ranges[0];
-    std::sort(held.begin(), held.end(),
-              [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
-    for (const ByteRange& r : held) {
-      packed[t.rank].insert(packed[t.rank].end(), image.begin() + r.begin, image.begin() + r.end);
-    }
-  }
-  return packed;
 }
 
 // The composed copies of engine rank `engine`, each reading the slice its trainer rank stages
@@ -203,7 +91,7 @@ void check_same(const Landed& got, const Landed& want) {
 
 TEST_CASE("route copies land what the whole bucket and the plan's pieces land, each byte once") {
   const Layout wire = wire_layout();
-  const auto image = random_image(wire.groups()[0].arena_bytes());
+  const auto image = random_image(wire.groups()[0].arena_bytes(), 11);
   for (const int engines : {1, 2}) {
     // Each engine rank's plan, and the layout its slots have (for the slot's size).
     std::vector<ReceivePlan> plans;
@@ -221,15 +109,7 @@ TEST_CASE("route copies land what the whole bucket and the plan's pieces land, e
         CAPTURE(e);
         const ReceivePlan& plan = plans[e];
         REQUIRE(plan.staging_bytes() > 0);
-        // The slot: as large as the furthest byte a piece writes.
-        std::size_t slot_bytes = 0;
-        for (std::size_t k = 0; k < wire.groups()[0].bucket_count(); ++k) {
-          for (const PlanPiece& p : plan.pieces(0, k)) {
-            if (p.to_staging) continue;
-            slot_bytes = std::max(slot_bytes,
-                                  p.dst_offset + (p.rows - 1) * p.dst_pitch + p.row_bytes);
-          }
-        }
+        const std::size_t slot_bytes = slot_bytes_of(plan, wire.groups()[0].bucket_count());
         const Landed want = whole_buckets(wire, plan, slot_bytes, image);
         const auto copies = compose_route_copies(routing, e, wire, &plan);
         const Landed got =
@@ -248,7 +128,7 @@ TEST_CASE("route copies land what the whole bucket and the plan's pieces land, e
 TEST_CASE("without a receive plan each route lands at its wire offset") {
   const Layout wire = wire_layout();
   const GroupLayout& group = wire.groups()[0];
-  const auto image = random_image(group.arena_bytes());
+  const auto image = random_image(group.arena_bytes(), 11);
   std::vector<ByteRange> every_tensor;
   for (const TensorPlacement& t : group.tensors()) every_tensor.push_back({t.offset, t.offset + t.bytes});
   for (const int trainers : {1, 2, 4}) {

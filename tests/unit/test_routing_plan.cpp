@@ -5,15 +5,17 @@
 
 #include <cstring>
 #include <functional>
-#include <random>
 
 #include "error_message.h"
+#include "route_replay.h"
 #include "shadowsync/error.h"
 #include "shadowsync/receive_plan.h"
 #include "core/routing_plan.h"
 
 using namespace shadowsync;
 using shadowsync::testing::message_of;
+using shadowsync::testing::packings;
+using shadowsync::testing::random_image;
 
 namespace {
 
@@ -61,15 +63,7 @@ std::vector<ByteRange> every_tensor(const Layout& wire) {
 std::vector<std::vector<unsigned char>> replay(const Layout& wire, const RoutingPlan& plan,
                                                const std::vector<RankRanges>& trainers,
                                                const std::vector<unsigned char>& image) {
-  std::vector<std::vector<unsigned char>> packed(trainers.size());
-  for (const RankRanges& t : trainers) {
-    std::vector<ByteRange> held = t.ranges[0];
-    std::sort(held.begin(), held.end(),
-              [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
-    for (const ByteRange& r : held) {
-      packed[t.rank].insert(packed[t.rank].end(), image.begin() + r.begin, image.begin() + r.end);
-    }
-  }
+  const auto packed = packings(trainers, image);
   const std::size_t arena = wire.groups()[0].arena_bytes();
   std::vector<std::vector<unsigned char>> engines(plan.engine_count(),
                                                   std::vector<unsigned char>(arena, 0xEE));
@@ -91,18 +85,11 @@ std::vector<std::vector<unsigned char>> replay(const Layout& wire, const Routing
   return engines;
 }
 
-std::vector<unsigned char> random_image(std::size_t bytes) {
-  std::mt19937 rng(7);
-  std::vector<unsigned char> image(bytes);
-  for (auto& b : image) b = static_cast<unsigned char>(rng());
-  return image;
-}
-
 }  // namespace
 
 TEST_CASE("every byte an engine rank needs arrives once, from the trainer rank that holds it") {
   const Layout wire = wire_layout();
-  const auto image = random_image(wire.groups()[0].arena_bytes());
+  const auto image = random_image(wire.groups()[0].arena_bytes(), 7);
   for (const int trainers : {1, 2, 4}) {
     CAPTURE(trainers);
     const auto held = fsdp_shards(wire, trainers);
@@ -141,7 +128,7 @@ TEST_CASE("each tensor-parallel engine rank receives exactly the bytes its recei
   }
   const auto held = fsdp_shards(wire, 2);
   const RoutingPlan plan = RoutingPlan::build(wire, held, engines);
-  const auto image = random_image(wire.groups()[0].arena_bytes());
+  const auto image = random_image(wire.groups()[0].arena_bytes(), 7);
   const auto got = replay(wire, plan, held, image);
   for (int r = 0; r < 2; ++r) {
     CHECK(plan.bytes_to(r) == plan_bytes[r]);
