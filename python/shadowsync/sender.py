@@ -317,22 +317,8 @@ class Sender(Handle):
                     f"region {region.numel} (shape {format_shape(region.shape)})")
             checked.append((desc, region))
         _tensors.synchronize_producers([desc for desc, _ in checked])
-        source = _ShardArray(checked)
-        group_array, _keep = _group_array(selected)
-        handle = c_void_p()
-        call(
-            "shadowsync_sender_publish_shards",
-            self._handle,
-            int(version),
-            group_array,
-            len(selected),
-            source.array,
-            source.count,
-            byref(handle),
-        )
-        publish = PublishHandle(handle.value, keepalive=source)
-        self._track(publish)
-        return publish
+        return self._start_publish("shadowsync_sender_publish_shards", version, selected,
+                                   _ShardArray(checked))
 
     def publish(self, version: int, tensors, groups: Iterable[str] | None = None) -> PublishHandle:
         """Publishes `groups` at `version` from `tensors` (a mapping of names to tensors, or
@@ -351,22 +337,8 @@ class Sender(Handle):
         wanted = {t.name for g in selected for t in self.layout.group(g).tensors}
         descs = [d for d in descs if d.name in wanted]
         _tensors.synchronize_producers(descs)
-        source = _tensors.SourceArray(descs)
-        group_array, _keep = _group_array(selected)
-        handle = c_void_p()
-        call(
-            "shadowsync_sender_publish",
-            self._handle,
-            int(version),
-            group_array,
-            len(selected),
-            source.array,
-            source.count,
-            byref(handle),
-        )
-        publish = PublishHandle(handle.value, keepalive=source)
-        self._track(publish)
-        return publish
+        return self._start_publish("shadowsync_sender_publish", version, selected,
+                                   _tensors.SourceArray(descs))
 
     def publish_streamed(self, version: int, groups: Iterable[str]) -> StreamedPublish:
         """Starts publishing `groups` at `version` with no tensor yet and returns at once: send
@@ -439,6 +411,26 @@ class Sender(Handle):
                         f"shape {format_shape(t.shape)}) is missing"
                     )
         return descs
+
+    def _start_publish(self, function: str, version: int, selected: Sequence[str],
+                       source) -> PublishHandle:
+        # One publish through the C call `function` (shadowsync_sender_publish or _publish_shards)
+        # from `source` (an array of sources with .array and .count), which the handle keeps alive.
+        group_array, _keep = _group_array(selected)
+        handle = c_void_p()
+        call(
+            function,
+            self._handle,
+            int(version),
+            group_array,
+            len(selected),
+            source.array,
+            source.count,
+            byref(handle),
+        )
+        publish = PublishHandle(handle.value, keepalive=source)
+        self._track(publish)
+        return publish
 
     def _track(self, publish: PublishHandle) -> None:
         # Keeps each publish (and through it the tensors it reads) alive until it is done, even
