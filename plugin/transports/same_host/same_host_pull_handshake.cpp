@@ -120,21 +120,17 @@ same_host::HelloAnswer answer_hello(const RoutingPlan& plan, int trainer_rank, i
 Error refused(const same_host::PullRefuse& r, const RoutingPlan& plan, int engine_rank,
               const std::string& path) {
   switch (r.reason) {
-    case same_host::PullRefuseReason::kWorldSizeDiffers:
-      if (r.trainer_count != static_cast<std::uint32_t>(plan.trainer_count())) {
-        return Error(
-            ErrorCode::kInvalidArgument,
-            fmt::format("engine rank {} was set up for {} trainer ranks, trainer rank {} "
-                        "at {} for {}: every rank must build its routing plan from the "
-                        "same trainer and engine ranks",
-                        engine_rank, plan.trainer_count(), r.trainer_rank, path, r.trainer_count));
-      }
-      return Error(
-          ErrorCode::kInvalidArgument,
-          fmt::format("engine rank {} was set up for {} engine ranks, trainer rank {} at "
-                      "{} for {}: every rank must build its routing plan from the same "
-                      "trainer and engine ranks",
-                      engine_rank, plan.engine_count(), r.trainer_rank, path, r.engine_count));
+    case same_host::PullRefuseReason::kWorldSizeDiffers: {
+      // Named by the first count that differs.
+      const bool trainers = r.trainer_count != static_cast<std::uint32_t>(plan.trainer_count());
+      return Error(ErrorCode::kInvalidArgument,
+                   fmt::format("engine rank {} was set up for {} {} ranks, trainer rank {} at {} "
+                               "for {}: every rank must build its routing plan from the same "
+                               "trainer and engine ranks",
+                               engine_rank, trainers ? plan.trainer_count() : plan.engine_count(),
+                               trainers ? "trainer" : "engine", r.trainer_rank, path,
+                               trainers ? r.trainer_count : r.engine_count));
+    }
     case same_host::PullRefuseReason::kPlanDiffers:
       return Error(
           ErrorCode::kLayoutMismatch,
@@ -315,6 +311,10 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
                    fmt::format("same-host pull connect to '{}' as engine rank {}: {}: {}", path,
                                engine_rank, what, same_host::describe(io, errno)));
     };
+    const auto malformed = [&](const std::string& problem) {
+      return Error(ErrorCode::kTransport,
+                   fmt::format("same-host pull connect to '{}': {}", path, problem));
+    };
     if (const Io io = same_host::write_all(socket.get(), same_host::encode(hello), -1, deadline);
         io != Io::kOk) {
       throw failed("sending the hello", io);
@@ -330,10 +330,7 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
     }
     RecordType type{};
     std::string problem;
-    if (!same_host::parse_record_header(head, type, problem)) {
-      throw Error(ErrorCode::kTransport,
-                  fmt::format("same-host pull connect to '{}': {}", path, problem));
-    }
+    if (!same_host::parse_record_header(head, type, problem)) throw malformed(problem);
     if (type != RecordType::kPullSetup && type != RecordType::kPullRefuse) {
       throw Error(ErrorCode::kTransport,
                   fmt::format("same-host pull connect to '{}': record type {} where a pull "
@@ -354,17 +351,11 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
     const std::span<const std::byte> record(answer.data(), size);
     if (type == RecordType::kPullRefuse) {
       same_host::PullRefuse refusal;
-      if (!same_host::decode(record, refusal, problem)) {
-        throw Error(ErrorCode::kTransport,
-                    fmt::format("same-host pull connect to '{}': {}", path, problem));
-      }
+      if (!same_host::decode(record, refusal, problem)) throw malformed(problem);
       throw refused(refusal, *plan, engine_rank, path);
     }
     same_host::PullSetup setup;
-    if (!same_host::decode(record, setup, problem)) {
-      throw Error(ErrorCode::kTransport,
-                  fmt::format("same-host pull connect to '{}': {}", path, problem));
-    }
+    if (!same_host::decode(record, setup, problem)) throw malformed(problem);
     if (setup.trainer_rank != t) {
       throw Error(ErrorCode::kInvalidArgument,
                   fmt::format("{} is served by trainer rank {}; expected {} (trainer paths go in "

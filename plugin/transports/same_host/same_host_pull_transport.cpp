@@ -6,6 +6,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -33,6 +35,40 @@ std::uint32_t slot_of(std::uint64_t call) {
   return static_cast<std::uint32_t>(call % same_host::kSlotCount);
 }
 
+// Fails `state` for an exchange with its peer `peer` that ended in `io` (neither kOk nor kWoken)
+// before `what` of `bucket`: "same-host pull trainer rank 0: engine rank 1 closed its socket (its
+// process died?) before acking bucket 3 of update 2 (group 0, bucket 1)", then `after`.
+void fail_exchange(SameHostPullTransport::State& state, std::size_t peer, Io io, int saved_errno,
+                   std::string_view what, const RoutedBucket& bucket, std::string_view after = {}) {
+  const bool trainer = state.trainer_rank >= 0;
+  state.fail(fmt::format(
+      "same-host pull {} rank {}: {} rank {} {} before {} {}{}", trainer ? "trainer" : "engine",
+      trainer ? state.trainer_rank : state.engine_rank, trainer ? "engine" : "trainer", peer,
+      io == Io::kClosed ? std::string("closed its socket (its process died?)")
+                        : same_host::describe(io, saved_errno),
+      what, bucket_name(bucket), after));
+}
+
+// Reads one data record from every peer of `state` side by side (a peer that died is seen at
+// once, whatever the others do): record i at i * kDataRecordBytes of `records`. False when the
+// transport was aborted, or when a peer failed before `what` of `bucket` (`state` then failed as
+// fail_exchange says).
+bool read_each_peer(SameHostPullTransport::State& state, std::vector<std::byte>& records,
+                    std::string_view what, const RoutedBucket& bucket,
+                    std::string_view after = {}) {
+  std::size_t failed = 0;
+  const Io io = same_host::read_each(state.peers, same_host::kDataRecordBytes, records,
+                                     state.wake.get(), failed);
+  if (io != Io::kOk && io != Io::kWoken)
+    fail_exchange(state, failed, io, errno, what, bucket, after);
+  return io == Io::kOk;
+}
+
+// Record i of what read_each_peer read.
+std::span<const std::byte> record_at(const std::vector<std::byte>& records, std::size_t i) {
+  return {records.data() + i * same_host::kDataRecordBytes, same_host::kDataRecordBytes};
+}
+
 }  // namespace
 
 void SameHostPullTransport::State::run_send(const RoutedBucket& bucket, const std::byte* packed,
@@ -49,38 +85,18 @@ void SameHostPullTransport::State::run_send(const RoutedBucket& bucket, const st
     const Io io = same_host::write_all(peers[e].get(), frame, wake.get(), std::nullopt);
     if (io == Io::kWoken) return;
     if (io != Io::kOk) {
-      fail(
-          fmt::format("same-host pull trainer rank {}: engine rank {} {} before the doorbell of "
-                      "{}",
-                      trainer_rank, e,
-                      io == Io::kClosed ? std::string("closed its socket (its process died?)")
-                                        : same_host::describe(io, errno),
-                      bucket_name(bucket)));
+      fail_exchange(*this, e, io, errno, "the doorbell of", bucket);
       return;
     }
   }
-  // Every engine must have read the slot before it is packed again: wait for all their acks, side
-  // by side, so that an engine that died is seen at once whatever the others do.
+  // Every engine must have read the slot before it is packed again: wait for all their acks.
   std::vector<std::byte> records;
-  std::size_t failed = 0;
-  const Io io =
-      same_host::read_each(peers, same_host::kDataRecordBytes, records, wake.get(), failed);
-  if (io == Io::kWoken) return;
-  if (io != Io::kOk) {
-    fail(fmt::format("same-host pull trainer rank {}: engine rank {} {} before acking {}",
-                     trainer_rank, failed,
-                     io == Io::kClosed ? std::string("closed its socket (its process died?)")
-                                       : same_host::describe(io, errno),
-                     bucket_name(bucket)));
-    return;
-  }
+  if (!read_each_peer(*this, records, "acking", bucket)) return;
   const same_host::SlotGeometry geometry{same_host::kSlotCount, own.slot_bytes};
   for (std::size_t e = 0; e < peers.size(); ++e) {
-    const std::span<const std::byte> record(records.data() + e * same_host::kDataRecordBytes,
-                                            same_host::kDataRecordBytes);
     RouteRecord ack;
     std::string problem;
-    if (!same_host::decode(record, RecordType::kRouteAck, geometry, ack, problem)) {
+    if (!same_host::decode(record_at(records, e), RecordType::kRouteAck, geometry, ack, problem)) {
       fail(fmt::format("same-host pull trainer rank {}: engine rank {} broke the protocol: {}",
                        trainer_rank, e, problem));
       return;
@@ -102,32 +118,21 @@ void SameHostPullTransport::State::run_receive(const RoutedBucket& bucket,
                                                const std::vector<RouteCopy>& copies,
                                                const RouteTargets& targets, std::uint64_t call) {
   if (!wait_turn(call)) return;
-  // Every trainer rank's doorbell first, side by side: a trainer rank that died fails the bucket
-  // at once, and nothing is copied until every doorbell passed its checks.
+  // Every trainer rank's doorbell first: a trainer rank that died fails the bucket at once, and
+  // nothing is copied until every doorbell passed its checks.
   std::vector<std::byte> records;
-  std::size_t failed = 0;
-  const Io io =
-      same_host::read_each(peers, same_host::kDataRecordBytes, records, wake.get(), failed);
-  if (io == Io::kWoken) return;
-  if (io != Io::kOk) {
-    fail(
-        fmt::format("same-host pull engine rank {}: trainer rank {} {} before the doorbell of {}; "
-                    "nothing of the bucket was copied",
-                    engine_rank, failed,
-                    io == Io::kClosed ? std::string("closed its socket (its process died?)")
-                                      : same_host::describe(io, errno),
-                    bucket_name(bucket)));
+  if (!read_each_peer(*this, records, "the doorbell of", bucket,
+                      "; nothing of the bucket was copied")) {
     return;
   }
   std::vector<RouteRecord> doorbells(peers.size());
   for (std::size_t t = 0; t < peers.size(); ++t) {
-    const std::span<const std::byte> record(records.data() + t * same_host::kDataRecordBytes,
-                                            same_host::kDataRecordBytes);
     const same_host::SlotGeometry geometry{same_host::kSlotCount, staging[t].slot_bytes};
     const ByteRange range = plan->packed_range(static_cast<int>(t), bucket.group, bucket.bucket);
     RouteRecord doorbell;
     std::string problem;
-    if (!same_host::decode(record, RecordType::kRouteDoorbell, geometry, doorbell, problem)) {
+    if (!same_host::decode(record_at(records, t), RecordType::kRouteDoorbell, geometry, doorbell,
+                           problem)) {
       fail(
           fmt::format("same-host pull engine rank {}: trainer rank {} broke the protocol: {}; "
                       "nothing of {} was copied",
@@ -165,11 +170,7 @@ void SameHostPullTransport::State::run_receive(const RoutedBucket& bucket,
         same_host::write_all(peers[t].get(), same_host::encode(ack), wake.get(), std::nullopt);
     if (sent == Io::kWoken) return;
     if (sent != Io::kOk) {
-      fail(fmt::format("same-host pull engine rank {}: trainer rank {} {} before the ack of {}",
-                       engine_rank, t,
-                       sent == Io::kClosed ? std::string("closed its socket (its process died?)")
-                                           : same_host::describe(sent, errno),
-                       bucket_name(bucket)));
+      fail_exchange(*this, t, sent, errno, "the ack of", bucket);
       return;
     }
   }
