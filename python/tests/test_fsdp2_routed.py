@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -137,21 +138,29 @@ def _train(rank, store, paths, to_engine, kill_rank1):
 
 
 class _Mailbox:
-    """The trainer ranks' messages by kind: the two ranks' puts interleave."""
+    """The trainer ranks' messages by kind (the two ranks' puts interleave); a rank that failed
+    (its traceback is on stderr) fails the wait at once, not at the deadline."""
 
-    def __init__(self, channel):
-        self.channel, self.held = channel, []
+    def __init__(self, channel, ranks):
+        self.channel, self.ranks, self.held = channel, ranks, []
+        self.killed = set()  # ranks whose SIGKILL is the test's
 
     def get(self, kind):
+        deadline = time.monotonic() + DEADLINE_S
         while True:
             for i, message in enumerate(self.held):
                 if message[0] == kind:
                     return self.held.pop(i)[1:]
+            failed = [(r, p.exitcode) for r, p in enumerate(self.ranks)
+                      if p.exitcode not in (None, 0) and r not in self.killed]
+            assert not failed, f"waiting for '{kind}': trainer ranks failed (rank, exit code): " \
+                               f"{failed}; their tracebacks are on stderr"
+            assert time.monotonic() < deadline, \
+                f"no '{kind}' from the trainer ranks within {DEADLINE_S} s; got {self.held}"
             try:
-                self.held.append(self.channel.get(timeout=DEADLINE_S))
+                self.held.append(self.channel.get(timeout=0.5))
             except queue.Empty:
-                raise AssertionError(f"no '{kind}' from the trainer ranks within {DEADLINE_S} "
-                                     f"s; got {self.held}") from None
+                pass
 
 
 def test_fsdp2_ranks_publish_their_shards_into_a_receiver(tmp_path):
@@ -164,7 +173,7 @@ def test_fsdp2_ranks_publish_their_shards_into_a_receiver(tmp_path):
              for r in range(WORLD)]
     for process in ranks:
         process.start()
-    mail, receiver = _Mailbox(to_engine), None
+    mail, receiver = _Mailbox(to_engine, ranks), None
     try:
         (setup,) = mail.get("setup")
         receiver = sharded_receiver(setup, TOKEN, 0, connect_timeout_ms=DEADLINE_S * 1000)
@@ -195,6 +204,7 @@ def test_fsdp2_ranks_publish_their_shards_into_a_receiver(tmp_path):
         version, header = mail.get("header")
         assert version == STEPS + 1
         receiver.begin_update(header)
+        mail.killed.add(1)
         kill_rank1.put("die")
         receiver.drain()  # the update in flight fails once trainer rank 1's socket closes
         stats = receiver.stats()
