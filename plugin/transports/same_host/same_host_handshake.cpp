@@ -5,16 +5,12 @@
 #include "shadowsync/same_host_transport.h"
 
 #include <poll.h>
-#include <sys/eventfd.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <vector>
 
 #include <fmt/format.h>
@@ -36,24 +32,7 @@ using same_host::Io;
 
 namespace {
 
-std::string directory_of(const std::string& path) {
-  const std::filesystem::path p(path);
-  if (!p.has_parent_path() || p.filename().empty()) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host socket path '{}' needs a directory and a file name", path));
-  }
-  return p.parent_path().string();
-}
-
 void check_same_host_token(std::string_view token) { check_token(token, "the same-host token"); }
-
-Fd make_wake() {
-  Fd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake) {
-    throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
-  }
-  return wake;
-}
 
 }  // namespace
 
@@ -74,14 +53,14 @@ std::unique_ptr<SameHostTransport> SameHostTransport::serve(const std::string& p
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host serve: unknown memory flavour {}", static_cast<int>(memory)));
   }
-  same_host::check_private_directory(directory_of(path), /*create=*/true);
+  same_host::check_private_directory(same_host::socket_directory(path), /*create=*/true);
 
   auto state = std::make_shared<State>();
   state->rank = 0;
   state->world_size = receivers + 1;
   state->memory = memory;
   state->slot_bytes = slot_bytes;
-  state->wake = make_wake();
+  state->wake = same_host::make_wake();
   Fd memory_file;  // host flavour; the device flavour's link holds its exported fd
   if (memory == SameHostMemory::kDevice) {
     state->device = same_host::DeviceLink::create(backend, slot_bytes, config.doorbell_timeout);
@@ -130,7 +109,7 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
                 fmt::format("same-host connect: rank {} is outside 1..65535 (0 is the sender)",
                             rank));
   }
-  same_host::check_private_directory(directory_of(path), /*create=*/true);
+  same_host::check_private_directory(same_host::socket_directory(path), /*create=*/true);
   int last_errno = 0;
   Fd socket = same_host::dial(path, Clock::now() + config.connect_timeout, last_errno);
   if (!socket) {
@@ -170,41 +149,21 @@ std::unique_ptr<SameHostTransport> SameHostTransport::connect(const std::string&
     state->slot_bytes = static_cast<std::size_t>(setup.slot_bytes);
     state->device = same_host::DeviceLink::open(backend, std::move(memory_file), setup, path,
                                                 config.doorbell_timeout);
-    state->wake = make_wake();
+    state->wake = same_host::make_wake();
     state->peers.push_back(std::move(socket));
     state->device->start(*state);
     return std::unique_ptr<SameHostTransport>(new SameHostTransport(std::move(state)));
-  }
-  if (!memory_file) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host connect to '{}': the sender's setup carried no memory "
-                            "file descriptor (SCM_RIGHTS)",
-                            path));
   }
   auto state = std::make_shared<State>();
   state->rank = rank;
   state->world_size = static_cast<int>(setup.world_size);
   state->memory = SameHostMemory::kHost;
   state->slot_bytes = static_cast<std::size_t>(setup.slot_bytes);
-  state->mapped_bytes = same_host::kSlotCount * state->slot_bytes;
-  same_host::check_staging_seals(memory_file.get(), path);
-  struct stat st {};
-  if (setup.slot_bytes > (std::uint64_t{1} << 40) || ::fstat(memory_file.get(), &st) != 0 ||
-      static_cast<std::uint64_t>(st.st_size) < state->mapped_bytes) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host connect to '{}': the sender's memory file holds {} bytes, "
-                            "but 2 slots of {} bytes were announced",
-                            path, st.st_size, setup.slot_bytes));
-  }
-  void* mapped = ::mmap(nullptr, state->mapped_bytes, PROT_READ, MAP_SHARED, memory_file.get(), 0);
-  if (mapped == MAP_FAILED) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host connect to '{}': could not map the sender's staging memory "
-                            "(memfd of {} bytes, mmap PROT_READ MAP_SHARED): {}",
-                            path, state->mapped_bytes, std::strerror(errno)));
-  }
-  state->staging = static_cast<std::byte*>(mapped);
-  state->wake = make_wake();
+  const same_host::MappedStaging mapped = same_host::map_received_staging(
+      memory_file, setup.slot_bytes, path, "same-host connect", "sender");
+  state->staging = mapped.base;
+  state->mapped_bytes = mapped.bytes;
+  state->wake = same_host::make_wake();
   state->peers.push_back(std::move(socket));
   return std::unique_ptr<SameHostTransport>(new SameHostTransport(std::move(state)));
 }

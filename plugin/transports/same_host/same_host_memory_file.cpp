@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "shadowsync/error.h"
+#include "transports/same_host/same_host_frame.h"
 
 namespace shadowsync::same_host {
 namespace {
@@ -67,6 +69,35 @@ void check_staging_seals(int fd, const std::string& path) {
                             path, missing, seals < 0 ? fmt::format(": {}", std::strerror(errno))
                                                      : std::string()));
   }
+}
+
+MappedStaging map_received_staging(const UniqueFd& memory_file, std::uint64_t slot_bytes,
+                                   const std::string& path, std::string_view call,
+                                   std::string_view owner) {
+  if (!memory_file) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("{} to '{}': the {}'s setup carried no memory file descriptor "
+                            "(SCM_RIGHTS)",
+                            call, path, owner));
+  }
+  check_staging_seals(memory_file.get(), path);
+  const std::size_t bytes = kSlotCount * static_cast<std::size_t>(slot_bytes);
+  struct stat st {};
+  if (slot_bytes > (std::uint64_t{1} << 40) || ::fstat(memory_file.get(), &st) != 0 ||
+      static_cast<std::uint64_t>(st.st_size) < bytes) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("{} to '{}': the {}'s memory file holds {} bytes, but {} slots of {} "
+                            "bytes were announced",
+                            call, path, owner, st.st_size, kSlotCount, slot_bytes));
+  }
+  void* mapped = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, memory_file.get(), 0);
+  if (mapped == MAP_FAILED) {
+    throw Error(ErrorCode::kTransport,
+                fmt::format("{} to '{}': could not map the {}'s staging memory (memfd of {} "
+                            "bytes, mmap PROT_READ MAP_SHARED): {}",
+                            call, path, owner, bytes, std::strerror(errno)));
+  }
+  return {static_cast<std::byte*>(mapped), bytes};
 }
 
 }  // namespace shadowsync::same_host

@@ -2,13 +2,9 @@
 // admission, with the pull hello as its last step) and shares its staging; an engine rank
 // connects to every trainer rank in rank order, says hello and maps each one's staging
 // read-only. See same_host_pull_transport.h for the protocol.
-#include <sys/eventfd.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -29,23 +25,6 @@ using same_host::Io;
 using same_host::RecordType;
 
 namespace {
-
-std::string directory_of(const std::string& path) {
-  const std::filesystem::path p(path);
-  if (!p.has_parent_path() || p.filename().empty()) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host socket path '{}' needs a directory and a file name", path));
-  }
-  return p.parent_path().string();
-}
-
-Fd make_wake() {
-  Fd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake) {
-    throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
-  }
-  return wake;
-}
 
 // Each slot of trainer rank `t`: the plan's largest packing of one bucket, rounded up to 64 bytes
 // (the second slot starts aligned for the packer's copies) and never 0 (a rank that sends
@@ -151,38 +130,6 @@ Error refused(const same_host::PullRefuse& r, const RoutingPlan& plan, int engin
                            engine_rank, r.trainer_rank, path, r.engine_count));
 }
 
-// Maps trainer rank `t`'s staging (a sealed memory file of two slots) read-only.
-SameHostPullTransport::State::Staging map_staging(Fd memory_file, const same_host::PullSetup& setup,
-                                                  const std::string& path) {
-  if (!memory_file) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host pull connect to '{}': the trainer's setup carried no "
-                            "memory file descriptor (SCM_RIGHTS)",
-                            path));
-  }
-  same_host::check_staging_seals(memory_file.get(), path);
-  SameHostPullTransport::State::Staging staging;
-  staging.slot_bytes = static_cast<std::size_t>(setup.slot_bytes);
-  staging.mapped_bytes = same_host::kSlotCount * staging.slot_bytes;
-  struct stat st {};
-  if (setup.slot_bytes > (std::uint64_t{1} << 40) || ::fstat(memory_file.get(), &st) != 0 ||
-      static_cast<std::uint64_t>(st.st_size) < staging.mapped_bytes) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host pull connect to '{}': the trainer's memory file holds {} "
-                            "bytes, but 2 slots of {} bytes were announced",
-                            path, st.st_size, setup.slot_bytes));
-  }
-  void* mapped = ::mmap(nullptr, staging.mapped_bytes, PROT_READ, MAP_SHARED, memory_file.get(), 0);
-  if (mapped == MAP_FAILED) {
-    throw Error(ErrorCode::kTransport,
-                fmt::format("same-host pull connect to '{}': could not map the trainer's staging "
-                            "(memfd of {} bytes, mmap PROT_READ MAP_SHARED): {}",
-                            path, staging.mapped_bytes, std::strerror(errno)));
-  }
-  staging.base = static_cast<std::byte*>(mapped);
-  return staging;
-}
-
 }  // namespace
 
 std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
@@ -218,13 +165,13 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
                 fmt::format("same-host pull serve on '{}': unknown memory flavour {}", path,
                             static_cast<int>(memory)));
   }
-  same_host::check_private_directory(directory_of(path), /*create=*/true);
+  same_host::check_private_directory(same_host::socket_directory(path), /*create=*/true);
 
   auto state = std::make_shared<State>();
   state->plan = plan;
   state->trainer_rank = trainer_rank;
   state->paths = {path};
-  state->wake = make_wake();
+  state->wake = same_host::make_wake();
   State::Staging own;
   own.slot_bytes = slot_bytes_for(*plan, trainer_rank);
   own.mapped_bytes = same_host::kSlotCount * own.slot_bytes;
@@ -281,13 +228,13 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
                             engine_rank, trainer_paths.size(), plan->trainer_count()));
   }
   for (const std::string& path : trainer_paths) {
-    same_host::check_private_directory(directory_of(path), /*create=*/true);
+    same_host::check_private_directory(same_host::socket_directory(path), /*create=*/true);
   }
   auto state = std::make_shared<State>();
   state->plan = plan;
   state->engine_rank = engine_rank;
   state->paths = trainer_paths;
-  state->wake = make_wake();
+  state->wake = same_host::make_wake();
   const auto connect_deadline = Clock::now() + config.connect_timeout;
   const auto rank_on_wire = static_cast<std::uint32_t>(engine_rank) + 1;
   for (std::size_t t = 0; t < trainer_paths.size(); ++t) {
@@ -381,7 +328,10 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
                               "which the pull transport does not support yet (host memory only)",
                               path));
     }
-    state->staging.push_back(map_staging(std::move(memory_file), setup, path));
+    const same_host::MappedStaging mapped = same_host::map_received_staging(
+        memory_file, setup.slot_bytes, path, "same-host pull connect", "trainer");
+    state->staging.push_back(
+        {mapped.base, mapped.bytes, static_cast<std::size_t>(setup.slot_bytes)});
     state->peers.push_back(std::move(socket));
   }
   return std::unique_ptr<SameHostPullTransport>(new SameHostPullTransport(std::move(state)));

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -112,6 +113,15 @@ void check_private_directory(const std::string& directory, bool create) {
   }
 }
 
+std::string socket_directory(const std::string& path) {
+  const std::filesystem::path p(path);
+  if (!p.has_parent_path() || p.filename().empty()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host socket path '{}' needs a directory and a file name", path));
+  }
+  return p.parent_path().string();
+}
+
 void check_listener_is_this_user(int fd, const std::string& path) {
   ucred cred{};
   socklen_t size = sizeof(cred);
@@ -179,6 +189,14 @@ Fd listen_on(const std::string& path, int backlog) {
                 fmt::format("same-host socket '{}': {}", path, std::strerror(saved)));
   }
   return fd;
+}
+
+Fd make_wake() {
+  Fd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake) {
+    throw Error(ErrorCode::kTransport, fmt::format("eventfd: {}", std::strerror(errno)));
+  }
+  return wake;
 }
 
 Fd try_connect(const std::string& path) {

@@ -25,6 +25,10 @@ using Fd = UniqueFd;
 // Error(kInvalidArgument) naming what it found.
 void check_private_directory(const std::string& directory, bool create);
 
+// The directory of socket path `path` (for check_private_directory); Error(kInvalidArgument) for
+// a path without both a directory and a file name.
+std::string socket_directory(const std::string& path);
+
 // The uid of the process that listens on the other end of connected socket `fd` (SO_PEERCRED),
 // which must be this process's effective user: else Error(kTransport) naming both uids. Call it
 // before anything is sent, so that no proof of the token reaches another user's listener.
@@ -37,6 +41,10 @@ Fd listen_on(const std::string& path, int backlog);
 
 // One attempt to connect to `path`: the socket, or an empty Fd with errno set.
 Fd try_connect(const std::string& path);
+
+// A `wake` for the calls below: an eventfd (close-on-exec, non-blocking) that an abort writes
+// once, readable from then on. Throws Error(kTransport) when the kernel gives none.
+Fd make_wake();
 
 enum class Io { kOk, kClosed, kWoken, kTimeout, kError };
 // Reads exactly `out.size()` bytes (or writes all of `data`), waiting in poll() on `fd` and on
