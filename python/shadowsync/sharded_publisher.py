@@ -308,8 +308,14 @@ class ShardedPublisher:
 
     @property
     def held_bytes(self) -> int:
-        """The bytes this rank sends per update: what it holds of the parameters (a replicated
-        tensor counted on its sending rank only)."""
+        """The parameter bytes this rank holds and sends from (its regions; a tensor every rank
+        holds whole counts on its sending rank only)."""
+        return sum(r.numel * canonical_dtype(self.layout.tensor(r.tensor).dtype)[1]
+                   for r in self.regions[self.rank])
+
+    @property
+    def sent_bytes(self) -> int:
+        """The bytes this rank sends per update: held bytes once per engine rank needing them."""
         return self.routing_plan.bytes_from_trainer(self.rank)
 
     def close(self) -> None:

@@ -112,7 +112,8 @@ def _train(rank, store, paths, to_engine, kill_rank1):
     if rank == 0:
         to_engine.put(("setup", publisher.engine_setup))
     local_bytes = sum(p._local_tensor.nbytes for p in model.parameters())
-    to_engine.put(("memory", rank, publisher.staging_bytes, publisher.held_bytes, local_bytes))
+    to_engine.put(("memory", rank, publisher.staging_bytes, publisher.held_bytes,
+                   publisher.sent_bytes, local_bytes))
 
     for step in range(1, STEPS + 2):
         _step(model, optimizer, step)
@@ -179,12 +180,12 @@ def test_fsdp2_ranks_publish_their_shards_into_a_receiver(tmp_path):
         receiver = sharded_receiver(setup, TOKEN, 0, connect_timeout_ms=DEADLINE_S * 1000)
         plan = receiver.routing_plan
         memory = sorted(mail.get("memory") for _ in range(WORLD))
-        for rank, staging, held, local in memory:
+        for rank, staging, held, sent, local in memory:
             print(f"trainer rank {rank}: packing {staging} bytes for {local} parameter bytes held "
-                  f"({held} sent per update)")
+                  f"({sent} sent per update)")
             assert staging == 2 * plan.max_packed_bytes(rank)
-            assert held == local == plan.bytes_from_trainer(rank)
-        assert sum(m[3] for m in memory) == plan.bytes_to_engine(0)
+            assert held == local == sent == plan.bytes_from_trainer(rank)
+        assert sum(m[4] for m in memory) == plan.bytes_to_engine(0)
 
         reference = _model()
         optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
