@@ -181,6 +181,7 @@ def update_args(checkpoints, arch: str, dtype: str, mode: str, **extra) -> dict:
 
 
 PACED = dict(decode_slowdown_budget=1.5)  # llama's in-process engine runs paced
+TRAINER_RANKS = 2  # the sharded trainer that takes llama's in-process engine over
 
 
 def update_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict]:
@@ -193,7 +194,9 @@ def update_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict
         return dict(update_args(checkpoints, arch, dtype, "inproc", **extra), name=name)
 
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
-    jobs = [update(arch, arch, dtype, **(PACED if arch == "llama" else {}))
+    # llama's engine then takes two more updates from a sharded trainer (TRAINER_RANKS ranks).
+    jobs = [update(arch, arch, dtype, **(dict(PACED, trainer_ranks=TRAINER_RANKS)
+                                         if arch == "llama" else {}))
             for arch, dtype in ARCHS]
     jobs += [
         dict(name="selfcheck", what="selfcheck", dtype="float32", models=[a]),
@@ -309,6 +312,36 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(references
     assert "init_weight_update_group: already initialized (layout 0x" in out["init_twice"]
     if mode == "mp":
         assert out["refused_extra"].startswith("Exception: ")
+
+
+def test_a_sharded_trainer_whose_ranks_send_only_their_shards_updates_the_engine(references,
+                                                                                  runs):
+    """After its own group closed, llama's in-process engine is fed by a sharded trainer: two
+    processes, each holding only its (uneven) rows of every tensor, down_proj's columns, publish
+    over the same-host pull transport (ShadowsyncInitInfo.trainer_ranks). weight_update_needs
+    gives the engine's needs (what its receive plan reads: the receiver's own needs), each rank
+    builds the routing plan from them, a wrong fingerprint and needs of another world size are
+    refused by name, then updates B and A each answer as a fresh engine of that checkpoint,
+    token for token, with exactly the plan's bytes routed into the engine."""
+    out = runs("llama")["trainer_ranks"]
+    print(f"sharded trainer: set-up {out['set_up_s']:.1f} s, bytes per trainer rank "
+          f"{out['bytes_from_trainers']}, to the engine {out['bytes_to_engine']}")
+    assert out["fingerprints_agree"]
+    assert out["receiver_needs"] == out["needs"]
+    assert "differs from the trainers' (" in out["refused_fingerprint"], out["refused_fingerprint"]
+    assert out["refused_fingerprint"].startswith("LayoutMismatchError: ")
+    assert ("engine_needs holds the needs of 2 engine rank(s), but this engine has 1 "
+            "(tensor_parallel_size): the world size differs") in out["refused_world_size"], out
+    assert out["applied1"] == 1 and out["done1"] == [True] * TRAINER_RANKS
+    assert out["after_b"] == references("llama", "float32", "b")
+    assert out["applied2"] == 2 and out["done2"] == [True] * TRAINER_RANKS
+    assert out["after_a"] == references("llama", "float32", "a")
+    stats = out["stats"]
+    assert stats["trainer_count"] == TRAINER_RANKS
+    # One engine rank needs every byte the trainer sends; each rank sent its own part.
+    assert stats["routed_bytes"] == out["bytes_to_engine"][0] == sum(out["bytes_from_trainers"])
+    assert all(b > 0 for b in out["bytes_from_trainers"])
+    assert (stats["updates_ready"], stats["updates_failed"], stats["applied_version"]) == (2, 0, 2)
 
 
 def test_the_self_check_refuses_an_update_through_a_broken_plan(references, runs):

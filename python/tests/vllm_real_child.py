@@ -150,6 +150,158 @@ def trainer(conn, paths: list[str], dtype: str, socket_path: str, token: str, bu
 
 
 
+def split_regions(specs: list, count: int) -> list[list]:
+    """Where `count` trainer ranks' shards of `specs` lie, as ShadowsyncInitInfo.trainer_ranks
+    carries them: every tensor by rows (FSDP2's Shard(0)), down_proj by columns (a Megatron
+    row-parallel slice, so routes of part rows); uneven, rank r from row (r * dim) // count + 1
+    for r > 0; a tensor too small for that whole on one rank."""
+    regions: list[list] = [[] for _ in range(count)]
+    for index, (name, _, shape) in enumerate(specs):
+        shape = list(shape)
+        d = 1 if "down_proj" in name and len(shape) == 2 else 0
+        if shape[d] <= count:
+            regions[index % count].append([name, "box", [0] * len(shape), shape])
+            continue
+        cuts = [0] + [r * shape[d] // count + 1 for r in range(1, count)] + [shape[d]]
+        for r in range(count):
+            begin, end = [0] * len(shape), list(shape)
+            begin[d], end[d] = cuts[r], cuts[r + 1]
+            regions[r].append([name, "box", begin, end])
+    return regions
+
+
+def trainer_rank(conn, rank: int, paths: list[str], dtype: str, bucket_bytes: int) -> None:
+    """Trainer rank `rank` of a sharded trainer: holds only its regions of the HF weights of each
+    of `paths` (plain tensors sliced from the full ones, which are dropped), builds the routing
+    plan from every rank's regions and the engine's needs, serves the same-host pull transport on
+    its own socket and publishes its shards with a routed Sender. Talks to the engine process
+    over `conn`; every failure goes back as ("error", text)."""
+    import traceback
+
+    try:
+        import shadowsync as ss
+        from shadowsync.vllm.init_info import trainer_regions
+
+        _, specs, ranks = conn.recv()
+        regions = trainer_regions(ranks)
+        mine = regions[rank]
+        shards = {}
+        for p in paths:
+            full = hf_tensors(p, dtype)
+            shards[p] = [(r.tensor, full[r.tensor][tuple(slice(b, e) for b, e in
+                                                       zip(r.begin, r.end))].contiguous(), r)
+                         for r in mine]
+            del full
+        layout = ss.Layout([tuple(s) for s in specs], bucket_bytes)
+        plan = ss.RoutingPlan(layout, regions, [[ss.WireRange(*r) for r in needs]
+                                                for needs in ranks["engine_needs"]])
+        conn.send(("plan", plan.fingerprint,
+                   [plan.bytes_to_engine(e) for e in range(plan.engine_count)],
+                   plan.bytes_from_trainer(rank)))
+        if conn.recv() != "serve":
+            return
+        backend = ss.HostBackend()
+        transport = ss.same_host_pull_trainer_transport(
+            ranks["paths"][rank], ranks["token"], plan, rank, plan.engine_count, backend,
+            connect_timeout_ms=int(DEADLINE_S * 1000))
+        sender = ss.Sender(layout, backend, transport,
+                           ss.SenderConfig(update_deadline_ms=int(DEADLINE_S * 1000)),
+                           routing_plan=plan, trainer_rank=rank)
+        conn.send(("serving", repr(transport)))
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            _, version, path = message
+            handle = sender.publish_shards(version, shards[path])
+            conn.send(("header", handle.header_bytes, None))
+            handle.wait(DEADLINE_S)
+            conn.send(("done", version, handle.done()))
+        sender.close()
+        conn.send(("closed",))
+    except BaseException as error:  # noqa: BLE001 - everything goes back to the engine process
+        try:
+            conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+
+
+def run_trainer_ranks(llm, args: dict, specs: list, a: str, b: str) -> dict:
+    """A sharded trainer of args["trainer_ranks"] ranks (processes) takes the engine over (its
+    own group closed first): weight_update_needs, each rank's plan, the two refusals a trainer
+    can cause (another fingerprint, needs of another world size), init with trainer_ranks, then
+    update 1 (B) and update 2 (A), the answers after each."""
+    import multiprocessing
+    import secrets
+    import shutil
+    import tempfile
+
+    from shadowsync.vllm import apply_update, init_weight_update_group, weight_update_needs
+
+    count = args["trainer_ranks"]
+    directory = tempfile.mkdtemp(prefix="ssr_")  # mode 0700, as the transport requires
+    ranks = dict(count=count, paths=[os.path.join(directory, f"rank{r}.sock") for r in range(count)],
+                 token=secrets.token_hex(16), regions=split_regions(specs, count),
+                 connect_timeout_ms=int(DEADLINE_S * 1000))
+    info = dict(specs=specs, bucket_bytes=args["bucket_bytes"], trainer_ranks=ranks)
+    out: dict = {}
+    started = time.monotonic()
+    needs = weight_update_needs(llm, info)
+    ranks["engine_needs"] = needs
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", "torch", "transformers", "shadowsync"])
+    trainers = []
+    try:
+        for rank in range(count):
+            parent, child = context.Pipe()
+            process = context.Process(target=trainer_rank, daemon=True,
+                                      args=(child, rank, [b, a], args["dtype"],
+                                            args["bucket_bytes"]))
+            process.start()
+            child.close()
+            trainers.append((process, parent))
+            parent.send(("plan", specs, ranks))
+        plans = [expect(conn, "plan") for _, conn in trainers]
+        fingerprint = plans[0][1]
+        out["fingerprints_agree"] = all(p[1] == fingerprint for p in plans)
+        out["bytes_to_engine"] = plans[0][2]
+        out["bytes_from_trainers"] = [p[3] for p in plans]
+        # Refused before anything connects (the trainers do not serve yet).
+        out["refused_fingerprint"] = init_message(llm, dict(
+            info, trainer_ranks=dict(ranks, fingerprint=fingerprint ^ 1)))
+        out["refused_world_size"] = init_message(llm, dict(
+            info, trainer_ranks=dict(ranks, engine_needs=needs * 2, fingerprint=fingerprint)))
+        for _, conn in trainers:
+            conn.send("serve")
+        init_weight_update_group(llm, dict(info, trainer_ranks=dict(ranks,
+                                                                     fingerprint=fingerprint)))
+        for _, conn in trainers:
+            expect(conn, "serving")
+        out["set_up_s"] = time.monotonic() - started
+        out["needs"] = needs
+        # What the receiver itself reads: the needs weight_update_needs computed without one.
+        out["receiver_needs"] = llm.collective_rpc(lambda worker: [
+            [r.group, r.begin, r.end] for r in worker._shadowsync.receiver.needed_ranges()])
+        for version, model, name in ((1, b, "after_b"), (2, a, "after_a")):
+            for _, conn in trainers:
+                conn.send(("publish", version, model))
+            headers = [expect(conn, "header")[1] for _, conn in trainers]
+            llm.collective_rpc("begin_update", args=(headers[0],))
+            out[f"done{version}"] = [expect(conn, "done")[2] for _, conn in trainers]
+            out[f"applied{version}"] = apply_update(llm, version, DEADLINE_S)
+            out[name] = greedy(llm, args["prompts"], args["max_tokens"])
+        out["stats"] = llm.collective_rpc("weight_update_stats")[0]
+        llm.collective_rpc("close_weight_update_group")
+        for _, conn in trainers:
+            conn.send(None)
+            expect(conn, "closed")
+    finally:
+        for process, conn in trainers:
+            stop_trainer(process, conn, directory)
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
 def expect(conn, kind: str):
     if not conn.poll(DEADLINE_S):
         raise TimeoutError(f"the trainer sent nothing within {DEADLINE_S} s (waiting for {kind})")
@@ -357,6 +509,8 @@ def run_update(args: dict) -> dict:
         applied, refusal = self_checked_update(llm, conn, 3, a)
         out["verified"] = applied if refusal is None else refusal
         llm.collective_rpc("close_weight_update_group")
+        if args.get("trainer_ranks"):  # a sharded trainer takes over this engine
+            out["trainer_ranks"] = run_trainer_ranks(llm, args, specs, a, b)
         conn.send(None)
         expect(conn, "closed")
     finally:
