@@ -41,6 +41,11 @@ rebinds the parameters to the other slot and switches vLLM to its graphs. Update
 back to slot 0); then a new trainer and a second init_weight_update_group, and update 4 (A) must
 answer as A, and A again after the second close.
 
+--trainer-ranks M (CPU): last, a sharded trainer takes the engine over: M rank processes, each
+holding only its rows of every tensor (down_proj: its columns) and sending only those over the
+same-host pull transport (ShadowsyncInitInfo.trainer_ranks, after weight_update_needs); updates
+B then A, each engine rank receiving exactly the bytes its own parameters read.
+
 --transport nccl (CUDA): the trainer sends over NCCL, rank 0 of 1 + tp, from --trainer-gpu (a
 GPU none of vLLM's ranks uses: NCCL refuses two ranks of one communicator on one GPU); the
 workers join it from the unique id alone (init_weight_update_group(unique_id=...)).
@@ -162,18 +167,15 @@ def wait_ready(llm, version: int, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
-            receivers: int, adapters: dict, omit: list[str], nccl: bool = False, gpu: int = 0):
-    """The trainer process, on GPU `gpu`: the tensors of every version's HF model
-    (vllm_models.trainer_tensors) and
-    its LoRA adapter's PEFT tensors, in group "lora", lora_B scaled as vLLM computes with it),
-    one Sender over the same-host transport, or over NCCL (rank 0 of 1 + receivers) with
-    `nccl`."""
+def trainer_tensors_of(checkpoints: dict, device: str, adapters: dict, omit: list[str],
+                       gpu: int = 0) -> tuple[dict, list]:
+    """A trainer's tensors on GPU `gpu` (or the CPU): every version's HF model
+    (vllm_models.trainer_tensors) and its LoRA adapter's PEFT tensors (group "lora", lora_B
+    scaled as vLLM computes with it), by version; and their specs."""
     import torch
     from safetensors.torch import load_file
     from vllm_models import trainer_tensors
 
-    import shadowsync as ss
     import shadowsync.vllm as ssv
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -192,6 +194,16 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
         groups.update({n: "lora" for n in peft})
     specs = [(n, str(p.dtype), tuple(p.shape), groups.get(n, "base"))
              for n, p in named[min(named)].items()]
+    return named, specs
+
+
+def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucket_bytes: int,
+            receivers: int, adapters: dict, omit: list[str], nccl: bool = False, gpu: int = 0):
+    """The trainer process, on GPU `gpu`: trainer_tensors_of's tensors, one Sender over the
+    same-host transport, or over NCCL (rank 0 of 1 + receivers) with `nccl`."""
+    import shadowsync as ss
+
+    named, specs = trainer_tensors_of(checkpoints, device, adapters, omit, gpu)
     unique_id = ss.nccl_unique_id() if nccl else None
     conn.send(("specs", specs, unique_id))
     backend = ss.CudaBackend(gpu) if device == "cuda" else ss.HostBackend()
@@ -214,6 +226,169 @@ def trainer(conn, checkpoints: dict, device: str, path: str, token: bytes, bucke
         handle.wait(120)
         conn.send(("sent", time.monotonic() - start, sum(g.arena_bytes for g in layout.groups)))
     sender.close()
+
+
+def split_regions(specs: list, count: int) -> list[list]:
+    """Where `count` trainer ranks' shards of `specs` lie (ShadowsyncInitInfo.trainer_ranks's
+    regions): every tensor by rows (FSDP2's Shard(0)), down_proj by columns (a Megatron
+    row-parallel slice: routes of part rows); uneven: rank r from row (r * dim) // count + 1
+    for r > 0; a tensor too small for that whole on one rank."""
+    regions: list[list] = [[] for _ in range(count)]
+    for index, (name, _, shape, *_group) in enumerate(specs):
+        shape = list(shape)
+        d = 1 if "down_proj" in name and len(shape) == 2 else 0
+        if shape[d] <= count:
+            regions[index % count].append([name, "box", [0] * len(shape), shape])
+            continue
+        cuts = [0] + [r * shape[d] // count + 1 for r in range(1, count)] + [shape[d]]
+        for r in range(count):
+            begin, end = [0] * len(shape), list(shape)
+            begin[d], end[d] = cuts[r], cuts[r + 1]
+            regions[r].append([name, "box", begin, end])
+    return regions
+
+
+def trainer_rank(conn, rank: int, checkpoints: dict, device: str, bucket_bytes: int,
+                 adapters: dict, omit: list[str]):
+    """Trainer rank `rank` of a sharded trainer (CPU, host memory): keeps only its regions of
+    trainer_tensors_of's tensors, builds the routing plan from every rank's regions and the
+    engine ranks' needs, serves the same-host pull transport on its own path and publishes its
+    shards with a routed Sender."""
+    import shadowsync as ss
+    from shadowsync.vllm.init_info import trainer_regions
+
+    named, specs = trainer_tensors_of(checkpoints, device, adapters, omit)
+    conn.send(("specs", specs))
+    _, ranks = conn.recv()
+    regions = trainer_regions(ranks)
+    shards = {v: [(r.tensor, tensors[r.tensor][tuple(slice(b, e) for b, e in
+                                                     zip(r.begin, r.end))].contiguous(), r)
+                  for r in regions[rank]]
+              for v, tensors in named.items()}
+    del named
+    layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
+    plan = ss.RoutingPlan(layout, regions, [[ss.WireRange(*r) for r in needs]
+                                            for needs in ranks["engine_needs"]])
+    conn.send(("plan", plan.fingerprint, [plan.bytes_to_engine(e)
+                                          for e in range(plan.engine_count)],
+               plan.bytes_from_trainer(rank), sum(g.arena_bytes for g in layout.groups)))
+    backend = ss.HostBackend()
+    transport = ss.same_host_pull_trainer_transport(
+        ranks["paths"][rank], ranks["token"], plan, rank, plan.engine_count, backend,
+        connect_timeout_ms=ranks["connect_timeout_ms"])
+    sender = ss.Sender(layout, backend, transport, routing_plan=plan, trainer_rank=rank)
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            break
+        version, source = message[1], message[2]
+        start = time.monotonic()
+        handle = sender.publish_shards(version, shards[source])
+        conn.send(("header", handle.header_bytes))
+        handle.wait(120)
+        conn.send(("sent", time.monotonic() - start, plan.bytes_from_trainer(rank)))
+    sender.close()
+
+
+def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings: dict, check,
+                    update, ranks_agree) -> int:
+    """--trainer-ranks M: the engine (holding A, its group closed) is taken over by a sharded
+    trainer: M rank processes, weight_update_needs, each rank's routing plan, a wrong
+    fingerprint refused naming both, init with trainer_ranks, updates B then A (check and
+    update are main's: the answers, the coordinated commit under TP), each engine rank's routed
+    bytes == its own needs. Returns the failures."""
+    import shutil
+
+    import shadowsync.vllm as ssv
+
+    failures = 0
+    count = args.trainer_ranks
+    socket_dir = Path(tempfile.mkdtemp(prefix="ss-ranks-"))  # mode 0700
+    pipes, processes = [], []
+    for rank in range(count):
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=trainer_rank, daemon=True, args=(
+            child, rank, checkpoints, args.device, args.bucket_bytes, adapters, args.omit))
+        process.start()
+        child.close()
+        pipes.append(parent)
+        processes.append(process)
+    try:
+        specs = [pipe.recv()[1] for pipe in pipes][0]
+        ranks = dict(count=count, paths=[str(socket_dir / f"rank{r}.sock") for r in range(count)],
+                     token=os.urandom(32).hex(), regions=split_regions(specs, count),
+                     connect_timeout_ms=120_000)
+        ranks["engine_needs"] = needs = ssv.weight_update_needs(
+            llm, specs=specs, **settings, trainer_ranks=ranks)
+        for pipe in pipes:
+            pipe.send(("plan", ranks))
+        plans = [pipe.recv() for pipe in pipes]
+        fingerprint, to_engine, wire_bytes = plans[0][1], plans[0][2], plans[0][4]
+        own = [sum(end - begin for _, begin, end in n) for n in needs]
+        ok = all(p[1] == fingerprint for p in plans) and to_engine == own
+        failures += not ok
+        log(f"{'ok  ' if ok else 'FAIL'} {count} trainer ranks built one routing plan "
+            f"({fingerprint:#018x}) from their regions and the engine ranks' needs: bytes per "
+            f"engine rank {to_engine} (its needs {own}), per trainer rank "
+            f"{[p[3] for p in plans]}, wire {wire_bytes}")
+        try:
+            ssv.init_weight_update_group(llm, specs=specs, **settings, trainer_ranks=dict(
+                ranks, fingerprint=fingerprint ^ 1))
+            refused = "not refused"
+        except Exception as error:  # noqa: BLE001 - the message is what is checked
+            refused = str(error)
+        ok = (f"differs from the trainers' ({fingerprint ^ 1:#018x})" in refused
+              and not any(llm.collective_rpc("has_weight_update_group")))
+        failures += not ok
+        log(f"{'ok  ' if ok else 'FAIL'} a routing plan of another fingerprint refused, nothing "
+            f"set up: {refused[:200]}")
+        ssv.init_weight_update_group(llm, specs=specs, **settings,
+                                     trainer_ranks=dict(ranks, fingerprint=fingerprint))
+        check("after the sharded trainer's set-up", "A")
+        group = TrainerRanks(pipes)
+        update(group, 1, 1, "B")
+        update(group, 2, 2, "A")
+        stats = llm.collective_rpc("weight_update_stats")
+        routed = [int(s["routed_bytes"]) for s in stats]
+        ok = (routed == to_engine and all(int(s["trainer_count"]) == count for s in stats)
+              and (args.tp == 1 or all(r < wire_bytes for r in routed)))
+        failures += not ok
+        log(f"{'ok  ' if ok else 'FAIL'} routed bytes per engine rank {routed}: its own needs "
+            f"{to_engine}, of {wire_bytes} wire bytes, from {count} trainer ranks")
+        ranks_agree()
+        group.send(("stop",))
+    finally:
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    llm.collective_rpc("close_weight_update_group")
+    check("after the sharded trainer's close", "A")
+    return failures
+
+
+class TrainerRanks:
+    """The pipes of a sharded trainer's rank processes, driven as one trainer's: a message goes
+    to every rank; rank 0's header is the update's; an update is sent when every rank sent."""
+
+    def __init__(self, pipes: list):
+        self.pipes = pipes
+
+    def send(self, message) -> None:
+        for pipe in self.pipes:
+            pipe.send(message)
+
+    def poll(self) -> bool:
+        return all(pipe.poll() for pipe in self.pipes)
+
+    def recv(self):
+        got = [pipe.recv() for pipe in self.pipes]
+        if got[0][0] == "header":
+            return got[0]
+        if got[0][0] == "sent":
+            return ("sent", max(g[1] for g in got), sum(g[2] for g in got))
+        return got
 
 
 def main() -> int:
@@ -267,6 +442,11 @@ def main() -> int:
                              "(init_weight_transfer_engine, start_weight_update, update_weights, "
                              "finish_weight_update) with the backend (default 'shadowsync') "
                              "instead of the worker extension's")
+    parser.add_argument("--trainer-ranks", type=int, default=0, metavar="M",
+                        help="last, a sharded trainer of M rank processes takes the engine over "
+                             "(ShadowsyncInitInfo.trainer_ranks: each rank holds only its rows "
+                             "of every tensor, down_proj's columns, and sends only those over "
+                             "the same-host pull transport; CPU): updates B then A")
     parser.add_argument("--reinit", action="store_true",
                         help="a third update, close, a second init with a new trainer, a fourth "
                              "update (an odd number of swaps before the close)")
@@ -281,6 +461,9 @@ def main() -> int:
         parser.error("--quantization: vLLM's FP8 kernels run on CUDA; use --device cuda")
     if args.api and args.reinit:
         parser.error("--api: --reinit re-initializes through the worker extension; leave it out")
+    if args.trainer_ranks and (args.device != "cpu" or args.api or args.transport != "same-host"):
+        parser.error("--trainer-ranks: the same-host pull transport moves host memory only "
+                     "(--device cpu, the worker extension's calls)")
     if args.api and not args.backend:
         args.backend = "shadowsync"
     if args.live_arena:
@@ -544,6 +727,11 @@ def main() -> int:
         stop_trainer(process, parent)
         llm.collective_rpc("close_weight_update_group")
         check("after the second close_weight_update_group", "A")
+    if args.trainer_ranks:
+        # Apart: check and update count their failures into this function's own.
+        extra = sharded_trainer(args, llm, ctx, {1: b, 2: a}, adapters, settings, check, update,
+                                ranks_agree)
+        failures += extra
     log("PASSED" if failures == 0 else f"FAILED ({failures} stage(s))")
     return 1 if failures else 0
 

@@ -4,7 +4,9 @@ streams in while vLLM generates, both ranks hold it ready and shadowsync.vllm.co
 it live on both between the same two steps (a commit of a version no rank holds ready is refused
 on every rank and flips none); the ranks' step versions agree at every step and the answers
 equal a fresh TP=2 vLLM of the new checkpoint, back and forth, and still do after
-close_weight_update_group. Before that, a set-up the workers refuse is raised on the front end
+close_weight_update_group. Last, a sharded trainer of two rank processes (--trainer-ranks 2) takes
+the engine over, each rank sending only its shards over the same-host pull transport, and each
+engine rank receiving only its own parameters' bytes. Before that, a set-up the workers refuse is raised on the front end
 and leaves every rank as it was. --reinit: a third update leaves the engine on B, the close keeps
 it, and a second group with a new trainer commits one more (update 5; update 4 is the
 self-checked one).
@@ -31,9 +33,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # Stages whose answers are checked: before set-up, after the refused set-up, after set-up, after
-# each of the 5 updates, after each of the 2 closes, after the second set-up.
-STAGES = 11
-UPDATES = 5
+# each of the 5 updates, after each of the 2 closes, after the second set-up; then the sharded
+# trainer's: after its set-up, after each of its 2 updates, after its close.
+STAGES = 11 + 4
+UPDATES = 5 + 2
+TRAINER_RANKS = 2
 
 
 def run_e2e(*args: str) -> tuple[list[str], list[str]]:
@@ -49,7 +53,7 @@ def run_e2e(*args: str) -> tuple[list[str], list[str]]:
 
 
 def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
-    lines, ok = run_e2e("--lora", "--reinit")
+    lines, ok = run_e2e("--lora", "--reinit", "--trainer-ranks", str(TRAINER_RANKS))
     # Both sets of answers at every stage: the base model alone, and with the adapter (each
     # against the adapter the reference loaded from its directory).
     assert sum("answers equal a fresh vLLM" in line for line in ok) == 2 * STAGES, lines
@@ -61,8 +65,9 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
     for want in ("A (requests", "B (requests", "A with adapter L1", "B with adapter L2"):
         assert sum(f"a fresh vLLM of {want}" in line for line in ok) >= 2, (want, lines)
     assert sum(line.startswith("[vllm-e2e] update ") for line in lines) == UPDATES, lines
-    # Both groups' updates (before and after the second init_weight_update_group).
-    assert sum("step versions of the 2 ranks agree" in line for line in ok) == 2, lines
+    # The three groups' updates (before and after the second init_weight_update_group, and the
+    # sharded trainer's).
+    assert sum("step versions of the 2 ranks agree" in line for line in ok) == 3, lines
     # The self-check passed on both ranks: every parameter of each rank's shard matched.
     assert sum("(self-check: every parameter matched the live copy" in line
                for line in lines) == 1, lines
@@ -72,6 +77,14 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
     assert any("does not take refused" in line for line in ok), lines
     # A commit of a version no rank holds ready: refused on every rank, nothing flipped anywhere.
     assert sum("refused on every rank" in line for line in ok) == UPDATES, lines
+    # The sharded trainer: its ranks built one routing plan from the engine ranks' needs; one of
+    # another fingerprint is refused naming both; each engine rank received exactly the bytes
+    # its own parameters read (less than the wire: it holds half of each sharded layer).
+    assert any(f"{TRAINER_RANKS} trainer ranks built one routing plan" in line
+               for line in ok), lines
+    assert any("a routing plan of another fingerprint refused, nothing set up" in line
+               for line in ok), lines
+    assert any("routed bytes per engine rank" in line for line in ok), lines
 
 
 def test_a_tensor_parallel_moe_engine_takes_updates_into_its_packed_experts():
