@@ -16,7 +16,6 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <future>
 #include <thread>
 
@@ -256,19 +255,6 @@ TEST_CASE("same-host processes: a trainer killed or stopped mid-update fails it 
   engines.check_oracle();
 }
 
-namespace {
-
-std::size_t memory_files() {
-  std::ifstream maps("/proc/self/maps");
-  std::size_t n = 0;
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find("shadowsync-same-host") != std::string::npos) ++n;
-  }
-  return n;
-}
-
-}  // namespace
-
 TEST_CASE("same-host: 100 connect/abort cycles leave no fd, thread or memory file behind") {
   shadowsync::testing::SocketDir dir{"shadowsync_same_host_proc"};
   HostBackend sender_backend;
@@ -299,10 +285,10 @@ TEST_CASE("same-host: 100 connect/abort cycles leave no fd, thread or memory fil
   };
   cycle(0);  // warm up: lazily made things (the async pool, OpenSSL's tables) exist from here on
   const ProcessResources baseline = ProcessResources::now();
-  const std::size_t maps_baseline = memory_files();
+  const std::size_t maps_baseline = same_host_memory_files();
   CHECK(maps_baseline == 0);
   for (int i = 1; i <= 100; ++i) cycle(i);
   wait_back_to(baseline, "100 connect/abort cycles");
-  CHECK(memory_files() == 0);
+  CHECK(same_host_memory_files() == 0);
   CHECK(target == source);
 }

@@ -16,7 +16,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <future>
 
 #include <fmt/format.h>
@@ -437,19 +436,6 @@ TEST_CASE("same-host pull: the handshake's refusals, named") {
              Catch::Contains("device memory (SameHostMemory::kDevice) is not built yet"));
 }
 
-namespace {
-
-std::size_t memory_files() {
-  std::ifstream maps("/proc/self/maps");
-  std::size_t n = 0;
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find("shadowsync-same-host") != std::string::npos) ++n;
-  }
-  return n;
-}
-
-}  // namespace
-
 TEST_CASE("same-host pull: 20 connect/abort cycles leave no fd, thread or memory file behind") {
   SocketDir dir{"shadowsync_pull_cycles"};
   const auto paths = socket_paths(dir, 2);
@@ -502,10 +488,10 @@ TEST_CASE("same-host pull: 20 connect/abort cycles leave no fd, thread or memory
   };
   cycle(0);  // warm up: lazily made things (the async pool, OpenSSL's tables) exist from here on
   const ProcessResources baseline = ProcessResources::now();
-  CHECK(memory_files() == 0);
+  CHECK(same_host_memory_files() == 0);
   for (int i = 1; i <= 20; ++i) cycle(i);
   wait_back_to(baseline, "20 pull connect/abort cycles");
-  CHECK(memory_files() == 0);
+  CHECK(same_host_memory_files() == 0);
   CHECK(engine.wrong_bytes(20, 0, wire_layout().groups()[0].bucket(1).offset) == 0);
 }
 

@@ -1,9 +1,11 @@
-// What a process holds that a leak would grow: its threads (/proc/self/task) and open file
-// descriptors (/proc/self/fd). Linux only, as the tests that use it.
+// What a process holds that a leak would grow: its threads (/proc/self/task), open file
+// descriptors (/proc/self/fd) and same-host memory files mapped (/proc/self/maps). Linux only, as
+// the tests that use it.
 #pragma once
 
 #include <cstddef>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "deadline.h"
@@ -30,6 +32,17 @@ struct ProcessResources {
   }
   bool operator==(const ProcessResources&) const = default;
 };
+
+// How many mappings of same-host staging memory files (memfds named shadowsync-same-host-...) this
+// process holds: a transport that went away must leave none.
+inline std::size_t same_host_memory_files() {
+  std::ifstream maps("/proc/self/maps");
+  std::size_t n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("shadowsync-same-host") != std::string::npos) ++n;
+  }
+  return n;
+}
 
 // Waits until the process is back at `baseline`; throws naming both counts at the deadline. A
 // joined thread leaves /proc/self/task a moment after pthread_join returns (the kernel reaps it

@@ -4,22 +4,16 @@
 
 #include <cstring>
 
+#include "record_fields.h"
 #include "transports/same_host/same_host_frame.h"
 
 using namespace shadowsync::same_host;
+using shadowsync::testing::put_u32;
+using shadowsync::testing::put_u64;
 
 namespace {
 
 const SlotGeometry kGeometry{kSlotCount, 4096};
-
-template <std::size_t N>
-void put_u32(std::array<std::byte, N>& record, std::size_t at, std::uint32_t v) {
-  for (int i = 0; i < 4; ++i) record[at + i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
-}
-template <std::size_t N>
-void put_u64(std::array<std::byte, N>& record, std::size_t at, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i) record[at + i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
-}
 
 std::string doorbell_error(const std::array<std::byte, kDataRecordBytes>& record) {
   DataRecord out;
