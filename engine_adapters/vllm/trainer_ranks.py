@@ -105,6 +105,10 @@ def routing_plan(wire: Layout, trainer_ranks: dict, engine_rank: int, engine_cou
             f"{what}: engine_needs holds the needs of {len(needs)} engine rank(s), but this "
             f"engine has {engine_count} (tensor_parallel_size): the world size differs; ask "
             f"this engine's weight_update_needs")
+    if not 0 <= engine_rank < len(needs):
+        raise InvalidArgumentError(
+            f"{what}: engine rank {engine_rank} is outside 0..{len(needs) - 1} (engine_needs "
+            f"holds {len(needs)} engine ranks)")
     own = needs_data(own_needs)
     if needs[engine_rank] != own:
         raise InvalidArgumentError(
