@@ -24,6 +24,15 @@ inline std::vector<unsigned char> random_image(std::size_t bytes, std::uint32_t 
   return image;
 }
 
+// Each tensor of group 0 of `wire`, whole: what an engine rank with no receive plan needs.
+inline std::vector<ByteRange> every_tensor(const Layout& wire) {
+  std::vector<ByteRange> out;
+  for (const TensorPlacement& t : wire.groups()[0].tensors()) {
+    out.push_back({t.offset, t.offset + t.bytes});
+  }
+  return out;
+}
+
 // Each trainer rank's packing of group 0: what it holds of `image`, in wire order.
 inline std::vector<std::vector<unsigned char>> packings(const std::vector<RankRanges>& trainers,
                                                         const std::vector<unsigned char>& image) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <tuple>
 #include <utility>
@@ -83,11 +84,26 @@ inline ReceivePlan engine_plan(const Layout& wire, int rank, int ranks) {
                             {}, {{"w", "w_scale", 1}});
 }
 
+// The plans of engine ranks 0..ranks-1, in rank order.
+inline std::vector<ReceivePlan> engine_plans(const Layout& wire, int ranks) {
+  std::vector<ReceivePlan> plans;
+  for (int e = 0; e < ranks; ++e) plans.push_back(engine_plan(wire, e, ranks));
+  return plans;
+}
+
+// What each engine rank needs: what its plan (at its rank) reads.
+inline std::vector<RankRanges> needs_of(const std::vector<ReceivePlan>& plans) {
+  std::vector<RankRanges> needs;
+  for (std::size_t e = 0; e < plans.size(); ++e) {
+    needs.push_back({static_cast<int>(e), needed_by(plans[e])});
+  }
+  return needs;
+}
+
 // The routing plan of M trainer ranks to N engine ranks needing what their plans read.
 inline RoutingPlan routing_plan(const Layout& wire, int trainers, int engines) {
-  std::vector<RankRanges> needs;
-  for (int e = 0; e < engines; ++e) needs.push_back({e, needed_by(engine_plan(wire, e, engines))});
-  return RoutingPlan::build(wire, trainer_shards(wire, trainers), needs);
+  return RoutingPlan::build(wire, trainer_shards(wire, trainers),
+                            needs_of(engine_plans(wire, engines)));
 }
 
 }  // namespace shadowsync::testing

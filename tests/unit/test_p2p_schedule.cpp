@@ -23,14 +23,7 @@
 #include "shadowsync/receive_plan.h"
 
 using namespace shadowsync;
-using shadowsync::testing::engine_plan;
-using shadowsync::testing::Landed;
-using shadowsync::testing::message_of;
-using shadowsync::testing::packings;
-using shadowsync::testing::random_image;
-using shadowsync::testing::slot_bytes_of;
-using shadowsync::testing::trainer_shards;
-using shadowsync::testing::wire_layout;
+using namespace shadowsync::testing;
 
 namespace {
 
@@ -50,12 +43,8 @@ TEST_CASE("every send meets one receive, and the schedule lands what the plan's 
   const GroupLayout& group = wire.groups()[0];
   const auto image = random_image(group.arena_bytes(), 43);
   for (const int engines : {1, 2}) {
-    std::vector<ReceivePlan> plans;
-    std::vector<RankRanges> needs;
-    for (int e = 0; e < engines; ++e) {
-      plans.push_back(engine_plan(wire, e, engines));
-      needs.push_back({e, needed_by(plans.back())});
-    }
+    const std::vector<ReceivePlan> plans = engine_plans(wire, engines);
+    const std::vector<RankRanges> needs = needs_of(plans);
     for (const int trainers : {1, 2, 4}) {
       CAPTURE(engines, trainers);
       const auto held = trainer_shards(wire, trainers);

@@ -19,14 +19,7 @@
 #include "shadowsync/receive_plan.h"
 
 using namespace shadowsync;
-using shadowsync::testing::engine_plan;
-using shadowsync::testing::Landed;
-using shadowsync::testing::message_of;
-using shadowsync::testing::packings;
-using shadowsync::testing::random_image;
-using shadowsync::testing::slot_bytes_of;
-using shadowsync::testing::trainer_shards;
-using shadowsync::testing::wire_layout;
+using namespace shadowsync::testing;
 
 namespace {
 
@@ -94,12 +87,8 @@ TEST_CASE("route copies land what the whole bucket and the plan's pieces land, e
   const auto image = random_image(wire.groups()[0].arena_bytes(), 11);
   for (const int engines : {1, 2}) {
     // Each engine rank's plan, and the layout its slots have (for the slot's size).
-    std::vector<ReceivePlan> plans;
-    std::vector<RankRanges> needs;
-    for (int e = 0; e < engines; ++e) {
-      plans.push_back(engine_plan(wire, e, engines));
-      needs.push_back({e, needed_by(plans.back())});
-    }
+    const std::vector<ReceivePlan> plans = engine_plans(wire, engines);
+    const std::vector<RankRanges> needs = needs_of(plans);
     for (const int trainers : {1, 2, 4}) {
       CAPTURE(engines, trainers);
       const auto held = trainer_shards(wire, trainers);
@@ -129,17 +118,16 @@ TEST_CASE("without a receive plan each route lands at its wire offset") {
   const Layout wire = wire_layout();
   const GroupLayout& group = wire.groups()[0];
   const auto image = random_image(group.arena_bytes(), 11);
-  std::vector<ByteRange> every_tensor;
-  for (const TensorPlacement& t : group.tensors()) every_tensor.push_back({t.offset, t.offset + t.bytes});
+  const std::vector<ByteRange> tensors = every_tensor(wire);
   for (const int trainers : {1, 2, 4}) {
     CAPTURE(trainers);
     const auto held = trainer_shards(wire, trainers);
-    const RoutingPlan routing = RoutingPlan::build(wire, held, {{0, {every_tensor}}});
+    const RoutingPlan routing = RoutingPlan::build(wire, held, {{0, {tensors}}});
     const auto copies = compose_route_copies(routing, 0, wire, nullptr);
     const Landed got =
         routed(wire, routing, 0, copies, group.arena_bytes(), 0, packings(held, image));
     std::size_t tensor_bytes = 0;
-    for (const ByteRange& r : every_tensor) {
+    for (const ByteRange& r : tensors) {
       CHECK(std::equal(image.begin() + r.begin, image.begin() + r.end, got.slot.begin() + r.begin));
       CHECK(std::all_of(got.slot_writes.begin() + r.begin, got.slot_writes.begin() + r.end,
                         [](int n) { return n == 1; }));

@@ -13,6 +13,7 @@
 #include "core/routing_plan.h"
 
 using namespace shadowsync;
+using shadowsync::testing::every_tensor;
 using shadowsync::testing::message_of;
 using shadowsync::testing::packings;
 using shadowsync::testing::random_image;
@@ -45,14 +46,6 @@ std::vector<RankRanges> fsdp_shards(const Layout& wire, int ranks) {
     }
     if (r == 0) held.ranges[0].push_back(regions_of_elements(wire, "norm", 0, 8));
     out.push_back(std::move(held));
-  }
-  return out;
-}
-
-std::vector<ByteRange> every_tensor(const Layout& wire) {
-  std::vector<ByteRange> out;
-  for (const TensorPlacement& t : wire.groups()[0].tensors()) {
-    out.push_back({t.offset, t.offset + t.bytes});
   }
   return out;
 }
