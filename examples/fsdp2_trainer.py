@@ -1,29 +1,42 @@
-"""An FSDP2 trainer streaming every optimizer step into an inference engine, with no gather.
+"""An FSDP2 trainer streaming every optimizer step into a generating vLLM, with no gather.
 
-    torchrun --nproc-per-node 2 examples/fsdp2_trainer.py [--steps 3] [--device cpu|cuda]
-                                                          [--engine-ranks 2] [--bucket-bytes N]
+    torchrun --nproc-per-node 2 examples/fsdp2_trainer.py [--steps 3] [--check]
+    torchrun --nproc-per-node 2 examples/fsdp2_trainer.py --engine stand-in [--device cuda]
 
-Every rank trains a tiny MLP sharded with FSDP2 (``fully_shard`` per layer and at the root; gloo
-on CPU, NCCL on GPUs) and, after each ``optimizer.step()``, publishes what it holds with a
+Every rank trains a tiny model sharded with FSDP2 (``fully_shard`` per layer and at the root;
+gloo on CPU, NCCL on GPUs) and, after each ``optimizer.step()``, publishes what it holds with a
 ``shadowsync.ShardedPublisher``: each rank's own shards go straight to the engine ranks that need
 them over the same-host pull transport. Nothing gathers a full tensor: publishing runs inside
 ``shadowsync.sharding.forbid_gathers()``, where every gather raises.
 
-The engine here is a STAND-IN: ``StandInEngine`` starts this file again as a subprocess with
-``--engine`` (no torch there), which holds one shadowsync Receiver per engine rank on host memory,
-each needing its part of a tensor-parallel layout (column-parallel and row-parallel layers, a
-bias every rank needs whole), and reports, per update, the bytes each rank received, the
-transfer time and the swap (ReceiverStats). A real engine (vLLM) replaces it by offering the
-same four calls: ``needs(specs)``, ``connect(setup, token)``, ``update(version, header)``,
-``close()``.
+Two engines, both driven by rank 0 alone (its needs go to the other ranks at set-up; each
+update's header is rank 0's):
 
-Rank 0 alone talks to the engine (its needs are handed to the other ranks at set-up; each
-update's header is rank 0's). Printed per update by rank 0: version, bytes each engine rank
-received, transfer time; by the engine: each rank's bytes, transfer and swap; by every rank at
-set-up: the parameter bytes it holds and its packing memory (the publisher's staging).
+* ``--engine vllm`` (the default; vLLM's CPU build): the model is a tiny random Llama (2 layers,
+  hidden 128, vocab 320) built from the same seed on every rank; rank 0 saves it as a Hugging
+  Face checkpoint and starts a ``vllm.LLM`` of it with shadowsync's worker extension. Set-up:
+  ``weight_update_needs`` (the bytes of the trainers' wire layout the engine's parameters read),
+  every rank's ``ShardedPublisher.set_up(..., engine_needs=needs)``, then
+  ``init_weight_update_group`` with ``trainer_ranks`` made from the publisher's ``engine_setup``
+  (``shadowsync.vllm.trainer_ranks.from_engine_setup``): the worker connects to every trainer
+  rank. Each step, rank 0 hands the header to the worker (``begin_update``) and keeps generating
+  while the update streams; the worker swaps it in between two steps, and ``apply_update`` then
+  resets the prefix cache. ``--check``: after the last step every rank saves its own shards and
+  their regions, rank 0 assembles the full tensors from those files (no gather), shuts the
+  streaming engine down and starts a fresh vLLM of the assembled checkpoint: its greedy tokens
+  must equal the streamed engine's.
+* ``--engine stand-in`` (no vLLM needed; ``--device cuda`` too): a tiny MLP, and a subprocess (this
+  file again, no torch there) that holds one shadowsync Receiver per engine rank on host memory,
+  each needing its part of a tensor-parallel layout (column-parallel and row-parallel layers, a
+  bias every rank needs whole).
 
-CUDA: the pull transport shares host memory only for now, so the publisher copies each CUDA shard
-to the host at publish (device memory is a follow-up); GPU memory is not measured here.
+Printed per update by rank 0: version, the bytes each engine rank received, the transfer time
+and the engine's stop (its engine thread's time in the swap), from ``weight_update_stats`` (vLLM)
+or ReceiverStats (stand-in); by every rank at set-up: the parameter bytes it holds and its packing
+memory (the publisher's staging).
+
+The same-host pull transport shares host memory only for now: vLLM runs on its CPU build, and
+with ``--device cuda`` (stand-in) the publisher copies each CUDA shard to the host at publish.
 """
 
 from __future__ import annotations
@@ -38,7 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run from a source checkout without installing: use the checkout's `shadowsync` package.
+# Run from a source checkout without installing: use the checkout's `shadowsync` package (vLLM
+# spawns its engine process with this sys.path, so the worker finds shadowsync.vllm too).
 _CHECKOUT_PYTHON = Path(__file__).resolve().parent.parent / "python"
 if (_CHECKOUT_PYTHON / "shadowsync").is_dir():
     sys.path.insert(0, str(_CHECKOUT_PYTHON))
@@ -48,7 +62,7 @@ import shadowsync as ss  # noqa: E402
 REPLY_TIMEOUT_S = 120  # an engine that stops answering fails the run instead of hanging it
 
 
-# --- the stand-in engine (a subprocess; no torch) ---------------------------------------------
+# --- --engine stand-in: a subprocess holding Receivers (no torch) ---------------------------------------------
 
 
 def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -56,7 +70,7 @@ def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
     return min(size, index * rows), min(size, (index + 1) * rows)
 
 
-def engine_needs(specs, engine_ranks: int) -> list[list[ss.WireRange]]:
+def stand_in_needs(specs, engine_ranks: int) -> list[list[ss.WireRange]]:
     """What each engine rank needs of the wire layout, as a Megatron-style tensor-parallel engine
     holds the MLP: layers 0, 2, 4 column-parallel (its rows of weight and bias), layers 1, 3
     row-parallel (its columns of the weight; the bias whole on every rank)."""
@@ -88,7 +102,7 @@ def engine_main(engine_ranks: int) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         if request["call"] == "needs":
-            needs = engine_needs([tuple(s) for s in request["specs"]], engine_ranks)
+            needs = stand_in_needs([tuple(s) for s in request["specs"]], engine_ranks)
             reply([[[r.group, r.begin, r.end] for r in need] for need in needs])
         elif request["call"] == "connect":
             # Engine rank after engine rank: each connects to every trainer rank's path.
@@ -118,11 +132,12 @@ def engine_main(engine_ranks: int) -> None:
 
 
 class StandInEngine:
-    """Rank 0's handle on the stand-in engine process (the four calls a real engine offers)."""
+    """Rank 0's handle on the stand-in engine process: needs, connect, update, close."""
 
     def __init__(self, engine_ranks: int):
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--engine", "--engine-ranks", str(engine_ranks)],
+            [sys.executable, __file__, "--stand-in-engine-process", "--engine-ranks",
+             str(engine_ranks)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def _call(self, **request):
@@ -148,11 +163,163 @@ class StandInEngine:
         self.process.wait(REPLY_TIMEOUT_S)
 
 
+# --- --engine vllm: a vllm.LLM in rank 0's process ----------------------------------------------
+
+PROMPTS = [[5 + 7 * i + j for j in range(12)] for i in range(4)]  # token ids: no tokenizer needed
+MAX_TOKENS = 8
+
+
+class VllmEngine:
+    """Rank 0's vLLM (CPU build), with the stand-in's four calls (needs, connect, update, close)
+    and check. The ``vllm.LLM`` and its engine core run in rank 0's process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0: collective_rpc and generate run in the caller's thread);
+    its worker runs in a process spawned for it (distributed_executor_backend "mp"), whose
+    torch.distributed world is vLLM's own, not the trainers' (a worker in this process would
+    take the trainers' default group as vLLM's world; a forked one would inherit it)."""
+
+    def __init__(self, model_path: str, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self.llm = start_vllm(model_path)
+        self.before = self.greedy()  # the initial model's answers
+
+    def greedy(self) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                    use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def stats(self) -> list[dict]:
+        return self.llm.collective_rpc("weight_update_stats")  # one per worker (engine rank)
+
+    def needs(self, specs) -> list[list[ss.WireRange]]:
+        from shadowsync.vllm import weight_update_needs
+
+        # What the engine's parameters read of the wire layout: its receive plan's, whichever
+        # ranks send (trainer_ranks is not known yet: the publisher is built from these needs).
+        needs = weight_update_needs(self.llm, specs=ss.Layout(specs, self.bucket_bytes).specs,
+                                    bucket_bytes=self.bucket_bytes)
+        return [[ss.WireRange(*r) for r in need] for need in needs]
+
+    def connect(self, setup: dict, token: str) -> None:
+        from shadowsync.vllm import init_weight_update_group
+        from shadowsync.vllm.trainer_ranks import from_engine_setup
+
+        # Blocks until the worker connected to every trainer rank's path.
+        init_weight_update_group(
+            self.llm, specs=setup["wire"], bucket_bytes=setup["bucket_bytes"],
+            trainer_ranks=from_engine_setup(setup, token,
+                                            connect_timeout_ms=REPLY_TIMEOUT_S * 1000))
+
+    def update(self, version: int, header: bytes) -> dict:
+        from shadowsync.vllm import apply_update
+
+        self.llm.collective_rpc("begin_update", args=(header,))  # returns at once
+        # The engine keeps generating; the worker swaps the update in between two steps once
+        # every route landed (polled between generate calls).
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        calls = 0
+        while True:
+            stats = self.stats()
+            if min(s["applied_version"] for s in stats) >= version:
+                break
+            failed = [s["last_update_error"] for s in stats if s["last_update_error"]]
+            if failed or time.monotonic() > deadline:
+                raise RuntimeError(f"update {version} did not go live: "
+                                   f"{failed or f'not within {REPLY_TIMEOUT_S} s'}")
+            self.greedy()
+            calls += 1
+        apply_update(self.llm, version, REPLY_TIMEOUT_S)  # live already: resets the prefix cache
+        return {"version": version, "generate_calls": calls,
+                "ranks": [{"bytes": s["routed_bytes"], "transfer_s": s["last_transfer_s"],
+                           "swap_s": s["last_swap_s"]} for s in self.stats()]}
+
+    def check(self, trained_path: str) -> dict:
+        """The streamed engine's greedy tokens, then (that engine shut down) a fresh vLLM's of the
+        trained checkpoint."""
+        streamed = self.greedy()
+        self.close()
+        fresh = start_vllm(trained_path)
+        try:
+            self.llm = fresh
+            reference = self.greedy()
+        finally:
+            self.close()
+        return {"streamed": streamed, "fresh": reference, "initial": self.before}
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+
+def start_vllm(model_path: str):
+    import vllm
+
+    import shadowsync.vllm.unpacked as unpacked
+
+    # vLLM's CPU backend computes linear layers from packed copies of their weights, which an
+    # update would not reach; this registered "quantization" keeps the plain weights in use.
+    unpacked.register()
+    return vllm.LLM(model=model_path, dtype="float32", quantization=unpacked.NAME,
+                    worker_extension_cls="shadowsync.vllm.WorkerExtension",
+                    skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                    max_num_seqs=len(PROMPTS), kv_cache_memory_bytes=64 << 20, seed=0,
+                    distributed_executor_backend="mp")
+
+
+def build_llama(torch):
+    """A tiny random Llama (the smallest vLLM's CPU attention runs: head_dim 32), float32."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_local_shards(torch, model, rank: int, world: int, path: str) -> None:
+    """This rank's shards and where they lie in the full tensors (no collective, no gather)."""
+    from shadowsync.sharding import local_shards
+
+    shards = []
+    for shard in local_shards(model.named_parameters(), rank=rank, world_size=world):
+        if shard.region is None:
+            continue
+        if shard.region.kind != "box":
+            raise NotImplementedError(f"'{shard.name}': a {shard.region.kind} region")
+        shards.append((shard.name, list(shard.region.begin), list(shard.region.end),
+                       shard.tensor.detach().to("cpu").clone()))
+    torch.save(shards, path)
+
+
+def assemble_checkpoint(torch, initial: str, shard_files: list[str], specs, out: str) -> None:
+    """The full tensors from every rank's shard file, as a copy of the initial checkpoint."""
+    from safetensors.torch import save_file
+
+    full = {name: torch.empty(shape, dtype=torch.float32) for name, _, shape in specs}
+    filled = dict.fromkeys(full, 0)
+    for path in shard_files:
+        for name, begin, end, tensor in torch.load(path):
+            full[name][tuple(slice(b, e) for b, e in zip(begin, end))] = tensor
+            filled[name] += tensor.numel()
+    missing = [n for n in full if filled[n] != full[n].numel()]
+    if missing:
+        raise RuntimeError(f"the shard files cover {missing} only in part")
+    shutil.copytree(initial, out)
+    save_file(full, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+
 # --- the trainer (every torchrun rank) --------------------------------------------------------
 
 
-def build_model(torch):
-    """A tiny MLP of three Linears: 13 hidden rows (uneven over 2 ranks) and a 10-way head."""
+def build_mlp(torch):
+    """--engine stand-in's model: three Linears, 13 hidden rows (uneven over 2 ranks) and a
+    10-way head."""
     torch.manual_seed(0)
     nn = torch.nn
     return nn.Sequential(nn.Linear(16, 13), nn.ReLU(), nn.Linear(13, 32), nn.ReLU(),
@@ -172,20 +339,32 @@ def trainer_main(args) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     mesh = init_device_mesh(args.device, (world,))
-    model = build_model(torch).to(args.device)
-    for layer in model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
+    vllm_mode = args.engine == "vllm"
+    work = tempfile.mkdtemp(prefix="ss_fsdp2_") if rank == 0 else None  # mode 0700
+    if vllm_mode:
+        model = build_llama(torch)  # the same seed, so the same weights, on every rank
+        if rank == 0:
+            model.save_pretrained(os.path.join(work, "initial"))  # what the engine starts from
+        layers = list(model.model.layers)
+    else:
+        model = build_mlp(torch)
+        layers = [layer for layer in model if any(True for _ in layer.parameters())]
+    model = model.to(args.device)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     # Set-up metadata, before any forbid_gathers: rank 0 asks the engine what it needs and
-    # hands the needs and a fresh token to the other ranks.
-    engine = StandInEngine(args.engine_ranks) if rank == 0 else None
+    # hands the needs, a fresh token and its work directory to the other ranks.
+    engine = None
+    if rank == 0:
+        engine = (VllmEngine(os.path.join(work, "initial"), args.bucket_bytes) if vllm_mode
+                  else StandInEngine(args.engine_ranks))
     specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()]
-    shared = [engine.needs(specs), ss.make_token()] if rank == 0 else [None, None]
+    shared = [engine.needs(specs), ss.make_token(), work] if rank == 0 else [None] * 3
     dist.broadcast_object_list(shared, src=0)
-    needs, token = shared
+    needs, token, work = shared
     directory = tempfile.mkdtemp(prefix=f"ss_fsdp2_r{rank}_")  # this rank's socket, mode 0700
     publisher = ss.ShardedPublisher.set_up(model.named_parameters(), path=f"{directory}/sock",
                                            token=token, engine_needs=needs,
@@ -200,9 +379,14 @@ def trainer_main(args) -> None:
               f"{[plan.bytes_to_engine(e) for e in range(plan.engine_count)]}", flush=True)
         engine.connect(publisher.engine_setup, token)
 
+    generator = torch.Generator().manual_seed(1 + rank)  # each rank its own data
     for step in range(1, args.steps + 1):
-        x = torch.randn(32, 16, device=args.device)
-        loss = model(x).square().mean()
+        if vllm_mode:
+            tokens = torch.randint(3, 320, (4, 32), generator=generator).to(args.device)
+            loss = model(input_ids=tokens, labels=tokens).loss
+        else:
+            x = torch.randn(32, 16, generator=generator).to(args.device)
+            loss = model(x).square().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -216,38 +400,90 @@ def trainer_main(args) -> None:
         if rank == 0:
             received = [r["bytes"] for r in report["ranks"]]
             transfer = max(r["transfer_s"] for r in report["ranks"])
+            stop = max(r["swap_s"] for r in report["ranks"])
+            generated = (f"; {report['generate_calls']} generate calls while it streamed"
+                         if "generate_calls" in report else "")
             print(f"[trainer] update {step}: loss {loss.item():.4f}, bytes per engine rank "
-                  f"{received}, transfer {transfer * 1e3:.3f} ms (publish to live "
-                  f"{elapsed * 1e3:.1f} ms)", flush=True)
+                  f"{received}, transfer {transfer * 1e3:.3f} ms, engine stop {stop * 1e3:.3f} ms "
+                  f"(publish to live {elapsed * 1e3:.1f} ms{generated})", flush=True)
 
     publisher.close()
-    if rank == 0:
-        engine.close()
-    shutil.rmtree(directory, ignore_errors=True)
+    if args.check:  # every rank saves what it holds, for rank 0 to assemble
+        save_local_shards(torch, model, rank, world, os.path.join(work, f"shards{rank}.pt"))
+    # The trainers' last collective. Then rank 0 may shut vLLM down: its engine core, in this
+    # process, destroys the process's default group when it ends.
     dist.barrier()
     dist.destroy_process_group()
+    passed = True
+    if rank == 0:
+        if args.check:
+            trained = os.path.join(work, "trained")
+            assemble_checkpoint(torch, os.path.join(work, "initial"),
+                                [os.path.join(work, f"shards{r}.pt") for r in range(world)],
+                                specs_of(publisher), trained)
+            seen = engine.check(trained)
+            same = seen["streamed"] == seen["fresh"]
+            changed = seen["streamed"] != seen["initial"]
+            passed = same and changed
+            print(f"[trainer] check: greedy tokens of the streamed engine "
+                  f"{'equal' if same else 'DIFFER FROM'} a fresh vLLM of the trained checkpoint "
+                  f"({len(PROMPTS)} prompts x {MAX_TOKENS} tokens; the initial model's "
+                  f"{'differ' if changed else 'are the same'}): "
+                  f"{'PASSED' if passed else 'FAILED'}", flush=True)
+            if not passed:
+                print(f"[trainer] streamed {seen['streamed']}\n[trainer] fresh    "
+                      f"{seen['fresh']}\n[trainer] initial  {seen['initial']}", flush=True)
+        engine.close()
+        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(directory, ignore_errors=True)
     # torch keeps gloo's threads alive past destroy_process_group once DTensors exist, and the
     # interpreter's exit can abort on them (SIGABRT, about 1 run in 20): leave without it.
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0 if passed else 1)
+
+
+def specs_of(publisher) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(s.name, s.dtype, tuple(s.shape)) for s in publisher.layout.specs]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--engine", choices=["vllm", "stand-in"], default="vllm",
+                        help="a vllm.LLM in rank 0 (vLLM's CPU build), or the stand-in engine "
+                             "process (no vLLM needed)")
+    parser.add_argument("--check", action="store_true",
+                        help="vllm: after the last step, compare the engine's greedy tokens with "
+                             "a fresh vLLM of the trained model (assembled from every rank's "
+                             "saved shards)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the trainer computes (cuda: stand-in engine only)")
     parser.add_argument("--engine-ranks", type=int, default=2,
-                        help="engine ranks of the stand-in engine (each needs its rows)")
-    parser.add_argument("--bucket-bytes", type=int, default=1024,
-                        help="wire bucket size (a multiple of 256; 0: the library's 512 MiB): "
-                             "each rank's packing memory is two of its bucket slices")
-    parser.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
+                        help="stand-in: its engine ranks (each needs its rows)")
+    parser.add_argument("--bucket-bytes", type=int, default=None,
+                        help="wire bucket size (a multiple of 256; 0: the library's 512 MiB; "
+                             "default 1024 for the stand-in, 262144 for vLLM): each rank's "
+                             "packing memory is two of its bucket slices")
+    parser.add_argument("--stand-in-engine-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.engine:
+    if args.stand_in_engine_process:
         engine_main(args.engine_ranks)
-    else:
-        trainer_main(args)
+        return
+    if args.engine == "vllm" and args.device != "cpu":
+        parser.error("--engine vllm: the same-host pull transport moves host memory only, so "
+                     "the engine is vLLM's CPU build and the trainer computes on cpu; "
+                     "--device cuda runs with --engine stand-in")
+    if args.check and args.engine != "vllm":
+        parser.error("--check compares with a fresh vLLM: --engine vllm")
+    if args.bucket_bytes is None:
+        args.bucket_bytes = 1024 if args.engine == "stand-in" else 256 << 10
+    if args.engine == "vllm":
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM is imported
+        # VllmEngine: the engine core in this process, its worker in a spawned one.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    trainer_main(args)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM spawns its engine process, which imports this file again
     main()

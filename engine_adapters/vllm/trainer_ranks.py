@@ -26,7 +26,7 @@ from shadowsync.transport import Transport, same_host_pull_engine_transport
 
 from .init_info import trainer_regions
 
-__all__ = ["connect", "needs_of", "routing_plan"]
+__all__ = ["connect", "from_engine_setup", "needs_of", "routing_plan"]
 
 
 def needs_of(wire: Layout, plan: ReceivePlan | None) -> list[WireRange]:
@@ -74,6 +74,20 @@ def needs_of(wire: Layout, plan: ReceivePlan | None) -> list[WireRange]:
         starts = np.flatnonzero(np.concatenate(([True], begin[1:] > reach[:-1])))
         stops = np.concatenate((starts[1:], [len(begin)])) - 1
         out += [WireRange(group, int(begin[s]), int(reach[e])) for s, e in zip(starts, stops)]
+    return out
+
+
+def from_engine_setup(setup: dict, token, connect_timeout_ms: int | None = None) -> dict:
+    """``ShadowsyncInitInfo.trainer_ranks`` from a ShardedPublisher's ``engine_setup`` (plain
+    data, the same on every trainer rank) and the token its ranks serve with: count, paths,
+    token, regions, engine_needs and fingerprint, and `connect_timeout_ms` when given. The wire
+    layout goes into the info's own fields: ``specs=setup["wire"]``,
+    ``bucket_bytes=setup["bucket_bytes"]``."""
+    out = dict(count=len(setup["paths"]), paths=list(setup["paths"]), token=token,
+               regions=[list(regions) for regions in setup["regions"]],
+               engine_needs=setup["engine_needs"], fingerprint=setup["fingerprint"])
+    if connect_timeout_ms is not None:
+        out["connect_timeout_ms"] = int(connect_timeout_ms)
     return out
 
 
