@@ -62,7 +62,7 @@ import shadowsync as ss  # noqa: E402
 REPLY_TIMEOUT_S = 120  # an engine that stops answering fails the run instead of hanging it
 
 
-# --- --engine stand-in: a subprocess holding Receivers (no torch) ---------------------------------------------
+# --- --engine stand-in: a subprocess holding Receivers (no torch) -----------------------------
 
 
 def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
