@@ -17,7 +17,8 @@ Neither vllm nor torch is imported here."""
 
 from __future__ import annotations
 
-from shadowsync.errors import InvalidArgumentError, LayoutMismatchError, ShadowsyncError
+from shadowsync.errors import (InvalidArgumentError, LayoutMismatchError, NotSupportedError,
+                               ShadowsyncError)
 from shadowsync.layout import Layout
 from shadowsync.receive_plan import ReceivePlan
 from shadowsync.regions import WireRange
@@ -143,6 +144,18 @@ def routing_plan(wire: Layout, trainer_ranks: dict, engine_rank: int, engine_cou
             f"build it on every trainer rank from the same specs, bucket_bytes, regions and "
             f"engine_needs")
     return plan
+
+
+def check_engine_device(device: str, what: str) -> None:
+    """Refuses, before anything is planned into or connected, an engine whose parameters are not
+    in host memory: the same-host pull transport moves host memory only (its CUDA flavour is not
+    built), and a GPU engine would otherwise fail at its first receive."""
+    if device != "cpu":
+        raise NotSupportedError(
+            f"{what}: trainer_ranks with the model's parameters on {device}: the same-host pull "
+            f"transport moves host memory only so far (vLLM's CPU build). For a GPU engine use "
+            f"one sender rank (same_host or unique_id; a sharded trainer gathers one bucket at a "
+            f"time to it: publish_streamed)")
 
 
 def connect(trainer_ranks: dict, plan: RoutingPlan, engine_rank: int, backend) -> Transport:

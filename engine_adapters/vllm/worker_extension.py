@@ -104,6 +104,7 @@ class WorkerExtension:
         name}`` (a raise would end vLLM's engine). Engine thread (a collective_rpc)."""
         try:
             planned = plan_update_group(self, ShadowsyncInitInfo.coerce(info, **fields))
+            trainer_ranks.check_engine_device(planned.device, "weight_update_needs")
             needs = trainer_ranks.needs_of(planned.wire, planned.plan)
             return {"engine_rank": tensor_parallel.rank(self),
                     "needs": trainer_ranks.needs_data(needs)}
