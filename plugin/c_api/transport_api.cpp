@@ -82,6 +82,39 @@ const char* memory_name(SameHostMemory memory) {
                                          : "SHADOWSYNC_SAME_HOST_MEMORY_DEVICE";
 }
 
+// The same-host transports' `memory` argument: a flavour this library was built for, with the
+// backend whose streams it runs on (refused here, before anything listens). `what` and
+// `socket_path` name the call in errors.
+SameHostMemory same_host_memory_arg(shadowsync_same_host_memory_t memory,
+                                    const BackendObject& backend, std::string_view what,
+                                    const std::string& socket_path) {
+  // A C caller may pass any int: read it as one (loading an enum value outside the enumerators'
+  // range is undefined behaviour in C++).
+  static_assert(sizeof(memory) == sizeof(int));
+  int flavour = 0;
+  std::memcpy(&flavour, &memory, sizeof(flavour));
+  if (flavour != SHADOWSYNC_SAME_HOST_MEMORY_HOST && flavour != SHADOWSYNC_SAME_HOST_MEMORY_DEVICE) {
+    throw_invalid(fmt::format("'memory' is {}; expected SHADOWSYNC_SAME_HOST_MEMORY_HOST ({}) "
+                              "or SHADOWSYNC_SAME_HOST_MEMORY_DEVICE ({})",
+                              flavour, static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_HOST),
+                              static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_DEVICE)));
+  }
+  const auto cpp_memory = static_cast<SameHostMemory>(flavour);
+#if !defined(SHADOWSYNC_WITH_CUDA)
+  if (cpp_memory == SameHostMemory::kDevice) {
+    throw_not_supported(fmt::format("{} on '{}' with {}: this library was built without CUDA",
+                                    what, socket_path, memory_name(cpp_memory)));
+  }
+#endif
+  const bool wants_cuda = cpp_memory == SameHostMemory::kDevice;
+  if (backend.cuda != wants_cuda) {
+    throw_invalid(fmt::format("{} on '{}': 'memory' {} needs a {} backend, but 'backend' is '{}'",
+                              what, socket_path, memory_name(cpp_memory),
+                              wants_cuda ? "cuda" : "host", backend.backend->name()));
+  }
+  return cpp_memory;
+}
+
 }  // namespace
 
 namespace shadowsync::c_api {
@@ -241,32 +274,8 @@ shadowsync_status_t shadowsync_same_host_transport_serve(
     auto backend_object = lookup<BackendObject>(backend, "backend");
     // A C caller may pass any int: read it as one (loading an enum value outside the
     // enumerators' range is undefined behaviour in C++).
-    static_assert(sizeof(memory) == sizeof(int));
-    int flavour = 0;
-    std::memcpy(&flavour, &memory, sizeof(flavour));
-    if (flavour != SHADOWSYNC_SAME_HOST_MEMORY_HOST &&
-        flavour != SHADOWSYNC_SAME_HOST_MEMORY_DEVICE) {
-      throw_invalid(fmt::format("'memory' is {}; expected SHADOWSYNC_SAME_HOST_MEMORY_HOST ({}) "
-                                "or SHADOWSYNC_SAME_HOST_MEMORY_DEVICE ({})",
-                                flavour, static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_HOST),
-                                static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_DEVICE)));
-    }
-    const auto cpp_memory = static_cast<SameHostMemory>(flavour);
-#if !defined(SHADOWSYNC_WITH_CUDA)
-    if (cpp_memory == SameHostMemory::kDevice) {
-      throw_not_supported(fmt::format("same-host transport on '{}' with {}: this library was "
-                                      "built without CUDA",
-                                      socket_path, memory_name(cpp_memory)));
-    }
-#endif
-    // Each flavour runs on its backend's streams: refuse a mismatch here, before anything listens.
-    const bool wants_cuda = cpp_memory == SameHostMemory::kDevice;
-    if (backend_object->cuda != wants_cuda) {
-      throw_invalid(fmt::format("same-host transport on '{}': 'memory' {} needs a {} backend, but "
-                                "'backend' is '{}'",
-                                socket_path, memory_name(cpp_memory), wants_cuda ? "cuda" : "host",
-                                backend_object->backend->name()));
-    }
+    const SameHostMemory cpp_memory =
+        same_host_memory_arg(memory, *backend_object, "same-host transport", socket_path);
     const SameHostConfig config = same_host_config(connect_timeout_ms);
     std::unique_ptr<Transport> made =
         SameHostTransport::serve(socket_path, secret, receivers, *backend_object->backend,
@@ -305,31 +314,14 @@ shadowsync_status_t shadowsync_same_host_pull_serve(
     const std::string_view secret = token_arg(token, token_bytes);
     auto plan_object = lookup<RoutingPlanObject>(plan, "plan");
     auto backend_object = lookup<BackendObject>(backend, "backend");
-    static_assert(sizeof(memory) == sizeof(int));
-    int flavour = 0;
-    std::memcpy(&flavour, &memory, sizeof(flavour));
-    if (flavour == SHADOWSYNC_SAME_HOST_MEMORY_DEVICE) {
-      throw_not_supported(fmt::format(
-          "same-host pull transport on '{}' with SHADOWSYNC_SAME_HOST_MEMORY_DEVICE: device "
-          "memory is not built yet (issue 43 step 4 follow-up); serve "
-          "SHADOWSYNC_SAME_HOST_MEMORY_HOST with a host backend",
-          socket_path));
-    }
-    if (flavour != SHADOWSYNC_SAME_HOST_MEMORY_HOST) {
-      throw_invalid(fmt::format("'memory' is {}; expected SHADOWSYNC_SAME_HOST_MEMORY_HOST ({})",
-                                flavour, static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_HOST)));
-    }
-    if (backend_object->cuda) {
-      throw_invalid(fmt::format("same-host pull transport on '{}': host memory needs a host "
-                                "backend, but 'backend' is '{}'",
-                                socket_path, backend_object->backend->name()));
-    }
+    const SameHostMemory cpp_memory =
+        same_host_memory_arg(memory, *backend_object, "same-host pull transport", socket_path);
     const SameHostConfig config = same_host_config(connect_timeout_ms);
     // The transport shares the plan handle's object: the caller may destroy the handle.
     std::shared_ptr<const RoutingPlan> routing(plan_object, &plan_object->plan);
     std::unique_ptr<Transport> made = SameHostPullTransport::serve(
         socket_path, secret, std::move(routing), trainer_rank, engine_processes,
-        *backend_object->backend, SameHostMemory::kHost, config);
+        *backend_object->backend, cpp_memory, config);
     out = add_transport(
         std::make_unique<ForwardingTransport>(std::move(made), std::move(backend_object)));
   });

@@ -326,9 +326,11 @@ def same_host_pull_trainer_transport(
     with the same plan, for up to `connect_timeout_ms` (None: 60000); then shares two staging
     slots of ``plan.max_packed_bytes(trainer_rank)``. An engine set up for another world size or
     plan, or asking for an engine rank taken already, is refused and the wait goes on:
-    ShadowsyncTimeoutError then names each refusal with both sides' values. `memory` must be
-    "host" with a HostBackend for now ("device": NotSupportedError, a follow-up). The transport
-    keeps the plan alive. Thread-safe."""
+    ShadowsyncTimeoutError then names each refusal with both sides' values. `memory`: "host"
+    (the slots in a sealed memory file; `backend` a HostBackend) or "device" (the slots on
+    `backend`'s GPU, a CudaBackend; each engine rank maps them for its own GPU, the same one or a
+    peer GPU of the host, and pulls its routes with device copies; waits for a peer are bounded
+    by 10 s). The transport keeps the plan alive. Thread-safe."""
     what = f"same_host_pull_trainer_transport(path={str(path)!r}, trainer_rank={trainer_rank!r})"
     path_bytes, token_bytes, timeout = _same_host_args(
         path, token, backend, connect_timeout_ms, what
@@ -379,8 +381,9 @@ def same_host_pull_engine_transport(
     rank's staging. Refused, naming both values: a trainer rank set up for another world size or
     an engine rank taken already (InvalidArgumentError), another routing plan
     (LayoutMismatchError), a path served by another trainer rank than its index
-    (InvalidArgumentError), a wrong token (TransportError). `backend`: a HostBackend.
-    Thread-safe."""
+    (InvalidArgumentError), a wrong token (TransportError). `backend`: a HostBackend for
+    trainer ranks that serve host memory, a CudaBackend of this engine rank's GPU for device
+    memory. Thread-safe."""
     what = f"same_host_pull_engine_transport(engine_rank={engine_rank!r})"
     if isinstance(paths, (str, bytes, os.PathLike)):
         raise InvalidArgumentError(

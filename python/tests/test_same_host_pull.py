@@ -97,7 +97,9 @@ def test_a_trainer_rank_that_never_serves_and_bad_arguments(paths):
         ss.same_host_pull_engine_transport(paths[0], TOKEN, plan, 0, ss.HostBackend())
     with pytest.raises(ss.InvalidArgumentError, match="plan must be a shadowsync.RoutingPlan"):
         ss.same_host_pull_trainer_transport(paths[0], TOKEN, None, 0, 1, ss.HostBackend())
-    with pytest.raises(ss.NotSupportedError, match="device memory is not built yet"):
+    # Device memory runs on a CudaBackend's streams (built without CUDA: NotSupportedError).
+    with pytest.raises((ss.InvalidArgumentError, ss.NotSupportedError),
+                       match="needs a cuda backend, but 'backend' is 'host'|built without CUDA"):
         ss.same_host_pull_trainer_transport(paths[0], TOKEN, plan, 0, 1, ss.HostBackend(),
                                             memory="device")
 

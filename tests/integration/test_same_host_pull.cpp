@@ -433,7 +433,7 @@ TEST_CASE("same-host pull: the handshake's refusals, named") {
                SameHostPullTransport::serve(taken[0], kToken, make_plan(1, 1), 0, 1, backend,
                                             SameHostMemory::kDevice, config());
              }),
-             Catch::Contains("device memory (SameHostMemory::kDevice) is not built yet"));
+             Catch::Contains("device memory needs a CudaBackend, got the 'host' backend"));
 }
 
 TEST_CASE("same-host pull: 20 connect/abort cycles leave no fd, thread or memory file behind") {

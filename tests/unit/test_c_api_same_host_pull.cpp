@@ -119,13 +119,27 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
       REQUIRE_OK(shadowsync_transport_destroy(t));
     }
   }
-  SECTION("device memory is not supported yet") {
+  SECTION("device memory: not in a build without CUDA; with CUDA, not on a host backend") {
     shadowsync_transport_t served = nullptr;
-    CHECK(shadowsync_same_host_pull_serve(paths[0].c_str(), kToken.data(), kToken.size(), plan.plan,
-                                          0, 1, backend, SHADOWSYNC_SAME_HOST_MEMORY_DEVICE, 0,
-                                          &served) == SHADOWSYNC_NOT_SUPPORTED);
-    CHECK_THAT(last_error(), Catch::Contains("device memory is not built yet"));
+    const shadowsync_status_t device = shadowsync_same_host_pull_serve(
+        paths[0].c_str(), kToken.data(), kToken.size(), plan.plan, 0, 1, backend,
+        SHADOWSYNC_SAME_HOST_MEMORY_DEVICE, 0, &served);
+    if (shadowsync_has_cuda() == 0) {
+      CHECK(device == SHADOWSYNC_NOT_SUPPORTED);
+      CHECK_THAT(last_error(), Catch::Contains("built without CUDA"));
+    } else {
+      CHECK(device == SHADOWSYNC_INVALID_ARGUMENT);
+      CHECK_THAT(last_error(),
+                 Catch::Contains("same-host pull transport on '" + paths[0] +
+                                 "': 'memory' SHADOWSYNC_SAME_HOST_MEMORY_DEVICE needs a cuda "
+                                 "backend, but 'backend' is 'host'"));
+    }
     CHECK(served == nullptr);
+    CHECK(shadowsync_same_host_pull_serve(paths[0].c_str(), kToken.data(), kToken.size(), plan.plan,
+                                          0, 1, backend,
+                                          static_cast<shadowsync_same_host_memory_t>(7), 0,
+                                          &served) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'memory' is 7; expected"));
   }
   SECTION("engine processes other than the plan's engine ranks") {
     shadowsync_transport_t served = nullptr;

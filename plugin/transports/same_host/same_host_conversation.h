@@ -68,6 +68,11 @@ struct Conversation {
     turn_changed.wait(lock, [&] { return aborted || broken || calls_done == call; });
     return !aborted && !broken;
   }
+  // False once the transport failed or was aborted. Thread-safe.
+  bool alive() {
+    std::lock_guard lock(mutex);
+    return !aborted && !broken;
+  }
   void end_turn() {
     std::lock_guard lock(mutex);
     ++calls_done;

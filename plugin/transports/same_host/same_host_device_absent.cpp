@@ -1,7 +1,8 @@
-// The device flavour in builds without CUDA: refused with a clear error; nothing else can be
-// reached (no DeviceLink is ever made).
+// The device flavours (the broadcast's DeviceLink, the pull transport's DeviceSlots) in builds
+// without CUDA: refused with a clear error; nothing else can be reached (none is ever made).
 #include "shadowsync/error.h"
 #include "transports/same_host/same_host_device.h"
+#include "transports/same_host/same_host_pull_device.h"
 
 namespace shadowsync::same_host {
 
@@ -35,5 +36,8 @@ void DeviceLink::flush() { refuse(); }
 void DeviceLink::receive_async(std::byte*, std::size_t, std::uint64_t, Stream&) { refuse(); }
 void DeviceLink::release() noexcept {}
 std::string DeviceLink::timeline() { return {}; }
+
+DeviceSlots create_device_slots(Backend&, std::size_t) { refuse(); }
+DeviceSlots open_device_slots(Backend&, Fd, const PullSetup&, const std::string&) { refuse(); }
 
 }  // namespace shadowsync::same_host

@@ -14,6 +14,7 @@
 #include "transports/same_host/same_host_dial.h"
 #include "transports/same_host/same_host_frame.h"
 #include "transports/same_host/same_host_memory_file.h"
+#include "transports/same_host/same_host_pull_device.h"
 #include "transports/same_host/same_host_pull_state.h"
 #include "transports/same_host/same_host_pull_transport.h"
 
@@ -39,6 +40,28 @@ void check_plan(const std::shared_ptr<const RoutingPlan>& plan, const char* call
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host pull {}: no routing plan", call));
   }
+}
+
+void check_peer_timeout(const SameHostConfig& config, const char* call) {
+  if (config.doorbell_timeout.count() <= 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull {}: doorbell_timeout is {} ms; it bounds the device "
+                            "flavour's waits for each peer and must be positive",
+                            call, config.doorbell_timeout.count()));
+  }
+}
+
+const char* flavour_name(SameHostMemory memory) {
+  return memory == SameHostMemory::kDevice ? "device" : "host";
+}
+
+// The data path's flavour: the device one runs on its callers' threads with `backend`'s events.
+void set_flavour(SameHostPullTransport::State& state, SameHostMemory memory, Backend& backend,
+                 const SameHostConfig& config) {
+  state.device = memory == SameHostMemory::kDevice;
+  state.backend = &backend;
+  state.peer_timeout = config.doorbell_timeout;
+  if (state.device) state.passed = backend.create_event();
 }
 
 // The trainer rank's answer to an engine process's hello.
@@ -136,7 +159,6 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
     const std::string& path, std::string_view token, std::shared_ptr<const RoutingPlan> plan,
     int trainer_rank, int engine_processes, Backend& backend, SameHostMemory memory,
     SameHostConfig config) {
-  (void)backend;  // the host flavour's stream tasks need nothing of it; the device one will
   check_token(token, "the same-host token");
   check_plan(plan, "serve");
   if (trainer_rank < 0 || trainer_rank >= plan->trainer_count()) {
@@ -152,19 +174,12 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
                             "replicas are a follow-up)",
                             path, engine_processes, plan->engine_count()));
   }
-  if (memory == SameHostMemory::kDevice) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host pull serve on '{}': device memory (SameHostMemory::kDevice) "
-                            "is not built yet (issue 43 step 4 follow-up: the device flavour's "
-                            "host-gated copies, same_host_device.h, per trainer rank); serve host "
-                            "memory (SameHostMemory::kHost) with a HostBackend",
-                            path));
-  }
-  if (memory != SameHostMemory::kHost) {
+  if (memory != SameHostMemory::kHost && memory != SameHostMemory::kDevice) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host pull serve on '{}': unknown memory flavour {}", path,
                             static_cast<int>(memory)));
   }
+  check_peer_timeout(config, "serve");
   same_host::check_private_directory(same_host::socket_directory(path), /*create=*/true);
 
   auto state = std::make_shared<State>();
@@ -172,12 +187,21 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
   state->trainer_rank = trainer_rank;
   state->paths = {path};
   state->wake = same_host::make_wake();
+  set_flavour(*state, memory, backend, config);
   State::Staging own;
   own.slot_bytes = slot_bytes_for(*plan, trainer_rank);
   own.mapped_bytes = same_host::kSlotCount * own.slot_bytes;
-  void* mapped = nullptr;
-  const Fd memory_file = same_host::make_sealed_staging(own.mapped_bytes, &mapped);
-  own.base = static_cast<std::byte*>(mapped);
+  Fd memory_file;  // host flavour: the sealed memory file the engines map
+  same_host::DeviceSlots device_slots;
+  if (memory == SameHostMemory::kDevice) {
+    device_slots = same_host::create_device_slots(backend, own.slot_bytes);
+    own.base = device_slots.base;
+    own.device = device_slots.owner;
+  } else {
+    void* mapped = nullptr;
+    memory_file = same_host::make_sealed_staging(own.mapped_bytes, &mapped);
+    own.base = static_cast<std::byte*>(mapped);
+  }
   state->staging.push_back(own);
 
   Fd listener = same_host::listen_on(path, engine_processes + 4);
@@ -188,7 +212,8 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
   } unlink_at_exit{path};
 
   same_host::PullSetup setup;
-  setup.memory = static_cast<std::uint32_t>(SameHostMemory::kHost);
+  setup.memory = static_cast<std::uint32_t>(memory);
+  setup.handle = device_slots.handle;
   setup.trainer_rank = static_cast<std::uint32_t>(trainer_rank);
   setup.trainer_count = static_cast<std::uint32_t>(plan->trainer_count());
   setup.engine_count = static_cast<std::uint32_t>(plan->engine_count());
@@ -204,7 +229,10 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
                         taken);
   };
   state->peers = same_host::admit_receivers(listener.get(), path, token, engine_processes, {},
-                                            memory_file.get(), config, &hello);
+                                            memory == SameHostMemory::kDevice
+                                                ? device_slots.exported_fd
+                                                : memory_file.get(),
+                                            config, &hello);
   return std::unique_ptr<SameHostPullTransport>(new SameHostPullTransport(std::move(state)));
 }
 
@@ -212,9 +240,9 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
     const std::vector<std::string>& trainer_paths, std::string_view token,
     std::shared_ptr<const RoutingPlan> plan, int engine_rank, Backend& backend,
     SameHostConfig config) {
-  (void)backend;  // as serve's
   check_token(token, "the same-host token");
   check_plan(plan, "connect");
+  check_peer_timeout(config, "connect");
   if (engine_rank < 0 || engine_rank >= plan->engine_count()) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host pull connect: engine rank {} is outside the routing plan's "
@@ -322,16 +350,35 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
                               setup.slot_bytes, hello.trainer_count, hello.engine_count,
                               hello.fingerprint, plan->max_packed_bytes(static_cast<int>(t))));
     }
-    if (setup.memory != static_cast<std::uint32_t>(SameHostMemory::kHost)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("same-host pull connect to '{}': the trainer shares device memory, "
-                              "which the pull transport does not support yet (host memory only)",
-                              path));
+    const auto memory = static_cast<SameHostMemory>(setup.memory);
+    if (memory != SameHostMemory::kHost && memory != SameHostMemory::kDevice) {
+      throw Error(ErrorCode::kTransport,
+                  fmt::format("same-host pull connect to '{}': the trainer's setup names memory "
+                              "flavour {}, which this library does not know",
+                              path, setup.memory));
     }
-    const same_host::MappedStaging mapped = same_host::map_received_staging(
-        memory_file, setup.slot_bytes, path, "same-host pull connect", "trainer");
-    state->staging.push_back(
-        {mapped.base, mapped.bytes, static_cast<std::size_t>(setup.slot_bytes)});
+    if (t == 0) {
+      set_flavour(*state, memory, backend, config);
+    } else if ((memory == SameHostMemory::kDevice) != state->device) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("same-host pull connect as engine rank {}: trainer rank {} ({}) "
+                              "shares {} memory, but trainer rank 0 shares {} memory; every "
+                              "trainer rank must serve the same flavour",
+                              engine_rank, t, path, flavour_name(memory),
+                              flavour_name(state->device ? SameHostMemory::kDevice
+                                                         : SameHostMemory::kHost)));
+    }
+    if (state->device) {
+      same_host::DeviceSlots slots =
+          same_host::open_device_slots(backend, std::move(memory_file), setup, path);
+      state->staging.push_back({slots.base, same_host::kSlotCount * slots.slot_bytes,
+                                slots.slot_bytes, std::move(slots.owner)});
+    } else {
+      const same_host::MappedStaging mapped = same_host::map_received_staging(
+          memory_file, setup.slot_bytes, path, "same-host pull connect", "trainer");
+      state->staging.push_back(
+          {mapped.base, mapped.bytes, static_cast<std::size_t>(setup.slot_bytes), nullptr});
+    }
     state->peers.push_back(std::move(socket));
   }
   return std::unique_ptr<SameHostPullTransport>(new SameHostPullTransport(std::move(state)));

@@ -1,14 +1,18 @@
 // Internal to the same-host pull transport: the state a SameHostPullTransport shares with the
-// tasks it enqueues on host streams. The handshake (same_host_pull_handshake.cpp) fills it in;
-// the data path (same_host_pull_transport.cpp) runs on it. Not installed.
+// tasks it enqueues on host streams (host flavour) or runs on its callers' threads (device
+// flavour). The handshake (same_host_pull_handshake.cpp) fills it in; the data path
+// (same_host_pull_transport.cpp) runs on it. Not installed.
 #pragma once
 
 #include <sys/mman.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,7 +30,13 @@ struct SameHostPullTransport::State : same_host::Conversation {
     std::byte* base = nullptr;
     std::size_t mapped_bytes = 0;  // kSlotCount slots
     std::size_t slot_bytes = 0;
+    std::shared_ptr<void> device;  // the device flavour's mapping (DeviceSlots::owner); host: null
     std::byte* slot(std::uint32_t s) const { return base + std::size_t{s} * slot_bytes; }
+  };
+  // A doorbell a device-flavour trainer rang and whose acks it has not read yet.
+  struct Unacked {
+    RoutedBucket bucket;
+    same_host::RouteRecord doorbell;
   };
 
   std::shared_ptr<const RoutingPlan> plan;
@@ -36,16 +46,46 @@ struct SameHostPullTransport::State : same_host::Conversation {
   std::vector<Staging> staging;    // trainer: its own; engine: trainer rank t's at t
   std::atomic<std::uint64_t> routed_bytes{0};
 
+  // The device flavour: its calls run on the caller's thread (gated as same_host_device.h's: no
+  // stream ever waits on a peer), with `backend`'s streams and events; every wait for a peer is
+  // bounded by `peer_timeout` (SameHostConfig::doorbell_timeout).
+  bool device = false;
+  Backend* backend = nullptr;  // the caller's; it outlives the transport
+  std::chrono::milliseconds peer_timeout{0};
+  std::unique_ptr<Event> passed;   // recorded on the caller's stream, waited on by its thread
+  std::optional<Unacked> unacked;  // trainer rank: the caller's thread only
+
   ~State() override {
     for (const Staging& s : staging) {
-      if (s.base != nullptr) ::munmap(s.base, s.mapped_bytes);
+      if (s.base != nullptr && !s.device) ::munmap(s.base, s.mapped_bytes);
     }
   }
 
+  // One bucket on a trainer rank: `packed` into slot call % 2 (unless packed there), the
+  // doorbell to every engine rank, every engine rank's ack.
   void run_send(const RoutedBucket& bucket, const std::byte* packed, std::size_t bytes,
                 std::uint64_t call);
   void run_receive(const RoutedBucket& bucket, const std::vector<RouteCopy>& copies,
                    const RouteTargets& targets, std::uint64_t call);
+  // The device flavour's, on the caller's thread: a send returns once its doorbell rang and the
+  // previous bucket's acks came (the slot the caller packs next is free); flush_acks() reads the
+  // last one's. A receive returns once its copies landed and were acked.
+  void gated_send(const RoutedBucket& bucket, const std::byte* packed, std::size_t bytes,
+                  Stream& stream, std::uint64_t call);
+  void gated_receive(const RoutedBucket& bucket, std::span<const RouteCopy> copies,
+                     const RouteTargets& targets, Stream& stream);
+  void flush_acks();
+
+  // The steps both flavours share. Each returns false once the transport is dead (aborted, or
+  // failed: fail() then named the peer, the bucket and what went wrong).
+  bool ring(const RoutedBucket& bucket, const same_host::RouteRecord& doorbell);
+  bool await_acks(const RoutedBucket& bucket, const same_host::RouteRecord& doorbell,
+                  std::optional<same_host::Clock::time_point> deadline);
+  bool await_doorbells(const RoutedBucket& bucket, std::vector<same_host::RouteRecord>& doorbells,
+                       std::optional<same_host::Clock::time_point> deadline);
+  bool send_acks(const RoutedBucket& bucket, const std::vector<same_host::RouteRecord>& doorbells);
+  // Waits on the caller's thread until `stream` passed everything enqueued on it so far.
+  bool await_stream(Stream& stream, const RoutedBucket& bucket, const char* what);
 };
 
 }  // namespace shadowsync

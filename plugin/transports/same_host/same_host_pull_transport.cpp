@@ -41,12 +41,20 @@ std::uint32_t slot_of(std::uint64_t call) {
 void fail_exchange(SameHostPullTransport::State& state, std::size_t peer, Io io, int saved_errno,
                    std::string_view what, const RoutedBucket& bucket, std::string_view after = {}) {
   const bool trainer = state.trainer_rank >= 0;
-  state.fail(fmt::format(
-      "same-host pull {} rank {}: {} rank {} {} before {} {}{}", trainer ? "trainer" : "engine",
-      trainer ? state.trainer_rank : state.engine_rank, trainer ? "engine" : "trainer", peer,
-      io == Io::kClosed ? std::string("closed its socket (its process died?)")
-                        : same_host::describe(io, saved_errno),
-      what, bucket_name(bucket), after));
+  std::string happened;
+  if (io == Io::kClosed) {
+    happened = "closed its socket (its process died?)";
+  } else if (io == Io::kTimeout) {
+    happened = fmt::format("sent nothing for {} ms (SameHostConfig::doorbell_timeout)",
+                           state.peer_timeout.count());
+  } else {
+    happened = same_host::describe(io, saved_errno);
+  }
+  state.fail(fmt::format("same-host pull {} rank {}: {} rank {} {} before {} {}{}",
+                         trainer ? "trainer" : "engine",
+                         trainer ? state.trainer_rank : state.engine_rank,
+                         trainer ? "engine" : "trainer", peer, happened, what, bucket_name(bucket),
+                         after));
 }
 
 // Reads one data record from every peer of `state` side by side (a peer that died is seen at
@@ -55,10 +63,11 @@ void fail_exchange(SameHostPullTransport::State& state, std::size_t peer, Io io,
 // fail_exchange says).
 bool read_each_peer(SameHostPullTransport::State& state, std::vector<std::byte>& records,
                     std::string_view what, const RoutedBucket& bucket,
+                    std::optional<same_host::Clock::time_point> deadline,
                     std::string_view after = {}) {
   std::size_t failed = 0;
   const Io io = same_host::read_each(state.peers, same_host::kDataRecordBytes, records,
-                                     state.wake.get(), failed);
+                                     state.wake.get(), failed, deadline);
   if (io != Io::kOk && io != Io::kWoken)
     fail_exchange(state, failed, io, errno, what, bucket, after);
   return io == Io::kOk;
@@ -71,35 +80,32 @@ std::span<const std::byte> record_at(const std::vector<std::byte>& records, std:
 
 }  // namespace
 
-void SameHostPullTransport::State::run_send(const RoutedBucket& bucket, const std::byte* packed,
-                                            std::size_t bytes, std::uint64_t call) {
-  if (!wait_turn(call)) return;
-  const Staging& own = staging[0];
-  const std::uint32_t s = slot_of(call);
-  // The previous bucket in this slot was acked by every engine (its task ended only then): the
-  // slot is free to fill. Packed straight into it by the caller (staging_buffer()): no copy.
-  if (bytes > 0 && packed != own.slot(s)) std::memcpy(own.slot(s), packed, bytes);
-  const RouteRecord doorbell{RecordType::kRouteDoorbell, bucket.version, bucket.sequence, s, bytes};
+bool SameHostPullTransport::State::ring(const RoutedBucket& bucket, const RouteRecord& doorbell) {
   const auto frame = same_host::encode(doorbell);
   for (std::size_t e = 0; e < peers.size(); ++e) {
     const Io io = same_host::write_all(peers[e].get(), frame, wake.get(), std::nullopt);
-    if (io == Io::kWoken) return;
+    if (io == Io::kWoken) return false;
     if (io != Io::kOk) {
       fail_exchange(*this, e, io, errno, "the doorbell of", bucket);
-      return;
+      return false;
     }
   }
-  // Every engine must have read the slot before it is packed again: wait for all their acks.
+  return true;
+}
+
+bool SameHostPullTransport::State::await_acks(const RoutedBucket& bucket,
+                                              const RouteRecord& doorbell,
+                                              std::optional<same_host::Clock::time_point> deadline) {
   std::vector<std::byte> records;
-  if (!read_each_peer(*this, records, "acking", bucket)) return;
-  const same_host::SlotGeometry geometry{same_host::kSlotCount, own.slot_bytes};
+  if (!read_each_peer(*this, records, "acking", bucket, deadline)) return false;
+  const same_host::SlotGeometry geometry{same_host::kSlotCount, staging[0].slot_bytes};
   for (std::size_t e = 0; e < peers.size(); ++e) {
     RouteRecord ack;
     std::string problem;
     if (!same_host::decode(record_at(records, e), RecordType::kRouteAck, geometry, ack, problem)) {
       fail(fmt::format("same-host pull trainer rank {}: engine rank {} broke the protocol: {}",
                        trainer_rank, e, problem));
-      return;
+      return false;
     }
     ack.type = RecordType::kRouteDoorbell;
     if (ack != doorbell) {
@@ -107,25 +113,24 @@ void SameHostPullTransport::State::run_send(const RoutedBucket& bucket, const st
           fmt::format("same-host pull trainer rank {}: engine rank {} acked bucket {} of update {} "
                       "(slot {}, {} bytes) where {} (slot {}, {} bytes) was due",
                       trainer_rank, e, ack.sequence, ack.version, ack.slot, ack.bytes,
-                      bucket_name(bucket), s, bytes));
-      return;
+                      bucket_name(bucket), doorbell.slot, doorbell.bytes));
+      return false;
     }
   }
-  end_turn();
+  return true;
 }
 
-void SameHostPullTransport::State::run_receive(const RoutedBucket& bucket,
-                                               const std::vector<RouteCopy>& copies,
-                                               const RouteTargets& targets, std::uint64_t call) {
-  if (!wait_turn(call)) return;
+bool SameHostPullTransport::State::await_doorbells(
+    const RoutedBucket& bucket, std::vector<RouteRecord>& doorbells,
+    std::optional<same_host::Clock::time_point> deadline) {
   // Every trainer rank's doorbell first: a trainer rank that died fails the bucket at once, and
   // nothing is copied until every doorbell passed its checks.
   std::vector<std::byte> records;
-  if (!read_each_peer(*this, records, "the doorbell of", bucket,
+  if (!read_each_peer(*this, records, "the doorbell of", bucket, deadline,
                       "; nothing of the bucket was copied")) {
-    return;
+    return false;
   }
-  std::vector<RouteRecord> doorbells(peers.size());
+  doorbells.assign(peers.size(), RouteRecord{});
   for (std::size_t t = 0; t < peers.size(); ++t) {
     const same_host::SlotGeometry geometry{same_host::kSlotCount, staging[t].slot_bytes};
     const ByteRange range = plan->packed_range(static_cast<int>(t), bucket.group, bucket.bucket);
@@ -137,7 +142,7 @@ void SameHostPullTransport::State::run_receive(const RoutedBucket& bucket,
           fmt::format("same-host pull engine rank {}: trainer rank {} broke the protocol: {}; "
                       "nothing of {} was copied",
                       engine_rank, t, problem, bucket_name(bucket)));
-      return;
+      return false;
     }
     if (doorbell.version != bucket.version || doorbell.sequence != bucket.sequence ||
         doorbell.bytes != range.end - range.begin) {
@@ -148,10 +153,49 @@ void SameHostPullTransport::State::run_receive(const RoutedBucket& bucket,
                       "bucket was copied",
                       engine_rank, t, doorbell.sequence, doorbell.version, doorbell.bytes,
                       bucket_name(bucket), range.end - range.begin, range.begin, range.end));
-      return;
+      return false;
     }
     doorbells[t] = doorbell;
   }
+  return true;
+}
+
+bool SameHostPullTransport::State::send_acks(const RoutedBucket& bucket,
+                                             const std::vector<RouteRecord>& doorbells) {
+  for (std::size_t t = 0; t < peers.size(); ++t) {
+    RouteRecord ack = doorbells[t];
+    ack.type = RecordType::kRouteAck;
+    const Io sent =
+        same_host::write_all(peers[t].get(), same_host::encode(ack), wake.get(), std::nullopt);
+    if (sent == Io::kWoken) return false;
+    if (sent != Io::kOk) {
+      fail_exchange(*this, t, sent, errno, "the ack of", bucket);
+      return false;
+    }
+  }
+  return true;
+}
+
+void SameHostPullTransport::State::run_send(const RoutedBucket& bucket, const std::byte* packed,
+                                            std::size_t bytes, std::uint64_t call) {
+  if (!wait_turn(call)) return;
+  const Staging& own = staging[0];
+  const std::uint32_t s = slot_of(call);
+  // The previous bucket in this slot was acked by every engine (its task ended only then): the
+  // slot is free to fill. Packed straight into it by the caller (staging_buffer()): no copy.
+  if (bytes > 0 && packed != own.slot(s)) std::memcpy(own.slot(s), packed, bytes);
+  const RouteRecord doorbell{RecordType::kRouteDoorbell, bucket.version, bucket.sequence, s, bytes};
+  // Every engine must have read the slot before it is packed again: wait for all their acks.
+  if (!ring(bucket, doorbell) || !await_acks(bucket, doorbell, std::nullopt)) return;
+  end_turn();
+}
+
+void SameHostPullTransport::State::run_receive(const RoutedBucket& bucket,
+                                               const std::vector<RouteCopy>& copies,
+                                               const RouteTargets& targets, std::uint64_t call) {
+  if (!wait_turn(call)) return;
+  std::vector<RouteRecord> doorbells;
+  if (!await_doorbells(bucket, doorbells, std::nullopt)) return;
   std::uint64_t moved = 0;
   for (const RouteCopy& c : copies) {
     const std::size_t t = static_cast<std::size_t>(c.trainer);
@@ -163,18 +207,75 @@ void SameHostPullTransport::State::run_receive(const RoutedBucket& bucket,
     moved += c.rows * c.row_bytes;
   }
   routed_bytes.fetch_add(moved, std::memory_order_relaxed);
-  for (std::size_t t = 0; t < peers.size(); ++t) {
-    RouteRecord ack = doorbells[t];
-    ack.type = RecordType::kRouteAck;
-    const Io sent =
-        same_host::write_all(peers[t].get(), same_host::encode(ack), wake.get(), std::nullopt);
-    if (sent == Io::kWoken) return;
-    if (sent != Io::kOk) {
-      fail_exchange(*this, t, sent, errno, "the ack of", bucket);
-      return;
-    }
-  }
+  if (!send_acks(bucket, doorbells)) return;
   end_turn();
+}
+
+bool SameHostPullTransport::State::await_stream(Stream& stream, const RoutedBucket& bucket,
+                                                const char* what) {
+  backend->event_record(*passed, stream);
+  // Work of this process only (packing, or copies out of a slot whose doorbell came): it ends
+  // by itself. Bounded all the same, so that a wedged GPU is named rather than waited on forever.
+  if (backend->event_wait_for(*passed, peer_timeout)) return true;
+  fail(fmt::format("same-host pull {} rank {}: {} of {} did not complete within {} ms "
+                   "(SameHostConfig::doorbell_timeout)",
+                   trainer_rank >= 0 ? "trainer" : "engine",
+                   trainer_rank >= 0 ? trainer_rank : engine_rank, what, bucket_name(bucket),
+                   peer_timeout.count()));
+  return false;
+}
+
+void SameHostPullTransport::State::gated_send(const RoutedBucket& bucket, const std::byte* packed,
+                                              std::size_t bytes, Stream& stream,
+                                              std::uint64_t call) {
+  if (!alive()) return;
+  const Staging& own = staging[0];
+  const std::uint32_t s = slot_of(call);
+  // Slot s is free: the send before this one returned only once the bucket it held before was
+  // acked by every engine rank.
+  if (bytes > 0 && packed != own.slot(s)) backend->memcpy_async(own.slot(s), packed, bytes, stream);
+  // The bytes are in the slot (the caller's packing on `stream` too) before the doorbell rings.
+  if (!await_stream(stream, bucket, "packing the slot")) return;
+  const RouteRecord doorbell{RecordType::kRouteDoorbell, bucket.version, bucket.sequence, s, bytes};
+  if (!ring(bucket, doorbell)) return;
+  // The previous bucket's slot is the one the caller packs next: free once its acks came. This
+  // bucket's own are read by the next send, or by flush_acks(), so that engines copy this bucket
+  // while the caller packs the next.
+  if (unacked && !await_acks(unacked->bucket, unacked->doorbell,
+                             same_host::Clock::now() + peer_timeout)) {
+    return;
+  }
+  unacked = Unacked{bucket, doorbell};
+}
+
+void SameHostPullTransport::State::flush_acks() {
+  if (!unacked || !alive()) return;
+  if (await_acks(unacked->bucket, unacked->doorbell, same_host::Clock::now() + peer_timeout)) {
+    unacked.reset();
+  }
+}
+
+void SameHostPullTransport::State::gated_receive(const RoutedBucket& bucket,
+                                                 std::span<const RouteCopy> copies,
+                                                 const RouteTargets& targets, Stream& stream) {
+  if (!alive()) return;
+  // Host-gated (same_host_device.h): nothing is enqueued until every doorbell came and passed,
+  // so the stream never waits on a trainer.
+  std::vector<RouteRecord> doorbells;
+  if (!await_doorbells(bucket, doorbells, same_host::Clock::now() + peer_timeout)) return;
+  std::uint64_t moved = 0;
+  for (const RouteCopy& c : copies) {
+    if (c.rows == 0) continue;
+    const std::size_t t = static_cast<std::size_t>(c.trainer);
+    const std::byte* src = staging[t].slot(doorbells[t].slot) + c.packed_offset;
+    std::byte* dst = (c.to_staging ? targets.staging : targets.slot) + c.dst_offset;
+    backend->memcpy_2d_async(dst, c.dst_pitch, src, c.src_pitch, c.row_bytes, c.rows, stream);
+    moved += c.rows * c.row_bytes;
+  }
+  // Acked only once the copies landed: the trainer packs the slot again after the ack.
+  if (!await_stream(stream, bucket, "the copies")) return;
+  routed_bytes.fetch_add(moved, std::memory_order_relaxed);
+  send_acks(bucket, doorbells);
 }
 
 SameHostPullTransport::SameHostPullTransport(std::shared_ptr<State> state)
@@ -243,8 +344,8 @@ host::HostStream& host_stream_of(Stream& stream, const char* call) {
   host::HostStream* host_stream = host::as_host_stream(stream);
   if (host_stream == nullptr) {
     throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same_host_pull {}: needs a stream from HostBackend (the host "
-                            "flavour), got a {}",
+                fmt::format("same_host_pull {}: host memory (SameHostMemory::kHost) needs a "
+                            "stream from HostBackend, got a {}",
                             call, type_name(typeid(stream))));
   }
   return *host_stream;
@@ -264,7 +365,8 @@ void check_bucket(const RoutingPlan& plan, const RoutedBucket& b, const char* ca
 
 void SameHostPullTransport::send_routes_async(const RoutedBucket& bucket, const void* packed,
                                               std::size_t bytes, Stream& stream) {
-  host::HostStream& host_stream = host_stream_of(stream, "send_routes_async");
+  host::HostStream* host_stream =
+      state_->device ? nullptr : &host_stream_of(stream, "send_routes_async");
   if (state_->trainer_rank < 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same_host_pull send_routes_async on engine rank {}: only trainer "
@@ -299,15 +401,24 @@ void SameHostPullTransport::send_routes_async(const RoutedBucket& bucket, const 
                             state_->trainer_rank, bucket_name(bucket), other, 1 - other));
   }
   const std::uint64_t call = state_->calls_enqueued++;
-  host_stream.enqueue([state = state_, bucket, bytes_at, bytes, call] {
+  if (state_->device) {
+    state_->gated_send(bucket, bytes_at, bytes, stream, call);
+    return;
+  }
+  host_stream->enqueue([state = state_, bucket, bytes_at, bytes, call] {
     state->run_send(bucket, bytes_at, bytes, call);
   });
+}
+
+void SameHostPullTransport::flush() {
+  if (state_->device && state_->trainer_rank >= 0) state_->flush_acks();
 }
 
 void SameHostPullTransport::receive_routes_async(const RoutedBucket& bucket,
                                                  std::span<const RouteCopy> copies,
                                                  const RouteTargets& targets, Stream& stream) {
-  host::HostStream& host_stream = host_stream_of(stream, "receive_routes_async");
+  host::HostStream* host_stream =
+      state_->device ? nullptr : &host_stream_of(stream, "receive_routes_async");
   if (state_->engine_rank < 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same_host_pull receive_routes_async on trainer rank {}: only engine "
@@ -345,8 +456,12 @@ void SameHostPullTransport::receive_routes_async(const RoutedBucket& bucket,
                               c.to_staging ? "staging" : "slot"));
     }
   }
+  if (state_->device) {
+    state_->gated_receive(bucket, copies, targets, stream);
+    return;
+  }
   const std::uint64_t call = state_->calls_enqueued++;
-  host_stream.enqueue([state = state_, bucket,
+  host_stream->enqueue([state = state_, bucket,
                        copies = std::vector<RouteCopy>(copies.begin(), copies.end()), targets,
                        call] { state->run_receive(bucket, copies, targets, call); });
 }

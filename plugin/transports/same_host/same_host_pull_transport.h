@@ -26,14 +26,26 @@
 // async_error() names the trainer rank, the bucket and both values), runs the bucket's
 // RouteCopies from the mapped slots (memcpy row by row), then acks every trainer rank.
 //
-// Streams: the host flavour only (SameHostMemory::kHost, HostBackend streams), whose stream tasks
-// block in poll() as the same-host broadcast's do. The device flavour (CudaBackend streams,
-// host-gated copies as same_host_device.h) is refused with Error(kInvalidArgument) for now.
+// Flavours. Host memory (SameHostMemory::kHost, HostBackend streams): the slots are a sealed
+// memory file; the calls enqueue stream tasks that block in poll() as the same-host broadcast's
+// do. Device memory (SameHostMemory::kDevice, CudaBackend streams): the slots are an exportable
+// cuMem allocation on the trainer rank's GPU, mapped by each engine rank for its own GPU (the
+// same GPU, or a peer GPU of the host); the calls are host-gated as same_host_device.h says, so
+// that no stream ever waits on another process. A trainer rank's send_routes_async copies the
+// bytes into the slot (unless packed there), waits on its thread until its stream passed them,
+// rings, then reads every engine's ack of the previous bucket (whose slot the caller packs next)
+// before it returns; flush() reads the last bucket's. An engine rank's receive_routes_async
+// waits on its thread for every doorbell of the bucket, enqueues the copies (cudaMemcpy2DAsync,
+// from the mapped slots straight into the targets), waits until they landed, acks, returns. Every
+// wait for a peer is bounded by SameHostConfig::doorbell_timeout (the transport fails, naming
+// the peer, the bucket and the option). Engines connect to whichever flavour the trainer ranks
+// serve; every trainer rank must serve the same.
 //
 // Failures: a peer that closes its socket (its process died) or breaks the protocol sets
 // async_error() and every later call completes at once; abort() wakes every waiting task, shuts
-// the sockets down (the peers see EOF) and makes the transport dead. It never times out by
-// itself: callers poll async_error() against their deadlines and call abort(). A restarted
+// the sockets down (the peers see EOF) and makes the transport dead. The host flavour never
+// times out by itself: callers poll async_error() against their deadlines and call abort(); the
+// device flavour's waits are bounded (above). A restarted
 // trainer serves the same path again; engines connect anew (a new transport).
 #pragma once
 
@@ -60,9 +72,9 @@ class SameHostPullTransport final : public Transport, public RouteMover {
   // plan's engine count: replicas are a follow-up) proved `token` and said a matching hello; a
   // refused or stalled one is dropped and the wait goes on. Throws Error(kTimeout) after
   // config.connect_timeout naming the engine ranks missing and each peer refused (with the
-  // reason and both values) or stalled. Bad arguments and paths: Error(kInvalidArgument);
-  // SameHostMemory::kDevice: Error(kInvalidArgument) naming the follow-up. Blocks the calling
-  // thread.
+  // reason and both values) or stalled. Bad arguments and paths: Error(kInvalidArgument), as
+  // is SameHostMemory::kDevice with a backend other than a CudaBackend or in a build without
+  // CUDA. `backend` outlives the transport. Blocks the calling thread.
   static std::unique_ptr<SameHostPullTransport> serve(const std::string& path,
                                                       std::string_view token,
                                                       std::shared_ptr<const RoutingPlan> plan,
@@ -97,10 +109,13 @@ class SameHostPullTransport final : public Transport, public RouteMover {
   // (or pass other memory to send_routes_async, which copies it in). Thread-safe.
   void* staging_buffer(int index, std::size_t bytes) override;
   RouteMover* route_mover() override { return this; }
+  // Device flavour, trainer rank: blocks until every engine rank acked the last bucket sent (or
+  // the transport failed: async_error()). Otherwise nothing to do.
+  void flush() override;
   std::optional<std::string> async_error() override;
   void abort() noexcept override;
 
-  // RouteMover (route_mover.h). Streams must come from a HostBackend.
+  // RouteMover (route_mover.h). Streams come from the flavour's backend (see above).
   const RoutingPlan& routing_plan() const override;
   int trainer_rank() const override;
   int engine_rank() const override;

@@ -302,7 +302,7 @@ Io read_with_fd(int fd, std::span<std::byte> out, Fd& received, Clock::time_poin
 }
 
 Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std::byte>& out,
-             int wake, std::size_t& failed) {
+             int wake, std::size_t& failed, std::optional<Clock::time_point> deadline) {
   out.assign(fds.size() * record_bytes, std::byte{0});
   std::vector<std::size_t> filled(fds.size(), 0);
   std::size_t complete = 0;
@@ -316,7 +316,7 @@ Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std:
       polled.push_back({fds[i].get(), POLLIN, 0});
       index.push_back(i);
     }
-    const int n = ::poll(polled.data(), polled.size(), -1);
+    const int n = ::poll(polled.data(), polled.size(), poll_timeout(deadline));
     if (n < 0) {
       if (errno == EINTR) continue;
       failed = fds.size();
@@ -325,6 +325,10 @@ Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std:
     if (wake >= 0 && (polled[0].revents & POLLIN)) {
       failed = fds.size();
       return Io::kWoken;
+    }
+    if (n == 0 && deadline && Clock::now() >= *deadline) {
+      failed = index.front();  // the first peer whose record is still missing
+      return Io::kTimeout;
     }
     for (std::size_t p = 1; p < polled.size(); ++p) {
       if (polled[p].revents == 0) continue;

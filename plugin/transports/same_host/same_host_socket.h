@@ -63,9 +63,11 @@ Io read_with_fd(int fd, std::span<std::byte> out, Fd& received, Clock::time_poin
 // the others do. Record i lands at out[i * record_bytes] (`out` is resized). Reads no byte past
 // each record, so the next ones stay queued. kOk once every record came; otherwise the first
 // other result, with `failed` the index of its socket (fds.size() for kWoken) and errno kept.
-// No deadline: it waits until the records came, a peer closed, or `wake` is readable.
+// kTimeout at `deadline` (none: it waits until the records came, a peer closed, or `wake` is
+// readable), with `failed` the first socket whose record is still missing.
 Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std::byte>& out,
-             int wake, std::size_t& failed);
+             int wake, std::size_t& failed,
+             std::optional<Clock::time_point> deadline = std::nullopt);
 
 // Words for an Io result, for messages ("the peer closed its socket", "timed out", ...).
 std::string describe(Io result, int saved_errno);
