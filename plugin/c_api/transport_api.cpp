@@ -93,7 +93,8 @@ SameHostMemory same_host_memory_arg(shadowsync_same_host_memory_t memory,
   static_assert(sizeof(memory) == sizeof(int));
   int flavour = 0;
   std::memcpy(&flavour, &memory, sizeof(flavour));
-  if (flavour != SHADOWSYNC_SAME_HOST_MEMORY_HOST && flavour != SHADOWSYNC_SAME_HOST_MEMORY_DEVICE) {
+  if (flavour != SHADOWSYNC_SAME_HOST_MEMORY_HOST &&
+      flavour != SHADOWSYNC_SAME_HOST_MEMORY_DEVICE) {
     throw_invalid(fmt::format("'memory' is {}; expected SHADOWSYNC_SAME_HOST_MEMORY_HOST ({}) "
                               "or SHADOWSYNC_SAME_HOST_MEMORY_DEVICE ({})",
                               flavour, static_cast<int>(SHADOWSYNC_SAME_HOST_MEMORY_HOST),

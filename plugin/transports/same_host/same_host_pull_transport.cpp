@@ -93,9 +93,9 @@ bool SameHostPullTransport::State::ring(const RoutedBucket& bucket, const RouteR
   return true;
 }
 
-bool SameHostPullTransport::State::await_acks(const RoutedBucket& bucket,
-                                              const RouteRecord& doorbell,
-                                              std::optional<same_host::Clock::time_point> deadline) {
+bool SameHostPullTransport::State::await_acks(
+    const RoutedBucket& bucket, const RouteRecord& doorbell,
+    std::optional<same_host::Clock::time_point> deadline) {
   std::vector<std::byte> records;
   if (!read_each_peer(*this, records, "acking", bucket, deadline)) return false;
   const same_host::SlotGeometry geometry{same_host::kSlotCount, staging[0].slot_bytes};
