@@ -16,6 +16,7 @@ from typing import Any
 from shadowsync.backend import Backend, CudaBackend, HostBackend
 from shadowsync.errors import InvalidArgumentError
 from shadowsync.layout import BASE_GROUP, Layout, TensorSpec
+from shadowsync.receive_plan import needed_ranges
 from shadowsync.receiver import Receiver, ReceiverConfig
 from shadowsync.tensors import describe, items
 from shadowsync.transport import Transport, nccl_transport, same_host_transport
@@ -78,7 +79,7 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
         planned.engine_rank = tensor_parallel.rank(worker)
         planned.routing = trainer_ranks.routing_plan(
             planned.wire, info.trainer_ranks, planned.engine_rank, tensor_parallel.size(worker),
-            trainer_ranks.needs_of(planned.wire, planned.plan))
+            needed_ranges(planned.layout, planned.plan))
     agree()  # every rank checked its part: now the transports may connect
     return connect_update_group(worker, planned, transport, agree)
 

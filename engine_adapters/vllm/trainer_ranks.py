@@ -6,76 +6,27 @@ Two RPCs, because each side needs the other's half of the routing plan:
 
 1. ``weight_update_needs(info)``: each worker plans its receive (set_up.plan_update_group: the
    same trace and checks as the set-up) and returns the wire ranges its receive plan reads
-   (``needs_of``). The trainer ranks build their RoutingPlan from their regions and every
-   worker's needs, serve their paths, and send the plan's fingerprint.
+   (shadowsync.needed_ranges: the library's, without a receiver). The trainer ranks build their
+   RoutingPlan from their regions and every worker's needs, serve their paths, and send the
+   plan's fingerprint.
 2. ``init_weight_update_group(info)`` with ``engine_needs`` and ``fingerprint``: each worker
-   builds the same plan (``routing_plan``), refuses another fingerprint naming both, connects to
-   every trainer rank (``connect``) and takes the plan for its receiver.
+   builds the same plan (``routing_plan``: shadowsync.sharded_publisher.engine_routing_plan,
+   which refuses another fingerprint naming both), connects to every trainer rank (``connect``)
+   and takes the plan for its receiver.
 
 A worker is engine rank = its tensor-parallel rank, of tensor_parallel_size engine ranks.
 Neither vllm nor torch is imported here."""
 
 from __future__ import annotations
 
-from shadowsync.errors import (InvalidArgumentError, LayoutMismatchError, NotSupportedError,
-                               ShadowsyncError)
+from shadowsync.errors import InvalidArgumentError, NotSupportedError
 from shadowsync.layout import Layout
-from shadowsync.receive_plan import ReceivePlan
 from shadowsync.regions import WireRange
 from shadowsync.routing import RoutingPlan
+from shadowsync.sharded_publisher import engine_routing_plan
 from shadowsync.transport import Transport, same_host_pull_engine_transport
 
-from .init_info import trainer_regions
-
-__all__ = ["connect", "from_engine_setup", "needs_of", "routing_plan"]
-
-
-def needs_of(wire: Layout, plan: ReceivePlan | None) -> list[WireRange]:
-    """The bytes of `wire` that a receiver with receive plan `plan` reads of each update, sorted
-    and merged per group: what its copies read (without a plan every tensor, a range each). The
-    same ranges as the receiver's ``needed_ranges()`` (core's needed_by), computed without a
-    receiver (which would allocate both slots for a question)."""
-    import numpy as np
-
-    begins: dict[int, list] = {}
-    ends: dict[int, list] = {}
-
-    def add(group: int, begin, end) -> None:
-        begins.setdefault(group, []).append(np.atleast_1d(np.asarray(begin, dtype=np.int64)))
-        ends.setdefault(group, []).append(np.atleast_1d(np.asarray(end, dtype=np.int64)))
-
-    if plan is None:  # every tensor, one range each (as the library lists them)
-        return [WireRange(group.index, t.offset, t.offset + t.bytes)
-                for group in wire.groups for t in group.tensors]
-    for c in plan.copies:
-        t = wire.tensor(c.wire)
-        elements = int(np.prod(t.shape, dtype=np.int64))
-        if elements == 0 or any(d == 0 for d in c.shape):
-            continue
-        size = t.bytes // elements
-        # The innermost dimensions whose elements lie back to back make one run per row.
-        run, outer = 1, len(c.shape)
-        while outer > 0 and (c.shape[outer - 1] == 1 or c.src_strides[outer - 1] == run):
-            run *= c.shape[outer - 1]
-            outer -= 1
-        offsets = np.array([c.src_offset], dtype=np.int64)
-        for d in range(outer):
-            steps = np.arange(c.shape[d], dtype=np.int64) * c.src_strides[d]
-            offsets = (offsets[:, None] + steps[None, :]).ravel()
-        begin = t.offset + offsets * size
-        add(t.group_index, begin, begin + run * size)
-    out = []
-    for group in sorted(begins):
-        begin = np.concatenate(begins[group])
-        end = np.concatenate(ends[group])
-        order = np.argsort(begin, kind="stable")
-        begin, end = begin[order], end[order]
-        reach = np.maximum.accumulate(end)
-        # A range starts a new merged one where it begins after everything before it ended.
-        starts = np.flatnonzero(np.concatenate(([True], begin[1:] > reach[:-1])))
-        stops = np.concatenate((starts[1:], [len(begin)])) - 1
-        out += [WireRange(group, int(begin[s]), int(reach[e])) for s, e in zip(starts, stops)]
-    return out
+__all__ = ["connect", "from_engine_setup", "routing_plan"]
 
 
 def from_engine_setup(setup: dict, token, connect_timeout_ms: int | None = None) -> dict:
@@ -100,11 +51,12 @@ def needs_data(ranges: list[WireRange]) -> list[list[int]]:
 def routing_plan(wire: Layout, trainer_ranks: dict, engine_rank: int, engine_count: int,
                  own_needs: list[WireRange]) -> RoutingPlan:
     """The trainers' routing plan as this worker builds it from ``trainer_ranks`` (checked by
-    ShadowsyncInitInfo): their regions and every engine rank's needs. Refused, named: needs
-    missing, needs of another number of engine ranks than this engine has (world size), this
-    rank's needs not what its receive plan reads (needs of another engine or set-up), a plan the
-    library refuses (regions that overlap, bytes no trainer rank holds, a region outside its
-    tensor), a fingerprint that is not the trainers'."""
+    ShadowsyncInitInfo): their regions and every engine rank's needs. Refused, named, before it
+    is built: needs missing, needs of another number of engine ranks than this engine has (world
+    size), this rank's needs not what its receive plan reads (needs of another engine or set-up).
+    Then shadowsync.sharded_publisher.engine_routing_plan builds and checks it as every engine
+    does: a plan the library refuses (regions that overlap, bytes no trainer rank holds, a region
+    outside its tensor), a fingerprint that is not the trainers'."""
     what = "init_weight_update_group: trainer_ranks"
     needs = trainer_ranks.get("engine_needs")
     fingerprint = trainer_ranks.get("fingerprint")
@@ -131,19 +83,7 @@ def routing_plan(wire: Layout, trainer_ranks: dict, engine_rank: int, engine_cou
             f"{len(needs[engine_rank])} ranges) is not what engine rank {engine_rank}'s "
             f"receive plan reads ({_bytes(own)} bytes in {len(own)} ranges); pass what this "
             f"engine's weight_update_needs returned, for the same specs and bucket_bytes")
-    try:
-        plan = RoutingPlan(wire, trainer_regions(trainer_ranks),
-                           [[WireRange(*r) for r in ranges] for ranges in needs])
-    except ShadowsyncError as error:
-        raise type(error)(f"{what}: the routing plan is refused: {error.detail}") from None
-    if plan.fingerprint != fingerprint:
-        raise LayoutMismatchError(
-            f"{what}: this worker's routing plan (fingerprint {plan.fingerprint:#018x}, "
-            f"{plan.trainer_count} trainer ranks -> {plan.engine_count} engine ranks, "
-            f"{plan.route_count} routes) differs from the trainers' ({fingerprint:#018x}): "
-            f"build it on every trainer rank from the same specs, bucket_bytes, regions and "
-            f"engine_needs")
-    return plan
+    return engine_routing_plan(trainer_ranks, wire=wire, what=what)[1]
 
 
 def check_engine_device(device: str, what: str) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 from shadowsync.errors import BadHeaderError, InvalidArgumentError
 from shadowsync.layout import UpdateHeader
+from shadowsync.receive_plan import needed_ranges
 from shadowsync.transport import Transport
 
 from . import step_hook_site, tensor_parallel, trainer_ranks, vllm_worker
@@ -105,7 +106,7 @@ class WorkerExtension:
         try:
             planned = plan_update_group(self, ShadowsyncInitInfo.coerce(info, **fields))
             trainer_ranks.check_engine_device(planned.device, "weight_update_needs")
-            needs = trainer_ranks.needs_of(planned.wire, planned.plan)
+            needs = needed_ranges(planned.layout, planned.plan)
             return {"engine_rank": tensor_parallel.rank(self),
                     "needs": trainer_ranks.needs_data(needs)}
         except Exception as error:  # noqa: BLE001 - returned under TP: a raise ends vLLM's engine

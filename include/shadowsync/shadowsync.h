@@ -909,6 +909,17 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_layout_region_ranges(
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_needed_ranges(
     shadowsync_receiver_t receiver, shadowsync_wire_range_t* ranges, size_t capacity,
     size_t* count);
+/* The wire ranges a receiver of `layout` would read of each update, without making one (no slots
+ * allocated): with `wire_layout` the pieces of the receive plan of `copies` and `quantized`
+ * (needed_by), built and refused as shadowsync_receiver_create_with_quantized_plan builds it;
+ * `wire_layout` NULL: every tensor of `layout` (`copies` and `quantized` ignored). What
+ * shadowsync_receiver_needed_ranges of that receiver returns: an engine rank's needs for
+ * shadowsync_routing_plan_create, asked before any receiver exists. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receive_plan_needed_ranges(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, size_t copy_count,
+    const shadowsync_plan_quantization_t* quantized, size_t quantized_count,
+    shadowsync_wire_range_t* ranges, size_t capacity, size_t* count);
 /* RoutingPlan::build over `wire_layout`: `trainers[i]` what trainer rank trainers[i].rank holds,
  * `engines[j]` what engine rank engines[j].rank needs; ranks 0..M-1 and 0..N-1 each once, in any
  * order. `engines` NULL with `engine_count` 0: one engine rank needing every tensor. Refused with

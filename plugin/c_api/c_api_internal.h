@@ -266,6 +266,13 @@ std::vector<SourceTensor> source_tensors_arg(const shadowsync_source_tensor_t* t
 std::vector<SourceShard> source_shards_arg(const shadowsync_source_shard_t* shards,
                                            std::size_t count);
 
+// The receive plan of `copies` (each a copy, or with `wire` NULL an engine tensor the plan keeps)
+// and `quantized`, from `wire` into `engine`: ReceivePlan::build, which refuses it named
+// (receiver_api.cpp; the receiver's create calls and shadowsync_receive_plan_needed_ranges).
+ReceivePlan plan_arg(const Layout& wire, const Layout& engine, const shadowsync_plan_copy_t* copies,
+                     std::size_t count, const shadowsync_plan_quantization_t* quantized,
+                     std::size_t quantized_count);
+
 // The routing plan of a handle, sharing the handle's object (the caller may destroy the handle
 // while a sender or receiver keeps using the plan).
 std::shared_ptr<const RoutingPlan> routing_plan_arg(shadowsync_routing_plan_t plan);

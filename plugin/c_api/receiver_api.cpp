@@ -8,6 +8,55 @@
 using namespace shadowsync;
 using namespace shadowsync::c_api;
 
+namespace shadowsync::c_api {
+
+ReceivePlan plan_arg(const Layout& wire, const Layout& engine, const shadowsync_plan_copy_t* copies,
+                     std::size_t count, const shadowsync_plan_quantization_t* quantized,
+                     std::size_t quantized_count) {
+  if (quantized_count > 0 && quantized == nullptr) {
+    throw_invalid(fmt::format("'quantized' is NULL but the count is {}", quantized_count));
+  }
+  std::vector<PlanQuantization> quantizations;
+  for (std::size_t i = 0; i < quantized_count; ++i) {
+    const std::string argument = fmt::format("quantized[{}]", i);
+    quantizations.push_back({string_arg(quantized[i].engine, argument + ".engine"),
+                             string_arg(quantized[i].scale, argument + ".scale"),
+                             quantized[i].parts});
+  }
+  if (count > 0 && copies == nullptr) {
+    throw_invalid(fmt::format("'copies' is NULL but the count is {}", count));
+  }
+  std::vector<PlanCopy> out;
+  std::vector<std::string> kept;
+  out.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    const shadowsync_plan_copy_t& c = copies[i];
+    const std::string argument = fmt::format("copies[{}]", i);
+    if (c.wire == nullptr) {
+      kept.push_back(string_arg(c.engine, argument + ".engine"));
+      continue;
+    }
+    const auto dims = [&](const std::int64_t* values, const char* field) {
+      if (c.ndim > 0 && values == nullptr) {
+        throw_invalid(fmt::format("'{}.{}' is NULL but ndim is {}", argument, field, c.ndim));
+      }
+      return shape_arg(values, c.ndim, argument);
+    };
+    PlanCopy copy;
+    copy.wire = string_arg(c.wire, argument + ".wire");
+    copy.engine = string_arg(c.engine, argument + ".engine");
+    copy.shape = dims(c.shape, "shape");
+    copy.src_offset = c.src_offset;
+    copy.src_strides = dims(c.src_strides, "src_strides");
+    copy.dst_offset = c.dst_offset;
+    copy.dst_strides = dims(c.dst_strides, "dst_strides");
+    out.push_back(std::move(copy));
+  }
+  return ReceivePlan::build(wire, engine, out, kept, quantizations);
+}
+
+}  // namespace shadowsync::c_api
+
 namespace {
 
 ReceiverConfig receiver_config(const shadowsync_receiver_config_t* user) {
@@ -215,53 +264,6 @@ shadowsync_receiver_t create_receiver(const Layout& layout, std::optional<Receiv
   claim.commit();
   arena_claim.commit();
   return handle;
-}
-
-// The plan the entries describe: each a copy, or (wire NULL) an engine tensor the plan keeps.
-ReceivePlan plan_arg(const Layout& wire, const Layout& engine,
-                     const shadowsync_plan_copy_t* copies, std::size_t count,
-                     const shadowsync_plan_quantization_t* quantized = nullptr,
-                     std::size_t quantized_count = 0) {
-  if (quantized_count > 0 && quantized == nullptr) {
-    throw_invalid(fmt::format("'quantized' is NULL but the count is {}", quantized_count));
-  }
-  std::vector<PlanQuantization> quantizations;
-  for (std::size_t i = 0; i < quantized_count; ++i) {
-    const std::string argument = fmt::format("quantized[{}]", i);
-    quantizations.push_back({string_arg(quantized[i].engine, argument + ".engine"),
-                             string_arg(quantized[i].scale, argument + ".scale"),
-                             quantized[i].parts});
-  }
-  if (count > 0 && copies == nullptr) {
-    throw_invalid(fmt::format("'copies' is NULL but the count is {}", count));
-  }
-  std::vector<PlanCopy> out;
-  std::vector<std::string> kept;
-  out.reserve(count);
-  for (std::size_t i = 0; i < count; ++i) {
-    const shadowsync_plan_copy_t& c = copies[i];
-    const std::string argument = fmt::format("copies[{}]", i);
-    if (c.wire == nullptr) {
-      kept.push_back(string_arg(c.engine, argument + ".engine"));
-      continue;
-    }
-    const auto dims = [&](const std::int64_t* values, const char* field) {
-      if (c.ndim > 0 && values == nullptr) {
-        throw_invalid(fmt::format("'{}.{}' is NULL but ndim is {}", argument, field, c.ndim));
-      }
-      return shape_arg(values, c.ndim, argument);
-    };
-    PlanCopy copy;
-    copy.wire = string_arg(c.wire, argument + ".wire");
-    copy.engine = string_arg(c.engine, argument + ".engine");
-    copy.shape = dims(c.shape, "shape");
-    copy.src_offset = c.src_offset;
-    copy.src_strides = dims(c.src_strides, "src_strides");
-    copy.dst_offset = c.dst_offset;
-    copy.dst_strides = dims(c.dst_strides, "dst_strides");
-    out.push_back(std::move(copy));
-  }
-  return ReceivePlan::build(wire, engine, out, kept, quantizations);
 }
 
 // A receiver whose updates come in `wire_layout` through the plan of `copies` and `quantized`

@@ -1,5 +1,6 @@
-// Routing plans of sharded trainers through the C ABI: regions to wire ranges, a receiver's
-// needs, and the plan's routes (core/routing_plan.h).
+// Routing plans of sharded trainers through the C ABI: regions to wire ranges, an engine rank's
+// needs (a receiver's, or a receive plan's without a receiver), and the plan's routes
+// (core/routing_plan.h).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -42,6 +43,16 @@ void write_ranges(const std::vector<GroupRange>& ranges, shadowsync_wire_range_t
     return shadowsync_wire_range_t{static_cast<std::uint32_t>(r.group), 0, r.range.begin,
                                    r.range.end};
   });
+}
+
+// Per-group ranges (needed_by, every_tensor) as the header's array of wire ranges.
+void write_needed(const std::vector<std::vector<ByteRange>>& needed, shadowsync_wire_range_t* out,
+                  std::size_t capacity, std::size_t* count) {
+  std::vector<GroupRange> ranges;
+  for (std::size_t g = 0; g < needed.size(); ++g) {
+    for (const ByteRange& r : needed[g]) ranges.push_back({g, r});
+  }
+  write_ranges(ranges, out, capacity, count);
 }
 
 // `lists[i]` as RankRanges over the groups of `wire`; `side` ("trainers", "engines") names the
@@ -168,13 +179,26 @@ shadowsync_status_t shadowsync_receiver_needed_ranges(shadowsync_receiver_t rece
   return guard(__func__, [&] {
     auto object = lookup<ReceiverObject>(receiver, "receiver");
     const ReceivePlan* plan = object->receiver->plan();
-    const auto needed =
-        plan != nullptr ? needed_by(*plan) : every_tensor(object->receiver->layout());
-    std::vector<GroupRange> out;
-    for (std::size_t g = 0; g < needed.size(); ++g) {
-      for (const ByteRange& r : needed[g]) out.push_back({g, r});
+    write_needed(plan != nullptr ? needed_by(*plan) : every_tensor(object->receiver->layout()),
+                 ranges, capacity, count);
+  });
+}
+
+shadowsync_status_t shadowsync_receive_plan_needed_ranges(
+    shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+    const shadowsync_plan_copy_t* copies, size_t copy_count,
+    const shadowsync_plan_quantization_t* quantized, size_t quantized_count,
+    shadowsync_wire_range_t* ranges, size_t capacity, size_t* count) {
+  return guard(__func__, [&] {
+    auto engine = lookup<LayoutObject>(layout, "layout");
+    if (wire_layout == nullptr) {
+      write_needed(every_tensor(engine->layout), ranges, capacity, count);
+      return;
     }
-    write_ranges(out, ranges, capacity, count);
+    auto wire = lookup<LayoutObject>(wire_layout, "wire_layout");
+    write_needed(needed_by(plan_arg(wire->layout, engine->layout, copies, copy_count, quantized,
+                                    quantized_count)),
+                 ranges, capacity, count);
   });
 }
 

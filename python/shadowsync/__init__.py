@@ -29,7 +29,7 @@ from .errors import (
     TransportError,
 )
 from .layout import GroupInfo, Layout, TensorInfo, TensorSpec, UpdateHeader, canonical_dtype
-from .receive_plan import PlanCopy, PlanQuantization, ReceivePlan
+from .receive_plan import PlanCopy, PlanQuantization, ReceivePlan, needed_ranges
 from .regions import TensorRegion, WireRange
 from .remap_arena import RemapArena
 from .receiver import (
@@ -136,6 +136,7 @@ __all__ = [
     "nccl_library",
     "nccl_transport",
     "nccl_unique_id",
+    "needed_ranges",
     "NCCL_UNIQUE_ID_BYTES",
     "same_host_pull_engine_transport",
     "same_host_pull_trainer_transport",

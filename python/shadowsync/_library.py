@@ -430,6 +430,11 @@ _PROTOTYPES = {
         [_H, _P(TensorRegionC), _P(WireRangeC), c_size_t, _P(c_size_t)],
     ),
     "shadowsync_receiver_needed_ranges": (c_int, [_H, _P(WireRangeC), c_size_t, _P(c_size_t)]),
+    "shadowsync_receive_plan_needed_ranges": (
+        c_int,
+        [_H, _H, _P(PlanCopyC), c_size_t, _P(PlanQuantizationC), c_size_t, _P(WireRangeC),
+         c_size_t, _P(c_size_t)],
+    ),
     "shadowsync_routing_plan_create": (
         c_int,
         [_H, _P(RankRangesC), c_size_t, _P(RankRangesC), c_size_t, _P(_H)],

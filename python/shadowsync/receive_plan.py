@@ -4,12 +4,17 @@ sharded, renamed) while the engine keeps generating.
 
 A plan is a list of PlanCopy: one strided copy from a view of a wire tensor into a view of an
 engine tensor, in elements. The receiver splits them per wire bucket once, at set-up, and runs
-them natively on its stream as each bucket lands.
+them natively on its stream as each bucket lands. ``needed_ranges`` says which wire bytes a plan
+reads (an engine rank's needs for a RoutingPlan) without a receiver.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ._library import WireRangeC
+from .errors import call_array
+from .regions import WireRange
 
 
 @dataclass(frozen=True)
@@ -104,3 +109,23 @@ class ReceivePlan:
             entry.engine, entry.scale = names
             entry.parts = int(q.parts)
         return array, keep
+
+
+def needed_ranges(layout, plan: ReceivePlan | None = None) -> list[WireRange]:
+    """The bytes of the wire layout that a receiver of `layout` (the engine's) with receive plan
+    `plan` reads of each update, sorted and merged per group: what the plan's copies read, or
+    without a plan every tensor of `layout`, a range each. What that receiver's
+    ``Receiver.needed_ranges()`` returns, asked without making one (which would allocate both
+    slots for a question): an engine rank's needs for a RoutingPlan, before it connects. The
+    plan is checked as ``Receiver(layout, ..., plan=plan)`` checks it, and refused alike
+    (LayoutMismatchError, InvalidArgumentError naming the tensors). One implementation with the
+    receiver's: shadowsync_receive_plan_needed_ranges. Thread-safe."""
+    if plan is None:
+        ranges = call_array("shadowsync_receive_plan_needed_ranges", WireRangeC, layout.handle,
+                            None, None, 0, None, 0)
+    else:
+        copies, _keep = plan._c_array()
+        quantized, _keep_names = plan._c_quantized()
+        ranges = call_array("shadowsync_receive_plan_needed_ranges", WireRangeC, layout.handle,
+                            plan.wire.handle, copies, len(copies), quantized, len(plan.quantized))
+    return [WireRange(r.group, r.begin, r.end) for r in ranges]

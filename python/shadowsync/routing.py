@@ -6,7 +6,8 @@ tensor on any rank. Every trainer and engine rank builds the same plan from the 
 compares ``fingerprint``. A trainer rank holds regions of wire tensors (``TensorRegion``: FSDP2
 rows, Megatron slices, ZeRO-3 flat partitions) and packs what it holds of each group in wire
 order; a route's ``source_offset`` is into that packing. An engine rank needs wire ranges
-(``Receiver.needed_ranges()``: what its receive plan reads). No transport moves routes yet.
+(``needed_ranges(layout, plan)``, or ``Receiver.needed_ranges()``: what its receive plan reads).
+No transport moves routes yet.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ class RoutingPlan(Handle):
 
     ``trainers[r]``: what trainer rank r holds, as TensorRegions and/or WireRanges (a replicated
     tensor in one rank's list only: that rank sends it). ``engines[r]``: what engine rank r needs,
-    as WireRanges (``Receiver.needed_ranges()``); None: one engine rank needing every byte. Either
-    may be a mapping {rank: ...} instead of a sequence; ranks must then be 0..M-1 (0..N-1) each
-    once. Raises InvalidArgumentError naming the ranks, tensor and bytes: a rank missing, outside
-    or given twice, bytes two trainer ranks both hold, bytes an engine rank needs that no trainer
-    rank holds, a region outside its tensor. Immutable; thread-safe."""
+    as WireRanges (``needed_ranges(layout, plan)``); None: one engine rank needing every byte.
+    Either may be a mapping {rank: ...} instead of a sequence; ranks must then be 0..M-1 (0..N-1)
+    each once. Raises InvalidArgumentError naming the ranks, tensor and bytes: a rank missing,
+    outside or given twice, bytes two trainer ranks both hold, bytes an engine rank needs that no
+    trainer rank holds, a region outside its tensor. Immutable; thread-safe."""
 
     _destroy_fn = "shadowsync_routing_plan_destroy"
 

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 from .backend import Backend, HostBackend
 from .errors import InvalidArgumentError, LayoutMismatchError, NotSupportedError, \
-    ShadowsyncTimeoutError
+    ShadowsyncError, ShadowsyncTimeoutError
 from .layout import Layout, TensorSpec, canonical_dtype, format_shape
 from .receiver import Receiver, ReceiverConfig
 from .regions import ELEMENTS, TensorRegion, WireRange
@@ -338,22 +338,38 @@ class ShardedPublisher:
 # --- engine side ------------------------------------------------------------------------------
 
 
-def engine_routing_plan(setup: dict) -> tuple[Layout, RoutingPlan]:
-    """The wire layout and routing plan of a publisher's ``engine_setup``, rebuilt; raises
-    LayoutMismatchError when its fingerprint differs from the trainers' (another library or
-    plan input)."""
-    layout = Layout([TensorSpec(n, d, tuple(s), g) for n, d, s, g in setup["wire"]],
-                    setup["bucket_bytes"])
+def engine_routing_plan(setup: dict, *, wire: Layout | None = None,
+                        what: str = "engine_setup") -> tuple[Layout, RoutingPlan]:
+    """The wire layout and routing plan of a publisher's ``engine_setup``, rebuilt on the engine
+    side and checked against the trainers' fingerprint: the one rebuild every engine uses
+    (``sharded_receiver``; shadowsync.vllm's workers from ``ShadowsyncInitInfo.trainer_ranks``,
+    which carries the same keys). `setup` is plain data: ``regions`` (each trainer rank's, as
+    ``[tensor, "box", begin, end]`` / ``[tensor, "elements", first, count]``), ``engine_needs``
+    (each engine rank's ``[[group, begin, end], ...]``; None: one engine rank needing every
+    byte), ``fingerprint``, and unless `wire` (the engine's Layout of the trainer's tensors) is
+    given, ``wire`` (specs) and ``bucket_bytes``. Refused, prefixed with `what`: a plan the
+    library refuses (regions that overlap, bytes no trainer rank holds, a region outside its
+    tensor: the library's error class), a fingerprint that differs from the trainers'
+    (LayoutMismatchError naming both: another wire layout, regions, needs or shadowsync)."""
+    if wire is None:
+        wire = Layout([TensorSpec(n, d, tuple(s), g) for n, d, s, g in setup["wire"]],
+                      setup["bucket_bytes"])
     needs = setup["engine_needs"]
-    plan = RoutingPlan(layout, [[_region_from(r) for r in rank] for rank in setup["regions"]],
-                       None if needs is None else
-                       [[WireRange(g, b, e) for g, b, e in need] for need in needs])
-    if plan.fingerprint != setup["fingerprint"]:
+    try:
+        plan = RoutingPlan(wire, [[_region_from(r) for r in rank] for rank in setup["regions"]],
+                           None if needs is None else
+                           [[WireRange(g, b, e) for g, b, e in need] for need in needs])
+    except ShadowsyncError as error:
+        raise type(error)(f"{what}: the routing plan is refused: {error.detail}") from None
+    fingerprint = setup["fingerprint"]
+    if plan.fingerprint != fingerprint:
         raise LayoutMismatchError(
-            f"the routing plan rebuilt from engine_setup has fingerprint {plan.fingerprint:#018x}, "
-            f"the trainer ranks' {setup['fingerprint']:#018x}; build both sides with the same "
-            f"shadowsync")
-    return layout, plan
+            f"{what}: this engine rank's routing plan (fingerprint {plan.fingerprint:#018x}, "
+            f"{plan.trainer_count} trainer ranks -> {plan.engine_count} engine ranks, "
+            f"{plan.route_count} routes) differs from the trainers' ({fingerprint:#018x}): build "
+            f"both sides from the same wire layout (specs, bucket_bytes), regions and "
+            f"engine_needs, with the same shadowsync")
+    return wire, plan
 
 
 def sharded_receiver(setup: dict, token, engine_rank: int, *, backend: Backend | None = None,

@@ -1,6 +1,9 @@
 """Routing plans of sharded trainers through the Python package (no torch): regions as wire
-ranges, engine ranks' needs from their receivers, routes and counts, the fingerprint, and the
-refusals, named."""
+ranges, engine ranks' needs (from their receive plans without a receiver, and from their
+receivers), routes and counts, the fingerprint, and the refusals, named."""
+
+import itertools
+from math import prod
 
 import pytest
 
@@ -93,6 +96,7 @@ def test_each_engine_rank_receives_what_its_receiver_reads():
         receiver = ss.Receiver(engine, backend, plan=plan)
         receivers.append(receiver)
         needs.append(receiver.needed_ranges())
+        assert ss.needed_ranges(engine, plan) == needs[-1]  # the same, without a receiver
     try:
         q = wire.tensor("q")
         assert needs[1][0] == WireRange(0, q.offset + 7 * ROW, q.offset + 13 * ROW)
@@ -111,6 +115,87 @@ def test_each_engine_rank_receives_what_its_receiver_reads():
     finally:
         for receiver in receivers:
             receiver.close()
+
+
+def _bytes_read(wire, plan):
+    """What `plan`'s copies read of `wire`, element by element: the expectation, computed apart
+    from the library (no rows, no merging of runs), as sorted and merged WireRanges."""
+    read = {}
+    for c in plan.copies:
+        t = wire.tensor(c.wire)
+        size = t.bytes // prod(t.shape)
+        for index in itertools.product(*(range(n) for n in c.shape)):
+            at = t.offset + (c.src_offset + sum(i * s for i, s in zip(index, c.src_strides))) * size
+            read.setdefault(t.group_index, set()).update(range(at, at + size))
+    out = []
+    for group in sorted(read):
+        begin = previous = None
+        for byte in sorted(read[group]):
+            if previous is not None and byte != previous + 1:
+                out.append(WireRange(group, begin, previous + 1))
+                begin = None
+            begin = byte if begin is None else begin
+            previous = byte
+        out.append(WireRange(group, begin, previous + 1))
+    return out
+
+
+def test_needed_ranges_without_a_receiver_are_the_bytes_the_plan_reads():
+    # Row slices, column slices, a transposed read and a tensor read twice, over buckets that
+    # split rows; in two groups.
+    h = 12
+    wire = ss.Layout([("q", "fp32", (h, h)), ("k", "fp32", (h // 2, h)), ("o", "fp32", (h, h)),
+                      ("norm", "fp32", (h,)), ("lora.A", "fp32", (4, h), "lora")],
+                     bucket_bytes=256)
+    engine = ss.Layout([("qk", "fp32", (h + h // 4, h)), ("o_cols", "fp32", (h, h // 3)),
+                        ("o_t", "fp32", (h // 2, h)), ("norm", "fp32", (h,)),
+                        ("lora.A", "fp32", (2, h), "lora")], bucket_bytes=256)
+    plan = ss.ReceivePlan(wire, [
+        ss.PlanCopy("q", "qk", (h, h), 0, (h, 1), 0, (h, 1)),
+        ss.PlanCopy("k", "qk", (h // 4, h), 2 * h, (h, 1), h * h, (h, 1)),  # rows 2..4
+        ss.PlanCopy("o", "o_cols", (h, h // 3), h // 3, (h, 1), 0, (h // 3, 1)),  # columns
+        ss.PlanCopy("o", "o_t", (h // 2, h), 1, (1, h), 0, (h, 1)),  # transposed, columns 1..6
+        ss.PlanCopy("norm", "norm", (h,), 0, (1,), 0, (1,)),
+        ss.PlanCopy("lora.A", "lora.A", (2, h), 2 * h, (h, 1), 0, (h, 1)),  # rows 2..3
+    ])
+    needed = ss.needed_ranges(engine, plan)
+    assert needed == _bytes_read(wire, plan)
+    assert {r.group for r in needed} == {0, 1}
+    # Without a plan: every tensor of the layout, a range each.
+    assert ss.needed_ranges(wire) == [WireRange(t.group_index, t.offset, t.offset + t.bytes)
+                                      for g in wire.groups for t in g.tensors]
+    # A plan a receiver would refuse is refused alike, named.
+    outside = ss.ReceivePlan(wire, plan.copies[:-1] + [
+        ss.PlanCopy("lora.A", "lora.A", (2, h), 3 * h, (h, 1), 0, (h, 1))])  # rows 3..4 of 4
+    with pytest.raises(ss.InvalidArgumentError) as error:
+        ss.needed_ranges(engine, outside)
+    assert "plan copy 5 ('lora.A' -> 'lora.A')" in str(error.value)
+    assert "outside tensor 'lora.A'" in str(error.value)
+
+
+def test_an_engine_rebuilds_the_trainers_plan_from_engine_setup_and_checks_its_fingerprint():
+    from shadowsync.sharded_publisher import engine_routing_plan
+
+    wire = _wire()
+    trainers = ss.RoutingPlan(wire, _fsdp(2))
+    setup = dict(wire=[list(s) + ["base"] for s in WIRE], bucket_bytes=256, engine_needs=None,
+                 fingerprint=trainers.fingerprint,
+                 regions=[[[r.tensor, r.kind, list(r.begin), list(r.end)] if r.kind == "box"
+                           else [r.tensor, r.kind, r.first, r.count] for r in rank]
+                          for rank in _fsdp(2)])
+    layout, plan = engine_routing_plan(setup)
+    assert layout.fingerprint == wire.fingerprint and plan.fingerprint == trainers.fingerprint
+    assert engine_routing_plan(setup, wire=wire)[1].fingerprint == trainers.fingerprint
+    with pytest.raises(ss.LayoutMismatchError) as error:
+        engine_routing_plan(dict(setup, fingerprint=trainers.fingerprint ^ 1))
+    assert (f"engine_setup: this engine rank's routing plan (fingerprint "
+            f"{trainers.fingerprint:#018x}, 2 trainer ranks -> 1 engine ranks") in str(error.value)
+    assert f"differs from the trainers' ({trainers.fingerprint ^ 1:#018x})" in str(error.value)
+    with pytest.raises(ss.InvalidArgumentError) as error:
+        engine_routing_plan(dict(setup, regions=setup["regions"][:1]), what="here")
+    assert str(error.value).startswith("here: the routing plan is refused: ")
+    assert "engine rank 0 needs bytes 224..416 of tensor 'q' (group 'base'), which no trainer " \
+           "rank holds" in str(error.value)
 
 
 def test_the_fingerprint_is_stable_and_follows_the_sharding():

@@ -3,8 +3,8 @@ worker whose "parameters" are numpy arrays (host backend; no torch, no vLLM): tw
 each holding part of every tensor (rows, columns, flat elements), serve the same-host pull
 transport from threads; the worker answers weight_update_needs, builds the same routing plan from
 their regions and its needs, connects and takes two updates, each only from the ranks that hold
-the bytes. Then every refusal of a bad set-up, named, with nothing set up; and the needs computed
-without a receiver equal the receiver's own."""
+the bytes. Then every refusal of a bad set-up, named, with nothing set up. (The needs themselves,
+shadowsync.needed_ranges, are tested in test_routing.py.)"""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import shadowsync as ss
 from shadowsync import TensorRegion
 from shadowsync.vllm import WorkerExtension, weight_update_needs
 from shadowsync.vllm.init_info import region_data
-from shadowsync.vllm.trainer_ranks import check_engine_device, needs_of
+from shadowsync.vllm.trainer_ranks import check_engine_device
 
 TOKEN = "ssk1-5b0b1f0e3c7a4d2e9f8a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e"
 BUCKET_BYTES = 1024
@@ -164,8 +164,9 @@ def test_bad_set_ups_are_refused_by_name_before_anything_connects(paths):
 
     message = refused(paths, ss.LayoutMismatchError, engine_needs=needs,
                       fingerprint=fingerprint ^ 1)
-    assert (f"this worker's routing plan (fingerprint {fingerprint:#018x}, 2 trainer ranks -> 1 "
-            f"engine ranks") in message, message
+    assert (f"init_weight_update_group: trainer_ranks: this engine rank's routing plan "
+            f"(fingerprint {fingerprint:#018x}, 2 trainer ranks -> 1 engine ranks") in message, \
+        message
     assert f"differs from the trainers' ({fingerprint ^ 1:#018x})" in message, message
     message = refused(paths, engine_needs=needs * 2, fingerprint=fingerprint)
     assert "engine_needs holds the needs of 2 engine rank(s), but this engine has 1" in message
@@ -203,34 +204,6 @@ def test_bad_set_ups_are_refused_by_name_before_anything_connects(paths):
     whole = info(paths, **good)
     whole["receiver_config"] = ss.ReceiverConfig(require_checksums=True)
     assert "routed updates carry no checksums yet" in refused(paths, whole=whole)
-
-
-def test_needs_without_a_receiver_equal_the_receivers_own():
-    """trainer_ranks.needs_of (what weight_update_needs returns) against the library's
-    Receiver.needed_ranges for a plan of row slices, column slices, a transposed read and a
-    tensor read twice, over buckets that split rows."""
-    h = 12
-    wire = ss.Layout([("q", "fp32", (h, h)), ("k", "fp32", (h // 2, h)), ("o", "fp32", (h, h)),
-                      ("norm", "fp32", (h,))], bucket_bytes=256)
-    engine = ss.Layout([("qk", "fp32", (h + h // 4, h)), ("o_cols", "fp32", (h, h // 3)),
-                        ("o_t", "fp32", (h // 2, h)), ("norm", "fp32", (h,))], bucket_bytes=256)
-    plan = ss.ReceivePlan(wire, [
-        ss.PlanCopy("q", "qk", (h, h), 0, (h, 1), 0, (h, 1)),
-        ss.PlanCopy("k", "qk", (h // 4, h), 2 * h, (h, 1), h * h, (h, 1)),  # rows 2..4
-        ss.PlanCopy("o", "o_cols", (h, h // 3), h // 3, (h, 1), 0, (h // 3, 1)),  # columns
-        ss.PlanCopy("o", "o_t", (h // 2, h), 1, (1, h), 0, (h, 1)),  # transposed, columns 1..6
-        ss.PlanCopy("norm", "norm", (h,), 0, (1,), 0, (1,)),
-    ])
-    receiver = ss.Receiver(engine, ss.HostBackend(), plan=plan)
-    try:
-        assert needs_of(wire, plan) == receiver.needed_ranges()
-    finally:
-        receiver.close()
-    plain = ss.Receiver(wire, ss.HostBackend())
-    try:
-        assert needs_of(wire, None) == plain.needed_ranges()
-    finally:
-        plain.close()
 
 
 def test_a_gpu_engine_is_refused_before_it_plans_a_pull_it_cannot_receive():

@@ -1538,50 +1538,90 @@ TEST_CASE("C ABI: routing plans and regions are refused with the ranks, tensors 
   REQUIRE_OK(shadowsync_layout_destroy(wire));
 }
 
-TEST_CASE("C ABI: a receiver's needed ranges: its plan's reads, or every tensor without one") {
+using Ranges = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
+
+// Wire ranges of group 0 as (begin, end) pairs, asked as the header says: capacity 0 first (the
+// count only), then that many. `ask(out, capacity, &count)` is the call.
+template <typename Ask>
+Ranges needed_ranges(Ask ask) {
+  std::size_t count = 0;
+  CHECK(ask(nullptr, 0, &count) == SHADOWSYNC_INVALID_ARGUMENT);
+  std::vector<shadowsync_wire_range_t> out(count);
+  REQUIRE_OK(ask(out.data(), out.size(), &count));
+  Ranges ranges;
+  for (const auto& r : out) {
+    CHECK(r.group == 0);
+    ranges.emplace_back(r.begin, r.end);
+  }
+  return ranges;
+}
+
+// The plan's reads, or every tensor without one, either way.
+TEST_CASE("C ABI: an engine rank's needs, of a receiver or of its receive plan alone") {
   shadowsync_layout_t wire = make_routing_wire();
   shadowsync_backend_t backend = nullptr;
   REQUIRE_OK(shadowsync_host_backend_create(&backend));
-  const auto needed = [](shadowsync_receiver_t receiver) {
-    std::size_t count = 0;
-    CHECK(shadowsync_receiver_needed_ranges(receiver, nullptr, 0, &count) ==
-          SHADOWSYNC_INVALID_ARGUMENT);
-    std::vector<shadowsync_wire_range_t> out(count);
-    REQUIRE_OK(shadowsync_receiver_needed_ranges(receiver, out.data(), out.size(), &count));
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-    for (const auto& r : out) {
-      CHECK(r.group == 0);
-      ranges.emplace_back(r.begin, r.end);
-    }
-    return ranges;
+  const auto of_receiver = [](shadowsync_receiver_t receiver) {
+    return needed_ranges(
+        [&](shadowsync_wire_range_t* out, std::size_t capacity, std::size_t* count) {
+          return shadowsync_receiver_needed_ranges(receiver, out, capacity, count);
+        });
+  };
+  const auto of_plan = [](shadowsync_layout_t layout, shadowsync_layout_t wire_layout,
+                          const shadowsync_plan_copy_t* copies, std::size_t copy_count) {
+    return needed_ranges(
+        [&](shadowsync_wire_range_t* out, std::size_t capacity, std::size_t* count) {
+          return shadowsync_receive_plan_needed_ranges(layout, wire_layout, copies, copy_count,
+                                                       nullptr, 0, out, capacity, count);
+        });
   };
   SECTION("without a plan: every tensor of its layout") {
+    // q at 0, k and the norm each at the next 256-byte boundary.
+    const Ranges every{{0, 416}, {512, 608}, {768, 800}};
     shadowsync_receiver_t receiver = nullptr;
     REQUIRE_OK(shadowsync_receiver_create(wire, backend, nullptr, nullptr, &receiver));
-    // q at 0, k and the norm each at the next 256-byte boundary.
-    CHECK(needed(receiver) ==
-          std::vector<std::pair<std::uint64_t, std::uint64_t>>{{0, 416}, {512, 608}, {768, 800}});
+    CHECK(of_receiver(receiver) == every);
     REQUIRE_OK(shadowsync_receiver_destroy(receiver));
+    CHECK(of_plan(wire, nullptr, nullptr, 0) == every);
   }
+  const std::int64_t q[] = {6, 8}, norm[] = {8};
+  const shadowsync_tensor_spec_t specs[] = {{"q", "fp32", q, 2, nullptr},
+                                            {"norm", "fp32", norm, 1, nullptr}};
+  shadowsync_layout_t engine = nullptr;
+  REQUIRE_OK(shadowsync_layout_create(specs, 2, 0, &engine));
+  const std::int64_t strides[] = {8, 1}, one[] = {1};
   SECTION("with a plan: the rows it reads (rank 1 of a column-parallel split)") {
-    const std::int64_t q[] = {6, 8}, norm[] = {8};
-    const shadowsync_tensor_spec_t specs[] = {{"q", "fp32", q, 2, nullptr},
-                                              {"norm", "fp32", norm, 1, nullptr}};
-    shadowsync_layout_t engine = nullptr;
-    REQUIRE_OK(shadowsync_layout_create(specs, 2, 0, &engine));
-    const std::int64_t strides[] = {8, 1}, one[] = {1};
     const shadowsync_plan_copy_t copies[] = {
         {"q", "q", 2, q, 7 * 8, strides, 0, strides},
         {"norm", "norm", 1, norm, 0, one, 0, one},
     };
+    const Ranges rows{{7 * 32, 416}, {768, 800}};
     shadowsync_receiver_t receiver = nullptr;
     REQUIRE_OK(shadowsync_receiver_create_with_plan(engine, wire, copies, 2, backend, nullptr,
                                                     nullptr, &receiver));
-    CHECK(needed(receiver) ==
-          std::vector<std::pair<std::uint64_t, std::uint64_t>>{{7 * 32, 416}, {768, 800}});
+    CHECK(of_receiver(receiver) == rows);
     REQUIRE_OK(shadowsync_receiver_destroy(receiver));
-    REQUIRE_OK(shadowsync_layout_destroy(engine));
+    CHECK(of_plan(engine, wire, copies, 2) == rows);
   }
+  SECTION("a plan the receiver would refuse is refused alike, named") {
+    const shadowsync_plan_copy_t copies[] = {
+        {"q", "q", 2, q, 8 * 8, strides, 0, strides},  // rows 8..13 of 13
+        {"norm", "norm", 1, norm, 0, one, 0, one},
+    };
+    shadowsync_wire_range_t out[4];
+    std::size_t count = 0;
+    CHECK(shadowsync_receive_plan_needed_ranges(engine, wire, copies, 2, nullptr, 0, out, 4,
+                                                &count) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("plan copy 0 ('q' -> 'q')") &&
+                                 Catch::Contains("outside tensor 'q' of 104 elements"));
+    CHECK(shadowsync_receive_plan_needed_ranges(engine, wire, nullptr, 2, nullptr, 0, out, 4,
+                                                &count) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("'copies' is NULL but the count is 2"));
+    CHECK(shadowsync_receive_plan_needed_ranges(nullptr, wire, copies, 2, nullptr, 0, out, 4,
+                                                &count) == SHADOWSYNC_INVALID_HANDLE);
+    CHECK_THAT(last_error(), Catch::Contains("layout"));
+  }
+  REQUIRE_OK(shadowsync_layout_destroy(engine));
   REQUIRE_OK(shadowsync_backend_destroy(backend));
   REQUIRE_OK(shadowsync_layout_destroy(wire));
 }
