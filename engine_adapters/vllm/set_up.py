@@ -71,7 +71,6 @@ def set_up_update_group(worker, info: ShadowsyncInitInfo, transport: Transport |
         raise InvalidArgumentError(
             "init_weight_update_group: NCCL needs CUDA parameters, the model's are on cpu")
     if info.trainer_ranks is not None:
-        trainer_ranks.check_engine_device(planned.device, "init_weight_update_group")
         if planned.receiver_config is not None and planned.receiver_config.require_checksums:
             raise InvalidArgumentError(
                 "init_weight_update_group: trainer_ranks with receiver_config.require_checksums: "

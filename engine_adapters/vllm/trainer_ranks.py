@@ -19,7 +19,7 @@ Neither vllm nor torch is imported here."""
 
 from __future__ import annotations
 
-from shadowsync.errors import InvalidArgumentError, NotSupportedError
+from shadowsync.errors import InvalidArgumentError
 from shadowsync.layout import Layout
 from shadowsync.regions import WireRange
 from shadowsync.routing import RoutingPlan
@@ -84,18 +84,6 @@ def routing_plan(wire: Layout, trainer_ranks: dict, engine_rank: int, engine_cou
             f"receive plan reads ({_bytes(own)} bytes in {len(own)} ranges); pass what this "
             f"engine's weight_update_needs returned, for the same specs and bucket_bytes")
     return engine_routing_plan(trainer_ranks, wire=wire, what=what)[1]
-
-
-def check_engine_device(device: str, what: str) -> None:
-    """Refuses, before anything is planned into or connected, an engine whose parameters are not
-    in host memory: the same-host pull transport moves host memory only (its CUDA flavour is not
-    built), and a GPU engine would otherwise fail at its first receive."""
-    if device != "cpu":
-        raise NotSupportedError(
-            f"{what}: trainer_ranks with the model's parameters on {device}: the same-host pull "
-            f"transport moves host memory only so far (vLLM's CPU build). For a GPU engine use "
-            f"one sender rank (same_host or unique_id; a sharded trainer gathers one bucket at a "
-            f"time to it: publish_streamed)")
 
 
 def connect(trainer_ranks: dict, plan: RoutingPlan, engine_rank: int, backend) -> Transport:

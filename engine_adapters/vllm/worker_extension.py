@@ -105,7 +105,6 @@ class WorkerExtension:
         name}`` (a raise would end vLLM's engine). Engine thread (a collective_rpc)."""
         try:
             planned = plan_update_group(self, ShadowsyncInitInfo.coerce(info, **fields))
-            trainer_ranks.check_engine_device(planned.device, "weight_update_needs")
             needs = needed_ranges(planned.layout, planned.plan)
             return {"engine_rank": tensor_parallel.rank(self),
                     "needs": trainer_ranks.needs_data(needs)}

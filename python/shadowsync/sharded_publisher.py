@@ -22,8 +22,8 @@ import threading
 from math import prod
 from typing import Any, Iterable, Sequence
 
-from .backend import Backend, HostBackend
-from .errors import InvalidArgumentError, LayoutMismatchError, NotSupportedError, \
+from .backend import Backend, CudaBackend, HostBackend
+from .errors import InvalidArgumentError, LayoutMismatchError, \
     ShadowsyncError, ShadowsyncTimeoutError
 from .layout import Layout, TensorSpec, canonical_dtype, format_shape
 from .receiver import Receiver, ReceiverConfig
@@ -99,6 +99,16 @@ def _region_from(data) -> TensorRegion:
     return TensorRegion.box(tensor, a, b)
 
 
+def _backend_for(shards) -> Backend:
+    """The backend of the memory this rank's shards are in: a CudaBackend of their GPU, else a
+    HostBackend (no shard, or host tensors)."""
+    for shard in shards:
+        device = getattr(shard.tensor, "device", None)
+        if getattr(device, "type", "cpu") == "cuda":
+            return CudaBackend(device.index if device.index is not None else 0)
+    return HostBackend()
+
+
 class ShardedPublisher:
     """One trainer rank of a sharded trainer, publishing over the same-host pull transport.
 
@@ -139,6 +149,9 @@ class ShardedPublisher:
         (``Receiver.needed_ranges()``); None: one engine rank needing every byte. `wire`: the
         wire layout (a Layout or specs); default the parameters' global shapes and dtypes in
         parameter order, cut into buckets of `bucket_bytes` (0: the library's default).
+        `backend`: where this rank's packing lives and what the engines pull from; default a
+        CudaBackend of the GPU that holds this rank's shards (the engines pull straight from its
+        memory: the device flavour of the transport), else a HostBackend (host memory).
 
         One collective: ``all_gather_object`` of every rank's regions, parameter signature and
         path. Refused before any serving (InvalidArgumentError naming the first difference and
@@ -172,7 +185,7 @@ class ShardedPublisher:
         publisher = cls(
             rank=rank, world_size=world_size, layout=layout, plan=plan, regions=regions,
             paths=[theirs["path"] for theirs in every], names=[s[0] for s in signature],
-            backend=backend if backend is not None else HostBackend(), engine_needs=needs,
+            backend=backend if backend is not None else _backend_for(shards), engine_needs=needs,
             sender_config=sender_config,
             connect_timeout_ms=(_DEFAULT_CONNECT_TIMEOUT_MS if connect_timeout_ms is None
                                 else int(connect_timeout_ms)))
@@ -198,17 +211,13 @@ class ShardedPublisher:
         return layout
 
     def _serve(self, token) -> None:
-        if not isinstance(self.backend, HostBackend):
-            raise NotSupportedError(
-                f"ShardedPublisher: the same-host pull transport shares host memory only for "
-                f"now, the backend is '{self.backend.name}'; give a HostBackend (CUDA shards are "
-                f"copied to the host at publish)")
+        memory = "device" if isinstance(self.backend, CudaBackend) else "host"
 
         def serve():
             try:
                 self._served = same_host_pull_trainer_transport(
                     self.paths[self.rank], token, self.routing_plan, self.rank,
-                    self.routing_plan.engine_count, self.backend,
+                    self.routing_plan.engine_count, self.backend, memory=memory,
                     connect_timeout_ms=self._connect_timeout_ms)
             except BaseException as error:  # handed to the first publish
                 self._served = error
@@ -290,8 +299,10 @@ class ShardedPublisher:
                     f"set-up {then}; a resharded model needs a new publisher")
             shard = shards[i]
             tensor = shard.tensor
-            if getattr(getattr(tensor, "device", None), "type", "cpu") != "cpu":
-                tensor = tensor.to("cpu")  # host pull only for now: a host copy of the shard
+            if str(getattr(tensor, "device", "cpu")) != self.backend.device:
+                # Shards elsewhere than the transport's memory: a copy of this rank's shard (a
+                # GPU trainer with a HostBackend, say), never of a full tensor.
+                tensor = tensor.to(self.backend.device)
             triples.append((shard.name, tensor, shard.region))
         self.wait_for_engines()
         return self._sender.publish_shards(version, triples)

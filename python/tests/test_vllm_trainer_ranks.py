@@ -22,7 +22,6 @@ import shadowsync as ss
 from shadowsync import TensorRegion
 from shadowsync.vllm import WorkerExtension, weight_update_needs
 from shadowsync.vllm.init_info import region_data
-from shadowsync.vllm.trainer_ranks import check_engine_device
 
 TOKEN = "ssk1-5b0b1f0e3c7a4d2e9f8a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e"
 BUCKET_BYTES = 1024
@@ -204,12 +203,3 @@ def test_bad_set_ups_are_refused_by_name_before_anything_connects(paths):
     whole = info(paths, **good)
     whole["receiver_config"] = ss.ReceiverConfig(require_checksums=True)
     assert "routed updates carry no checksums yet" in refused(paths, whole=whole)
-
-
-def test_a_gpu_engine_is_refused_before_it_plans_a_pull_it_cannot_receive():
-    # The pull transport moves host memory only: a CUDA engine would fail at its first receive.
-    check_engine_device("cpu", "weight_update_needs")
-    with pytest.raises(ss.NotSupportedError) as error:
-        check_engine_device("cuda:0", "weight_update_needs")
-    assert "parameters on cuda:0" in str(error.value)
-    assert "host memory only" in str(error.value)

@@ -11,7 +11,8 @@
 //    with nothing of the 3rd bucket on copied; new trainer processes on the same paths and new
 //    engine transports apply the next update;
 //  * a trainer rank that never rings: the receive ends at SameHostConfig::doorbell_timeout,
-//    naming it, having enqueued nothing.
+//    naming it, having enqueued nothing;
+//  * an engine rank on a GPU connecting to a trainer rank that serves host memory: refused, named.
 //
 // Skips (77, "SKIPPED: ...") without a usable CUDA device (tests/support/catch_main.cpp).
 #include <cuda_runtime_api.h>
@@ -34,6 +35,8 @@
 #include "deadline.h"
 #include "pull_fixture.h"
 #include "shadowsync/cuda_backend.h"
+#include "shadowsync/error.h"
+#include "shadowsync/host_backend.h"
 #include "transports/same_host/same_host_pull_transport.h"
 #include "watchdog.h"
 
@@ -290,4 +293,28 @@ TEST_CASE("same-host pull gpu: a trainer rank that never rings ends the receive 
   engine.backend.memcpy_async(host.data(), engine.arena, engine.arena_bytes, *engine.stream);
   engine.backend.stream_synchronize(*engine.stream);
   CHECK(std::all_of(host.begin(), host.end(), [](std::byte b) { return b == std::byte{0xEE}; }));
+}
+
+TEST_CASE("same-host pull gpu: an engine rank on a GPU refuses trainer ranks serving host "
+          "memory, named") {
+  Watchdog watchdog(60s);
+  SocketDir dir{"shadowsync_pull_gpu_flavour"};
+  const auto paths = socket_paths(dir, 1);
+  const auto plan = make_plan(1, 1);
+  HostBackend trainer_backend;
+  auto serving = std::async(std::launch::async, [&] {
+    return SameHostPullTransport::serve(paths[0], kToken, plan, 0, 1, trainer_backend,
+                                        SameHostMemory::kHost, config());
+  });
+  EngineRank engine(0, plan, 0);
+  try {
+    engine.connect(paths);
+    FAIL("connect_engine_rank took host memory with a CudaBackend");
+  } catch (const Error& error) {
+    CHECK(error.code() == ErrorCode::kInvalidArgument);
+    CHECK_THAT(error.what(), Catch::Contains("engine rank 0: trainer rank 0 (" + paths[0] +
+                                             ") shares host memory, but this engine rank's "
+                                             "backend is 'cuda'"));
+  }
+  serving.get().reset();
 }

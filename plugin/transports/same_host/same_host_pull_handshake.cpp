@@ -358,6 +358,14 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
                               path, setup.memory));
     }
     if (t == 0) {
+      if (memory == SameHostMemory::kHost && backend.name() != "host") {
+        throw Error(ErrorCode::kInvalidArgument,
+                    fmt::format("same-host pull connect as engine rank {}: trainer rank 0 ({}) "
+                                "shares host memory, but this engine rank's backend is '{}'; "
+                                "host memory is pulled with a HostBackend (give the trainer "
+                                "ranks a CudaBackend to serve device memory)",
+                                engine_rank, path, backend.name()));
+      }
       set_flavour(*state, memory, backend, config);
     } else if ((memory == SameHostMemory::kDevice) != state->device) {
       throw Error(ErrorCode::kInvalidArgument,
