@@ -41,7 +41,7 @@ rebinds the parameters to the other slot and switches vLLM to its graphs. Update
 back to slot 0); then a new trainer and a second init_weight_update_group, and update 4 (A) must
 answer as A, and A again after the second close.
 
---trainer-ranks M (CPU): last, a sharded trainer takes the engine over: M rank processes, each
+--trainer-ranks M: last, a sharded trainer takes the engine over: M rank processes, each
 holding only its rows of every tensor (down_proj: its columns) and sending only those over the
 same-host pull transport (ShadowsyncInitInfo.trainer_ranks, after weight_update_needs); updates
 B then A, each engine rank receiving exactly the bytes its own parameters read.
@@ -250,10 +250,11 @@ def split_regions(specs: list, count: int) -> list[list]:
 
 def trainer_rank(conn, rank: int, checkpoints: dict, device: str, bucket_bytes: int,
                  adapters: dict, omit: list[str]):
-    """Trainer rank `rank` of a sharded trainer (CPU, host memory): keeps only its regions of
-    trainer_tensors_of's tensors, builds the routing plan from every rank's regions and the
-    engine ranks' needs, serves the same-host pull transport on its own path and publishes its
-    shards with a routed Sender."""
+    """Trainer rank `rank` of a sharded trainer: keeps only its regions of trainer_tensors_of's
+    tensors (on `device`: host memory on the CPU, GPU 0's memory with CUDA), builds the routing
+    plan from every rank's regions and the engine ranks' needs, serves the same-host pull
+    transport on its own path (its host or device flavour) and publishes its shards with a
+    routed Sender."""
     import shadowsync as ss
     from shadowsync.vllm.init_info import trainer_regions
 
@@ -272,9 +273,10 @@ def trainer_rank(conn, rank: int, checkpoints: dict, device: str, bucket_bytes: 
     conn.send(("plan", plan.fingerprint, [plan.bytes_to_engine(e)
                                           for e in range(plan.engine_count)],
                plan.bytes_from_trainer(rank), sum(g.arena_bytes for g in layout.groups)))
-    backend = ss.HostBackend()
+    backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
     transport = ss.same_host_pull_trainer_transport(
         ranks["paths"][rank], ranks["token"], plan, rank, plan.engine_count, backend,
+        memory="device" if device == "cuda" else "host",
         connect_timeout_ms=ranks["connect_timeout_ms"])
     sender = ss.Sender(layout, backend, transport, routing_plan=plan, trainer_rank=rank)
     while True:
@@ -446,7 +448,8 @@ def main() -> int:
                         help="last, a sharded trainer of M rank processes takes the engine over "
                              "(ShadowsyncInitInfo.trainer_ranks: each rank holds only its rows "
                              "of every tensor, down_proj's columns, and sends only those over "
-                             "the same-host pull transport; CPU): updates B then A")
+                             "the same-host pull transport: host memory on the CPU, GPU 0's "
+                             "memory with --device cuda): updates B then A")
     parser.add_argument("--reinit", action="store_true",
                         help="a third update, close, a second init with a new trainer, a fourth "
                              "update (an odd number of swaps before the close)")
@@ -461,9 +464,9 @@ def main() -> int:
         parser.error("--quantization: vLLM's FP8 kernels run on CUDA; use --device cuda")
     if args.api and args.reinit:
         parser.error("--api: --reinit re-initializes through the worker extension; leave it out")
-    if args.trainer_ranks and (args.device != "cpu" or args.api or args.transport != "same-host"):
-        parser.error("--trainer-ranks: the same-host pull transport moves host memory only "
-                     "(--device cpu, the worker extension's calls)")
+    if args.trainer_ranks and (args.api or args.transport != "same-host"):
+        parser.error("--trainer-ranks: the same-host pull transport with the worker extension's "
+                     "calls (--transport same-host, no --api)")
     if args.api and not args.backend:
         args.backend = "shadowsync"
     if args.live_arena:
