@@ -440,9 +440,13 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_transport_connect(
 /* The same-host pull transport (DESIGN.md section 14): routes of a sharded trainer between
  * processes of one host, each engine rank pulling its routes straight from every trainer rank's
  * exported staging. It moves routes only (a sender per trainer rank, a receiver with a routing
- * plan); broadcasts are refused. Host memory and host backends only for now
- * (SHADOWSYNC_SAME_HOST_MEMORY_DEVICE: SHADOWSYNC_NOT_SUPPORTED). The transport keeps `plan` and
- * `backend` alive; both handles may be destroyed afterwards.
+ * plan); broadcasts are refused. SHADOWSYNC_SAME_HOST_MEMORY_HOST: the trainer rank's slots in
+ * host memory, with host backends; SHADOWSYNC_SAME_HOST_MEMORY_DEVICE: on the trainer rank's GPU,
+ * with cuda backends (each engine rank maps them for its own GPU and pulls with device copies;
+ * a build without CUDA: SHADOWSYNC_NOT_SUPPORTED). Engine ranks take the flavour their trainer
+ * ranks serve, and refuse one their backend cannot pull (SHADOWSYNC_INVALID_ARGUMENT, naming
+ * both). The transport keeps `plan` and `backend` alive; both handles may be destroyed
+ * afterwards.
  *
  * Trainer rank `trainer_rank` of `plan`: listens on the Unix socket `path` (its own; directory
  * rules as shadowsync_same_host_transport_serve) and blocks until `engine_processes` engine

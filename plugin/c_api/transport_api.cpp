@@ -347,12 +347,9 @@ shadowsync_status_t shadowsync_same_host_pull_connect(
     }
     const std::string_view secret = token_arg(token, token_bytes);
     auto plan_object = lookup<RoutingPlanObject>(plan, "plan");
+    // The trainer ranks' flavour decides which backend pulls: the transport refuses a mismatch
+    // at connect, naming both.
     auto backend_object = lookup<BackendObject>(backend, "backend");
-    if (backend_object->cuda) {
-      throw_invalid(fmt::format("same-host pull transport: host memory needs a host backend, "
-                                "but 'backend' is '{}'",
-                                backend_object->backend->name()));
-    }
     const SameHostConfig config = same_host_config(connect_timeout_ms);
     std::shared_ptr<const RoutingPlan> routing(plan_object, &plan_object->plan);
     std::unique_ptr<Transport> made = SameHostPullTransport::connect_engine_rank(
