@@ -8,6 +8,8 @@ update's time.
     python3 bench/bench_vllm_update.py --config olmoe-1b-7b --quantization fp8   # MoE, FP8
     python3 bench/bench_vllm_update.py --config qwen3-30b-a3b --layers 24        # one H200
     python3 bench/bench_vllm_update.py --device cpu --config tiny --requests 4 --max-tokens 64
+    python3 bench/bench_vllm_update.py --config llama-3-8b --paths shadowsync --graph-pairs \
+        --trainer-ranks 1,2,4                                                    # sharded trainers
 
 Outputs ``bench_vllm_update.json`` and ``bench_vllm_update.md`` in --out (default ``$OUT``, else
 ./bench-vllm-update), each figure with the command, the machine (nvidia-smi's GPU name), the
@@ -85,6 +87,27 @@ down before the next path starts, so two engines never coexist. A path that fail
   ``--enforce-eager``: the extension refuses it under vLLM's graphs). The prefix cache is not reset
   (apply_update_async(reset_prefix_cache=False)): vLLM's path here keeps its caches too.
 
+**Sharded trainers** (``--trainer-ranks M[,M...]``, with the shadowsync path). After the
+shadowsync path's own run (one trainer process publishing full tensors, as rank 0 holds them
+after a gather), its group is closed keeping the weights and a sharded trainer of each M in turn
+takes the same engine over (one engine start serves them all; reported as
+``shadowsync-ranks-M``): M rank processes on --trainer-gpu, each making only its rows of every
+parameter (FSDP2-like ``Shard(0)``, split as torch.chunk splits: ceil(rows / M) a rank, the last
+fewer; random values, no full tensor anywhere), building the routing plan from every rank's
+regions and the engine ranks' needs (``shadowsync.vllm.weight_update_needs_async``), serving the
+same-host pull transport (device memory on cuda, a CudaBackend; host memory on cpu, a
+HostBackend) and publishing with a routed Sender (``publish_shards``); the engine joins them
+with ``init_weight_update_group_async(trainer_ranks=dict(..., engine_needs, fingerprint))`` and
+pulls each route straight from a rank's staging into its slot. The update, its window and its
+analysis are the shadowsync path's. Per update also: the bytes the routes carried into each
+engine rank (``engine_rank_bytes``, weight_update_stats' ``routed_bytes``, counted by the
+transport over that update; every update's must equal the plan's ``bytes_to_engine``, or the
+run fails) and each trainer rank's peak memory (``trainer_rank_peak_bytes``): torch's
+``max_memory_allocated`` in the rank process (its shards) plus the transport's staging, which
+torch does not see (a cuMem allocation): ``Sender.staging_bytes``, two slots of the plan's
+``max_packed_bytes`` of the rank (on cpu: its shards plus the staging); the run's
+``trainer_rank_memory`` has the parts.
+
 **Placement and transport** (``--tp``, ``--transport``, ``--trainer-gpu``). vLLM's ranks run
 on GPUs 0..tp-1. ``--transport same-host`` (default): vLLM's "ipc" backend and shadowsync's
 same-host transport; ``nccl``: vLLM's "nccl" backend (``NCCLWeightTransferEngine.trainer_init``
@@ -125,6 +148,9 @@ the update's first call to the return of its last call:
   plain count of tokens arriving inside the window is ``tokens_in_window``); the baseline's
   tokens/s the same way over its window; *slowdown* = baseline tokens/s over it (none at all:
   written null, shown as ∞);
+* *decode time lost*: the whole update's time x (1 - 1/slowdown) (``decode_lost_ms``): the
+  decode time the update cost, to hold against the copy reference's (``--copy-passes 1``: the
+  one-pass floor);
 * vLLM: the wall time from start_weight_update to finish_weight_update returned, and pause/resume.
 
 For the shadowsync path, after each window (outside it) the worker's weight_update_stats say
@@ -225,7 +251,8 @@ def main() -> int:
                             live_arena=args.live_arena, graph_pairs=args.graph_pairs,
                             gated_swaps="off" if args.no_gated_swaps else "auto",
                             decode_slowdown_budget=args.decode_slowdown_budget,
-                            layers=args.layers, quantization=args.quantization)
+                            layers=args.layers, quantization=args.quantization,
+                            trainer_ranks=args.trainer_ranks)
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     # Each config as built: its name in the report (with --layers, "qwen3-30b-a3b (24 of 48
     # layers)"), its decoder layers and the engines' quantization.
@@ -270,7 +297,7 @@ def main() -> int:
                                             f"{args.budget_s:g}"}
                     log(f"{config} {path}: {entry[path]['error']}")
                     continue
-                entry[path] = run_path(args, config, path, model_dir, out, timeout_left())
+                entry.update(run_path(args, config, path, model_dir, out, timeout_left()))
                 write_outputs(out, results)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -282,7 +309,9 @@ def main() -> int:
 
 
 def run_path(args, config: str, path: str, model_dir: Path, out: Path, timeout_s: float) -> dict:
-    """One path in a subprocess; its result, or {"error": why} with its log's tail."""
+    """One path in a subprocess: {path: its result, or {"error": why} with its log's tail}, and
+    with --trainer-ranks each sharded trainer's run on the same engine as an entry of its own
+    (shadowsync-ranks-M: the engine's start and KV cache are the path's)."""
     result_file = out / f"{config}-{path}.result.json"
     result_file.unlink(missing_ok=True)
     log_file = out / f"{config}-{path}.log"
@@ -310,11 +339,16 @@ def run_path(args, config: str, path: str, model_dir: Path, out: Path, timeout_s
     found = re.findall(r"KV cache size: ([0-9,]+) tokens", log_file.read_text(errors="replace")
                        if log_file.exists() else "")
     result["kv_cache_tokens"] = int(found[-1].replace(",", "")) if found else None
-    if "error" in result:
-        log(f"{config} {path}: FAILED in {seconds:.0f} s: {result['error'][:2000]}")
-    else:
-        log(f"{config} {path}: {seconds:.0f} s; {one_line(result)}")
-    return result
+    entries = {path: result}
+    for name, run in result.pop("runs", {}).items():
+        entries[name] = dict(run, engine_start_s=result.get("engine_start_s"),
+                             kv_cache_tokens=result["kv_cache_tokens"], log=str(log_file))
+    for name, entry in entries.items():
+        if "error" in entry:
+            log(f"{config} {name}: FAILED in {seconds:.0f} s: {entry['error'][:2000]}")
+        else:
+            log(f"{config} {name}: {seconds:.0f} s; {one_line(entry)}")
+    return entries
 
 
 if __name__ == "__main__":

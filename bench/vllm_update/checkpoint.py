@@ -27,6 +27,15 @@ def make_model(config: str, device: str, seed: int, gpu: int = 0, layers: int | 
     return model.eval().requires_grad_(False)
 
 
+def model_specs(config: str, device: str, layers: int | None = None) -> list[tuple]:
+    """(name, dtype, shape) of each parameter a trainer of `config` publishes on `device` (bf16 on
+    cuda, fp32 on cpu, as make_model builds it), read from the model built on the meta device:
+    no memory, no values (a sharded trainer's ranks make only their own rows)."""
+    model = make_model(config, "meta", seed=0, layers=layers)
+    dtype = "torch.bfloat16" if device == "cuda" else "torch.float32"
+    return [(name, dtype, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
 def make_checkpoint(path: str, config: str, device: str, dummy_load: bool,
                     layers: int | None = None) -> None:
     # vLLM makes its own random weights with load_format="dummy": the shapes suffice (meta).

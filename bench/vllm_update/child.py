@@ -1,6 +1,7 @@
 """One path in its own process (bench_vllm_update.py --child PATH): one vLLM AsyncLLM under the
-decode load, the path's warm-up update and its measured updates, and the result file the
-orchestrator reads."""
+decode load, the path's warm-up update and its measured updates (with --trainer-ranks, the
+shadowsync path's sharded trainers' after them, on the same engine: the result's "runs"), and the
+result file the orchestrator reads."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .copy_reference import CopyReference
 from .decode_load import DecodeLoad
 from .paths import BENCH_DIR, PYTHON_DIR, prepend_pythonpath
 from .shadowsync_transfer import ShadowsyncTransfer
+from .sharded_transfer import ShardedTransfer
 from .stand_ins import STAND_IN_FOLDER, import_ipc_engine
 from .vllm_transfer import VllmTransfer
 
@@ -117,28 +119,72 @@ async def run_child(args, result: dict) -> dict:
     log(f"{path}: engine up in {result['engine_start_s']} s")
     try:
         load = DecodeLoad(engine, args)
-        before = await load.greedy_probe()
-        t0 = time.monotonic()
-        result["setup"] = await driver.setup(engine)
-        result["setup_s"] = round(time.monotonic() - t0, 2)
-        # The weight-update set-up's own call (shadowsync: init_weight_update_group; vllm:
-        # init_weight_transfer_engine), without starting or building the trainer around it.
-        for key in ("update_setup_call", "update_setup_s"):
-            if key in result["setup"]:
-                result[key] = result["setup"][key]
-        log(f"{path}: set up in {result['setup_s']} s: {result['setup']}")
-        warm = await driver.update(engine, version=1)
-        after = await load.greedy_probe()
-        result["warmup_update"] = warm
-        result["output_changed_by_update"] = before != after
-        log(f"{path}: warm-up update {fmt_ms(warm['update_ms'])}; greedy output "
-            f"{'changed' if before != after else 'UNCHANGED'} ({before[:6]} -> {after[:6]})")
-        measured = await load.measure(lambda v: driver.update(engine, v), first_version=2,
-                                      engine_times=getattr(driver, "engine_times", None) and
-                                      (lambda: driver.engine_times(engine)))
-        result.update(measured)
-        result.update(await driver.close(engine) or {})
+        # With --trainer-ranks, the sharded trainers follow on the same engine: the group is
+        # closed keeping the weights.
+        ranks = getattr(args, "trainer_ranks", None) if path == "shadowsync" else None
+        result.update(await measure(driver, engine, load, path, keep_weights=bool(ranks)))
+        if ranks:
+            result["runs"] = {}
+            await sharded_runs(args, engine, load, ranks, result)
     finally:
         engine.shutdown()
         driver.shutdown()
     return result
+
+
+async def measure(driver, engine, load, name: str, keep_weights: bool = False) -> dict:
+    """One driver's set-up, warm-up update and measured updates on the running `engine` under
+    `load`, and its close; its part of the result."""
+    result: dict = {}
+    before = await load.greedy_probe()
+    t0 = time.monotonic()
+    result["setup"] = await driver.setup(engine)
+    result["setup_s"] = round(time.monotonic() - t0, 2)
+    # The weight-update set-up's own call (shadowsync: init_weight_update_group; vllm:
+    # init_weight_transfer_engine), without starting or building the trainer around it.
+    for key in ("update_setup_call", "update_setup_s"):
+        if key in result["setup"]:
+            result[key] = result["setup"][key]
+    log(f"{name}: set up in {result['setup_s']} s: {result['setup']}")
+    warm = await driver.update(engine, version=1)
+    after = await load.greedy_probe()
+    result["warmup_update"] = warm
+    result["output_changed_by_update"] = before != after
+    log(f"{name}: warm-up update {fmt_ms(warm['update_ms'])}; greedy output "
+        f"{'changed' if before != after else 'UNCHANGED'} ({before[:6]} -> {after[:6]})")
+    measured = await load.measure(lambda v: driver.update(engine, v), first_version=2,
+                                  engine_times=getattr(driver, "engine_times", None) and
+                                  (lambda: driver.engine_times(engine)))
+    result.update(measured)
+    closed = await (driver.close(engine, keep_weights) if keep_weights else driver.close(engine))
+    result.update(closed or {})
+    return result
+
+
+async def sharded_runs(args, engine, load, counts: list[int], result: dict) -> None:
+    """--trainer-ranks: after the shadowsync path's own run, a sharded trainer of each count in
+    turn takes over the same engine, its run in result["runs"]["shadowsync-ranks-M"]; a run that
+    fails is recorded and the next one still runs, on a group closed again where the failure
+    left it open. The result file is written after each run: a path cut at its deadline keeps
+    the runs done."""
+    runs = result["runs"]
+    for i, count in enumerate(counts):
+        name = f"shadowsync-ranks-{count}"
+        run: dict = {"path": "shadowsync", "trainer_ranks": count}
+        driver = ShardedTransfer(args, count)
+        run["api"] = driver.api_description()
+        log(f"{name}: {run['api']}")
+        try:
+            run.update(await measure(driver, engine, load, name,
+                                     keep_weights=i + 1 < len(counts)))
+        except Exception as e:  # noqa: BLE001  (recorded, the next count runs)
+            run["error"] = f"{type(e).__name__}: {e}"
+            run["traceback"] = traceback.format_exc()[-4000:]
+            print(run["traceback"], file=sys.stderr, flush=True)
+            if any(await engine.collective_rpc("has_weight_update_group")):
+                await engine.collective_rpc("close_weight_update_group",
+                                            kwargs=dict(keep_weights=True))
+        finally:
+            driver.shutdown()
+        runs[name] = run
+        Path(args.result_file).write_text(json.dumps(result, indent=1))

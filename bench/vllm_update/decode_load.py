@@ -216,6 +216,11 @@ class DecodeLoad:
                                          if math.isfinite(stop_gap) else None),
                          tokens_in_window=tokens, tokens_per_s=round(tps, 1),
                          slowdown=round(base_tps / tps, 3) if tps > 0 else None)
+            # Decode time lost to the update: its time x (1 - 1/slowdown), the baseline's
+            # tokens it did not make over the baseline's rate (all of it while paused; below 0
+            # where the window ran faster than the baseline, as measured).
+            update_ms = entry.get("update_ms", entry["window_ms"])
+            entry["decode_lost_ms"] = round(update_ms * (1 - tps / base_tps), 3)
             updates.append(entry)
         summary = {}
         if any("clean_step_missed" in u for u in updates):
@@ -237,7 +242,8 @@ class DecodeLoad:
                     summary[key] = dict(median=round(statistics.median(values), 3),
                                         max=round(max(values), 3), min=round(min(values), 3),
                                         count=len(values))
-        for key in ("update_ms", "engine_stop_ms", "max_token_gap_ms", "tokens_per_s", "slowdown",
+        for key in ("update_ms", "decode_lost_ms", "engine_stop_ms", "max_token_gap_ms",
+                    "tokens_per_s", "slowdown",
                     "transfer_gbps", "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
                     "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms",
                     "clean_step_wait_ms") + ENGINE_TIMES:

@@ -23,7 +23,8 @@ def parse_args(description: str):
                      f"seconds")
     # A child runs its one path; --paths is the parent's (a child sees its default).
     paths = [args.child] if args.child else args.paths.split(",")
-    refused = layers_error(args) or quantization_error(args, paths)
+    refused = (layers_error(args) or quantization_error(args, paths)
+               or trainer_ranks_error(args, paths))
     if refused:
         parser.error(refused)
     if (args.device == "cuda" and args.transport == "same-host"
@@ -93,6 +94,35 @@ def quantization_error(args, paths: list[str]) -> str | None:
     return None
 
 
+def trainer_ranks_error(args, paths: list[str]) -> str | None:
+    """Why --trainer-ranks cannot run with the other options, or None. The sharded trainers
+    follow the shadowsync path's run on its engine, over the same-host pull transport, into the
+    extension's own calls."""
+    if args.trainer_ranks is None:
+        return None
+    if "shadowsync" not in paths and not args.child:  # another path's child ignores it
+        return (f"--trainer-ranks with --paths {','.join(paths)}: the sharded trainers run after "
+                f"the shadowsync path, on its engine; add shadowsync to --paths")
+    if args.transport != "same-host":
+        return (f"--trainer-ranks with --transport {args.transport}: the trainer ranks serve the "
+                f"same-host pull transport (a route between a trainer rank and an engine rank on "
+                f"one GPU is always a same-host route); use --transport same-host")
+    return None
+
+
+def rank_counts(text: str) -> list[int]:
+    """--trainer-ranks' value: comma-separated counts, each at least 1, none twice."""
+    try:
+        counts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: comma-separated trainer rank counts, each at least 1 and none twice "
+            f"(e.g. 1,2,4)")
+    return counts
+
+
 def placement_error(device: str, transport: str, trainer_gpu: int, tp: int) -> str | None:
     """Why a trainer on `trainer_gpu` sending over `transport` to `tp` engine ranks on GPUs
     0..tp-1 cannot run, or None."""
@@ -157,6 +187,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--trainer-gpu", type=int, default=0,
                    help="the GPU the trainer of each path runs on (default 0, the engine's; with "
                         "--transport nccl it must be none of the engine's GPUs 0..tp-1)")
+    p.add_argument("--trainer-ranks", type=rank_counts, metavar="M[,M...]",
+                   help="shadowsync path: after its own run (one trainer process, full tensors), "
+                        "a sharded trainer of each M in turn takes over the same engine: M rank "
+                        "processes on --trainer-gpu, each holding only its rows of every tensor "
+                        "(FSDP2-like Shard(0)) and publishing them over the same-host pull "
+                        "transport; reported as shadowsync-ranks-M")
     p.add_argument("--decode-slowdown-budget", type=float,
                    help="shadowsync path: pace the receive to this decode slowdown (e.g. 1.05)")
     p.add_argument("--backend", choices=("shadowsync",),
@@ -220,6 +256,8 @@ def child_passthrough(args) -> list[str]:
         flags += ["--layers", str(args.layers)]
     if args.quantization:
         flags += ["--quantization", args.quantization]
+    if args.trainer_ranks:
+        flags += ["--trainer-ranks", ",".join(map(str, args.trainer_ranks))]
     flags += ["--copy-passes", str(args.copy_passes), "--tp", str(args.tp),
               "--transport", args.transport, "--trainer-gpu", str(args.trainer_gpu)]
     for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "graph_pairs",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from run_report import fmt_ms, stamp_lines, write_report
 
-from .configs import ENGINE_EVENTS, GOALS, PATHS, VLLM_REFERENCE_STOP_MS
+from .configs import ENGINE_EVENTS, GOALS, VLLM_REFERENCE_STOP_MS
 
 
 def one_line(result: dict) -> str:
@@ -51,13 +51,16 @@ def markdown(results: dict) -> str:
              "Slowdown: baseline tokens/s over tokens/s during the update (∞: generation paused). "
              "Transfer GB/s: the model's bytes over the transfer's time (vLLM: its send, from "
              "start_weight_update's return to the last chunk received; shadowsync: the trainer's publish "
-             "to the last bucket acknowledged, packing included).",
+             "to the last bucket acknowledged, packing included). Decode time lost: the whole "
+             "update's time x (1 - 1/slowdown), the decode time the update cost the engine. "
+             "shadowsync-ranks-M: the shadowsync path fed by M trainer ranks (--trainer-ranks), "
+             "on the same engine after the shadowsync path's own run.",
              "",
              "| model | path | updates | engine stop ms | max token gap ms | baseline step ms, "
              "median / max | "
              "baseline tok/s | tok/s during update | slowdown | whole update ms | "
-             "transfer GB/s | vLLM start→finish ms | goal / reference |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "decode time lost ms | transfer GB/s | vLLM start→finish ms | goal / reference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def pair(summary, key, digits=1, none="∞"):
         """Median / max; `none` stands for a figure some update lacks (the slowdown: generation
@@ -71,15 +74,12 @@ def markdown(results: dict) -> str:
     for config, entry in results["configs"].items():
         name = model_name(results, config)
         if "error" in entry:
-            lines.append(f"| {name} | - | - | FAILED: {entry['error'][:300]} | | | | | | | | | |")
+            lines.append(f"| {name} | - | - | FAILED: {entry['error'][:300]} | | | | | | | | | | |")
             continue
-        for path in PATHS:
-            r = entry.get(path)
-            if r is None:
-                continue
+        for path, r in entry.items():
             if "error" in r:
                 why = r["error"].replace("|", "/").replace("\n", " ")[:400]
-                lines.append(f"| {name} | {path} | - | FAILED: {why} | | | | | | | | | |")
+                lines.append(f"| {name} | {path} | - | FAILED: {why} | | | | | | | | | | |")
                 continue
             s, b = r.get("summary", {}), r.get("baseline", {})
             if path.startswith("shadowsync"):
@@ -101,8 +101,9 @@ def markdown(results: dict) -> str:
                 f"{b.get('tokens_per_s', '-')} | "
                 f"{tps.get('median', '-')} (min {tps.get('min', '-')}) | "
                 f"{pair(s, 'slowdown', 3)} | {pair(s, 'update_ms')} | "
-                f"{pair(s, 'transfer_gbps', 2)} | "
+                f"{pair(s, 'decode_lost_ms', 2)} | {pair(s, 'transfer_gbps', 2)} | "
                 f"{pair(s, 'start_to_finish_ms') if path == 'vllm' else '-'} | {goal} |")
+    lines += sharded_lines(results, pair)
     # A path that failed later still says how far its set-up got.
     setups = [(config, path, r) for config, entry in results["configs"].items()
               for path, r in entry.items() if isinstance(r, dict)]
@@ -172,3 +173,47 @@ def markdown(results: dict) -> str:
         for config, entry in results["configs"].items() if "error" not in entry
         for path, r in entry.items() if isinstance(r, dict) and "error" not in r), ""]
     return "\n".join(lines)
+
+
+def sharded_lines(results: dict, pair) -> list[str]:
+    """The sharded trainers' table (--trainer-ranks): per run, the shadowsync path's figures that
+    the issue's goals name, the decode time lost against the copy reference's (when the run has
+    one), the bytes into each engine rank and each trainer rank's peak memory."""
+    rows = [(config, name, r) for config, entry in results["configs"].items()
+            if "error" not in entry for name, r in entry.items()
+            if "trainer_ranks" in r and "error" not in r]
+    if not rows:
+        return []
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    lines = ["", "Sharded trainers (--trainer-ranks M; median / max over the measured updates). "
+             "Bytes into each engine rank: the routed bytes the transport counted per update "
+             "(weight_update_stats' routed_bytes; every update's must equal the routing plan's "
+             "bytes_to_engine, or the run fails). Trainer rank peak: torch.cuda."
+             "max_memory_allocated in the rank process (its shards) plus the transport's staging, "
+             "which torch does not see (a cuMem allocation: Sender.staging_bytes, two slots of "
+             "the plan's max_packed_bytes of the rank); on the CPU its shards plus the staging. "
+             "Lost vs copy: the decode time lost over the copy reference's of the same run "
+             "(--copy-passes).", "",
+             "| model | trainer ranks | engine stop ms | slowdown | whole update ms | decode time "
+             "lost ms | lost vs copy (median) | bytes into each engine rank | each trainer "
+             "rank's peak (torch + staging) |", "| --- | --- | --- | --- | --- | --- | --- | "
+             "--- | --- |"]
+    for config, name, r in rows:
+        s = r.get("summary", {})
+        copy = results["configs"][config].get("copy", {}).get("summary", {})
+        lost, floor = (s.get("decode_lost_ms") or {}).get("median"), \
+            (copy.get("decode_lost_ms") or {}).get("median")
+        ratio = f"{lost / floor:.2f}x" if lost is not None and floor else "-"
+        routed = sorted({tuple(u.get("engine_rank_bytes", ())) for u in r.get("updates", [])})
+        memory = r.get("trainer_rank_memory") or r.get("setup", {}).get("trainer_rank_memory", [])
+        peaks = ", ".join(
+            f"{size(m['peak_bytes'])} ({size(m['peak_bytes'] - m['staging_bytes'])} + "
+            f"{size(m['staging_bytes'])})" for m in memory)
+        lines.append(f"| {model_name(results, config)} | {r['trainer_ranks']} | "
+                     f"{pair(s, 'engine_stop_ms', 2, 'n/a')} | {pair(s, 'slowdown', 3)} | "
+                     f"{pair(s, 'update_ms')} | {pair(s, 'decode_lost_ms', 2)} | {ratio} | "
+                     f"{' / '.join(str(list(b)) for b in routed) or '-'} (plan: "
+                     f"{r.get('setup', {}).get('bytes_to_engine_rank', '-')}) | {peaks or '-'} |")
+    return lines

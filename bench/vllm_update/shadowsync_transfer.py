@@ -162,37 +162,50 @@ class ShadowsyncTransfer:
         # transport): the trainer's model is built before the specs come.
         init_s, (arena_bytes, bucket_bytes) = await asyncio.gather(timed(joined),
                                                                    self.recv("ready"))
-        stats = (await engine.collective_rpc("weight_update_stats"))[0]
-        fingerprints = [stats["wire_fingerprint"]]
-        swap = (await engine.collective_rpc("memory_report"))[0]["swap"]
-        if self.args.trace_steps:
-            import vllm_step_trace
-
-            try:
-                await engine.collective_rpc(vllm_step_trace.install)
-            except Exception as e:  # noqa: BLE001  (a diagnostic: the measurement goes on)
-                log(f"--trace-steps: the tracer could not be installed ({type(e).__name__}: {e})")
-                self.args.trace_steps = False
         self.bytes = arena_bytes
         return dict(trainer=f"transformers model in its own process on cuda:"
                             f"{self.args.trainer_gpu}" if self.args.device == "cuda" else
                             "transformers model in its own process", tensors=len(specs),
                     transport=self.args.transport, tp=self.args.tp,
-                    bytes=arena_bytes, bucket_bytes=bucket_bytes, plan_copies=stats["plan_copies"],
+                    bytes=arena_bytes, bucket_bytes=bucket_bytes, **await self.joined(engine),
+                    init_s=round(time.monotonic() - t0, 2),
+                    update_setup_call=call, update_setup_s=round(init_s, 3))
+
+    async def joined(self, engine) -> dict:
+        """What the engine's workers set up for the group just initialized (their receive plan,
+        swap strategy and placement, the wire fingerprint); installs --trace-steps' tracer once
+        per engine (a later group's driver finds it there: it outlives a group)."""
+        stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        swap = (await engine.collective_rpc("memory_report"))[0]["swap"]
+        if self.args.trace_steps and not getattr(self.args, "trace_installed", False):
+            import vllm_step_trace
+
+            try:
+                await engine.collective_rpc(vllm_step_trace.install)
+                self.args.trace_installed = True
+            except Exception as e:  # noqa: BLE001  (a diagnostic: the measurement goes on)
+                log(f"--trace-steps: the tracer could not be installed ({type(e).__name__}: {e})")
+                self.args.trace_steps = False
+        return dict(plan_copies=stats["plan_copies"],
                     swap_strategy=stats["swap_strategy"], live_arena=stats["live_arena"],
                     graph_pairs=stats.get("graph_pairs", False),
                     step_hook_at=stats.get("step_hook_at"),
                     gated_swaps="off" if getattr(self.args, "no_gated_swaps", False) else "auto",
                     placement=None if swap is None else f"{swap['placement']}: {swap['why']}",
-                    fingerprint=f"{fingerprints[0]:#018x}", init_s=round(time.monotonic() - t0, 2),
-                    update_setup_call=call, update_setup_s=round(init_s, 3))
+                    fingerprint=f"{stats['wire_fingerprint']:#018x}")
 
     def init_kwargs(self, path: str, init_extra: dict | None) -> dict:
-        kwargs = dict(specs=self.specs, bucket_bytes=self.args.bucket_bytes, **(init_extra or {}))
+        kwargs = self.group_settings(init_extra)
         if self.unique_id is not None:  # NCCL: this worker is rank 1 + its TP rank
             kwargs.update(unique_id=self.unique_id, rank_offset=1, world_size=1 + self.args.tp)
         else:
             kwargs["same_host"] = dict(path=path, token=self.token)
+        return kwargs
+
+    def group_settings(self, init_extra: dict | None) -> dict:
+        """init_weight_update_group's keyword arguments but the transport's: the trainer's specs,
+        the buckets and the options of the command line (`init_extra` on top)."""
+        kwargs = dict(specs=self.specs, bucket_bytes=self.args.bucket_bytes, **(init_extra or {}))
         if self.args.swap_strategy:
             kwargs["swap_strategy"] = self.args.swap_strategy
         if self.args.decode_slowdown_budget:
@@ -262,7 +275,9 @@ class ShadowsyncTransfer:
     async def engine_times(self, engine) -> dict:
         """The engine thread's time on the last update: its swap (and when it started, on this
         process's perf_counter clock), begin_update and wait_applied."""
-        stats = (await engine.collective_rpc("weight_update_stats"))[0]
+        # Every worker's (a sharded trainer's driver reads each engine rank's routed bytes).
+        self.last_stats = await engine.collective_rpc("weight_update_stats")
+        stats = self.last_stats[0]
         # The worker stamps time.monotonic(); the gaps are on perf_counter (one clock from
         # Python 3.13 on, the same CLOCK_MONOTONIC on Linux before; the offset covers both).
         offset = time.perf_counter() - time.monotonic()
@@ -291,9 +306,10 @@ class ShadowsyncTransfer:
                 log(f"--trace-steps: no trace ({type(e).__name__}: {e})")
         return times
 
-    async def close(self, engine) -> dict:
-        """Ends the group; with --tp > 1 first compares the ranks' per-step versions (every
-        rank must have made each version live at the same step): a difference is an error."""
+    async def close(self, engine, keep_weights: bool = False) -> dict:
+        """Ends the group (`keep_weights`: the engine runs on after it, close_weight_update_group's
+        argument); with --tp > 1 first compares the ranks' per-step versions (every rank must
+        have made each version live at the same step): a difference is an error."""
         stats = (await engine.collective_rpc("weight_update_stats"))[0]
         log(f"shadowsync receiver: {({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
         checked = {}
@@ -305,13 +321,19 @@ class ShadowsyncTransfer:
                            rank_steps=[r["steps"] for r in logs])
             log(f"step versions of the {self.args.tp} ranks {'agree' if agree else 'DIFFER'}: "
                 f"{checked['rank_transitions']}")
-        self.conn.send(("stop",))
-        await asyncio.to_thread(self.process.join, 60)
-        await engine.collective_rpc("close_weight_update_group", kwargs=dict(keep_weights=False))
-        if checked and not checked["step_versions_agree"]:
+        checked.update(await self.stop_trainer())
+        await engine.collective_rpc("close_weight_update_group",
+                                    kwargs=dict(keep_weights=keep_weights))
+        if not checked.get("step_versions_agree", True):
             raise RuntimeError(f"the ranks made versions live at different steps: "
                                f"{checked['rank_transitions']}")
         return checked
+
+    async def stop_trainer(self) -> dict:
+        """Ends the trainer process; returns what it reported at its end (nothing here)."""
+        self.conn.send(("stop",))
+        await asyncio.to_thread(self.process.join, 60)
+        return {}
 
     def shutdown(self) -> None:
         if self.process is not None and self.process.is_alive():

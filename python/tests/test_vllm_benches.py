@@ -62,10 +62,13 @@ def test_pacing_bench_runs_every_budget(tmp_path):
 
 def test_update_bench_runs_every_path(tmp_path):
     # Paced (the goals' setting); the same transfer unpaced runs in the pacing bench's test above.
+    # --trainer-ranks 2: a sharded trainer takes the shadowsync path's engine over after its run
+    # (host memory, HostBackend, on the CPU): no engine start of its own.
     report = run_bench("bench_vllm_update.py", tmp_path, "--updates", "2", "--trace-steps",
-                       "--paths", "vllm,shadowsync,copy", "--decode-slowdown-budget", "2.0")
+                       "--paths", "vllm,shadowsync,copy", "--decode-slowdown-budget", "2.0",
+                       "--trainer-ranks", "2")
     paths = report["configs"]["tiny"]
-    assert sorted(paths) == ["copy", "shadowsync", "vllm"], sorted(paths)
+    assert sorted(paths) == ["copy", "shadowsync", "shadowsync-ranks-2", "vllm"], sorted(paths)
     for name, path in paths.items():
         assert "error" not in path, f"{name}: {path.get('error')}"
         assert len(path["updates"]) == 2, f"{name}: {path['updates']}"
@@ -87,6 +90,22 @@ def test_update_bench_runs_every_path(tmp_path):
     # that started after its last bucket (from the worker's weight_update_stats).
     assert all(isinstance(u["clean_step_missed"], bool) and u["clean_step_wait_ms"] >= 0
                for u in shadowsync["updates"]), shadowsync["updates"]
+    # Every path's updates say the decode time they cost.
+    assert all("decode_lost_ms" in path["summary"] for path in paths.values()), paths
+    # The sharded trainer: its updates reach the engine; each update's routes carried exactly the
+    # plan's bytes into the engine rank (counted at the transport), the ranks' rows cover the
+    # model once, and each rank's peak is its rows plus the transport's two staging slots.
+    ranks = paths["shadowsync-ranks-2"]
+    setup = ranks["setup"]
+    assert ranks["output_changed_by_update"] is True and ranks["trainer_ranks"] == 2, ranks
+    assert ranks["engine_rank_bytes_equal_plan"] is True, ranks
+    assert all(u["engine_rank_bytes"] == setup["bytes_to_engine_rank"]
+               for u in ranks["updates"]), (setup, ranks["updates"])
+    memory = ranks["trainer_rank_memory"]
+    assert sum(m["held_bytes"] for m in memory) == sum(setup["bytes_from_trainer_rank"]) == \
+        sum(setup["bytes_to_engine_rank"]) > 0, (memory, setup)
+    assert all(m["staging_bytes"] == 2 * m["max_packed_bytes"] > 0 and
+               m["peak_bytes"] == m["held_bytes"] + m["staging_bytes"] for m in memory), memory
 
 
 def test_every_switch_of_the_update_bench_reaches_its_child():
@@ -123,6 +142,11 @@ def test_every_switch_of_the_update_bench_reaches_its_child():
     child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
                                              "--child", "shadowsync"])
     assert (child.layers, child.quantization) == (24, "fp8"), child
+    # The sharded trainers run in the shadowsync path's child; another path's child ignores them.
+    parent = bench.build_parser().parse_args(["--trainer-ranks", "1,2,4"])
+    child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
+                                             "--child", "shadowsync"])
+    assert child.trainer_ranks == [1, 2, 4], child
 
 
 def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
@@ -154,6 +178,11 @@ def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
      "--quantization fp8 with --live-arena: shadowsync swaps an FP8 engine's updates in by "
      "copy_in only"),
     (["--layers", "0"], "--layers 0: a model has at least 1 decoder layer"),
+    (["--paths", "vllm", "--trainer-ranks", "2"],
+     "the sharded trainers run after the shadowsync path, on its engine; add shadowsync"),
+    (["--trainer-ranks", "2,0"], "each at least 1 and none twice"),
+    (["--trainer-ranks", "2", "--paths", "shadowsync", "--transport", "nccl", "--trainer-gpu", "1"],
+     "the trainer ranks serve the same-host pull transport"),
     (["--layers", "99", "--config", "tiny-moe"],
      "--layers 99 with --config tiny-moe: tiny-moe has 2 layers; pick 1..2"),
 ])

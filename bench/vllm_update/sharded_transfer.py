@@ -1,0 +1,248 @@
+"""The shadowsync path's sharded-trainer variant (--trainer-ranks M): M trainer rank processes on
+the engine's GPU, each holding only its rows of every parameter (shard_regions: FSDP2-like
+Shard(0)), each publishing them with a routed Sender over the same-host pull transport, the engine
+pulling every route straight from the rank's staging into its slot (ShadowsyncInitInfo.
+trainer_ranks, after weight_update_needs). The engine side, the update and its analysis are the
+shadowsync path's (ShadowsyncTransfer), with the ranks' pipes read as one trainer's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from run_report import log
+
+from .checkpoint import model_specs
+from .paths import PYTHON_DIR
+from .shadowsync_transfer import ShadowsyncTransfer, timed
+from .shard_regions import shard0_regions
+
+CONNECT_TIMEOUT_MS = 120_000  # the ranks serve while the workers plan and map: 8B on one GPU
+
+
+def trainer_rank_process(conn, rank: int, specs: list, regions: list, device: str, gpu: int,
+                         bucket_bytes: int, seed: int):
+    """Trainer rank `rank` (of len(regions)): makes its rows of `specs` (random, on GPU `gpu` on
+    cuda, in host memory on cpu; no full tensor is ever made) and answers ("shards", held bytes);
+    ("plan", engine needs, path, token) builds the routing plan from every rank's `regions` and
+    the needs, answers ("plan", fingerprint, bytes to each engine rank, bytes from this rank,
+    wire bytes), then serves the same-host pull transport on `path` (blocks until every engine
+    rank connected) and answers ("ready", memory). Then as the shadowsync path's trainer:
+    ("publish", version) -> ("header", bytes, seconds, bucket count), ("sent", seconds, torch's
+    peak bytes); ("stop",) -> ("stopped", memory).
+
+    memory: held_bytes (its shards), staging_bytes (Sender.staging_bytes: the transport's two
+    staging slots, 2 x plan.max_packed_bytes(rank), a cuMem allocation torch does not see),
+    torch_peak_bytes (torch.cuda.max_memory_allocated: the shards and anything torch made; None
+    on cpu) and peak_bytes = torch_peak_bytes + staging_bytes (cpu: held + staging)."""
+    try:
+        sys.path.insert(0, str(PYTHON_DIR))
+        import torch
+
+        import shadowsync as ss
+        from shadowsync.vllm.init_info import trainer_regions
+
+        cuda = device == "cuda"
+        if cuda:
+            torch.cuda.set_device(gpu)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        torch.manual_seed(seed)
+        every = trainer_regions({"regions": regions})
+        # Small values: a model of random weights that stays finite (vLLM's dummy load: ±1e-3).
+        shards = [(r.tensor, torch.empty(r.shape, dtype=dtype, device=f"cuda:{gpu}" if cuda
+                                         else "cpu").uniform_(-0.02, 0.02), r)
+                  for r in every[rank]]
+        held = sum(t.numel() * t.element_size() for _, t, _ in shards)
+        conn.send(("shards", held))
+        _, needs, path, token = conn.recv()
+        layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
+        plan = ss.RoutingPlan(layout, every, [[ss.WireRange(*r) for r in n] for n in needs])
+        conn.send(("plan", plan.fingerprint, [plan.bytes_to_engine(e)
+                                              for e in range(plan.engine_count)],
+                   plan.bytes_from_trainer(rank), sum(g.arena_bytes for g in layout.groups)))
+        backend = ss.CudaBackend(gpu) if cuda else ss.HostBackend()
+        transport = ss.same_host_pull_trainer_transport(
+            path, token, plan, rank, plan.engine_count, backend,
+            memory="device" if cuda else "host", connect_timeout_ms=CONNECT_TIMEOUT_MS)
+        sender = ss.Sender(layout, backend, transport, routing_plan=plan, trainer_rank=rank)
+        staging = sender.staging_bytes
+
+        def memory() -> dict:
+            peak = torch.cuda.max_memory_allocated(gpu) if cuda else None
+            return dict(held_bytes=held, staging_bytes=staging,
+                        max_packed_bytes=plan.max_packed_bytes(rank), torch_peak_bytes=peak,
+                        peak_bytes=(peak if cuda else held) + staging)
+
+        conn.send(("ready", memory()))
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                break
+            start = time.perf_counter()
+            handle = sender.publish_shards(message[1], shards)
+            conn.send(("header", handle.header_bytes, time.perf_counter() - start,
+                       handle.header.bucket_count))
+            handle.wait(120)
+            conn.send(("sent", time.perf_counter() - start, memory()["peak_bytes"]))
+        sender.close()
+        conn.send(("stopped", memory()))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("error", f"trainer rank {rank}: {type(e).__name__}: {e}\n"
+                            f"{traceback.format_exc()[-2000:]}"))
+
+
+class RankPipes:
+    """The pipes of the trainer rank processes, read as one trainer's (pipe_recv's conn): a
+    message goes to every rank; an answer is every rank's, merged: "header" is rank 0's (every
+    rank's header is the update's) with the longest publish, "sent" the last rank's time; others
+    come as (name, [each rank's message]). The last answer of each rank stays in `last`."""
+
+    def __init__(self, pipes: list):
+        self.pipes = pipes
+        self.last: list = []
+
+    def send(self, message) -> None:
+        for pipe in self.pipes:
+            pipe.send(message)
+
+    def poll(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(pipe.poll(max(0.0, deadline - time.monotonic())) for pipe in self.pipes)
+
+    def recv(self):
+        got = [pipe.recv() for pipe in self.pipes]
+        failed = [g for g in got if g[0] == "error"]
+        if failed:
+            return ("error", "; ".join(g[1] for g in failed))
+        self.last = got
+        if got[0][0] == "header":
+            return ("header", got[0][1], max(g[2] for g in got), got[0][3])
+        if got[0][0] == "sent":
+            return ("sent", max(g[1] for g in got))
+        return (got[0][0], got)
+
+
+class ShardedTransfer(ShadowsyncTransfer):
+    """The shadowsync path fed by `count` trainer ranks (see the module's doc)."""
+
+    def __init__(self, args, count: int):
+        super().__init__(args)
+        self.count = count
+        self.processes: list = []
+
+    def api_description(self) -> str:
+        import shadowsync
+
+        live = "commit_update_async" if self.args.tp > 1 else "apply_update_async"
+        memory = "device" if self.args.device == "cuda" else "host"
+        return (f"shadowsync {shadowsync.__version__}: {self.count} trainer ranks (FSDP2-like "
+                f"Shard(0) rows), same-host pull transport (memory={memory}), "
+                f"weight_update_needs + init_weight_update_group(trainer_ranks=...), "
+                f"WorkerExtension, {live}; library {shadowsync.library_path()}")
+
+    async def setup(self, engine, init_extra: dict | None = None, checksums: bool = True) -> dict:
+        """Starts the ranks, plans the routes with the engine's needs, joins them (checksums:
+        the routed Sender sends none; the argument is the shadowsync path's)."""
+        import multiprocessing as mp
+
+        from shadowsync.vllm import init_weight_update_group_async, weight_update_needs_async
+
+        socket_dir = self.socket_dir = Path(tempfile.mkdtemp(prefix="ss-bench-ranks-"))  # 0700
+        self.specs = specs = model_specs(self.args.config, self.args.device,
+                                         getattr(self.args, "layers", None))
+        regions = shard0_regions(specs, self.count)
+        ctx = mp.get_context("spawn")
+        pipes = []
+        for rank in range(self.count):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=trainer_rank_process, daemon=True, args=(
+                child, rank, specs, regions, self.args.device, self.args.trainer_gpu,
+                self.args.bucket_bytes, 1000 * self.count + rank))
+            process.start()
+            child.close()  # a rank that dies ends its pipe's recv with EOFError
+            pipes.append(parent)
+            self.processes.append(process)
+        self.conn = RankPipes(pipes)
+        held = [m[1] for m in (await self.recv("shards"))[0]]
+        t0 = time.monotonic()
+        ranks = dict(count=self.count, token=os.urandom(32).hex(), regions=regions,
+                     paths=[str(socket_dir / f"rank{r}.sock") for r in range(self.count)],
+                     connect_timeout_ms=CONNECT_TIMEOUT_MS)
+        settings = self.group_settings(init_extra)
+        needs = await weight_update_needs_async(engine, **settings, trainer_ranks=ranks)
+        for rank, pipe in enumerate(pipes):
+            pipe.send(("plan", needs, ranks["paths"][rank], ranks["token"]))
+        (plans,) = await self.recv("plan")
+        fingerprint, self.to_engine, wire_bytes = plans[0][1], plans[0][2], plans[0][4]
+        own = [sum(end - begin for _, begin, end in n) for n in needs]
+        if any(p[1] != fingerprint for p in plans) or self.to_engine != own:
+            raise RuntimeError(f"the trainer ranks' routing plans disagree: fingerprints "
+                               f"{[f'{p[1]:#018x}' for p in plans]}, bytes to each engine rank "
+                               f"{self.to_engine} (its needs: {own})")
+        joined = init_weight_update_group_async(
+            engine, **settings, trainer_ranks=dict(ranks, engine_needs=needs,
+                                                   fingerprint=fingerprint))
+        init_s, (ready,) = await asyncio.gather(timed(joined), self.recv("ready"))
+        self.memory = [m[1] for m in ready]
+        self.bytes = wire_bytes
+        self.routed: list[list[int]] = []
+        return dict(trainer=f"{self.count} trainer rank processes on "
+                            + (f"cuda:{self.args.trainer_gpu}" if self.args.device == "cuda"
+                               else "the cpu") + ", each with its rows only (FSDP2-like Shard(0), "
+                            "torch.chunk's split)", trainer_ranks=self.count, tensors=len(specs),
+                    transport="same-host pull", tp=self.args.tp, bytes=wire_bytes,
+                    bucket_bytes=self.args.bucket_bytes, **await self.joined(engine),
+                    routing_fingerprint=f"{fingerprint:#018x}",
+                    bytes_to_engine_rank=self.to_engine,
+                    bytes_from_trainer_rank=[p[3] for p in plans], trainer_rank_held_bytes=held,
+                    trainer_rank_memory=self.memory, init_s=round(time.monotonic() - t0, 2),
+                    update_setup_call="weight_update_needs + collective_rpc("
+                                      "'init_weight_update_group', trainer_ranks)",
+                    update_setup_s=round(init_s, 3))
+
+    async def update(self, engine, version: int) -> dict:
+        info = await super().update(engine, version)
+        sent = self.conn.last  # every rank's ("sent", seconds, peak bytes)
+        info["trainer_rank_sent_ms"] = [round(s[1] * 1e3, 3) for s in sent]
+        info["trainer_rank_peak_bytes"] = [s[2] for s in sent]
+        return info
+
+    async def engine_times(self, engine) -> dict:
+        """The shadowsync path's, and the bytes the update's routes carried into each engine
+        rank (weight_update_stats' routed_bytes: the transport's count over that update)."""
+        times = await super().engine_times(engine)
+        times["engine_rank_bytes"] = [int(s["routed_bytes"]) for s in self.last_stats]
+        self.routed.append(times["engine_rank_bytes"])
+        return times
+
+    async def close(self, engine, keep_weights: bool = False) -> dict:
+        """The shadowsync path's close; an update whose routes carried other bytes into an
+        engine rank than the plan's is an error (after the group is closed)."""
+        checked = await super().close(engine, keep_weights)
+        wrong = [r for r in self.routed if r != self.to_engine]
+        checked["engine_rank_bytes_equal_plan"] = not wrong
+        if wrong:
+            raise RuntimeError(f"routed bytes per engine rank {wrong[0]} in an update, the plan's "
+                               f"{self.to_engine}")
+        return checked
+
+    async def stop_trainer(self) -> dict:
+        self.conn.send(("stop",))
+        (stopped,) = await self.recv("stopped", timeout=60)
+        for process in self.processes:
+            await asyncio.to_thread(process.join, 60)
+        self.memory = [m[1] for m in stopped]
+        log(f"{self.count} trainer ranks' memory: {self.memory}")
+        return dict(trainer_rank_memory=self.memory)
+
+    def shutdown(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+        super().shutdown()
