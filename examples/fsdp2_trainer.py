@@ -1,6 +1,6 @@
 """An FSDP2 trainer streaming every optimizer step into a generating vLLM, with no gather.
 
-    torchrun --nproc-per-node 2 examples/fsdp2_trainer.py [--steps 3] [--check] [--device cuda]
+    torchrun --nproc-per-node 2 examples/fsdp2_trainer.py [--steps 3] [--check]
     torchrun --nproc-per-node 2 examples/fsdp2_trainer.py --engine stand-in [--device cuda]
 
 Every rank trains a tiny model sharded with FSDP2 (``fully_shard`` per layer and at the root;
@@ -12,9 +12,8 @@ them over the same-host pull transport. Nothing gathers a full tensor: publishin
 Two engines, both driven by rank 0 alone (its needs go to the other ranks at set-up; each
 update's header is rank 0's):
 
-* ``--engine vllm`` (the default; vLLM's CPU build, or with ``--device cuda`` vLLM on rank 0's
-  GPU): the model is a tiny random Llama (2 layers, hidden 128, vocab 320; bfloat16 on GPUs)
-  built from the same seed on every rank; rank 0 saves it as a Hugging
+* ``--engine vllm`` (the default; vLLM's CPU build): the model is a tiny random Llama (2 layers,
+  hidden 128, vocab 320) built from the same seed on every rank; rank 0 saves it as a Hugging
   Face checkpoint and starts a ``vllm.LLM`` of it with shadowsync's worker extension. Set-up:
   ``weight_update_needs`` (the bytes of the trainers' wire layout the engine's parameters read),
   every rank's ``ShardedPublisher.set_up(..., engine_needs=needs)``, then
@@ -36,9 +35,11 @@ and the engine's stop (its engine thread's time in the swap), from ``weight_upda
 or ReceiverStats (stand-in); by every rank at set-up: the parameter bytes it holds and its packing
 memory (the publisher's staging).
 
-With ``--device cuda`` each rank's shards stay in its GPU's memory and the engine pulls them from
-there (the transport's device flavour: from another GPU of the host by peer copies); the stand-in
-engine holds host memory, so there the publisher copies each shard to the host at publish.
+Both engines here hold host memory (vLLM's CPU build, the stand-in's Receivers), so with
+``--device cuda`` (stand-in) the publisher copies each CUDA shard to the host at publish. A GPU
+engine pulls the shards straight from each rank's GPU instead (``ShardedPublisher``'s default
+backend for CUDA shards): ``scripts/vllm_e2e.py --device cuda --trainer-ranks M`` shows it with
+vLLM; this example starts vLLM's CPU build only.
 """
 
 from __future__ import annotations
@@ -179,10 +180,9 @@ class VllmEngine:
     torch.distributed world is vLLM's own, not the trainers' (a worker in this process would
     take the trainers' default group as vLLM's world; a forked one would inherit it)."""
 
-    def __init__(self, model_path: str, bucket_bytes: int, device: str):
+    def __init__(self, model_path: str, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
-        self.device = device
-        self.llm = start_vllm(model_path, device)
+        self.llm = start_vllm(model_path)
         self.before = self.greedy()  # the initial model's answers
 
     def greedy(self) -> list[list[int]]:
@@ -244,7 +244,7 @@ class VllmEngine:
         trained checkpoint."""
         streamed = self.greedy()
         self.close()
-        fresh = start_vllm(trained_path, self.device)
+        fresh = start_vllm(trained_path)
         try:
             self.llm = fresh
             reference = self.greedy()
@@ -258,27 +258,23 @@ class VllmEngine:
             self.llm = None
 
 
-def start_vllm(model_path: str, device: str):
+def start_vllm(model_path: str):
     import vllm
 
     import shadowsync.vllm.unpacked as unpacked
 
-    common = dict(worker_extension_cls="shadowsync.vllm.WorkerExtension",
-                  skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                  max_num_seqs=len(PROMPTS), kv_cache_memory_bytes=64 << 20, seed=0,
-                  distributed_executor_backend="mp")
-    if device == "cuda":
-        # On GPU 0, beside trainer rank 0: a small share of its memory.
-        return vllm.LLM(model=model_path, dtype="bfloat16", gpu_memory_utilization=0.3, **common)
-
     # vLLM's CPU backend computes linear layers from packed copies of their weights, which an
     # update would not reach; this registered "quantization" keeps the plain weights in use.
     unpacked.register()
-    return vllm.LLM(model=model_path, dtype="float32", quantization=unpacked.NAME, **common)
+    return vllm.LLM(model=model_path, dtype="float32", quantization=unpacked.NAME,
+                    worker_extension_cls="shadowsync.vllm.WorkerExtension",
+                    skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                    max_num_seqs=len(PROMPTS), kv_cache_memory_bytes=64 << 20, seed=0,
+                    distributed_executor_backend="mp")
 
 
-def build_llama(torch, dtype):
-    """A tiny random Llama (the smallest vLLM's CPU attention runs: head_dim 32) in `dtype`."""
+def build_llama(torch):
+    """A tiny random Llama (the smallest vLLM's CPU attention runs: head_dim 32), float32."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -286,7 +282,7 @@ def build_llama(torch, dtype):
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def save_local_shards(torch, model, rank: int, world: int, path: str) -> None:
@@ -308,8 +304,7 @@ def assemble_checkpoint(torch, initial: str, shard_files: list[str], specs, out:
     """The full tensors from every rank's shard file, as a copy of the initial checkpoint."""
     from safetensors.torch import save_file
 
-    full = {name: torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
-            for name, dtype, shape in specs}
+    full = {name: torch.empty(shape, dtype=torch.float32) for name, _, shape in specs}
     filled = dict.fromkeys(full, 0)
     for path in shard_files:
         for name, begin, end, tensor in torch.load(path):
@@ -350,8 +345,7 @@ def trainer_main(args) -> None:
     vllm_mode = args.engine == "vllm"
     work = tempfile.mkdtemp(prefix="ss_fsdp2_") if rank == 0 else None  # mode 0700
     if vllm_mode:
-        # The same seed, so the same weights, on every rank; bfloat16 on GPUs, as vLLM serves.
-        model = build_llama(torch, torch.bfloat16 if args.device == "cuda" else torch.float32)
+        model = build_llama(torch)  # the same seed, so the same weights, on every rank
         if rank == 0:
             model.save_pretrained(os.path.join(work, "initial"))  # what the engine starts from
         layers = list(model.model.layers)
@@ -368,8 +362,7 @@ def trainer_main(args) -> None:
     # hands the needs, a fresh token and its work directory to the other ranks.
     engine = None
     if rank == 0:
-        engine = (VllmEngine(os.path.join(work, "initial"), args.bucket_bytes, args.device)
-                  if vllm_mode
+        engine = (VllmEngine(os.path.join(work, "initial"), args.bucket_bytes) if vllm_mode
                   else StandInEngine(args.engine_ranks))
     specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()]
     shared = [engine.needs(specs), ss.make_token(), work] if rank == 0 else [None] * 3
@@ -379,9 +372,9 @@ def trainer_main(args) -> None:
     publisher = ss.ShardedPublisher.set_up(model.named_parameters(), path=f"{directory}/sock",
                                            token=token, engine_needs=needs,
                                            bucket_bytes=args.bucket_bytes,
-                                           # The stand-in engine holds host memory; vLLM pulls
-                                           # from wherever the shards are (the default).
-                                           backend=None if vllm_mode else ss.HostBackend())
+                                           # Both engines here hold host memory: with CUDA shards
+                                           # the publisher copies each to the host at publish.
+                                           backend=ss.HostBackend())
     print(f"[trainer rank {rank}] holds {publisher.held_bytes} parameter bytes, sends "
           f"{publisher.sent_bytes} per update; packing memory {publisher.staging_bytes} bytes "
           f"(two slots of its largest bucket slice)", flush=True)
@@ -470,8 +463,7 @@ def main() -> None:
                              "a fresh vLLM of the trained model (assembled from every rank's "
                              "saved shards)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="where the trainer computes (cuda: NCCL, one GPU per rank; vLLM "
-                             "on rank 0's GPU)")
+                        help="where the trainer computes (cuda: stand-in engine only)")
     parser.add_argument("--engine-ranks", type=int, default=2,
                         help="stand-in: its engine ranks (each needs its rows)")
     parser.add_argument("--bucket-bytes", type=int, default=None,
@@ -483,6 +475,10 @@ def main() -> None:
     if args.stand_in_engine_process:
         engine_main(args.engine_ranks)
         return
+    if args.engine == "vllm" and args.device != "cpu":
+        parser.error("--engine vllm starts vLLM's CPU build inside rank 0, so the trainer computes "
+                     "on cpu; --device cuda runs with --engine stand-in (for GPU trainers into "
+                     "a GPU vLLM see scripts/vllm_e2e.py --device cuda --trainer-ranks M)")
     if args.check and args.engine != "vllm":
         parser.error("--check compares with a fresh vLLM: --engine vllm")
     if args.bucket_bytes is None:
