@@ -8,9 +8,13 @@ path, against the goals.
 Writes FILE.png (default: next to the first JSON, same stem) with two panels, one point per
 update (a path's median as a bar across its points):
   1. engine stop, ms (log scale), with the 1 ms goal at 8B and vLLM's reported reference;
-  2. decode slowdown during the update (baseline tokens/s over tokens/s), with the 1.10x goal.
-Each run is named by --label (default: its commit) and stamped with its machine, date, commit and
-command. Needs matplotlib.
+  2. decode slowdown during the update (baseline tokens/s over tokens/s), with the 1.10x goal;
+and, where the runs record it (decode_lost_ms), a third:
+  3. decode time lost per update, ms (update time x (1 - 1/slowdown)), with the median of the
+     first run's copy path (the floor: --paths copy) and 1.3x it, where that run has one.
+Every path of a run is drawn, the sharded trainers' (shadowsync-ranks-M) included. Each run is
+named by --label (default: its commit) and stamped with its machine, date, commit (--commit, one
+per file, names another where the run's stamp is wrong) and command. Needs matplotlib.
 """
 import argparse
 import json
@@ -33,30 +37,45 @@ def series(data: dict, label: str):
                 continue
             name = f"{label}: {path}" + (f" ({config})" if len(data["configs"]) > 1 else "")
             yield (name, [u.get("engine_stop_ms") for u in updates],
-                   [u.get("slowdown") for u in updates])
+                   [u.get("slowdown") for u in updates],
+                   [u.get("decode_lost_ms") for u in updates])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+")
     p.add_argument("--label", action="append", default=[], help="one per results file, in order")
+    p.add_argument("--commit", action="append", default=[],
+                   help="one per results file, in order: the commit to stamp instead of the run's")
     p.add_argument("--out")
     args = p.parse_args()
-    if args.label and len(args.label) != len(args.results):
-        p.error(f"--label given {len(args.label)} times for {len(args.results)} results files")
+    for flag in ("label", "commit"):
+        given = getattr(args, flag)
+        if given and len(given) != len(args.results):
+            p.error(f"--{flag} given {len(given)} times for {len(args.results)} results files")
     runs = []
     for i, file in enumerate(args.results):
         with open(file) as f:
             data = json.load(f)
-        runs.append((args.label[i] if args.label else data["meta"]["commit"], data))
+        commit = args.commit[i] if args.commit else data["meta"]["commit"]
+        if commit != data["meta"]["commit"]:
+            data["meta"]["commit"] = f"{commit} (the run's stamp: {data['meta']['commit']})"
+        runs.append((args.label[i] if args.label else commit, data))
     out = args.out or os.path.splitext(args.results[0])[0] + ".png"
-    fig, (stop_ax, slow_ax) = plt.subplots(1, 2, figsize=(13, 5.5))
+    with_lost = any(lost is not None for _, data in runs for *_, losts in series(data, "")
+                    for lost in losts)
+    fig, axes = plt.subplots(1, 3 if with_lost else 2, figsize=(19 if with_lost else 13, 5.5))
+    stop_ax, slow_ax = axes[0], axes[1]
+    lost_ax = axes[2] if with_lost else None
     x = 0
     ticks, names = [], []
     for label, data in runs:
-        for name, stops, slowdowns in series(data, label):
+        for name, stops, slowdowns, losts in series(data, label):
             xs = [x + 0.6 * (i / max(1, len(stops) - 1) - 0.5) for i in range(len(stops))]
-            for ax, ys in ((stop_ax, stops), (slow_ax, slowdowns)):
+            panels = [(stop_ax, stops), (slow_ax, slowdowns)]
+            if lost_ax is not None:
+                panels.append((lost_ax, losts))
+            for ax, ys in panels:
                 shown = [(a, b) for a, b in zip(xs, ys) if b is not None]
                 ax.plot([a for a, _ in shown], [max(b, 1e-3) for _, b in shown], "o", alpha=0.7)
                 if shown:
@@ -81,7 +100,20 @@ def main() -> int:
     slow_ax.set_yscale("log")
     slow_ax.set_ylabel("decode slowdown during the update (log)")
     slow_ax.set_title("baseline tok/s over tok/s during the update (bar: median)")
-    for ax in (stop_ax, slow_ax):
+    if lost_ax is not None:
+        copy = next(iter(runs[0][1]["configs"].values()), {}).get("copy")
+        floor = [u.get("decode_lost_ms") for u in (copy or {}).get("updates") or []]
+        floor = [v for v in floor if v is not None]
+        if floor:
+            median = statistics.median(floor)
+            lost_ax.axhline(median, color="grey", linestyle=":", linewidth=0.8,
+                            label=f"copy path (the floor), median: {median:.2f} ms")
+            lost_ax.axhline(1.3 * median, color="red", linewidth=0.8,
+                            label=f"1.3x the floor: {1.3 * median:.2f} ms")
+        lost_ax.set_ylim(bottom=0)
+        lost_ax.set_ylabel("decode time lost per update, ms")
+        lost_ax.set_title("update time x (1 - 1/slowdown) (bar: median)")
+    for ax in axes:
         ax.set_xticks(ticks, names, rotation=12, fontsize=8)
         ax.legend(fontsize=8)
     lines = []
