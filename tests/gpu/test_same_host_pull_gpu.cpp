@@ -55,10 +55,6 @@ SameHostConfig config(std::chrono::milliseconds doorbell_timeout = 10s) {
   return c;
 }
 
-std::uint64_t env_u64(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr ? 0 : std::strtoull(value, nullptr, 10);
-}
 
 int gpu_count() {
   int count = 0;
@@ -108,11 +104,7 @@ namespace {
 
 std::unique_ptr<ChildProcess> spawn_trainer(const std::string& path, int rank, std::uint64_t first,
                                             std::uint64_t count, std::uint64_t stop_at = 0) {
-  return spawn_self(
-      "[.pull_gpu_trainer]",
-      {"SS_PULL_PATH=" + path, "SS_PULL_RANK=" + std::to_string(rank),
-       "SS_PULL_FIRST=" + std::to_string(first), "SS_PULL_COUNT=" + std::to_string(count),
-       "SS_PULL_STOP_AT=" + std::to_string(stop_at)});
+  return spawn_pull_trainer("[.pull_gpu_trainer]", path, rank, first, count, stop_at);
 }
 
 // An engine rank in the test process: its transport and a slot arena on its GPU (0xEE where

@@ -45,10 +45,6 @@ SameHostConfig config(std::chrono::milliseconds connect_timeout = std::chrono::s
   return c;
 }
 
-std::uint64_t env_u64(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr ? 0 : std::strtoull(value, nullptr, 10);
-}
 
 
 }  // namespace
@@ -97,11 +93,7 @@ namespace {
 
 std::unique_ptr<ChildProcess> spawn_trainer(const std::string& path, int rank, std::uint64_t first,
                                             std::uint64_t count, std::uint64_t stop_at = 0) {
-  return spawn_self(
-      "[.pull_trainer]",
-      {"SS_PULL_PATH=" + path, "SS_PULL_RANK=" + std::to_string(rank),
-       "SS_PULL_FIRST=" + std::to_string(first), "SS_PULL_COUNT=" + std::to_string(count),
-       "SS_PULL_STOP_AT=" + std::to_string(stop_at)});
+  return spawn_pull_trainer("[.pull_trainer]", path, rank, first, count, stop_at);
 }
 
 // An engine rank in the test process: its transport, a slot arena (0xEE where nothing landed),

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -16,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "child_process.h"
 #include "core/routing_plan.h"
 #include "shadowsync/layout.h"
 #include "socket_dir.h"
@@ -93,6 +95,24 @@ inline std::vector<std::string> socket_paths(const SocketDir& dir, int count) {
   std::vector<std::string> out;
   for (int t = 0; t < count; ++t) out.push_back((base / fmt::format("trainer{}.sock", t)).string());
   return out;
+}
+
+inline std::uint64_t env_u64(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? 0 : std::strtoull(value, nullptr, 10);
+}
+
+// A trainer rank child: this binary running the hidden test case `test_spec`, told by the
+// environment its path (SS_PULL_PATH), rank (SS_PULL_RANK), first version (SS_PULL_FIRST), number
+// of updates (SS_PULL_COUNT) and the version to stop in (SS_PULL_STOP_AT, 0: none).
+inline std::unique_ptr<ChildProcess> spawn_pull_trainer(const std::string& test_spec,
+                                                        const std::string& path, int rank,
+                                                        std::uint64_t first, std::uint64_t count,
+                                                        std::uint64_t stop_at = 0) {
+  return spawn_self(test_spec, {"SS_PULL_PATH=" + path, "SS_PULL_RANK=" + std::to_string(rank),
+                                "SS_PULL_FIRST=" + std::to_string(first),
+                                "SS_PULL_COUNT=" + std::to_string(count),
+                                "SS_PULL_STOP_AT=" + std::to_string(stop_at)});
 }
 
 }  // namespace shadowsync::testing
