@@ -210,11 +210,14 @@ class VllmEngine:
         from shadowsync.vllm import init_weight_update_group
         from shadowsync.vllm.trainer_ranks import from_engine_setup
 
-        # Blocks until the worker connected to every trainer rank's path.
+        # Blocks until the worker connected to every trainer rank's path. vLLM's CPU build and
+        # the trainer ranks share the host's cores (its OpenMP threads spin on all of them): a
+        # bucket gets a minute, not the receiver's default 10 s, before the update is given up.
         init_weight_update_group(
             self.llm, specs=setup["wire"], bucket_bytes=setup["bucket_bytes"],
             trainer_ranks=from_engine_setup(setup, token,
-                                            connect_timeout_ms=REPLY_TIMEOUT_S * 1000))
+                                            connect_timeout_ms=REPLY_TIMEOUT_S * 1000),
+            receiver_config=ss.ReceiverConfig(bucket_deadline_ms=60_000))
 
     def update(self, version: int, header: bytes) -> dict:
         from shadowsync.vllm import apply_update
