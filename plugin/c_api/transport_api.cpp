@@ -85,11 +85,11 @@ const char* memory_name(SameHostMemory memory) {
 // The same-host transports' `memory` argument: a flavour this library was built for, with the
 // backend whose streams it runs on (refused here, before anything listens). `what` and
 // `socket_path` name the call in errors.
-SameHostMemory same_host_memory_arg(shadowsync_same_host_memory_t memory,
+SameHostMemory same_host_memory_arg(const shadowsync_same_host_memory_t& memory,
                                     const BackendObject& backend, std::string_view what,
                                     const std::string& socket_path) {
-  // A C caller may pass any int: read it as one (loading an enum value outside the enumerators'
-  // range is undefined behaviour in C++).
+  // A C caller may pass any int: read it as one, through the reference (loading an enum value
+  // outside the enumerators' range, copying the argument included, is undefined behaviour).
   static_assert(sizeof(memory) == sizeof(int));
   int flavour = 0;
   std::memcpy(&flavour, &memory, sizeof(flavour));
