@@ -42,17 +42,6 @@ namespace {
 // How long teardown waits for streams to pass the operations that touch a link's memory.
 constexpr auto kDrainDeadline = std::chrono::seconds(10);
 
-CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
-  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
-  if (cuda == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host {}: device memory needs a CudaBackend, got the '{}' "
-                            "backend",
-                            side, backend.name()));
-  }
-  return *cuda;
-}
-
 bool env_flag(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr && std::strcmp(value, "1") == 0;
@@ -226,7 +215,7 @@ std::unique_ptr<DeviceLink> DeviceLink::create(Backend& backend, std::size_t slo
                                                std::chrono::milliseconds ack_timeout) {
   auto impl = std::make_unique<Impl>(true);
   impl->doorbell_timeout = ack_timeout;
-  impl->staging = DeviceStaging::create(cuda_backend_of(backend, "serve"), slot_bytes);
+  impl->staging = DeviceStaging::create(backend, slot_bytes);
   impl->device = impl->staging->device();
   impl->slot_bytes = slot_bytes;
   return std::unique_ptr<DeviceLink>(new DeviceLink(std::move(impl)));
@@ -237,7 +226,7 @@ std::unique_ptr<DeviceLink> DeviceLink::open(Backend& backend, Fd exported, cons
                                              std::chrono::milliseconds doorbell_timeout) {
   auto impl = std::make_unique<Impl>(false);
   impl->staging =
-      DeviceStaging::open(cuda_backend_of(backend, "connect"), std::move(exported), setup, path);
+      DeviceStaging::open(backend, std::move(exported), setup, path);
   impl->device = impl->staging->device();
   impl->slot_bytes = impl->staging->slot_bytes();
   impl->doorbell_timeout = doorbell_timeout;

@@ -40,6 +40,17 @@ std::array<std::byte, kUuidBytes> device_uuid(int device) {
   return uuid;
 }
 
+CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host {}: device memory needs a CudaBackend, got the '{}' "
+                            "backend",
+                            side, backend.name()));
+  }
+  return *cuda;
+}
+
 void require_driver(const char* side) {
   if (const std::string& missing = driver_api().missing; !missing.empty()) {
     throw Error(ErrorCode::kBackend,
@@ -77,7 +88,8 @@ std::array<std::byte, kHandleBytes> encode_handle(std::uint64_t allocation_bytes
 
 }  // namespace
 
-std::unique_ptr<DeviceStaging> DeviceStaging::create(CudaBackend& cuda, std::size_t slot_bytes) {
+std::unique_ptr<DeviceStaging> DeviceStaging::create(Backend& backend, std::size_t slot_bytes) {
+  CudaBackend& cuda = cuda_backend_of(backend, "serve");
   require_driver("serve");
   std::unique_ptr<DeviceStaging> staging(new DeviceStaging);
   staging->device_ = cuda.device();
@@ -124,8 +136,9 @@ std::unique_ptr<DeviceStaging> DeviceStaging::create(CudaBackend& cuda, std::siz
   return staging;
 }
 
-std::unique_ptr<DeviceStaging> DeviceStaging::open(CudaBackend& cuda, Fd exported,
+std::unique_ptr<DeviceStaging> DeviceStaging::open(Backend& backend, Fd exported,
                                                    const Setup& setup, const std::string& path) {
+  CudaBackend& cuda = cuda_backend_of(backend, "connect");
   require_driver("connect");
   std::unique_ptr<DeviceStaging> staging(new DeviceStaging);
   staging->device_ = cuda.device();

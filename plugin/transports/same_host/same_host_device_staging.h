@@ -24,13 +24,15 @@ namespace shadowsync::same_host {
 
 class DeviceStaging {
  public:
-  // Sender: kSlotCount slots of `slot_bytes` on `backend`'s device. Error(kBackend) naming the
-  // driver call when the device cannot make exportable memory.
-  static std::unique_ptr<DeviceStaging> create(CudaBackend& backend, std::size_t slot_bytes);
+  // Sender: kSlotCount slots of `slot_bytes` on `backend`'s device. `backend` must be a
+  // CudaBackend (Error(kInvalidArgument) naming what it is); Error(kBackend) naming the driver
+  // call when the device cannot make exportable memory.
+  static std::unique_ptr<DeviceStaging> create(Backend& backend, std::size_t slot_bytes);
   // Receiver: maps the sender's export for `backend`'s device. Error(kTransport) saying what was
   // tried when it cannot (no fd, an fd of another host's driver, a GPU without peer access to
   // the sender's), naming both GPUs.
-  static std::unique_ptr<DeviceStaging> open(CudaBackend& backend, Fd exported,
+  // `backend` must be a CudaBackend, as for create().
+  static std::unique_ptr<DeviceStaging> open(Backend& backend, Fd exported,
                                              const Setup& setup, const std::string& path);
   // Unmaps and releases. The caller makes sure no stream still touches the slots.
   ~DeviceStaging();

@@ -2,26 +2,11 @@
 // same_host_pull_device.h.
 #include "transports/same_host/same_host_pull_device.h"
 
-#include <fmt/format.h>
-
-#include "shadowsync/cuda_backend.h"
-#include "shadowsync/error.h"
 #include "transports/same_host/same_host_device_staging.h"
 
 namespace shadowsync::same_host {
 
 namespace {
-
-CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
-  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
-  if (cuda == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host pull {}: device memory needs a CudaBackend, got the '{}' "
-                            "backend",
-                            side, backend.name()));
-  }
-  return *cuda;
-}
 
 DeviceSlots slots_of(std::shared_ptr<DeviceStaging> staging) {
   DeviceSlots slots;
@@ -34,8 +19,7 @@ DeviceSlots slots_of(std::shared_ptr<DeviceStaging> staging) {
 }  // namespace
 
 DeviceSlots create_device_slots(Backend& backend, std::size_t slot_bytes) {
-  std::shared_ptr<DeviceStaging> staging =
-      DeviceStaging::create(cuda_backend_of(backend, "serve"), slot_bytes);
+  std::shared_ptr<DeviceStaging> staging = DeviceStaging::create(backend, slot_bytes);
   const int fd = staging->exported_fd();
   const auto handle = staging->handle();
   DeviceSlots slots = slots_of(std::move(staging));
@@ -50,8 +34,7 @@ DeviceSlots open_device_slots(Backend& backend, Fd exported, const PullSetup& se
   as_setup.memory = setup.memory;
   as_setup.slot_bytes = setup.slot_bytes;
   as_setup.handle = setup.handle;
-  return slots_of(DeviceStaging::open(cuda_backend_of(backend, "connect"), std::move(exported),
-                                      as_setup, path));
+  return slots_of(DeviceStaging::open(backend, std::move(exported), as_setup, path));
 }
 
 }  // namespace shadowsync::same_host
