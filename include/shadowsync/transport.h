@@ -72,6 +72,12 @@ class Transport {
   // An asynchronous failure (peer lost, aborted, mismatched collective), if any. Thread-safe.
   virtual std::optional<std::string> async_error() = 0;
 
+  // What the transport's current exchange waits on its peers for, if it waits on some (a
+  // deadline's message then names the late peer: "the doorbell of bucket 0 of update 2 (group 0,
+  // bucket 0) from trainer rank 1, for 10004 ms (trainer rank 0 sent its)"). The default: nothing
+  // to say. Thread-safe.
+  virtual std::optional<std::string> waiting_for() { return std::nullopt; }
+
   // Tears the communicator down: every enqueued or blocked collective returns, the transport is
   // unusable afterwards (a new one is needed, as with ncclCommAbort). Thread-safe, idempotent.
   virtual void abort() noexcept = 0;

@@ -43,6 +43,7 @@ class ForwardingTransport final : public Transport {
   void group_begin() override { inner_->group_begin(); }
   void group_end() override { inner_->group_end(); }
   std::optional<std::string> async_error() override { return inner_->async_error(); }
+  std::optional<std::string> waiting_for() override { return inner_->waiting_for(); }
   void abort() noexcept override { inner_->abort(); }
 
  private:

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/receiver_impl.h"
+#include "core/transport_wait.h"
 
 namespace shadowsync {
 namespace {
@@ -50,14 +51,16 @@ std::optional<Refusal> Receiver::Impl::wait_for_buckets(std::size_t& completed, 
     if (now - start > config.update_deadline) {
       return refusal_of(ErrorCode::kTimeout,
                         fmt::format("deadline of {} ms for the whole update passed with {} of {} "
-                                    "buckets done",
-                                    config.update_deadline.count(), completed, until));
+                                    "buckets done{}",
+                                    config.update_deadline.count(), completed, until,
+                                    transport_wait_clause(*transport)));
     }
     if (now - bucket_start > config.bucket_deadline) {
       return refusal_of(ErrorCode::kTimeout,
                         fmt::format("bucket {} of {} did not complete within its deadline of {} "
-                                    "ms",
-                                    completed, until, config.bucket_deadline.count()));
+                                    "ms{}",
+                                    completed, until, config.bucket_deadline.count(),
+                                    transport_wait_clause(*transport)));
     }
   }
   // An aborted collective also completes, with garbage: completion alone proves nothing.

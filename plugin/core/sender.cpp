@@ -17,6 +17,7 @@
 #include "core/routing_plan.h"
 #include "core/shard_packing.h"
 #include "core/streamed_publish.h"
+#include "core/transport_wait.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
@@ -673,7 +674,8 @@ std::optional<Error> Sender::Impl::wait_done(std::uint64_t version, Clock::time_
   while (!backend.event_wait_for(*done_event, config.poll_interval)) {
     std::optional<std::string> failure = transport->async_error();
     if (!failure && Clock::now() - start > config.update_deadline) {
-      failure = fmt::format("deadline of {} ms passed", config.update_deadline.count());
+      failure = fmt::format("deadline of {} ms passed{}", config.update_deadline.count(),
+                            transport_wait_clause(*transport));
     }
     if (failure) {
       return Error(ErrorCode::kTransport,

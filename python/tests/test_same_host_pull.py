@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -104,17 +105,9 @@ def test_a_trainer_rank_that_never_serves_and_bad_arguments(paths):
                                             memory="device")
 
 
-def test_two_trainer_ranks_update_an_engine_rank_through_senders_and_a_receiver(paths):
-    """End to end: each trainer rank a routed Sender over its pull transport, publishing only its
-    shards; the engine rank's Receiver took the plan. Three updates (the slots alternate across
-    updates as the Sender counts its sends); the live slot comes out as the full tensors."""
-    shapes = {"q": (13, 8), "norm": (8,)}  # 3 buckets: the slots alternate across updates
-    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
-    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
-               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
-    assert layout.groups[0].bucket_count % 2 == 1
-    plan = ss.RoutingPlan(layout, regions)
-    backend = ss.HostBackend()
+def _routed_pair(paths, layout, plan, backend, config=None):
+    """Two trainer ranks' routed Senders over their pull transports (served on threads) and the
+    engine rank's Receiver, which took the plan."""
     results = {}
     threads = [threading.Thread(target=_serve, args=(paths[t], plan, t, 20000, results))
                for t in range(2)]
@@ -126,20 +119,39 @@ def test_two_trainer_ranks_update_an_engine_rank_through_senders_and_a_receiver(
         t.join()
     senders = [ss.Sender(layout, backend, results[t], routing_plan=plan, trainer_rank=t)
                for t in range(2)]
-    receiver = ss.Receiver(layout, backend, engine)
+    receiver = ss.Receiver(layout, backend, engine, config)
     receiver.use_routing_plan(plan, 0)
+    return senders, receiver
+
+
+def _shards(full, regions):
+    """(name, array, region) of each region of `full`'s tensors."""
+    shards = []
+    for r in regions:
+        index = tuple(slice(b, e) for b, e in zip(r.begin, r.end))
+        shards.append((r.tensor, np.ascontiguousarray(full[r.tensor][index]), r))
+    return shards
+
+
+def test_two_trainer_ranks_update_an_engine_rank_through_senders_and_a_receiver(paths):
+    """End to end: each trainer rank a routed Sender over its pull transport, publishing only its
+    shards; the engine rank's Receiver took the plan. Three updates (the slots alternate across
+    updates as the Sender counts its sends); the live slot comes out as the full tensors."""
+    shapes = {"q": (13, 8), "norm": (8,)}  # 3 buckets: the slots alternate across updates
+    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
+    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
+               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
+    assert layout.groups[0].bucket_count % 2 == 1
+    plan = ss.RoutingPlan(layout, regions)
+    backend = ss.HostBackend()
+    senders, receiver = _routed_pair(paths, layout, plan, backend)
     try:
         rng = np.random.default_rng(4)
         for version in (1, 2, 3):
             full = {name: rng.standard_normal(shape).astype(np.float32)
                     for name, shape in shapes.items()}
-            handles = []
-            for t in range(2):
-                shards = []
-                for r in regions[t]:
-                    index = tuple(slice(b, e) for b, e in zip(r.begin, r.end))
-                    shards.append((r.tensor, np.ascontiguousarray(full[r.tensor][index]), r))
-                handles.append(senders[t].publish_shards(version, shards))
+            handles = [senders[t].publish_shards(version, _shards(full, regions[t]))
+                       for t in range(2)]
             receiver.begin_update(handles[0].header_bytes)
             for handle in handles:
                 handle.wait(timeout=20)
@@ -147,6 +159,40 @@ def test_two_trainer_ranks_update_an_engine_rank_through_senders_and_a_receiver(
             for name, values in full.items():
                 np.testing.assert_array_equal(receiver.live_array(name), values)
             assert receiver.stats().routed_bytes == plan.bytes_to_engine(0)
+    finally:
+        receiver.close()
+        for sender in senders:
+            sender.close()
+
+
+def test_a_bucket_deadline_names_the_trainer_rank_that_did_not_send(paths):
+    """Trainer rank 1 never publishes update 1: the engine rank's bucket deadline fails the update,
+    and its error names trainer rank 1 as the one whose doorbell never came (trainer rank 0's
+    did); nothing goes live."""
+    shapes = {"q": (13, 8), "norm": (8,)}
+    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
+    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
+               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
+    plan = ss.RoutingPlan(layout, regions)
+    backend = ss.HostBackend()
+    senders, receiver = _routed_pair(paths, layout, plan, backend,
+                                     ss.ReceiverConfig(bucket_deadline_ms=300))
+    try:
+        full = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
+        handle = senders[0].publish_shards(1, _shards(full, regions[0]))
+        receiver.begin_update(handle.header_bytes)
+        with pytest.raises(ss.ShadowsyncError):
+            handle.wait(timeout=20)  # the engine rank gave up: trainer rank 0's send fails too
+        deadline = time.monotonic() + 20
+        while receiver.stats().updates_failed == 0:
+            assert time.monotonic() < deadline, "the engine rank never failed update 1"
+            time.sleep(0.01)
+        error = receiver.last_update_error()
+        assert "bucket 0 of 3 did not complete within its deadline of 300 ms" in error
+        assert ("; the transport waits for the doorbell of bucket 0 of update 1 (group 0, "
+                "bucket 0) from trainer rank 1, for ") in error
+        assert error.endswith(" ms (trainer rank 0 sent its)"), error
+        assert receiver.stats().applied_version == 0
     finally:
         receiver.close()
         for sender in senders:

@@ -193,6 +193,16 @@ TEST_CASE(
       // Engine rank 1 comes late. Bucket 2 reuses bucket 0's slots, so no trainer may ring it
       // before engine rank 1 read bucket 0: engine rank 0 cannot land it meanwhile.
       CHECK_FALSE(engines[0]->wait_landed(2, std::chrono::milliseconds(300)));
+      // What a deadline's message would name meanwhile: each trainer rank's stream waits for
+      // engine rank 1's ack of bucket 0 before it rings bucket 1, so engine rank 0 waits for
+      // both trainer ranks' doorbell of bucket 1.
+      wait_until(
+          [&] {
+            return engines[0]->transport->waiting_for().value_or("").starts_with(
+                "the doorbell of bucket 1 of update 1 (group 0, bucket 1) from trainer ranks 0, 1, "
+                "for ");
+          },
+          "engine rank 0 to say it waits for both trainer ranks' doorbell of bucket 1");
     }
     engines[1]->receive(v);
     for (auto& e : engines) {
@@ -207,6 +217,20 @@ TEST_CASE(
   // Update 5: trainer rank 1 dies once its 2nd bucket was acked.
   for (auto& e : engines) e->receive(5);
   wait_for_output(*trainers[1], "rang\n");
+  // Trainer rank 1 stopped before ringing bucket 2; trainer rank 0 rang it (its slot was free):
+  // each engine rank names the late trainer rank, and the one that was not.
+  for (auto& e : engines) {
+    CAPTURE(e->rank);
+    std::string said;
+    wait_until(
+        [&] {
+          said = e->transport->waiting_for().value_or("");
+          return said.ends_with("ms (trainer rank 0 sent its)");
+        },
+        "the engine rank to say trainer rank 0 rang bucket 2 of update 5");
+    CHECK_THAT(said, Catch::StartsWith("the doorbell of bucket 2 of update 5 (group 0, bucket 2) "
+                                       "from trainer rank 1, for "));
+  }
   ::kill(trainers[1]->pid, SIGKILL);
   trainers[1]->reap();
   const std::size_t bucket2 = wire_layout().groups()[0].bucket(2).offset;

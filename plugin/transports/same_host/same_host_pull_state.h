@@ -55,6 +55,17 @@ struct SameHostPullTransport::State : same_host::Conversation {
   std::unique_ptr<Event> passed;   // recorded on the caller's stream, waited on by its thread
   std::optional<Unacked> unacked;  // trainer rank: the caller's thread only
 
+  // The records a stream task (or a device-flavour caller) waits for from every peer, while it
+  // waits: the doorbells of a bucket on an engine rank, its acks on a trainer rank. Under mutex;
+  // describe_wait() words it for waiting_for().
+  struct PeerWait {
+    RoutedBucket bucket;
+    std::vector<bool> arrived;  // [peer]
+    same_host::Clock::time_point since;
+  };
+  std::optional<PeerWait> peer_wait;
+  std::optional<std::string> describe_wait();
+
   ~State() override {
     for (const Staging& s : staging) {
       if (s.base != nullptr && !s.device) ::munmap(s.base, s.mapped_bytes);

@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "backends/host/host_stream.h"
 #include "core/type_name.h"
@@ -66,8 +67,20 @@ bool read_each_peer(SameHostPullTransport::State& state, std::vector<std::byte>&
                     std::optional<same_host::Clock::time_point> deadline,
                     std::string_view after = {}) {
   std::size_t failed = 0;
+  {
+    std::lock_guard lock(state.mutex);
+    state.peer_wait = SameHostPullTransport::State::PeerWait{
+        bucket, std::vector<bool>(state.peers.size(), false), same_host::Clock::now()};
+  }
   const Io io = same_host::read_each(state.peers, same_host::kDataRecordBytes, records,
-                                     state.wake.get(), failed, deadline);
+                                     state.wake.get(), failed, deadline, [&state](std::size_t i) {
+                                       std::lock_guard lock(state.mutex);
+                                       state.peer_wait->arrived[i] = true;
+                                     });
+  {
+    std::lock_guard lock(state.mutex);
+    state.peer_wait.reset();
+  }
   if (io != Io::kOk && io != Io::kWoken)
     fail_exchange(state, failed, io, errno, what, bucket, after);
   return io == Io::kOk;
@@ -79,6 +92,29 @@ std::span<const std::byte> record_at(const std::vector<std::byte>& records, std:
 }
 
 }  // namespace
+
+std::optional<std::string> SameHostPullTransport::State::describe_wait() {
+  std::lock_guard lock(mutex);
+  if (!peer_wait) return std::nullopt;
+  const bool trainer = trainer_rank >= 0;
+  std::vector<std::size_t> missing;
+  std::vector<std::size_t> came;
+  for (std::size_t p = 0; p < peer_wait->arrived.size(); ++p) {
+    (peer_wait->arrived[p] ? came : missing).push_back(p);
+  }
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+      same_host::Clock::now() - peer_wait->since);
+  const char* peer = trainer ? "engine" : "trainer";
+  std::string text = fmt::format("{} {} from {} rank{} {}, for {} ms",
+                                 trainer ? "the ack of" : "the doorbell of",
+                                 bucket_name(peer_wait->bucket), peer, missing.size() == 1 ? "" : "s",
+                                 fmt::join(missing, ", "), waited.count());
+  if (!came.empty()) {
+    text += fmt::format(" ({} rank{} {} sent {})", peer, came.size() == 1 ? "" : "s",
+                        fmt::join(came, ", "), came.size() == 1 ? "its" : "theirs");
+  }
+  return text;
+}
 
 bool SameHostPullTransport::State::ring(const RoutedBucket& bucket, const RouteRecord& doorbell) {
   const auto frame = same_host::encode(doorbell);
@@ -325,6 +361,10 @@ void* SameHostPullTransport::staging_buffer(int index, std::size_t bytes) {
 std::optional<std::string> SameHostPullTransport::async_error() {
   std::lock_guard lock(state_->mutex);
   return state_->error;
+}
+
+std::optional<std::string> SameHostPullTransport::waiting_for() {
+  return state_->describe_wait();
 }
 
 void SameHostPullTransport::abort() noexcept {

@@ -113,6 +113,7 @@ class SameHostPullTransport final : public Transport, public RouteMover {
   // the transport failed: async_error()). Otherwise nothing to do.
   void flush() override;
   std::optional<std::string> async_error() override;
+  std::optional<std::string> waiting_for() override;
   void abort() noexcept override;
 
   // RouteMover (route_mover.h). Streams come from the flavour's backend (see above).

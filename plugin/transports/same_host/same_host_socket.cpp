@@ -302,7 +302,8 @@ Io read_with_fd(int fd, std::span<std::byte> out, Fd& received, Clock::time_poin
 }
 
 Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std::byte>& out,
-             int wake, std::size_t& failed, std::optional<Clock::time_point> deadline) {
+             int wake, std::size_t& failed, std::optional<Clock::time_point> deadline,
+             const std::function<void(std::size_t)>& arrived) {
   out.assign(fds.size() * record_bytes, std::byte{0});
   std::vector<std::size_t> filled(fds.size(), 0);
   std::size_t complete = 0;
@@ -345,7 +346,10 @@ Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std:
         return Io::kError;
       }
       filled[i] += static_cast<std::size_t>(got);
-      if (filled[i] == record_bytes) ++complete;
+      if (filled[i] == record_bytes) {
+        ++complete;
+        if (arrived) arrived(i);
+      }
     }
   }
   return Io::kOk;

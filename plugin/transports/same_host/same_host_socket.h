@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -64,10 +65,12 @@ Io read_with_fd(int fd, std::span<std::byte> out, Fd& received, Clock::time_poin
 // each record, so the next ones stay queued. kOk once every record came; otherwise the first
 // other result, with `failed` the index of its socket (fds.size() for kWoken) and errno kept.
 // kTimeout at `deadline` (none: it waits until the records came, a peer closed, or `wake` is
-// readable), with `failed` the first socket whose record is still missing.
+// readable), with `failed` the first socket whose record is still missing. `arrived`, if given,
+// is called with i once socket i's record is complete (for what a caller reports while waiting).
 Io read_each(std::span<const Fd> fds, std::size_t record_bytes, std::vector<std::byte>& out,
              int wake, std::size_t& failed,
-             std::optional<Clock::time_point> deadline = std::nullopt);
+             std::optional<Clock::time_point> deadline = std::nullopt,
+             const std::function<void(std::size_t)>& arrived = {});
 
 // Words for an Io result, for messages ("the peer closed its socket", "timed out", ...).
 std::string describe(Io result, int saved_errno);
