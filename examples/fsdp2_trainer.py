@@ -19,9 +19,9 @@ update's header is rank 0's):
   every rank's ``ShardedPublisher.set_up(..., engine_needs=needs)``, then
   ``init_weight_update_group`` with ``trainer_ranks`` made from the publisher's ``engine_setup``
   (``shadowsync.vllm.trainer_ranks.from_engine_setup``): the worker connects to every trainer
-  rank. Each step, rank 0 hands the header to the worker (``begin_update``) and keeps generating
-  while the update streams; the worker swaps it in between two steps, and ``apply_update`` then
-  resets the prefix cache. ``--check``: after the last step every rank saves its own shards and
+  rank. Each step, once every rank published, rank 0 hands the header to the worker
+  (``begin_update``) and keeps generating while the update streams; the worker swaps it in
+  between two steps, and ``apply_update`` then resets the prefix cache. ``--check``: after the last step every rank saves its own shards and
   their regions, rank 0 assembles the full tensors from those files (no gather), shuts the
   streaming engine down and starts a fresh vLLM of the assembled checkpoint: its greedy tokens
   must equal the streamed engine's.
@@ -210,14 +210,16 @@ class VllmEngine:
         from shadowsync.vllm import init_weight_update_group
         from shadowsync.vllm.trainer_ranks import from_engine_setup
 
-        # Blocks until the worker connected to every trainer rank's path. vLLM's CPU build and
-        # the trainer ranks share the host's cores (its OpenMP threads spin on all of them): a
-        # bucket gets a minute, not the receiver's default 10 s, before the update is given up.
+        # Blocks until the worker connected to every trainer rank's path. vLLM's CPU build spins
+        # while it waits for work, and on a busy host with few cores the threads of the
+        # receiver and of the trainer ranks then wait long for a core: a bucket and the whole
+        # update get as long as the example waits for a reply, not the receiver's 10 s and 60 s.
+        deadline_ms = REPLY_TIMEOUT_S * 1000
         init_weight_update_group(
             self.llm, specs=setup["wire"], bucket_bytes=setup["bucket_bytes"],
-            trainer_ranks=from_engine_setup(setup, token,
-                                            connect_timeout_ms=REPLY_TIMEOUT_S * 1000),
-            receiver_config=ss.ReceiverConfig(bucket_deadline_ms=60_000))
+            trainer_ranks=from_engine_setup(setup, token, connect_timeout_ms=deadline_ms),
+            receiver_config=ss.ReceiverConfig(bucket_deadline_ms=deadline_ms,
+                                              update_deadline_ms=deadline_ms))
 
     def update(self, version: int, header: bytes) -> dict:
         from shadowsync.vllm import apply_update
@@ -269,6 +271,11 @@ def start_vllm(model_path: str):
     # vLLM's CPU backend computes linear layers from packed copies of their weights, which an
     # update would not reach; this registered "quantization" keeps the plain weights in use.
     unpacked.register()
+    # vLLM's CPU worker pins itself to cores (VLLM_CPU_OMP_THREADS_BIND) and spins on them while
+    # it waits for work; the receiver's threads start in the worker and inherit the pin. On a
+    # host with few cores they then wait for a core behind the spinning thread, seconds per
+    # bucket: this small engine runs unpinned.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return vllm.LLM(model=model_path, dtype="float32", quantization=unpacked.NAME,
                     worker_extension_cls="shadowsync.vllm.WorkerExtension",
                     skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
@@ -377,7 +384,10 @@ def trainer_main(args) -> None:
                                            bucket_bytes=args.bucket_bytes,
                                            # Both engines here hold host memory: with CUDA shards
                                            # the publisher copies each to the host at publish.
-                                           backend=ss.HostBackend())
+                                           backend=ss.HostBackend(),
+                                           # As long as the engine's deadlines (connect()).
+                                           sender_config=ss.SenderConfig(
+                                               update_deadline_ms=REPLY_TIMEOUT_S * 1000))
     print(f"[trainer rank {rank}] holds {publisher.held_bytes} parameter bytes, sends "
           f"{publisher.sent_bytes} per update; packing memory {publisher.staging_bytes} bytes "
           f"(two slots of its largest bucket slice)", flush=True)
@@ -402,6 +412,9 @@ def trainer_main(args) -> None:
         with forbid_gathers():
             started = time.perf_counter()
             handle = publisher.publish(step, model.named_parameters())
+            # The engine begins once every rank published: its deadlines then count the
+            # transfer, not the slowest rank's training step.
+            dist.barrier()
             if rank == 0:
                 report = engine.update(step, handle.header_bytes)
             handle.wait(REPLY_TIMEOUT_S)  # before the next step changes the parameters
