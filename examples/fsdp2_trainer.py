@@ -21,10 +21,10 @@ update's header is rank 0's):
   (``shadowsync.vllm.trainer_ranks.from_engine_setup``): the worker connects to every trainer
   rank. Each step, once every rank published, rank 0 hands the header to the worker
   (``begin_update``) and keeps generating while the update streams; the worker swaps it in
-  between two steps, and ``apply_update`` then resets the prefix cache. ``--check``: after the last step every rank saves its own shards and
-  their regions, rank 0 assembles the full tensors from those files (no gather), shuts the
-  streaming engine down and starts a fresh vLLM of the assembled checkpoint: its greedy tokens
-  must equal the streamed engine's.
+  between two steps, and ``apply_update`` then resets the prefix cache. ``--check``: after the
+  last step every rank saves its own shards and their regions, rank 0 assembles the full tensors
+  from those files (no gather), shuts the streaming engine down and starts a fresh vLLM of the
+  assembled checkpoint: its greedy tokens must equal the streamed engine's.
 * ``--engine stand-in`` (no vLLM needed; ``--device cuda`` too): a tiny MLP, and a subprocess (this
   file again, no torch there) that holds one shadowsync Receiver per engine rank on host memory,
   each needing its part of a tensor-parallel layout (column-parallel and row-parallel layers, a

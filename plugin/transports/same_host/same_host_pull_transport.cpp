@@ -105,10 +105,10 @@ std::optional<std::string> SameHostPullTransport::State::describe_wait() {
   const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
       same_host::Clock::now() - peer_wait->since);
   const char* peer = trainer ? "engine" : "trainer";
-  std::string text = fmt::format("{} {} from {} rank{} {}, for {} ms",
-                                 trainer ? "the ack of" : "the doorbell of",
-                                 bucket_name(peer_wait->bucket), peer, missing.size() == 1 ? "" : "s",
-                                 fmt::join(missing, ", "), waited.count());
+  std::string text =
+      fmt::format("{} {} from {} rank{} {}, for {} ms", trainer ? "the ack of" : "the doorbell of",
+                  bucket_name(peer_wait->bucket), peer, missing.size() == 1 ? "" : "s",
+                  fmt::join(missing, ", "), waited.count());
   if (!came.empty()) {
     text += fmt::format(" ({} rank{} {} sent {})", peer, came.size() == 1 ? "" : "s",
                         fmt::join(came, ", "), came.size() == 1 ? "its" : "theirs");
