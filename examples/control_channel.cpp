@@ -21,14 +21,18 @@
 //
 //   export SHADOWSYNC_CONTROL_TOKEN=$(python3 -c 'import shadowsync; print(shadowsync.make_token())')
 //   (or $(openssl rand -hex 32); a token that is plainly not random is refused)
-//   control_channel engine [--port P] [--backend host|cuda] [--device N]
+//   control_channel engine [--address A] [--port P] [--backend host|cuda] [--device N]
 //       prints "listening <port>", then one "rendezvous transport=T rank=R world_size=W" line per
 //       transport installed and one "update ..." line per applied update; runs until SIGTERM,
 //       then prints one "engine summary: ..." line; exits 0 only if no step was torn.
 //       A failed update prints "failed version=V code=C unix_ms=T error=..." (T: wall clock).
 //       --bucket-deadline-ms MS sets ReceiverConfig::bucket_deadline.
-//   control_channel trainer --port P [--rounds N] [--die-after-header] [--hang-mid-update]
-//                           [--backend host|cuda] [--device N] [--transport nccl|same_host]
+//       --address: the numeric IPv4 address the engine listens on and the trainer dials
+//       (default 127.0.0.1; another of the machine's addresses takes the control channel off the
+//       loopback interface, as between two hosts).
+//   control_channel trainer [--address A] --port P [--rounds N] [--die-after-header]
+//                           [--hang-mid-update] [--backend host|cuda] [--device N]
+//                           [--transport nccl|same_host]
 //                           [--socket PATH]
 //       prints "trainer: rendezvous transport=T ...", one "round ..." line per acked round, then
 //       "trainer: N rounds acked, ...".
@@ -99,6 +103,7 @@ struct Options {
   std::string transport;  // trainer: "nccl" or "same_host"; empty: the backend's default
   std::string socket;     // trainer: the same-host socket; empty: default_socket_path()
   int device = -1;  // -1: 1 for the engine, 0 for the trainer
+  std::string address = "127.0.0.1";  // engine: where it listens; trainer: where it dials
   std::uint16_t port = 0;
   int rounds = 50;
   bool die_after_header = false;
@@ -270,6 +275,7 @@ template <typename Engine>
 int serve(const Options& options, Backend& backend, Receiver& receiver, Engine& engine,
           TransportFactory factory, bool sync_each_step) {
   EngineChannelConfig config;
+  config.bind_address = options.address;
   config.port = options.port;
   EngineChannel channel(receiver, std::move(factory), config);
   UpdateLines lines;
@@ -526,7 +532,7 @@ int run_trainer(const Options& options) {
   const Layout layout = example_layout(options);
   trainer_transport(options);  // a bad --transport fails before anything connects
   TrainerChannelConfig config;
-  config.engines.push_back({"127.0.0.1", options.port});
+  config.engines.push_back({options.address, options.port});
   TrainerChannel channel(layout, config);
   // A restarted trainer continues above whatever the engine accepted before.
   const std::uint64_t first = channel.highest_accepted_version() + 1;
@@ -607,6 +613,8 @@ int main(int argc, char** argv) try {
     const bool has_value = i + 1 < argc;
     if (arg == "--port" && has_value) {
       options.port = static_cast<std::uint16_t>(parse_int(arg, argv[++i], 0, 65535));
+    } else if (arg == "--address" && has_value) {
+      options.address = argv[++i];
     } else if (arg == "--rounds" && has_value) {
       options.rounds = parse_int(arg, argv[++i], 1, 1'000'000);
     } else if (arg == "--die-after-header") {

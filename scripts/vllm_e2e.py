@@ -44,7 +44,9 @@ answer as A, and A again after the second close.
 --trainer-ranks M: last, a sharded trainer takes the engine over: M rank processes, each
 holding only its rows of every tensor (down_proj: its columns) and sending only those over the
 same-host pull transport (ShadowsyncInitInfo.trainer_ranks, after weight_update_needs); updates
-B then A, each engine rank receiving exactly the bytes its own parameters read.
+B then A, each engine rank receiving exactly the bytes its own parameters read. With CUDA, rank r
+holds its rows on GPU r mod tp (colocated with engine rank r): under --tp 2 every engine rank
+pulls routes from its own GPU and, by peer copies, from the other.
 
 --transport nccl (CUDA): the trainer sends over NCCL, rank 0 of 1 + tp, from --trainer-gpu (a
 GPU none of vLLM's ranks uses: NCCL refuses two ranks of one communicator on one GPU); the
@@ -249,16 +251,16 @@ def split_regions(specs: list, count: int) -> list[list]:
 
 
 def trainer_rank(conn, rank: int, checkpoints: dict, device: str, bucket_bytes: int,
-                 adapters: dict, omit: list[str]):
+                 adapters: dict, omit: list[str], gpu: int):
     """Trainer rank `rank` of a sharded trainer: keeps only its regions of trainer_tensors_of's
-    tensors (on `device`: host memory on the CPU, GPU 0's memory with CUDA), builds the routing
+    tensors (on `device`: host memory on the CPU, GPU `gpu`'s memory with CUDA), builds the routing
     plan from every rank's regions and the engine ranks' needs, serves the same-host pull
     transport on its own path (its host or device flavour) and publishes its shards with a
     routed Sender."""
     import shadowsync as ss
     from shadowsync.vllm.init_info import trainer_regions
 
-    named, specs = trainer_tensors_of(checkpoints, device, adapters, omit)
+    named, specs = trainer_tensors_of(checkpoints, device, adapters, omit, gpu)
     conn.send(("specs", specs))
     _, ranks = conn.recv()
     regions = trainer_regions(ranks)
@@ -273,7 +275,7 @@ def trainer_rank(conn, rank: int, checkpoints: dict, device: str, bucket_bytes: 
     conn.send(("plan", plan.fingerprint, [plan.bytes_to_engine(e)
                                           for e in range(plan.engine_count)],
                plan.bytes_from_trainer(rank), sum(g.arena_bytes for g in layout.groups)))
-    backend = ss.CudaBackend(0) if device == "cuda" else ss.HostBackend()
+    backend = ss.CudaBackend(gpu) if device == "cuda" else ss.HostBackend()
     transport = ss.same_host_pull_trainer_transport(
         ranks["paths"][rank], ranks["token"], plan, rank, plan.engine_count, backend,
         memory="device" if device == "cuda" else "host",
@@ -309,8 +311,11 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
     pipes, processes = [], []
     for rank in range(count):
         parent, child = ctx.Pipe()
+        # Colocated as a sharded trainer on the engine's GPUs: rank r beside engine rank r mod
+        # tp, so routes run within a GPU and, by peer copies, across them.
         process = ctx.Process(target=trainer_rank, daemon=True, args=(
-            child, rank, checkpoints, args.device, args.bucket_bytes, adapters, args.omit))
+            child, rank, checkpoints, args.device, args.bucket_bytes, adapters, args.omit,
+            rank % args.tp))
         process.start()
         child.close()
         pipes.append(parent)
@@ -448,8 +453,9 @@ def main() -> int:
                         help="last, a sharded trainer of M rank processes takes the engine over "
                              "(ShadowsyncInitInfo.trainer_ranks: each rank holds only its rows "
                              "of every tensor, down_proj's columns, and sends only those over "
-                             "the same-host pull transport: host memory on the CPU, GPU 0's "
-                             "memory with --device cuda): updates B then A")
+                             "the same-host pull transport: host memory on the CPU; with "
+                             "--device cuda rank r's memory on GPU r mod tp, beside engine "
+                             "rank r): updates B then A")
     parser.add_argument("--reinit", action="store_true",
                         help="a third update, close, a second init with a new trainer, a fourth "
                              "update (an odd number of swaps before the close)")

@@ -190,7 +190,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--trainer-ranks", type=rank_counts, metavar="M[,M...]",
                    help="shadowsync path: after its own run (one trainer process, full tensors), "
                         "a sharded trainer of each M in turn takes over the same engine: M rank "
-                        "processes on --trainer-gpu, each holding only its rows of every tensor "
+                        "processes on --trainer-gpu (with --tp > 1: rank r on GPU r mod tp), "
+                        "each holding only its rows of every tensor "
                         "(FSDP2-like Shard(0)) and publishing them over the same-host pull "
                         "transport; reported as shadowsync-ranks-M")
     p.add_argument("--decode-slowdown-budget", type=float,

@@ -1,5 +1,5 @@
 """The shadowsync path's sharded-trainer variant (--trainer-ranks M): M trainer rank processes on
-the engine's GPU, each holding only its rows of every parameter (shard_regions: FSDP2-like
+the engine's GPU (under TP, rank r on engine rank r mod tp's GPU), each holding only its rows of every parameter (shard_regions: FSDP2-like
 Shard(0)), each publishing them with a routed Sender over the same-host pull transport, the engine
 pulling every route straight from the rank's staging into its slot (ShadowsyncInitInfo.
 trainer_ranks, after weight_update_needs). The engine side, the update and its analysis are the
@@ -158,10 +158,11 @@ class ShardedTransfer(ShadowsyncTransfer):
         regions = shard0_regions(specs, self.count)
         ctx = mp.get_context("spawn")
         pipes = []
+        gpus = self.rank_gpus()
         for rank in range(self.count):
             parent, child = ctx.Pipe()
             process = ctx.Process(target=trainer_rank_process, daemon=True, args=(
-                child, rank, specs, regions, self.args.device, self.args.trainer_gpu,
+                child, rank, specs, regions, self.args.device, gpus[rank],
                 self.args.bucket_bytes, 1000 * self.count + rank))
             process.start()
             child.close()  # a rank that dies ends its pipe's recv with EOFError
@@ -191,10 +192,11 @@ class ShardedTransfer(ShadowsyncTransfer):
         self.memory = [m[1] for m in ready]
         self.bytes = wire_bytes
         self.routed: list[list[int]] = []
-        return dict(trainer=f"{self.count} trainer rank processes on "
-                            + (f"cuda:{self.args.trainer_gpu}" if self.args.device == "cuda"
-                               else "the cpu") + ", each with its rows only (FSDP2-like Shard(0), "
-                            "torch.chunk's split)", trainer_ranks=self.count, tensors=len(specs),
+        where = ("the cpu" if self.args.device != "cuda" else
+                 ", ".join(f"rank {r} on cuda:{g}" for r, g in enumerate(gpus)))
+        return dict(trainer=f"{self.count} trainer rank processes ({where}), each with its rows "
+                            "only (FSDP2-like Shard(0), torch.chunk's split)",
+                    trainer_ranks=self.count, tensors=len(specs),
                     transport="same-host pull", tp=self.args.tp, bytes=wire_bytes,
                     bucket_bytes=self.args.bucket_bytes, **await self.joined(engine),
                     routing_fingerprint=f"{fingerprint:#018x}",
@@ -204,6 +206,14 @@ class ShardedTransfer(ShadowsyncTransfer):
                     update_setup_call="weight_update_needs + collective_rpc("
                                       "'init_weight_update_group', trainer_ranks)",
                     update_setup_s=round(init_s, 3))
+
+    def rank_gpus(self) -> list[int]:
+        """Each trainer rank's GPU: --trainer-gpu for every rank of a TP=1 engine; under TP,
+        rank r beside engine rank r mod tp (a sharded trainer colocated with the engine's GPUs:
+        routes within a GPU and, by peer copies, across them)."""
+        if self.args.tp == 1:
+            return [self.args.trainer_gpu] * self.count
+        return [rank % self.args.tp for rank in range(self.count)]
 
     async def update(self, engine, version: int) -> dict:
         info = await super().update(engine, version)

@@ -4,7 +4,7 @@
 # a CUDA build (scripts/gpu/run.sh tests calls it with build-gpu/ unless --no-faults; docs/testing.md):
 #
 #   bash scripts/gpu/run.sh faults BUILD_DIR [--cycles N] [--bucket-deadline-ms MS]
-#                              [--growth-mib MIB] [--deadline SECONDS] [--cpu-dry-run]
+#                              [--growth-mib MIB] [--deadline SECONDS] [--network] [--cpu-dry-run]
 #
 # One engine process (examples/control_channel engine --backend cuda --device 1) decodes all the
 # while; trainer processes (--device 0) come and go:
@@ -28,6 +28,11 @@
 # At the end the engine (SIGTERM) must exit 0 with torn=0, failed = the faults injected, and
 # applied = the rounds acked.
 #
+# --network: as between two hosts. NCCL's peer-to-peer and shared-memory paths (and InfiniBand)
+# are off, so NCCL moves the bytes over its socket transport; the control channel and NCCL's
+# sockets use the machine's first IPv4 address that is not a loopback one (its interface is
+# NCCL_SOCKET_IFNAME). Fails at once if the machine has no such address.
+#
 # --cpu-dry-run runs the same logic with --backend host (the same-host transport instead of NCCL):
 # it checks this script, the example's fault options and the receiver's behaviour on the CPU, not
 # the GPUs. ctest runs it as integration.gpu_faults_cpu with --cycles 5.
@@ -38,7 +43,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 
-usage="usage: scripts/gpu/run.sh faults BUILD_DIR [--cycles N] [--bucket-deadline-ms MS] [--growth-mib MIB] [--deadline SECONDS] [--cpu-dry-run]"
+usage="usage: scripts/gpu/run.sh faults BUILD_DIR [--cycles N] [--bucket-deadline-ms MS] [--growth-mib MIB] [--deadline SECONDS] [--network] [--cpu-dry-run]"
 BUILD="${1:?$usage}"
 shift
 CYCLES=20
@@ -46,12 +51,15 @@ BUCKET_MS=2000   # the engine's ReceiverConfig::bucket_deadline for these runs
 GROWTH_MIB=""
 DEADLINE=60      # each trainer process, and each wait for a line
 BACKEND=cuda
+NETWORK=0
+ADDRESS=127.0.0.1  # the control channel's; --network: the machine's own
 readonly POLL_MS=1     # ReceiverConfig::poll_interval (200 us), rounded up
 readonly SLACK_MS=250  # process scheduling and log writing between the engine and this script
 ABORT_MS=1000          # ncclCommAbort before the report (see above); 0 with --cpu-dry-run
 while (($#)); do
   case "$1" in
     --cpu-dry-run) BACKEND=host ;;
+    --network) NETWORK=1 ;;
     --cycles) CYCLES="${2:?--cycles needs a number}"; shift ;;
     --bucket-deadline-ms) BUCKET_MS="${2:?--bucket-deadline-ms needs a number}"; shift ;;
     --growth-mib) GROWTH_MIB="${2:?--growth-mib needs a number}"; shift ;;
@@ -70,6 +78,32 @@ readonly BIN="$BUILD/examples/control_channel"
 [[ -x "$BIN" ]] || { echo "faults: $BIN missing (build the control_channel target) result=FAIL"; exit 1; }
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ((NETWORK)); then
+  # "INTERFACE ADDRESS" of the first IPv4 address not on a loopback interface (ioctl SIOCGIFADDR:
+  # the GPU machines' image may have no ip(8)).
+  read -r IFACE ADDRESS < <(python3 - <<'PY'
+import fcntl, socket, struct
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _, name in socket.if_nameindex():
+    try:
+        raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+    except OSError:
+        continue  # no IPv4 address
+    address = socket.inet_ntoa(raw[20:24])
+    if not address.startswith("127."):
+        print(name, address)
+        break
+PY
+  )
+  if [[ -z "${ADDRESS:-}" ]]; then
+    echo "faults: --network needs an IPv4 address on an interface other than loopback; this" \
+      "machine has none (interfaces: $(ls /sys/class/net 2>/dev/null | tr '\n' ' ')) result=FAIL"
+    exit 1
+  fi
+  export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME="$IFACE"
+  echo "faults: network path: control channel and NCCL on $IFACE ($ADDRESS)," \
+    "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1"
+fi
 if [[ $BACKEND == cuda ]]; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
   if ((gpus < 2)); then
@@ -121,7 +155,8 @@ start_trainer() {
   local log="$1"
   shift
   TRAINERS=$((TRAINERS + 1))
-  timeout -k 5 "$DEADLINE" "$BIN" trainer --backend "$BACKEND" --device 0 --port "$PORT" "$@" \
+  timeout -k 5 "$DEADLINE" "$BIN" trainer --backend "$BACKEND" --device 0 --address "$ADDRESS" \
+    --port "$PORT" "$@" \
     >"$log" 2>&1 &
   TRAINER_PID=$!
 }
@@ -208,7 +243,8 @@ threads() { ls "/proc/$ENGINE_PID/task" 2>/dev/null | wc -l; }
 ENGINE_PID=""
 # Not under `timeout`: SIGSTOP/SIGKILL go to the trainer only, and the engine's pid must be its own
 # (nvidia-smi lists the process that holds the GPU memory).
-"$BIN" engine --backend "$BACKEND" --device 1 --bucket-deadline-ms "$BUCKET_MS" >"$ENGINE_LOG" 2>&1 &
+"$BIN" engine --backend "$BACKEND" --device 1 --address "$ADDRESS" --bucket-deadline-ms "$BUCKET_MS" \
+  >"$ENGINE_LOG" 2>&1 &
 ENGINE_PID=$!
 PORT=""
 if line=$(wait_for "$ENGINE_LOG" '^listening [0-9]+$' 60); then PORT=${line#listening }; fi
