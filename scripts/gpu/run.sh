@@ -11,6 +11,8 @@
 #   bench-same-host  the same-host transport (device memory) on one GPU, trainer and engine
 #                  processes: transfer, swap stall, decode interference, memory; then its plot
 #                  (bench_same_host.sh)
+#   two-gpu        the runs on two GPUs of one host: TP=2 with graph pairs, a colocated sharded
+#                  trainer, NCCL over its network path (two_gpu.sh)
 #   examples       the two-process example and the mini worker against a CUDA build (examples.sh)
 #   python         the wheel built with CUDA on, installed, python/tests against it: NCCL taken at
 #                  run time (import orders with torch), one-rank communicator (python.sh)
@@ -24,7 +26,7 @@
 set -uo pipefail
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-usage() { sed -n '2,22p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,24p' "${BASH_SOURCE[0]}"; }
 
 command="${1:-}"
 case "$command" in
@@ -32,6 +34,7 @@ case "$command" in
   bench) script=bench.sh ;;
   bench-one-gpu) script=bench_one_gpu.sh ;;
   bench-same-host) script=bench_same_host.sh ;;
+  two-gpu) script=two_gpu.sh ;;
   examples) script=examples.sh ;;
   faults) script=faults.sh ;;
   python) script=python.sh ;;

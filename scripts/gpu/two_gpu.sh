@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The runs that need two GPUs of one host (docs/benchmarks.md, "Two GPUs of one host"): real vLLM
+# with TP=2 and graph pairs, a sharded trainer colocated with it, and NCCL over its network path.
+# From the repository root of such a machine, vLLM on the Python path (VLLM_SITE as for
+# vllm_runs.sh); logs and benchmark files under $OUT (default ./gpu-out):
+#
+#   bash scripts/gpu/run.sh two-gpu build      build-gpu/: the library and examples/control_channel
+#   bash scripts/gpu/run.sh two-gpu check      the correctness runs (below), each against fresh
+#                                              vLLM engines, token for token
+#   bash scripts/gpu/run.sh two-gpu bench-tp2  Llama-3-8B shapes, TP=2, graph pairs, paced to a
+#                                              decode slowdown of 1.08; then a sharded trainer of
+#                                              2 ranks takes the same engine over
+#   bash scripts/gpu/run.sh two-gpu bench-network  Llama-3-8B shapes, TP=1 on GPU 0, the trainer on
+#                                              GPU 1 over NCCL: its network path, then NVLink
+#
+# check runs:
+#   1. vllm_e2e.py --tp 2 --graph-pairs --trainer-ranks 2: updates from one trainer process into a
+#      TP=2 engine with graph pairs and CUDA graphs; then a sharded trainer of 2 ranks (rank r's
+#      shards in GPU r's memory, beside engine rank r) takes it over over the same-host pull
+#      transport (routes within a GPU and across the two by peer copies): each engine rank's
+#      routed bytes equal its own parameters' bytes.
+#   2. the network path (NETWORK_ENV below): faults.sh --network (a trainer killed and stopped
+#      mid-update over NCCL's socket transport, the control channel on a non-loopback address),
+#      then vllm_e2e.py --transport nccl --trainer-gpu 1 (TP=1 engine on GPU 0).
+#
+# The network path: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1, NCCL's sockets on the
+# machine's first non-loopback interface (NCCL_SOCKET_IFNAME), as between two hosts.
+#
+# Exit status: the number of failed steps (0: every step passed); 2 for a bad argument; 77 with
+# fewer than 2 GPUs.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+export OUT
+
+usage() { sed -n '2,31p' "${BASH_SOURCE[0]}"; }
+step="${1:-}"
+case "$step" in
+  build|check|bench-tp2|bench-network) ;;
+  -h|--help) usage; exit 0 ;;
+  *) echo "two_gpu.sh: unknown step '$step'" >&2; usage >&2; exit 2 ;;
+esac
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+if ((gpus < 2)); then
+  echo "SKIP: two_gpu.sh needs 2 GPUs, nvidia-smi lists $gpus"
+  exit 77
+fi
+
+# network_env: the variables of NCCL's network path, printed.
+network_env() {
+  local iface
+  iface=$(python3 -c '
+import fcntl, socket, struct
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _, name in socket.if_nameindex():
+    try:
+        raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+    except OSError:
+        continue
+    if not socket.inet_ntoa(raw[20:24]).startswith("127."):
+        print(name)
+        break')
+  [[ -n "$iface" ]] || { echo "two_gpu.sh: no non-loopback IPv4 interface" >&2; return 1; }
+  export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME="$iface"
+  echo "network path: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=$iface"
+}
+
+failed=0
+# runs LOG PATTERN [VAR=VALUE...]: vllm_runs.sh with these variables, its summary lines in LOG
+# (and here); a step failed unless every line matching PATTERN ends in "exit 0".
+runs() {
+  local log=$1 pattern=$2
+  shift 2
+  env SKIP_BUILD=1 "$@" bash scripts/gpu/vllm_runs.sh 2>&1 | tee "$log"
+  if ! grep -qE "$pattern" "$log" || grep -E "$pattern" "$log" | grep -vqE ": exit 0$"; then
+    failed=$((failed + 1))
+  fi
+}
+readonly BENCH="--config llama-3-8b --dummy-load --paths shadowsync --updates 5 --path-timeout-s 270"
+
+case "$step" in
+  build)
+    source scripts/gpu/common.sh
+    gpu_machine_report >"$OUT/env.log" 2>&1
+    grep -A4 "topo -m" "$OUT/env.log"
+    gpu_unpack_deps "$PWD" || { echo "$DEPS_MESSAGE"; exit 1; }
+    gpu_configure "$PWD" build-gpu "$OUT/cfg.log" 300 || { tail -20 "$OUT/cfg.log"; exit 1; }
+    cmake --build build-gpu -j32 --target shadowsync_c control_channel >"$OUT/build.log" 2>&1 ||
+      { tail -30 "$OUT/build.log"; exit 1; }
+    echo "built build-gpu: $(ls build-gpu/libshadowsync_c.so build-gpu/examples/control_channel)"
+    ;;
+  check)
+    runs "$OUT/check-tp2.txt" "^vllm_e2e " E2E_TIMEOUT=330 \
+      E2E_RUNS="--arch llama --tp 2 --graph-pairs --trainer-ranks 2"
+    (network_env && bash scripts/gpu/faults.sh build-gpu --network --cycles 3) \
+      >"$OUT/faults-network.log" 2>&1 || failed=$((failed + 1))
+    grep -E "^fault|^faults:|^network" "$OUT/faults-network.log"
+    mkdir -p "$OUT/network"
+    network_env || exit $((failed + 1))
+    runs "$OUT/check-network.txt" "^vllm_e2e " OUT="$OUT/network" E2E_TIMEOUT=240 \
+      E2E_RUNS="--arch llama --transport nccl --trainer-gpu 1"
+    ;;
+  bench-tp2)
+    runs "$OUT/bench-tp2.txt" "^bench_vllm_update.py " BENCH_TIMEOUT=560 BENCH_TAIL=60 \
+      BENCH_VLLM="$BENCH --tp 2 --graph-pairs --decode-slowdown-budget 1.08 --trainer-ranks 2 --budget-s 550"
+    ;;
+  bench-network)
+    mkdir -p "$OUT/network" "$OUT/nvlink"
+    (network_env && runs "$OUT/bench-network.txt" "^bench_vllm_update.py " OUT="$OUT/network" \
+      BENCH_TIMEOUT=280 BENCH_VLLM="$BENCH --transport nccl --trainer-gpu 1 --graph-pairs --budget-s 270"
+     exit "$failed") || failed=$((failed + 1))
+    runs "$OUT/bench-nvlink.txt" "^bench_vllm_update.py " OUT="$OUT/nvlink" BENCH_TIMEOUT=280 \
+      BENCH_VLLM="$BENCH --transport nccl --trainer-gpu 1 --graph-pairs --budget-s 270"
+    ;;
+esac
+echo "two_gpu.sh $step: $failed step(s) failed"
+exit "$failed"
