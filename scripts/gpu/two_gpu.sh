@@ -5,21 +5,22 @@
 # vllm_runs.sh); logs and benchmark files under $OUT (default ./gpu-out):
 #
 #   bash scripts/gpu/run.sh two-gpu build      build-gpu/: the library and examples/control_channel
-#   bash scripts/gpu/run.sh two-gpu check      the correctness runs (below), each against fresh
-#                                              vLLM engines, token for token
+#   bash scripts/gpu/run.sh two-gpu check-tp2      correctness run 1 (below), against fresh vLLM
+#   bash scripts/gpu/run.sh two-gpu check-network  correctness run 2 (below), against fresh vLLM
 #   bash scripts/gpu/run.sh two-gpu bench-tp2  Llama-3-8B shapes, TP=2, graph pairs, paced to a
 #                                              decode slowdown of 1.08; then a sharded trainer of
 #                                              2 ranks takes the same engine over
 #   bash scripts/gpu/run.sh two-gpu bench-network  Llama-3-8B shapes, TP=1 on GPU 0, the trainer on
-#                                              GPU 1 over NCCL: its network path, then NVLink
+#                                              GPU 1 over NCCL's network path (--nvlink: then
+#                                              over NVLink too, for comparison)
 #
-# check runs:
+# The correctness runs (greedy output token for token against fresh vLLM engines):
 #   1. vllm_e2e.py --tp 2 --graph-pairs --trainer-ranks 2: updates from one trainer process into a
 #      TP=2 engine with graph pairs and CUDA graphs; then a sharded trainer of 2 ranks (rank r's
 #      shards in GPU r's memory, beside engine rank r) takes it over over the same-host pull
 #      transport (routes within a GPU and across the two by peer copies): each engine rank's
 #      routed bytes equal its own parameters' bytes.
-#   2. the network path (NETWORK_ENV below): faults.sh --network (a trainer killed and stopped
+#   2. the network path (below): faults.sh --network (a trainer killed and stopped
 #      mid-update over NCCL's socket transport, the control channel on a non-loopback address),
 #      then vllm_e2e.py --transport nccl --trainer-gpu 1 (TP=1 engine on GPU 0).
 #
@@ -34,10 +35,10 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export OUT
 
-usage() { sed -n '2,31p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,30p' "${BASH_SOURCE[0]}"; }
 step="${1:-}"
 case "$step" in
-  build|check|bench-tp2|bench-network) ;;
+  build|check-tp2|check-network|bench-tp2|bench-network) ;;
   -h|--help) usage; exit 0 ;;
   *) echo "two_gpu.sh: unknown step '$step'" >&2; usage >&2; exit 2 ;;
 esac
@@ -90,9 +91,11 @@ case "$step" in
       { tail -30 "$OUT/build.log"; exit 1; }
     echo "built build-gpu: $(ls build-gpu/libshadowsync_c.so build-gpu/examples/control_channel)"
     ;;
-  check)
-    runs "$OUT/check-tp2.txt" "^vllm_e2e " E2E_TIMEOUT=330 \
+  check-tp2)
+    runs "$OUT/check-tp2.txt" "^vllm_e2e " E2E_TIMEOUT=400 \
       E2E_RUNS="--arch llama --tp 2 --graph-pairs --trainer-ranks 2"
+    ;;
+  check-network)
     (network_env && bash scripts/gpu/faults.sh build-gpu --network --cycles 3) \
       >"$OUT/faults-network.log" 2>&1 || failed=$((failed + 1))
     grep -E "^fault|^faults:|^network" "$OUT/faults-network.log"
@@ -110,7 +113,7 @@ case "$step" in
     (network_env && runs "$OUT/bench-network.txt" "^bench_vllm_update.py " OUT="$OUT/network" \
       BENCH_TIMEOUT=280 BENCH_VLLM="$BENCH --transport nccl --trainer-gpu 1 --graph-pairs --budget-s 270"
      exit "$failed") || failed=$((failed + 1))
-    runs "$OUT/bench-nvlink.txt" "^bench_vllm_update.py " OUT="$OUT/nvlink" BENCH_TIMEOUT=280 \
+    [[ "${2:-}" == --nvlink ]] && runs "$OUT/bench-nvlink.txt" "^bench_vllm_update.py " OUT="$OUT/nvlink" BENCH_TIMEOUT=280 \
       BENCH_VLLM="$BENCH --transport nccl --trainer-gpu 1 --graph-pairs --budget-s 270"
     ;;
 esac
