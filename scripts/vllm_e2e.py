@@ -46,7 +46,8 @@ holding only its rows of every tensor (down_proj: its columns) and sending only 
 same-host pull transport (ShadowsyncInitInfo.trainer_ranks, after weight_update_needs); updates
 B then A, each engine rank receiving exactly the bytes its own parameters read. With CUDA, rank r
 holds its rows on GPU r mod tp (colocated with engine rank r): under --tp 2 every engine rank
-pulls routes from its own GPU and, by peer copies, from the other.
+pulls routes from its own GPU and, by peer copies, from the other. With --transport nccl the
+routes go over NCCL point-to-point from rank r on GPU --trainer-gpu + r.
 
 --transport nccl (CUDA): the trainer sends over NCCL, rank 0 of 1 + tp, from --trainer-gpu (a
 GPU none of vLLM's ranks uses: NCCL refuses two ranks of one communicator on one GPU); the
@@ -251,17 +252,21 @@ def split_regions(specs: list, count: int) -> list[list]:
 
 
 def trainer_rank(conn, rank: int, checkpoints: dict, device: str, bucket_bytes: int,
-                 adapters: dict, omit: list[str], gpu: int):
+                 adapters: dict, omit: list[str], gpu: int, nccl_gpus: list[int] | None):
     """Trainer rank `rank` of a sharded trainer: keeps only its regions of trainer_tensors_of's
-    tensors (on `device`: host memory on the CPU, GPU `gpu`'s memory with CUDA), builds the routing
-    plan from every rank's regions and the engine ranks' needs, serves the same-host pull
+    tensors (on `device`: host memory on the CPU, GPU `gpu`'s memory with CUDA), builds the
+    routing plan from every rank's regions and the engine ranks' needs, serves the same-host pull
     transport on its own path (its host or device flavour) and publishes its shards with a
-    routed Sender."""
+    routed Sender. With `nccl_gpus` (every communicator rank's GPU, trainer ranks first) the
+    routes go over NCCL point-to-point instead: rank 0 makes the unique id and the GPU names."""
     import shadowsync as ss
     from shadowsync.vllm.init_info import trainer_regions
 
     named, specs = trainer_tensors_of(checkpoints, device, adapters, omit, gpu)
-    conn.send(("specs", specs))
+    nccl = None
+    if nccl_gpus is not None and rank == 0:
+        nccl = dict(unique_id=ss.nccl_unique_id(), gpus=[ss.gpu_name(g) for g in nccl_gpus])
+    conn.send(("specs", specs, nccl))
     _, ranks = conn.recv()
     regions = trainer_regions(ranks)
     shards = {v: [(r.tensor, tensors[r.tensor][tuple(slice(b, e) for b, e in
@@ -276,10 +281,14 @@ def trainer_rank(conn, rank: int, checkpoints: dict, device: str, bucket_bytes: 
                                           for e in range(plan.engine_count)],
                plan.bytes_from_trainer(rank), sum(g.arena_bytes for g in layout.groups)))
     backend = ss.CudaBackend(gpu) if device == "cuda" else ss.HostBackend()
-    transport = ss.same_host_pull_trainer_transport(
-        ranks["paths"][rank], ranks["token"], plan, rank, plan.engine_count, backend,
-        memory="device" if device == "cuda" else "host",
-        connect_timeout_ms=ranks["connect_timeout_ms"])
+    if "nccl" in ranks:  # blocks until every engine rank joined (its init_weight_update_group)
+        transport = ss.nccl_routed_transport(ranks["nccl"]["unique_id"], plan, rank, gpu,
+                                             backend, ranks["nccl"]["gpus"])
+    else:
+        transport = ss.same_host_pull_trainer_transport(
+            ranks["paths"][rank], ranks["token"], plan, rank, plan.engine_count, backend,
+            memory="device" if device == "cuda" else "host",
+            connect_timeout_ms=ranks["connect_timeout_ms"])
     sender = ss.Sender(layout, backend, transport, routing_plan=plan, trainer_rank=rank)
     while True:
         message = conn.recv()
@@ -308,23 +317,31 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
     failures = 0
     count = args.trainer_ranks
     socket_dir = Path(tempfile.mkdtemp(prefix="ss-ranks-"))  # mode 0700
+    nccl = args.transport == "nccl"
+    # Same-host: colocated as a sharded trainer on the engine's GPUs, rank r beside engine rank
+    # r mod tp, so routes run within a GPU and, by peer copies, across them. NCCL: rank r on GPU
+    # --trainer-gpu + r, none of the engine's (NCCL refuses two ranks of one communicator on one
+    # GPU).
+    gpus = [args.trainer_gpu + r if nccl else r % args.tp for r in range(count)]
+    nccl_gpus = gpus + list(range(args.tp)) if nccl else None
     pipes, processes = [], []
     for rank in range(count):
         parent, child = ctx.Pipe()
-        # Colocated as a sharded trainer on the engine's GPUs: rank r beside engine rank r mod
-        # tp, so routes run within a GPU and, by peer copies, across them.
         process = ctx.Process(target=trainer_rank, daemon=True, args=(
             child, rank, checkpoints, args.device, args.bucket_bytes, adapters, args.omit,
-            rank % args.tp))
+            gpus[rank], nccl_gpus))
         process.start()
         child.close()
         pipes.append(parent)
         processes.append(process)
     try:
-        specs = [pipe.recv()[1] for pipe in pipes][0]
-        ranks = dict(count=count, paths=[str(socket_dir / f"rank{r}.sock") for r in range(count)],
-                     token=os.urandom(32).hex(), regions=split_regions(specs, count),
-                     connect_timeout_ms=120_000)
+        _, specs, nccl_routes = [pipe.recv() for pipe in pipes][0]
+        if nccl:
+            ranks = dict(count=count, nccl=nccl_routes, regions=split_regions(specs, count))
+        else:
+            ranks = dict(count=count, token=os.urandom(32).hex(),
+                         paths=[str(socket_dir / f"rank{r}.sock") for r in range(count)],
+                         regions=split_regions(specs, count), connect_timeout_ms=120_000)
         ranks["engine_needs"] = needs = ssv.weight_update_needs(
             llm, specs=specs, **settings, trainer_ranks=ranks)
         for pipe in pipes:
@@ -334,7 +351,9 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
         own = [sum(end - begin for _, begin, end in n) for n in needs]
         ok = all(p[1] == fingerprint for p in plans) and to_engine == own
         failures += not ok
-        log(f"{'ok  ' if ok else 'FAIL'} {count} trainer ranks built one routing plan "
+        log(f"{'ok  ' if ok else 'FAIL'} {count} trainer ranks (on "
+            f"{', '.join(f'cuda:{g}' for g in gpus) if args.device == 'cuda' else 'the cpu'}, "
+            f"{'NCCL point-to-point' if nccl else 'same-host pull'}) built one routing plan "
             f"({fingerprint:#018x}) from their regions and the engine ranks' needs: bytes per "
             f"engine rank {to_engine} (its needs {own}), per trainer rank "
             f"{[p[3] for p in plans]}, wire {wire_bytes}")
@@ -470,9 +489,8 @@ def main() -> int:
         parser.error("--quantization: vLLM's FP8 kernels run on CUDA; use --device cuda")
     if args.api and args.reinit:
         parser.error("--api: --reinit re-initializes through the worker extension; leave it out")
-    if args.trainer_ranks and (args.api or args.transport != "same-host"):
-        parser.error("--trainer-ranks: the same-host pull transport with the worker extension's "
-                     "calls (--transport same-host, no --api)")
+    if args.trainer_ranks and args.api:
+        parser.error("--trainer-ranks: the worker extension's calls (no --api)")
     if args.api and not args.backend:
         args.backend = "shadowsync"
     if args.live_arena:

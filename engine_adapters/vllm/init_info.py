@@ -29,8 +29,8 @@ __all__ = ["ShadowsyncInitInfo"]
 _SWAP_STRATEGIES = ("rebind", "copy_in", "remap")
 _COMMIT_MODES = ("auto", "coordinated")
 _SAME_HOST_KEYS = ("path", "token", "rank", "connect_timeout_ms")
-_TRAINER_RANKS_KEYS = ("count", "paths", "token", "regions", "fingerprint", "engine_needs",
-                       "connect_timeout_ms")
+_TRAINER_RANKS_KEYS = ("count", "paths", "token", "nccl", "regions", "fingerprint",
+                       "engine_needs", "connect_timeout_ms")
 
 
 @dataclasses.dataclass
@@ -51,7 +51,12 @@ class ShadowsyncInitInfo:
       begin, end], ...]], "fingerprint": the routing plan's, "connect_timeout_ms"}``.
       ``engine_needs`` are what the workers' ``weight_update_needs`` returned; with them and the
       regions every worker builds the trainers' routing plan and compares ``fingerprint``. The
-      worker is engine rank = its tensor-parallel rank (trainer_ranks.py).
+      worker is engine rank = its tensor-parallel rank (trainer_ranks.py). Trainer ranks on
+      other GPUs or hosts send over NCCL point-to-point instead: ``"nccl": {"unique_id": NCCL's
+      unique id, "gpus": [M + N GPU names, shadowsync.gpu_name() of each rank's GPU, trainer
+      ranks first]}`` in place of ``paths`` and ``token``; every trainer rank creates
+      ``shadowsync.nccl_routed_transport`` with it as communicator rank = its trainer rank, the
+      worker joins as rank M + its engine rank.
 
     What is sent:
 
@@ -296,12 +301,18 @@ def _checked_trainer_ranks(trainer_ranks: Any) -> dict:
     """``trainer_ranks`` checked, as plain data (regions as lists, needs as [group, begin, end]
     lists), so that to_rpc carries it as it is."""
     field = "ShadowsyncInitInfo.trainer_ranks"
-    if not isinstance(trainer_ranks, Mapping) or not {"count", "paths", "token",
-                                                      "regions"} <= set(trainer_ranks):
+    keys = set(trainer_ranks) if isinstance(trainer_ranks, Mapping) else set()
+    if not {"count", "regions"} <= keys or not ({"paths", "token"} <= keys or "nccl" in keys):
         raise InvalidArgumentError(
-            f"{field}: a dict with 'count', 'paths', 'token' and 'regions' (and optionally "
-            f"'engine_needs', 'fingerprint', 'connect_timeout_ms') is needed, got "
+            f"{field}: a dict with 'count', 'regions' and the transport, 'paths' and 'token' (the "
+            f"same-host pull transport) or 'nccl' (NCCL point-to-point), is needed (and "
+            f"optionally 'engine_needs', 'fingerprint', 'connect_timeout_ms'), got "
             f"{trainer_ranks!r:.200}")
+    if "nccl" in keys and keys & {"paths", "token"}:
+        raise InvalidArgumentError(
+            f"{field}: 'nccl' and {sorted(keys & {'paths', 'token'})} are both set; the trainer "
+            f"ranks send over one transport: 'nccl' for NCCL point-to-point, or 'paths' and "
+            f"'token' for the same-host pull transport")
     unknown = sorted(set(trainer_ranks) - set(_TRAINER_RANKS_KEYS))
     if unknown:
         raise InvalidArgumentError(
@@ -311,6 +322,8 @@ def _checked_trainer_ranks(trainer_ranks: Any) -> dict:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         _refuse("trainer_ranks.count", count, "an integer >= 1 (how many trainer ranks send)")
     for key, what in (("paths", "socket path"), ("regions", "list of regions")):
+        if key not in out:
+            continue  # NCCL routes: no paths
         value = out[key]
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             _refuse(f"trainer_ranks.{key}", value, f"a list of one {what} per trainer rank")
@@ -318,7 +331,10 @@ def _checked_trainer_ranks(trainer_ranks: Any) -> dict:
             raise InvalidArgumentError(
                 f"{field}: count is {count}, but {key} has {len(value)} entries, one per "
                 f"trainer rank is needed (a rank missing, or one too many)")
-    out["paths"] = [os.fspath(p) for p in out["paths"]]
+    if "nccl" in out:
+        out["nccl"] = _checked_nccl_routes(out["nccl"], count)
+    else:
+        out["paths"] = [os.fspath(p) for p in out["paths"]]
     out["regions"] = [[region_data(r) for r in regions] for regions in trainer_regions(out)]
     fingerprint = out.get("fingerprint")
     if fingerprint is not None and (isinstance(fingerprint, bool)
@@ -336,6 +352,26 @@ def _checked_trainer_ranks(trainer_ranks: Any) -> dict:
                     "a list of each engine rank's needs (what weight_update_needs returned)")
         out["engine_needs"] = [_needs(rank, ranges) for rank, ranges in enumerate(needs)]
     return out
+
+
+def _checked_nccl_routes(nccl: Any, count: int) -> dict:
+    """``trainer_ranks["nccl"]`` checked, as plain data (the unique id as base64 text)."""
+    where = "trainer_ranks.nccl"
+    if not isinstance(nccl, Mapping) or set(nccl) != {"unique_id", "gpus"}:
+        _refuse(where, nccl, "a dict {'unique_id': shadowsync.nccl_unique_id(), 'gpus': [the "
+                             "GPU name of every communicator rank, trainer ranks first]}")
+    gpus = nccl["gpus"]
+    if (isinstance(gpus, (str, bytes)) or not isinstance(gpus, (list, tuple))
+            or not all(isinstance(g, str) and g for g in gpus)):
+        _refuse(f"{where}.gpus", gpus, "a list of GPU names (shadowsync.gpu_name(device) of each "
+                                       "rank's GPU), trainer ranks first, then engine ranks")
+    if len(gpus) <= count:
+        raise InvalidArgumentError(
+            f"ShadowsyncInitInfo.{where}.gpus holds {len(gpus)} names, but {count} trainer ranks "
+            f"and at least one engine rank need more: name the GPU of every communicator rank, "
+            f"the {count} trainer ranks first, then each engine rank")
+    unique_id = _unique_id_bytes(nccl["unique_id"])
+    return {"unique_id": base64.b64encode(unique_id).decode("ascii"), "gpus": list(gpus)}
 
 
 def _needs(rank: int, ranges: Any) -> list[list[int]]:

@@ -259,8 +259,9 @@ def connect_update_group(worker, planned: PlannedGroup, transport: Transport | N
         transport = _same_host_receiver(info.same_host, rank_offset, getattr(worker, "rank", 0),
                                         backend)
     if transport is None and planned.routing is not None:
-        transport = trainer_ranks.connect(info.trainer_ranks, planned.routing,
-                                          planned.engine_rank, backend)
+        transport = trainer_ranks.connect(
+            info.trainer_ranks, planned.routing, planned.engine_rank, backend,
+            None if device == "cpu" else int(device.split(":")[1]))
 
     receiver = Receiver(layout, backend, transport, receiver_config, engine_stream=stream,
                         plan=plan,

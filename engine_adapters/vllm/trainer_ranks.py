@@ -1,6 +1,6 @@
 """A worker fed by a sharded trainer (ShadowsyncInitInfo.trainer_ranks; DESIGN §14): every
 trainer rank sends only the bytes it holds, and each worker receives only the bytes its own
-(tensor-parallel) parameters read, over the same-host pull transport.
+(tensor-parallel) parameters read, over the same-host pull transport or NCCL point-to-point.
 
 Two RPCs, because each side needs the other's half of the routing plan:
 
@@ -24,7 +24,10 @@ from shadowsync.layout import Layout
 from shadowsync.regions import WireRange
 from shadowsync.routing import RoutingPlan
 from shadowsync.sharded_publisher import engine_routing_plan
-from shadowsync.transport import Transport, same_host_pull_engine_transport
+from shadowsync.transport import Transport, nccl_routed_transport, \
+    same_host_pull_engine_transport
+
+from .rpc_bytes import bytes_from_rpc
 
 __all__ = ["connect", "from_engine_setup", "routing_plan"]
 
@@ -86,9 +89,22 @@ def routing_plan(wire: Layout, trainer_ranks: dict, engine_rank: int, engine_cou
     return engine_routing_plan(trainer_ranks, wire=wire, what=what)[1]
 
 
-def connect(trainer_ranks: dict, plan: RoutingPlan, engine_rank: int, backend) -> Transport:
-    """Engine rank `engine_rank`'s end of the same-host pull transport: connects to every
-    trainer rank's path (they serve it once they built the plan)."""
+def connect(trainer_ranks: dict, plan: RoutingPlan, engine_rank: int, backend,
+            device: int | None) -> Transport:
+    """Engine rank `engine_rank`'s end of the trainer ranks' transport: with ``nccl``, joins
+    their NCCL communicator as rank M + engine_rank on CUDA device `device` (None: a CPU
+    worker, refused); else connects to every trainer rank's path of the same-host pull
+    transport (they serve it once they built the plan)."""
+    nccl = trainer_ranks.get("nccl")
+    if nccl is not None:
+        if device is None:
+            raise InvalidArgumentError(
+                "init_weight_update_group: trainer_ranks.nccl: NCCL routes need GPU workers, and "
+                "this engine runs on the CPU; give the trainer ranks' 'paths' and 'token' (the "
+                "same-host pull transport) instead")
+        return nccl_routed_transport(bytes_from_rpc(nccl["unique_id"]), plan,
+                                     plan.trainer_count + engine_rank, device, backend,
+                                     nccl["gpus"])
     return same_host_pull_engine_transport(
         trainer_ranks["paths"], trainer_ranks["token"], plan, engine_rank, backend,
         connect_timeout_ms=trainer_ranks.get("connect_timeout_ms"))

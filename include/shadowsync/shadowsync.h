@@ -390,6 +390,22 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_unique_id(
 SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_transport_create(
     const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int world_size, int device,
     const shadowsync_nccl_config_t* config, shadowsync_transport_t* transport);
+/* NcclTransport::create_routed (DESIGN.md section 14): a sharded trainer's routes over NCCL
+ * point-to-point, one group of sends and receives per bucket. Communicator rank `rank` of the
+ * plan's M trainer ranks and N engine ranks, trainer ranks first (rank < M: trainer rank `rank`;
+ * else engine rank rank - M), on CUDA device `device`; every rank calls it with the same `id` and
+ * plan, and it blocks until all M + N joined (config->init_timeout_ms). `gpus` holds `gpu_count`
+ * = M + N names, one per communicator rank in that order, each unique to its GPU across the hosts
+ * (such as the host name and the device's UUID): two ranks on one GPU are refused, naming both
+ * (SHADOWSYNC_INVALID_ARGUMENT; NCCL cannot connect them: the same-host pull transport serves a
+ * trainer and an engine on one GPU). An engine rank allocates its landing buffer (the plan's
+ * largest bucket of routes into it) from `backend`. It moves routes only: give it to a trainer
+ * rank's sender with the plan, or to an engine rank's receiver with the plan. The transport keeps
+ * `plan` and `backend` alive. config may be NULL. SHADOWSYNC_NOT_SUPPORTED without CUDA. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_routed_transport_create(
+    const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int device,
+    shadowsync_routing_plan_t plan, shadowsync_backend_t backend, const char* const* gpus,
+    size_t gpu_count, const shadowsync_nccl_config_t* config, shadowsync_transport_t* transport);
 /* The NCCL library the NCCL transport uses (NcclTransport::library(); nccl_transport.h says where
  * it looks; SHADOWSYNC_NCCL_LIBRARY=<path> chooses one). Loads it if no call did yet, and then
  * prints one line on stderr unless SHADOWSYNC_NCCL_QUIET=1. Writes the library's path,

@@ -67,6 +67,47 @@ std::string_view token_arg(const void* token, std::size_t token_bytes) {
                           : std::string_view(static_cast<const char*>(token), token_bytes);
 }
 
+shadowsync_nccl_config_t nccl_config_arg(const shadowsync_nccl_config_t* config) {
+  shadowsync_nccl_config_t defaults = SHADOWSYNC_NCCL_CONFIG_INITIALIZER;
+  return read_config(config, defaults, "shadowsync_nccl_config_t");
+}
+
+#if defined(SHADOWSYNC_WITH_CUDA)
+NcclTransportConfig nccl_config(const shadowsync_nccl_config_t& c) {
+  NcclTransportConfig cpp;
+  cpp.max_ctas = read_int(c.max_ctas, cpp.max_ctas);
+  cpp.min_ctas = read_int(c.min_ctas, cpp.min_ctas);
+  cpp.cga_cluster_size = read_int(c.cga_cluster_size, cpp.cga_cluster_size);
+  cpp.init_timeout = read_int64(c.init_timeout_ms, cpp.init_timeout);
+  cpp.enqueue_timeout = read_int64(c.enqueue_timeout_ms, cpp.enqueue_timeout);
+  cpp.finalize_timeout = read_int64(c.finalize_timeout_ms, cpp.finalize_timeout);
+  return cpp;
+}
+
+NcclUniqueId unique_id_arg(const uint8_t* id) {
+  NcclUniqueId unique;
+  std::memcpy(unique.bytes.data(), id, unique.bytes.size());
+  return unique;
+}
+#endif
+
+// `count` strings at `values` (NULL only with a count of 0), each named "NAME[i]" when NULL.
+std::vector<std::string> string_list_arg(const char* const* values, std::size_t count,
+                                         std::string_view name) {
+  if (values == nullptr && count != 0) {
+    throw_invalid(fmt::format("'{}' is NULL but the count is {}", name, count));
+  }
+  constexpr std::size_t kMaxEntries = 65536;  // a corrupt count must not allocate gigabytes
+  if (count > kMaxEntries) {
+    throw_invalid(fmt::format("'{}' count is {}, more than {}", name, count, kMaxEntries));
+  }
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < count; ++i) {
+    out.push_back(string_arg(values[i], fmt::format("{}[{}]", name, i)));
+  }
+  return out;
+}
+
 SameHostConfig same_host_config(std::int64_t connect_timeout_ms) {
   SameHostConfig config;
   if (connect_timeout_ms < 0) {
@@ -208,25 +249,47 @@ shadowsync_status_t shadowsync_nccl_transport_create(
   return guard(__func__, [&] {
     auto& out = out_arg(transport, "transport");
     if (id == nullptr) throw_invalid("'id' is NULL");
-    shadowsync_nccl_config_t defaults = SHADOWSYNC_NCCL_CONFIG_INITIALIZER;
-    const shadowsync_nccl_config_t c = read_config(config, defaults, "shadowsync_nccl_config_t");
+    const shadowsync_nccl_config_t c = nccl_config_arg(config);
 #if defined(SHADOWSYNC_WITH_CUDA)
-    NcclTransportConfig cpp;
-    cpp.max_ctas = read_int(c.max_ctas, cpp.max_ctas);
-    cpp.min_ctas = read_int(c.min_ctas, cpp.min_ctas);
-    cpp.cga_cluster_size = read_int(c.cga_cluster_size, cpp.cga_cluster_size);
-    cpp.init_timeout = read_int64(c.init_timeout_ms, cpp.init_timeout);
-    cpp.enqueue_timeout = read_int64(c.enqueue_timeout_ms, cpp.enqueue_timeout);
-    cpp.finalize_timeout = read_int64(c.finalize_timeout_ms, cpp.finalize_timeout);
-    NcclUniqueId unique;
-    std::memcpy(unique.bytes.data(), id, unique.bytes.size());
-    out = add_transport(NcclTransport::create(unique, rank, world_size, device, cpp));
+    out = add_transport(
+        NcclTransport::create(unique_id_arg(id), rank, world_size, device, nccl_config(c)));
 #else
     (void)c;
     (void)out;
     throw_not_supported(fmt::format("NCCL transport (rank {} of {}, device {}): this library was "
                                     "built without CUDA/NCCL",
                                     rank, world_size, device));
+#endif
+  });
+}
+
+shadowsync_status_t shadowsync_nccl_routed_transport_create(
+    const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int device,
+    shadowsync_routing_plan_t plan, shadowsync_backend_t backend, const char* const* gpus,
+    size_t gpu_count, const shadowsync_nccl_config_t* config, shadowsync_transport_t* transport) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(transport, "transport");
+    if (id == nullptr) throw_invalid("'id' is NULL");
+    const shadowsync_nccl_config_t c = nccl_config_arg(config);
+    NcclRouteConfig route_config;
+    route_config.gpus = string_list_arg(gpus, gpu_count, "gpus");
+    auto plan_object = lookup<RoutingPlanObject>(plan, "plan");
+    auto backend_object = lookup<BackendObject>(backend, "backend");
+#if defined(SHADOWSYNC_WITH_CUDA)
+    // The transport shares the plan handle's object and keeps the backend (its landing buffer's)
+    // alive: the caller may destroy both handles.
+    std::shared_ptr<const RoutingPlan> routing(plan_object, &plan_object->plan);
+    std::unique_ptr<Transport> made = NcclTransport::create_routed(
+        unique_id_arg(id), rank, device, std::move(routing), plan_object->wire,
+        *backend_object->backend, std::move(route_config), nccl_config(c));
+    out = add_transport(
+        std::make_unique<ForwardingTransport>(std::move(made), std::move(backend_object)));
+#else
+    (void)c;
+    (void)out;
+    throw_not_supported(fmt::format("NCCL routed transport (communicator rank {} of {}, device {}): "
+                                    "this library was built without CUDA/NCCL",
+                                    rank, route_config.gpus.size(), device));
 #endif
   });
 }
@@ -335,17 +398,7 @@ shadowsync_status_t shadowsync_same_host_pull_connect(
     int64_t connect_timeout_ms, shadowsync_transport_t* transport) {
   return guard(__func__, [&] {
     auto& out = out_arg(transport, "transport");
-    if (paths == nullptr && count != 0) {
-      throw_invalid(fmt::format("'paths' is NULL but the count is {}", count));
-    }
-    constexpr std::size_t kMaxPaths = 65536;  // a corrupt count must not allocate gigabytes
-    if (count > kMaxPaths) {
-      throw_invalid(fmt::format("count is {}, more than {}", count, kMaxPaths));
-    }
-    std::vector<std::string> trainer_paths;
-    for (std::size_t i = 0; i < count; ++i) {
-      trainer_paths.push_back(string_arg(paths[i], fmt::format("paths[{}]", i)));
-    }
+    const std::vector<std::string> trainer_paths = string_list_arg(paths, count, "paths");
     const std::string_view secret = token_arg(token, token_bytes);
     auto plan_object = lookup<RoutingPlanObject>(plan, "plan");
     // The trainer ranks' flavour decides which backend pulls: the transport refuses a mismatch

@@ -142,6 +142,80 @@ def nccl_transport(
     return Transport(handle.value, f"nccl rank {rank} of {world_size} on cuda:{device}")
 
 
+def nccl_routed_transport(
+    unique_id: bytes,
+    plan,
+    rank: int,
+    device: int,
+    backend: Backend,
+    gpus,
+    config: NcclConfig | None = None,
+) -> Transport:
+    """A sharded trainer's routes over NCCL point-to-point (DESIGN §14): communicator rank `rank`
+    of the routing plan's M trainer ranks and N engine ranks, trainer ranks first (rank < M:
+    trainer rank `rank`, give it to that rank's Sender with the plan; else engine rank rank - M,
+    give it to its Receiver with the plan), on CUDA device `device`. Every rank calls it with the
+    same `unique_id` and plan; it blocks until all M + N joined (init_timeout_ms).
+
+    `gpus`: M + N names, one per communicator rank in that order, each unique to its GPU across
+    the hosts (``gpu_name(device)`` gives the host name and the device's UUID): two ranks on one
+    GPU are refused, naming both (NCCL cannot connect them; the same-host pull transport serves a
+    trainer rank and an engine rank on one GPU). An engine rank allocates its landing buffer (the
+    plan's largest bucket of routes into it) from `backend`. NotSupportedError without CUDA."""
+    what = f"nccl_routed_transport(rank={rank!r}, device={device!r})"
+    plan = _routing_plan_arg(plan, what)
+    world = plan.trainer_count + plan.engine_count
+    rank = _int_arg(rank, "rank", what, 0, world - 1)
+    device = _int_arg(device, "device", what, 0, 65535)
+    if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__len__"):
+        raise InvalidArgumentError(
+            f"{what}: gpus must be a list of {world} GPU names (one per communicator rank, "
+            f"trainer ranks first), not {gpus!r:.100}"
+        )
+    names = [str(g).encode() for g in gpus]
+    if len(names) != world:
+        raise InvalidArgumentError(
+            f"{what}: gpus holds {len(names)} names, but the plan's communicator has {world} "
+            f"ranks ({plan.trainer_count} trainer and {plan.engine_count} engine ranks): name "
+            f"the GPU of every rank, trainer ranks first"
+        )
+    require_cuda(what)
+    unique_id = bytes(unique_id)
+    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        raise InvalidArgumentError(
+            f"{what}: NCCL unique id of {len(unique_id)} bytes, expected {NCCL_UNIQUE_ID_BYTES}"
+        )
+    id_buffer = (c_uint8 * NCCL_UNIQUE_ID_BYTES).from_buffer_copy(unique_id)
+    c_config = config._to_c() if config is not None else None
+    c_gpus = (c_char_p * len(names))(*names)
+    handle = c_void_p()
+    call(
+        "shadowsync_nccl_routed_transport_create",
+        id_buffer,
+        rank,
+        device,
+        plan.handle,
+        backend.handle,
+        c_gpus,
+        len(names),
+        byref(c_config) if c_config is not None else None,
+        byref(handle),
+    )
+    role = (f"trainer rank {rank}" if rank < plan.trainer_count
+            else f"engine rank {rank - plan.trainer_count}")
+    return Transport(handle.value, f"nccl routes, {role} on cuda:{device}")
+
+
+def gpu_name(device: int) -> str:
+    """A name unique to CUDA device `device` across hosts, for nccl_routed_transport's `gpus`:
+    the host name and the device's UUID (through torch, which must be installed)."""
+    import socket
+
+    import torch
+
+    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
+
+
 # --- same host ------------------------------------------------------------------------------
 
 _INT64_MAX = 2**63 - 1

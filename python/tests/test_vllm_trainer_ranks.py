@@ -203,3 +203,58 @@ def test_bad_set_ups_are_refused_by_name_before_anything_connects(paths):
     whole = info(paths, **good)
     whole["receiver_config"] = ss.ReceiverConfig(require_checksums=True)
     assert "routed updates carry no checksums yet" in refused(paths, whole=whole)
+
+
+def nccl_info(paths, nccl, **extra) -> dict:
+    """info() with the trainer ranks on NCCL point-to-point instead of the same-host pull."""
+    whole = info(paths, **extra)
+    ranks = whole["trainer_ranks"]
+    del ranks["paths"], ranks["token"]
+    ranks["nccl"] = nccl
+    return whole
+
+
+def test_nccl_routes_are_refused_by_name_where_they_cannot_run(paths):
+    layout = ss.Layout(SPECS, bucket_bytes=BUCKET_BYTES)
+    needs = weight_update_needs(FrontEnd(FakeWorker()), info(paths))
+    plan = ss.RoutingPlan(layout, REGIONS, [[ss.WireRange(*r) for r in needs[0]]])
+    good = dict(engine_needs=needs, fingerprint=plan.fingerprint)
+    gpus = ["host/GPU-0", "host/GPU-1", "host/GPU-2"]
+    nccl = dict(unique_id=bytes(range(128)), gpus=gpus)
+    # One transport or the other.
+    whole = nccl_info(paths, nccl, **good)
+    whole["trainer_ranks"]["token"] = TOKEN
+    assert "'nccl' and ['token'] are both set; the trainer ranks send over one transport" in \
+        refused(paths, whole=whole)
+    # Every communicator rank's GPU named: 2 trainer ranks and the engine's.
+    message = refused(paths, whole=nccl_info(paths, dict(nccl, gpus=gpus[:2]), **good))
+    assert "trainer_ranks.nccl.gpus holds 2 names, but 2 trainer ranks and at least one engine " \
+           "rank need more" in message, message
+    message = refused(paths, whole=nccl_info(paths, dict(nccl, unique_id=b"short"), **good))
+    assert "the 128 bytes of shadowsync.nccl_unique_id()" in message, message
+    # A worker on the CPU: NCCL routes need GPU workers (after planning, before anything joins).
+    message = refused(paths, whole=nccl_info(paths, nccl, **good))
+    assert "trainer_ranks.nccl: NCCL routes need GPU workers, and this engine runs on the CPU; " \
+           "give the trainer ranks' 'paths' and 'token'" in message, message
+
+
+def test_an_nccl_routed_transport_names_a_gpu_list_of_another_size():
+    layout = ss.Layout(SPECS, bucket_bytes=BUCKET_BYTES)
+    plan = ss.RoutingPlan(layout, REGIONS, [[ss.WireRange(t.group_index, t.offset,
+                                                          t.offset + t.bytes)
+                                             for g in layout.groups for t in g.tensors]])
+    with pytest.raises(ss.InvalidArgumentError) as caught:
+        ss.nccl_routed_transport(bytes(128), plan, 0, 0, ss.HostBackend(), ["a", "b"])
+    assert "gpus holds 2 names, but the plan's communicator has 3 ranks (2 trainer and 1 " \
+           "engine ranks): name the GPU of every rank, trainer ranks first" in str(caught.value)
+    with pytest.raises(ss.InvalidArgumentError) as caught:
+        ss.nccl_routed_transport(bytes(128), plan, 3, 0, ss.HostBackend(), ["a", "b", "c"])
+    assert "nccl_routed_transport(rank=3, device=0): rank is 3, expected 0..2" in \
+        str(caught.value), str(caught.value)
+    # NCCL moves device memory: a host backend is refused (a library without CUDA refuses it all).
+    error = ss.InvalidArgumentError if ss.has_cuda() else ss.NotSupportedError
+    with pytest.raises(error) as caught:
+        ss.nccl_routed_transport(bytes(128), plan, 0, 0, ss.HostBackend(), ["a", "b", "c"])
+    if ss.has_cuda():
+        assert "backend 'host' given; NCCL moves device memory: give the CUDA backend of " \
+               "device 0" in str(caught.value), str(caught.value)

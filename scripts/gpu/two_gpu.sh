@@ -7,6 +7,7 @@
 #   bash scripts/gpu/run.sh two-gpu build      build-gpu/: the library and examples/control_channel
 #   bash scripts/gpu/run.sh two-gpu check-tp2      correctness run 1 (below), against fresh vLLM
 #   bash scripts/gpu/run.sh two-gpu check-network  correctness run 2 (below), against fresh vLLM
+#   bash scripts/gpu/run.sh two-gpu check-routes   correctness run 3 (below), against fresh vLLM
 #   bash scripts/gpu/run.sh two-gpu bench-tp2  Llama-3-8B shapes, TP=2, graph pairs, paced to a
 #                                              decode slowdown of 1.08; then a sharded trainer of
 #                                              2 ranks takes the same engine over
@@ -23,6 +24,10 @@
 #   2. the network path (below): faults.sh --network (a trainer killed and stopped
 #      mid-update over NCCL's socket transport, the control channel on a non-loopback address),
 #      then vllm_e2e.py --transport nccl --trainer-gpu 1 (TP=1 engine on GPU 0).
+#   3. NCCL routes: vllm_e2e.py --transport nccl --trainer-gpu 1 --trainer-ranks 1: after the
+#      updates of one trainer over NCCL broadcasts, a sharded trainer's rank on GPU 1 sends its
+#      routes over NCCL point-to-point into the TP=1 engine on GPU 0 (with two GPUs one trainer
+#      rank is all NCCL allows beside the engine's GPU).
 #
 # The network path: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1, NCCL's sockets on the
 # machine's first non-loopback interface (NCCL_SOCKET_IFNAME), as between two hosts.
@@ -35,10 +40,10 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export OUT
 
-usage() { sed -n '2,30p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,35p' "${BASH_SOURCE[0]}"; }
 step="${1:-}"
 case "$step" in
-  build|check-tp2|check-network|bench-tp2|bench-network) ;;
+  build|check-tp2|check-network|check-routes|bench-tp2|bench-network) ;;
   -h|--help) usage; exit 0 ;;
   *) echo "two_gpu.sh: unknown step '$step'" >&2; usage >&2; exit 2 ;;
 esac
@@ -103,6 +108,10 @@ case "$step" in
     network_env || exit $((failed + 1))
     runs "$OUT/check-network.txt" "^vllm_e2e " OUT="$OUT/network" E2E_TIMEOUT=240 \
       E2E_RUNS="--arch llama --transport nccl --trainer-gpu 1"
+    ;;
+  check-routes)
+    runs "$OUT/check-routes.txt" "^vllm_e2e " E2E_TIMEOUT=400 \
+      E2E_RUNS="--arch llama --transport nccl --trainer-gpu 1 --trainer-ranks 1"
     ;;
   bench-tp2)
     runs "$OUT/bench-tp2.txt" "^bench_vllm_update.py " BENCH_TIMEOUT=560 BENCH_TAIL=60 \
