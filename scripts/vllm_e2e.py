@@ -351,12 +351,12 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
         own = [sum(end - begin for _, begin, end in n) for n in needs]
         ok = all(p[1] == fingerprint for p in plans) and to_engine == own
         failures += not ok
-        log(f"{'ok  ' if ok else 'FAIL'} {count} trainer ranks (on "
-            f"{', '.join(f'cuda:{g}' for g in gpus) if args.device == 'cuda' else 'the cpu'}, "
-            f"{'NCCL point-to-point' if nccl else 'same-host pull'}) built one routing plan "
+        log(f"{'ok  ' if ok else 'FAIL'} {count} trainer ranks built one routing plan "
             f"({fingerprint:#018x}) from their regions and the engine ranks' needs: bytes per "
             f"engine rank {to_engine} (its needs {own}), per trainer rank "
-            f"{[p[3] for p in plans]}, wire {wire_bytes}")
+            f"{[p[3] for p in plans]}, wire {wire_bytes}; the ranks on "
+            f"{', '.join(f'cuda:{g}' for g in gpus) if args.device == 'cuda' else 'the cpu'}, "
+            f"over {'NCCL point-to-point' if nccl else 'the same-host pull transport'}")
         try:
             ssv.init_weight_update_group(llm, specs=specs, **settings, trainer_ranks=dict(
                 ranks, fingerprint=fingerprint ^ 1))
