@@ -364,7 +364,8 @@ TEST_CASE("NCCL routes: refusals post nothing; a failure inside a group still cl
   backend.stream_synchronize(*stream);
 }
 
-TEST_CASE("NcclTransport::create_routed refuses replicas and two ranks on one GPU before NCCL") {
+TEST_CASE("NcclTransport::create_routed refuses replicas, two ranks on one GPU and a host "
+          "backend before NCCL") {
   const Layout wire = wire_layout();
   const auto routing = std::make_shared<const RoutingPlan>(routing_plan(wire, 2, 1));
   HostBackend backend;
@@ -381,6 +382,12 @@ TEST_CASE("NcclTransport::create_routed refuses replicas and two ranks on one GP
                                             {{"h/GPU-0", "h/GPU-1", "h/GPU-2"}, 2});
              }),
              Catch::Matchers::Contains("2 engine replicas: not supported yet"));
+  CHECK(message_of([&] {
+          NcclTransport::create_routed(id, 2, 0, routing, wire, backend,
+                                       {{"h/GPU-0", "h/GPU-1", "h/GPU-2"}});
+        }) ==
+        "NcclTransport::create_routed: backend 'host' given; NCCL moves device memory: give the "
+        "CUDA backend of device 0");
 }
 
 #else

@@ -231,15 +231,15 @@ std::unique_ptr<NcclTransport> NcclTransport::create_routed(const NcclUniqueId& 
                             "replica, or the same-host pull transport on one host",
                             route_config.replicas));
   }
+  // Before NCCL: its own refusal of two ranks on one GPU comes only after every rank joined,
+  // and names neither role.
+  check_p2p_gpus(*plan, route_config.gpus);
   if (backend.name() != "cuda") {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("NcclTransport::create_routed: backend '{}' given; NCCL moves device "
                             "memory: give the CUDA backend of device {}",
                             backend.name(), device));
   }
-  // Before NCCL: its own refusal of two ranks on one GPU comes only after every rank joined,
-  // and names neither role.
-  check_p2p_gpus(*plan, route_config.gpus);
   const int world_size = plan->trainer_count() + plan->engine_count();
   std::unique_ptr<NcclTransport> transport = create(id, rank, world_size, device, config);
   transport->p2p_ = std::make_unique<P2p>(*transport);
