@@ -309,10 +309,9 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
     trainer: M rank processes, weight_update_needs, each rank's routing plan, a wrong
     fingerprint refused naming both, init with trainer_ranks, updates B then A (check and
     update are main's: the answers, the coordinated commit under TP), each engine rank's routed
-    bytes == its own needs. Returns the failures."""
+    bytes == its own needs. Then a trainer rank is SIGKILLed mid-update (trainer_rank_killed),
+    and a restarted trainer's update applies. Returns the failures."""
     import shutil
-
-    import shadowsync.vllm as ssv
 
     failures = 0
     count = args.trainer_ranks
@@ -323,24 +322,30 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
     # --trainer-gpu + r, none of the engine's (NCCL refuses two ranks of one communicator on one
     # GPU).
     gpus = [args.trainer_gpu + r if nccl else r % args.tp for r in range(count)]
-    nccl_gpus = gpus + list(range(args.tp)) if nccl else None
-    pipes, processes = [], []
-    for rank in range(count):
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=trainer_rank, daemon=True, args=(
-            child, rank, checkpoints, args.device, args.bucket_bytes, adapters, args.omit,
-            gpus[rank], nccl_gpus))
-        process.start()
-        child.close()
-        pipes.append(parent)
-        processes.append(process)
-    try:
+    processes: list = []
+
+    def set_up(name: str, refuse_another_plan: bool):
+        """M rank processes joined to the engine (its group closed): their pipes, the bytes to
+        each engine rank and the wire's bytes. Logs a failure into `failures`."""
+        import shadowsync.vllm as ssv
+
+        nonlocal failures
+        pipes = []
+        for rank in range(count):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=trainer_rank, daemon=True, args=(
+                child, rank, checkpoints, args.device, args.bucket_bytes, adapters, args.omit,
+                gpus[rank], gpus + list(range(args.tp)) if nccl else None))
+            process.start()
+            child.close()
+            pipes.append(parent)
+            processes.append(process)
         _, specs, nccl_routes = [pipe.recv() for pipe in pipes][0]
         if nccl:
             ranks = dict(count=count, nccl=nccl_routes, regions=split_regions(specs, count))
         else:
-            ranks = dict(count=count, token=os.urandom(32).hex(),
-                         paths=[str(socket_dir / f"rank{r}.sock") for r in range(count)],
+            paths = [str(socket_dir / f"{name}-rank{r}.sock") for r in range(count)]
+            ranks = dict(count=count, token=os.urandom(32).hex(), paths=paths,
                          regions=split_regions(specs, count), connect_timeout_ms=120_000)
         ranks["engine_needs"] = needs = ssv.weight_update_needs(
             llm, specs=specs, **settings, trainer_ranks=ranks)
@@ -357,21 +362,25 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
             f"{[p[3] for p in plans]}, wire {wire_bytes}; the ranks on "
             f"{', '.join(f'cuda:{g}' for g in gpus) if args.device == 'cuda' else 'the cpu'}, "
             f"over {'NCCL point-to-point' if nccl else 'the same-host pull transport'}")
-        try:
-            ssv.init_weight_update_group(llm, specs=specs, **settings, trainer_ranks=dict(
-                ranks, fingerprint=fingerprint ^ 1))
-            refused = "not refused"
-        except Exception as error:  # noqa: BLE001 - the message is what is checked
-            refused = str(error)
-        ok = (f"differs from the trainers' ({fingerprint ^ 1:#018x})" in refused
-              and not any(llm.collective_rpc("has_weight_update_group")))
-        failures += not ok
-        log(f"{'ok  ' if ok else 'FAIL'} a routing plan of another fingerprint refused, nothing "
-            f"set up: {refused[:200]}")
+        if refuse_another_plan:
+            try:
+                ssv.init_weight_update_group(llm, specs=specs, **settings, trainer_ranks=dict(
+                    ranks, fingerprint=fingerprint ^ 1))
+                refused = "not refused"
+            except Exception as error:  # noqa: BLE001 - the message is what is checked
+                refused = str(error)
+            ok = (f"differs from the trainers' ({fingerprint ^ 1:#018x})" in refused
+                  and not any(llm.collective_rpc("has_weight_update_group")))
+            failures += not ok
+            log(f"{'ok  ' if ok else 'FAIL'} a routing plan of another fingerprint refused, "
+                f"nothing set up: {refused[:200]}")
         ssv.init_weight_update_group(llm, specs=specs, **settings,
                                      trainer_ranks=dict(ranks, fingerprint=fingerprint))
+        return TrainerRanks(pipes), to_engine, wire_bytes
+
+    try:
+        group, to_engine, wire_bytes = set_up("first", refuse_another_plan=True)
         check("after the sharded trainer's set-up", "A")
-        group = TrainerRanks(pipes)
         update(group, 1, 1, "B")
         update(group, 2, 2, "A")
         stats = llm.collective_rpc("weight_update_stats")
@@ -382,7 +391,22 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
         log(f"{'ok  ' if ok else 'FAIL'} routed bytes per engine rank {routed}: its own needs "
             f"{to_engine}, of {wire_bytes} wire bytes, from {count} trainer ranks")
         ranks_agree()
-        group.send(("stop",))
+        if count == 1:  # the one rank's bytes could all land before it dies
+            log("skip a trainer rank killed mid-update: one trainer rank")
+            group.send(("stop",))
+            last = "A"
+        else:
+            failures += trainer_rank_killed(llm, group, processes[-1], 3, check)
+            for process in processes:  # the rest of the killed trainer
+                process.kill()
+                process.join(60)
+            llm.collective_rpc("close_weight_update_group")
+            check("after the killed trainer's close", "A")
+            group, *_ = set_up("restarted", refuse_another_plan=False)
+            update(group, 4, 1, "B")
+            ranks_agree()
+            group.send(("stop",))
+            last = "B"
     finally:
         for process in processes:
             process.join(60)
@@ -390,8 +414,39 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
                 process.kill()
         shutil.rmtree(socket_dir, ignore_errors=True)
     llm.collective_rpc("close_weight_update_group")
-    check("after the sharded trainer's close", "A")
+    check("after the sharded trainer's close", last)
     return failures
+
+
+def trainer_rank_killed(llm, group, victim, version: int, check) -> int:
+    """A trainer rank SIGKILLed mid-update: every rank but `victim` (the last) publishes
+    checkpoint 1 as `version`, the engine begins the update, `victim` is killed before it sends.
+    Every engine rank must count the update failed (within 120 s, the engine generating
+    meanwhile: NCCL routes wait for their bucket deadline), none may hold it ready, and the answers must still be A's: nothing went live.
+    Returns the failures (0 or 1)."""
+    before = [int(s["updates_failed"]) for s in llm.collective_rpc("weight_update_stats")]
+    for pipe in group.pipes[:-1]:
+        pipe.send(("publish", version, 1))
+    header = group.pipes[0].recv()[1]
+    llm.collective_rpc("begin_update", args=(header, False))
+    victim.kill()
+    victim.join(60)
+    deadline = time.monotonic() + 120
+    while True:
+        stats = llm.collective_rpc("weight_update_stats")
+        failed = [int(s["updates_failed"]) - b for s, b in zip(stats, before)]
+        if all(f == 1 for f in failed) or time.monotonic() > deadline:
+            break
+        greedy(llm, None)  # the engine keeps generating while it waits
+    ready = [int(v) for v in llm.collective_rpc("ready_version")]
+    applied = [int(s["applied_version"]) for s in llm.collective_rpc("step_versions")]
+    ok = all(f == 1 for f in failed) and version not in ready and max(applied) < version
+    errors = {str(s.get("last_update_error"))[:160] for s in stats}
+    log(f"{'ok  ' if ok else 'FAIL'} trainer rank {len(group.pipes) - 1} SIGKILLed mid-update "
+        f"{version}: failed on every engine rank {failed}, ready {ready}, applied {applied}; "
+        f"{sorted(errors)}")
+    check(f"after a trainer rank was killed mid-update {version}", "A")
+    return 0 if ok else 1
 
 
 class TrainerRanks:

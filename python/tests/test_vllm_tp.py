@@ -6,7 +6,9 @@ on every rank and flips none); the ranks' step versions agree at every step and 
 equal a fresh TP=2 vLLM of the new checkpoint, back and forth, and still do after
 close_weight_update_group. Last, a sharded trainer of two rank processes (--trainer-ranks 2) takes
 the engine over, each rank sending only its shards over the same-host pull transport, and each
-engine rank receiving only its own parameters' bytes. Before that, a set-up the workers refuse is raised on the front end
+engine rank receiving only its own parameters' bytes; then one of its ranks is SIGKILLed
+mid-update (the update fails on both engine ranks, nothing goes live) and a restarted trainer's
+update applies. Before that, a set-up the workers refuse is raised on the front end
 and leaves every rank as it was. --reinit: a third update leaves the engine on B, the close keeps
 it, and a second group with a new trainer commits one more (update 5; update 4 is the
 self-checked one).
@@ -34,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Stages whose answers are checked: before set-up, after the refused set-up, after set-up, after
 # each of the 5 updates, after each of the 2 closes, after the second set-up; then the sharded
-# trainer's: after its set-up, after each of its 2 updates, after its close.
-STAGES = 11 + 4
-UPDATES = 5 + 2
+# trainer's: after its set-up, after each of its 2 updates, after a rank was killed mid-update,
+# after that group's close, after the restarted trainer's update, after its close.
+STAGES = 11 + 7
+UPDATES = 5 + 3
 TRAINER_RANKS = 2
 
 
@@ -65,9 +68,9 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
     for want in ("A (requests", "B (requests", "A with adapter L1", "B with adapter L2"):
         assert sum(f"a fresh vLLM of {want}" in line for line in ok) >= 2, (want, lines)
     assert sum(line.startswith("[vllm-e2e] update ") for line in lines) == UPDATES, lines
-    # The three groups' updates (before and after the second init_weight_update_group, and the
-    # sharded trainer's).
-    assert sum("step versions of the 2 ranks agree" in line for line in ok) == 3, lines
+    # The four groups' updates (before and after the second init_weight_update_group, the sharded
+    # trainer's and the restarted sharded trainer's).
+    assert sum("step versions of the 2 ranks agree" in line for line in ok) == 4, lines
     # The self-check passed on both ranks: every parameter of each rank's shard matched.
     assert sum("(self-check: every parameter matched the live copy" in line
                for line in lines) == 1, lines
@@ -85,6 +88,11 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
     assert any("a routing plan of another fingerprint refused, nothing set up" in line
                for line in ok), lines
     assert any("routed bytes per engine rank" in line for line in ok), lines
+    # A trainer rank SIGKILLed mid-update: the update failed on both engine ranks, neither holds
+    # it ready, nothing went live (the answers after it are A's, counted in STAGES); a restarted
+    # trainer's update applies.
+    assert any("trainer rank 1 SIGKILLed mid-update 3: failed on every engine rank [1, 1]" in line
+               for line in ok), lines
 
 
 def test_a_tensor_parallel_moe_engine_takes_updates_into_its_packed_experts():

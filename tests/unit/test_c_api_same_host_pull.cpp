@@ -177,3 +177,35 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
   }
   if (backend != nullptr) REQUIRE_OK(shadowsync_backend_destroy(backend));
 }
+
+TEST_CASE("shadowsync_nccl_routed_transport_create refuses by name before NCCL is called") {
+  Plan plan(2);  // 2 trainer ranks and 1 engine rank: a communicator of 3
+  shadowsync_backend_t backend = nullptr;
+  REQUIRE_OK(shadowsync_host_backend_create(&backend));
+  const std::uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES] = {};
+  shadowsync_transport_t transport = nullptr;
+  CHECK(shadowsync_nccl_routed_transport_create(id, 0, 0, plan.plan, backend, nullptr, 3, nullptr,
+                                                &transport) == SHADOWSYNC_INVALID_ARGUMENT);
+  CHECK_THAT(last_error(), Catch::Contains("'gpus' is NULL but the count is 3"));
+  const char* three[] = {"h/GPU-0", "h/GPU-1", "h/GPU-2"};
+  if (shadowsync_has_cuda()) {
+    const char* shared[] = {"h/GPU-0", "h/GPU-1", "h/GPU-0"};
+    CHECK(shadowsync_nccl_routed_transport_create(id, 2, 0, plan.plan, backend, shared, 3, nullptr,
+                                                  &transport) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("trainer rank 0 and engine rank 0 (communicator rank "
+                                             "2) are both on GPU 'h/GPU-0'"));
+    CHECK(shadowsync_nccl_routed_transport_create(id, 0, 0, plan.plan, backend, three, 2, nullptr,
+                                                  &transport) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("2 GPUs given for a communicator of 3 ranks (2 "
+                                             "trainer and 1 engine ranks)"));
+    CHECK(shadowsync_nccl_routed_transport_create(id, 0, 0, plan.plan, backend, three, 3, nullptr,
+                                                  &transport) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("backend 'host' given; NCCL moves device memory"));
+  } else {
+    CHECK(shadowsync_nccl_routed_transport_create(id, 0, 0, plan.plan, backend, three, 3, nullptr,
+                                                  &transport) == SHADOWSYNC_NOT_SUPPORTED);
+    CHECK_THAT(last_error(), Catch::Contains("built without CUDA/NCCL"));
+  }
+  CHECK(transport == nullptr);
+  REQUIRE_OK(shadowsync_backend_destroy(backend));
+}
