@@ -21,6 +21,7 @@
 #include "control/control_frame.h"
 #include "control/control_handshake.h"
 #include "control/engine_requests.h"
+#include "core/thread_affinity.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
@@ -185,7 +186,10 @@ void EngineChannel::Impl::start() {
       [this](std::uint64_t generation, ControlMessage answer) {
         post(generation, std::move(answer));
       });
-  io_thread = std::thread([this] { run_io(); });
+  io_thread = std::thread([this] {
+    leave_inherited_single_cpu();
+    run_io();
+  });
 }
 
 std::uint16_t EngineChannel::port() const { return impl_->port; }

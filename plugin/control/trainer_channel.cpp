@@ -21,6 +21,7 @@
 #include "control/control_connection.h"
 #include "control/control_frame.h"
 #include "control/control_handshake.h"
+#include "core/thread_affinity.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
@@ -159,7 +160,10 @@ TrainerChannel::TrainerChannel(const Layout& layout, TrainerChannelConfig config
     impl.handshake(*engine, layout);
     impl.engines.push_back(std::move(engine));
   }
-  impl.io_thread = std::thread([&impl] { impl.loop.run(impl); });
+  impl.io_thread = std::thread([&impl] {
+    leave_inherited_single_cpu();
+    impl.loop.run(impl);
+  });
 }
 
 void TrainerChannel::Impl::handshake(Engine& engine, const Layout& layout) {

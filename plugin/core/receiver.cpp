@@ -15,6 +15,7 @@
 #include "core/receive_checks.h"
 #include "core/receiver_impl.h"
 #include "core/slot_table.h"
+#include "core/thread_affinity.h"
 #include "shadowsync/error.h"
 
 namespace shadowsync {
@@ -97,7 +98,10 @@ Receiver::Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backe
               config.offer_after_clean_step,
           config.gated_swaps ? backend.create_stream_gate() : nullptr, config.gate_deadline)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
-  impl_->thread = std::thread([this] { impl_->run(); });
+  impl_->thread = std::thread([this] {
+    leave_inherited_single_cpu();
+    impl_->run();
+  });
 }
 
 Receiver::~Receiver() { shutdown(); }

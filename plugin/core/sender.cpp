@@ -17,6 +17,7 @@
 #include "core/routing_plan.h"
 #include "core/shard_packing.h"
 #include "core/streamed_publish.h"
+#include "core/thread_affinity.h"
 #include "core/transport_wait.h"
 #include "shadowsync/error.h"
 
@@ -274,7 +275,10 @@ Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> trans
                             backend.name()));
   }
   impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config, nullptr, -1);
-  impl_->thread = std::thread([this] { impl_->run(); });
+  impl_->thread = std::thread([this] {
+    leave_inherited_single_cpu();
+    impl_->run();
+  });
 }
 
 Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
@@ -307,7 +311,10 @@ Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> trans
   if (transport) check_route_mover(*transport, *routing, trainer_rank, "Sender");
   impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config, std::move(routing),
                                  trainer_rank);
-  impl_->thread = std::thread([this] { impl_->run(); });
+  impl_->thread = std::thread([this] {
+    leave_inherited_single_cpu();
+    impl_->run();
+  });
 }
 
 std::size_t Sender::staging_bytes() const {

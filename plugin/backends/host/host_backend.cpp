@@ -23,6 +23,7 @@
 #include "core/check_memcpy_args.h"
 #include "core/fp8_quantize.h"
 #include "core/integrity.h"
+#include "core/thread_affinity.h"
 #include "core/type_name.h"
 #include "backends/host/host_stream.h"
 #include "shadowsync/error.h"
@@ -32,7 +33,10 @@ namespace shadowsync {
 namespace host {
 
 HostStream::HostStream(std::chrono::microseconds max_jitter, std::uint64_t jitter_seed)
-    : max_jitter_(max_jitter), rng_(jitter_seed), thread_([this] { run(); }) {}
+    : max_jitter_(max_jitter), rng_(jitter_seed), thread_([this] {
+        leave_inherited_single_cpu();
+        run();
+      }) {}
 
 HostStream::~HostStream() {
   {

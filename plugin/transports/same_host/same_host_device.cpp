@@ -24,6 +24,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_driver.h"
 #include "backends/cuda/scoped_device.h"
+#include "core/thread_affinity.h"
 #include "shadowsync/cuda_backend.h"
 #include "shadowsync/error.h"
 #include "transports/same_host/same_host_device_impl.h"
@@ -256,9 +257,15 @@ void DeviceLink::start(SameHostTransport::State& state) {
   }
   if (impl.sender) {
     impl.gone.assign(state.peers.size(), false);  // before anyone may ring
-    impl.progress = std::thread([&impl] { impl.run_sender(); });
+    impl.progress = std::thread([&impl] {
+      leave_inherited_single_cpu();
+      impl.run_sender();
+    });
   } else {
-    impl.progress = std::thread([&impl] { impl.run_receiver(); });
+    impl.progress = std::thread([&impl] {
+      leave_inherited_single_cpu();
+      impl.run_receiver();
+    });
   }
 }
 
