@@ -271,11 +271,12 @@ shadowsync_status_t shadowsync_nccl_routed_transport_create(
     auto& out = out_arg(transport, "transport");
     if (id == nullptr) throw_invalid("'id' is NULL");
     const shadowsync_nccl_config_t c = nccl_config_arg(config);
-    NcclRouteConfig route_config;
-    route_config.gpus = string_list_arg(gpus, gpu_count, "gpus");
+    std::vector<std::string> gpu_names = string_list_arg(gpus, gpu_count, "gpus");
     auto plan_object = lookup<RoutingPlanObject>(plan, "plan");
     auto backend_object = lookup<BackendObject>(backend, "backend");
 #if defined(SHADOWSYNC_WITH_CUDA)
+    NcclRouteConfig route_config;
+    route_config.gpus = std::move(gpu_names);
     // The transport shares the plan handle's object and keeps the backend (its landing buffer's)
     // alive: the caller may destroy both handles.
     std::shared_ptr<const RoutingPlan> routing(plan_object, &plan_object->plan);
@@ -289,7 +290,7 @@ shadowsync_status_t shadowsync_nccl_routed_transport_create(
     (void)out;
     throw_not_supported(fmt::format("NCCL routed transport (communicator rank {} of {}, device {}): "
                                     "this library was built without CUDA/NCCL",
-                                    rank, route_config.gpus.size(), device));
+                                    rank, gpu_names.size(), device));
 #endif
   });
 }
