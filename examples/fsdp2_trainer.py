@@ -272,9 +272,9 @@ def start_vllm(model_path: str):
     # update would not reach; this registered "quantization" keeps the plain weights in use.
     unpacked.register()
     # vLLM's CPU worker pins itself to cores (VLLM_CPU_OMP_THREADS_BIND) and spins on them while
-    # it waits for work; the receiver's threads start in the worker and inherit the pin. On a
-    # host with few cores they then wait for a core behind the spinning thread, seconds per
-    # bucket: this small engine runs unpinned.
+    # it waits for work. The library's threads leave a one-core pin by themselves, but vLLM's
+    # own processes pinned to one busy core still answer seconds late now and then (the vLLM
+    # guide has the figures): this small engine runs unpinned.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return vllm.LLM(model=model_path, dtype="float32", quantization=unpacked.NAME,
                     worker_extension_cls="shadowsync.vllm.WorkerExtension",
