@@ -422,8 +422,8 @@ def trainer_rank_killed(llm, group, victim, version: int, check) -> int:
     """A trainer rank SIGKILLed mid-update: every rank but `victim` (the last) publishes
     checkpoint 1 as `version`, the engine begins the update, `victim` is killed before it sends.
     Every engine rank must count the update failed (within 120 s, the engine generating
-    meanwhile: NCCL routes wait for their bucket deadline), none may hold it ready, and the answers must still be A's: nothing went live.
-    Returns the failures (0 or 1)."""
+    meanwhile: NCCL routes wait for their bucket deadline), none may hold it ready, and the
+    answers must still be A's: nothing went live. Returns the failures (0 or 1)."""
     before = [int(s["updates_failed"]) for s in llm.collective_rpc("weight_update_stats")]
     for pipe in group.pipes[:-1]:
         pipe.send(("publish", version, 1))

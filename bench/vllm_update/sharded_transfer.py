@@ -1,9 +1,10 @@
 """The shadowsync path's sharded-trainer variant (--trainer-ranks M): M trainer rank processes on
-the engine's GPU (under TP, rank r on engine rank r mod tp's GPU), each holding only its rows of every parameter (shard_regions: FSDP2-like
-Shard(0)), each publishing them with a routed Sender over the same-host pull transport, the engine
-pulling every route straight from the rank's staging into its slot (ShadowsyncInitInfo.
-trainer_ranks, after weight_update_needs). The engine side, the update and its analysis are the
-shadowsync path's (ShadowsyncTransfer), with the ranks' pipes read as one trainer's."""
+the engine's GPU (under TP, rank r on engine rank r mod tp's GPU), each holding only its rows of
+every parameter (shard_regions: FSDP2-like Shard(0)), each publishing them with a routed Sender
+over the same-host pull transport, the engine pulling every route straight from the rank's
+staging into its slot (ShadowsyncInitInfo.trainer_ranks, after weight_update_needs). The engine
+side, the update and its analysis are the shadowsync path's (ShadowsyncTransfer), with the ranks'
+pipes read as one trainer's."""
 
 from __future__ import annotations
 

@@ -186,10 +186,7 @@ void EngineChannel::Impl::start() {
       [this](std::uint64_t generation, ControlMessage answer) {
         post(generation, std::move(answer));
       });
-  io_thread = std::thread([this] {
-    leave_inherited_single_cpu();
-    run_io();
-  });
+  io_thread = start_library_thread([this] { run_io(); });
 }
 
 std::uint16_t EngineChannel::port() const { return impl_->port; }

@@ -160,10 +160,7 @@ TrainerChannel::TrainerChannel(const Layout& layout, TrainerChannelConfig config
     impl.handshake(*engine, layout);
     impl.engines.push_back(std::move(engine));
   }
-  impl.io_thread = std::thread([&impl] {
-    leave_inherited_single_cpu();
-    impl.loop.run(impl);
-  });
+  impl.io_thread = start_library_thread([&impl] { impl.loop.run(impl); });
 }
 
 void TrainerChannel::Impl::handshake(Engine& engine, const Layout& layout) {

@@ -98,10 +98,7 @@ Receiver::Receiver(Layout layout, std::unique_ptr<const ReceivePlan> plan, Backe
               config.offer_after_clean_step,
           config.gated_swaps ? backend.create_stream_gate() : nullptr, config.gate_deadline)),
       impl_(std::make_unique<Impl>(*this, backend, std::move(transport), config)) {
-  impl_->thread = std::thread([this] {
-    leave_inherited_single_cpu();
-    impl_->run();
-  });
+  impl_->thread = start_library_thread([this] { impl_->run(); });
 }
 
 Receiver::~Receiver() { shutdown(); }

@@ -275,10 +275,7 @@ Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> trans
                             backend.name()));
   }
   impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config, nullptr, -1);
-  impl_->thread = std::thread([this] {
-    leave_inherited_single_cpu();
-    impl_->run();
-  });
+  impl_->thread = start_library_thread([this] { impl_->run(); });
 }
 
 Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> transport,
@@ -311,10 +308,7 @@ Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> trans
   if (transport) check_route_mover(*transport, *routing, trainer_rank, "Sender");
   impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config, std::move(routing),
                                  trainer_rank);
-  impl_->thread = std::thread([this] {
-    leave_inherited_single_cpu();
-    impl_->run();
-  });
+  impl_->thread = start_library_thread([this] { impl_->run(); });
 }
 
 std::size_t Sender::staging_bytes() const {

@@ -3,8 +3,11 @@
 // spins there for a while after every message; a receiver thread started from such a worker
 // would share that one core with the spinning thread and wait seconds for each bucket. So every
 // thread the library starts (receiver, sender, host streams, transports, control channel) calls
-// leave_inherited_single_cpu() before anything else.
+// leave_inherited_single_cpu() before anything else: start_library_thread starts them so.
 #pragma once
+
+#include <thread>
+#include <utility>
 
 namespace shadowsync {
 
@@ -14,5 +17,14 @@ namespace shadowsync {
 // SHADOWSYNC_THREAD_AFFINITY=inherit, or where the thread already runs on several CPUs (GPU
 // workers, most processes). Never throws; a failed call leaves the affinity as it was.
 void leave_inherited_single_cpu() noexcept;
+
+// A thread of the library's: leave_inherited_single_cpu(), then body().
+template <typename Body>
+std::thread start_library_thread(Body body) {
+  return std::thread([body = std::move(body)]() mutable {
+    leave_inherited_single_cpu();
+    body();
+  });
+}
 
 }  // namespace shadowsync

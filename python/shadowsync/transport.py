@@ -114,18 +114,24 @@ class NcclConfig:
         return config_struct(NcclConfigC, **vars(self))
 
 
+def _unique_id_buffer(unique_id: bytes, prefix: str):
+    """NCCL's unique id as the C ABI takes it; InvalidArgumentError ("PREFIXNCCL unique id: 3
+    bytes, expected 128") for another length."""
+    unique_id = bytes(unique_id)
+    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        raise InvalidArgumentError(
+            f"{prefix}NCCL unique id: {len(unique_id)} bytes, expected {NCCL_UNIQUE_ID_BYTES}"
+        )
+    return (c_uint8 * NCCL_UNIQUE_ID_BYTES).from_buffer_copy(unique_id)
+
+
 def nccl_transport(
     unique_id: bytes, rank: int, world_size: int, device: int, config: NcclConfig | None = None
 ) -> Transport:
     """NcclTransport::create: blocks until all `world_size` ranks joined (init_timeout_ms).
     NotSupportedError when the library has no CUDA."""
     require_cuda(f"nccl_transport(rank={rank}, world_size={world_size}, device={device})")
-    unique_id = bytes(unique_id)
-    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
-        raise InvalidArgumentError(
-            f"NCCL unique id: {len(unique_id)} bytes, expected {NCCL_UNIQUE_ID_BYTES}"
-        )
-    id_buffer = (c_uint8 * NCCL_UNIQUE_ID_BYTES).from_buffer_copy(unique_id)
+    id_buffer = _unique_id_buffer(unique_id, "")
     c_config = None
     if config is not None:
         c_config = config._to_c()
@@ -180,12 +186,7 @@ def nccl_routed_transport(
             f"the GPU of every rank, trainer ranks first"
         )
     require_cuda(what)
-    unique_id = bytes(unique_id)
-    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
-        raise InvalidArgumentError(
-            f"{what}: NCCL unique id of {len(unique_id)} bytes, expected {NCCL_UNIQUE_ID_BYTES}"
-        )
-    id_buffer = (c_uint8 * NCCL_UNIQUE_ID_BYTES).from_buffer_copy(unique_id)
+    id_buffer = _unique_id_buffer(unique_id, f"{what}: ")
     c_config = config._to_c() if config is not None else None
     c_gpus = (c_char_p * len(names))(*names)
     handle = c_void_p()

@@ -33,10 +33,9 @@ namespace shadowsync {
 namespace host {
 
 HostStream::HostStream(std::chrono::microseconds max_jitter, std::uint64_t jitter_seed)
-    : max_jitter_(max_jitter), rng_(jitter_seed), thread_([this] {
-        leave_inherited_single_cpu();
-        run();
-      }) {}
+    : max_jitter_(max_jitter),
+      rng_(jitter_seed),
+      thread_(start_library_thread([this] { run(); })) {}
 
 HostStream::~HostStream() {
   {

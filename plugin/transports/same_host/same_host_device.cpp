@@ -257,15 +257,9 @@ void DeviceLink::start(SameHostTransport::State& state) {
   }
   if (impl.sender) {
     impl.gone.assign(state.peers.size(), false);  // before anyone may ring
-    impl.progress = std::thread([&impl] {
-      leave_inherited_single_cpu();
-      impl.run_sender();
-    });
+    impl.progress = start_library_thread([&impl] { impl.run_sender(); });
   } else {
-    impl.progress = std::thread([&impl] {
-      leave_inherited_single_cpu();
-      impl.run_receiver();
-    });
+    impl.progress = start_library_thread([&impl] { impl.run_receiver(); });
   }
 }
 
