@@ -63,16 +63,21 @@ def _step(model, optimizer, step):
 
 
 def _trainer(rank, store, paths, to_engine, kill_rank1):
+    status = 0
     try:
         _train(rank, store, paths, to_engine, kill_rank1)
     except BaseException:
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        status = 1
+    # os._exit skips the queue's feeder thread: without this join, a message put just before
+    # (rank 0's "rank 0 failed") may never reach the engine, which then waits out its deadline.
+    to_engine.close()
+    to_engine.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
     # As test_sharding_torch: torch keeps gloo's threads alive past destroy_process_group once a
     # DTensor exists, and the interpreter's exit may abort on them. Everything was checked.
-    sys.stdout.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _train(rank, store, paths, to_engine, kill_rank1):
