@@ -30,7 +30,7 @@ _SWAP_STRATEGIES = ("rebind", "copy_in", "remap")
 _COMMIT_MODES = ("auto", "coordinated")
 _SAME_HOST_KEYS = ("path", "token", "rank", "connect_timeout_ms")
 _TRAINER_RANKS_KEYS = ("count", "paths", "token", "nccl", "regions", "fingerprint",
-                       "engine_needs", "connect_timeout_ms")
+                       "engine_needs", "connect_timeout_ms", "replica")
 
 
 @dataclasses.dataclass
@@ -48,7 +48,9 @@ class ShadowsyncInitInfo:
       holds (DESIGN §14) over the same-host pull transport: ``{"count": M, "paths": [one socket
       path per trainer rank], "token", "regions": [per trainer rank: [[tensor, "box", begin,
       end] | [tensor, "elements", first, count], ...]], "engine_needs": [per engine rank: [[group,
-      begin, end], ...]], "fingerprint": the routing plan's, "connect_timeout_ms"}``.
+      begin, end], ...]], "fingerprint": the routing plan's, "connect_timeout_ms", "replica":
+      which data-parallel replica of the engine this vLLM instance is, when the trainer ranks
+      serve several (ShardedPublisher's ``engine_replicas``; default 0)}``.
       ``engine_needs`` are what the workers' ``weight_update_needs`` returned; with them and the
       regions every worker builds the trainers' routing plan and compares ``fingerprint``. The
       worker is engine rank = its tensor-parallel rank (trainer_ranks.py). Trainer ranks on
@@ -306,7 +308,7 @@ def _checked_trainer_ranks(trainer_ranks: Any) -> dict:
         raise InvalidArgumentError(
             f"{field}: a dict with 'count', 'regions' and the transport, 'paths' and 'token' (the "
             f"same-host pull transport) or 'nccl' (NCCL point-to-point), is needed (and "
-            f"optionally 'engine_needs', 'fingerprint', 'connect_timeout_ms'), got "
+            f"optionally 'engine_needs', 'fingerprint', 'connect_timeout_ms', 'replica'), got "
             f"{trainer_ranks!r:.200}")
     if "nccl" in keys and keys & {"paths", "token"}:
         raise InvalidArgumentError(
@@ -345,6 +347,8 @@ def _checked_trainer_ranks(trainer_ranks: Any) -> dict:
     timeout = out.get("connect_timeout_ms")
     if timeout is not None:
         _check_int("trainer_ranks.connect_timeout_ms", timeout, minimum=0)
+    if "replica" in out:
+        _check_int("trainer_ranks.replica", out["replica"], minimum=0)
     needs = out.get("engine_needs")
     if needs is not None:
         if isinstance(needs, (str, bytes)) or not isinstance(needs, (list, tuple)) or not needs:

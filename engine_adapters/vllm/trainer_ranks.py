@@ -14,7 +14,9 @@ Two RPCs, because each side needs the other's half of the routing plan:
    which refuses another fingerprint naming both), connects to every trainer rank (``connect``)
    and takes the plan for its receiver.
 
-A worker is engine rank = its tensor-parallel rank, of tensor_parallel_size engine ranks.
+A worker is engine rank = its tensor-parallel rank, of tensor_parallel_size engine ranks, in the
+data-parallel replica ``trainer_ranks["replica"]`` names (0 by default: each vLLM engine instance
+of a group of replicas is given its own).
 Neither vllm nor torch is imported here."""
 
 from __future__ import annotations
@@ -32,17 +34,26 @@ from .rpc_bytes import bytes_from_rpc
 __all__ = ["connect", "from_engine_setup", "routing_plan"]
 
 
-def from_engine_setup(setup: dict, token, connect_timeout_ms: int | None = None) -> dict:
+def from_engine_setup(setup: dict, token, connect_timeout_ms: int | None = None,
+                      replica: int = 0) -> dict:
     """``ShadowsyncInitInfo.trainer_ranks`` from a ShardedPublisher's ``engine_setup`` (plain
     data, the same on every trainer rank) and the token its ranks serve with: count, paths,
-    token, regions, engine_needs and fingerprint, and `connect_timeout_ms` when given. The wire
-    layout goes into the info's own fields: ``specs=setup["wire"]``,
-    ``bucket_bytes=setup["bucket_bytes"]``."""
+    token, regions, engine_needs and fingerprint, `connect_timeout_ms` when given, and
+    `replica`: which of the publisher's ``engine_replicas`` this vLLM engine is (each engine
+    instance of a data-parallel group gets its own). The wire layout goes into the info's own
+    fields: ``specs=setup["wire"]``, ``bucket_bytes=setup["bucket_bytes"]``."""
+    replicas = setup.get("engine_replicas", 1)
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+        raise InvalidArgumentError(
+            f"from_engine_setup: replica {replica!r} is outside the {replicas} engine replica(s) "
+            f"the trainer ranks serve (engine_setup['engine_replicas']: 0..{replicas - 1})")
     out = dict(count=len(setup["paths"]), paths=list(setup["paths"]), token=token,
                regions=[list(regions) for regions in setup["regions"]],
                engine_needs=setup["engine_needs"], fingerprint=setup["fingerprint"])
     if connect_timeout_ms is not None:
         out["connect_timeout_ms"] = int(connect_timeout_ms)
+    if replica:
+        out["replica"] = replica
     return out
 
 
@@ -96,7 +107,13 @@ def connect(trainer_ranks: dict, plan: RoutingPlan, engine_rank: int, backend,
     worker, refused); else connects to every trainer rank's path of the same-host pull
     transport (they serve it once they built the plan)."""
     nccl = trainer_ranks.get("nccl")
+    replica = trainer_ranks.get("replica", 0)
     if nccl is not None:
+        if replica:
+            raise InvalidArgumentError(
+                f"init_weight_update_group: trainer_ranks.replica is {replica}: NCCL routes reach "
+                f"one engine replica; give each replica its own trainer_ranks.nccl communicator, "
+                f"or serve the replicas over the same-host pull transport ('paths', 'token')")
         if device is None:
             raise InvalidArgumentError(
                 "init_weight_update_group: trainer_ranks.nccl: NCCL routes need GPU workers, and "
@@ -107,7 +124,7 @@ def connect(trainer_ranks: dict, plan: RoutingPlan, engine_rank: int, backend,
                                      nccl["gpus"])
     return same_host_pull_engine_transport(
         trainer_ranks["paths"], trainer_ranks["token"], plan, engine_rank, backend,
-        connect_timeout_ms=trainer_ranks.get("connect_timeout_ms"))
+        connect_timeout_ms=trainer_ranks.get("connect_timeout_ms"), replica=replica)
 
 
 def _bytes(ranges) -> int:

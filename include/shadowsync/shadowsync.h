@@ -466,12 +466,15 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_transport_connect(
  *
  * Trainer rank `trainer_rank` of `plan`: listens on the Unix socket `path` (its own; directory
  * rules as shadowsync_same_host_transport_serve) and blocks until `engine_processes` engine
- * processes (the plan's engine count: one per engine rank) proved the token and said they were
- * set up with the same plan, then shares two staging slots of the plan's max_packed_bytes of the
- * rank. An engine set up for another world size or plan, or asking for an engine rank taken
- * already, is refused and the wait goes on: SHADOWSYNC_TIMEOUT after connect_timeout_ms (0: the
- * default, 60000) names each refusal with both sides' values and the engine ranks missing.
- * Thread-safe. */
+ * processes (R x the plan's engine count: one per engine rank of each of R data-parallel engine
+ * replicas; R = 1 without replicas) proved the token and said they were set up with the same
+ * plan, then shares two staging slots of the plan's max_packed_bytes of the rank. Each bucket is
+ * packed into them once, whatever R: every replica's process pulls it from there. An engine set
+ * up for another world size or plan, asking for an engine rank and replica taken already, or for
+ * a replica outside 0..R-1, is refused and the wait goes on: SHADOWSYNC_TIMEOUT after
+ * connect_timeout_ms (0: the default, 60000) names each refusal with both sides' values and the
+ * engine ranks missing. `engine_processes` not a multiple of the plan's engine count:
+ * SHADOWSYNC_INVALID_ARGUMENT. Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_pull_serve(
     const char* path, const void* token, size_t token_bytes, shadowsync_routing_plan_t plan,
     int32_t trainer_rank, int32_t engine_processes, shadowsync_backend_t backend,
@@ -488,6 +491,15 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_pull_connect(
     const char* const* paths, size_t count, const void* token, size_t token_bytes,
     shadowsync_routing_plan_t plan, int32_t engine_rank, shadowsync_backend_t backend,
     int64_t connect_timeout_ms, shadowsync_transport_t* transport);
+/* shadowsync_same_host_pull_connect for data-parallel replica `replica` (0..R-1, R the
+ * replicas the trainer ranks serve) of engine rank `engine_rank`: every replica's process of an
+ * engine rank pulls the same routes. A replica the trainer ranks do not serve, or one another
+ * process took already: SHADOWSYNC_INVALID_ARGUMENT naming both values. The call above is this
+ * one with replica 0. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_same_host_pull_connect_replica(
+    const char* const* paths, size_t count, const void* token, size_t token_bytes,
+    shadowsync_routing_plan_t plan, int32_t engine_rank, int32_t replica,
+    shadowsync_backend_t backend, int64_t connect_timeout_ms, shadowsync_transport_t* transport);
 /* Destroys a transport no receiver or sender took. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_transport_destroy(shadowsync_transport_t transport);
 

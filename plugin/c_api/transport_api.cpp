@@ -397,6 +397,15 @@ shadowsync_status_t shadowsync_same_host_pull_connect(
     const char* const* paths, size_t count, const void* token, size_t token_bytes,
     shadowsync_routing_plan_t plan, int32_t engine_rank, shadowsync_backend_t backend,
     int64_t connect_timeout_ms, shadowsync_transport_t* transport) {
+  return shadowsync_same_host_pull_connect_replica(paths, count, token, token_bytes, plan,
+                                                   engine_rank, 0, backend, connect_timeout_ms,
+                                                   transport);
+}
+
+shadowsync_status_t shadowsync_same_host_pull_connect_replica(
+    const char* const* paths, size_t count, const void* token, size_t token_bytes,
+    shadowsync_routing_plan_t plan, int32_t engine_rank, int32_t replica,
+    shadowsync_backend_t backend, int64_t connect_timeout_ms, shadowsync_transport_t* transport) {
   return guard(__func__, [&] {
     auto& out = out_arg(transport, "transport");
     const std::vector<std::string> trainer_paths = string_list_arg(paths, count, "paths");
@@ -408,7 +417,8 @@ shadowsync_status_t shadowsync_same_host_pull_connect(
     const SameHostConfig config = same_host_config(connect_timeout_ms);
     std::shared_ptr<const RoutingPlan> routing(plan_object, &plan_object->plan);
     std::unique_ptr<Transport> made = SameHostPullTransport::connect_engine_rank(
-        trainer_paths, secret, std::move(routing), engine_rank, *backend_object->backend, config);
+        trainer_paths, secret, std::move(routing), engine_rank, *backend_object->backend, config,
+        replica);
     out = add_transport(
         std::make_unique<ForwardingTransport>(std::move(made), std::move(backend_object)));
   });

@@ -366,9 +366,9 @@ _PROTOTYPES = {
         c_int,
         [c_char_p, c_char_p, c_size_t, _H, c_int32, c_int32, _H, c_int, c_int64, _P(_H)],
     ),
-    "shadowsync_same_host_pull_connect": (
+    "shadowsync_same_host_pull_connect_replica": (
         c_int,
-        [_P(c_char_p), c_size_t, c_char_p, c_size_t, _H, c_int32, _H, c_int64, _P(_H)],
+        [_P(c_char_p), c_size_t, c_char_p, c_size_t, _H, c_int32, c_int32, _H, c_int64, _P(_H)],
     ),
     "shadowsync_transport_destroy": (c_int, [_H]),
     # receiver

@@ -118,7 +118,7 @@ class ShardedPublisher:
     def __init__(self, *, rank: int, world_size: int, layout: Layout, plan: RoutingPlan,
                  regions: list[list[TensorRegion]], paths: list[str], names: list[str],
                  backend: Backend, engine_needs, sender_config: SenderConfig | None,
-                 connect_timeout_ms: int):
+                 connect_timeout_ms: int, engine_replicas: int = 1):
         self.rank = rank
         self.world_size = world_size
         self.layout = layout
@@ -130,6 +130,7 @@ class ShardedPublisher:
         self._engine_needs = engine_needs
         self._sender_config = sender_config
         self._connect_timeout_ms = connect_timeout_ms
+        self.engine_replicas = engine_replicas
         self._sender: Sender | None = None
         self._served: Transport | BaseException | None = None
         self._serving: threading.Thread | None = None
@@ -141,7 +142,8 @@ class ShardedPublisher:
                wire: Layout | Sequence | None = None, bucket_bytes: int = 0,
                process_group=None, backend: Backend | None = None,
                sender_config: SenderConfig | None = None,
-               connect_timeout_ms: int | None = None) -> "ShardedPublisher":
+               connect_timeout_ms: int | None = None,
+               engine_replicas: int = 1) -> "ShardedPublisher":
         """Every rank of `process_group` (default: the default group) calls this with its
         parameters (``model.named_parameters()``: DTensors, ZeRO-3 or plain tensors; the same
         names, dtypes and global shapes in the same order on every rank), its own socket `path`
@@ -152,6 +154,10 @@ class ShardedPublisher:
         `backend`: where this rank's packing lives and what the engines pull from; default a
         CudaBackend of the GPU that holds this rank's shards (the engines pull straight from its
         memory: the device flavour of the transport), else a HostBackend (host memory).
+        `engine_replicas`: data-parallel replicas of the engine (R); each engine rank then
+        connects once per replica (``sharded_receiver(..., replica=r)``) and the rank serves
+        R x the engine ranks processes. Each bucket is still packed once: every replica pulls it
+        from this rank's staging.
 
         One collective: ``all_gather_object`` of every rank's regions, parameter signature and
         path. Refused before any serving (InvalidArgumentError naming the first difference and
@@ -160,6 +166,11 @@ class ShardedPublisher:
         Serving starts on a daemon thread and returns at once: the engines connect with
         ``engine_setup`` (the first publish waits for them, up to `connect_timeout_ms`, default
         60000)."""
+        if isinstance(engine_replicas, bool) or not isinstance(engine_replicas, int) \
+                or not 1 <= engine_replicas <= 65536:
+            raise InvalidArgumentError(
+                f"ShardedPublisher.set_up: engine_replicas is {engine_replicas!r}; give the "
+                f"number of data-parallel replicas of the engine, 1..65536 (1: no replicas)")
         dist = _dist()
         rank = dist.get_rank(process_group)
         world_size = dist.get_world_size(process_group)
@@ -188,7 +199,8 @@ class ShardedPublisher:
             backend=backend if backend is not None else _backend_for(shards), engine_needs=needs,
             sender_config=sender_config,
             connect_timeout_ms=(_DEFAULT_CONNECT_TIMEOUT_MS if connect_timeout_ms is None
-                                else int(connect_timeout_ms)))
+                                else int(connect_timeout_ms)),
+            engine_replicas=engine_replicas)
         publisher._serve(token)
         return publisher
 
@@ -217,7 +229,8 @@ class ShardedPublisher:
             try:
                 self._served = same_host_pull_trainer_transport(
                     self.paths[self.rank], token, self.routing_plan, self.rank,
-                    self.routing_plan.engine_count, self.backend, memory=memory,
+                    self.engine_replicas * self.routing_plan.engine_count, self.backend,
+                    memory=memory,
                     connect_timeout_ms=self._connect_timeout_ms)
             except BaseException as error:  # handed to the first publish
                 self._served = error
@@ -242,6 +255,7 @@ class ShardedPublisher:
                               for need in self._engine_needs]),
             "paths": list(self.paths),
             "fingerprint": self.routing_plan.fingerprint,
+            "engine_replicas": self.engine_replicas,
         }
 
     # --- publishing -----------------------------------------------------------------------------
@@ -385,15 +399,24 @@ def engine_routing_plan(setup: dict, *, wire: Layout | None = None,
 
 def sharded_receiver(setup: dict, token, engine_rank: int, *, backend: Backend | None = None,
                      config: ReceiverConfig | None = None,
-                     connect_timeout_ms: int | None = None) -> Receiver:
+                     connect_timeout_ms: int | None = None, replica: int = 0) -> Receiver:
     """Engine rank `engine_rank`'s Receiver of a publisher's ``engine_setup``: slots laid out as
     the wire layout (no receive plan), connected to every trainer rank's path, the routing plan
     in use. Blocks until every trainer rank served (connect_timeout_ms, default 60000). Its
-    ``stats().routed_bytes`` is what the routes carried into it per update."""
+    ``stats().routed_bytes`` is what the routes carried into it per update. `replica`: which of
+    the publisher's ``engine_replicas`` this engine is (0..R-1); a replica outside them is
+    refused here, naming both, before anything connects."""
+    replicas = setup.get("engine_replicas", 1)
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+        raise InvalidArgumentError(
+            f"sharded_receiver: replica {replica!r} is outside the {replicas} engine replica(s) "
+            f"the trainer ranks serve (engine_setup['engine_replicas']: 0..{replicas - 1}); set "
+            f"ShardedPublisher.set_up(engine_replicas=...) to the number of engine replicas")
     layout, plan = engine_routing_plan(setup)
     backend = backend if backend is not None else HostBackend()
     transport = same_host_pull_engine_transport(setup["paths"], token, plan, engine_rank,
-                                                backend, connect_timeout_ms=connect_timeout_ms)
+                                                backend, connect_timeout_ms=connect_timeout_ms,
+                                                replica=replica)
     receiver = Receiver(layout, backend, transport, config)
     receiver.use_routing_plan(plan, engine_rank)
     receiver.routing_plan = plan

@@ -396,11 +396,13 @@ def same_host_pull_trainer_transport(
     this rank's Sender. It moves routes only: broadcasts on it are refused.
 
     Listens on the Unix socket `path` (this rank's own; directory rules as
-    same_host_sender_transport) and blocks until `engine_processes` engine processes (the plan's
-    engine count) connected with same_host_pull_engine_transport, proved `token` and were set up
-    with the same plan, for up to `connect_timeout_ms` (None: 60000); then shares two staging
-    slots of ``plan.max_packed_bytes(trainer_rank)``. An engine set up for another world size or
-    plan, or asking for an engine rank taken already, is refused and the wait goes on:
+    same_host_sender_transport) and blocks until `engine_processes` engine processes (R x the
+    plan's engine count, R data-parallel replicas of the engine; R = 1 without replicas)
+    connected with same_host_pull_engine_transport, proved `token` and were set up with the same
+    plan, for up to `connect_timeout_ms` (None: 60000); then shares two staging slots of
+    ``plan.max_packed_bytes(trainer_rank)``. Each bucket is packed into them once, whatever R.
+    An engine set up for another world size or plan, asking for an engine rank and replica taken
+    already, or for a replica outside 0..R-1, is refused and the wait goes on:
     ShadowsyncTimeoutError then names each refusal with both sides' values. `memory`: "host"
     (the slots in a sealed memory file; `backend` a HostBackend) or "device" (the slots on
     `backend`'s GPU, a CudaBackend; each engine rank maps them for its own GPU, the same one or a
@@ -446,15 +448,20 @@ def same_host_pull_engine_transport(
     backend: Backend,
     *,
     connect_timeout_ms: int | None = None,
+    replica: int = 0,
 ) -> Transport:
     """Engine rank `engine_rank` of the routing plan `plan` for the same-host pull transport:
     give it to the engine's Receiver (with the routing plan in use). `paths` holds every trainer
     rank's socket path, in trainer rank order (``paths[t]`` served by trainer rank t).
+    `replica`: which data-parallel replica of the engine this process belongs to (0..R-1 where
+    the trainer ranks serve R x the plan's engine ranks processes); every replica's process of
+    an engine rank pulls the same routes from the same staging.
 
     Connects to each within `connect_timeout_ms` in all (None: 60000; ShadowsyncTimeoutError
     "trainer rank 2 (<path>) never served within 60000 ms"), proves `token` and maps each trainer
     rank's staging. Refused, naming both values: a trainer rank set up for another world size or
-    an engine rank taken already (InvalidArgumentError), another routing plan
+    an engine rank and replica taken already, a replica the trainer ranks do not serve
+    (InvalidArgumentError), another routing plan
     (LayoutMismatchError), a path served by another trainer rank than its index
     (InvalidArgumentError), a wrong token (TransportError). `backend`: a HostBackend for
     trainer ranks that serve host memory, a CudaBackend of this engine rank's GPU for device
@@ -476,21 +483,24 @@ def same_host_pull_engine_transport(
         encoded.append(path_bytes)
     plan = _routing_plan_arg(plan, what)
     engine_rank = _int_arg(engine_rank, "engine_rank", what, 0, 65535)
+    replica = _int_arg(replica, "replica", what, 0, 65535)
     c_paths = (c_char_p * len(encoded))(*encoded)
     handle = c_void_p()
     call(
-        "shadowsync_same_host_pull_connect",
+        "shadowsync_same_host_pull_connect_replica",
         c_paths,
         len(encoded),
         token_bytes,
         len(token_bytes),
         plan.handle,
         engine_rank,
+        replica,
         backend.handle,
         timeout,
         byref(handle),
     )
     return Transport(
         handle.value,
-        f"same_host_pull engine rank {engine_rank} of {len(encoded)} trainer ranks",
+        f"same_host_pull engine rank {engine_rank}"
+        f"{f' (replica {replica})' if replica else ''} of {len(encoded)} trainer ranks",
     )

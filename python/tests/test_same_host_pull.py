@@ -1,7 +1,7 @@
 """The same-host pull transport through the Python package (no torch): two trainer ranks serve on
 threads, an engine rank connects from plain values (paths, token, plan, rank); its handshake's
 refusals arrive as the named errors. Last, three updates through routed Senders (one per
-trainer rank) and a Receiver with the plan."""
+trainer rank) and a Receiver with the plan, and two updates into two engine replicas."""
 
 from __future__ import annotations
 
@@ -42,10 +42,11 @@ def paths():
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def _serve(path, plan, rank, timeout_ms, results):
+def _serve(path, plan, rank, timeout_ms, results, engine_processes=1):
     try:
         results[rank] = ss.same_host_pull_trainer_transport(
-            path, TOKEN, plan, rank, 1, ss.HostBackend(), connect_timeout_ms=timeout_ms)
+            path, TOKEN, plan, rank, engine_processes, ss.HostBackend(),
+            connect_timeout_ms=timeout_ms)
     except ss.ShadowsyncError as error:
         results[rank] = error
 
@@ -197,3 +198,72 @@ def test_a_bucket_deadline_names_the_trainer_rank_that_did_not_send(paths):
         receiver.close()
         for sender in senders:
             sender.close()
+
+
+def test_two_engine_replicas_take_every_update_from_senders_that_send_once(paths):
+    """Engine replicas: the trainer ranks serve 2 processes for the plan's one engine rank
+    (engine_processes = replicas x engine ranks), and each publishes every update once; both
+    replicas' Receivers (replica 0 and 1) come out with the full tensors and the plan's bytes.
+    A replica the trainers do not serve is refused, naming both values, before it connects."""
+    shapes = {"q": (13, 8), "norm": (8,)}
+    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
+    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
+               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
+    plan = ss.RoutingPlan(layout, regions)
+    backend = ss.HostBackend()
+    results = {}
+    threads = [threading.Thread(target=_serve, args=(paths[t], plan, t, 20000, results, 2))
+               for t in range(2)]
+    for t in threads:
+        t.start()
+    with pytest.raises(ss.InvalidArgumentError,
+                       match=r"engine rank 0, replica 2: trainer rank 0 at .* serves 2 "
+                             r"replica\(s\) of each engine rank \(replicas 0..1\)"):
+        ss.same_host_pull_engine_transport(paths, TOKEN, plan, 0, backend, replica=2,
+                                           connect_timeout_ms=20000)
+    receivers = []
+    try:
+        for replica in range(2):
+            transport = ss.same_host_pull_engine_transport(paths, TOKEN, plan, 0, backend,
+                                                           replica=replica,
+                                                           connect_timeout_ms=20000)
+            receivers.append(ss.Receiver(layout, backend, transport))
+            receivers[-1].use_routing_plan(plan, 0)
+        for t in threads:
+            t.join()
+        senders = [ss.Sender(layout, backend, results[t], routing_plan=plan, trainer_rank=t)
+                   for t in range(2)]
+        rng = np.random.default_rng(5)
+        for version in (1, 2):
+            full = {name: rng.standard_normal(shape).astype(np.float32)
+                    for name, shape in shapes.items()}
+            handles = [senders[t].publish_shards(version, _shards(full, regions[t]))
+                       for t in range(2)]
+            for receiver in receivers:
+                receiver.begin_update(handles[0].header_bytes)
+            for handle in handles:
+                handle.wait(timeout=20)
+            for replica, receiver in enumerate(receivers):
+                receiver.wait_applied(version, timeout=20)
+                for name, values in full.items():
+                    np.testing.assert_array_equal(receiver.live_array(name), values,
+                                                  err_msg=f"replica {replica}")
+                assert receiver.stats().routed_bytes == plan.bytes_to_engine(0)
+        for sender in senders:
+            sender.close()
+    finally:
+        for receiver in receivers:
+            receiver.close()
+
+
+def test_a_replica_outside_the_publishers_replicas_is_refused_before_connecting():
+    from shadowsync.sharded_publisher import sharded_receiver
+    from shadowsync.vllm.trainer_ranks import from_engine_setup
+
+    setup = {"engine_replicas": 2}  # nothing else is read before the refusal
+    with pytest.raises(ss.InvalidArgumentError,
+                       match=r"sharded_receiver: replica 2 is outside the 2 engine replica\(s\)"):
+        sharded_receiver(setup, TOKEN, 0, replica=2)
+    with pytest.raises(ss.InvalidArgumentError,
+                       match=r"from_engine_setup: replica 1 is outside the 1 engine replica\(s\)"):
+        from_engine_setup({}, TOKEN, replica=1)

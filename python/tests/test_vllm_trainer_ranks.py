@@ -89,11 +89,14 @@ def info(paths, **extra) -> dict:
     return dict(specs=SPECS, bucket_bytes=BUCKET_BYTES, trainer_ranks=trainer_ranks(paths, **extra))
 
 
-def test_two_trainer_ranks_update_a_worker_each_sending_only_its_shards(paths):
-    worker = FakeWorker()
-    llm = FrontEnd(worker)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_two_trainer_ranks_update_a_worker_each_sending_only_its_shards(paths, replicas):
+    """With 2 replicas, two workers (two vLLM engine instances, trainer_ranks.replica 0 and 1)
+    take every update from trainer ranks that publish it once."""
+    workers = [FakeWorker() for _ in range(replicas)]
+    llm = FrontEnd(workers[0])
     needs = weight_update_needs(llm, info(paths))
-    assert worker.weight_update_needs(info(paths))["engine_rank"] == 0
+    assert workers[0].weight_update_needs(info(paths))["engine_rank"] == 0
     layout = ss.Layout(SPECS, bucket_bytes=BUCKET_BYTES)
     # No receive plan (the trainer sends the engine's own tensors): every tensor is needed.
     assert needs == [[[t.group_index, t.offset, t.offset + t.bytes]
@@ -104,7 +107,7 @@ def test_two_trainer_ranks_update_a_worker_each_sending_only_its_shards(paths):
     def serve(rank):
         try:
             served[rank] = ss.same_host_pull_trainer_transport(
-                paths[rank], TOKEN, plan, rank, 1, ss.HostBackend(),
+                paths[rank], TOKEN, plan, rank, replicas, ss.HostBackend(),
                 connect_timeout_ms=int(DEADLINE_S * 1000))
         except ss.ShadowsyncError as error:
             served[rank] = error
@@ -112,11 +115,13 @@ def test_two_trainer_ranks_update_a_worker_each_sending_only_its_shards(paths):
     threads = [threading.Thread(target=serve, args=(rank,)) for rank in range(M)]
     for thread in threads:
         thread.start()
-    fingerprint = llm.worker.init_weight_update_group(
-        info(paths, engine_needs=needs, fingerprint=plan.fingerprint))
+    for replica, worker in enumerate(workers):
+        extra = {"replica": replica} if replica else {}
+        fingerprint = worker.init_weight_update_group(
+            info(paths, engine_needs=needs, fingerprint=plan.fingerprint, **extra))
+        assert fingerprint == layout.fingerprint
     for thread in threads:
         thread.join()
-    assert fingerprint == layout.fingerprint
     backend = ss.HostBackend()
     senders = [ss.Sender(layout, backend, served[rank], routing_plan=plan, trainer_rank=rank)
                for rank in range(M)]
@@ -126,20 +131,24 @@ def test_two_trainer_ranks_update_a_worker_each_sending_only_its_shards(paths):
             handles = [senders[rank].publish_shards(
                 version, [(r.tensor, shard(full[r.tensor], r), r) for r in REGIONS[rank]])
                 for rank in range(M)]
-            assert worker.begin_update(handles[0].header_bytes) == version
+            for worker in workers:
+                assert worker.begin_update(handles[0].header_bytes) == version
             for handle in handles:
                 handle.wait(DEADLINE_S)
-            assert worker.wait_applied(version, DEADLINE_S) == version
-            for name, values in full.items():
-                np.testing.assert_array_equal(worker.params[name].data, values)
-            stats = worker.weight_update_stats()
-            assert stats["routed_bytes"] == plan.bytes_to_engine(0) == sum(
-                t.bytes for g in layout.groups for t in g.tensors)
-            assert stats["trainer_count"] == M
-            assert stats["routing_fingerprint"] == plan.fingerprint
-            assert stats["updates_failed"] == 0
+            for replica, worker in enumerate(workers):
+                assert worker.wait_applied(version, DEADLINE_S) == version
+                for name, values in full.items():
+                    np.testing.assert_array_equal(worker.params[name].data, values,
+                                                  err_msg=f"replica {replica}")
+                stats = worker.weight_update_stats()
+                assert stats["routed_bytes"] == plan.bytes_to_engine(0) == sum(
+                    t.bytes for g in layout.groups for t in g.tensors)
+                assert stats["trainer_count"] == M
+                assert stats["routing_fingerprint"] == plan.fingerprint
+                assert stats["updates_failed"] == 0
     finally:
-        worker.close_weight_update_group()
+        for worker in workers:
+            worker.close_weight_update_group()
         for sender in senders:
             sender.close()
 
@@ -199,6 +208,8 @@ def test_bad_set_ups_are_refused_by_name_before_anything_connects(paths):
     whole["trainer_ranks"]["regions"][1][0] = ["embed", "box", [0], [5, 4]]
     assert "trainer_ranks.regions[1][0]: region of tensor 'embed': begin has 1 dimensions" in \
         refused(paths, whole=whole)
+    # A replica index below 0.
+    assert "trainer_ranks.replica" in refused(paths, replica=-1, **good)
     # Routed updates carry no checksums yet.
     whole = info(paths, **good)
     whole["receiver_config"] = ss.ReceiverConfig(require_checksums=True)
@@ -226,6 +237,9 @@ def test_nccl_routes_are_refused_by_name_where_they_cannot_run(paths):
     whole["trainer_ranks"]["token"] = TOKEN
     assert "'nccl' and ['token'] are both set; the trainer ranks send over one transport" in \
         refused(paths, whole=whole)
+    # NCCL routes reach one replica.
+    assert "trainer_ranks.replica is 1: NCCL routes reach one engine replica" in \
+        refused(paths, whole=nccl_info(paths, nccl, replica=1, **good))
     # Every communicator rank's GPU named: 2 trainer ranks and the engine's.
     message = refused(paths, whole=nccl_info(paths, dict(nccl, gpus=gpus[:2]), **good))
     assert "trainer_ranks.nccl.gpus holds 2 names, but 2 trainer ranks and at least one engine " \

@@ -5,8 +5,9 @@
 // copies into a slot arena, which must then hold update v's bytes wherever the rank needs them.
 // A trainer rank SIGKILLed after its 2nd doorbell fails both engines' bucket by name with nothing
 // of it copied; new children on the same paths and new engine transports apply the next update.
-// Then the handshake's refusals by their text, and 20 connect/abort cycles that leave nothing
-// behind.
+// Engine replicas: every replica's process of an engine rank pulls the same bytes from the same
+// staging. Then the handshake's refusals by their text, and 20 connect/abort cycles that leave
+// nothing behind.
 #include <catch2/catch.hpp>
 
 #include <signal.h>
@@ -101,6 +102,7 @@ std::unique_ptr<ChildProcess> spawn_trainer(const std::string& path, int rank, s
 struct EngineRank {
   const int rank;
   std::shared_ptr<const RoutingPlan> plan;
+  int replica = 0;  // of the engine's data-parallel replicas
   HostBackend backend;
   std::unique_ptr<Stream> stream = backend.create_stream(StreamPriority::kNormal);
   std::unique_ptr<SameHostPullTransport> transport;
@@ -158,7 +160,7 @@ void connect_engines(std::vector<std::unique_ptr<EngineRank>>& engines,
   for (auto& e : engines) {
     connecting.push_back(std::async(std::launch::async, [&paths, &e] {
       return SameHostPullTransport::connect_engine_rank(paths, kToken, e->plan, e->rank, e->backend,
-                                                        config());
+                                                        config(), e->replica);
     }));
   }
   for (std::size_t i = 0; i < engines.size(); ++i) engines[i]->transport = connecting[i].get();
@@ -272,11 +274,13 @@ namespace {
 std::future<std::string> serve_async(const std::string& path,
                                      std::shared_ptr<const RoutingPlan> plan, int rank,
                                      HostBackend& backend, std::chrono::milliseconds timeout,
-                                     std::unique_ptr<SameHostPullTransport>* kept = nullptr) {
+                                     std::unique_ptr<SameHostPullTransport>* kept = nullptr,
+                                     int replicas = 1) {
   return std::async(std::launch::async, [=, &backend] {
     try {
-      auto served = SameHostPullTransport::serve(path, kToken, plan, rank, plan->engine_count(),
-                                                 backend, SameHostMemory::kHost, config(timeout));
+      auto served = SameHostPullTransport::serve(path, kToken, plan, rank,
+                                                 replicas * plan->engine_count(), backend,
+                                                 SameHostMemory::kHost, config(timeout));
       if (kept != nullptr) *kept = std::move(served);
       return std::string();
     } catch (const Error& e) {
@@ -288,10 +292,11 @@ std::future<std::string> serve_async(const std::string& path,
 std::string connect_error(const std::vector<std::string>& paths,
                           std::shared_ptr<const RoutingPlan> plan, int engine_rank,
                           HostBackend& backend,
-                          std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+                          std::chrono::milliseconds timeout = std::chrono::seconds(10),
+                          int replica = 0) {
   return message_of([&] {
     SameHostPullTransport::connect_engine_rank(paths, kToken, plan, engine_rank, backend,
-                                               config(timeout));
+                                               config(timeout), replica);
   });
 }
 
@@ -383,6 +388,124 @@ TEST_CASE("same-host pull: the handshake's refusals, named") {
              // With CUDA: "device memory needs a CudaBackend, got the 'host' backend"; without:
              // "the device memory flavour needs a CudaBackend and a build with CUDA".
              Catch::Contains("needs a CudaBackend"));
+}
+
+TEST_CASE(
+    "same-host pull: engine replicas: 2 trainer ranks pack each bucket once, the 2 replicas of "
+    "both engine ranks land it; a replica that dies fails the trainer rank, named") {
+  SocketDir dir{"shadowsync_pull_replicas"};
+  const auto paths = socket_paths(dir, 2);
+  const auto plan = make_plan(2, 2);
+  constexpr int kReplicas = 2;
+  HostBackend trainer_backend;
+  std::unique_ptr<SameHostPullTransport> trainers[2];
+  std::future<std::string> serving[2];
+  for (int t = 0; t < 2; ++t) {
+    serving[t] = serve_async(paths[t], plan, t, trainer_backend, std::chrono::seconds(20),
+                             &trainers[t], kReplicas);
+  }
+  std::vector<std::unique_ptr<EngineRank>> engines;  // replica by replica, as the trainer seats
+  for (int r = 0; r < kReplicas; ++r) {
+    for (int e = 0; e < 2; ++e) {
+      engines.push_back(std::make_unique<EngineRank>(e, plan));
+      engines.back()->replica = r;
+    }
+  }
+  connect_engines(engines, paths);
+  for (auto& s : serving) REQUIRE(s.get().empty());
+  for (int t = 0; t < 2; ++t) {
+    // The trainer's staging does not grow with the replicas: every one pulls from the same slots.
+    CHECK(trainers[t]->slot_bytes() < plan->max_packed_bytes(t) + 64);
+  }
+
+  std::unique_ptr<Stream> streams[2] = {trainer_backend.create_stream(StreamPriority::kNormal),
+                                        trainer_backend.create_stream(StreamPriority::kNormal)};
+  std::vector<std::vector<std::byte>> packed(2);  // read by the stream tasks until synchronized
+  // Trainer rank t sends update v: one send_routes_async per bucket, whatever the replicas.
+  const auto send = [&](int t, std::uint64_t v) {
+    packed[t] = packing(*plan, t, v);
+    for (std::size_t k = 0; k < plan->bucket_count(0); ++k) {
+      const ByteRange range = plan->packed_range(t, 0, k);
+      trainers[t]->send_routes_async({v, k, 0, k}, packed[t].data() + range.begin,
+                                     range.end - range.begin, *streams[t]);
+    }
+  };
+  const std::size_t last = plan->bucket_count(0) - 1;
+  for (std::uint64_t v = 1; v <= 2; ++v) {
+    CAPTURE(v);
+    for (int t = 0; t < 2; ++t) send(t, v);
+    for (auto& e : engines) e->receive(v);
+    for (auto& e : engines) {
+      CAPTURE(e->rank, e->replica);
+      REQUIRE(e->wait_landed(last));
+      INFO(e->transport->async_error().value_or(""));
+      REQUIRE_FALSE(e->transport->async_error().has_value());
+      CHECK(e->wrong_bytes(v, 0, wire_bytes()) == 0);
+      CHECK(e->transport->routed_bytes() == v * plan->bytes_to(e->rank));
+    }
+    for (int t = 0; t < 2; ++t) {
+      trainer_backend.stream_synchronize(*streams[t]);
+      REQUIRE_FALSE(trainers[t]->async_error().has_value());
+    }
+  }
+
+  // Update 3: replica 1 of engine rank 0 is gone (its process died: the peers see EOF) before it
+  // acked bucket 0. Each trainer rank fails naming it; the rest see the failure as they would
+  // from a Sender, which aborts its transport.
+  for (int t = 0; t < 2; ++t) send(t, 3);
+  engines[2]->transport->abort();
+  for (int t = 0; t < 2; ++t) {
+    trainer_backend.stream_synchronize(*streams[t]);
+    const std::string error = trainers[t]->async_error().value_or("");
+    CHECK_THAT(error, Catch::Contains(fmt::format("same-host pull trainer rank {}: engine rank 0, "
+                                                  "replica 1, closed its socket",
+                                                  t)) &&
+                          Catch::Contains("bucket 0 of update 3"));
+    trainers[t]->abort();
+  }
+  for (std::size_t i : {0, 1, 3}) {
+    auto& e = engines[i];
+    e->receive(3);
+    REQUIRE(e->wait_landed(last));
+    CHECK(e->transport->async_error().has_value());
+  }
+}
+
+TEST_CASE("same-host pull: engine replicas' refusals, named") {
+  HostBackend backend;
+  const auto plan = make_plan(1, 1);
+  CHECK_THAT(message_of([&] {
+               SocketDir dir{"shadowsync_pull_odd"};
+               SameHostPullTransport::serve(socket_paths(dir, 1)[0], kToken, make_plan(1, 2), 0,
+                                            3, backend, SameHostMemory::kHost, config());
+             }),
+             Catch::Contains("3 engine processes, but the routing plan has 2 engine ranks; serve "
+                             "replicas x engine ranks processes"));
+
+  // A trainer rank serving 2 replicas of its one engine rank: replica 0 comes, a second replica
+  // 0 and a replica 2 are refused, replica 1 never comes.
+  SocketDir dir{"shadowsync_pull_replica_refusals"};
+  const auto paths = socket_paths(dir, 1);
+  auto serving = serve_async(paths[0], plan, 0, backend, std::chrono::milliseconds(1500), nullptr,
+                             /*replicas=*/2);
+  auto first = SameHostPullTransport::connect_engine_rank(paths, kToken, plan, 0, backend,
+                                                          config());
+  CHECK_THAT(connect_error(paths, plan, 0, backend, std::chrono::seconds(10), 0),
+             Catch::Contains("engine rank 0: trainer rank 0 at " + paths[0] +
+                             " already admitted another engine process as engine rank 0"));
+  CHECK_THAT(connect_error(paths, plan, 0, backend, std::chrono::seconds(10), 2),
+             Catch::Contains("engine rank 0, replica 2: trainer rank 0 at " + paths[0] +
+                             " serves 2 replica(s) of each engine rank (replicas 0..1)"));
+  const std::string timed_out = serving.get();
+  CHECK_THAT(timed_out, Catch::Contains("1 of 2 engine processes connected") &&
+                            Catch::Contains("rank(s) 0 (replica 1) not admitted") &&
+                            Catch::Contains("engine rank 0, replica 2: replica 2 is outside the 2 "
+                                            "replica(s) trainer rank 0 serves"));
+  CHECK_THAT(message_of([&] {
+               SameHostPullTransport::connect_engine_rank(paths, kToken, plan, 0, backend,
+                                                          config(), -1);
+             }),
+             Catch::Contains("replica -1 is outside 0..65535"));
 }
 
 TEST_CASE("same-host pull: 20 connect/abort cycles leave no fd, thread or memory file behind") {

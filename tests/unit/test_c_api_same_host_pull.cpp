@@ -80,7 +80,7 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
   shadowsync_backend_t backend = nullptr;
   REQUIRE_OK(shadowsync_host_backend_create(&backend));
 
-  SECTION("both trainer ranks serve, the engine rank connects, the plan handle goes first") {
+  SECTION("both trainer ranks serve 2 replicas, both connect, the plan handle goes first") {
     // Catch is not thread-safe: the serving threads only call, the test thread checks.
     struct Served {
       shadowsync_status_t status;
@@ -92,7 +92,7 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
       serving.push_back(std::async(std::launch::async, [&, t] {
         Served served{SHADOWSYNC_SUCCESS, {}, nullptr};
         served.status = shadowsync_same_host_pull_serve(
-            paths[t].c_str(), kToken.data(), kToken.size(), plan.plan, t, 1, backend,
+            paths[t].c_str(), kToken.data(), kToken.size(), plan.plan, t, 2, backend,
             SHADOWSYNC_SAME_HOST_MEMORY_HOST, 10000, &served.transport);
         if (served.status != SHADOWSYNC_SUCCESS) served.error = last_error();
         return served;
@@ -102,6 +102,15 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
     shadowsync_transport_t engine = nullptr;
     REQUIRE_OK(shadowsync_same_host_pull_connect(c_paths, 2, kToken.data(), kToken.size(),
                                                  plan.plan, 0, backend, 10000, &engine));
+    shadowsync_transport_t replica = nullptr;  // replica 0 is taken: this one must say 1
+    CHECK(shadowsync_same_host_pull_connect_replica(c_paths, 2, kToken.data(), kToken.size(),
+                                                    plan.plan, 0, 2, backend, 10000,
+                                                    &replica) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("engine rank 0, replica 2: trainer rank 0 at " +
+                                             paths[0] + " serves 2 replica(s)"));
+    REQUIRE_OK(shadowsync_same_host_pull_connect_replica(c_paths, 2, kToken.data(), kToken.size(),
+                                                         plan.plan, 0, 1, backend, 10000,
+                                                         &replica));
     std::vector<shadowsync_transport_t> trainers;
     for (auto& s : serving) {
       Served served = s.get();
@@ -114,6 +123,7 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
     REQUIRE_OK(shadowsync_backend_destroy(backend));  // and the backend
     backend = nullptr;
     REQUIRE_OK(shadowsync_transport_destroy(engine));
+    REQUIRE_OK(shadowsync_transport_destroy(replica));
     for (auto* t : trainers) {
       REQUIRE(t != nullptr);
       REQUIRE_OK(shadowsync_transport_destroy(t));
@@ -141,12 +151,12 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
                                           &served) == SHADOWSYNC_INVALID_ARGUMENT);
     CHECK_THAT(last_error(), Catch::Contains("'memory' is 7; expected"));
   }
-  SECTION("engine processes other than the plan's engine ranks") {
+  SECTION("no engine processes") {
     shadowsync_transport_t served = nullptr;
     CHECK(shadowsync_same_host_pull_serve(paths[0].c_str(), kToken.data(), kToken.size(), plan.plan,
-                                          0, 2, backend, SHADOWSYNC_SAME_HOST_MEMORY_HOST, 0,
+                                          0, 0, backend, SHADOWSYNC_SAME_HOST_MEMORY_HOST, 0,
                                           &served) == SHADOWSYNC_INVALID_ARGUMENT);
-    CHECK_THAT(last_error(), Catch::Contains("2 engine processes, but the routing plan has 1 "
+    CHECK_THAT(last_error(), Catch::Contains("0 engine processes, but the routing plan has 1 "
                                              "engine ranks"));
   }
   SECTION("a path count other than the plan's trainer ranks, and NULL paths") {

@@ -36,13 +36,14 @@ std::string route_error(const std::array<std::byte, kDataRecordBytes>& bytes,
 TEST_CASE("pull records round-trip") {
   std::string error;
 
-  const PullHello hello{2, 3, 1, 0x0123456789abcdefULL};
+  const PullHello hello{2, 3, 1, 0x0123456789abcdefULL, 4};
   PullHello hello_out;
   REQUIRE(decode(encode(hello), hello_out, error));
   CHECK(hello_out.trainer_count == 2);
   CHECK(hello_out.engine_count == 3);
   CHECK(hello_out.engine_rank == 1);
   CHECK(hello_out.fingerprint == 0x0123456789abcdefULL);
+  CHECK(hello_out.replica == 4);
 
   PullSetup setup;
   setup.trainer_rank = 3;
@@ -61,14 +62,15 @@ TEST_CASE("pull records round-trip") {
   CHECK(setup_out.slot_bytes == 1 << 20);
   CHECK(setup_out.handle == setup.handle);
 
-  const PullRefuse refuse{PullRefuseReason::kPlanDiffers, 1, 2, 2, 99};
+  const PullRefuse refuse{PullRefuseReason::kReplicaOutside, 1, 2, 2, 99, 3};
   PullRefuse refuse_out;
   REQUIRE(decode(encode(refuse), refuse_out, error));
-  CHECK(refuse_out.reason == PullRefuseReason::kPlanDiffers);
+  CHECK(refuse_out.reason == PullRefuseReason::kReplicaOutside);
   CHECK(refuse_out.trainer_rank == 1);
   CHECK(refuse_out.trainer_count == 2);
   CHECK(refuse_out.engine_count == 2);
   CHECK(refuse_out.fingerprint == 99);
+  CHECK(refuse_out.replicas == 3);
 
   for (const RecordType type : {RecordType::kRouteDoorbell, RecordType::kRouteAck}) {
     for (const std::uint64_t bytes : {std::uint64_t{0}, std::uint64_t{4096}}) {
@@ -95,9 +97,9 @@ TEST_CASE("a pull hello with impossible fields is refused") {
     put_u32(record, 16, 2);
     CHECK_THAT(error_of<PullHello>(record), Catch::Contains("engine rank 2 is outside 0..1"));
   }
-  SECTION("reserved field set") {
-    put_u32(record, 20, 3);
-    CHECK_THAT(error_of<PullHello>(record), Catch::Contains("reserved field is 3"));
+  SECTION("replica beyond 16 bits") {
+    put_u32(record, 20, 65536);
+    CHECK_THAT(error_of<PullHello>(record), Catch::Contains("replica 65536 is outside 0..65535"));
   }
   SECTION("another record type") {
     const auto setup = encode(PullSetup{0, 0, 1, 1, 0, 64, {}});
@@ -149,6 +151,14 @@ TEST_CASE("a pull refusal with impossible fields is refused") {
   SECTION("no trainer ranks") {
     put_u32(record, 16, 0);
     CHECK_THAT(error_of<PullRefuse>(record), Catch::Contains("0 trainer ranks"));
+  }
+  SECTION("no replicas") {
+    put_u32(record, 32, 0);
+    CHECK_THAT(error_of<PullRefuse>(record), Catch::Contains("2 engine ranks and 0 replicas"));
+  }
+  SECTION("reserved field set") {
+    put_u32(record, 36, 7);
+    CHECK_THAT(error_of<PullRefuse>(record), Catch::Contains("reserved field is 7"));
   }
 }
 

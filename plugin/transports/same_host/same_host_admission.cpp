@@ -276,13 +276,16 @@ class Admission {
   }
 
   void on_hello(Pending& p, std::span<const std::byte> record) {
-    const bool in_range = p.proved >= 1 && p.proved <= static_cast<std::uint32_t>(receivers_);
-    const HelloAnswer answer = hello_->answer(p.proved, record, in_range && taken_[p.proved]);
-    if (!answer.admit || !in_range || taken_[p.proved]) {
+    const auto in_range = [this](std::uint32_t seat) {
+      return seat >= 1 && seat <= static_cast<std::uint32_t>(receivers_);
+    };
+    const HelloAnswer answer = hello_->answer(
+        p.proved, record, [&](std::uint32_t seat) { return in_range(seat) && taken_[seat]; });
+    if (!answer.admit || !in_range(answer.seat) || taken_[answer.seat]) {
       if (!answer.reply.empty()) (void)write_all(p.fd.get(), answer.reply, -1, p.deadline);
-      drop(p, answer.admit ? fmt::format("{}: rank {} admitted by its hello but outside 1..{} or "
+      drop(p, answer.admit ? fmt::format("{}: seat {} admitted by its hello but outside 1..{} or "
                                          "taken (a bug: please report it)",
-                                         who(p), p.proved, receivers_)
+                                         who(p), answer.seat, receivers_)
                            : fmt::format("refused {}: {}", who(p), answer.why));
       return;
     }
@@ -292,7 +295,7 @@ class Admission {
                           shown(p.proved), describe(io, errno)));
       return;
     }
-    p.rank = p.proved;
+    p.rank = answer.seat;
     taken_[p.rank] = true;
     peers_[p.rank - 1] = std::move(p.fd);
     ++admitted_;
@@ -306,7 +309,9 @@ class Admission {
         missing.push_back("...");
         break;
       }
-      missing.push_back(std::to_string(shown(static_cast<std::uint32_t>(r))));
+      const auto seat = static_cast<std::uint32_t>(r);
+      missing.push_back(hello_ != nullptr && hello_->seat_name ? hello_->seat_name(seat)
+                                                               : std::to_string(shown(seat)));
     }
     std::vector<std::string> peers;
     const auto now = Clock::now();
@@ -347,7 +352,7 @@ class Admission {
   const std::span<const std::byte> setup_record_;
   const int shared_fd_;
   const SameHostConfig& config_;
-  std::vector<bool> taken_;  // by rank: admitted, or proved by a connection under way
+  std::vector<bool> taken_;  // by rank (with a hello, seat): admitted, or proved by one under way
   std::vector<Fd> peers_;    // rank r at r-1
   int admitted_ = 0;
   std::vector<Pending> pending_;

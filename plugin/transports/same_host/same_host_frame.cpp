@@ -90,7 +90,7 @@ std::size_t record_bytes(RecordType type) noexcept {
     case RecordType::kAck: return kDataRecordBytes;
     case RecordType::kPullHello: return 32;
     case RecordType::kPullSetup: return 104;
-    case RecordType::kPullRefuse: return 32;
+    case RecordType::kPullRefuse: return 40;
     case RecordType::kRouteDoorbell:
     case RecordType::kRouteAck: return kDataRecordBytes;
   }
@@ -312,7 +312,7 @@ std::array<std::byte, 32> encode(const PullHello& record) {
   w.u32(record.trainer_count);
   w.u32(record.engine_count);
   w.u32(record.engine_rank);
-  w.u32(0);
+  w.u32(record.replica);
   w.u64(record.fingerprint);
   return out;
 }
@@ -330,14 +330,16 @@ std::array<std::byte, 104> encode(const PullSetup& record) {
   return out;
 }
 
-std::array<std::byte, 32> encode(const PullRefuse& record) {
-  std::array<std::byte, 32> out{};
+std::array<std::byte, 40> encode(const PullRefuse& record) {
+  std::array<std::byte, 40> out{};
   Writer w(out, RecordType::kPullRefuse);
   w.u32(static_cast<std::uint32_t>(record.reason));
   w.u32(record.trainer_rank);
   w.u32(record.trainer_count);
   w.u32(record.engine_count);
   w.u64(record.fingerprint);
+  w.u32(record.replicas);
+  w.u32(0);
   return out;
 }
 
@@ -358,7 +360,7 @@ bool decode(std::span<const std::byte> record, PullHello& out, std::string& erro
   out.trainer_count = r.u32();
   out.engine_count = r.u32();
   out.engine_rank = r.u32();
-  const std::uint32_t reserved = r.u32();
+  out.replica = r.u32();
   out.fingerprint = r.u64();
   if (!count_ok(out.trainer_count) || !count_ok(out.engine_count)) {
     error = fmt::format("same-host pull hello: {} trainer ranks and {} engine ranks; each must be "
@@ -367,8 +369,8 @@ bool decode(std::span<const std::byte> record, PullHello& out, std::string& erro
   } else if (out.engine_rank >= out.engine_count) {
     error = fmt::format("same-host pull hello: engine rank {} is outside 0..{}", out.engine_rank,
                         out.engine_count - 1);
-  } else if (reserved != 0) {
-    error = fmt::format("same-host pull hello: reserved field is {}, expected 0", reserved);
+  } else if (out.replica >= 65536) {
+    error = fmt::format("same-host pull hello: replica {} is outside 0..65535", out.replica);
   } else {
     return true;
   }
@@ -410,12 +412,17 @@ bool decode(std::span<const std::byte> record, PullRefuse& out, std::string& err
   out.trainer_count = r.u32();
   out.engine_count = r.u32();
   out.fingerprint = r.u64();
+  out.replicas = r.u32();
+  const std::uint32_t reserved = r.u32();
   if (reason < 1 || reason > 4) {
     error = fmt::format("same-host pull refusal with unknown reason {}", reason);
-  } else if (!count_ok(out.trainer_count) || !count_ok(out.engine_count)) {
-    error = fmt::format("same-host pull refusal: {} trainer ranks and {} engine ranks; each must "
-                        "be in 1..65536",
-                        out.trainer_count, out.engine_count);
+  } else if (reserved != 0) {
+    error = fmt::format("same-host pull refusal: reserved field is {}, expected 0", reserved);
+  } else if (!count_ok(out.trainer_count) || !count_ok(out.engine_count) ||
+             !count_ok(out.replicas)) {
+    error = fmt::format("same-host pull refusal: {} trainer ranks, {} engine ranks and {} "
+                        "replicas; each must be in 1..65536",
+                        out.trainer_count, out.engine_count, out.replicas);
   } else if (out.trainer_rank >= out.trainer_count) {
     error = fmt::format("same-host pull refusal: trainer rank {} is outside 0..{}",
                         out.trainer_rank, out.trainer_count - 1);
@@ -462,7 +469,7 @@ const char* to_string(PullRefuseReason reason) noexcept {
     case PullRefuseReason::kWorldSizeDiffers: return "the trainer and engine counts differ";
     case PullRefuseReason::kPlanDiffers: return "the routing plans differ";
     case PullRefuseReason::kRankTaken: return "another engine process already took that rank";
-    case PullRefuseReason::kRankOutside: return "the engine rank is outside those served";
+    case PullRefuseReason::kReplicaOutside: return "the replica is outside those served";
   }
   return "unknown reason";
 }

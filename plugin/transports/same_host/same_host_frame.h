@@ -17,14 +17,15 @@
 // The pull transport (same_host_pull_transport.h: a trainer rank T serves, each engine process E
 // connects) runs challenge, proof, accept and ready as above (the proof's rank: engine rank + 1),
 // then, instead of setup:
-//   9 pull hello  E->T  trainer count u32, engine count u32, engine rank u32, reserved u32 (0),
-//                       routing fingerprint u64                                     32 bytes
+//   9 pull hello  E->T  trainer count u32, engine count u32, engine rank u32, replica u32
+//                       (the engine's data-parallel replica, 0..65535), routing
+//                       fingerprint u64                                             32 bytes
 //  10 pull setup  T->E  memory u32, trainer rank u32, trainer count u32, engine count u32,
 //                       routing fingerprint u64, slot bytes u64, handle (64); the staging fd
 //                       rides along                                                104 bytes
 //  11 pull refuse T->E  reason u32, trainer rank u32, trainer count u32, engine count u32,
-//                       routing fingerprint u64 (the trainer's own, so that the engine can name
-//                       both sides' values)                                          32 bytes
+//                       routing fingerprint u64, replicas u32, reserved u32 (0) (the trainer's
+//                       own, so that the engine can name both sides' values)         40 bytes
 // and its data records, 40 bytes each (bytes may be 0: a trainer rank rings for every bucket):
 //  12 route doorbell T->E  update version u64, bucket sequence u64, slot u32, reserved u32 (0),
 //                          bytes u64
@@ -40,7 +41,7 @@
 namespace shadowsync::same_host {
 
 inline constexpr std::uint32_t kMagic = 0x54485353;  // "SSHT" little-endian
-inline constexpr std::uint16_t kWireVersion = 1;
+inline constexpr std::uint16_t kWireVersion = 2;  // 2: pull replicas
 inline constexpr std::size_t kNonceBytes = 32;
 inline constexpr std::size_t kMacBytes = 32;
 inline constexpr std::size_t kHandleBytes = 64;
@@ -120,6 +121,7 @@ struct PullHello {
   std::uint32_t engine_count = 0;
   std::uint32_t engine_rank = 0;
   std::uint64_t fingerprint = 0;  // RoutingPlan::fingerprint()
+  std::uint32_t replica = 0;      // which data-parallel replica of the engine this process is
 };
 struct PullSetup {
   std::uint32_t memory = 0;  // SameHostMemory
@@ -133,8 +135,8 @@ struct PullSetup {
 enum class PullRefuseReason : std::uint32_t {
   kWorldSizeDiffers = 1,  // the hello's trainer or engine count is not the trainer's plan's
   kPlanDiffers = 2,       // the routing fingerprints differ
-  kRankTaken = 3,         // another engine process already took that engine rank
-  kRankOutside = 4,       // the engine rank is outside what this trainer rank serves
+  kRankTaken = 3,         // another engine process already took that engine rank and replica
+  kReplicaOutside = 4,    // the replica is outside the replicas this trainer rank serves
 };
 struct PullRefuse {
   PullRefuseReason reason = PullRefuseReason::kWorldSizeDiffers;
@@ -142,6 +144,7 @@ struct PullRefuse {
   std::uint32_t trainer_count = 0;
   std::uint32_t engine_count = 0;
   std::uint64_t fingerprint = 0;
+  std::uint32_t replicas = 1;  // engine processes per engine rank
 };
 // Trainer rank's bucket `sequence` of update `version` is `bytes` bytes at the start of staging
 // slot `slot` (a doorbell), or was read by the engine process (its ack, echoing the doorbell).
@@ -164,7 +167,7 @@ std::array<std::byte, 16> encode(const Refuse& record);
 std::array<std::byte, kDataRecordBytes> encode(const DataRecord& record);
 std::array<std::byte, 32> encode(const PullHello& record);
 std::array<std::byte, 104> encode(const PullSetup& record);
-std::array<std::byte, 32> encode(const PullRefuse& record);
+std::array<std::byte, 40> encode(const PullRefuse& record);
 std::array<std::byte, kDataRecordBytes> encode(const RouteRecord& record);
 
 // Decoders take a whole record (header included) of exactly its size and check every field they

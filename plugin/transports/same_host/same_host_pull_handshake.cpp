@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 
 #include <fmt/format.h>
 
@@ -64,93 +65,105 @@ void set_flavour(SameHostPullTransport::State& state, SameHostMemory memory, Bac
   if (state.device) state.passed = backend.create_event();
 }
 
-// The trainer rank's answer to an engine process's hello.
-same_host::HelloAnswer answer_hello(const RoutingPlan& plan, int trainer_rank, int engine_processes,
+// An engine process's name in messages: "engine rank 1", "engine rank 1, replica 2".
+std::string engine_process_name(std::uint32_t engine_rank, std::uint32_t replica) {
+  return replica == 0 ? fmt::format("engine rank {}", engine_rank)
+                      : fmt::format("engine rank {}, replica {}", engine_rank, replica);
+}
+
+// The trainer rank's answer to an engine process's hello: its seat is 1 + replica * N + engine
+// rank (the order the data path names peers in, same_host_pull_state.h).
+same_host::HelloAnswer answer_hello(const RoutingPlan& plan, int trainer_rank, int replicas,
                                     const std::string& path, std::span<const std::byte> setup,
                                     std::uint32_t proved, std::span<const std::byte> record,
-                                    bool taken) {
+                                    const std::function<bool(std::uint32_t)>& taken) {
   same_host::PullHello hello;
   std::string problem;
   if (!same_host::decode(record, hello, problem)) {
-    return {false, {}, fmt::format("a malformed hello: {}", problem)};
+    return {false, 0, {}, fmt::format("a malformed hello: {}", problem)};
   }
   const auto refuse = [&](same_host::PullRefuseReason reason, std::string why) {
-    const same_host::PullRefuse refusal{reason, static_cast<std::uint32_t>(trainer_rank),
+    const same_host::PullRefuse refusal{reason,
+                                        static_cast<std::uint32_t>(trainer_rank),
                                         static_cast<std::uint32_t>(plan.trainer_count()),
                                         static_cast<std::uint32_t>(plan.engine_count()),
-                                        plan.fingerprint()};
+                                        plan.fingerprint(),
+                                        static_cast<std::uint32_t>(replicas)};
     const auto bytes = same_host::encode(refusal);
-    return same_host::HelloAnswer{false, {bytes.begin(), bytes.end()}, std::move(why)};
+    return same_host::HelloAnswer{false, 0, {bytes.begin(), bytes.end()}, std::move(why)};
   };
   if (hello.engine_rank + 1 != proved) {
-    return {false,
-            {},
+    return {false, 0, {},
             fmt::format("its hello names engine rank {}, but it proved the token for engine rank "
                         "{}",
                         hello.engine_rank, static_cast<long long>(proved) - 1)};
   }
+  const std::string who = engine_process_name(hello.engine_rank, hello.replica);
   if (hello.trainer_count != static_cast<std::uint32_t>(plan.trainer_count()) ||
       hello.engine_count != static_cast<std::uint32_t>(plan.engine_count())) {
     return refuse(same_host::PullRefuseReason::kWorldSizeDiffers,
-                  fmt::format("engine rank {} was set up for {} trainer ranks and {} engine ranks, "
-                              "trainer rank {} at {} for {} and {}",
-                              hello.engine_rank, hello.trainer_count, hello.engine_count,
-                              trainer_rank, path, plan.trainer_count(), plan.engine_count()));
+                  fmt::format("{} was set up for {} trainer ranks and {} engine ranks, trainer "
+                              "rank {} at {} for {} and {}",
+                              who, hello.trainer_count, hello.engine_count, trainer_rank, path,
+                              plan.trainer_count(), plan.engine_count()));
   }
   if (hello.fingerprint != plan.fingerprint()) {
     return refuse(
         same_host::PullRefuseReason::kPlanDiffers,
-        fmt::format("engine rank {} has routing plan {:#018x}, trainer rank {} at {} has "
-                    "{:#018x}",
-                    hello.engine_rank, hello.fingerprint, trainer_rank, path, plan.fingerprint()));
+        fmt::format("{} has routing plan {:#018x}, trainer rank {} at {} has {:#018x}", who,
+                    hello.fingerprint, trainer_rank, path, plan.fingerprint()));
   }
-  if (hello.engine_rank >= static_cast<std::uint32_t>(engine_processes)) {
-    return refuse(same_host::PullRefuseReason::kRankOutside,
-                  fmt::format("engine rank {} is outside the {} engine ranks trainer rank {} "
-                              "serves",
-                              hello.engine_rank, engine_processes, trainer_rank));
+  if (hello.replica >= static_cast<std::uint32_t>(replicas)) {
+    return refuse(same_host::PullRefuseReason::kReplicaOutside,
+                  fmt::format("{}: replica {} is outside the {} replica(s) trainer rank {} serves",
+                              who, hello.replica, replicas, trainer_rank));
   }
-  if (taken) {
+  const auto seat = 1 + hello.replica * static_cast<std::uint32_t>(plan.engine_count()) +
+                    hello.engine_rank;
+  if (taken(seat)) {
     return refuse(same_host::PullRefuseReason::kRankTaken,
-                  fmt::format("engine rank {} was taken by another engine process already",
-                              hello.engine_rank));
+                  fmt::format("{} was taken by another engine process already", who));
   }
-  return {true, {setup.begin(), setup.end()}, {}};
+  return {true, seat, {setup.begin(), setup.end()}, {}};
 }
 
 // What an engine rank says when the trainer rank at `path` refused it.
 Error refused(const same_host::PullRefuse& r, const RoutingPlan& plan, int engine_rank,
-              const std::string& path) {
+              int replica, const std::string& path) {
+  const std::string who = engine_process_name(static_cast<std::uint32_t>(engine_rank),
+                                              static_cast<std::uint32_t>(replica));
   switch (r.reason) {
     case same_host::PullRefuseReason::kWorldSizeDiffers: {
       // Named by the first count that differs.
       const bool trainers = r.trainer_count != static_cast<std::uint32_t>(plan.trainer_count());
       return Error(ErrorCode::kInvalidArgument,
-                   fmt::format("engine rank {} was set up for {} {} ranks, trainer rank {} at {} "
-                               "for {}: every rank must build its routing plan from the same "
-                               "trainer and engine ranks",
-                               engine_rank, trainers ? plan.trainer_count() : plan.engine_count(),
+                   fmt::format("{} was set up for {} {} ranks, trainer rank {} at {} for {}: "
+                               "every rank must build its routing plan from the same trainer and "
+                               "engine ranks",
+                               who, trainers ? plan.trainer_count() : plan.engine_count(),
                                trainers ? "trainer" : "engine", r.trainer_rank, path,
                                trainers ? r.trainer_count : r.engine_count));
     }
     case same_host::PullRefuseReason::kPlanDiffers:
       return Error(
           ErrorCode::kLayoutMismatch,
-          fmt::format("engine rank {}'s routing plan (fingerprint {:#018x}) differs from "
-                      "trainer rank {}'s at {} ({:#018x}): build both from the same wire "
-                      "layout, trainer regions and engine needs",
-                      engine_rank, plan.fingerprint(), r.trainer_rank, path, r.fingerprint));
+          fmt::format("{}'s routing plan (fingerprint {:#018x}) differs from trainer rank {}'s "
+                      "at {} ({:#018x}): build both from the same wire layout, trainer regions "
+                      "and engine needs",
+                      who, plan.fingerprint(), r.trainer_rank, path, r.fingerprint));
     case same_host::PullRefuseReason::kRankTaken:
       return Error(ErrorCode::kInvalidArgument,
-                   fmt::format("engine rank {}: trainer rank {} at {} already admitted another "
-                               "engine process as engine rank {}; each engine rank connects once",
-                               engine_rank, r.trainer_rank, path, engine_rank));
-    case same_host::PullRefuseReason::kRankOutside:
+                   fmt::format("{}: trainer rank {} at {} already admitted another engine process "
+                               "as {}; each engine rank connects once per replica",
+                               who, r.trainer_rank, path, who));
+    case same_host::PullRefuseReason::kReplicaOutside:
       break;
   }
   return Error(ErrorCode::kInvalidArgument,
-               fmt::format("engine rank {}: trainer rank {} at {} serves {} engine ranks only",
-                           engine_rank, r.trainer_rank, path, r.engine_count));
+               fmt::format("{}: trainer rank {} at {} serves {} replica(s) of each engine rank "
+                           "(replicas 0..{}); serve every trainer rank with engine_processes = "
+                           "replicas x engine ranks",
+                           who, r.trainer_rank, path, r.replicas, r.replicas - 1));
 }
 
 }  // namespace
@@ -167,13 +180,14 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
                             "plan's 0..{}",
                             path, trainer_rank, plan->trainer_count() - 1));
   }
-  if (engine_processes != plan->engine_count()) {
+  if (engine_processes < plan->engine_count() || engine_processes % plan->engine_count() != 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host pull serve on '{}': {} engine processes, but the routing "
-                            "plan has {} engine ranks; each engine rank is one process (engine "
-                            "replicas are a follow-up)",
+                            "plan has {} engine ranks; serve replicas x engine ranks processes "
+                            "(one per engine rank of each data-parallel replica)",
                             path, engine_processes, plan->engine_count()));
   }
+  const int replicas = engine_processes / plan->engine_count();
   if (memory != SameHostMemory::kHost && memory != SameHostMemory::kDevice) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host pull serve on '{}': unknown memory flavour {}", path,
@@ -224,9 +238,15 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
   hello.record_bytes = same_host::record_bytes(RecordType::kPullHello);
   hello.receivers = "engine processes";
   hello.shown_rank_offset = -1;  // engine rank e proves rank e + 1
-  hello.answer = [&](std::uint32_t proved, std::span<const std::byte> record, bool taken) {
-    return answer_hello(*plan, trainer_rank, engine_processes, path, setup_record, proved, record,
-                        taken);
+  hello.answer = [&](std::uint32_t proved, std::span<const std::byte> record,
+                     const std::function<bool(std::uint32_t)>& taken) {
+    return answer_hello(*plan, trainer_rank, replicas, path, setup_record, proved, record, taken);
+  };
+  hello.seat_name = [&](std::uint32_t seat) {
+    const auto engines = static_cast<std::uint32_t>(plan->engine_count());
+    return replicas == 1 ? std::to_string(seat - 1)
+                         : fmt::format("{} (replica {})", (seat - 1) % engines,
+                                       (seat - 1) / engines);
   };
   state->peers = same_host::admit_receivers(listener.get(), path, token, engine_processes, {},
                                             memory == SameHostMemory::kDevice
@@ -239,7 +259,7 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
 std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_rank(
     const std::vector<std::string>& trainer_paths, std::string_view token,
     std::shared_ptr<const RoutingPlan> plan, int engine_rank, Backend& backend,
-    SameHostConfig config) {
+    SameHostConfig config, int replica) {
   check_token(token, "the same-host token");
   check_plan(plan, "connect");
   check_peer_timeout(config, "connect");
@@ -248,6 +268,12 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
                 fmt::format("same-host pull connect: engine rank {} is outside the routing plan's "
                             "0..{}",
                             engine_rank, plan->engine_count() - 1));
+  }
+  if (replica < 0 || replica > 65535) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull connect as engine rank {}: replica {} is outside "
+                            "0..65535",
+                            engine_rank, replica));
   }
   if (trainer_paths.size() != static_cast<std::size_t>(plan->trainer_count())) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -261,6 +287,7 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
   auto state = std::make_shared<State>();
   state->plan = plan;
   state->engine_rank = engine_rank;
+  state->replica = replica;
   state->paths = trainer_paths;
   state->wake = same_host::make_wake();
   const auto connect_deadline = Clock::now() + config.connect_timeout;
@@ -280,7 +307,8 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
     same_host::prove_to_sender(socket.get(), path, token, rank_on_wire, deadline);
     const same_host::PullHello hello{static_cast<std::uint32_t>(plan->trainer_count()),
                                      static_cast<std::uint32_t>(plan->engine_count()),
-                                     static_cast<std::uint32_t>(engine_rank), plan->fingerprint()};
+                                     static_cast<std::uint32_t>(engine_rank), plan->fingerprint(),
+                                     static_cast<std::uint32_t>(replica)};
     const auto failed = [&](const std::string& what, Io io) {
       return Error(io == Io::kTimeout ? ErrorCode::kTimeout : ErrorCode::kTransport,
                    fmt::format("same-host pull connect to '{}' as engine rank {}: {}: {}", path,
@@ -327,7 +355,7 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
     if (type == RecordType::kPullRefuse) {
       same_host::PullRefuse refusal;
       if (!same_host::decode(record, refusal, problem)) throw malformed(problem);
-      throw refused(refusal, *plan, engine_rank, path);
+      throw refused(refusal, *plan, engine_rank, replica, path);
     }
     same_host::PullSetup setup;
     if (!same_host::decode(record, setup, problem)) throw malformed(problem);

@@ -42,6 +42,7 @@ struct SameHostPullTransport::State : same_host::Conversation {
   std::shared_ptr<const RoutingPlan> plan;
   int trainer_rank = -1;  // this end's role: one of the two is -1
   int engine_rank = -1;
+  int replica = 0;  // engine: which data-parallel replica of its engine rank this process is
   std::vector<std::string> paths;  // trainer: its own; engine: trainer rank t's at t
   std::vector<Staging> staging;    // trainer: its own; engine: trainer rank t's at t
   std::atomic<std::uint64_t> routed_bytes{0};
@@ -65,6 +66,16 @@ struct SameHostPullTransport::State : same_host::Conversation {
   };
   std::optional<PeerWait> peer_wait;
   std::optional<std::string> describe_wait();
+
+  // Engine processes per engine rank. A trainer rank's peers are seated replica by replica:
+  // peer p is engine rank p % engine_count, replica p / engine_count.
+  int replicas() const {
+    return trainer_rank >= 0 ? static_cast<int>(peers.size()) / plan->engine_count() : 1;
+  }
+  // This end and its peer `p` as messages name them: "trainer rank 0", "engine rank 1" (", replica
+  // 2" where there are replicas).
+  std::string self_name() const;
+  std::string peer_name(std::size_t p) const;
 
   ~State() override {
     for (const Staging& s : staging) {

@@ -41,7 +41,6 @@ std::uint32_t slot_of(std::uint64_t call) {
 // process died?) before acking bucket 3 of update 2 (group 0, bucket 1)", then `after`.
 void fail_exchange(SameHostPullTransport::State& state, std::size_t peer, Io io, int saved_errno,
                    std::string_view what, const RoutedBucket& bucket, std::string_view after = {}) {
-  const bool trainer = state.trainer_rank >= 0;
   std::string happened;
   if (io == Io::kClosed) {
     happened = "closed its socket (its process died?)";
@@ -51,11 +50,8 @@ void fail_exchange(SameHostPullTransport::State& state, std::size_t peer, Io io,
   } else {
     happened = same_host::describe(io, saved_errno);
   }
-  state.fail(fmt::format("same-host pull {} rank {}: {} rank {} {} before {} {}{}",
-                         trainer ? "trainer" : "engine",
-                         trainer ? state.trainer_rank : state.engine_rank,
-                         trainer ? "engine" : "trainer", peer, happened, what, bucket_name(bucket),
-                         after));
+  state.fail(fmt::format("same-host pull {}: {} {} before {} {}{}", state.self_name(),
+                         state.peer_name(peer), happened, what, bucket_name(bucket), after));
 }
 
 // Reads one data record from every peer of `state` side by side (a peer that died is seen at
@@ -93,14 +89,31 @@ std::span<const std::byte> record_at(const std::vector<std::byte>& records, std:
 
 }  // namespace
 
+std::string SameHostPullTransport::State::self_name() const {
+  if (trainer_rank >= 0) return fmt::format("trainer rank {}", trainer_rank);
+  return replica == 0 ? fmt::format("engine rank {}", engine_rank)
+                      : fmt::format("engine rank {}, replica {}", engine_rank, replica);
+}
+
+std::string SameHostPullTransport::State::peer_name(std::size_t p) const {
+  if (trainer_rank < 0) return fmt::format("trainer rank {}", p);
+  const std::size_t engines = static_cast<std::size_t>(plan->engine_count());
+  return replicas() == 1 ? fmt::format("engine rank {}", p)
+                         : fmt::format("engine rank {}, replica {},", p % engines, p / engines);
+}
+
 std::optional<std::string> SameHostPullTransport::State::describe_wait() {
   std::lock_guard lock(mutex);
   if (!peer_wait) return std::nullopt;
   const bool trainer = trainer_rank >= 0;
-  std::vector<std::size_t> missing;
-  std::vector<std::size_t> came;
+  const std::size_t engines = static_cast<std::size_t>(plan->engine_count());
+  const bool replicated = trainer && replicas() > 1;
+  std::vector<std::string> missing;
+  std::vector<std::string> came;
   for (std::size_t p = 0; p < peer_wait->arrived.size(); ++p) {
-    (peer_wait->arrived[p] ? came : missing).push_back(p);
+    (peer_wait->arrived[p] ? came : missing)
+        .push_back(replicated ? fmt::format("{} (replica {})", p % engines, p / engines)
+                              : std::to_string(p));
   }
   const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
       same_host::Clock::now() - peer_wait->since);
@@ -139,16 +152,16 @@ bool SameHostPullTransport::State::await_acks(
     RouteRecord ack;
     std::string problem;
     if (!same_host::decode(record_at(records, e), RecordType::kRouteAck, geometry, ack, problem)) {
-      fail(fmt::format("same-host pull trainer rank {}: engine rank {} broke the protocol: {}",
-                       trainer_rank, e, problem));
+      fail(fmt::format("same-host pull {}: {} broke the protocol: {}", self_name(), peer_name(e),
+                       problem));
       return false;
     }
     ack.type = RecordType::kRouteDoorbell;
     if (ack != doorbell) {
       fail(
-          fmt::format("same-host pull trainer rank {}: engine rank {} acked bucket {} of update {} "
-                      "(slot {}, {} bytes) where {} (slot {}, {} bytes) was due",
-                      trainer_rank, e, ack.sequence, ack.version, ack.slot, ack.bytes,
+          fmt::format("same-host pull {}: {} acked bucket {} of update {} (slot {}, {} bytes) "
+                      "where {} (slot {}, {} bytes) was due",
+                      self_name(), peer_name(e), ack.sequence, ack.version, ack.slot, ack.bytes,
                       bucket_name(bucket), doorbell.slot, doorbell.bytes));
       return false;
     }

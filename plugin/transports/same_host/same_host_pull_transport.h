@@ -68,13 +68,16 @@ namespace shadowsync {
 class SameHostPullTransport final : public Transport, public RouteMover {
  public:
   // Trainer rank `trainer_rank` of `plan`: checks (or creates, mode 0700) the socket's
-  // directory, listens on `path`, and blocks until `engine_processes` engine processes (the
-  // plan's engine count: replicas are a follow-up) proved `token` and said a matching hello; a
-  // refused or stalled one is dropped and the wait goes on. Throws Error(kTimeout) after
-  // config.connect_timeout naming the engine ranks missing and each peer refused (with the
-  // reason and both values) or stalled. Bad arguments and paths: Error(kInvalidArgument), as
-  // is SameHostMemory::kDevice with a backend other than a CudaBackend or in a build without
-  // CUDA. `backend` outlives the transport. Blocks the calling thread.
+  // directory, listens on `path`, and blocks until `engine_processes` engine processes (R x the
+  // plan's engine count N: one per engine rank of each of R data-parallel replicas) proved
+  // `token` and said a matching hello; a refused or stalled one is dropped and the wait goes on.
+  // Replicas cost the trainer rank one doorbell and one ack each per bucket, no bytes: it packs
+  // each bucket once into its staging and every replica's process pulls it from there. Throws
+  // Error(kTimeout) after config.connect_timeout naming the engine ranks missing and each peer
+  // refused (with the reason and both values) or stalled. Bad arguments and paths:
+  // Error(kInvalidArgument), as is SameHostMemory::kDevice with a backend other than a
+  // CudaBackend or in a build without CUDA. `backend` outlives the transport. Blocks the calling
+  // thread.
   static std::unique_ptr<SameHostPullTransport> serve(const std::string& path,
                                                       std::string_view token,
                                                       std::shared_ptr<const RoutingPlan> plan,
@@ -82,16 +85,18 @@ class SameHostPullTransport final : public Transport, public RouteMover {
                                                       Backend& backend, SameHostMemory memory,
                                                       SameHostConfig config = {});
 
-  // Engine rank `engine_rank` of `plan`: connects to `trainer_paths` (one per trainer rank, in
-  // rank order) within config.connect_timeout in all (Error(kTimeout): "trainer rank 2 (<path>)
-  // never served within 60000 ms"), proves `token`, says hello, and maps each trainer's staging.
-  // A trainer's refusal (Error(kTransport) for a wrong token; kInvalidArgument for another world
-  // size or an engine rank taken, kLayoutMismatch for another plan; each naming both values) and
+  // Engine rank `engine_rank` of `plan`, in data-parallel replica `replica` (0 without
+  // replicas): connects to `trainer_paths` (one per trainer rank, in rank order) within
+  // config.connect_timeout in all (Error(kTimeout): "trainer rank 2 (<path>) never served within
+  // 60000 ms"), proves `token`, says hello, and maps each trainer's staging. A trainer's refusal
+  // (Error(kTransport) for a wrong token; kInvalidArgument for another world size, an engine rank
+  // and replica taken, or a replica the trainer does not serve; kLayoutMismatch for another plan;
+  // each naming both values) and
   // a path served by another trainer rank (kInvalidArgument) end it. Blocks the calling thread.
   static std::unique_ptr<SameHostPullTransport> connect_engine_rank(
       const std::vector<std::string>& trainer_paths, std::string_view token,
       std::shared_ptr<const RoutingPlan> plan, int engine_rank, Backend& backend,
-      SameHostConfig config = {});
+      SameHostConfig config = {}, int replica = 0);
 
   ~SameHostPullTransport() override;
   SameHostPullTransport(const SameHostPullTransport&) = delete;
