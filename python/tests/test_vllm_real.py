@@ -181,7 +181,8 @@ def update_args(checkpoints, arch: str, dtype: str, mode: str, **extra) -> dict:
 
 
 PACED = dict(decode_slowdown_budget=1.5)  # llama's in-process engine runs paced
-TRAINER_RANKS = 2  # the sharded trainer that takes llama's in-process engine over
+TRAINER_RANKS = 2  # the sharded trainer that takes these archs' in-process engines over
+SHARDED_ARCHS = [("llama", "float32"), ("qwen3", "float32"), ("qwen3_moe", "bfloat16")]
 
 
 def update_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict]:
@@ -194,9 +195,12 @@ def update_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict
         return dict(update_args(checkpoints, arch, dtype, "inproc", **extra), name=name)
 
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
-    # llama's engine then takes two more updates from a sharded trainer (TRAINER_RANKS ranks).
+    # llama's engine then takes two more updates from a sharded trainer (TRAINER_RANKS ranks),
+    # paced; qwen3's (q/k norms) and qwen3_moe's (experts) too, unpaced.
     jobs = [update(arch, arch, dtype, **(dict(PACED, trainer_ranks=TRAINER_RANKS)
-                                         if arch == "llama" else {}))
+                                         if arch == "llama" else
+                                         dict(trainer_ranks=TRAINER_RANKS)
+                                         if (arch, dtype) in SHARDED_ARCHS else {}))
             for arch, dtype in ARCHS]
     jobs += [
         dict(name="selfcheck", what="selfcheck", dtype="float32", models=[a]),
@@ -314,17 +318,20 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(references
         assert out["refused_extra"].startswith("Exception: ")
 
 
+@pytest.mark.parametrize("arch,dtype", SHARDED_ARCHS, ids=[a for a, _ in SHARDED_ARCHS])
 def test_a_sharded_trainer_whose_ranks_send_only_their_shards_updates_the_engine(references,
-                                                                                  runs):
-    """After its own group closed, llama's in-process engine is fed by a sharded trainer: two
+                                                                                  runs, arch,
+                                                                                  dtype):
+    """After its own group closed, the in-process engine (llama; qwen3 with its q/k norms;
+    qwen3_moe, whose experts vLLM CPU repacks after loading) is fed by a sharded trainer: two
     processes, each holding only its (uneven) rows of every tensor, down_proj's columns, publish
     over the same-host pull transport (ShadowsyncInitInfo.trainer_ranks). weight_update_needs
     gives the engine's needs (what its receive plan reads: the receiver's own needs), each rank
     builds the routing plan from them, a wrong fingerprint and needs of another world size are
     refused by name, then updates B and A each answer as a fresh engine of that checkpoint,
     token for token, with exactly the plan's bytes routed into the engine."""
-    out = runs("llama")["trainer_ranks"]
-    print(f"sharded trainer: set-up {out['set_up_s']:.1f} s, bytes per trainer rank "
+    out = runs(arch)["trainer_ranks"]
+    print(f"{arch} sharded trainer: set-up {out['set_up_s']:.1f} s, bytes per trainer rank "
           f"{out['bytes_from_trainers']}, to the engine {out['bytes_to_engine']}")
     assert out["fingerprints_agree"]
     assert out["receiver_needs"] == out["needs"]
@@ -333,9 +340,9 @@ def test_a_sharded_trainer_whose_ranks_send_only_their_shards_updates_the_engine
     assert ("engine_needs holds the needs of 2 engine rank(s), but this engine has 1 "
             "(tensor_parallel_size): the world size differs") in out["refused_world_size"], out
     assert out["applied1"] == 1 and out["done1"] == [True] * TRAINER_RANKS
-    assert out["after_b"] == references("llama", "float32", "b")
+    assert out["after_b"] == references(arch, dtype, "b")
     assert out["applied2"] == 2 and out["done2"] == [True] * TRAINER_RANKS
-    assert out["after_a"] == references("llama", "float32", "a")
+    assert out["after_a"] == references(arch, dtype, "a")
     stats = out["stats"]
     assert stats["trainer_count"] == TRAINER_RANKS
     # One engine rank needs every byte the trainer sends; each rank sent its own part.
