@@ -134,16 +134,22 @@ def _shards(full, regions):
     return shards
 
 
+def _two_rank_split():
+    """q [13, 8] and norm [8] in 256-byte buckets (3 of them); trainer rank 0 holds q's rows
+    0..6, rank 1 the rest and the norm; one engine rank needing every byte."""
+    shapes = {"q": (13, 8), "norm": (8,)}
+    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
+    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
+               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
+    return shapes, layout, regions, ss.RoutingPlan(layout, regions)
+
+
 def test_two_trainer_ranks_update_an_engine_rank_through_senders_and_a_receiver(paths):
     """End to end: each trainer rank a routed Sender over its pull transport, publishing only its
     shards; the engine rank's Receiver took the plan. Three updates (the slots alternate across
     updates as the Sender counts its sends); the live slot comes out as the full tensors."""
-    shapes = {"q": (13, 8), "norm": (8,)}  # 3 buckets: the slots alternate across updates
-    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
-    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
-               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
-    assert layout.groups[0].bucket_count % 2 == 1
-    plan = ss.RoutingPlan(layout, regions)
+    shapes, layout, regions, plan = _two_rank_split()
+    assert layout.groups[0].bucket_count % 2 == 1  # the slots alternate across updates
     backend = ss.HostBackend()
     senders, receiver = _routed_pair(paths, layout, plan, backend)
     try:
@@ -170,11 +176,7 @@ def test_a_bucket_deadline_names_the_trainer_rank_that_did_not_send(paths):
     """Trainer rank 1 never publishes update 1: the engine rank's bucket deadline fails the update,
     and its error names trainer rank 1 as the one whose doorbell never came (trainer rank 0's
     did); nothing goes live."""
-    shapes = {"q": (13, 8), "norm": (8,)}
-    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
-    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
-               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
-    plan = ss.RoutingPlan(layout, regions)
+    shapes, layout, regions, plan = _two_rank_split()
     backend = ss.HostBackend()
     senders, receiver = _routed_pair(paths, layout, plan, backend,
                                      ss.ReceiverConfig(bucket_deadline_ms=300))
@@ -205,11 +207,7 @@ def test_two_engine_replicas_take_every_update_from_senders_that_send_once(paths
     (engine_processes = replicas x engine ranks), and each publishes every update once; both
     replicas' Receivers (replica 0 and 1) come out with the full tensors and the plan's bytes.
     A replica the trainers do not serve is refused, naming both values, before it connects."""
-    shapes = {"q": (13, 8), "norm": (8,)}
-    layout = ss.Layout([(name, "fp32", shape) for name, shape in shapes.items()], bucket_bytes=256)
-    regions = [[TensorRegion.box("q", (0, 0), (7, 8))],
-               [TensorRegion.box("q", (7, 0), (13, 8)), TensorRegion.whole("norm", (8,))]]
-    plan = ss.RoutingPlan(layout, regions)
+    shapes, layout, regions, plan = _two_rank_split()
     backend = ss.HostBackend()
     results = {}
     threads = [threading.Thread(target=_serve, args=(paths[t], plan, t, 20000, results, 2))
