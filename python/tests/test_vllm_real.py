@@ -181,8 +181,9 @@ def update_args(checkpoints, arch: str, dtype: str, mode: str, **extra) -> dict:
 
 
 PACED = dict(decode_slowdown_budget=1.5)  # llama's in-process engine runs paced
-TRAINER_RANKS = 2  # the sharded trainer that takes these archs' in-process engines over
-SHARDED_ARCHS = [("llama", "float32"), ("qwen3", "float32"), ("qwen3_moe", "bfloat16")]
+# The sharded trainers that take these archs' in-process engines over: (arch, dtype, ranks).
+SHARDED_ARCHS = [("llama", "float32", 2), ("qwen3", "float32", 1), ("qwen3_moe", "bfloat16", 4)]
+TRAINER_RANKS = {(arch, dtype): ranks for arch, dtype, ranks in SHARDED_ARCHS}
 
 
 def update_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict]:
@@ -195,12 +196,11 @@ def update_jobs(checkpoints: Checkpoints, lora_adapters: list[str]) -> list[dict
         return dict(update_args(checkpoints, arch, dtype, "inproc", **extra), name=name)
 
     a, b = checkpoints.get("llama", "a"), checkpoints.get("llama", "b")
-    # llama's engine then takes two more updates from a sharded trainer (TRAINER_RANKS ranks),
-    # paced; qwen3's (q/k norms) and qwen3_moe's (experts) too, unpaced.
-    jobs = [update(arch, arch, dtype, **(dict(PACED, trainer_ranks=TRAINER_RANKS)
-                                         if arch == "llama" else
-                                         dict(trainer_ranks=TRAINER_RANKS)
-                                         if (arch, dtype) in SHARDED_ARCHS else {}))
+    # llama's engine then takes two more updates from a sharded trainer of 2 ranks, paced;
+    # qwen3's (q/k norms) from 1 rank and qwen3_moe's (experts) from 4, unpaced.
+    jobs = [update(arch, arch, dtype, **(dict(PACED if arch == "llama" else {},
+                                              trainer_ranks=TRAINER_RANKS[(arch, dtype)])
+                                         if (arch, dtype) in TRAINER_RANKS else {}))
             for arch, dtype in ARCHS]
     jobs += [
         dict(name="selfcheck", what="selfcheck", dtype="float32", models=[a]),
@@ -318,14 +318,15 @@ def test_update_while_generating_equals_a_fresh_engine_back_and_forth(references
         assert out["refused_extra"].startswith("Exception: ")
 
 
-@pytest.mark.parametrize("arch,dtype", SHARDED_ARCHS, ids=[a for a, _ in SHARDED_ARCHS])
+@pytest.mark.parametrize("arch,dtype,ranks", SHARDED_ARCHS,
+                         ids=[f"{a}-{m}-ranks" for a, _, m in SHARDED_ARCHS])
 def test_a_sharded_trainer_whose_ranks_send_only_their_shards_updates_the_engine(references,
                                                                                   runs, arch,
-                                                                                  dtype):
+                                                                                  dtype, ranks):
     """After its own group closed, the in-process engine (llama; qwen3 with its q/k norms;
-    qwen3_moe, whose experts vLLM CPU repacks after loading) is fed by a sharded trainer: two
-    processes, each holding only its (uneven) rows of every tensor, down_proj's columns, publish
-    over the same-host pull transport (ShadowsyncInitInfo.trainer_ranks). weight_update_needs
+    qwen3_moe, whose experts vLLM CPU repacks after loading) is fed by a sharded trainer: its
+    1, 2 or 4 rank processes, each holding only its (uneven) rows of every tensor, down_proj's
+    columns, publish over the same-host pull transport (ShadowsyncInitInfo.trainer_ranks). weight_update_needs
     gives the engine's needs (what its receive plan reads: the receiver's own needs), each rank
     builds the routing plan from them, a wrong fingerprint and needs of another world size are
     refused by name, then updates B and A each answer as a fresh engine of that checkpoint,
@@ -339,12 +340,12 @@ def test_a_sharded_trainer_whose_ranks_send_only_their_shards_updates_the_engine
     assert out["refused_fingerprint"].startswith("LayoutMismatchError: ")
     assert ("engine_needs holds the needs of 2 engine rank(s), but this engine has 1 "
             "(tensor_parallel_size): the world size differs") in out["refused_world_size"], out
-    assert out["applied1"] == 1 and out["done1"] == [True] * TRAINER_RANKS
+    assert out["applied1"] == 1 and out["done1"] == [True] * ranks
     assert out["after_b"] == references(arch, dtype, "b")
-    assert out["applied2"] == 2 and out["done2"] == [True] * TRAINER_RANKS
+    assert out["applied2"] == 2 and out["done2"] == [True] * ranks
     assert out["after_a"] == references(arch, dtype, "a")
     stats = out["stats"]
-    assert stats["trainer_count"] == TRAINER_RANKS
+    assert stats["trainer_count"] == ranks
     # One engine rank needs every byte the trainer sends; each rank sent its own part.
     assert stats["routed_bytes"] == out["bytes_to_engine"][0] == sum(out["bytes_from_trainers"])
     assert all(b > 0 for b in out["bytes_from_trainers"])

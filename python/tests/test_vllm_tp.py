@@ -19,7 +19,7 @@ stacked LoRA buffers. At every stage both the requests without an adapter (the b
 alone) and those with the adapter answer as a fresh TP=2 vLLM (enable_lora) of the new checkpoint
 that loaded the new adapter. Three TP=2 engines start: the references of A and B, and the
 engine under test. A second run does the same for a MoE model (qwen3_moe, its experts packed by
-vLLM CPU), without LoRA."""
+vLLM CPU), without LoRA, its sharded trainer of four rank processes."""
 
 import os
 import subprocess
@@ -95,16 +95,27 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
                for line in ok), lines
 
 
+MOE_TRAINER_RANKS = 4
+
+
 def test_a_tensor_parallel_moe_engine_takes_updates_into_its_packed_experts():
     """qwen3_moe with tensor_parallel_size=2 (scripts/vllm_e2e.py --arch qwen3_moe --tp 2): each
     rank holds its slice of every expert, repacked by vLLM CPU for its grouped GEMM; each rank's
     plan writes its slice of the trainer's experts into that packed order. Three updates, the
     third self-checked, each token for token against a fresh TP=2 vLLM; the ranks commit at the
-    same steps. (No LoRA: vLLM CPU serves none for MoE layers.)"""
-    lines, ok = run_e2e("--arch", "qwen3_moe")
-    # Before set-up, after the refused set-up, after set-up, after each update, after the close.
-    assert sum("answers equal a fresh vLLM of" in line for line in ok) == 7, lines
-    assert sum(line.startswith("[vllm-e2e] update ") for line in lines) == 3, lines
-    assert sum("step versions of the 2 ranks agree" in line for line in ok) == 1, lines
+    same steps. Then a sharded trainer of 4 rank processes takes the engine over (each engine
+    rank receives only its slices of their shards), its last rank is SIGKILLed mid-update, and a
+    restarted trainer's update applies. (No LoRA: vLLM CPU serves none for MoE layers.)"""
+    lines, ok = run_e2e("--arch", "qwen3_moe", "--trainer-ranks", str(MOE_TRAINER_RANKS))
+    # Before set-up, after the refused set-up, after set-up, after each update, after the close;
+    # then the sharded trainer's 7 (as in the dense run above).
+    assert sum("answers equal a fresh vLLM of" in line for line in ok) == 7 + 7, lines
+    assert sum(line.startswith("[vllm-e2e] update ") for line in lines) == 3 + 3, lines
+    assert sum("step versions of the 2 ranks agree" in line for line in ok) == 1 + 2, lines
     assert sum("(self-check: every parameter matched the live copy" in line
                for line in lines) == 1, lines
+    assert any(f"{MOE_TRAINER_RANKS} trainer ranks built one routing plan" in line
+               for line in ok), lines
+    assert any("routed bytes per engine rank" in line for line in ok), lines
+    assert any(f"trainer rank {MOE_TRAINER_RANKS - 1} SIGKILLed mid-update 3: failed on every "
+               f"engine rank [1, 1]" in line for line in ok), lines
