@@ -1,6 +1,7 @@
 """An FSDP2 trainer streaming every optimizer step into a generating vLLM, with no gather.
 
     torchrun --nproc-per-node 2 examples/fsdp2_trainer.py [--steps 3] [--check]
+    torchrun --nproc-per-node 2 examples/fsdp2_trainer.py --engine-replicas 2 --check
     torchrun --nproc-per-node 2 examples/fsdp2_trainer.py --engine stand-in [--device cuda]
 
 Every rank trains a tiny model sharded with FSDP2 (``fully_shard`` per layer and at the root;
@@ -24,7 +25,10 @@ update's header is rank 0's):
   between two steps, and ``apply_update`` then resets the prefix cache. ``--check``: after the
   last step every rank saves its own shards and their regions, rank 0 assembles the full tensors
   from those files (no gather), shuts the streaming engine down and starts a fresh vLLM of the
-  assembled checkpoint: its greedy tokens must equal the streamed engine's.
+  assembled checkpoint: its greedy tokens must equal the streamed engine's. ``--engine-replicas
+  R``: R vLLM engines of the same model (data-parallel replicas), replica r started by trainer
+  rank r, each taking every update; the ranks serve R x the engine ranks and still pack each
+  bucket once; with ``--check`` each replica's tokens must equal the fresh vLLM's.
 * ``--engine stand-in`` (no vLLM needed; ``--device cuda`` too): a tiny MLP, and a subprocess (this
   file again, no torch there) that holds one shadowsync Receiver per engine rank on host memory,
   each needing its part of a tensor-parallel layout (column-parallel and row-parallel layers, a
@@ -155,7 +159,7 @@ class StandInEngine:
     def needs(self, specs) -> list[list[ss.WireRange]]:
         return [[ss.WireRange(*r) for r in need] for need in self._call(call="needs", specs=specs)]
 
-    def connect(self, setup: dict, token: str) -> None:
+    def connect(self, setup: dict, token: str, replica: int = 0) -> None:
         self._call(call="connect", setup=setup, token=token)
 
     def update(self, version: int, header: bytes) -> dict:
@@ -186,13 +190,7 @@ class VllmEngine:
         self.before = self.greedy()  # the initial model's answers
 
     def greedy(self) -> list[list[int]]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                    use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
+        return greedy(self.llm)
 
     def stats(self) -> list[dict]:
         return self.llm.collective_rpc("weight_update_stats")  # one per worker (engine rank)
@@ -206,7 +204,7 @@ class VllmEngine:
                                     bucket_bytes=self.bucket_bytes)
         return [[ss.WireRange(*r) for r in need] for need in needs]
 
-    def connect(self, setup: dict, token: str) -> None:
+    def connect(self, setup: dict, token: str, replica: int = 0) -> None:
         from shadowsync.vllm import init_weight_update_group
         from shadowsync.vllm.trainer_ranks import from_engine_setup
 
@@ -217,7 +215,8 @@ class VllmEngine:
         deadline_ms = REPLY_TIMEOUT_S * 1000
         init_weight_update_group(
             self.llm, specs=setup["wire"], bucket_bytes=setup["bucket_bytes"],
-            trainer_ranks=from_engine_setup(setup, token, connect_timeout_ms=deadline_ms),
+            trainer_ranks=from_engine_setup(setup, token, connect_timeout_ms=deadline_ms,
+                                            replica=replica),
             receiver_config=ss.ReceiverConfig(bucket_deadline_ms=deadline_ms,
                                               update_deadline_ms=deadline_ms))
 
@@ -249,18 +248,30 @@ class VllmEngine:
         trained checkpoint."""
         streamed = self.greedy()
         self.close()
-        fresh = start_vllm(trained_path)
-        try:
-            self.llm = fresh
-            reference = self.greedy()
-        finally:
-            self.close()
-        return {"streamed": streamed, "fresh": reference, "initial": self.before}
+        return {"streamed": streamed, "fresh": fresh_greedy(trained_path), "initial": self.before}
 
     def close(self) -> None:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+def greedy(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def fresh_greedy(model_path: str) -> list[list[int]]:
+    """The greedy tokens of a fresh vLLM of `model_path`, shut down after."""
+    llm = start_vllm(model_path)
+    try:
+        return greedy(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def start_vllm(model_path: str):
@@ -348,6 +359,9 @@ def trainer_main(args) -> None:
     from shadowsync.sharding import forbid_gathers
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.engine_replicas > world:
+        raise SystemExit(f"--engine-replicas {args.engine_replicas}: trainer rank r starts replica "
+                         f"r, and there are {world} ranks; run at most {world} replicas")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -378,6 +392,8 @@ def trainer_main(args) -> None:
     shared = [engine.needs(specs), ss.make_token(), work] if rank == 0 else [None] * 3
     dist.broadcast_object_list(shared, src=0)
     needs, token, work = shared
+    if 0 < rank < args.engine_replicas:  # replica r of the same model, on trainer rank r
+        engine = VllmEngine(os.path.join(work, "initial"), args.bucket_bytes)
     directory = tempfile.mkdtemp(prefix=f"ss_fsdp2_r{rank}_")  # this rank's socket, mode 0700
     publisher = ss.ShardedPublisher.set_up(model.named_parameters(), path=f"{directory}/sock",
                                            token=token, engine_needs=needs,
@@ -387,7 +403,8 @@ def trainer_main(args) -> None:
                                            backend=ss.HostBackend(),
                                            # As long as the engine's deadlines (connect()).
                                            sender_config=ss.SenderConfig(
-                                               update_deadline_ms=REPLY_TIMEOUT_S * 1000))
+                                               update_deadline_ms=REPLY_TIMEOUT_S * 1000),
+                                           engine_replicas=args.engine_replicas)
     print(f"[trainer rank {rank}] holds {publisher.held_bytes} parameter bytes, sends "
           f"{publisher.sent_bytes} per update; packing memory {publisher.staging_bytes} bytes "
           f"(two slots of its largest bucket slice)", flush=True)
@@ -396,7 +413,8 @@ def trainer_main(args) -> None:
         print(f"[trainer] plan: {plan.trainer_count} trainer ranks -> {plan.engine_count} engine "
               f"ranks, bytes per engine rank "
               f"{[plan.bytes_to_engine(e) for e in range(plan.engine_count)]}", flush=True)
-        engine.connect(publisher.engine_setup, token)
+    if engine is not None:  # each replica's engine connects to every rank's path
+        engine.connect(publisher.engine_setup, token, replica=rank)
 
     generator = torch.Generator().manual_seed(1 + rank)  # each rank its own data
     for step in range(1, args.steps + 1):
@@ -415,28 +433,34 @@ def trainer_main(args) -> None:
             # The engine begins once every rank published: its deadlines then count the
             # transfer, not the slowest rank's training step.
             dist.barrier()
-            if rank == 0:
+            if engine is not None:
                 report = engine.update(step, handle.header_bytes)
             handle.wait(REPLY_TIMEOUT_S)  # before the next step changes the parameters
             elapsed = time.perf_counter() - started
-        if rank == 0:
+        if engine is not None:
             received = [r["bytes"] for r in report["ranks"]]
             transfer = max(r["transfer_s"] for r in report["ranks"])
             stop = max(r["swap_s"] for r in report["ranks"])
             generated = (f"; {report['generate_calls']} generate calls while it streamed"
                          if "generate_calls" in report else "")
-            print(f"[trainer] update {step}: loss {loss.item():.4f}, bytes per engine rank "
+            who = "[trainer]" if rank == 0 else f"[replica {rank}]"
+            print(f"{who} update {step}: loss {loss.item():.4f}, bytes per engine rank "
                   f"{received}, transfer {transfer * 1e3:.3f} ms, engine stop {stop * 1e3:.3f} ms "
                   f"(publish to live {elapsed * 1e3:.1f} ms{generated})", flush=True)
 
     publisher.close()
+    replicas_streamed = [None] * world  # the greedy tokens of each replica but rank 0's
     if args.check:  # every rank saves what it holds, for rank 0 to assemble
         save_local_shards(torch, model, rank, world, os.path.join(work, f"shards{rank}.pt"))
+        mine = engine.greedy() if engine is not None and rank > 0 else None
+        dist.all_gather_object(replicas_streamed, mine)
     # The trainers' last collective. Then rank 0 may shut vLLM down: its engine core, in this
     # process, destroys the process's default group when it ends.
     dist.barrier()
     dist.destroy_process_group()
     passed = True
+    if rank > 0 and engine is not None:
+        engine.close()
     if rank == 0:
         if args.check:
             trained = os.path.join(work, "trained")
@@ -444,10 +468,13 @@ def trainer_main(args) -> None:
                                 [os.path.join(work, f"shards{r}.pt") for r in range(world)],
                                 specs_of(publisher), trained)
             seen = engine.check(trained)
-            same = seen["streamed"] == seen["fresh"]
+            others = replicas_streamed[1:args.engine_replicas]
+            same = all(t == seen["fresh"] for t in [seen["streamed"]] + others)
             changed = seen["streamed"] != seen["initial"]
             passed = same and changed
-            print(f"[trainer] check: greedy tokens of the streamed engine "
+            streamed = ("the streamed engine" if args.engine_replicas == 1 else
+                        f"each of the {args.engine_replicas} streamed replicas")
+            print(f"[trainer] check: greedy tokens of {streamed} "
                   f"{'equal' if same else 'DIFFER FROM'} a fresh vLLM of the trained checkpoint "
                   f"({len(PROMPTS)} prompts x {MAX_TOKENS} tokens; the initial model's "
                   f"{'differ' if changed else 'are the same'}): "
@@ -482,6 +509,9 @@ def main() -> None:
                         help="where the trainer computes (cuda: stand-in engine only)")
     parser.add_argument("--engine-ranks", type=int, default=2,
                         help="stand-in: its engine ranks (each needs its rows)")
+    parser.add_argument("--engine-replicas", type=int, default=1,
+                        help="vllm: data-parallel replicas of the engine, replica r started by "
+                             "trainer rank r, each taking every update")
     parser.add_argument("--bucket-bytes", type=int, default=None,
                         help="wire bucket size (a multiple of 256; 0: the library's 512 MiB; "
                              "default 1024 for the stand-in, 262144 for vLLM): each rank's "
@@ -497,6 +527,9 @@ def main() -> None:
                      "a GPU vLLM see scripts/vllm_e2e.py --device cuda --trainer-ranks M)")
     if args.check and args.engine != "vllm":
         parser.error("--check compares with a fresh vLLM: --engine vllm")
+    if args.engine_replicas < 1 or (args.engine_replicas > 1 and args.engine != "vllm"):
+        parser.error(f"--engine-replicas {args.engine_replicas}: at least 1, and more than 1 "
+                     f"with --engine vllm only")
     if args.bucket_bytes is None:
         args.bucket_bytes = 1024 if args.engine == "stand-in" else 256 << 10
     if args.engine == "vllm":

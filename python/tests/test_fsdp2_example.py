@@ -1,11 +1,11 @@
 """examples/fsdp2_trainer.py under torchrun: two FSDP2 gloo ranks stream every step into an engine.
 
-* ``--engine vllm --steps 2 --check`` (skipped without vllm and transformers): a tiny Llama
-  streamed into a generating vLLM (CPU) in rank 0. The bytes its engine rank received, printed
-  per update from weight_update_stats, are the routing plan's, which is every parameter byte;
-  after the last step a fresh vLLM of the checkpoint assembled from the ranks' saved shards
-  answers as the streamed engine does (the example's check). About 48 s on the 2-core machine
-  with a CI run beside it.
+* ``--engine vllm --steps 2 --check --engine-replicas 2`` (skipped without vllm and
+  transformers): a tiny Llama streamed into two generating vLLMs (CPU), data-parallel replicas
+  started by ranks 0 and 1. The bytes each replica's engine rank received, printed per update
+  from weight_update_stats, are the routing plan's, which is every parameter byte; after the last
+  step a fresh vLLM of the checkpoint assembled from the ranks' saved shards answers as each
+  streamed replica does (the example's check). About 40 s on the 2-core machine alone.
 * ``--engine stand-in --steps 2``: the stand-in engine (two engine ranks needing the parts of a
   tensor-parallel layout): each received the plan's bytes, every parameter byte reaches the engine
   (the row-parallel bias, needed by both engine ranks, twice); each rank's packing memory is
@@ -72,18 +72,26 @@ def _updates_received_the_plan(out, tail, engine_ranks: int):
 
 
 def test_fsdp2_trainer_streams_every_step_into_vllm():
+    """Into two vLLM engines (data-parallel replicas, one started by each trainer rank): the
+    ranks pack each bucket once, and both engines take every update and answer as a fresh vLLM
+    of the trained checkpoint."""
     pytest.importorskip("vllm")
     pytest.importorskip("transformers")
-    out, tail = _run("--engine", "vllm", "--check")
+    out, tail = _run("--engine", "vllm", "--check", "--engine-replicas", "2")
     planned, memory = _updates_received_the_plan(out, tail, engine_ranks=1)
+    replica = re.findall(r"^\[replica 1\] update (\d+): loss [\d.]+, bytes per engine rank "
+                         r"\[([\d, ]+)\]", out.stdout, re.M)
+    assert [(int(v), _ints(b)) for v, b in replica] == [
+        (v, planned) for v in range(1, STEPS + 1)], tail
     # Independently of the plan: one engine rank (no tensor parallelism) reads every byte.
     total = sum(p.nbytes for p in _example().build_llama(torch).parameters())
     assert planned == [total], (planned, total)
     assert sum(int(held) for _, held, _, _ in memory) == total
     assert re.search(r"^\[trainer\] update \d+: .*\(publish to live [\d.]+ ms; \d+ generate calls "
                      r"while it streamed\)$", out.stdout, re.M), tail
-    assert re.search(r"^\[trainer\] check: greedy tokens of the streamed engine equal a fresh "
-                     r"vLLM of the trained checkpoint .*: PASSED$", out.stdout, re.M), tail
+    assert re.search(r"^\[trainer\] check: greedy tokens of each of the 2 streamed replicas "
+                     r"equal a fresh vLLM of the trained checkpoint .*: PASSED$", out.stdout,
+                     re.M), tail
 
 
 def test_fsdp2_trainer_streams_every_step_into_the_stand_in_engine():
