@@ -10,8 +10,8 @@ gloo on CPU, NCCL on GPUs) and, after each ``optimizer.step()``, publishes what 
 them over the same-host pull transport. Nothing gathers a full tensor: publishing runs inside
 ``shadowsync.sharding.forbid_gathers()``, where every gather raises.
 
-Two engines, both driven by rank 0 alone (its needs go to the other ranks at set-up; each
-update's header is rank 0's):
+Two engines, driven by rank 0 (its needs go to the other ranks at set-up; with
+``--engine-replicas``, replica r is driven by rank r):
 
 * ``--engine vllm`` (the default; vLLM's CPU build): the model is a tiny random Llama (2 layers,
   hidden 128, vocab 320) built from the same seed on every rank; rank 0 saves it as a Hugging

@@ -178,7 +178,7 @@ class ShardedPublisher:
         _check_meshes(named, world_size)
         signature = _signature(named)
         shards = local_shards(named, rank=rank, world_size=world_size)
-        mine = {"signature": signature, "path": str(path),
+        mine = {"signature": signature, "path": str(path), "engine_replicas": engine_replicas,
                 "regions": [_region_data(s.region) for s in shards if s.region is not None]}
         every = [None] * world_size
         dist.all_gather_object(every, mine, group=process_group)
@@ -189,10 +189,21 @@ class ShardedPublisher:
                     f"ShardedPublisher.set_up on trainer rank {rank}: the parameters differ from "
                     f"trainer rank {other}'s: {difference}; every rank must give the same model's "
                     f"named_parameters() in the same order")
+            if theirs["engine_replicas"] != engine_replicas:
+                raise InvalidArgumentError(
+                    f"ShardedPublisher.set_up on trainer rank {rank}: engine_replicas is "
+                    f"{engine_replicas} here and {theirs['engine_replicas']} on trainer rank "
+                    f"{other}; every rank serves the same engine replicas")
         layout = cls._wire_layout(wire, signature, bucket_bytes)
         regions = [[_region_from(r) for r in theirs["regions"]] for theirs in every]
         needs = None if engine_needs is None else [list(n) for n in engine_needs]
         plan = RoutingPlan(layout, regions, needs)
+        processes = engine_replicas * plan.engine_count
+        if processes > 65536:
+            raise InvalidArgumentError(
+                f"ShardedPublisher.set_up on trainer rank {rank}: {engine_replicas} engine "
+                f"replicas x {plan.engine_count} engine ranks is {processes} engine processes; "
+                f"a trainer rank serves at most 65536")
         publisher = cls(
             rank=rank, world_size=world_size, layout=layout, plan=plan, regions=regions,
             paths=[theirs["path"] for theirs in every], names=[s[0] for s in signature],

@@ -9,8 +9,8 @@ the positive control): the live tensors equal the same module stepped the same w
 sharding, and the routes carried exactly the plan's bytes. Update 3: trainer rank 1 SIGKILLs
 itself once the engine has begun the update (rank 0 has published): the update fails on the
 engine naming trainer rank 1, rank 0's publish fails, and the live tensors stay update 2's.
-Before all that, the two set-up refusals (parameters that differ between ranks; a DTensor mesh
-larger than the process group) raise on every rank.
+Before all that, the set-up refusals (parameters that differ between ranks; engine replicas
+that differ; a DTensor mesh larger than the process group) raise on every rank.
 """
 
 from __future__ import annotations
@@ -105,6 +105,11 @@ def _train(rank, store, paths, to_engine, kill_rank1):
     assert (f"trainer rank {rank}: the parameters differ from trainer rank {other}'s: parameter "
             f"2 is '{'2.weight' if rank == 0 else '2.w'}' fp32 [6, 13] on this rank and "
             f"'{'2.w' if rank == 0 else '2.weight'}' fp32 [6, 13] there") in str(refused.value)
+    with pytest.raises(ss.InvalidArgumentError) as refused:
+        ss.ShardedPublisher.set_up(model.named_parameters(), path=paths[rank], token=TOKEN,
+                                   engine_replicas=1 + rank)
+    assert (f"trainer rank {rank}: engine_replicas is {1 + rank} here and {2 - rank} on trainer "
+            f"rank {other}") in str(refused.value)
     alone = [dist.new_group([r]) for r in range(WORLD)][rank]
     with pytest.raises(ss.InvalidArgumentError, match=r"parameter '0.weight': its DTensor mesh "
                        r"has 2 ranks \(shape \[2\]\), the process group 1"):

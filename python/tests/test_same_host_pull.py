@@ -210,8 +210,8 @@ def test_two_engine_replicas_take_every_update_from_senders_that_send_once(paths
     shapes, layout, regions, plan = _two_rank_split()
     backend = ss.HostBackend()
     results = {}
-    threads = [threading.Thread(target=_serve, args=(paths[t], plan, t, 20000, results, 2))
-               for t in range(2)]
+    threads = [threading.Thread(target=_serve, args=(paths[t], plan, t, 20000, results, 2),
+                                daemon=True) for t in range(2)]
     for t in threads:
         t.start()
     with pytest.raises(ss.InvalidArgumentError,
@@ -219,7 +219,7 @@ def test_two_engine_replicas_take_every_update_from_senders_that_send_once(paths
                              r"replica\(s\) of each engine rank \(replicas 0..1\)"):
         ss.same_host_pull_engine_transport(paths, TOKEN, plan, 0, backend, replica=2,
                                            connect_timeout_ms=20000)
-    receivers = []
+    receivers, senders = [], []
     try:
         for replica in range(2):
             transport = ss.same_host_pull_engine_transport(paths, TOKEN, plan, 0, backend,
@@ -228,7 +228,8 @@ def test_two_engine_replicas_take_every_update_from_senders_that_send_once(paths
             receivers.append(ss.Receiver(layout, backend, transport))
             receivers[-1].use_routing_plan(plan, 0)
         for t in threads:
-            t.join()
+            t.join(20)
+        assert all(isinstance(results.get(t), ss.Transport) for t in range(2)), results
         senders = [ss.Sender(layout, backend, results[t], routing_plan=plan, trainer_rank=t)
                    for t in range(2)]
         rng = np.random.default_rng(5)
@@ -247,11 +248,11 @@ def test_two_engine_replicas_take_every_update_from_senders_that_send_once(paths
                     np.testing.assert_array_equal(receiver.live_array(name), values,
                                                   err_msg=f"replica {replica}")
                 assert receiver.stats().routed_bytes == plan.bytes_to_engine(0)
-        for sender in senders:
-            sender.close()
     finally:
         for receiver in receivers:
             receiver.close()
+        for sender in senders:
+            sender.close()
 
 
 def test_a_replica_outside_the_publishers_replicas_is_refused_before_connecting():

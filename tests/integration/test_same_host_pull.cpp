@@ -413,10 +413,6 @@ TEST_CASE(
   }
   connect_engines(engines, paths);
   for (auto& s : serving) REQUIRE(s.get().empty());
-  for (int t = 0; t < 2; ++t) {
-    // The trainer's staging does not grow with the replicas: every one pulls from the same slots.
-    CHECK(trainers[t]->slot_bytes() < plan->max_packed_bytes(t) + 64);
-  }
 
   std::unique_ptr<Stream> streams[2] = {trainer_backend.create_stream(StreamPriority::kNormal),
                                         trainer_backend.create_stream(StreamPriority::kNormal)};
@@ -486,7 +482,7 @@ TEST_CASE("same-host pull: engine replicas' refusals, named") {
   // 0 and a replica 2 are refused, replica 1 never comes.
   SocketDir dir{"shadowsync_pull_replica_refusals"};
   const auto paths = socket_paths(dir, 1);
-  auto serving = serve_async(paths[0], plan, 0, backend, std::chrono::milliseconds(1500), nullptr,
+  auto serving = serve_async(paths[0], plan, 0, backend, std::chrono::milliseconds(4000), nullptr,
                              /*replicas=*/2);
   auto first = SameHostPullTransport::connect_engine_rank(paths, kToken, plan, 0, backend,
                                                           config());

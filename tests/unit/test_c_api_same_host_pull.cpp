@@ -102,12 +102,19 @@ TEST_CASE("C ABI: a same-host pull trainer rank and engine rank connect; refusal
     shadowsync_transport_t engine = nullptr;
     REQUIRE_OK(shadowsync_same_host_pull_connect(c_paths, 2, kToken.data(), kToken.size(),
                                                  plan.plan, 0, backend, 10000, &engine));
-    shadowsync_transport_t replica = nullptr;  // replica 0 is taken: this one must say 1
+    // Replica 0 came (the call without _replica): a second replica 0 and a replica 2 are refused.
+    shadowsync_transport_t replica = nullptr;
+    CHECK(shadowsync_same_host_pull_connect_replica(c_paths, 2, kToken.data(), kToken.size(),
+                                                    plan.plan, 0, 0, backend, 10000,
+                                                    &replica) == SHADOWSYNC_INVALID_ARGUMENT);
+    CHECK_THAT(last_error(), Catch::Contains("already admitted another engine process as engine "
+                                             "rank 0; it serves replicas 0..1"));
     CHECK(shadowsync_same_host_pull_connect_replica(c_paths, 2, kToken.data(), kToken.size(),
                                                     plan.plan, 0, 2, backend, 10000,
                                                     &replica) == SHADOWSYNC_INVALID_ARGUMENT);
     CHECK_THAT(last_error(), Catch::Contains("engine rank 0, replica 2: trainer rank 0 at " +
                                              paths[0] + " serves 2 replica(s)"));
+    CHECK(replica == nullptr);
     REQUIRE_OK(shadowsync_same_host_pull_connect_replica(c_paths, 2, kToken.data(), kToken.size(),
                                                          plan.plan, 0, 1, backend, 10000,
                                                          &replica));

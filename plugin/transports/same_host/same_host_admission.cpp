@@ -352,7 +352,7 @@ class Admission {
   const std::span<const std::byte> setup_record_;
   const int shared_fd_;
   const SameHostConfig& config_;
-  std::vector<bool> taken_;  // by rank (with a hello, seat): admitted, or proved by one under way
+  std::vector<bool> taken_;  // by rank: admitted or proved by one under way (a hello: admitted)
   std::vector<Fd> peers_;    // rank r at r-1
   int admitted_ = 0;
   std::vector<Pending> pending_;

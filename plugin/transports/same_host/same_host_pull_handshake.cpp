@@ -65,12 +65,6 @@ void set_flavour(SameHostPullTransport::State& state, SameHostMemory memory, Bac
   if (state.device) state.passed = backend.create_event();
 }
 
-// An engine process's name in messages: "engine rank 1", "engine rank 1, replica 2".
-std::string engine_process_name(std::uint32_t engine_rank, std::uint32_t replica) {
-  return replica == 0 ? fmt::format("engine rank {}", engine_rank)
-                      : fmt::format("engine rank {}, replica {}", engine_rank, replica);
-}
-
 // The trainer rank's answer to an engine process's hello: its seat is 1 + replica * N + engine
 // rank (the order the data path names peers in, same_host_pull_state.h).
 same_host::HelloAnswer answer_hello(const RoutingPlan& plan, int trainer_rank, int replicas,
@@ -98,7 +92,7 @@ same_host::HelloAnswer answer_hello(const RoutingPlan& plan, int trainer_rank, i
                         "{}",
                         hello.engine_rank, static_cast<long long>(proved) - 1)};
   }
-  const std::string who = engine_process_name(hello.engine_rank, hello.replica);
+  const std::string who = pull_engine_name(hello.engine_rank, hello.replica);
   if (hello.trainer_count != static_cast<std::uint32_t>(plan.trainer_count()) ||
       hello.engine_count != static_cast<std::uint32_t>(plan.engine_count())) {
     return refuse(same_host::PullRefuseReason::kWorldSizeDiffers,
@@ -130,7 +124,7 @@ same_host::HelloAnswer answer_hello(const RoutingPlan& plan, int trainer_rank, i
 // What an engine rank says when the trainer rank at `path` refused it.
 Error refused(const same_host::PullRefuse& r, const RoutingPlan& plan, int engine_rank,
               int replica, const std::string& path) {
-  const std::string who = engine_process_name(static_cast<std::uint32_t>(engine_rank),
+  const std::string who = pull_engine_name(static_cast<std::uint32_t>(engine_rank),
                                               static_cast<std::uint32_t>(replica));
   switch (r.reason) {
     case same_host::PullRefuseReason::kWorldSizeDiffers: {
@@ -154,8 +148,9 @@ Error refused(const same_host::PullRefuse& r, const RoutingPlan& plan, int engin
     case same_host::PullRefuseReason::kRankTaken:
       return Error(ErrorCode::kInvalidArgument,
                    fmt::format("{}: trainer rank {} at {} already admitted another engine process "
-                               "as {}; each engine rank connects once per replica",
-                               who, r.trainer_rank, path, who));
+                               "as {}; it serves replicas 0..{} of each engine rank: give each "
+                               "process of an engine rank its own replica",
+                               who, r.trainer_rank, path, who, r.replicas - 1));
     case same_host::PullRefuseReason::kReplicaOutside:
       break;
   }
@@ -180,11 +175,12 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::serve(
                             "plan's 0..{}",
                             path, trainer_rank, plan->trainer_count() - 1));
   }
-  if (engine_processes < plan->engine_count() || engine_processes % plan->engine_count() != 0) {
+  if (engine_processes < plan->engine_count() || engine_processes % plan->engine_count() != 0 ||
+      engine_processes > 65536) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("same-host pull serve on '{}': {} engine processes, but the routing "
                             "plan has {} engine ranks; serve replicas x engine ranks processes "
-                            "(one per engine rank of each data-parallel replica)",
+                            "(one per engine rank of each data-parallel replica), at most 65536",
                             path, engine_processes, plan->engine_count()));
   }
   const int replicas = engine_processes / plan->engine_count();
@@ -292,15 +288,16 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
   state->wake = same_host::make_wake();
   const auto connect_deadline = Clock::now() + config.connect_timeout;
   const auto rank_on_wire = static_cast<std::uint32_t>(engine_rank) + 1;
+  const std::string self = state->self_name();
   for (std::size_t t = 0; t < trainer_paths.size(); ++t) {
     const std::string& path = trainer_paths[t];
     int last_errno = 0;
     Fd socket = same_host::dial(path, connect_deadline, last_errno);
     if (!socket) {
       throw Error(ErrorCode::kTimeout,
-                  fmt::format("same-host pull engine rank {}: trainer rank {} ({}) never served "
-                              "within {} ms ({})",
-                              engine_rank, t, path, config.connect_timeout.count(),
+                  fmt::format("same-host pull {}: trainer rank {} ({}) never served within {} "
+                              "ms ({})",
+                              self, t, path, config.connect_timeout.count(),
                               std::strerror(last_errno)));
     }
     const auto deadline = Clock::now() + config.handshake_timeout;
@@ -311,8 +308,8 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
                                      static_cast<std::uint32_t>(replica)};
     const auto failed = [&](const std::string& what, Io io) {
       return Error(io == Io::kTimeout ? ErrorCode::kTimeout : ErrorCode::kTransport,
-                   fmt::format("same-host pull connect to '{}' as engine rank {}: {}: {}", path,
-                               engine_rank, what, same_host::describe(io, errno)));
+                   fmt::format("same-host pull connect to '{}' as {}: {}: {}", path, self, what,
+                               same_host::describe(io, errno)));
     };
     const auto malformed = [&](const std::string& problem) {
       return Error(ErrorCode::kTransport,

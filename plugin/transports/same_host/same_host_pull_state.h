@@ -23,6 +23,10 @@ namespace shadowsync {
 
 // Shared by the transport and every enqueued stream task, so that either may go first. Its
 // peers: on a trainer rank, engine rank e at e; on an engine rank, trainer rank t at t.
+// An engine process as messages name it: "engine rank 1", or "engine rank 1, replica 2" for a
+// data-parallel replica other than 0.
+std::string pull_engine_name(std::uint32_t engine_rank, std::uint32_t replica);
+
 struct SameHostPullTransport::State : same_host::Conversation {
   // One trainer rank's staging as this process maps it: writable on the trainer, read-only on an
   // engine rank.

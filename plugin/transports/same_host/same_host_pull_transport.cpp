@@ -89,17 +89,24 @@ std::span<const std::byte> record_at(const std::vector<std::byte>& records, std:
 
 }  // namespace
 
-std::string SameHostPullTransport::State::self_name() const {
-  if (trainer_rank >= 0) return fmt::format("trainer rank {}", trainer_rank);
+std::string pull_engine_name(std::uint32_t engine_rank, std::uint32_t replica) {
   return replica == 0 ? fmt::format("engine rank {}", engine_rank)
                       : fmt::format("engine rank {}, replica {}", engine_rank, replica);
 }
 
+std::string SameHostPullTransport::State::self_name() const {
+  if (trainer_rank >= 0) return fmt::format("trainer rank {}", trainer_rank);
+  return pull_engine_name(static_cast<std::uint32_t>(engine_rank),
+                          static_cast<std::uint32_t>(replica));
+}
+
 std::string SameHostPullTransport::State::peer_name(std::size_t p) const {
   if (trainer_rank < 0) return fmt::format("trainer rank {}", p);
-  const std::size_t engines = static_cast<std::size_t>(plan->engine_count());
-  return replicas() == 1 ? fmt::format("engine rank {}", p)
-                         : fmt::format("engine rank {}, replica {},", p % engines, p / engines);
+  const auto engines = static_cast<std::size_t>(plan->engine_count());
+  const auto replica = static_cast<std::uint32_t>(p / engines);
+  // Mid-sentence: "engine rank 0, replica 1, closed its socket".
+  return pull_engine_name(static_cast<std::uint32_t>(p % engines), replica) +
+         (replica == 0 ? "" : ",");
 }
 
 std::optional<std::string> SameHostPullTransport::State::describe_wait() {
@@ -188,19 +195,19 @@ bool SameHostPullTransport::State::await_doorbells(
     if (!same_host::decode(record_at(records, t), RecordType::kRouteDoorbell, geometry, doorbell,
                            problem)) {
       fail(
-          fmt::format("same-host pull engine rank {}: trainer rank {} broke the protocol: {}; "
-                      "nothing of {} was copied",
-                      engine_rank, t, problem, bucket_name(bucket)));
+          fmt::format("same-host pull {}: trainer rank {} broke the protocol: {}; nothing of {} "
+                      "was copied",
+                      self_name(), t, problem, bucket_name(bucket)));
       return false;
     }
     if (doorbell.version != bucket.version || doorbell.sequence != bucket.sequence ||
         doorbell.bytes != range.end - range.begin) {
       fail(
-          fmt::format("same-host pull engine rank {}: trainer rank {} broke the protocol: its "
-                      "doorbell says bucket {} of update {}, {} bytes, where {} was due with {} "
-                      "bytes (the plan's packed range [{}, {}) of the rank); nothing of the "
-                      "bucket was copied",
-                      engine_rank, t, doorbell.sequence, doorbell.version, doorbell.bytes,
+          fmt::format("same-host pull {}: trainer rank {} broke the protocol: its doorbell says "
+                      "bucket {} of update {}, {} bytes, where {} was due with {} bytes (the "
+                      "plan's packed range [{}, {}) of the rank); nothing of the bucket was "
+                      "copied",
+                      self_name(), t, doorbell.sequence, doorbell.version, doorbell.bytes,
                       bucket_name(bucket), range.end - range.begin, range.begin, range.end));
       return false;
     }
@@ -266,11 +273,9 @@ bool SameHostPullTransport::State::await_stream(Stream& stream, const RoutedBuck
   // Work of this process only (packing, or copies out of a slot whose doorbell came): it ends
   // by itself. Bounded all the same, so that a wedged GPU is named rather than waited on forever.
   if (backend->event_wait_for(*passed, peer_timeout)) return true;
-  fail(fmt::format("same-host pull {} rank {}: {} of {} did not complete within {} ms "
+  fail(fmt::format("same-host pull {}: {} of {} did not complete within {} ms "
                    "(SameHostConfig::doorbell_timeout)",
-                   trainer_rank >= 0 ? "trainer" : "engine",
-                   trainer_rank >= 0 ? trainer_rank : engine_rank, what, bucket_name(bucket),
-                   peer_timeout.count()));
+                   self_name(), what, bucket_name(bucket), peer_timeout.count()));
   return false;
 }
 
@@ -383,9 +388,7 @@ std::optional<std::string> SameHostPullTransport::waiting_for() {
 void SameHostPullTransport::abort() noexcept {
   std::string reason;
   try {
-    reason = fmt::format("same-host pull transport aborted by {} rank {}",
-                         state_->trainer_rank >= 0 ? "trainer" : "engine",
-                         state_->trainer_rank >= 0 ? state_->trainer_rank : state_->engine_rank);
+    reason = fmt::format("same-host pull transport aborted by {}", state_->self_name());
   } catch (...) {
   }
   state_->do_abort(std::move(reason));
