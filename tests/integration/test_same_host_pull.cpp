@@ -467,7 +467,7 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("same-host pull: engine replicas' refusals, named") {
+TEST_CASE("same-host pull: refusals of engine replicas, named; a seat given back") {
   HostBackend backend;
   const auto plan = make_plan(1, 1);
   CHECK_THAT(message_of([&] {
@@ -502,6 +502,24 @@ TEST_CASE("same-host pull: engine replicas' refusals, named") {
                                                           config(), -1);
              }),
              Catch::Contains("replica -1 is outside 0..65535"));
+
+  // An admitted process that dies before the others came gives its seat back: its restart is
+  // admitted, not refused as taken, and the serve completes.
+  SocketDir again_dir{"shadowsync_pull_replica_again"};
+  const auto again = socket_paths(again_dir, 1);
+  std::unique_ptr<SameHostPullTransport> trainer;
+  auto serving_again = serve_async(again[0], plan, 0, backend, std::chrono::seconds(20), &trainer,
+                                   /*replicas=*/2);
+  auto died = SameHostPullTransport::connect_engine_rank(again, kToken, plan, 0, backend,
+                                                         config(), 1);
+  died.reset();  // its peers see EOF, as if its process had died
+  auto restarted = SameHostPullTransport::connect_engine_rank(again, kToken, plan, 0, backend,
+                                                              config(), 1);
+  auto other = SameHostPullTransport::connect_engine_rank(again, kToken, plan, 0, backend,
+                                                          config(), 0);
+  CHECK(serving_again.get().empty());
+  REQUIRE(trainer != nullptr);
+  CHECK_FALSE(trainer->async_error().has_value());
 }
 
 TEST_CASE("same-host pull: 20 connect/abort cycles leave no fd, thread or memory file behind") {

@@ -104,11 +104,24 @@ class Admission {
         fds.push_back({p.fd.get(), POLLIN, 0});
         wake_at = std::min(wake_at, p.deadline);
       }
+      // Admitted receivers send nothing until every one is admitted: one that turns readable
+      // closed its socket (its process died while the others came) and gives its seat back, so
+      // that a restarted one can take it.
+      const std::size_t first_admitted = fds.size();
+      std::vector<std::size_t> admitted_seats;
+      for (std::size_t s = 1; s <= peers_.size(); ++s) {
+        if (!peers_[s - 1]) continue;
+        fds.push_back({peers_[s - 1].get(), POLLIN, 0});
+        admitted_seats.push_back(s);
+      }
       const int n = ::poll(fds.data(), fds.size(), poll_timeout(wake_at));
       if (n < 0) {
         if (errno == EINTR) continue;
         throw Error(ErrorCode::kTransport,
                     fmt::format("same-host serve on '{}': poll: {}", path_, std::strerror(errno)));
+      }
+      for (std::size_t i = 0; i < admitted_seats.size(); ++i) {
+        if (fds[first_admitted + i].revents != 0) release_if_gone(admitted_seats[i]);
       }
       for (std::size_t i = 0; i < pending_.size(); ++i) {
         if (fds[i + 1].revents != 0) advance(pending_[i]);
@@ -127,6 +140,29 @@ class Admission {
       failures_.pop_front();
       ++failures_forgotten_;
     }
+  }
+
+  // An admitted receiver's socket turned readable before every receiver was admitted: unless
+  // that was spurious, it closed (or broke the protocol), and its seat is free again.
+  void release_if_gone(std::size_t seat) {
+    Fd& fd = peers_[seat - 1];
+    char byte = 0;
+    const ssize_t n = ::recv(fd.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+    const std::string what = n == 0  ? std::string("closed its socket (its process died?)")
+                             : n > 0 ? std::string("sent data before every receiver came")
+                                     : fmt::format("failed: {}", std::strerror(errno));
+    fd.reset();
+    taken_[seat] = false;
+    --admitted_;
+    note(fmt::format("rank {}, admitted, {}; its place is free again", seat_name(seat), what));
+  }
+
+  // A seat (a rank without a hello) as messages name it.
+  std::string seat_name(std::size_t seat) const {
+    const auto s = static_cast<std::uint32_t>(seat);
+    return hello_ != nullptr && hello_->seat_name ? hello_->seat_name(s)
+                                                  : std::to_string(shown(s));
   }
 
   // Closes a pending connection (freeing the rank it held) and notes why.
@@ -309,9 +345,7 @@ class Admission {
         missing.push_back("...");
         break;
       }
-      const auto seat = static_cast<std::uint32_t>(r);
-      missing.push_back(hello_ != nullptr && hello_->seat_name ? hello_->seat_name(seat)
-                                                               : std::to_string(shown(seat)));
+      missing.push_back(seat_name(static_cast<std::size_t>(r)));
     }
     std::vector<std::string> peers;
     const auto now = Clock::now();

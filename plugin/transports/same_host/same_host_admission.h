@@ -45,7 +45,8 @@ struct AdmissionHello {
 // `setup_record` with `shared_fd` passed along (SCM_RIGHTS). Returns their sockets, rank r at
 // index r-1 (with a hello: seat s at index s-1). A peer of another user, one that fails the proof
 // or asks for a rank out of range or already taken, closes its socket or does not finish its
-// handshake within config.handshake_timeout of connecting is dropped, and the others go on. Throws
+// handshake within config.handshake_timeout of connecting is dropped, and the others go on; one
+// admitted that closes its socket before every receiver came gives its rank back. Throws
 // Error(kTimeout) once config.connect_timeout passed, naming the ranks still missing and every
 // peer that stalled or was refused (pid, uid, what it did not send). Blocks the calling thread.
 // With `hello`, each receiver's hello is read after ready and hello->answer's reply replaces
