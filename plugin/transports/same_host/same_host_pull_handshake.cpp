@@ -125,7 +125,7 @@ same_host::HelloAnswer answer_hello(const RoutingPlan& plan, int trainer_rank, i
 Error refused(const same_host::PullRefuse& r, const RoutingPlan& plan, int engine_rank,
               int replica, const std::string& path) {
   const std::string who = pull_engine_name(static_cast<std::uint32_t>(engine_rank),
-                                              static_cast<std::uint32_t>(replica));
+                                           static_cast<std::uint32_t>(replica));
   switch (r.reason) {
     case same_host::PullRefuseReason::kWorldSizeDiffers: {
       // Named by the first count that differs.
