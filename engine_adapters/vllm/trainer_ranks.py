@@ -25,7 +25,7 @@ from shadowsync.errors import InvalidArgumentError
 from shadowsync.layout import Layout
 from shadowsync.regions import WireRange
 from shadowsync.routing import RoutingPlan
-from shadowsync.sharded_publisher import engine_routing_plan
+from shadowsync.sharded_publisher import check_replica, engine_routing_plan
 from shadowsync.transport import Transport, nccl_routed_transport, \
     same_host_pull_engine_transport
 
@@ -42,11 +42,7 @@ def from_engine_setup(setup: dict, token, connect_timeout_ms: int | None = None,
     `replica`: which of the publisher's ``engine_replicas`` this vLLM engine is (each engine
     instance of a data-parallel group gets its own). The wire layout goes into the info's own
     fields: ``specs=setup["wire"]``, ``bucket_bytes=setup["bucket_bytes"]``."""
-    replicas = setup.get("engine_replicas", 1)
-    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
-        raise InvalidArgumentError(
-            f"from_engine_setup: replica {replica!r} is outside the {replicas} engine replica(s) "
-            f"the trainer ranks serve (engine_setup['engine_replicas']: 0..{replicas - 1})")
+    check_replica(setup, replica, "from_engine_setup")
     out = dict(count=len(setup["paths"]), paths=list(setup["paths"]), token=token,
                regions=[list(regions) for regions in setup["regions"]],
                engine_needs=setup["engine_needs"], fingerprint=setup["fingerprint"])

@@ -34,7 +34,7 @@ from .sharding import local_shards
 from .transport import Transport, same_host_pull_engine_transport, \
     same_host_pull_trainer_transport
 
-__all__ = ["ShardedPublisher", "engine_routing_plan", "sharded_receiver"]
+__all__ = ["ShardedPublisher", "check_replica", "engine_routing_plan", "sharded_receiver"]
 
 _DEFAULT_CONNECT_TIMEOUT_MS = 60000  # the transport's own default
 
@@ -408,6 +408,17 @@ def engine_routing_plan(setup: dict, *, wire: Layout | None = None,
     return wire, plan
 
 
+def check_replica(setup: dict, replica, what: str) -> None:
+    """Refuses (InvalidArgumentError prefixed `what`, naming both) a `replica` outside the
+    0..R-1 of a publisher's ``engine_setup`` (``engine_replicas``: R, 1 when absent)."""
+    replicas = setup.get("engine_replicas", 1)
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+        raise InvalidArgumentError(
+            f"{what}: replica {replica!r} is outside the {replicas} engine replica(s) the "
+            f"trainer ranks serve (engine_setup['engine_replicas']: 0..{replicas - 1}); set "
+            f"ShardedPublisher.set_up(engine_replicas=...) to the number of engine replicas")
+
+
 def sharded_receiver(setup: dict, token, engine_rank: int, *, backend: Backend | None = None,
                      config: ReceiverConfig | None = None,
                      connect_timeout_ms: int | None = None, replica: int = 0) -> Receiver:
@@ -417,12 +428,7 @@ def sharded_receiver(setup: dict, token, engine_rank: int, *, backend: Backend |
     ``stats().routed_bytes`` is what the routes carried into it per update. `replica`: which of
     the publisher's ``engine_replicas`` this engine is (0..R-1); a replica outside them is
     refused here, naming both, before anything connects."""
-    replicas = setup.get("engine_replicas", 1)
-    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
-        raise InvalidArgumentError(
-            f"sharded_receiver: replica {replica!r} is outside the {replicas} engine replica(s) "
-            f"the trainer ranks serve (engine_setup['engine_replicas']: 0..{replicas - 1}); set "
-            f"ShardedPublisher.set_up(engine_replicas=...) to the number of engine replicas")
+    check_replica(setup, replica, "sharded_receiver")
     layout, plan = engine_routing_plan(setup)
     backend = backend if backend is not None else HostBackend()
     transport = same_host_pull_engine_transport(setup["paths"], token, plan, engine_rank,
