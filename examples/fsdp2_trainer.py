@@ -69,6 +69,13 @@ import shadowsync as ss  # noqa: E402
 REPLY_TIMEOUT_S = 120  # an engine that stops answering fails the run instead of hanging it
 
 
+def say(line: str) -> None:
+    """One line on stdout in one write: the ranks share the pipe, and print() writes the text and
+    its newline apart, so that two ranks' lines could merge into one."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 # --- --engine stand-in: a subprocess holding Receivers (no torch) -----------------------------
 
 
@@ -405,14 +412,14 @@ def trainer_main(args) -> None:
                                            sender_config=ss.SenderConfig(
                                                update_deadline_ms=REPLY_TIMEOUT_S * 1000),
                                            engine_replicas=args.engine_replicas)
-    print(f"[trainer rank {rank}] holds {publisher.held_bytes} parameter bytes, sends "
+    say(f"[trainer rank {rank}] holds {publisher.held_bytes} parameter bytes, sends "
           f"{publisher.sent_bytes} per update; packing memory {publisher.staging_bytes} bytes "
-          f"(two slots of its largest bucket slice)", flush=True)
+          f"(two slots of its largest bucket slice)")
     if rank == 0:
         plan = publisher.routing_plan
-        print(f"[trainer] plan: {plan.trainer_count} trainer ranks -> {plan.engine_count} engine "
+        say(f"[trainer] plan: {plan.trainer_count} trainer ranks -> {plan.engine_count} engine "
               f"ranks, bytes per engine rank "
-              f"{[plan.bytes_to_engine(e) for e in range(plan.engine_count)]}", flush=True)
+              f"{[plan.bytes_to_engine(e) for e in range(plan.engine_count)]}")
     if engine is not None:  # each replica's engine connects to every rank's path
         engine.connect(publisher.engine_setup, token, replica=rank)
 
@@ -444,9 +451,9 @@ def trainer_main(args) -> None:
             generated = (f"; {report['generate_calls']} generate calls while it streamed"
                          if "generate_calls" in report else "")
             who = "[trainer]" if rank == 0 else f"[replica {rank}]"
-            print(f"{who} update {step}: loss {loss.item():.4f}, bytes per engine rank "
+            say(f"{who} update {step}: loss {loss.item():.4f}, bytes per engine rank "
                   f"{received}, transfer {transfer * 1e3:.3f} ms, engine stop {stop * 1e3:.3f} ms "
-                  f"(publish to live {elapsed * 1e3:.1f} ms{generated})", flush=True)
+                  f"(publish to live {elapsed * 1e3:.1f} ms{generated})")
 
     publisher.close()
     replicas_streamed = [None] * world  # the greedy tokens of each replica but rank 0's
@@ -474,11 +481,11 @@ def trainer_main(args) -> None:
             passed = same and changed
             streamed = ("the streamed engine" if args.engine_replicas == 1 else
                         f"each of the {args.engine_replicas} streamed replicas")
-            print(f"[trainer] check: greedy tokens of {streamed} "
+            say(f"[trainer] check: greedy tokens of {streamed} "
                   f"{'equal' if same else 'DIFFER FROM'} a fresh vLLM of the trained checkpoint "
                   f"({len(PROMPTS)} prompts x {MAX_TOKENS} tokens; the initial model's "
                   f"{'differ' if changed else 'are the same'}): "
-                  f"{'PASSED' if passed else 'FAILED'}", flush=True)
+                  f"{'PASSED' if passed else 'FAILED'}")
             if not passed:
                 print(f"[trainer] streamed {seen['streamed']}\n[trainer] fresh    "
                       f"{seen['fresh']}\n[trainer] initial  {seen['initial']}", flush=True)
