@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/fsdp2_trainer.py [--steps 3] [--check]
     torchrun --nproc-per-node 2 examples/fsdp2_trainer.py --engine-replicas 2 --check
+    torchrun --nproc-per-node 2 examples/fsdp2_trainer.py --device cuda [--engine-tp 2] --check
     torchrun --nproc-per-node 2 examples/fsdp2_trainer.py --engine stand-in [--device cuda]
 
 Every rank trains a tiny model sharded with FSDP2 (``fully_shard`` per layer and at the root;
@@ -13,8 +14,9 @@ them over the same-host pull transport. Nothing gathers a full tensor: publishin
 Two engines, driven by rank 0 (its needs go to the other ranks at set-up; with
 ``--engine-replicas``, replica r is driven by rank r):
 
-* ``--engine vllm`` (the default; vLLM's CPU build): the model is a tiny random Llama (2 layers,
-  hidden 128, vocab 320) built from the same seed on every rank; rank 0 saves it as a Hugging
+* ``--engine vllm`` (the default; vLLM's CPU build, or with ``--device cuda`` vLLM on the trainer
+  ranks' GPUs, ``--engine-tp`` of them): the model is a tiny random Llama (2 layers, hidden 128,
+  vocab 320; bfloat16 on GPUs) built from the same seed on every rank; rank 0 saves it as a Hugging
   Face checkpoint and starts a ``vllm.LLM`` of it with shadowsync's worker extension. Set-up:
   ``weight_update_needs`` (the bytes of the trainers' wire layout the engine's parameters read),
   every rank's ``ShardedPublisher.set_up(..., engine_needs=needs)``, then
@@ -39,16 +41,16 @@ and the engine's stop (its engine thread's time in the swap), from ``weight_upda
 or ReceiverStats (stand-in); by every rank at set-up: the parameter bytes it holds and its packing
 memory (the publisher's staging).
 
-Both engines here hold host memory (vLLM's CPU build, the stand-in's Receivers), so with
-``--device cuda`` (stand-in) the publisher copies each CUDA shard to the host at publish. A GPU
-engine pulls the shards straight from each rank's GPU instead (``ShardedPublisher``'s default
-backend for CUDA shards): ``scripts/vllm_e2e.py --device cuda --trainer-ranks M`` shows it with
-vLLM; this example starts vLLM's CPU build only.
+With ``--device cuda`` and vLLM, each rank's shards stay in its GPU's memory and vLLM's ranks
+pull them from there (the transport's device flavour; from the other GPU by peer copies). The
+stand-in engine and vLLM's CPU build hold host memory: there the publisher copies each shard to
+the host at publish.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -191,9 +193,10 @@ class VllmEngine:
     torch.distributed world is vLLM's own, not the trainers' (a worker in this process would
     take the trainers' default group as vLLM's world; a forked one would inherit it)."""
 
-    def __init__(self, model_path: str, bucket_bytes: int):
+    def __init__(self, model_path: str, bucket_bytes: int, device: str = "cpu", tp: int = 1):
         self.bucket_bytes = bucket_bytes
-        self.llm = start_vllm(model_path)
+        self.device, self.tp = device, tp
+        self.llm = start_vllm(model_path, device, tp)
         self.before = self.greedy()  # the initial model's answers
 
     def greedy(self) -> list[list[int]]:
@@ -255,7 +258,8 @@ class VllmEngine:
         trained checkpoint."""
         streamed = self.greedy()
         self.close()
-        return {"streamed": streamed, "fresh": fresh_greedy(trained_path), "initial": self.before}
+        return {"streamed": streamed, "fresh": fresh_greedy(trained_path, self.device, self.tp),
+                "initial": self.before}
 
     def close(self) -> None:
         if self.llm is not None:
@@ -272,20 +276,52 @@ def greedy(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def fresh_greedy(model_path: str) -> list[list[int]]:
+def fresh_greedy(model_path: str, device: str, tp: int) -> list[list[int]]:
     """The greedy tokens of a fresh vLLM of `model_path`, shut down after."""
-    llm = start_vllm(model_path)
+    llm = start_vllm(model_path, device, tp)
     try:
         return greedy(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
-def start_vllm(model_path: str):
+# What torchrun puts in a rank's environment. TORCHELASTIC_USE_AGENT_STORE=True makes every TCP
+# rendezvous in the rank's processes a client of torchrun's own store: vLLM's workers, spawned
+# from a rank, would then wait for a store nobody hosts (seen on GPUs: the worker never came up).
+TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def outside_torchrun():
+    """While vLLM starts (and spawns its workers), the environment of a plain process: vLLM's
+    ranks form their own torch.distributed world, not the trainers'."""
+    saved = {name: os.environ.pop(name) for name in TORCHRUN_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def start_vllm(model_path: str, device: str = "cpu", tp: int = 1):
+    with outside_torchrun():
+        return _start_vllm(model_path, device, tp)
+
+
+def _start_vllm(model_path: str, device: str, tp: int):
     import vllm
 
     import shadowsync.vllm.unpacked as unpacked
 
+    common = dict(worker_extension_cls="shadowsync.vllm.WorkerExtension",
+                  skip_tokenizer_init=True, max_model_len=128, max_num_seqs=len(PROMPTS),
+                  kv_cache_memory_bytes=64 << 20, seed=0, distributed_executor_backend="mp")
+    if device == "cuda":
+        # vLLM's ranks on GPUs 0..tp-1, beside the trainer ranks there: a small share of each
+        # GPU's memory. CUDA graphs on, as vLLM serves.
+        return vllm.LLM(model=model_path, dtype="bfloat16", tensor_parallel_size=tp,
+                        gpu_memory_utilization=0.2, **common)
     # vLLM's CPU backend computes linear layers from packed copies of their weights, which an
     # update would not reach; this registered "quantization" keeps the plain weights in use.
     unpacked.register()
@@ -295,14 +331,11 @@ def start_vllm(model_path: str):
     # guide has the figures): this small engine runs unpinned.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return vllm.LLM(model=model_path, dtype="float32", quantization=unpacked.NAME,
-                    worker_extension_cls="shadowsync.vllm.WorkerExtension",
-                    skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                    max_num_seqs=len(PROMPTS), kv_cache_memory_bytes=64 << 20, seed=0,
-                    distributed_executor_backend="mp")
+                    enforce_eager=True, **common)
 
 
-def build_llama(torch):
-    """A tiny random Llama (the smallest vLLM's CPU attention runs: head_dim 32), float32."""
+def build_llama(torch, dtype):
+    """A tiny random Llama (the smallest vLLM's CPU attention runs: head_dim 32) in `dtype`."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -310,7 +343,7 @@ def build_llama(torch):
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def save_local_shards(torch, model, rank: int, world: int, path: str) -> None:
@@ -328,11 +361,13 @@ def save_local_shards(torch, model, rank: int, world: int, path: str) -> None:
     torch.save(shards, path)
 
 
-def assemble_checkpoint(torch, initial: str, shard_files: list[str], specs, out: str) -> None:
-    """The full tensors from every rank's shard file, as a copy of the initial checkpoint."""
+def assemble_checkpoint(torch, initial: str, shard_files: list[str], specs, dtype,
+                        out: str) -> None:
+    """The full tensors (of `dtype`, the model's) from every rank's shard file, as a copy of the
+    initial checkpoint."""
     from safetensors.torch import save_file
 
-    full = {name: torch.empty(shape, dtype=torch.float32) for name, _, shape in specs}
+    full = {name: torch.empty(shape, dtype=dtype) for name, _, shape in specs}
     filled = dict.fromkeys(full, 0)
     for path in shard_files:
         for name, begin, end, tensor in torch.load(path):
@@ -376,7 +411,9 @@ def trainer_main(args) -> None:
     vllm_mode = args.engine == "vllm"
     work = tempfile.mkdtemp(prefix="ss_fsdp2_") if rank == 0 else None  # mode 0700
     if vllm_mode:
-        model = build_llama(torch)  # the same seed, so the same weights, on every rank
+        # The same seed, so the same weights, on every rank; bfloat16 on GPUs, as vLLM serves.
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        model = build_llama(torch, dtype)
         if rank == 0:
             model.save_pretrained(os.path.join(work, "initial"))  # what the engine starts from
         layers = list(model.model.layers)
@@ -393,7 +430,8 @@ def trainer_main(args) -> None:
     # hands the needs, a fresh token and its work directory to the other ranks.
     engine = None
     if rank == 0:
-        engine = (VllmEngine(os.path.join(work, "initial"), args.bucket_bytes) if vllm_mode
+        engine = (VllmEngine(os.path.join(work, "initial"), args.bucket_bytes, args.device,
+                             args.engine_tp) if vllm_mode
                   else StandInEngine(args.engine_ranks))
     specs = [(n, str(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()]
     shared = [engine.needs(specs), ss.make_token(), work] if rank == 0 else [None] * 3
@@ -405,9 +443,11 @@ def trainer_main(args) -> None:
     publisher = ss.ShardedPublisher.set_up(model.named_parameters(), path=f"{directory}/sock",
                                            token=token, engine_needs=needs,
                                            bucket_bytes=args.bucket_bytes,
-                                           # Both engines here hold host memory: with CUDA shards
-                                           # the publisher copies each to the host at publish.
-                                           backend=ss.HostBackend(),
+                                           # vLLM on GPUs pulls from the shards' GPU memory (the
+                                           # default); the CPU engines hold host memory, so CUDA
+                                           # shards are copied to the host at publish.
+                                           backend=(None if vllm_mode and args.device == "cuda"
+                                                    else ss.HostBackend()),
                                            # As long as the engine's deadlines (connect()).
                                            sender_config=ss.SenderConfig(
                                                update_deadline_ms=REPLY_TIMEOUT_S * 1000),
@@ -473,7 +513,7 @@ def trainer_main(args) -> None:
             trained = os.path.join(work, "trained")
             assemble_checkpoint(torch, os.path.join(work, "initial"),
                                 [os.path.join(work, f"shards{r}.pt") for r in range(world)],
-                                specs_of(publisher), trained)
+                                specs_of(publisher), dtype, trained)
             seen = engine.check(trained)
             others = replicas_streamed[1:args.engine_replicas]
             same = all(t == seen["fresh"] for t in [seen["streamed"]] + others)
@@ -513,7 +553,11 @@ def main() -> None:
                              "a fresh vLLM of the trained model (assembled from every rank's "
                              "saved shards)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="where the trainer computes (cuda: stand-in engine only)")
+                        help="where the trainer computes (cuda: NCCL, one GPU per rank; vLLM on "
+                             "the GPUs of the first --engine-tp ranks)")
+    parser.add_argument("--engine-tp", type=int, default=1,
+                        help="vllm with --device cuda: vLLM's tensor-parallel size (its ranks on "
+                             "GPUs 0.., beside the trainer ranks)")
     parser.add_argument("--engine-ranks", type=int, default=2,
                         help="stand-in: its engine ranks (each needs its rows)")
     parser.add_argument("--engine-replicas", type=int, default=1,
@@ -528,10 +572,14 @@ def main() -> None:
     if args.stand_in_engine_process:
         engine_main(args.engine_ranks)
         return
-    if args.engine == "vllm" and args.device != "cpu":
-        parser.error("--engine vllm starts vLLM's CPU build inside rank 0, so the trainer computes "
-                     "on cpu; --device cuda runs with --engine stand-in (for GPU trainers into "
-                     "a GPU vLLM see scripts/vllm_e2e.py --device cuda --trainer-ranks M)")
+    if args.engine_tp != 1 and not (args.engine == "vllm" and args.device == "cuda"):
+        parser.error(f"--engine-tp {args.engine_tp}: vLLM's tensor parallelism runs on GPUs "
+                     f"(--engine vllm --device cuda); vLLM's CPU build here takes 1")
+    if args.engine_tp < 1:
+        parser.error(f"--engine-tp {args.engine_tp}: at least 1")
+    if args.engine == "vllm" and args.device == "cuda" and args.engine_replicas > 1:
+        parser.error(f"--engine-replicas {args.engine_replicas} with --device cuda: replicas are "
+                     f"shown with vLLM's CPU build; on GPUs run one engine (--engine-tp N)")
     if args.check and args.engine != "vllm":
         parser.error("--check compares with a fresh vLLM: --engine vllm")
     if args.engine_replicas < 1 or (args.engine_replicas > 1 and args.engine != "vllm"):

@@ -84,7 +84,7 @@ def test_fsdp2_trainer_streams_every_step_into_vllm():
     assert [(int(v), _ints(b)) for v, b in replica] == [
         (v, planned) for v in range(1, STEPS + 1)], tail
     # Independently of the plan: one engine rank (no tensor parallelism) reads every byte.
-    total = sum(p.nbytes for p in _example().build_llama(torch).parameters())
+    total = sum(p.nbytes for p in _example().build_llama(torch, torch.float32).parameters())
     assert planned == [total], (planned, total)
     assert sum(int(held) for _, held, _, _ in memory) == total
     assert re.search(r"^\[trainer\] update \d+: .*\(publish to live [\d.]+ ms; \d+ generate calls "

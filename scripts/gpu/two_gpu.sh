@@ -14,6 +14,11 @@
 #   bash scripts/gpu/run.sh two-gpu bench-network  Llama-3-8B shapes, TP=1 on GPU 0, the trainer on
 #                                              GPU 1 over NCCL's network path (--nvlink: then
 #                                              over NVLink too, for comparison)
+#   bash scripts/gpu/run.sh two-gpu check-fsdp2    correctness run 4 (below), against fresh vLLM
+#   bash scripts/gpu/run.sh two-gpu bench-gather   Llama-3-8B shapes, a real FSDP2 model on both
+#                                              GPUs: full_tensor() gathers to rank 0 (all, and
+#                                              bucket by bucket) against a ShardedPublisher's
+#                                              set-up (bench/bench_fsdp2_gather.py; no vLLM)
 #
 # The correctness runs (greedy output token for token against fresh vLLM engines):
 #   1. vllm_e2e.py --tp 2 --graph-pairs --trainer-ranks 2: updates from one trainer process into a
@@ -28,6 +33,10 @@
 #      updates of one trainer over NCCL broadcasts, a sharded trainer's rank on GPU 1 sends its
 #      routes over NCCL point-to-point into the TP=1 engine on GPU 0 (with two GPUs one trainer
 #      rank is all NCCL allows beside the engine's GPU).
+#   4. examples/fsdp2_trainer.py --device cuda --check under torchrun (two FSDP2 ranks, NCCL, one
+#      per GPU) with vLLM started from rank 0 on the same GPUs, --engine-tp 2 and then 1: every
+#      optimizer step streamed in, then greedy tokens equal to a fresh vLLM of the trained
+#      checkpoint (assembled from the ranks' saved shards).
 #
 # The network path: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1, NCCL's sockets on the
 # machine's first non-loopback interface (NCCL_SOCKET_IFNAME), as between two hosts.
@@ -40,10 +49,10 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export OUT
 
-usage() { sed -n '2,35p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,44p' "${BASH_SOURCE[0]}"; }
 step="${1:-}"
 case "$step" in
-  build|check-tp2|check-network|check-routes|bench-tp2|bench-network) ;;
+  build|check-tp2|check-network|check-routes|bench-tp2|bench-network|check-fsdp2|bench-gather) ;;
   -h|--help) usage; exit 0 ;;
   *) echo "two_gpu.sh: unknown step '$step'" >&2; usage >&2; exit 2 ;;
 esac
@@ -82,6 +91,20 @@ runs() {
   if ! grep -qE "$pattern" "$log" || grep -E "$pattern" "$log" | grep -vqE ": exit 0$"; then
     failed=$((failed + 1))
   fi
+}
+# torchrun_step LOG LIMIT SCRIPT ARGS...: SCRIPT under torchrun, two ranks (one per GPU), with
+# vLLM (VLLM_SITE) and the CUDA build on the path; its bracketed lines here. Counts a failure.
+torchrun_step() {
+  local log=$1 limit=$2
+  shift 2
+  (source scripts/gpu/common.sh && gpu_unpack_deps "$PWD" >/dev/null &&
+   PYTHONPATH="${VLLM_SITE:+$VLLM_SITE:}${PYTHONPATH:-}" SHADOWSYNC_LIBRARY=$PWD/build-gpu/libshadowsync_c.so \
+   VLLM_USE_FLASHINFER_SAMPLER=0 timeout "$limit" \
+   python3 -m torch.distributed.run --standalone --nproc-per-node 2 "$@") >"$log" 2>&1
+  local status=$?
+  echo "$* : exit $status"
+  grep -E '^\[' "$log" | head -30
+  ((status == 0)) || { tail -15 "$log"; failed=$((failed + 1)); }
 }
 readonly BENCH="--config llama-3-8b --dummy-load --paths shadowsync --updates 5 --path-timeout-s 270"
 
@@ -124,6 +147,16 @@ case "$step" in
      exit "$failed") || failed=$((failed + 1))
     [[ "${2:-}" == --nvlink ]] && runs "$OUT/bench-nvlink.txt" "^bench_vllm_update.py " OUT="$OUT/nvlink" BENCH_TIMEOUT=280 \
       BENCH_VLLM="$BENCH --transport nccl --trainer-gpu 1 --graph-pairs --budget-s 270"
+    ;;
+  check-fsdp2)
+    torchrun_step "$OUT/fsdp2-tp2.log" 300 examples/fsdp2_trainer.py --device cuda --engine-tp 2 \
+      --check --steps 3
+    torchrun_step "$OUT/fsdp2-tp1.log" 240 examples/fsdp2_trainer.py --device cuda --engine-tp 1 \
+      --check --steps 3
+    ;;
+  bench-gather)
+    torchrun_step "$OUT/bench-gather.log" 300 bench/bench_fsdp2_gather.py --config llama-3-8b \
+      --device cuda --out "$OUT/fsdp2-gather"
     ;;
 esac
 echo "two_gpu.sh $step: $failed step(s) failed"
