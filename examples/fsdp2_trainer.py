@@ -231,16 +231,19 @@ class VllmEngine:
                                               update_deadline_ms=deadline_ms))
 
     def update(self, version: int, header: bytes) -> dict:
-        from shadowsync.vllm import apply_update
+        from shadowsync.vllm import apply_update, commit_update
 
         self.llm.collective_rpc("begin_update", args=(header,))  # returns at once
-        # The engine keeps generating; the worker swaps the update in between two steps once
-        # every route landed (polled between generate calls).
+        # The engine keeps generating while the routes land (polled between generate calls).
+        # One engine rank swaps the update in by itself between two steps; under tensor
+        # parallelism the ranks hold it ready until commit_update flips them all at one step.
+        coordinated = self.tp > 1
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         calls = 0
         while True:
             stats = self.stats()
-            if min(s["applied_version"] for s in stats) >= version:
+            if min(s["ready_version" if coordinated else "applied_version"]
+                   for s in stats) >= version:
                 break
             failed = [s["last_update_error"] for s in stats if s["last_update_error"]]
             if failed or time.monotonic() > deadline:
@@ -248,7 +251,10 @@ class VllmEngine:
                                    f"{failed or f'not within {REPLY_TIMEOUT_S} s'}")
             self.greedy()
             calls += 1
-        apply_update(self.llm, version, REPLY_TIMEOUT_S)  # live already: resets the prefix cache
+        if coordinated:
+            commit_update(self.llm, version, REPLY_TIMEOUT_S)  # also resets the prefix cache
+        else:
+            apply_update(self.llm, version, REPLY_TIMEOUT_S)  # live already: resets the cache
         return {"version": version, "generate_calls": calls,
                 "ranks": [{"bytes": s["routed_bytes"], "transfer_s": s["last_transfer_s"],
                            "swap_s": s["last_swap_s"]} for s in self.stats()]}
@@ -331,7 +337,7 @@ def _start_vllm(model_path: str, device: str, tp: int):
     # guide has the figures): this small engine runs unpinned.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return vllm.LLM(model=model_path, dtype="float32", quantization=unpacked.NAME,
-                    enforce_eager=True, **common)
+                    tensor_parallel_size=tp, enforce_eager=True, **common)
 
 
 def build_llama(torch, dtype):
@@ -556,8 +562,9 @@ def main() -> None:
                         help="where the trainer computes (cuda: NCCL, one GPU per rank; vLLM on "
                              "the GPUs of the first --engine-tp ranks)")
     parser.add_argument("--engine-tp", type=int, default=1,
-                        help="vllm with --device cuda: vLLM's tensor-parallel size (its ranks on "
-                             "GPUs 0.., beside the trainer ranks)")
+                        help="vllm: vLLM's tensor-parallel size (with --device cuda its ranks on "
+                             "GPUs 0.., beside the trainer ranks); updates then go live on every "
+                             "rank at one step (commit_update)")
     parser.add_argument("--engine-ranks", type=int, default=2,
                         help="stand-in: its engine ranks (each needs its rows)")
     parser.add_argument("--engine-replicas", type=int, default=1,
@@ -572,11 +579,13 @@ def main() -> None:
     if args.stand_in_engine_process:
         engine_main(args.engine_ranks)
         return
-    if args.engine_tp != 1 and not (args.engine == "vllm" and args.device == "cuda"):
-        parser.error(f"--engine-tp {args.engine_tp}: vLLM's tensor parallelism runs on GPUs "
-                     f"(--engine vllm --device cuda); vLLM's CPU build here takes 1")
-    if args.engine_tp < 1:
-        parser.error(f"--engine-tp {args.engine_tp}: at least 1")
+    if args.engine_tp < 1 or (args.engine_tp > 1 and args.engine != "vllm"):
+        parser.error(f"--engine-tp {args.engine_tp}: at least 1, and more than 1 with --engine "
+                     f"vllm only")
+    if args.engine_tp > 1 and args.engine_replicas > 1:
+        parser.error(f"--engine-tp {args.engine_tp} with --engine-replicas "
+                     f"{args.engine_replicas}: run one engine of {args.engine_tp} ranks, or "
+                     f"replicas of one rank each")
     if args.engine == "vllm" and args.device == "cuda" and args.engine_replicas > 1:
         parser.error(f"--engine-replicas {args.engine_replicas} with --device cuda: replicas are "
                      f"shown with vLLM's CPU build; on GPUs run one engine (--engine-tp N)")
