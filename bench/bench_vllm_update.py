@@ -98,7 +98,9 @@ regions and the engine ranks' needs (``shadowsync.vllm.weight_update_needs_async
 same-host pull transport (device memory on cuda, a CudaBackend; host memory on cpu, a
 HostBackend) and publishing with a routed Sender (``publish_shards``); the engine joins them
 with ``init_weight_update_group_async(trainer_ranks=dict(..., engine_needs, fingerprint))`` and
-pulls each route straight from a rank's staging into its slot. The update, its window and its
+pulls each route straight from a rank's staging into its slot. With ``--transport nccl`` rank r
+runs on GPU --trainer-gpu + r (a GPU of its own: NCCL refuses two ranks of one communicator on
+one GPU) and sends its routes over NCCL point-to-point (``trainer_ranks["nccl"]``). The update, its window and its
 analysis are the shadowsync path's. Per update also: the bytes the routes carried into each
 engine rank (``engine_rank_bytes``, weight_update_stats' ``routed_bytes``, counted by the
 transport over that update; every update's must equal the plan's ``bytes_to_engine``, or the

@@ -96,17 +96,13 @@ def quantization_error(args, paths: list[str]) -> str | None:
 
 def trainer_ranks_error(args, paths: list[str]) -> str | None:
     """Why --trainer-ranks cannot run with the other options, or None. The sharded trainers
-    follow the shadowsync path's run on its engine, over the same-host pull transport, into the
-    extension's own calls."""
+    follow the shadowsync path's run on its engine, into the extension's own calls, over the
+    same-host pull transport or (--transport nccl) NCCL point-to-point routes."""
     if args.trainer_ranks is None:
         return None
     if "shadowsync" not in paths and not args.child:  # another path's child ignores it
         return (f"--trainer-ranks with --paths {','.join(paths)}: the sharded trainers run after "
                 f"the shadowsync path, on its engine; add shadowsync to --paths")
-    if args.transport != "same-host":
-        return (f"--trainer-ranks with --transport {args.transport}: the trainer ranks serve the "
-                f"same-host pull transport (a route between a trainer rank and an engine rank on "
-                f"one GPU is always a same-host route); use --transport same-host")
     return None
 
 
@@ -193,7 +189,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "processes on --trainer-gpu (with --tp > 1: rank r on GPU r mod tp), "
                         "each holding only its rows of every tensor "
                         "(FSDP2-like Shard(0)) and publishing them over the same-host pull "
-                        "transport; reported as shadowsync-ranks-M")
+                        "transport (with --transport nccl: rank r on GPU --trainer-gpu + r, its "
+                        "routes over NCCL point-to-point); reported as shadowsync-ranks-M")
     p.add_argument("--decode-slowdown-budget", type=float,
                    help="shadowsync path: pace the receive to this decode slowdown (e.g. 1.05)")
     p.add_argument("--backend", choices=("shadowsync",),

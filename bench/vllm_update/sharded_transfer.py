@@ -2,9 +2,11 @@
 the engine's GPU (under TP, rank r on engine rank r mod tp's GPU), each holding only its rows of
 every parameter (shard_regions: FSDP2-like Shard(0)), each publishing them with a routed Sender
 over the same-host pull transport, the engine pulling every route straight from the rank's
-staging into its slot (ShadowsyncInitInfo.trainer_ranks, after weight_update_needs). The engine
-side, the update and its analysis are the shadowsync path's (ShadowsyncTransfer), with the ranks'
-pipes read as one trainer's."""
+staging into its slot (ShadowsyncInitInfo.trainer_ranks, after weight_update_needs). With
+--transport nccl the ranks run on GPUs --trainer-gpu.. (none of the engine's: NCCL refuses two
+ranks of one communicator on one GPU) and send their routes over NCCL point-to-point
+(trainer_ranks["nccl"]). The engine side, the update and its analysis are the shadowsync path's
+(ShadowsyncTransfer), with the ranks' pipes read as one trainer's."""
 
 from __future__ import annotations
 
@@ -27,13 +29,16 @@ CONNECT_TIMEOUT_MS = 120_000  # the ranks serve while the workers plan and map: 
 
 
 def trainer_rank_process(conn, rank: int, specs: list, regions: list, device: str, gpu: int,
-                         bucket_bytes: int, seed: int):
+                         bucket_bytes: int, seed: int, nccl_gpus: list[int] | None = None):
     """Trainer rank `rank` (of len(regions)): makes its rows of `specs` (random, on GPU `gpu` on
-    cuda, in host memory on cpu; no full tensor is ever made) and answers ("shards", held bytes);
-    ("plan", engine needs, path, token) builds the routing plan from every rank's `regions` and
-    the needs, answers ("plan", fingerprint, bytes to each engine rank, bytes from this rank,
-    wire bytes), then serves the same-host pull transport on `path` (blocks until every engine
-    rank connected) and answers ("ready", memory). Then as the shadowsync path's trainer:
+    cuda, in host memory on cpu; no full tensor is ever made) and answers ("shards", held bytes,
+    nccl): with `nccl_gpus` (every communicator rank's GPU, the trainer ranks first) rank 0's
+    nccl is trainer_ranks["nccl"] (a unique id and the GPUs' names), else None. ("plan", engine
+    needs, path, token, nccl) builds the routing plan from every rank's `regions` and the needs,
+    answers ("plan", fingerprint, bytes to each engine rank, bytes from this rank, wire bytes),
+    then serves the same-host pull transport on `path` or, given nccl, joins the NCCL
+    communicator (either blocks until every engine rank connected) and answers ("ready",
+    memory). Then as the shadowsync path's trainer:
     ("publish", version) -> ("header", bytes, seconds, bucket count), ("sent", seconds, torch's
     peak bytes); ("stop",) -> ("stopped", memory).
 
@@ -59,17 +64,24 @@ def trainer_rank_process(conn, rank: int, specs: list, regions: list, device: st
                                          else "cpu").uniform_(-0.02, 0.02), r)
                   for r in every[rank]]
         held = sum(t.numel() * t.element_size() for _, t, _ in shards)
-        conn.send(("shards", held))
-        _, needs, path, token = conn.recv()
+        nccl = None
+        if nccl_gpus is not None and rank == 0:
+            nccl = dict(unique_id=ss.nccl_unique_id(), gpus=[ss.gpu_name(g) for g in nccl_gpus])
+        conn.send(("shards", held, nccl))
+        _, needs, path, token, nccl = conn.recv()
         layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
         plan = ss.RoutingPlan(layout, every, [[ss.WireRange(*r) for r in n] for n in needs])
         conn.send(("plan", plan.fingerprint, [plan.bytes_to_engine(e)
                                               for e in range(plan.engine_count)],
                    plan.bytes_from_trainer(rank), sum(g.arena_bytes for g in layout.groups)))
         backend = ss.CudaBackend(gpu) if cuda else ss.HostBackend()
-        transport = ss.same_host_pull_trainer_transport(
-            path, token, plan, rank, plan.engine_count, backend,
-            memory="device" if cuda else "host", connect_timeout_ms=CONNECT_TIMEOUT_MS)
+        if nccl is not None:
+            transport = ss.nccl_routed_transport(nccl["unique_id"], plan, rank, gpu, backend,
+                                                 nccl["gpus"])
+        else:
+            transport = ss.same_host_pull_trainer_transport(
+                path, token, plan, rank, plan.engine_count, backend,
+                memory="device" if cuda else "host", connect_timeout_ms=CONNECT_TIMEOUT_MS)
         sender = ss.Sender(layout, backend, transport, routing_plan=plan, trainer_rank=rank)
         staging = sender.staging_bytes
 
@@ -134,6 +146,7 @@ class ShardedTransfer(ShadowsyncTransfer):
     def __init__(self, args, count: int):
         super().__init__(args)
         self.count = count
+        self.nccl = args.transport == "nccl"
         self.processes: list = []
 
     def api_description(self) -> str:
@@ -141,8 +154,10 @@ class ShardedTransfer(ShadowsyncTransfer):
 
         live = "commit_update_async" if self.args.tp > 1 else "apply_update_async"
         memory = "device" if self.args.device == "cuda" else "host"
+        transport = ("NCCL point-to-point routes" if self.nccl else
+                     f"same-host pull transport (memory={memory})")
         return (f"shadowsync {shadowsync.__version__}: {self.count} trainer ranks (FSDP2-like "
-                f"Shard(0) rows), same-host pull transport (memory={memory}), "
+                f"Shard(0) rows), {transport}, "
                 f"weight_update_needs + init_weight_update_group(trainer_ranks=...), "
                 f"WorkerExtension, {live}; library {shadowsync.library_path()}")
 
@@ -160,25 +175,31 @@ class ShardedTransfer(ShadowsyncTransfer):
         ctx = mp.get_context("spawn")
         pipes = []
         gpus = self.rank_gpus()
+        nccl_gpus = gpus + list(range(self.args.tp)) if self.nccl else None
         for rank in range(self.count):
             parent, child = ctx.Pipe()
             process = ctx.Process(target=trainer_rank_process, daemon=True, args=(
                 child, rank, specs, regions, self.args.device, gpus[rank],
-                self.args.bucket_bytes, 1000 * self.count + rank))
+                self.args.bucket_bytes, 1000 * self.count + rank, nccl_gpus))
             process.start()
             child.close()  # a rank that dies ends its pipe's recv with EOFError
             pipes.append(parent)
             self.processes.append(process)
         self.conn = RankPipes(pipes)
-        held = [m[1] for m in (await self.recv("shards"))[0]]
+        (shards,) = await self.recv("shards")
+        held, nccl = [m[1] for m in shards], shards[0][2]
         t0 = time.monotonic()
-        ranks = dict(count=self.count, token=os.urandom(32).hex(), regions=regions,
-                     paths=[str(socket_dir / f"rank{r}.sock") for r in range(self.count)],
-                     connect_timeout_ms=CONNECT_TIMEOUT_MS)
+        if self.nccl:
+            ranks = dict(count=self.count, regions=regions, nccl=nccl)
+        else:
+            ranks = dict(count=self.count, token=os.urandom(32).hex(), regions=regions,
+                         paths=[str(socket_dir / f"rank{r}.sock") for r in range(self.count)],
+                         connect_timeout_ms=CONNECT_TIMEOUT_MS)
         settings = self.group_settings(init_extra)
         needs = await weight_update_needs_async(engine, **settings, trainer_ranks=ranks)
         for rank, pipe in enumerate(pipes):
-            pipe.send(("plan", needs, ranks["paths"][rank], ranks["token"]))
+            pipe.send(("plan", needs, None if self.nccl else ranks["paths"][rank],
+                       ranks.get("token"), nccl))
         (plans,) = await self.recv("plan")
         fingerprint, self.to_engine, wire_bytes = plans[0][1], plans[0][2], plans[0][4]
         own = [sum(end - begin for _, begin, end in n) for n in needs]
@@ -198,7 +219,8 @@ class ShardedTransfer(ShadowsyncTransfer):
         return dict(trainer=f"{self.count} trainer rank processes ({where}), each with its rows "
                             "only (FSDP2-like Shard(0), torch.chunk's split)",
                     trainer_ranks=self.count, tensors=len(specs),
-                    transport="same-host pull", tp=self.args.tp, bytes=wire_bytes,
+                    transport="nccl routes" if self.nccl else "same-host pull", tp=self.args.tp,
+                    bytes=wire_bytes,
                     bucket_bytes=self.args.bucket_bytes, **await self.joined(engine),
                     routing_fingerprint=f"{fingerprint:#018x}",
                     bytes_to_engine_rank=self.to_engine,
@@ -209,9 +231,12 @@ class ShardedTransfer(ShadowsyncTransfer):
                     update_setup_s=round(init_s, 3))
 
     def rank_gpus(self) -> list[int]:
-        """Each trainer rank's GPU: --trainer-gpu for every rank of a TP=1 engine; under TP,
-        rank r beside engine rank r mod tp (a sharded trainer colocated with the engine's GPUs:
-        routes within a GPU and, by peer copies, across them)."""
+        """Each trainer rank's GPU: over NCCL, GPU --trainer-gpu + r for rank r (a GPU of its
+        own); else --trainer-gpu for every rank of a TP=1 engine and, under TP, rank r beside
+        engine rank r mod tp (a sharded trainer colocated with the engine's GPUs: routes within a
+        GPU and, by peer copies, across them)."""
+        if self.nccl:
+            return [self.args.trainer_gpu + rank for rank in range(self.count)]
         if self.args.tp == 1:
             return [self.args.trainer_gpu] * self.count
         return [rank % self.args.tp for rank in range(self.count)]

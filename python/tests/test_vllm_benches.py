@@ -183,8 +183,6 @@ def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
     (["--paths", "vllm", "--trainer-ranks", "2"],
      "the sharded trainers run after the shadowsync path, on its engine; add shadowsync"),
     (["--trainer-ranks", "2,0"], "each at least 1 and none twice"),
-    (["--trainer-ranks", "2", "--paths", "shadowsync", "--transport", "nccl", "--trainer-gpu", "1"],
-     "the trainer ranks serve the same-host pull transport"),
     (["--layers", "99", "--config", "tiny-moe"],
      "--layers 99 with --config tiny-moe: tiny-moe has 2 layers; pick 1..2"),
 ])

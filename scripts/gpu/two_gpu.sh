@@ -14,6 +14,9 @@
 #   bash scripts/gpu/run.sh two-gpu bench-network  Llama-3-8B shapes, TP=1 on GPU 0, the trainer on
 #                                              GPU 1 over NCCL's network path (--nvlink: then
 #                                              over NVLink too, for comparison)
+#   bash scripts/gpu/run.sh two-gpu bench-routes   Llama-3-8B shapes, TP=1 on GPU 0, graph pairs: the
+#                                              trainer on GPU 1 over NCCL broadcasts, then a
+#                                              sharded trainer's rank there over NCCL routes
 #   bash scripts/gpu/run.sh two-gpu check-fsdp2    correctness run 4 (below), against fresh vLLM
 #   bash scripts/gpu/run.sh two-gpu bench-gather   Llama-3-8B shapes, a real FSDP2 model on both
 #                                              GPUs: full_tensor() gathers to rank 0 (all, and
@@ -49,10 +52,10 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export OUT
 
-usage() { sed -n '2,44p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,47p' "${BASH_SOURCE[0]}"; }
 step="${1:-}"
 case "$step" in
-  build|check-tp2|check-network|check-routes|bench-tp2|bench-network|check-fsdp2|bench-gather) ;;
+  build|check-tp2|check-network|check-routes|bench-tp2|bench-network|bench-routes|check-fsdp2|bench-gather) ;;
   -h|--help) usage; exit 0 ;;
   *) echo "two_gpu.sh: unknown step '$step'" >&2; usage >&2; exit 2 ;;
 esac
@@ -147,6 +150,10 @@ case "$step" in
      exit "$failed") || failed=$((failed + 1))
     [[ "${2:-}" == --nvlink ]] && runs "$OUT/bench-nvlink.txt" "^bench_vllm_update.py " OUT="$OUT/nvlink" BENCH_TIMEOUT=280 \
       BENCH_VLLM="$BENCH --transport nccl --trainer-gpu 1 --graph-pairs --budget-s 270"
+    ;;
+  bench-routes)
+    runs "$OUT/bench-routes.txt" "^bench_vllm_update.py " BENCH_TIMEOUT=560 BENCH_TAIL=60 \
+      BENCH_VLLM="$BENCH --transport nccl --trainer-gpu 1 --graph-pairs --trainer-ranks 1 --budget-s 550"
     ;;
   check-fsdp2)
     torchrun_step "$OUT/fsdp2-tp2.log" 300 examples/fsdp2_trainer.py --device cuda --engine-tp 2 \
