@@ -50,7 +50,6 @@ the host at publish.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -291,26 +290,11 @@ def fresh_greedy(model_path: str, device: str, tp: int) -> list[list[int]]:
         llm.llm_engine.engine_core.shutdown()
 
 
-# What torchrun puts in a rank's environment. TORCHELASTIC_USE_AGENT_STORE=True makes every TCP
-# rendezvous in the rank's processes a client of torchrun's own store: vLLM's workers, spawned
-# from a rank, would then wait for a store nobody hosts (seen on GPUs: the worker never came up).
-TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@contextlib.contextmanager
-def outside_torchrun():
-    """While vLLM starts (and spawns its workers), the environment of a plain process: vLLM's
-    ranks form their own torch.distributed world, not the trainers'."""
-    saved = {name: os.environ.pop(name) for name in TORCHRUN_VARIABLES if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
 def start_vllm(model_path: str, device: str = "cpu", tp: int = 1):
+    from shadowsync.vllm import outside_torchrun
+
+    # vLLM's workers, spawned while it starts, must not take this rank's torchrun environment
+    # for theirs (they would wait for a store nobody hosts).
     with outside_torchrun():
         return _start_vllm(model_path, device, tp)
 

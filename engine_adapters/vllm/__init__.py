@@ -9,7 +9,7 @@ configuration (init_info.py), set-up and receive planning (set_up.py, receive_pl
 step-hook site (step_hook_site.py), tensor-parallel agreement (tensor_parallel.py), the front
 end's calls (front_end.py), the weight-transfer backends that place the weights at load
 (live_arena.py, graph_pairs.py) and the traces of vLLM's loader and post-load step
-(loader_trace.py, post_load_trace.py).
+(loader_trace.py, post_load_trace.py), and starting vLLM from a torchrun rank (torchrun_env.py).
 
 Importing it imports neither vllm nor torch. Whichever of this package and vllm a process
 imports first, it registers the weight-transfer backends with vLLM once vLLM's factory is
@@ -31,12 +31,13 @@ from .init_info import ShadowsyncInitInfo
 from .update_info import ShadowsyncUpdateInfo
 from .lora_plan import scaled_lora_b
 from .post_load_trace import install_when_vllm_loads as _trace_post_load
+from .torchrun_env import outside_torchrun
 from .worker_extension import WorkerExtension
 
 __all__ = ["ShadowsyncInitInfo", "ShadowsyncUpdateInfo", "WorkerExtension", "apply_update", "apply_update_async",
            "commit_update", "commit_update_async", "init_weight_update_group",
-           "init_weight_update_group_async", "scaled_lora_b", "weight_update_needs",
-           "weight_update_needs_async"]
+           "init_weight_update_group_async", "outside_torchrun", "scaled_lora_b",
+           "weight_update_needs", "weight_update_needs_async"]
 
 _FACTORY = "vllm.distributed.weight_transfer.factory"  # vLLM's registry of weight-transfer engines
 
