@@ -6,6 +6,7 @@ attribute 'live_arena'" after bench_vllm_update.py gained options. Skipped where
 transformers are not importable. Each starts vLLM's multiprocess engine (about 50-90 s here)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -86,8 +87,13 @@ def test_update_bench_runs_every_path(tmp_path):
     # swap says whether a prefill shared its steps.
     shadowsync = paths["shadowsync"]
     assert shadowsync["requests_started"] >= 4, shadowsync["requests_started"]
-    assert all(isinstance(u["swap_step_admitted"], bool) for u in shadowsync["updates"]), \
-        shadowsync["updates"]
+    # (None where the swap fell where no request was between two tokens: a busy CPU can put every
+    # request's step elsewhere; then no gap holds the swap.)
+    for u in shadowsync["updates"]:
+        if math.isnan(u["swap_gaps_ms"]):
+            assert "swap_step_admitted" not in u and u["engine_stop_ms"] is None, u
+        else:
+            assert isinstance(u["swap_step_admitted"], bool), u
     # Paced by a budget: each update says how long the receiver held it, complete, for a step
     # that started after its last bucket (from the worker's weight_update_stats).
     assert all(isinstance(u["clean_step_missed"], bool) and u["clean_step_wait_ms"] >= 0
