@@ -228,20 +228,22 @@ class VllmEngine:
                                             replica=replica),
             receiver_config=ss.ReceiverConfig(bucket_deadline_ms=deadline_ms,
                                               update_deadline_ms=deadline_ms))
+        # How the workers take an update, as their set-up chose (tensor parallelism: coordinated).
+        self.coordinated = any(p["coordinated"]
+                               for p in self.llm.collective_rpc("update_progress"))
 
     def update(self, version: int, header: bytes) -> dict:
         from shadowsync.vllm import apply_update, commit_update
 
         self.llm.collective_rpc("begin_update", args=(header,))  # returns at once
         # The engine keeps generating while the routes land (polled between generate calls).
-        # One engine rank swaps the update in by itself between two steps; under tensor
-        # parallelism the ranks hold it ready until commit_update flips them all at one step.
-        coordinated = self.tp > 1
+        # One engine rank swaps the update in by itself between two steps; coordinated ranks
+        # (tensor parallelism) hold it ready until commit_update flips them all at one step.
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         calls = 0
         while True:
             stats = self.stats()
-            if min(s["ready_version" if coordinated else "applied_version"]
+            if min(s["ready_version" if self.coordinated else "applied_version"]
                    for s in stats) >= version:
                 break
             failed = [s["last_update_error"] for s in stats if s["last_update_error"]]
@@ -250,7 +252,7 @@ class VllmEngine:
                                    f"{failed or f'not within {REPLY_TIMEOUT_S} s'}")
             self.greedy()
             calls += 1
-        if coordinated:
+        if self.coordinated:
             commit_update(self.llm, version, REPLY_TIMEOUT_S)  # also resets the prefix cache
         else:
             apply_update(self.llm, version, REPLY_TIMEOUT_S)  # live already: resets the cache
