@@ -257,7 +257,7 @@ class ShadowsyncTransfer:
             applied = version
         elif self.args.tp > 1:  # coordinated: every rank makes it live between the same two steps
             applied = await commit_update_async(engine, version, timeout=60,
-                                                reset_prefix_cache=False)
+                                                reset_prefix_cache=False, **poll)
         else:
             applied = await apply_update_async(engine, version, timeout=60,
                                                reset_prefix_cache=False, **poll)
@@ -287,6 +287,8 @@ class ShadowsyncTransfer:
             times[f"{event}_started_at"] = stats[f"last_{event}_started_s"] + offset
         # Of the swap: what the worker's Python swap callback took (rebinding, graph sets).
         times["swap_callback_ms"] = round(stats.get("last_swap_callback_s", 0.0) * 1e3, 3)
+        # Of commit_update (coordinated): the ranks' agreement that every one holds it ready.
+        times["commit_check_ms"] = round(stats.get("last_commit_check_s", 0.0) * 1e3, 3)
         # Paced by a budget: how long the receiver held the complete update for a step that
         # started after its last bucket, and whether none came (then it was offered anyway).
         pacing = stats.get("pacing") or {}
@@ -321,18 +323,23 @@ class ShadowsyncTransfer:
                            rank_steps=[r["steps"] for r in logs])
             log(f"step versions of the {self.args.tp} ranks {'agree' if agree else 'DIFFER'}: "
                 f"{checked['rank_transitions']}")
-        checked.update(await self.stop_trainer())
+        # The trainer's close and the engine's run side by side: over NCCL each end's
+        # ncclCommFinalize waits for the other's (up to finalize_timeout_ms).
+        self.conn.send(("stop",))
         await engine.collective_rpc("close_weight_update_group",
                                     kwargs=dict(keep_weights=keep_weights))
+        checked.update(await self.trainer_stopped())
         if not checked.get("step_versions_agree", True):
             raise RuntimeError(f"the ranks made versions live at different steps: "
                                f"{checked['rank_transitions']}")
         return checked
 
-    async def stop_trainer(self) -> dict:
-        """Ends the trainer process; returns what it reported at its end (nothing here)."""
-        self.conn.send(("stop",))
+    async def trainer_stopped(self) -> dict:
+        """After ("stop",): waits for the trainer process to end; returns what it reported at its
+        end (nothing here). One that does not end within 60 s is an error."""
         await asyncio.to_thread(self.process.join, 60)
+        if self.process.is_alive():
+            raise TimeoutError("trainer: still running 60 s after ('stop',)")
         return {}
 
     def shutdown(self) -> None:

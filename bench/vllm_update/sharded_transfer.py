@@ -267,8 +267,7 @@ class ShardedTransfer(ShadowsyncTransfer):
                                f"{self.to_engine}")
         return checked
 
-    async def stop_trainer(self) -> dict:
-        self.conn.send(("stop",))
+    async def trainer_stopped(self) -> dict:
         (stopped,) = await self.recv("stopped", timeout=60)
         for process in self.processes:
             await asyncio.to_thread(process.join, 60)

@@ -93,7 +93,8 @@ run_bench() {
   mkdir -p "$out"
   with_vllm timeout "${BENCH_TIMEOUT:-420}" \
     python3 "$script" --out "$out" "${args[@]}" >"$out/$log" 2>&1
-  echo "$(basename "$script") ${args[*]}: exit $?"
+  local status=$?  # before any command substitution resets $?
+  echo "$(basename "$script") ${args[*]}: exit $status"
   tail -${BENCH_TAIL:-30} "$out/$log"
 }
 IFS=';' read -r -a benches <<<"${BENCH_VLLM:-}"
