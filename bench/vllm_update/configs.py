@@ -104,7 +104,7 @@ LIVE_ARENA_GPU_MEMORY_UTILIZATION = {"qwen2.5-0.5b": 0.28, "llama-3-8b": 0.50, "
 GOALS = {"engine_stop_ms": 1.0, "slowdown": 1.10}
 # What the shadowsync path's engine thread did for an update (ShadowsyncTransfer.engine_times):
 # each has <event>_ms (its length) and, in the analysis, gap_at_<event>_ms (the gap it fell into).
-ENGINE_EVENTS = ("swap", "begin_update", "wait_applied")
+ENGINE_EVENTS = ("swap", "begin_update", "wait_applied", "commit")
 ENGINE_TIMES = tuple(f"{e}_ms" for e in ENGINE_EVENTS) + tuple(f"gap_at_{e}_ms" for e in ENGINE_EVENTS)
 VLLM_REFERENCE_STOP_MS = {"qwen2.5-0.5b": 119.0, "llama-3-8b": 239.0}
 # --quantization: what every engine of the run is started with (vLLM quantizes the bf16

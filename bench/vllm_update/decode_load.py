@@ -98,7 +98,7 @@ class DecodeLoad:
                 windows.append((w0, w1, info))
                 log(f"update {k + 1}/{args.updates}: {fmt_ms((w1 - w0) * 1e3)}"
                     + "".join(f"; {key} {fmt_ms(info[key])}"
-                              for key in ENGINE_TIMES + ("swap_callback_ms", "clean_step_wait_ms")
+                              for key in ENGINE_TIMES + ("swap_callback_ms", "commit_check_ms", "clean_step_wait_ms")
                               if key in info))
                 if "trace" in info:
                     log(trace_line(info["trace"]))
@@ -246,7 +246,7 @@ class DecodeLoad:
                     "tokens_per_s", "slowdown",
                     "transfer_gbps", "start_to_finish_ms", "pause_ms", "resume_ms", "transfer_ms", "apply_ms",
                     "largest_other_gap_ms", "swap_gaps_ms", "swap_gpu_excess_ms",
-                    "clean_step_wait_ms") + ENGINE_TIMES:
+                    "clean_step_wait_ms", "commit_check_ms") + ENGINE_TIMES:
             values = [u.get(key) for u in updates if key in u]
             if not values:
                 continue

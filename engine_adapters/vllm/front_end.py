@@ -149,10 +149,7 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
 
     from shadowsync.errors import ShadowsyncTimeoutError
 
-    if (isinstance(poll_s, bool) or not isinstance(poll_s, (int, float))
-            or not 0 < poll_s < float("inf")):
-        raise InvalidArgumentError(f"apply_update_async({version}): poll_s must be a positive, "
-                                   f"finite number of seconds, got {poll_s!r}")
+    _check_poll_s("apply_update_async", version, poll_s)
     version = int(version)
     started = time.monotonic()
     pending_since = None
@@ -226,6 +223,13 @@ def _not_ready_error(caller: str, version: int, timeout: float, ready: list[int]
         f"({', '.join(late)} ready); nothing was committed")
 
 
+def _check_poll_s(caller: str, version: int, poll_s) -> None:
+    if (isinstance(poll_s, bool) or not isinstance(poll_s, (int, float))
+            or not 0 < poll_s < float("inf")):
+        raise InvalidArgumentError(f"{caller}({version}): poll_s must be a positive, finite "
+                                   f"number of seconds, got {poll_s!r}")
+
+
 def _committed(results: list) -> int:
     """The applied version after a commit_update collective_rpc; a refusal (returned by the
     workers, not raised: vLLM's TP executor ends the engine on a raise) raised here."""
@@ -236,46 +240,57 @@ def _committed(results: list) -> int:
 
 
 def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: bool = True,
-                  preempt_running: bool = False) -> int:
+                  preempt_running: bool = False, poll_s: float = 0.02) -> int:
     """Front end, commit_mode "coordinated" (tensor parallelism): waits until every worker holds
-    `version` ready (collective_rpc("ready_version"), polled), then commits it on all of them in
-    one collective_rpc — vLLM brings it to every worker between the same two steps, so no step
-    runs with two ranks on different versions, and a commit never waits on a receive. Then asks
-    vLLM to reset its prefix cache (as apply_update, `preempt_running` too). Raises
-    ShadowsyncTimeoutError naming the workers not ready after `timeout` seconds (nothing was
-    committed then). Returns `version`. For an ``AsyncLLM``: commit_update_async."""
+    `version` ready (collective_rpc("ready_version"), polled every `poll_s` seconds), then
+    commits it on all of them in one collective_rpc — vLLM brings it to every worker between the
+    same two steps, so no step runs with two ranks on different versions, and a commit never
+    waits on a receive (having seen every worker hold it ready, it spares them their own
+    agreement: WorkerExtension.commit_update's `seen_ready_on_every_rank`). Then asks vLLM to
+    reset its prefix cache (as apply_update,
+    `preempt_running` too). Raises ShadowsyncTimeoutError naming the workers not ready after
+    `timeout` seconds (nothing was committed then). Returns `version`. For an ``AsyncLLM``:
+    commit_update_async.
+
+    Each poll is an RPC that vLLM's engine thread serves between two steps, as each of
+    apply_update_async's (see there for what a short `poll_s` adds to the engine stop)."""
+    _check_poll_s("commit_update", version, poll_s)
     version = int(version)
     deadline = time.monotonic() + timeout
     while True:
         ready = [int(v) for v in llm.collective_rpc("ready_version")]
         if all(v == version for v in ready):
             break
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left < 0:
             raise _not_ready_error("commit_update", version, timeout, ready)
-        time.sleep(0.002)
-    applied = _committed(llm.collective_rpc("commit_update", args=(version,)))
+        time.sleep(min(poll_s, left))
+    applied = _committed(llm.collective_rpc("commit_update", args=(version, True)))
     if reset_prefix_cache:
         _reset_prefix_cache(llm, version, "commit_update", preempt_running)
     return applied
 
 
 async def commit_update_async(engine, version: int, timeout: float = 60.0,
-                              reset_prefix_cache: bool = True, preempt_running: bool = False) -> int:
-    """commit_update for an ``AsyncLLM`` (see there): polls ``ready_version`` without blocking
-    the event loop, then one ``commit_update`` collective_rpc makes `version` live on every
-    worker between the same two steps."""
+                              reset_prefix_cache: bool = True, preempt_running: bool = False,
+                              poll_s: float = 0.02) -> int:
+    """commit_update for an ``AsyncLLM`` (see there): polls ``ready_version`` every `poll_s`
+    seconds without blocking the event loop, then one ``commit_update`` collective_rpc makes
+    `version` live on every worker between the same two steps."""
     import asyncio
 
+    _check_poll_s("commit_update_async", version, poll_s)
     version = int(version)
     deadline = time.monotonic() + timeout
     while True:
         ready = [int(v) for v in await engine.collective_rpc("ready_version")]
         if all(v == version for v in ready):
             break
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left < 0:
             raise _not_ready_error("commit_update_async", version, timeout, ready)
-        await asyncio.sleep(0.002)
-    applied = _committed(await engine.collective_rpc("commit_update", args=(version,)))
+        await asyncio.sleep(min(poll_s, left))
+    applied = _committed(await engine.collective_rpc("commit_update", args=(version, True)))
     if reset_prefix_cache:
         await _reset_prefix_cache_async(engine, version, "commit_update_async", preempt_running)
     return applied

@@ -68,6 +68,10 @@ class UpdateGroup:
         # they add to how long generation stands still.
         self.last_begin_update = (0.0, 0.0)
         self.last_wait_applied = (0.0, 0.0)
+        # The last commit_update (coordinated): the same, and of it the seconds the ranks took to
+        # agree that every one holds the version ready.
+        self.last_commit = (0.0, 0.0)
+        self.last_commit_check_s = 0.0
         # Where the step hook runs: "model_runner._model_forward", "model_runner.kv_connector.
         # pre_forward" (vLLM's V2 GPU runner), "execute_model", or None (not
         # hooked: the engine calls before_step itself).
