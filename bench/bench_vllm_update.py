@@ -110,6 +110,16 @@ torch does not see (a cuMem allocation): ``Sender.staging_bytes``, two slots of 
 ``max_packed_bytes`` of the rank (on cpu: its shards plus the staging); the run's
 ``trainer_rank_memory`` has the parts.
 
+**A sharded trainer that gathers first** (``--gather-ranks M[,M...]``, with the shadowsync path;
+after the --trainer-ranks runs, on the same engine; reported as ``shadowsync-gather-M``): what an
+FSDP2 trainer does to hand its weights to one sender. M rank processes, rank r on GPU r (the CPU:
+gloo), each make only their rows as above; each update every rank all-gathers every parameter as
+FSDP2's ``full_tensor()`` does (its rows padded to the chunk size, one
+``all_gather_into_tensor`` per parameter over an NCCL process group of the ranks), rank 0 keeps
+them all and publishes them with one Sender over the same-host transport, the others drop theirs.
+The update's time counts from the publish request, so it includes the gather; rank 0's peak
+memory (``trainer_rank_memory``, ``trainer_rank_peak_bytes``) includes the gathered model.
+
 **Placement and transport** (``--tp``, ``--transport``, ``--trainer-gpu``). vLLM's ranks run
 on GPUs 0..tp-1. ``--transport same-host`` (default): vLLM's "ipc" backend and shadowsync's
 same-host transport; ``nccl``: vLLM's "nccl" backend (``NCCLWeightTransferEngine.trainer_init``
@@ -254,7 +264,7 @@ def main() -> int:
                             gated_swaps="off" if args.no_gated_swaps else "auto",
                             decode_slowdown_budget=args.decode_slowdown_budget,
                             layers=args.layers, quantization=args.quantization,
-                            trainer_ranks=args.trainer_ranks)
+                            trainer_ranks=args.trainer_ranks, gather_ranks=args.gather_ranks)
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     # Each config as built: its name in the report (with --layers, "qwen3-30b-a3b (24 of 48
     # layers)"), its decoder layers and the engines' quantization.

@@ -1,7 +1,7 @@
 """One path in its own process (bench_vllm_update.py --child PATH): one vLLM AsyncLLM under the
-decode load, the path's warm-up update and its measured updates (with --trainer-ranks, the
-shadowsync path's sharded trainers' after them, on the same engine: the result's "runs"), and the
-result file the orchestrator reads."""
+decode load, the path's warm-up update and its measured updates (with --trainer-ranks and
+--gather-ranks, the shadowsync path's sharded trainers' after them, on the same engine: the
+result's "runs"), and the result file the orchestrator reads."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from .copy_reference import CopyReference
 from .decode_load import DecodeLoad
 from .paths import BENCH_DIR, PYTHON_DIR, prepend_pythonpath
 from .shadowsync_transfer import ShadowsyncTransfer
+from .gather_transfer import GatherTransfer
 from .sharded_transfer import ShardedTransfer
 from .stand_ins import STAND_IN_FOLDER, import_ipc_engine
 from .vllm_transfer import VllmTransfer
@@ -119,13 +120,13 @@ async def run_child(args, result: dict) -> dict:
     log(f"{path}: engine up in {result['engine_start_s']} s")
     try:
         load = DecodeLoad(engine, args)
-        # With --trainer-ranks, the sharded trainers follow on the same engine: the group is
-        # closed keeping the weights.
-        ranks = getattr(args, "trainer_ranks", None) if path == "shadowsync" else None
-        result.update(await measure(driver, engine, load, path, keep_weights=bool(ranks)))
-        if ranks:
+        # With --trainer-ranks and --gather-ranks, the sharded trainers follow on the same
+        # engine: the group is closed keeping the weights.
+        follow = follow_on_drivers(args) if path == "shadowsync" else []
+        result.update(await measure(driver, engine, load, path, keep_weights=bool(follow)))
+        if follow:
             result["runs"] = {}
-            await sharded_runs(args, engine, load, ranks, result)
+            await follow_on_runs(args, engine, load, follow, result)
     finally:
         engine.shutdown()
         driver.shutdown()
@@ -161,22 +162,29 @@ async def measure(driver, engine, load, name: str, keep_weights: bool = False) -
     return result
 
 
-async def sharded_runs(args, engine, load, counts: list[int], result: dict) -> None:
-    """--trainer-ranks: after the shadowsync path's own run, a sharded trainer of each count in
-    turn takes over the same engine, its run in result["runs"]["shadowsync-ranks-M"]; a run that
-    fails is recorded and the next one still runs, on a group closed again where the failure
-    left it open. The result file is written after each run: a path cut at its deadline keeps
-    the runs done."""
+def follow_on_drivers(args) -> list:
+    """The shadowsync path's sharded trainers, as (run name, its keys, driver): one routing its
+    shards per --trainer-ranks count ("shadowsync-ranks-M"), then one gathering to rank 0 per
+    --gather-ranks count ("shadowsync-gather-M")."""
+    return ([(f"shadowsync-ranks-{m}", {"trainer_ranks": m}, ShardedTransfer(args, m))
+             for m in getattr(args, "trainer_ranks", None) or []]
+            + [(f"shadowsync-gather-{m}", {"gather_ranks": m}, GatherTransfer(args, m))
+               for m in getattr(args, "gather_ranks", None) or []])
+
+
+async def follow_on_runs(args, engine, load, drivers: list, result: dict) -> None:
+    """After the shadowsync path's own run, each of `drivers` (follow_on_drivers) in turn takes
+    over the same engine, its run in result["runs"][name]; a run that fails is recorded and the
+    next one still runs, on a group closed again where the failure left it open. The result file
+    is written after each run: a path cut at its deadline keeps the runs done."""
     runs = result["runs"]
-    for i, count in enumerate(counts):
-        name = f"shadowsync-ranks-{count}"
-        run: dict = {"path": "shadowsync", "trainer_ranks": count}
-        driver = ShardedTransfer(args, count)
+    for i, (name, keys, driver) in enumerate(drivers):
+        run: dict = {"path": "shadowsync", **keys}
         run["api"] = driver.api_description()
         log(f"{name}: {run['api']}")
         try:
             run.update(await measure(driver, engine, load, name,
-                                     keep_weights=i + 1 < len(counts)))
+                                     keep_weights=i + 1 < len(drivers)))
         except Exception as e:  # noqa: BLE001  (recorded, the next count runs)
             run["error"] = f"{type(e).__name__}: {e}"
             run["traceback"] = traceback.format_exc()[-4000:]

@@ -95,19 +95,29 @@ def quantization_error(args, paths: list[str]) -> str | None:
 
 
 def trainer_ranks_error(args, paths: list[str]) -> str | None:
-    """Why --trainer-ranks cannot run with the other options, or None. The sharded trainers
-    follow the shadowsync path's run on its engine, into the extension's own calls, over the
-    same-host pull transport or (--transport nccl) NCCL point-to-point routes."""
-    if args.trainer_ranks is None:
+    """Why --trainer-ranks or --gather-ranks cannot run with the other options, or None. The
+    sharded trainers follow the shadowsync path's run on its engine, into the extension's own
+    calls: routing, over the same-host pull transport or (--transport nccl) NCCL point-to-point
+    routes; gathering, over the same-host transport from rank 0."""
+    if args.trainer_ranks is None and args.gather_ranks is None:
         return None
+    flag = "--trainer-ranks" if args.trainer_ranks is not None else "--gather-ranks"
     if "shadowsync" not in paths and not args.child:  # another path's child ignores it
-        return (f"--trainer-ranks with --paths {','.join(paths)}: the sharded trainers run after "
+        return (f"{flag} with --paths {','.join(paths)}: the sharded trainers run after "
                 f"the shadowsync path, on its engine; add shadowsync to --paths")
+    if args.gather_ranks is not None:
+        if args.transport != "same-host":
+            return (f"--gather-ranks with --transport {args.transport}: rank 0 publishes the "
+                    f"gathered tensors over the same-host transport; use --transport same-host")
+        if args.device == "cuda" and args.trainer_gpu != 0:
+            return (f"--gather-ranks with --trainer-gpu {args.trainer_gpu}: the gathering ranks "
+                    f"run on GPUs 0..M-1, rank 0 beside engine rank 0; leave --trainer-gpu at 0")
     return None
 
 
 def rank_counts(text: str) -> list[int]:
-    """--trainer-ranks' value: comma-separated counts, each at least 1, none twice."""
+    """--trainer-ranks' and --gather-ranks' value: comma-separated counts, each at least 1, none
+    twice."""
     try:
         counts = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
@@ -191,6 +201,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "(FSDP2-like Shard(0)) and publishing them over the same-host pull "
                         "transport (with --transport nccl: rank r on GPU --trainer-gpu + r, its "
                         "routes over NCCL point-to-point); reported as shadowsync-ranks-M")
+    p.add_argument("--gather-ranks", type=rank_counts, metavar="M[,M...]",
+                   help="shadowsync path: after its own run (and --trainer-ranks'), a sharded "
+                        "trainer of each M in turn that gathers before it sends, as an FSDP2 "
+                        "trainer does with full_tensor(): rank r on GPU r holds its rows, every "
+                        "rank all-gathers every tensor each update, rank 0 keeps them and "
+                        "publishes them over the same-host transport; reported as "
+                        "shadowsync-gather-M (its update time includes the gather)")
     p.add_argument("--decode-slowdown-budget", type=float,
                    help="shadowsync path: pace the receive to this decode slowdown (e.g. 1.05)")
     p.add_argument("--backend", choices=("shadowsync",),
@@ -215,8 +232,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "(bench/vllm_step_trace.py; host and CUDA-event times per step, logged)")
     p.add_argument("--progress-poll-s", type=float,
                    help="shadowsync path: how often apply_update_async asks the workers whether "
-                        "the update is live (each ask is an RPC the engine thread serves between "
-                        "two steps; apply_update_async's poll_s, default 0.02)")
+                        "the update is live, and commit_update_async (--tp > 1) whether every "
+                        "rank holds it ready (each ask is an RPC the engine thread serves between "
+                        "two steps; their poll_s, default 0.02)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help=f"vLLM's share of the GPU (default per config: {GPU_MEMORY_UTILIZATION})")
     p.add_argument("--dummy-load", action="store_true",
@@ -256,6 +274,8 @@ def child_passthrough(args) -> list[str]:
         flags += ["--quantization", args.quantization]
     if args.trainer_ranks:
         flags += ["--trainer-ranks", ",".join(map(str, args.trainer_ranks))]
+    if args.gather_ranks:
+        flags += ["--gather-ranks", ",".join(map(str, args.gather_ranks))]
     flags += ["--copy-passes", str(args.copy_passes), "--tp", str(args.tp),
               "--transport", args.transport, "--trainer-gpu", str(args.trainer_gpu)]
     for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "graph_pairs",

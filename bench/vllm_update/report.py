@@ -54,7 +54,8 @@ def markdown(results: dict) -> str:
              "to the last bucket acknowledged, packing included). Decode time lost: the whole "
              "update's time x (1 - 1/slowdown), the decode time the update cost the engine. "
              "shadowsync-ranks-M: the shadowsync path fed by M trainer ranks (--trainer-ranks), "
-             "on the same engine after the shadowsync path's own run.",
+             "on the same engine after the shadowsync path's own run; shadowsync-gather-M: by M "
+             "trainer ranks that gather every tensor to rank 0 first (--gather-ranks).",
              "",
              "| model | path | updates | engine stop ms | max token gap ms | baseline step ms, "
              "median / max | "
@@ -157,12 +158,14 @@ def markdown(results: dict) -> str:
     if where:
         lines += ["", "Where the longest gap was (shadowsync; median / max): the engine thread's "
                   "time in the swap (swap callback and, for remap, the engine-stream "
-                  "synchronization included), in begin_update and in wait_applied (both run "
-                  "between two steps); the inter-token gap each fell into; the largest gap "
-                  "overlapping the update that none fell into.", "",
+                  "synchronization included), in begin_update, in wait_applied and, under "
+                  "tensor parallelism, in commit_update (the ranks' agreement and the swap) "
+                  "(all run between two steps); the inter-token gap each fell into; the largest "
+                  "gap overlapping the update that none fell into.", "",
                   "| model | swap ms | gap at the swap ms | begin_update ms | gap at it ms | "
-                  "wait_applied ms | gap at it ms | largest other gap ms |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "wait_applied ms | gap at it ms | commit_update ms | gap at it ms | "
+                  "largest other gap ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {model_name(results, config)} | "
                   + "".join(f"{pair(s, f'{e}_ms', 3)} | {pair(s, f'gap_at_{e}_ms', 2)} | "
                             for e in ENGINE_EVENTS)
@@ -176,19 +179,21 @@ def markdown(results: dict) -> str:
 
 
 def sharded_lines(results: dict, pair) -> list[str]:
-    """The sharded trainers' table (--trainer-ranks): per run, the shadowsync path's figures that
+    """The sharded trainers' table (--trainer-ranks, --gather-ranks): per run, the shadowsync path's figures that
     the issue's goals name, the decode time lost against the copy reference's (when the run has
     one), the bytes into each engine rank and each trainer rank's peak memory."""
     rows = [(config, name, r) for config, entry in results["configs"].items()
             if "error" not in entry for name, r in entry.items()
-            if "trainer_ranks" in r and "error" not in r]
+            if ("trainer_ranks" in r or "gather_ranks" in r) and "error" not in r]
     if not rows:
         return []
     def size(n: int) -> str:
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
-    lines = ["", "Sharded trainers (--trainer-ranks M; median / max over the measured updates). "
-             "Bytes into each engine rank: the routed bytes the transport counted per update "
+    lines = ["", "Sharded trainers (--trainer-ranks M, and --gather-ranks M: \"M, gathering\"; "
+             "median / max over the measured updates). A gathering trainer all-gathers every "
+             "tensor each update and publishes from rank 0: its update time includes the gather "
+             "and rank 0's peak the gathered model. Bytes into each engine rank: the routed bytes the transport counted per update "
              "(weight_update_stats' routed_bytes; every update's must equal the routing plan's "
              "bytes_to_engine, or the run fails). Trainer rank peak: torch.cuda."
              "max_memory_allocated in the rank process (its shards) plus the transport's staging, "
@@ -211,7 +216,8 @@ def sharded_lines(results: dict, pair) -> list[str]:
         peaks = ", ".join(
             f"{size(m['peak_bytes'])} ({size(m['peak_bytes'] - m['staging_bytes'])} + "
             f"{size(m['staging_bytes'])})" for m in memory)
-        lines.append(f"| {model_name(results, config)} | {r['trainer_ranks']} | "
+        ranks = r.get("trainer_ranks") or f"{r['gather_ranks']}, gathering"
+        lines.append(f"| {model_name(results, config)} | {ranks} | "
                      f"{pair(s, 'engine_stop_ms', 2, 'n/a')} | {pair(s, 'slowdown', 3)} | "
                      f"{pair(s, 'update_ms')} | {pair(s, 'decode_lost_ms', 2)} | {ratio} | "
                      f"{' / '.join(str(list(b)) for b in routed) or '-'} (plan: "

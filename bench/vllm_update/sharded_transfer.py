@@ -140,14 +140,59 @@ class RankPipes:
         return (got[0][0], got)
 
 
-class ShardedTransfer(ShadowsyncTransfer):
-    """The shadowsync path fed by `count` trainer ranks (see the module's doc)."""
+class RankProcesses(ShadowsyncTransfer):
+    """The shadowsync path fed by `count` trainer rank processes, whose pipes are read as one
+    trainer's (RankPipes); each answers ("sent", seconds, peak bytes) and ("stopped", memory)."""
 
     def __init__(self, args, count: int):
         super().__init__(args)
         self.count = count
-        self.nccl = args.transport == "nccl"
         self.processes: list = []
+
+    def start_ranks(self, target, rank_args) -> None:
+        """One spawned process per rank running `target(pipe, *rank_args(rank))`."""
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        pipes = []
+        for rank in range(self.count):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=target, daemon=True, args=(child, *rank_args(rank)))
+            process.start()
+            child.close()  # a rank that dies ends its pipe's recv with EOFError
+            pipes.append(parent)
+            self.processes.append(process)
+        self.conn = RankPipes(pipes)
+
+    async def update(self, engine, version: int) -> dict:
+        info = await super().update(engine, version)
+        sent = self.conn.last  # every rank's ("sent", seconds, peak bytes)
+        info["trainer_rank_sent_ms"] = [round(s[1] * 1e3, 3) for s in sent]
+        info["trainer_rank_peak_bytes"] = [s[2] for s in sent]
+        return info
+
+    async def trainer_stopped(self) -> dict:
+        (stopped,) = await self.recv("stopped", timeout=60)
+        for process in self.processes:
+            await asyncio.to_thread(process.join, 60)
+        self.memory = [m[1] for m in stopped]
+        log(f"{self.count} trainer ranks' memory: {self.memory}")
+        return dict(trainer_rank_memory=self.memory)
+
+    def shutdown(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+        super().shutdown()
+
+
+class ShardedTransfer(RankProcesses):
+    """The shadowsync path fed by `count` trainer ranks (see the module's doc)."""
+
+    def __init__(self, args, count: int):
+        super().__init__(args, count)
+        self.nccl = args.transport == "nccl"
 
     def api_description(self) -> str:
         import shadowsync
@@ -164,28 +209,18 @@ class ShardedTransfer(ShadowsyncTransfer):
     async def setup(self, engine, init_extra: dict | None = None, checksums: bool = True) -> dict:
         """Starts the ranks, plans the routes with the engine's needs, joins them (checksums:
         the routed Sender sends none; the argument is the shadowsync path's)."""
-        import multiprocessing as mp
-
         from shadowsync.vllm import init_weight_update_group_async, weight_update_needs_async
 
         socket_dir = self.socket_dir = Path(tempfile.mkdtemp(prefix="ss-bench-ranks-"))  # 0700
         self.specs = specs = model_specs(self.args.config, self.args.device,
                                          getattr(self.args, "layers", None))
         regions = shard0_regions(specs, self.count)
-        ctx = mp.get_context("spawn")
-        pipes = []
         gpus = self.rank_gpus()
         nccl_gpus = gpus + list(range(self.args.tp)) if self.nccl else None
-        for rank in range(self.count):
-            parent, child = ctx.Pipe()
-            process = ctx.Process(target=trainer_rank_process, daemon=True, args=(
-                child, rank, specs, regions, self.args.device, gpus[rank],
-                self.args.bucket_bytes, 1000 * self.count + rank, nccl_gpus))
-            process.start()
-            child.close()  # a rank that dies ends its pipe's recv with EOFError
-            pipes.append(parent)
-            self.processes.append(process)
-        self.conn = RankPipes(pipes)
+        self.start_ranks(trainer_rank_process, lambda rank: (
+            rank, specs, regions, self.args.device, gpus[rank], self.args.bucket_bytes,
+            1000 * self.count + rank, nccl_gpus))
+        pipes = self.conn.pipes
         (shards,) = await self.recv("shards")
         held, nccl = [m[1] for m in shards], shards[0][2]
         t0 = time.monotonic()
@@ -241,13 +276,6 @@ class ShardedTransfer(ShadowsyncTransfer):
             return [self.args.trainer_gpu] * self.count
         return [rank % self.args.tp for rank in range(self.count)]
 
-    async def update(self, engine, version: int) -> dict:
-        info = await super().update(engine, version)
-        sent = self.conn.last  # every rank's ("sent", seconds, peak bytes)
-        info["trainer_rank_sent_ms"] = [round(s[1] * 1e3, 3) for s in sent]
-        info["trainer_rank_peak_bytes"] = [s[2] for s in sent]
-        return info
-
     async def engine_times(self, engine) -> dict:
         """The shadowsync path's, and the bytes the update's routes carried into each engine
         rank (weight_update_stats' routed_bytes: the transport's count over that update)."""
@@ -267,17 +295,3 @@ class ShardedTransfer(ShadowsyncTransfer):
                                f"{self.to_engine}")
         return checked
 
-    async def trainer_stopped(self) -> dict:
-        (stopped,) = await self.recv("stopped", timeout=60)
-        for process in self.processes:
-            await asyncio.to_thread(process.join, 60)
-        self.memory = [m[1] for m in stopped]
-        log(f"{self.count} trainer ranks' memory: {self.memory}")
-        return dict(trainer_rank_memory=self.memory)
-
-    def shutdown(self) -> None:
-        for process in self.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(10)
-        super().shutdown()

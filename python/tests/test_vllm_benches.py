@@ -66,12 +66,14 @@ def test_pacing_bench_runs_every_budget(tmp_path):
 def test_update_bench_runs_every_path(tmp_path):
     # Paced (the goals' setting); the same transfer unpaced runs in the pacing bench's test above.
     # --trainer-ranks 2: a sharded trainer takes the shadowsync path's engine over after its run
-    # (host memory, HostBackend, on the CPU): no engine start of its own.
+    # (host memory, HostBackend, on the CPU): no engine start of its own; then --gather-ranks 2:
+    # two ranks that all-gather every tensor (gloo) and publish from rank 0.
     report = run_bench("bench_vllm_update.py", tmp_path, "--updates", "2", "--trace-steps",
                        "--paths", "vllm,shadowsync,copy", "--decode-slowdown-budget", "2.0",
-                       "--trainer-ranks", "2")
+                       "--trainer-ranks", "2", "--gather-ranks", "2")
     paths = report["configs"]["tiny"]
-    assert sorted(paths) == ["copy", "shadowsync", "shadowsync-ranks-2", "vllm"], sorted(paths)
+    assert sorted(paths) == ["copy", "shadowsync", "shadowsync-gather-2", "shadowsync-ranks-2",
+                             "vllm"], sorted(paths)
     for name, path in paths.items():
         assert "error" not in path, f"{name}: {path.get('error')}"
         assert len(path["updates"]) == 2, f"{name}: {path['updates']}"
@@ -114,6 +116,15 @@ def test_update_bench_runs_every_path(tmp_path):
         sum(setup["bytes_to_engine_rank"]) > 0, (memory, setup)
     assert all(m["staging_bytes"] == 2 * m["max_packed_bytes"] > 0 and
                m["peak_bytes"] == m["held_bytes"] + m["staging_bytes"] for m in memory), memory
+    # The gathering trainer: the gathered model reaches the engine (its random rows are not the
+    # one-process trainer's), its ranks' rows are the model's bytes once, and only rank 0 sends.
+    gather = paths["shadowsync-gather-2"]
+    assert gather["output_changed_by_update"] is True and gather["gather_ranks"] == 2, gather
+    memory = gather["trainer_rank_memory"]
+    assert sum(m["held_bytes"] for m in memory) == shadowsync["setup"]["bytes"], (
+        memory, shadowsync["setup"])
+    assert memory[0]["staging_bytes"] > 0 == memory[1]["staging_bytes"], memory
+    assert all(len(u["trainer_rank_sent_ms"]) == 2 for u in gather["updates"]), gather["updates"]
 
 
 def test_every_switch_of_the_update_bench_reaches_its_child():
@@ -151,10 +162,10 @@ def test_every_switch_of_the_update_bench_reaches_its_child():
                                              "--child", "shadowsync"])
     assert (child.layers, child.quantization) == (24, "fp8"), child
     # The sharded trainers run in the shadowsync path's child; another path's child ignores them.
-    parent = bench.build_parser().parse_args(["--trainer-ranks", "1,2,4"])
+    parent = bench.build_parser().parse_args(["--trainer-ranks", "1,2,4", "--gather-ranks", "2"])
     child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
                                              "--child", "shadowsync"])
-    assert child.trainer_ranks == [1, 2, 4], child
+    assert (child.trainer_ranks, child.gather_ranks) == ([1, 2, 4], [2]), child
 
 
 def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
@@ -189,6 +200,9 @@ def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
     (["--paths", "vllm", "--trainer-ranks", "2"],
      "the sharded trainers run after the shadowsync path, on its engine; add shadowsync"),
     (["--trainer-ranks", "2,0"], "each at least 1 and none twice"),
+    (["--gather-ranks", "2", "--transport", "nccl", "--trainer-gpu", "1"],
+     "--gather-ranks with --transport nccl: rank 0 publishes the gathered tensors over the "
+     "same-host transport"),
     (["--layers", "99", "--config", "tiny-moe"],
      "--layers 99 with --config tiny-moe: tiny-moe has 2 layers; pick 1..2"),
 ])

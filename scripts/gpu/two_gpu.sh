@@ -10,7 +10,8 @@
 #   bash scripts/gpu/run.sh two-gpu check-routes   correctness run 3 (below), against fresh vLLM
 #   bash scripts/gpu/run.sh two-gpu bench-tp2  Llama-3-8B shapes, TP=2, graph pairs, paced to a
 #                                              decode slowdown of 1.08; then a sharded trainer of
-#                                              2 ranks takes the same engine over
+#                                              2 ranks takes the same engine over, then one of 2
+#                                              ranks that all-gathers to rank 0 and sends from it
 #   bash scripts/gpu/run.sh two-gpu bench-network  Llama-3-8B shapes, TP=1 on GPU 0, the trainer on
 #                                              GPU 1 over NCCL's network path (--nvlink: then
 #                                              over NVLink too, for comparison)
@@ -52,7 +53,7 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export OUT
 
-usage() { sed -n '2,47p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,49p' "${BASH_SOURCE[0]}"; }
 step="${1:-}"
 case "$step" in
   build|check-tp2|check-network|check-routes|bench-tp2|bench-network|bench-routes|check-fsdp2|bench-gather) ;;
@@ -141,7 +142,7 @@ case "$step" in
     ;;
   bench-tp2)
     runs "$OUT/bench-tp2.txt" "^bench_vllm_update.py " BENCH_TIMEOUT=560 BENCH_TAIL=60 \
-      BENCH_VLLM="$BENCH --tp 2 --graph-pairs --decode-slowdown-budget 1.08 --trainer-ranks 2 --budget-s 550"
+      BENCH_VLLM="$BENCH --tp 2 --graph-pairs --decode-slowdown-budget 1.08 --trainer-ranks 2 --gather-ranks 2 --budget-s 550"
     ;;
   bench-network)
     mkdir -p "$OUT/network" "$OUT/nvlink"
