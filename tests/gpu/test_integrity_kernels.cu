@@ -10,6 +10,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -158,21 +159,63 @@ TEST_CASE("integrity kernels: the GPU counts exactly the NaN and Inf elements of
   }
 }
 
+// Quantizes `src` (`elements` of `dtype` in `parts` parts) on the host and on the GPU, the GPU's
+// copy placed `device_offset` bytes into its buffer (an offset that is not 16-byte aligned takes
+// the kernels' element-by-element path); checks that bytes and scales are the host's.
+void check_quantized_as_host(CudaBackend& gpu, HostBackend& host, const std::vector<std::byte>& src,
+                             DType dtype, std::size_t elements, std::size_t parts,
+                             std::size_t device_offset = 0) {
+  std::vector<std::uint8_t> want(elements);
+  std::vector<float> want_scales(parts);
+  auto stream = host.create_stream(StreamPriority::kNormal);
+  host.quantize_fp8_async(src.data(), dtype, elements, parts, want.data(), want_scales.data(),
+                          *stream);
+  host.stream_synchronize(*stream);
+
+  DeviceBuffer d_src(gpu, src.size() + device_offset);
+  DeviceBuffer d_dst(gpu, elements + device_offset);
+  DeviceBuffer d_scales(gpu, parts * sizeof(float));
+  auto* source = static_cast<std::byte*>(d_src.data()) + device_offset;
+  auto* dst = static_cast<std::byte*>(d_dst.data()) + device_offset;
+  REQUIRE(cudaMemcpy(source, src.data(), src.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+  auto gpu_stream = gpu.create_stream(StreamPriority::kLow);
+  gpu.quantize_fp8_async(source, dtype, elements, parts, dst,
+                         reinterpret_cast<float*>(d_scales.data()), *gpu_stream);
+  gpu.stream_synchronize(*gpu_stream);
+  std::vector<std::uint8_t> got(elements);
+  std::vector<float> got_scales(parts);
+  REQUIRE(cudaMemcpy(got.data(), dst, elements, cudaMemcpyDeviceToHost) == cudaSuccess);
+  REQUIRE(cudaMemcpy(got_scales.data(), d_scales.data(), parts * sizeof(float),
+                     cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(std::memcmp(got_scales.data(), want_scales.data(), parts * sizeof(float)) == 0);
+  std::size_t differ = 0;
+  std::size_t first = elements;
+  for (std::size_t i = 0; i < elements; ++i) {
+    if (got[i] != want[i]) {
+      ++differ;
+      first = std::min(first, i);
+    }
+  }
+  INFO("first difference at element " << first);
+  CHECK(differ == 0);
+}
+
 TEST_CASE("fp8 kernels: the GPU quantizes bit for bit as the host, per part") {
   // What the receiver runs in the shadow for an engine with quantization="fp8": random weights of
   // several magnitudes per part (so each part has its own scale), one all-zero part, lengths that
-  // are not multiples of a warp or a block; bf16, fp16 and fp32 sources.
+  // are not multiples of a warp or a block (element by element) and one that is a multiple of a
+  // 16-byte vector (the vector kernels); bf16, fp16 and fp32 sources.
   CudaBackend gpu(0);
   HostBackend host;
   std::mt19937 random(11);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (const DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const std::size_t parts : {std::size_t{1}, std::size_t{8}}) {
-      for (const std::size_t per_part : {std::size_t{1}, std::size_t{33}, std::size_t{70'001}}) {
+      for (const std::size_t per_part :
+           {std::size_t{1}, std::size_t{33}, std::size_t{70'001}, std::size_t{65'536}}) {
         INFO(dtype_name(dtype) << ", " << parts << " parts of " << per_part << " elements");
         const std::size_t elements = parts * per_part;
-        const std::size_t element = dtype_size(dtype);
-        std::vector<std::byte> src(elements * element);
+        std::vector<std::byte> src(elements * dtype_size(dtype));
         for (std::size_t i = 0; i < elements; ++i) {
           const std::size_t part = i / per_part;
           const float value = part == parts - 1 && parts > 1
@@ -194,33 +237,32 @@ TEST_CASE("fp8 kernels: the GPU quantizes bit for bit as the host, per part") {
             std::memcpy(src.data() + i * 2, &half, 2);
           }
         }
-        std::vector<std::uint8_t> want(elements);
-        std::vector<float> want_scales(parts);
-        auto stream = host.create_stream(StreamPriority::kNormal);
-        host.quantize_fp8_async(src.data(), dtype, elements, parts, want.data(),
-                                want_scales.data(), *stream);
-        host.stream_synchronize(*stream);
-
-        DeviceBuffer d_src(gpu, src.size());
-        DeviceBuffer d_dst(gpu, elements);
-        DeviceBuffer d_scales(gpu, parts * sizeof(float));
-        REQUIRE(cudaMemcpy(d_src.data(), src.data(), src.size(), cudaMemcpyHostToDevice) ==
-                cudaSuccess);
-        auto gpu_stream = gpu.create_stream(StreamPriority::kLow);
-        gpu.quantize_fp8_async(d_src.data(), dtype, elements, parts, d_dst.data(),
-                               reinterpret_cast<float*>(d_scales.data()), *gpu_stream);
-        gpu.stream_synchronize(*gpu_stream);
-        std::vector<std::uint8_t> got(elements);
-        std::vector<float> got_scales(parts);
-        REQUIRE(cudaMemcpy(got.data(), d_dst.data(), elements, cudaMemcpyDeviceToHost) ==
-                cudaSuccess);
-        REQUIRE(cudaMemcpy(got_scales.data(), d_scales.data(), parts * sizeof(float),
-                           cudaMemcpyDeviceToHost) == cudaSuccess);
-        CHECK(std::memcmp(got_scales.data(), want_scales.data(), parts * sizeof(float)) == 0);
-        std::size_t differ = 0;
-        for (std::size_t i = 0; i < elements; ++i) differ += got[i] != want[i] ? 1 : 0;
-        CHECK(differ == 0);
+        check_quantized_as_host(gpu, host, src, dtype, elements, parts);
       }
     }
   }
+}
+
+TEST_CASE("fp8 kernels: every bf16 value the clamp lets through converts as the host's") {
+  // One part holding every bf16 value of magnitude at most 448, 448 itself among them: its scale
+  // is 1, so each value reaches the conversion as it is (subnormal e4m3 results, ties between two
+  // codes, both signs, both zeros). Through the vector kernels, then element by element (the
+  // device copy two bytes off a 16-byte boundary).
+  CudaBackend gpu(0);
+  HostBackend host;
+  std::vector<std::uint16_t> values;
+  for (std::uint32_t bits = 0; bits <= 0xffffu; ++bits) {
+    std::uint32_t word = bits << 16;
+    float value = 0.0f;
+    std::memcpy(&value, &word, 4);
+    if (std::isfinite(value) && std::fabs(value) <= 448.0f) {
+      values.push_back(static_cast<std::uint16_t>(bits));
+    }
+  }
+  while (values.size() % 8 != 0) values.push_back(0);
+  std::vector<std::byte> src(values.size() * 2);
+  std::memcpy(src.data(), values.data(), src.size());
+  INFO(values.size() << " bf16 values");
+  check_quantized_as_host(gpu, host, src, DType::kBFloat16, values.size(), 1);
+  check_quantized_as_host(gpu, host, src, DType::kBFloat16, values.size(), 1, 2);
 }
