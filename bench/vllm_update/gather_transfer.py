@@ -23,7 +23,7 @@ from .checkpoint import model_specs
 from .paths import PYTHON_DIR
 from .shadowsync_transfer import timed
 from .shard_regions import shard0_regions
-from .sharded_transfer import RankProcesses
+from .sharded_transfer import RankProcesses, answer_publishes, rank_memory
 
 
 def gather_rank_process(conn, rank: int, count: int, specs: list, regions: list, device: str,
@@ -35,9 +35,8 @@ def gather_rank_process(conn, rank: int, count: int, specs: list, regions: list,
     `receivers` engine ranks and every rank answers ("ready", memory). ("publish", version):
     every rank gathers every parameter, rank 0 publishes them, and each answers ("header", bytes,
     seconds, bucket count) (the other ranks: 0, their gather's seconds, 0) and ("sent",
-    seconds, peak bytes); ("stop",) -> ("stopped", memory). memory: held_bytes, staging_bytes
-    (rank 0: its Sender's; else 0), torch_peak_bytes (cuda: torch.cuda.max_memory_allocated),
-    peak_bytes (torch's peak plus the staging; cpu: held + staging)."""
+    seconds, peak bytes); ("stop",) -> ("stopped", memory): rank_memory's, the staging being
+    rank 0's Sender's (the other ranks: 0)."""
     try:
         sys.path.insert(0, str(PYTHON_DIR))
         import torch
@@ -90,26 +89,13 @@ def gather_rank_process(conn, rank: int, count: int, specs: list, regions: list,
             staging = sender.staging_bytes
 
         def memory() -> dict:
-            peak = torch.cuda.max_memory_allocated(rank) if cuda else None
-            return dict(held_bytes=held, staging_bytes=staging, torch_peak_bytes=peak,
-                        peak_bytes=(peak if cuda else held) + staging)
+            return rank_memory(torch, rank if cuda else None, held, staging)
 
-        conn.send(("ready", memory()))
-        while True:
-            message = conn.recv()
-            if message[0] == "stop":
-                break
-            start = time.perf_counter()
-            full = gathered()
-            if sender is None:
-                conn.send(("header", 0, time.perf_counter() - start, 0))
-            else:
-                handle = sender.publish(message[1], full)
-                conn.send(("header", handle.header_bytes, time.perf_counter() - start,
-                           handle.header.bucket_count))
-                handle.wait(120)
-            del full
-            conn.send(("sent", time.perf_counter() - start, memory()["peak_bytes"]))
+        def publish(version: int):
+            full = gathered()  # every rank takes part; rank 0 keeps the tensors and sends them
+            return None if sender is None else sender.publish(version, full)
+
+        answer_publishes(conn, publish, memory)
         if sender is not None:
             sender.close()
         dist.destroy_process_group()

@@ -28,6 +28,37 @@ from .shard_regions import shard0_regions
 CONNECT_TIMEOUT_MS = 120_000  # the ranks serve while the workers plan and map: 8B on one GPU
 
 
+def rank_memory(torch, gpu: int | None, held: int, staging: int) -> dict:
+    """A trainer rank process's memory: held_bytes (its shards), staging_bytes (what its Sender
+    packs into, which torch does not see), torch_peak_bytes (torch.cuda.max_memory_allocated on
+    GPU `gpu`; None on the CPU) and peak_bytes, their sum (the CPU: held + staging)."""
+    peak = None if gpu is None else torch.cuda.max_memory_allocated(gpu)
+    return dict(held_bytes=held, staging_bytes=staging, torch_peak_bytes=peak,
+                peak_bytes=(held if peak is None else peak) + staging)
+
+
+def answer_publishes(conn, publish, memory) -> None:
+    """A trainer rank's part of the path: answers ("ready", memory()), then each ("publish",
+    version) with ("header", header bytes, seconds, bucket count) and ("sent", seconds, peak
+    bytes) once `publish(version)`'s handle was sent (a rank whose `publish` returns None sends
+    nothing itself: header 0 and 0 buckets); returns at ("stop",)."""
+    conn.send(("ready", memory()))
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            return
+        start = time.perf_counter()
+        handle = publish(message[1])
+        if handle is None:
+            conn.send(("header", 0, time.perf_counter() - start, 0))
+        else:
+            conn.send(("header", handle.header_bytes, time.perf_counter() - start,
+                       handle.header.bucket_count))
+            handle.wait(120)
+        handle = None  # what it holds goes before the next publish makes more
+        conn.send(("sent", time.perf_counter() - start, memory()["peak_bytes"]))
+
+
 def trainer_rank_process(conn, rank: int, specs: list, regions: list, device: str, gpu: int,
                          bucket_bytes: int, seed: int, nccl_gpus: list[int] | None = None):
     """Trainer rank `rank` (of len(regions)): makes its rows of `specs` (random, on GPU `gpu` on
@@ -86,22 +117,10 @@ def trainer_rank_process(conn, rank: int, specs: list, regions: list, device: st
         staging = sender.staging_bytes
 
         def memory() -> dict:
-            peak = torch.cuda.max_memory_allocated(gpu) if cuda else None
-            return dict(held_bytes=held, staging_bytes=staging,
-                        max_packed_bytes=plan.max_packed_bytes(rank), torch_peak_bytes=peak,
-                        peak_bytes=(peak if cuda else held) + staging)
+            return dict(rank_memory(torch, gpu if cuda else None, held, staging),
+                        max_packed_bytes=plan.max_packed_bytes(rank))
 
-        conn.send(("ready", memory()))
-        while True:
-            message = conn.recv()
-            if message[0] == "stop":
-                break
-            start = time.perf_counter()
-            handle = sender.publish_shards(message[1], shards)
-            conn.send(("header", handle.header_bytes, time.perf_counter() - start,
-                       handle.header.bucket_count))
-            handle.wait(120)
-            conn.send(("sent", time.perf_counter() - start, memory()["peak_bytes"]))
+        answer_publishes(conn, lambda version: sender.publish_shards(version, shards), memory)
         sender.close()
         conn.send(("stopped", memory()))
     except BaseException as e:  # noqa: BLE001
