@@ -109,12 +109,27 @@ def gathered(value) -> tuple[list, int]:
     return values, group.rank_in_group
 
 
-def size(worker) -> int:
-    """vLLM's tensor_parallel_size for this worker; 1 when it is not vLLM's."""
+def _parallel_config(worker):
     parallel = getattr(worker, "parallel_config", None)
     if parallel is None:
         parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
-    return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    return parallel
+
+
+def size(worker) -> int:
+    """vLLM's tensor_parallel_size for this worker; 1 when it is not vLLM's."""
+    return int(getattr(_parallel_config(worker), "tensor_parallel_size", 1) or 1)
+
+
+def front_end_hears_every_worker(worker) -> bool:
+    """Whether a collective_rpc of this worker's front end returns every worker's answer: not
+    with data_parallel_size > 1 in one engine (vLLM returns the first replica's only) nor with
+    the external_launcher executor (each process answers for its own worker). Unknown: False."""
+    parallel = _parallel_config(worker)
+    if parallel is None:
+        return False
+    return (int(getattr(parallel, "data_parallel_size", 1) or 1) == 1
+            and getattr(parallel, "distributed_executor_backend", None) != "external_launcher")
 
 
 def rank(worker) -> int:

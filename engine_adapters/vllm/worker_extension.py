@@ -196,12 +196,14 @@ class WorkerExtension:
         (shadowsync.vllm.commit_update does, right before), so the ranks need not agree again:
         a ready update stays ready until a commit or a close takes it, and both reach every rank
         alike (a newer update waits for the commit, receiver_thread.cpp), so every rank finds
-        the same answer. The agreement is an all-reduce over vLLM's TP CPU group that the swap's
-        gap would pay for (about 0.5 ms of a 0.76 ms commit on two H200)."""
+        the same answer. The agreement is an all-reduce over vLLM's TP CPU group, in the gap
+        between two steps. Taken only as True itself, and only where the front end hears every
+        worker (tensor_parallel.front_end_hears_every_worker); else the ranks agree."""
         state = self._require()
         started = time.monotonic()
+        seen = seen_ready_on_every_rank is True and tensor_parallel.front_end_hears_every_worker(self)
         try:
-            return self._commit(state, int(version), started, bool(seen_ready_on_every_rank))
+            return self._commit(state, int(version), started, seen)
         finally:
             state.last_commit = (started, time.monotonic() - started)
 
@@ -256,8 +258,9 @@ class WorkerExtension:
         offer_after_clean_step, the default, paced or not), and what the engine thread spent on the last update, in seconds, with
         when it started on time.monotonic's clock: its swap (``"last_swap_s"``,
         ``"last_swap_started_s"``), begin_update (``"last_begin_update_s"``, ``..._started_s``)
-        and wait_applied (``"last_wait_applied_s"``, ``..._started_s``); and where the step hook
-        runs (``"step_hook_at"``). Fed by a sharded trainer (trainer_ranks): ``"routed_bytes"``
+        and wait_applied (``"last_wait_applied_s"``, ``..._started_s``), commit_update
+        (``"last_commit_s"``, ``..._started_s``, and of it ``"last_commit_check_s"``: the ranks'
+        agreement); and where the step hook runs (``"step_hook_at"``). Fed by a sharded trainer (trainer_ranks): ``"routed_bytes"``
         (the bytes the last ready update's routes brought to this rank: its own parameters'),
         ``"trainer_count"`` and ``"routing_fingerprint"``; 0 otherwise. Thread-safe."""
         state = self._require()

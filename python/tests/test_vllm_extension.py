@@ -519,6 +519,53 @@ def test_coordinated_commit_holds_an_update_until_commit_update():
         sender.close()
 
 
+def test_a_commit_seen_ready_everywhere_skips_the_agreement_only_where_every_worker_was_heard(
+        monkeypatch):
+    # commit_update(v, seen_ready_on_every_rank=True) spares the ranks their all-reduce only where
+    # the front end's ready_version poll heard every worker: not with data parallelism inside one
+    # engine (vLLM answers with the first replica's workers only) nor under external_launcher.
+    import shadowsync.vllm.tensor_parallel as tensor_parallel
+
+    def config(**changes):  # vLLM's parallel_config of a TP=2 engine, with `changes`
+        return SimpleNamespace(**{"data_parallel_size": 1, "distributed_executor_backend": "mp",
+                                  "tensor_parallel_size": 2, **changes})
+
+    hears = tensor_parallel.front_end_hears_every_worker
+    assert hears(SimpleNamespace(parallel_config=config()))
+    assert not hears(SimpleNamespace(parallel_config=config(data_parallel_size=2)))
+    assert not hears(SimpleNamespace(
+        parallel_config=config(distributed_executor_backend="external_launcher")))
+    assert not hears(SimpleNamespace())  # unknown: the ranks agree
+
+    loopback = ss.Loopback(2)
+    worker = FakeWorker()
+    layout, sender = _trainer(SPECS, loopback.transport(0))
+    worker.init_weight_update_group(specs=[tuple(vars(s).values()) for s in layout.specs],
+                                    bucket_bytes=1024, transport=loopback.transport(1),
+                                    commit_mode="coordinated")
+    agreements = []  # each all-reduce the commit asks for, with this rank's flag
+    monkeypatch.setattr(tensor_parallel, "size", lambda w: 2)
+    monkeypatch.setattr(tensor_parallel, "on_every_rank", lambda flag: agreements.append(flag) or flag)
+    try:
+        handle = sender.publish(1, tensors(BASE + LORA, 1))
+        worker.begin_update(handle.header_bytes)
+        handle.wait(DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S
+        while worker.ready_version() != 1:
+            assert time.monotonic() < deadline, worker.weight_update_stats()
+            worker.execute_model("waiting")
+        worker.parallel_config = config(data_parallel_size=2)
+        refused = worker.commit_update(2, True)  # not heard everywhere: the ranks agree, refuse
+        assert agreements == [False] and "not ready on every tensor-parallel rank" in \
+            refused["refused"], (agreements, refused)
+        worker.parallel_config = config()
+        assert worker.commit_update(1, True) == {"applied_version": 1}
+        assert agreements == [False], agreements  # heard everywhere: no all-reduce
+    finally:
+        worker.close_weight_update_group()
+        sender.close()
+
+
 class _TwoRankFrontEnd:
     """What commit_update sees of an LLM whose two workers report `ready` (one entry per rank)."""
 
