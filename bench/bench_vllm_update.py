@@ -114,11 +114,12 @@ torch does not see (a cuMem allocation): ``Sender.staging_bytes``, two slots of 
 after the --trainer-ranks runs, on the same engine; reported as ``shadowsync-gather-M``): what an
 FSDP2 trainer does to hand its weights to one sender. M rank processes, rank r on GPU r (the CPU:
 gloo), each make only their rows as above; each update every rank all-gathers every parameter as
-FSDP2's ``full_tensor()`` does (its rows padded to the chunk size, one
-``all_gather_into_tensor`` per parameter over an NCCL process group of the ranks), rank 0 keeps
+FSDP2's ``full_tensor()`` does (one all-gather per parameter over a process group of the
+ranks, NCCL on GPUs and gloo on the CPU; uneven rows padded to the chunk size), rank 0 keeps
 them all and publishes them with one Sender over the same-host transport, the others drop theirs.
-The update's time counts from the publish request, so it includes the gather; rank 0's peak
-memory (``trainer_rank_memory``, ``trainer_rank_peak_bytes``) includes the gathered model.
+The update's time counts from the publish request, so it includes the gather; on GPUs rank 0's
+peak memory (``trainer_rank_memory``, ``trainer_rank_peak_bytes``) includes the gathered model
+(torch's peak; on the CPU the rows and the staging only).
 
 **Placement and transport** (``--tp``, ``--transport``, ``--trainer-gpu``). vLLM's ranks run
 on GPUs 0..tp-1. ``--transport same-host`` (default): vLLM's "ipc" backend and shadowsync's
@@ -316,7 +317,9 @@ def main() -> int:
     write_outputs(out, results)
     log(f"done in {time.monotonic() - started:.0f} s; {out / 'bench_vllm_update.md'}")
     print((out / "bench_vllm_update.md").read_text())
-    return 0 if all("error" not in r for e in results["configs"].values() for r in
+    # A path that failed, or whose trainer did not end when stopped, fails the run.
+    return 0 if all("error" not in r and "trainer_stop_error" not in r
+                    for e in results["configs"].values() for r in
                     ([e] if "error" in e else e.values())) else 1
 
 

@@ -2,11 +2,12 @@
 FSDP2 trainer does today to hand its weights to one sender. M trainer rank processes (rank r on
 GPU r; on the CPU all of them, over gloo) each hold only their rows of every parameter (the
 sharded variant's Shard(0) split, shard_regions). Each update, every rank all-gathers every
-parameter the way FSDP2's ``full_tensor()`` does (the shards padded to one chunk size, one
+parameter the way FSDP2's ``full_tensor()`` does (uneven shards padded to the chunk size, one
 all-gather per parameter, every rank receiving the full tensor), rank 0 keeps them all and
 publishes them with one Sender over the same-host transport, as the shadowsync path's trainer;
 the other ranks drop theirs. The update's time counts from the publish request, so it includes
-the gather; rank 0's peak memory includes the gathered model. The engine side, the update and its
+the gather; on GPUs rank 0's peak memory includes the gathered model (torch's peak; on the CPU
+the report has the rows and the staging only). The engine side, the update and its
 analysis are the shadowsync path's, with the ranks' pipes read as one trainer's (RankProcesses)."""
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def gather_rank_process(conn, rank: int, count: int, specs: list, regions: list,
 
         cuda = device == "cuda"
         if cuda:
+            if rank >= torch.cuda.device_count():
+                raise RuntimeError(f"--gather-ranks {count}: rank {rank} runs on GPU {rank}, and "
+                                   f"this machine has {torch.cuda.device_count()}; run at most "
+                                   f"{torch.cuda.device_count()} ranks")
             torch.cuda.set_device(rank)
         where = f"cuda:{rank}" if cuda else "cpu"
         dtype = torch.bfloat16 if cuda else torch.float32
@@ -70,11 +75,14 @@ def gather_rank_process(conn, rank: int, count: int, specs: list, regions: list,
                     full[name] = shards[name] if rank == 0 else None
                     continue
                 chunk = -(-shape[0] // count)
-                padded = torch.zeros([chunk] + shape[1:], dtype=dtype, device=where)
-                if name in shards:
-                    padded[:shards[name].shape[0]].copy_(shards[name])
+                piece = shards.get(name)
+                if piece is None or piece.shape[0] != chunk:  # uneven: padded, as FSDP2 pads
+                    padded = torch.zeros([chunk] + shape[1:], dtype=dtype, device=where)
+                    if piece is not None:
+                        padded[:piece.shape[0]].copy_(piece)
+                    piece = padded
                 out = torch.empty([chunk * count] + shape[1:], dtype=dtype, device=where)
-                all_gather(out, padded)
+                all_gather(out, piece)
                 full[name] = out[:shape[0]] if rank == 0 else None
             return full
 

@@ -328,7 +328,11 @@ class ShadowsyncTransfer:
         self.conn.send(("stop",))
         await engine.collective_rpc("close_weight_update_group",
                                     kwargs=dict(keep_weights=keep_weights))
-        checked.update(await self.trainer_stopped())
+        try:
+            checked.update(await self.trainer_stopped())
+        except TimeoutError as e:  # kept with the measured updates; the run's exit status fails
+            checked["trainer_stop_error"] = str(e)
+            log(f"trainer_stop_error: {e}")
         if not checked.get("step_versions_agree", True):
             raise RuntimeError(f"the ranks made versions live at different steps: "
                                f"{checked['rank_transitions']}")

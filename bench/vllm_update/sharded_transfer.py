@@ -47,6 +47,8 @@ def answer_publishes(conn, publish, memory) -> None:
         message = conn.recv()
         if message[0] == "stop":
             return
+        if message[0] != "publish":
+            raise RuntimeError(f"expected ('publish', version) or ('stop',), got {message!r}")
         start = time.perf_counter()
         handle = publish(message[1])
         if handle is None:
@@ -132,22 +134,41 @@ class RankPipes:
     """The pipes of the trainer rank processes, read as one trainer's (pipe_recv's conn): a
     message goes to every rank; an answer is every rank's, merged: "header" is rank 0's (every
     rank's header is the update's) with the longest publish, "sent" the last rank's time; others
-    come as (name, [each rank's message]). The last answer of each rank stays in `last`."""
+    come as (name, [each rank's message]). The last answer of each rank stays in `last`. A rank's
+    error is answered as soon as it came, though the other ranks are still silent (one may wait
+    in a collective for the failed one)."""
 
     def __init__(self, pipes: list):
         self.pipes = pipes
         self.last: list = []
+        self.waiting: list = [None] * len(pipes)  # each rank's message read by poll, not recv
 
     def send(self, message) -> None:
         for pipe in self.pipes:
             pipe.send(message)
 
     def poll(self, timeout: float) -> bool:
+        """Whether every rank answered, or one answered with an error, within `timeout`."""
         deadline = time.monotonic() + timeout
-        return all(pipe.poll(max(0.0, deadline - time.monotonic())) for pipe in self.pipes)
+        while True:
+            for i, pipe in enumerate(self.pipes):
+                if self.waiting[i] is None and pipe.poll():
+                    self.waiting[i] = pipe.recv()
+            if all(w is not None for w in self.waiting) or any(
+                    w is not None and w[0] == "error" for w in self.waiting):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.01, left))
 
     def recv(self):
-        got = [pipe.recv() for pipe in self.pipes]
+        failed = [w for w in self.waiting if w is not None and w[0] == "error"]
+        if failed:
+            self.waiting = [None] * len(self.pipes)
+            return ("error", "; ".join(g[1] for g in failed))
+        got = [w if w is not None else pipe.recv() for w, pipe in zip(self.waiting, self.pipes)]
+        self.waiting = [None] * len(self.pipes)
         failed = [g for g in got if g[0] == "error"]
         if failed:
             return ("error", "; ".join(g[1] for g in failed))
@@ -191,9 +212,13 @@ class RankProcesses(ShadowsyncTransfer):
         return info
 
     async def trainer_stopped(self) -> dict:
+        deadline = time.monotonic() + 60
         (stopped,) = await self.recv("stopped", timeout=60)
         for process in self.processes:
-            await asyncio.to_thread(process.join, 60)
+            await asyncio.to_thread(process.join, max(0.0, deadline - time.monotonic()))
+        alive = [rank for rank, process in enumerate(self.processes) if process.is_alive()]
+        if alive:
+            raise TimeoutError(f"trainer ranks {alive}: still running 60 s after ('stop',)")
         self.memory = [m[1] for m in stopped]
         log(f"{self.count} trainer ranks' memory: {self.memory}")
         return dict(trainer_rank_memory=self.memory)
