@@ -244,9 +244,9 @@ TEST_CASE("fp8 kernels: the GPU quantizes bit for bit as the host, per part") {
 }
 
 TEST_CASE("fp8 kernels: every bf16 value the clamp lets through converts as the host's") {
-  // One part holding every bf16 value of magnitude at most 448, 448 itself among them: its scale
-  // is 1, so each value reaches the conversion as it is (subnormal e4m3 results, ties between two
-  // codes, both signs, both zeros). Through the vector kernels, then element by element (the
+  // One part holding every bf16 value of magnitude at most 448, 448 itself among them, and two
+  // NaNs: its scale is 1, so each value reaches the conversion as it is (subnormal e4m3 results,
+  // ties between two codes, both signs, both zeros). Through the vector kernels, then element by element (the
   // device copy two bytes off a 16-byte boundary).
   CudaBackend gpu(0);
   HostBackend host;
@@ -259,6 +259,9 @@ TEST_CASE("fp8 kernels: every bf16 value the clamp lets through converts as the 
       values.push_back(static_cast<std::uint16_t>(bits));
     }
   }
+  // NaNs of both signs: the clamp makes them 448 (the reduction's fmaxf skips them).
+  values.push_back(0x7fc0u);
+  values.push_back(0xffc1u);
   while (values.size() % 8 != 0) values.push_back(0);
   std::vector<std::byte> src(values.size() * 2);
   std::memcpy(src.data(), values.data(), src.size());

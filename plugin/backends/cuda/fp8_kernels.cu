@@ -8,10 +8,11 @@
 //
 // Both passes read the source 16 bytes a thread at a time (8 bf16/fp16 or 4 fp32 elements) and
 // the quantization writes 8 or 4 bytes, when the part's length and the pointers allow it; else
-// one element a thread. The conversion is the GPU's own (cvt.rn.satfinite to e4m3: round to
-// nearest even, saturated), which gives the host reference's bytes for every value the clamp
-// lets through (tests/gpu/test_integrity_kernels.cu checks every bf16 value); the scalar
-// software conversion cost the update its time (1.23-1.26x bf16's at MoE shapes on one H200).
+// one element a thread. The conversion is CUDA's (__nv_cvt_float*_to_fp8*: on sm_89 and later
+// one cvt.rn.satfinite instruction, before that CUDA's own software): round to nearest even,
+// saturated, the host reference's bytes for every value the clamp lets through
+// (tests/gpu/test_integrity_kernels.cu checks every bf16 value). Narrow loads and a software
+// conversion made the quantization a visible part of an FP8 update's time.
 #include "backends/cuda/fp8_kernels.h"
 
 #include <cuda_fp8.h>
