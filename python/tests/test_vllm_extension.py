@@ -2,6 +2,7 @@
 held in objects with a settable .data (as torch parameters), on the host backend. The trainer is a
 Sender on rank 0 of a loopback world; the worker is rank 1."""
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -489,7 +490,10 @@ def test_apply_update_async_polls_every_poll_s_and_refuses_a_poll_s_that_is_not_
         assert front_end.calls == []  # refused before any RPC
 
 
-def test_coordinated_commit_holds_an_update_until_commit_update():
+@contextlib.contextmanager
+def _coordinated_worker_holding_update_1():
+    """A FakeWorker in commit_mode "coordinated" that received update 1 and holds it ready (no
+    step made it live); closed after."""
     loopback = ss.Loopback(2)
     worker = FakeWorker()
     layout, sender = _trainer(SPECS, loopback.transport(0))
@@ -504,6 +508,14 @@ def test_coordinated_commit_holds_an_update_until_commit_update():
         while worker.ready_version() != 1:
             assert time.monotonic() < deadline, worker.weight_update_stats()
             worker.execute_model("waiting")
+        yield worker
+    finally:
+        worker.close_weight_update_group()
+        sender.close()
+
+
+def test_coordinated_commit_holds_an_update_until_commit_update():
+    with _coordinated_worker_holding_update_1() as worker:
         worker.execute_model("held")
         assert worker.steps[-1] == {0}  # ready, not live: no step flips it by itself
         refused = worker.commit_update(2)  # returned, not raised (vLLM's TP executor dies)
@@ -514,9 +526,6 @@ def test_coordinated_commit_holds_an_update_until_commit_update():
         assert worker.steps[-1] == {1}
         log = worker.step_versions()
         assert log["transitions"] == [[log["steps"] - 1, 1]]
-    finally:
-        worker.close_weight_update_group()
-        sender.close()
 
 
 def test_a_commit_seen_ready_everywhere_skips_the_agreement_only_where_every_worker_was_heard(
@@ -537,23 +546,11 @@ def test_a_commit_seen_ready_everywhere_skips_the_agreement_only_where_every_wor
         parallel_config=config(distributed_executor_backend="external_launcher")))
     assert not hears(SimpleNamespace())  # unknown: the ranks agree
 
-    loopback = ss.Loopback(2)
-    worker = FakeWorker()
-    layout, sender = _trainer(SPECS, loopback.transport(0))
-    worker.init_weight_update_group(specs=[tuple(vars(s).values()) for s in layout.specs],
-                                    bucket_bytes=1024, transport=loopback.transport(1),
-                                    commit_mode="coordinated")
-    agreements = []  # each all-reduce the commit asks for, with this rank's flag
-    monkeypatch.setattr(tensor_parallel, "size", lambda w: 2)
-    monkeypatch.setattr(tensor_parallel, "on_every_rank", lambda flag: agreements.append(flag) or flag)
-    try:
-        handle = sender.publish(1, tensors(BASE + LORA, 1))
-        worker.begin_update(handle.header_bytes)
-        handle.wait(DEADLINE_S)
-        deadline = time.monotonic() + DEADLINE_S
-        while worker.ready_version() != 1:
-            assert time.monotonic() < deadline, worker.weight_update_stats()
-            worker.execute_model("waiting")
+    with _coordinated_worker_holding_update_1() as worker:
+        agreements = []  # each all-reduce the commit asks for, with this rank's flag
+        monkeypatch.setattr(tensor_parallel, "size", lambda w: 2)
+        monkeypatch.setattr(tensor_parallel, "on_every_rank",
+                            lambda flag: agreements.append(flag) or flag)
         worker.parallel_config = config(data_parallel_size=2)
         refused = worker.commit_update(2, True)  # not heard everywhere: the ranks agree, refuse
         assert agreements == [False] and "not ready on every tensor-parallel rank" in \
@@ -561,9 +558,6 @@ def test_a_commit_seen_ready_everywhere_skips_the_agreement_only_where_every_wor
         worker.parallel_config = config()
         assert worker.commit_update(1, True) == {"applied_version": 1}
         assert agreements == [False], agreements  # heard everywhere: no all-reduce
-    finally:
-        worker.close_weight_update_group()
-        sender.close()
 
 
 class _TwoRankFrontEnd:
