@@ -27,6 +27,32 @@ from .shard_regions import shard0_regions
 from .sharded_transfer import RankProcesses, answer_publishes, rank_memory
 
 
+def gathered(torch, specs: list, shards: dict, rank: int, count: int, all_gather, dtype,
+             device) -> dict:
+    """Every parameter of `specs` in full, as FSDP2's full_tensor() makes it: this rank's rows
+    (`shards`, split as shard_regions splits them; a rank may hold none of a small tensor), padded
+    to the chunk size when uneven, all-gathered (`all_gather(out, piece)`, one call per parameter,
+    every rank taking part) into tensors of `dtype` on `device`; rank 0 keeps the full tensors
+    ({name: tensor}), the other ranks get None for each. A scalar is rank 0's."""
+    full = {}
+    for name, _, shape in specs:
+        shape = list(shape)
+        if not shape:
+            full[name] = shards[name] if rank == 0 else None
+            continue
+        chunk = -(-shape[0] // count)
+        piece = shards.get(name)
+        if piece is None or piece.shape[0] != chunk:  # uneven: padded, as FSDP2 pads
+            padded = torch.zeros([chunk] + shape[1:], dtype=dtype, device=device)
+            if piece is not None:
+                padded[:piece.shape[0]].copy_(piece)
+            piece = padded
+        out = torch.empty([chunk * count] + shape[1:], dtype=dtype, device=device)
+        all_gather(out, piece)
+        full[name] = out[:shape[0]] if rank == 0 else None
+    return full
+
+
 def gather_rank_process(conn, rank: int, count: int, specs: list, regions: list, device: str,
                         store: str, path: str, token: bytes, bucket_bytes: int, receivers: int,
                         seed: int):
@@ -66,26 +92,6 @@ def gather_rank_process(conn, rank: int, count: int, specs: list, regions: list,
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         conn.send(("shards", held))
 
-        def gathered() -> dict:
-            """Every parameter in full, as full_tensor() makes it on every rank."""
-            full = {}
-            for name, _, shape in specs:
-                shape = list(shape)
-                if not shape:  # a scalar: rank 0's
-                    full[name] = shards[name] if rank == 0 else None
-                    continue
-                chunk = -(-shape[0] // count)
-                piece = shards.get(name)
-                if piece is None or piece.shape[0] != chunk:  # uneven: padded, as FSDP2 pads
-                    padded = torch.zeros([chunk] + shape[1:], dtype=dtype, device=where)
-                    if piece is not None:
-                        padded[:piece.shape[0]].copy_(piece)
-                    piece = padded
-                out = torch.empty([chunk * count] + shape[1:], dtype=dtype, device=where)
-                all_gather(out, piece)
-                full[name] = out[:shape[0]] if rank == 0 else None
-            return full
-
         sender, staging = None, 0
         if rank == 0:
             layout = ss.Layout(specs, bucket_bytes=bucket_bytes)
@@ -100,7 +106,8 @@ def gather_rank_process(conn, rank: int, count: int, specs: list, regions: list,
             return rank_memory(torch, rank if cuda else None, held, staging)
 
         def publish(version: int):
-            full = gathered()  # every rank takes part; rank 0 keeps the tensors and sends them
+            # Every rank takes part; rank 0 keeps the tensors and sends them.
+            full = gathered(torch, specs, shards, rank, count, all_gather, dtype, where)
             return None if sender is None else sender.publish(version, full)
 
         answer_publishes(conn, publish, memory)

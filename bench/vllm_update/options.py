@@ -24,7 +24,7 @@ def parse_args(description: str):
     # A child runs its one path; --paths is the parent's (a child sees its default).
     paths = [args.child] if args.child else args.paths.split(",")
     refused = (layers_error(args) or quantization_error(args, paths)
-               or trainer_ranks_error(args, paths))
+               or sharded_trainers_error(args, paths))
     if refused:
         parser.error(refused)
     if (args.device == "cuda" and args.transport == "same-host"
@@ -94,7 +94,7 @@ def quantization_error(args, paths: list[str]) -> str | None:
     return None
 
 
-def trainer_ranks_error(args, paths: list[str]) -> str | None:
+def sharded_trainers_error(args, paths: list[str]) -> str | None:
     """Why --trainer-ranks or --gather-ranks cannot run with the other options, or None. The
     sharded trainers follow the shadowsync path's run on its engine, into the extension's own
     calls: routing, over the same-host pull transport or (--transport nccl) NCCL point-to-point

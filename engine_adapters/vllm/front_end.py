@@ -247,10 +247,9 @@ def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: 
     same two steps, so no step runs with two ranks on different versions, and a commit never
     waits on a receive (having seen every worker hold it ready, it spares them their own
     agreement: WorkerExtension.commit_update's `seen_ready_on_every_rank`). Then asks vLLM to
-    reset its prefix cache (as apply_update,
-    `preempt_running` too). Raises ShadowsyncTimeoutError naming the workers not ready after
-    `timeout` seconds (nothing was committed then). Returns `version`. For an ``AsyncLLM``:
-    commit_update_async.
+    reset its prefix cache (as apply_update, `preempt_running` too). Raises
+    ShadowsyncTimeoutError naming the workers not ready after `timeout` seconds (nothing was
+    committed then). Returns `version`. For an ``AsyncLLM``: commit_update_async.
 
     Each poll is an RPC that vLLM's engine thread serves between two steps, as each of
     apply_update_async's (see there for what a short `poll_s` adds to the engine stop)."""

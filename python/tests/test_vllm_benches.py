@@ -292,3 +292,66 @@ def test_the_update_bench_compares_each_swap_gap_with_a_step_of_its_kind():
         pytest.approx([12.0, 3.0, 13.0, 8.0], abs=0.05), result["updates"]
     like = result["summary"]["engine_stop_like_for_like_ms"]
     assert (like["median"], like["max"], like["count"]) == pytest.approx((2.5, 3.0, 4)), like
+
+
+def test_the_gathering_trainer_reassembles_every_tensor_in_row_order():
+    # --gather-ranks' gather, every rank simulated in this process: each rank's rows as
+    # shard_regions splits them (uneven: 7 rows over 3 ranks; a rank without rows of a 2-row
+    # tensor), padded and all-gathered as FSDP2's full_tensor() does; rank 0 must hold each
+    # tensor exactly, the other ranks nothing.
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from vllm_update.gather_transfer import gathered
+    from vllm_update.shard_regions import shard0_regions
+
+    specs = [("w", "float32", (7, 3)), ("b", "float32", (2,)), ("s", "float32", ()),
+             ("even", "float32", (6, 2))]
+    count = 3
+    full = {name: torch.randn(shape) for name, _, shape in specs}
+    regions = shard0_regions(specs, count)
+    shape_of = {name: shape for name, _, shape in specs}
+    shards = [{name: full[name][begin[0]:end[0]] if shape_of[name] else full[name]
+               for name, _, begin, end in rank_regions} for rank_regions in regions]
+    # The pieces every rank contributes to the k-th all-gather (each rank's call k is the same
+    # parameter: gathered() walks specs in order).
+    pieces: list[list] = [[] for _ in range(count)]
+    for rank in range(count):
+        gathered(torch, specs, shards[rank], rank, count,
+                 lambda out, piece, rank=rank: pieces[rank].append(piece.clone()),
+                 torch.float32, "cpu")
+
+    calls = iter(range(len(pieces[0])))
+
+    def all_gather(out, piece):  # as torch.distributed's: equal pieces, out their count
+        k = next(calls)
+        assert all(pieces[r][k].shape == piece.shape for r in range(count)), k
+        assert out.shape[0] == count * piece.shape[0], (out.shape, piece.shape)
+        out.copy_(torch.cat([pieces[r][k] for r in range(count)]))
+
+    got = gathered(torch, specs, shards[0], 0, count, all_gather, torch.float32, "cpu")
+    for name, _, _ in specs:
+        assert torch.equal(got[name], full[name]), (name, got[name], full[name])
+    others = gathered(torch, specs, shards[1], 1, count, lambda out, piece: None, torch.float32,
+                      "cpu")
+    assert all(t is None for t in others.values()), others
+
+
+def test_a_trainer_ranks_error_is_answered_while_another_rank_is_silent():
+    # A gathering rank that fails leaves the others waiting in a collective: the driver must get
+    # the failed rank's error at once, not a timeout.
+    import multiprocessing
+
+    sys.path.insert(0, str(BENCH))
+    from vllm_update.sharded_transfer import RankPipes
+
+    silent, silent_child = multiprocessing.Pipe()
+    failed, failed_child = multiprocessing.Pipe()
+    pipes = RankPipes([silent, failed])
+    failed_child.send(("error", "trainer rank 1: RuntimeError: boom"))
+    assert pipes.poll(5.0)  # not the whole 5 s: rank 1's answer is an error
+    assert pipes.recv() == ("error", "trainer rank 1: RuntimeError: boom")
+    silent_child.send(("sent", 0.5, 10))
+    failed_child.send(("sent", 0.7, 20))
+    assert pipes.poll(5.0) and pipes.recv() == ("sent", 0.7)
+    assert not pipes.poll(0.05)  # nothing more came

@@ -591,6 +591,11 @@ def test_commit_update_waits_for_every_rank_and_names_the_late_one():
     ready = _TwoRankFrontEnd([3, 3])
     assert commit_update(ready, 3) == 3
     assert ready.calls == ["ready_version", "commit_update", "reset_prefix_cache"]
+    for bad in (0, -1.0, float("inf"), True, "0.02"):  # refused before any RPC
+        untouched = _TwoRankFrontEnd([3, 3])
+        with pytest.raises(ss.InvalidArgumentError, match=r"commit_update\(3\): poll_s must be"):
+            commit_update(untouched, 3, poll_s=bad)
+        assert untouched.calls == [], bad
 
 
 class _AsyncTwoRankFrontEnd(_TwoRankFrontEnd):
