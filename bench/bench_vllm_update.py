@@ -265,7 +265,8 @@ def main() -> int:
                             gated_swaps="off" if args.no_gated_swaps else "auto",
                             decode_slowdown_budget=args.decode_slowdown_budget,
                             layers=args.layers, quantization=args.quantization,
-                            trainer_ranks=args.trainer_ranks, gather_ranks=args.gather_ranks)
+                            trainer_ranks=args.trainer_ranks, gather_ranks=args.gather_ranks,
+                            commit_mode=args.commit_mode if args.tp > 1 else None)
     log(f"machine {meta['machine']}, commit {meta['commit']}, vLLM {meta['vllm_version']}")
     # Each config as built: its name in the report (with --layers, "qwen3-30b-a3b (24 of 48
     # layers)"), its decoder layers and the engines' quantization.

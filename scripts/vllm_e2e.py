@@ -39,7 +39,9 @@ rebinds the parameters to the other slot and switches vLLM to its graphs. Update
 --reinit: a third update (B) leaves the engine on B after an odd number of swaps (with
 --graph-pairs: on slot 1); close_weight_update_group must keep B (graph pairs settle the arena
 back to slot 0); then a new trainer and a second init_weight_update_group, and update 4 (A) must
-answer as A, and A again after the second close.
+answer as A, and A again after the second close. Under --tp > 1 that second group has commit_mode
+"auto" (step_agreement.py): the engine generates on after the update arrived and the ranks' step
+hooks make it live, every rank at the same step, with no commit_update.
 
 --trainer-ranks M: last, a sharded trainer takes the engine over: M rank processes, each
 holding only its rows of every tensor (down_proj: its columns) and sending only those over the
@@ -723,10 +725,13 @@ def main() -> int:
             f"switches vLLM's graph sets")
     check("after set-up, before any update", "A")
 
-    def update(parent, version: int, source: int, name: str, verify: bool = False) -> None:
+    def update(parent, version: int, source: int, name: str, verify: bool = False,
+               step_agreed: bool = False) -> None:
         """The trainer publishes checkpoint `source` as `version` while the engine generates;
         it goes live (commit_update under TP) and the answers must be `name`'s. `verify`: the
-        self-check (the engine holds `source` already; every parameter is compared)."""
+        self-check (the engine holds `source` already; every parameter is compared).
+        `step_agreed`: commit_mode "auto" under TP; the engine generates on until the step
+        hooks made it live on every rank."""
         nonlocal failures
         parent.send(("publish", version, source))
         kind, header = parent.recv()
@@ -744,6 +749,19 @@ def main() -> int:
             llm.finish_weight_update()
             llm.reset_prefix_cache()  # nothing runs here: prompts' KV of the old weights goes
             applied = min(int(s["applied_version"]) for s in llm.collective_rpc("step_versions"))
+        elif step_agreed:
+            deadline = time.monotonic() + 60
+            while (min(int(s["applied_version"]) for s in llm.collective_rpc("step_versions"))
+                   < version and time.monotonic() < deadline):
+                during += sum(len(t) for t in greedy(llm, adapter["A"]))  # steps: the hooks
+            applied = ssv.apply_update(llm, version, timeout=60)  # live already: returns
+            stats = llm.collective_rpc("weight_update_stats")
+            ok = all(st["step_agreement"] and st["agreed_commits"] == 1 for st in stats)
+            failures += not ok
+            log(f"{'ok  ' if ok else 'FAIL'} update {version} went live in the step hooks of the "
+                f"{args.tp} ranks (commit_mode auto, no commit_update): agreed commits "
+                f"{[st['agreed_commits'] for st in stats]}, longest wait for rank 0 "
+                f"{max(st['agreement_wait_s'] for st in stats) * 1e3:.2f} ms")
         elif args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
             wait_ready(llm, version)
             # A version no rank holds ready: refused on every rank, nothing flips anywhere.
@@ -802,9 +820,11 @@ def main() -> int:
     check("after close_weight_update_group", "B" if args.reinit else "A")
     if args.reinit:  # a second group over what the first one left live
         process, parent, specs, transport = start_trainer()
-        ssv.init_weight_update_group(llm, specs=specs, **settings, **transport)
+        # Under TP: commit_mode "auto", the step hooks agree on the step (step_agreement.py).
+        ssv.init_weight_update_group(llm, specs=specs, **settings, **transport,
+                                     **({"commit_mode": "auto"} if args.tp > 1 else {}))
         check("after the second set-up", "B")
-        update(parent, 5, 2, "A")
+        update(parent, 5, 2, "A", step_agreed=args.tp > 1)
         ranks_agree()
         stop_trainer(process, parent)
         llm.collective_rpc("close_weight_update_group")

@@ -127,12 +127,11 @@ class GatherTransfer(RankProcesses):
     def api_description(self) -> str:
         import shadowsync
 
-        live = "commit_update_async" if self.args.tp > 1 else "apply_update_async"
         memory = "device" if self.args.device == "cuda" else "host"
         return (f"shadowsync {shadowsync.__version__}: {self.count} trainer ranks (FSDP2-like "
                 f"Shard(0) rows) all-gathering every parameter, rank 0 publishing them over the "
-                f"same-host transport (memory={memory}), WorkerExtension, {live}; library "
-                f"{shadowsync.library_path()}")
+                f"same-host transport (memory={memory}), WorkerExtension, {self.live_call()}; "
+                f"library {shadowsync.library_path()}")
 
     async def setup(self, engine, init_extra: dict | None = None, checksums: bool = True) -> dict:
         """Starts the ranks and initializes the engine's group with rank 0's transport (no

@@ -186,6 +186,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="vLLM's tensor_parallel_size (its ranks on GPUs 0..tp-1); > 1: the "
                         "shadowsync path commits each update with commit_update_async "
                         "(coordinated) and compares the ranks' per-step versions")
+    p.add_argument("--commit-mode", choices=("coordinated", "auto"), default="coordinated",
+                   help="with --tp > 1, the shadowsync paths' commit_mode: coordinated (each "
+                        "update goes live by commit_update_async, a collective_rpc between two "
+                        "steps) or auto (the ranks' step hooks make it live at one step, agreed "
+                        "over shared memory; apply_update_async returns once it is)")
     p.add_argument("--transport", choices=TRANSPORTS, default="same-host",
                    help="same-host: vLLM's IPC backend and shadowsync's same-host transport; "
                         "nccl: vLLM's NCCL backend and shadowsync's NCCL transport, the trainer "

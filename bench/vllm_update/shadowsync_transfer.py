@@ -113,12 +113,22 @@ class ShadowsyncTransfer:
         transport = ("NCCL transport" if self.args.transport == "nccl" else
                      f"same-host transport (memory="
                      f"{'device' if self.args.device == 'cuda' else 'host'})")
-        live = "commit_update_async" if self.args.tp > 1 else "apply_update_async"
         calls = ("vLLM's weight-transfer API (init_weight_transfer_engine; start_weight_update, "
                  "update_weights, finish_weight_update)" if self.api
-                 else f"WorkerExtension, {live}")
+                 else f"WorkerExtension, {self.live_call()}")
         return (f"shadowsync {shadowsync.__version__}: {transport}, {calls}; "
                 f"library {shadowsync.library_path()}")
+
+    def step_agreed(self) -> bool:
+        """--commit-mode auto under --tp > 1: the ranks' step hooks make each update live."""
+        return self.args.tp > 1 and getattr(self.args, "commit_mode", None) == "auto"
+
+    def live_call(self) -> str:
+        """How an update goes live: the front-end call that returns once it is."""
+        if self.args.tp > 1 and not self.step_agreed():
+            return "commit_update_async"
+        return "apply_update_async" + (" (commit_mode auto: the step hooks agree on the step)"
+                                       if self.step_agreed() else "")
 
     async def recv(self, expected: str, timeout: float = 300):
         return await pipe_recv(self.conn, "trainer", expected, timeout)
@@ -212,6 +222,8 @@ class ShadowsyncTransfer:
             kwargs["decode_slowdown_budget"] = self.args.decode_slowdown_budget
         if getattr(self.args, "no_gated_swaps", False):
             kwargs["gated_swaps"] = False
+        if self.step_agreed():
+            kwargs["commit_mode"] = "auto"
         return kwargs
 
     async def reinitialize(self, engine, init_extra: dict | None = None,
@@ -255,7 +267,8 @@ class ShadowsyncTransfer:
         if self.api:  # committed on every rank: the next step runs on it
             await engine.finish_weight_update()
             applied = version
-        elif self.args.tp > 1:  # coordinated: every rank makes it live between the same two steps
+        elif self.args.tp > 1 and not self.step_agreed():  # coordinated: every rank makes it
+            # live between the same two steps
             applied = await commit_update_async(engine, version, timeout=60,
                                                 reset_prefix_cache=False, **poll)
         else:

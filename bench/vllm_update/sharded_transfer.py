@@ -241,14 +241,13 @@ class ShardedTransfer(RankProcesses):
     def api_description(self) -> str:
         import shadowsync
 
-        live = "commit_update_async" if self.args.tp > 1 else "apply_update_async"
         memory = "device" if self.args.device == "cuda" else "host"
         transport = ("NCCL point-to-point routes" if self.nccl else
                      f"same-host pull transport (memory={memory})")
         return (f"shadowsync {shadowsync.__version__}: {self.count} trainer ranks (FSDP2-like "
                 f"Shard(0) rows), {transport}, "
                 f"weight_update_needs + init_weight_update_group(trainer_ranks=...), "
-                f"WorkerExtension, {live}; library {shadowsync.library_path()}")
+                f"WorkerExtension, {self.live_call()}; library {shadowsync.library_path()}")
 
     async def setup(self, engine, init_extra: dict | None = None, checksums: bool = True) -> dict:
         """Starts the ranks, plans the routes with the engine's needs, joins them (checksums:

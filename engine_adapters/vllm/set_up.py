@@ -21,7 +21,7 @@ from shadowsync.receiver import Receiver, ReceiverConfig
 from shadowsync.tensors import describe, items
 from shadowsync.transport import Transport, nccl_transport, same_host_transport
 
-from . import step_hook_site, tensor_parallel, trainer_ranks, vllm_worker
+from . import step_agreement, step_hook_site, tensor_parallel, trainer_ranks, vllm_worker
 from .init_info import ShadowsyncInitInfo
 from .lora_plan import is_lora_tensor
 from .online_fp8 import online_fp8_weights
@@ -53,6 +53,7 @@ class PlannedGroup:
     gate: bool
     routing: Any = None  # trainer_ranks: the RoutingPlan of the trainers' ranks
     engine_rank: int = 0  # trainer_ranks: this worker's rank in it
+    step_agreed: bool = False  # commit_mode "auto" under tensor parallelism (step_agreement.py)
 
     @property
     def wire(self) -> Layout:
@@ -214,6 +215,13 @@ def plan_update_group(worker, info: ShadowsyncInitInfo) -> PlannedGroup:
         # Tensor parallelism: ranks that flipped each on its own could run one step on two
         # versions; coordinated holds updates ready until commit_update on every rank.
         commit_mode = "coordinated" if tensor_parallel.size(worker) > 1 else None
+    explicit_auto = commit_mode == "auto" or (
+        commit_mode is None and receiver_config is not None and receiver_config.commit_mode == "auto")
+    step_agreed = explicit_auto and tensor_parallel.size(worker) > 1
+    if step_agreed:
+        # The receivers hold each update ready and the step hooks commit it, every rank at the
+        # same step (step_agreement.py).
+        commit_mode = "coordinated"
     if commit_mode is not None:
         receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),
                                               commit_mode=commit_mode)
@@ -230,7 +238,8 @@ def plan_update_group(worker, info: ShadowsyncInitInfo) -> PlannedGroup:
         receiver_config = dataclasses.replace(receiver_config or ReceiverConfig(),
                                               gated_swaps=True)
     return PlannedGroup(info, layout, plan, params, kind, device, backend, stream,
-                        receiver_config, live_arena, arena_group, graph_pairs, gate)
+                        receiver_config, live_arena, arena_group, graph_pairs, gate,
+                        step_agreed=step_agreed)
 
 
 def connect_update_group(worker, planned: PlannedGroup, transport: Transport | None,
@@ -276,7 +285,8 @@ def connect_update_group(worker, planned: PlannedGroup, transport: Transport | N
     state = UpdateGroup(receiver, {t.name: params[t.name] for g in layout.groups
                                     for t in g.tensors}, kind, device)
     state.stream = stream
-    state.coordinated = receiver_config is not None and receiver_config.commit_mode == "coordinated"
+    state.coordinated = (receiver_config is not None and receiver_config.commit_mode == "coordinated"
+                         and not planned.step_agreed)
     if receiver_config is not None and receiver_config.swap_strategy is not None:
         state.swap_strategy = receiver_config.swap_strategy
     state.live_arena = live_arena is not None
@@ -311,6 +321,9 @@ def connect_update_group(worker, planned: PlannedGroup, transport: Transport | N
     if info.hook_execute_model and hasattr(worker, "execute_model"):
         state.step_hook_at = step_hook_site.hook_execute_model(worker, gated=gate)
     agree()  # every rank is set up (one that failed to connect takes the others back)
+    if planned.step_agreed:  # every rank is here: the page's all-gathers meet
+        state.step_agreement = step_agreement.open_for_tensor_parallel_group(
+            tensor_parallel.gathered)
     if lora_adapter is not None:
         # vLLM must not evict it: its slot is the live copy. Pinned once every rank is set
         # up, so a refused set-up pins nothing; it stays pinned after close (vLLM has no

@@ -61,6 +61,10 @@ class UpdateGroup:
         self.request_versions: dict[str, list[list[int]]] | None = None
         self.steps = 0  # execute_model calls since init (the hook counts them)
         self.coordinated = False  # commit_mode "coordinated": swaps come from commit_update
+        # commit_mode "auto" under tensor parallelism: the step hooks commit, every rank at the
+        # same step (step_agreement.py); and how many updates went live that way.
+        self.step_agreement = None
+        self.agreed_commits = 0
         # (first step, version) of each version made live, bounded.
         self.step_log: collections.deque = collections.deque(maxlen=1024)
         # The last begin_update and wait_applied: when each started (time.monotonic) and the
@@ -76,6 +80,19 @@ class UpdateGroup:
         # pre_forward" (vLLM's V2 GPU runner), "execute_model", or None (not
         # hooked: the engine calls before_step itself).
         self.step_hook_at: str | None = None
+
+    def commit_at_agreed_step(self) -> int | None:
+        """The step hook's part under step agreement: commits the update the receiver holds
+        ready when the ranks agree that it goes live at this step; returns its version (None:
+        nothing went live). One lock-free load on a rank holding nothing ready (rank 0 also
+        writes its decision). Engine thread."""
+        ready = self.receiver.ready_version
+        if not self.step_agreement.goes_live(self.steps, ready):
+            return None
+        applied = self.receiver.commit(ready)
+        self.step_log.append((self.steps, applied))
+        self.agreed_commits += 1
+        return applied
 
     def group_views(self, group: int) -> list:
         """Views of every tensor of `group` in its live slot (group_rebinding's)."""
@@ -128,8 +145,9 @@ class UpdateGroup:
             self.last_swap_callback_s = time.perf_counter() - started
 
     def _swap(self, version: int, swaps: list[GroupSwap]) -> None:
-        if not self.coordinated:
-            self.step_log.append((self.steps, version))  # commit_update logs its own
+        if not self.coordinated and self.step_agreement is None:
+            # commit_update and commit_at_agreed_step log their own
+            self.step_log.append((self.steps, version))
         for swap in swaps:
             if self.graph_pairs is not None:  # its arena is the update's one group
                 self.graph_pairs.use_slot(swap.slot)

@@ -145,7 +145,10 @@ class WorkerExtension:
         state = self._shadowsync
         if state is None:
             return None  # no update group yet: nothing can be pending
-        return state.receiver.before_step()
+        applied = state.receiver.before_step()  # never swaps under step agreement (coordinated)
+        if state.step_agreement is not None:
+            return state.commit_at_agreed_step()
+        return applied
 
     def after_launch(self) -> int | None:
         """gated_swaps: the step's last host call (installed by init where the gate is used):
@@ -163,10 +166,32 @@ class WorkerExtension:
         state = self._require()
         started = time.monotonic()
         try:
-            state.receiver.wait_applied(version, timeout)
+            if state.step_agreement is not None:
+                self._commit_when_ready(state, int(version), timeout, started)
+            else:
+                state.receiver.wait_applied(version, timeout)
         finally:
             state.last_wait_applied = (started, time.monotonic() - started)
         return state.receiver.applied_version
+
+    def _commit_when_ready(self, state, version: int, timeout: float | None,
+                           started: float) -> None:
+        """wait_applied under step agreement: every rank runs it between the same two steps, so
+        all of them find `version` live already (a step hook committed it) or none does; then
+        each waits until its receiver holds it ready and the ranks commit it together
+        (commit_update's agreement), or ShadowsyncTimeoutError on every rank."""
+        from shadowsync.errors import ShadowsyncTimeoutError
+
+        if state.receiver.applied_version >= version:
+            return
+        while state.receiver.ready_version != version:
+            if timeout is not None and time.monotonic() - started > timeout:
+                break  # the agreement below refuses on every rank
+            time.sleep(0.001)
+        result = self._commit(state, version, started, False)
+        if "refused" in result:
+            raise ShadowsyncTimeoutError(
+                f"wait_applied({version}): not live after {timeout} s: {result['refused']}")
 
     def update_progress(self) -> dict:
         """``{"applied_version": v, "pending": whether a received update waits for a step,
@@ -174,7 +199,9 @@ class WorkerExtension:
         nothing; thread-safe."""
         state = self._require()
         stats = state.receiver.stats()
-        return {"applied_version": stats.applied_version, "pending": stats.has_pending,
+        pending = stats.has_pending or (state.step_agreement is not None
+                                        and stats.ready_version != 0)
+        return {"applied_version": stats.applied_version, "pending": pending,
                 "coordinated": state.coordinated}
 
     def ready_version(self) -> int:
@@ -260,7 +287,10 @@ class WorkerExtension:
         ``"last_swap_started_s"``), begin_update (``"last_begin_update_s"``, ``..._started_s``)
         and wait_applied (``"last_wait_applied_s"``, ``..._started_s``), commit_update
         (``"last_commit_s"``, ``..._started_s``, and of it ``"last_commit_check_s"``: the ranks'
-        agreement); and where the step hook runs (``"step_hook_at"``). Fed by a sharded trainer (trainer_ranks): ``"routed_bytes"``
+        agreement); and where the step hook runs (``"step_hook_at"``). Under commit_mode
+        "auto" with tensor parallelism (``"step_agreement"`` True): ``"agreed_commits"``, the
+        updates the step hooks made live, and ``"agreement_wait_s"``, a follower's longest wait
+        for rank 0's decision. Fed by a sharded trainer (trainer_ranks): ``"routed_bytes"``
         (the bytes the last ready update's routes brought to this rank: its own parameters'),
         ``"trainer_count"`` and ``"routing_fingerprint"``; 0 otherwise. Thread-safe."""
         state = self._require()
@@ -280,6 +310,10 @@ class WorkerExtension:
         stats["last_commit_started_s"], stats["last_commit_s"] = state.last_commit
         stats["last_commit_check_s"] = state.last_commit_check_s  # of last_commit_s: the ranks'
         # agreement that every one holds the version ready (an all-reduce under TP)
+        agreement = state.step_agreement
+        stats["step_agreement"] = agreement is not None  # commit_mode "auto" under TP
+        stats["agreed_commits"] = state.agreed_commits  # updates its step hooks made live
+        stats["agreement_wait_s"] = agreement.waited_s if agreement is not None else 0.0
         return stats
 
     def memory_report(self) -> dict:
@@ -324,6 +358,8 @@ class WorkerExtension:
                     param.data = data.copy() if state.kind == "numpy" else data.clone()
             step_hook_site.unhook_execute_model(self)
             state.receiver.close()
+            if state.step_agreement is not None:
+                state.step_agreement.close()
             if state.graph_pairs is not None:
                 state.graph_pairs.settle()
 

@@ -318,6 +318,10 @@ class Receiver {
   // Engine thread.
   std::uint64_t commit(std::uint64_t version, Stream& engine_stream);
 
+  // kCoordinated: the update held ready for commit() (0: none). One atomic load, no lock: a step
+  // hook may ask at every step. Thread-safe.
+  std::uint64_t ready_version() const;
+
   // Called on the receiver thread once per update outcome. Set before the first update.
   void set_observer(std::function<void(const UpdateReport&)> observer);
 

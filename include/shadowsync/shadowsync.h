@@ -743,6 +743,10 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_wait_applied(shadowsync_r
 /* Last version made live (0 before the first). Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_applied_version(
     shadowsync_receiver_t receiver, uint64_t* version);
+/* commit_mode coordinated: the update held ready for commit (0: none); the same as the statistics'
+ * ready_version, but one atomic load without a lock, for a step hook. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_ready_version(
+    shadowsync_receiver_t receiver, uint64_t* version);
 
 /* The live pointer table: device memory of the backend, valid until the next swap. Engine thread
  * only. */

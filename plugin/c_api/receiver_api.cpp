@@ -490,6 +490,14 @@ shadowsync_status_t shadowsync_receiver_applied_version(shadowsync_receiver_t re
   });
 }
 
+shadowsync_status_t shadowsync_receiver_ready_version(shadowsync_receiver_t receiver,
+                                                      uint64_t* version) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    out_arg(version, "version") = object->receiver->ready_version();
+  });
+}
+
 shadowsync_status_t shadowsync_receiver_live_tensor(shadowsync_receiver_t receiver, size_t group,
                                                     size_t tensor, void** data) {
   return guard(__func__, [&] {

@@ -288,7 +288,7 @@ std::uint64_t Receiver::commit(std::uint64_t version, Stream& engine_stream) {
   if (impl_->held_ready == nullptr || impl_->held_version != version) {
     const std::string ready = impl_->held_ready == nullptr
                                   ? std::string("none is")
-                                  : fmt::format("update {} is", impl_->held_version);
+                                  : fmt::format("update {} is", impl_->held_version.load());
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("commit({}): {} ready on this rank (applied version {}); commit a "
                             "version every rank reported ready",
@@ -304,6 +304,10 @@ std::uint64_t Receiver::commit(std::uint64_t version, Stream& engine_stream) {
   }
   impl_->committed.notify_all();
   return applied.value_or(version);
+}
+
+std::uint64_t Receiver::ready_version() const {
+  return impl_->held_version.load(std::memory_order_acquire);
 }
 
 }  // namespace shadowsync

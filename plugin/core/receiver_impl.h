@@ -161,11 +161,12 @@ struct Receiver::Impl {
   std::uint64_t routing_fingerprint = 0;
 
   // kCoordinated: the update held ready until commit(). Set by the receiver thread, cleared by
-  // commit() on the engine thread.
+  // commit() on the engine thread, both under commit_mutex; held_version is also read without it
+  // (Receiver::ready_version, a step hook's lock-free question).
   std::mutex commit_mutex;
   std::condition_variable committed;
   const PendingUpdate* held_ready = nullptr;
-  std::uint64_t held_version = 0;
+  std::atomic<std::uint64_t> held_version{0};
   // Waits until no update is held ready (committed), the receiver stops, or `deadline` passes.
   bool wait_for_commit(Clock::time_point deadline);
 

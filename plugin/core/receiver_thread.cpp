@@ -118,7 +118,7 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
     failed.error = fmt::format(
         "update {}: update {} is ready and was not committed within {} ms (commit_mode "
         "coordinated keeps a ready update until commit(); its slots cannot take another)",
-        header.version, held_version, config.update_deadline.count());
+        header.version, held_version.load(), config.update_deadline.count());
     report(failed);
     return;
   }

@@ -436,6 +436,14 @@ class Receiver(Handle):
         call("shadowsync_receiver_applied_version", self._handle, byref(v))
         return v.value
 
+    @property
+    def ready_version(self) -> int:
+        """commit_mode "coordinated": the update held ready for commit() (0: none); the
+        statistics' ready_version without their lock, cheap enough for every step. Thread-safe."""
+        v = c_uint64()
+        call("shadowsync_receiver_ready_version", self._handle, byref(v))
+        return v.value
+
     # --- step hook (engine thread only) -------------------------------------------------------
 
     def before_step(self, stream: Stream | None = None) -> int | None:

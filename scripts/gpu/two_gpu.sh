@@ -12,6 +12,8 @@
 #                                              decode slowdown of 1.08; then a sharded trainer of
 #                                              2 ranks takes the same engine over, then one of 2
 #                                              ranks that all-gathers to rank 0 and sends from it
+#   bash scripts/gpu/run.sh two-gpu bench-tp2-auto  the same engine and shapes, commit_mode "auto":
+#                                              the ranks' step hooks make each update live
 #   bash scripts/gpu/run.sh two-gpu bench-network  Llama-3-8B shapes, TP=1 on GPU 0, the trainer on
 #                                              GPU 1 over NCCL's network path (--nvlink: then
 #                                              over NVLink too, for comparison)
@@ -25,8 +27,9 @@
 #                                              set-up (bench/bench_fsdp2_gather.py; no vLLM)
 #
 # The correctness runs (greedy output token for token against fresh vLLM engines):
-#   1. vllm_e2e.py --tp 2 --graph-pairs --trainer-ranks 2: updates from one trainer process into a
-#      TP=2 engine with graph pairs and CUDA graphs; then a sharded trainer of 2 ranks (rank r's
+#   1. vllm_e2e.py --tp 2 --graph-pairs --reinit --trainer-ranks 2: updates from one trainer
+#      process into a TP=2 engine with graph pairs and CUDA graphs (the second group's with
+#      commit_mode "auto": the step hooks agree on the step); then a sharded trainer of 2 ranks (rank r's
 #      shards in GPU r's memory, beside engine rank r) takes it over over the same-host pull
 #      transport (routes within a GPU and across the two by peer copies): each engine rank's
 #      routed bytes equal its own parameters' bytes.
@@ -53,10 +56,10 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export OUT
 
-usage() { sed -n '2,49p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,52p' "${BASH_SOURCE[0]}"; }
 step="${1:-}"
 case "$step" in
-  build|check-tp2|check-network|check-routes|bench-tp2|bench-network|bench-routes|check-fsdp2|bench-gather) ;;
+  build|check-tp2|check-network|check-routes|bench-tp2|bench-tp2-auto|bench-network|bench-routes|check-fsdp2|bench-gather) ;;
   -h|--help) usage; exit 0 ;;
   *) echo "two_gpu.sh: unknown step '$step'" >&2; usage >&2; exit 2 ;;
 esac
@@ -125,7 +128,7 @@ case "$step" in
     ;;
   check-tp2)
     runs "$OUT/check-tp2.txt" "^vllm_e2e " E2E_TIMEOUT=400 \
-      E2E_RUNS="--arch llama --tp 2 --graph-pairs --trainer-ranks 2"
+      E2E_RUNS="--arch llama --tp 2 --graph-pairs --reinit --trainer-ranks 2"
     ;;
   check-network)
     (network_env && bash scripts/gpu/faults.sh build-gpu --network --cycles 3) \
@@ -143,6 +146,10 @@ case "$step" in
   bench-tp2)
     runs "$OUT/bench-tp2.txt" "^bench_vllm_update.py " BENCH_TIMEOUT=560 BENCH_TAIL=60 \
       BENCH_VLLM="$BENCH --tp 2 --graph-pairs --decode-slowdown-budget 1.08 --trainer-ranks 2 --gather-ranks 2 --budget-s 550"
+    ;;
+  bench-tp2-auto)
+    runs "$OUT/bench-tp2-auto.txt" "^bench_vllm_update.py " BENCH_TIMEOUT=300 BENCH_TAIL=60 \
+      BENCH_VLLM="$BENCH --tp 2 --graph-pairs --decode-slowdown-budget 1.08 --commit-mode auto --budget-s 290"
     ;;
   bench-network)
     mkdir -p "$OUT/network" "$OUT/nvlink"
