@@ -281,6 +281,7 @@ def child_passthrough(args) -> list[str]:
         flags += ["--trainer-ranks", ",".join(map(str, args.trainer_ranks))]
     if args.gather_ranks:
         flags += ["--gather-ranks", ",".join(map(str, args.gather_ranks))]
+    flags += ["--commit-mode", args.commit_mode]
     flags += ["--copy-passes", str(args.copy_passes), "--tp", str(args.tp),
               "--transport", args.transport, "--trainer-gpu", str(args.trainer_gpu)]
     for flag in ("vllm_no_pause", "enforce_eager", "dummy_load", "live_arena", "graph_pairs",

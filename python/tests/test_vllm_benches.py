@@ -166,6 +166,17 @@ def test_every_switch_of_the_update_bench_reaches_its_child():
     child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
                                              "--child", "shadowsync"])
     assert (child.trainer_ranks, child.gather_ranks) == ([1, 2, 4], [2]), child
+    # Every option with choices, each choice (--commit-mode auto once stayed in the parent: its
+    # run measured the coordinated commit).
+    for action in bench.build_parser()._actions:
+        for choice in action.choices or ():
+            flag, name = action.option_strings[0], action.dest
+            if flag == "--child":
+                continue  # the child's own
+            parent = bench.build_parser().parse_args([flag, choice])
+            child = bench.build_parser().parse_args([*bench.child_passthrough(parent),
+                                                     "--child", "shadowsync"])
+            assert getattr(child, name) == choice, (flag, choice)
 
 
 def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
