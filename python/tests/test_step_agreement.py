@@ -38,7 +38,8 @@ def test_a_follower_that_became_ready_ahead_of_rank_0_is_not_committed_behind_it
     answer = []
     # The follower runs step 5 first and finds update 7 ready there: it promises from step 5 on
     # and waits for rank 0's decision for step 5.
-    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(5, 7)))
+    # A daemon: where the invariant is broken it would wait for a decision that never comes.
+    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(5, 7)), daemon=True)
     thread.start()
     wait_for(lambda: follower._words[1] != 0, "the follower's promise")
     # Rank 0, one step behind, holds 7 ready too: the follower did not read step 4's decision,
@@ -92,7 +93,7 @@ def test_every_rank_commits_each_version_at_the_same_step_under_skew(page):
             errors.append(error)
             done_steps[rank] = steps + 10  # do not hold the others
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
@@ -184,7 +185,7 @@ def test_one_host_opens_one_page_on_every_rank_and_removes_its_file(monkeypatch,
     assert list(tmp_path.iterdir()) == []  # removed once every rank opened it
     # One page: the follower's promise is what rank 0 reads.
     answer = []
-    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(1, 4)))
+    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(1, 4)), daemon=True)
     thread.start()
     wait_for(lambda: leader._words[1] != 0, "the follower's promise on rank 0's page")
     assert leader.goes_live(1, 4) is True

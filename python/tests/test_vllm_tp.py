@@ -4,7 +4,8 @@ streams in while vLLM generates, both ranks hold it ready and shadowsync.vllm.co
 it live on both between the same two steps (a commit of a version no rank holds ready is refused
 on every rank and flips none); the ranks' step versions agree at every step and the answers
 equal a fresh TP=2 vLLM of the new checkpoint, back and forth, and still do after
-close_weight_update_group. Last, a sharded trainer of two rank processes (--trainer-ranks 2) takes
+close_weight_update_group; the second group (--reinit) has commit_mode "auto", and its update goes
+live in both ranks' step hooks at one step (step_agreement.py), with no commit_update. Last, a sharded trainer of two rank processes (--trainer-ranks 2) takes
 the engine over, each rank sending only its shards over the same-host pull transport, and each
 engine rank receiving only its own parameters' bytes; then one of its ranks is SIGKILLed
 mid-update (the update fails on both engine ranks, nothing goes live) and a restarted trainer's
@@ -71,6 +72,10 @@ def test_two_tensor_parallel_ranks_commit_each_update_at_the_same_step():
     # The four groups' updates (before and after the second init_weight_update_group, the sharded
     # trainer's and the restarted sharded trainer's).
     assert sum("step versions of the 2 ranks agree" in line for line in ok) == 4, lines
+    # The second group's commit_mode "auto": its update went live in both ranks' step hooks (the
+    # step agreement), at the same step (the step versions above), with no commit_update.
+    assert sum("update 5 went live in the step hooks of the 2 ranks (commit_mode auto" in line
+               for line in ok) == 1, lines
     # The self-check passed on both ranks: every parameter of each rank's shard matched.
     assert sum("(self-check: every parameter matched the live copy" in line
                for line in lines) == 1, lines
