@@ -755,11 +755,15 @@ def main() -> int:
                    < version and time.monotonic() < deadline):
                 during += sum(len(t) for t in greedy(llm, adapter["A"]))  # steps: the hooks
             applied = ssv.apply_update(llm, version, timeout=60)  # live already: returns
+            # A commit_update of it too (a caller written for coordinated): answered as live.
+            committed = ssv.commit_update(llm, version, timeout=10)
             stats = llm.collective_rpc("weight_update_stats")
-            ok = all(st["step_agreement"] and st["agreed_commits"] == 1 for st in stats)
+            ok = (all(st["step_agreement"] and st["agreed_commits"] == 1 for st in stats)
+                  and committed == version)
             failures += not ok
             log(f"{'ok  ' if ok else 'FAIL'} update {version} went live in the step hooks of the "
-                f"{args.tp} ranks (commit_mode auto, no commit_update): agreed commits "
+                f"{args.tp} ranks (commit_mode auto, no commit_update; one afterwards "
+                f"answers {committed}): agreed commits "
                 f"{[st['agreed_commits'] for st in stats]}, longest wait for rank 0 "
                 f"{max(st['agreement_wait_s'] for st in stats) * 1e3:.2f} ms")
         elif args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all

@@ -213,6 +213,19 @@ def _check_reset(result, version: int, caller: str) -> None:
             RuntimeWarning, stacklevel=3)
 
 
+def _seen_ready(ready: list[int], version: int) -> bool | None:
+    """What the workers' ready_version answers allow: True, every one holds `version` ready
+    (the commit may skip the ranks' agreement); False, every one answers `version` or later (a
+    newer update held, or under commit_mode "auto" with tensor parallelism one the step hooks made
+    live already: the commit goes ahead and the ranks agree, refusing on every rank or answering
+    that it is live); None: wait."""
+    if all(v == version for v in ready):
+        return True
+    if all(v >= version for v in ready):
+        return False
+    return None
+
+
 def _not_ready_error(caller: str, version: int, timeout: float, ready: list[int]):
     """commit_update's timeout: names the workers that do not hold `version` ready."""
     from shadowsync.errors import ShadowsyncTimeoutError
@@ -258,13 +271,14 @@ def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: 
     deadline = time.monotonic() + timeout
     while True:
         ready = [int(v) for v in llm.collective_rpc("ready_version")]
-        if all(v == version for v in ready):
+        seen = _seen_ready(ready, version)
+        if seen is not None:
             break
         left = deadline - time.monotonic()
         if left < 0:
             raise _not_ready_error("commit_update", version, timeout, ready)
         time.sleep(min(poll_s, left))
-    applied = _committed(llm.collective_rpc("commit_update", args=(version, True)))
+    applied = _committed(llm.collective_rpc("commit_update", args=(version, seen)))
     if reset_prefix_cache:
         _reset_prefix_cache(llm, version, "commit_update", preempt_running)
     return applied
@@ -283,13 +297,14 @@ async def commit_update_async(engine, version: int, timeout: float = 60.0,
     deadline = time.monotonic() + timeout
     while True:
         ready = [int(v) for v in await engine.collective_rpc("ready_version")]
-        if all(v == version for v in ready):
+        seen = _seen_ready(ready, version)
+        if seen is not None:
             break
         left = deadline - time.monotonic()
         if left < 0:
             raise _not_ready_error("commit_update_async", version, timeout, ready)
         await asyncio.sleep(min(poll_s, left))
-    applied = _committed(await engine.collective_rpc("commit_update", args=(version, True)))
+    applied = _committed(await engine.collective_rpc("commit_update", args=(version, seen)))
     if reset_prefix_cache:
         await _reset_prefix_cache_async(engine, version, "commit_update_async", preempt_running)
     return applied

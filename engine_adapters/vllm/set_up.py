@@ -218,6 +218,20 @@ def plan_update_group(worker, info: ShadowsyncInitInfo) -> PlannedGroup:
     explicit_auto = commit_mode == "auto" or (
         commit_mode is None and receiver_config is not None and receiver_config.commit_mode == "auto")
     step_agreed = explicit_auto and tensor_parallel.size(worker) > 1
+    if step_agreed and not info.hook_execute_model:
+        raise InvalidArgumentError(
+            "init_weight_update_group: commit_mode \"auto\" under tensor parallelism with "
+            "hook_execute_model=False: the ranks agree on the step in the step hook, which numbers "
+            "the steps; set hook_execute_model=True, or leave commit_mode unset (coordinated: "
+            "updates go live by shadowsync.vllm.commit_update)")
+    pipeline = tensor_parallel.pipeline_size(worker)
+    if step_agreed and pipeline > 1:
+        raise InvalidArgumentError(
+            f"init_weight_update_group: commit_mode \"auto\" under tensor parallelism with "
+            f"pipeline_parallel_size {pipeline}: the step hooks agree within one "
+            f"tensor-parallel group, and each pipeline stage has its own; leave commit_mode "
+            f"unset (coordinated: updates go live by shadowsync.vllm.commit_update, on every "
+            f"stage's ranks between the same two steps)")
     if step_agreed:
         # The receivers hold each update ready and the step hooks commit it, every rank at the
         # same step (step_agreement.py).

@@ -13,7 +13,8 @@ every rank every step, so the numbers agree). The page holds 8-byte words, each 
   holds ready goes live at it.
 
 Rank 0 lets v go live at its step s only when its own receiver holds v ready and every follower
-promised v since a step <= s. Each such follower reads the decision for s (it reads every step from
+promised v since a step <= s and after the last commit (a promise from before it is stale: every
+rank tells its agreement of each commit, the step hooks' and those between two steps alike). Each such follower reads the decision for s (it reads every step from
 its promise on), and holds v ready until it commits (a receiver never drops a held update for a
 newer one), so every rank commits v at step s, or none does. A follower that needs the decision for
 its step before rank 0 wrote it waits for rank 0 to reach that step: the ranks run the same steps,
@@ -68,8 +69,12 @@ class StepAgreement:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._words = memoryview(self._map).cast("Q")  # zeroed: no promise, no decision
-        self._promised = 0  # the promise this follower wrote last
+        # Zeroed: no promise, no decision. Each word is read and written whole: CPython copies a
+        # memoryview item with one 8-byte memcpy, an aligned load or store (the map is page
+        # aligned) that does not tear on x86-64 or AArch64; no rule spans two words.
+        self._words = memoryview(self._map).cast("Q")
+        self._promised = 0  # the promise this follower wrote last (0: none since the last commit)
+        self._last_commit_step = 0  # rank 0: a promise must be from a later step
         self.waited_s = 0.0  # followers: the longest wait for a decision so far
 
     def goes_live(self, step: int, ready: int) -> bool:
@@ -78,14 +83,21 @@ class StepAgreement:
         which any of them commits."""
         return self._decide(step, ready) if self.rank == 0 else self._follow(step, ready)
 
+    def committed(self, step: int) -> None:
+        """Every rank, at each commit (the last step its hook ran, for one between two steps): a
+        promise written up to `step` is for an update that is live now."""
+        self._last_commit_step = step
+        self._promised = 0
+
     def _decide(self, step: int, ready: int) -> bool:
         words = self._words
         go = ready != 0
         if go:
-            want = ready & _VERSION_MASK
+            want, after = ready & _VERSION_MASK, self._last_commit_step
             for follower in range(1, self.ranks):
                 promise = words[follower]
-                if promise >> _STEP_BITS != want or promise & _STEP_MASK > step:
+                if (promise >> _STEP_BITS != want
+                        or not after < promise & _STEP_MASK <= step):
                     go = False
                     break
         words[self.ranks + step % RING] = (step << 1) | go
@@ -95,13 +107,17 @@ class StepAgreement:
         if ready == 0:
             return False  # rank 0 cannot decide for a version this rank does not hold
         words = self._words
-        if self._promised >> _STEP_BITS != ready & _VERSION_MASK:
+        if self._promised == 0:  # the first step that holds it since the last commit
             self._promised = words[self.rank] = _promise(ready, step)
         slot = self.ranks + step % RING
         decision = words[slot]
         if decision >> 1 < step:
             started = time.monotonic()
+            spins = 0
             while decision >> 1 < step:
+                spins += 1
+                if spins > 1000:  # rank 0 is late by more than a moment: stop spinning
+                    time.sleep(0.00005)
                 if time.monotonic() - started > DECISION_DEADLINE_S:
                     raise RuntimeError(
                         f"shadowsync: tensor-parallel rank {self.rank} holds update {ready} ready "
@@ -148,7 +164,7 @@ def open_for_tensor_parallel_group(gathered) -> StepAgreement:
         try:
             path = os.path.join(_SHM_DIR, f"shadowsync-steps-{os.getpid()}-{secrets.token_hex(8)}")
             own = StepAgreement(path, 0, ranks, create=True)
-        except OSError as failure:
+        except Exception as failure:  # noqa: BLE001 - every rank must reach the next round
             error = f"rank 0 could not create {path}: {failure}"
     told, _ = gathered((host, path, error))
     hosts = sorted({h for h, _, _ in told})
@@ -159,7 +175,10 @@ def open_for_tensor_parallel_group(gathered) -> StepAgreement:
     if error is None and rank != 0:
         try:
             own = StepAgreement(path, rank, ranks)
-        except (OSError, InvalidArgumentError) as failure:
+        except FileNotFoundError:
+            error = (f"rank {rank} finds no {path}, which rank 0 created on the same host: the "
+                     f"ranks do not share {_SHM_DIR} (a container without --ipc=host?)")
+        except Exception as failure:  # noqa: BLE001 - every rank must reach the next round
             error = f"rank {rank} could not open {path}: {failure}"
     errors, _ = gathered(error)
     if rank == 0 and own is not None:

@@ -121,6 +121,11 @@ def size(worker) -> int:
     return int(getattr(_parallel_config(worker), "tensor_parallel_size", 1) or 1)
 
 
+def pipeline_size(worker) -> int:
+    """vLLM's pipeline_parallel_size for this worker; 1 when it is not vLLM's."""
+    return int(getattr(_parallel_config(worker), "pipeline_parallel_size", 1) or 1)
+
+
 def front_end_hears_every_worker(worker) -> bool:
     """Whether a collective_rpc of this worker's front end returns every worker's answer: not
     with data_parallel_size > 1 in one engine (vLLM returns the first replica's only) nor with

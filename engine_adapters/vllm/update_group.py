@@ -90,9 +90,16 @@ class UpdateGroup:
         if not self.step_agreement.goes_live(self.steps, ready):
             return None
         applied = self.receiver.commit(ready)
-        self.step_log.append((self.steps, applied))
+        self.committed(applied)
         self.agreed_commits += 1
         return applied
+
+    def committed(self, version: int) -> None:
+        """After a commit (commit_mode "coordinated", or the step agreement's, in a step hook or
+        between two steps): logs the step it goes live at and tells the agreement."""
+        self.step_log.append((self.steps, version))
+        if self.step_agreement is not None:
+            self.step_agreement.committed(self.steps)
 
     def group_views(self, group: int) -> list:
         """Views of every tensor of `group` in its live slot (group_rebinding's)."""

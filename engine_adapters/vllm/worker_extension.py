@@ -176,22 +176,42 @@ class WorkerExtension:
 
     def _commit_when_ready(self, state, version: int, timeout: float | None,
                            started: float) -> None:
-        """wait_applied under step agreement: every rank runs it between the same two steps, so
-        all of them find `version` live already (a step hook committed it) or none does; then
-        each waits until its receiver holds it ready and the ranks commit it together
-        (commit_update's agreement), or ShadowsyncTimeoutError on every rank."""
+        """wait_applied under step agreement (an idle engine: no step hook runs). Every rank runs
+        it between the same two steps, so the ranks go in rounds, each one all-gather of what
+        every rank holds: the update every rank holds ready goes live on all of them (an older
+        one first, if it was held before `version` arrived), until `version` is live. An update
+        that failed on a rank at or before `version`, or rank 0's clock past `timeout`, ends it
+        on every rank with the same error."""
         from shadowsync.errors import ShadowsyncTimeoutError
 
-        if state.receiver.applied_version >= version:
-            return
-        while state.receiver.ready_version != version:
-            if timeout is not None and time.monotonic() - started > timeout:
-                break  # the agreement below refuses on every rank
-            time.sleep(0.001)
-        result = self._commit(state, version, started, False)
-        if "refused" in result:
-            raise ShadowsyncTimeoutError(
-                f"wait_applied({version}): not live after {timeout} s: {result['refused']}")
+        while state.receiver.applied_version < version:
+            stats = state.receiver.stats()
+            failure = stats.last_failure
+            failed = (failure is not None
+                      and stats.applied_version < failure.version <= version)
+            answers, _ = tensor_parallel.gathered(
+                (stats.ready_version, failure.version if failed else 0,
+                 state.receiver.last_update_error() if failed else "",
+                 time.monotonic() - started))
+            held = {answer[0] for answer in answers}
+            if len(held) == 1 and 0 not in held:
+                ready = held.pop()
+                state.committed(state.receiver.commit(ready))  # every rank, between two steps
+                continue
+            failed_on = [(rank, answer) for rank, answer in enumerate(answers) if answer[1]]
+            if failed_on:  # the ranks cannot come to hold one version up to `version`
+                rank, (_, failed_version, error, _) = failed_on[0]
+                raise ShadowsyncTimeoutError(
+                    f"wait_applied({version}): update {failed_version} failed on "
+                    f"tensor-parallel rank {rank} ({error}); the ranks hold "
+                    f"{[a[0] or 'none' for a in answers]} ready, so nothing goes live until an "
+                    f"update arrives on every rank; send a new one")
+            if timeout is not None and answers[0][3] > timeout:  # rank 0's clock: all agree
+                raise ShadowsyncTimeoutError(
+                    f"wait_applied({version}): not live after {timeout} s; the ranks hold "
+                    f"{[a[0] or 'none' for a in answers]} ready (applied "
+                    f"{state.receiver.applied_version})")
+            time.sleep(0.002)  # an idle engine: the receive is still running
 
     def update_progress(self) -> dict:
         """``{"applied_version": v, "pending": whether a received update waits for a step,
@@ -206,8 +226,14 @@ class WorkerExtension:
 
     def ready_version(self) -> int:
         """commit_mode "coordinated": the update this worker received, checked and holds ready
-        for commit_update (0: none). Thread-safe."""
-        return self._require().receiver.stats().ready_version
+        for commit_update (0: none). Under step agreement (commit_mode "auto" with tensor
+        parallelism), when it holds none, the applied version: an update the step hooks made
+        live counts as ready, so commit_update of it returns at once. Thread-safe."""
+        state = self._require()
+        ready = state.receiver.stats().ready_version
+        if ready == 0 and state.step_agreement is not None:
+            return state.receiver.applied_version
+        return ready
 
     def commit_update(self, version: int, seen_ready_on_every_rank: bool = False) -> dict:
         """commit_mode "coordinated": makes the ready update `version` live now; the next step
@@ -215,7 +241,8 @@ class WorkerExtension:
         Returns ``{"applied_version": v}``, or ``{"refused": message, "error":
         "InvalidArgumentError", "applied_version": v}``
         when `version` is not ready on every tensor-parallel rank (checked across the TP group
-        first: then no rank flips) or on this one. A refusal is returned, not raised: vLLM's
+        first: then no rank flips) or on this one. Under step agreement a version the step hooks
+        made live already is answered as committed. A refusal is returned, not raised: vLLM's
         multiprocess executor ends the engine when a worker raises in a collective_rpc.
         shadowsync.vllm.commit_update raises it on the front end. Engine thread.
 
@@ -227,6 +254,9 @@ class WorkerExtension:
         between two steps. Taken only as True itself, and only where the front end hears every
         worker (tensor_parallel.front_end_hears_every_worker); else the ranks agree."""
         state = self._require()
+        if state.step_agreement is not None and state.receiver.applied_version >= int(version):
+            # The step hooks made it live, on every rank at one step: every rank answers so.
+            return {"applied_version": state.receiver.applied_version}
         started = time.monotonic()
         seen = seen_ready_on_every_rank is True and tensor_parallel.front_end_hears_every_worker(self)
         try:
@@ -252,7 +282,7 @@ class WorkerExtension:
         except InvalidArgumentError as error:
             return {"error": "InvalidArgumentError", "refused": str(error),
                     "applied_version": state.receiver.applied_version}
-        state.step_log.append((state.steps, applied))
+        state.committed(applied)
         return {"applied_version": applied}
 
     def step_versions(self) -> dict:

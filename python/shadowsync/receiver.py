@@ -441,7 +441,8 @@ class Receiver(Handle):
         """commit_mode "coordinated": the update held ready for commit() (0: none); the
         statistics' ready_version without their lock, cheap enough for every step. Thread-safe."""
         v = c_uint64()
-        call("shadowsync_receiver_ready_version", self._handle, byref(v))
+        # One atomic load: keeping the GIL costs less than giving it up and taking it back.
+        call_keeping_gil("shadowsync_receiver_ready_version", self._handle, byref(v))
         return v.value
 
     # --- step hook (engine thread only) -------------------------------------------------------

@@ -86,6 +86,7 @@ def test_every_rank_commits_each_version_at_the_same_step_under_skew(page):
                     if step - since >= ready_after[version - 1][rank]:
                         ready = version
                 if agreement.goes_live(step, ready):
+                    agreement.committed(step)  # as UpdateGroup.committed does
                     committed[rank].append((step, ready))
                     version, since = version + 1, None
                 done_steps[rank] = step
@@ -102,6 +103,26 @@ def test_every_rank_commits_each_version_at_the_same_step_under_skew(page):
     assert [v for _, v in committed[0]] == list(range(1, versions + 1)), committed[0]
     for rank in range(1, ranks):
         assert committed[rank] == committed[0], (rank, committed)
+
+
+def test_a_promise_from_before_the_last_commit_counts_for_nothing(page):
+    """A fresh page's zero word, and a follower's promise for an update that went live since
+    (its version's low bits alike: 1 and 1 + 2**23), never let rank 0 commit alone."""
+    leader, follower = ranks_on(page, 2)
+    assert leader.goes_live(1, 1 << 23) is False  # the zero word: "version 0 since step 0"
+    answer = []
+    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(2, 1)), daemon=True)
+    thread.start()
+    wait_for(lambda: follower._words[1] != 0, "the follower's promise")
+    assert leader.goes_live(2, 1) is True
+    thread.join(DEADLINE_S)
+    assert answer == [True]
+    leader.committed(2)
+    follower.committed(2)
+    # Rank 0 holds 1 + 2**23 at step 3; the follower holds nothing yet, and its word still
+    # promises 1 since step 2.
+    assert leader.goes_live(3, 1 + (1 << 23)) is False
+    assert follower.goes_live(3, 0) is False
 
 
 def test_a_decision_rank_0_overwrote_stops_the_step(page):

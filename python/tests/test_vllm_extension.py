@@ -670,9 +670,20 @@ class _ThreadRanks:
 
         self._barrier = threading.Barrier(size, timeout=DEADLINE_S)  # a hang fails loudly
         self._flags = []
+        self._values = [None] * size
+        self._rank = threading.local()
         self.rounds = 0
         monkeypatch.setattr(tensor_parallel, "size", lambda worker: size)
         monkeypatch.setattr(tensor_parallel, "on_every_rank", self._on_every_rank)
+        monkeypatch.setattr(tensor_parallel, "gathered", self._gathered)
+
+    def _gathered(self, value):
+        rank = self._rank.index
+        self._values[rank] = value
+        self._barrier.wait()
+        values = list(self._values)
+        self._barrier.wait()  # every rank read them before the next round writes
+        return values, rank
 
     def _on_every_rank(self, flag):
         self._flags.append(flag)
@@ -688,6 +699,7 @@ class _ThreadRanks:
         results = [None] * len(workers)
 
         def call(rank):
+            self._rank.index = rank
             results[rank] = getattr(workers[rank], method)(**per_rank_kwargs[rank])
 
         threads = [threading.Thread(target=call, args=(r,)) for r in range(len(workers))]
@@ -749,6 +761,79 @@ def test_under_tensor_parallelism_a_rank_that_cannot_connect_takes_the_others_ba
         # A set-up rank adopted its weights into the library's slot; closing gave it copies.
         for name, param in worker.model_runner.model.params:
             np.testing.assert_array_equal(param.data, params_before[name])
+
+
+def test_under_tensor_parallelism_commit_mode_auto_goes_live_at_one_step_on_every_rank(
+        monkeypatch, tmp_path):
+    # commit_mode "auto" with two tensor-parallel ranks (threads): the step hooks agree on the
+    # step over shared memory (step_agreement.py); an idle engine's wait_applied commits between
+    # two steps; a commit_update of a live version answers at once.
+    from shadowsync.vllm import step_agreement
+
+    monkeypatch.setattr(step_agreement, "_SHM_DIR", str(tmp_path))
+    ranks = _ThreadRanks(2, monkeypatch)
+    workers = [FakeWorker(), FakeWorker()]
+    loopback = ss.Loopback(3)
+    layout, sender = _trainer(SPECS, loopback.transport(0))
+    specs = [tuple(vars(s).values()) for s in layout.specs]
+    ranks.run(workers, "init_weight_update_group",
+              [dict(specs=specs, bucket_bytes=1024, transport=loopback.transport(r + 1),
+                    commit_mode="auto") for r in range(2)])
+    try:
+        assert list(tmp_path.iterdir()) == []  # the page's file is gone once both opened it
+        assert [w.weight_update_stats()["step_agreement"] for w in workers] == [True, True]
+        assert [w.update_progress()["coordinated"] for w in workers] == [False, False]
+        handle = sender.publish(1, tensors(BASE + LORA, 1))
+        ranks.run(workers, "begin_update", [dict(header_bytes=handle.header_bytes)] * 2)
+        handle.wait(DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S
+        step = 0
+        while min(w.step_versions()["applied_version"] for w in workers) < 1:
+            assert time.monotonic() < deadline, [w.weight_update_stats() for w in workers]
+            step += 1
+            ranks.run(workers, "execute_model", [dict(batch=step)] * 2)
+        # Every step ran on one version on both ranks, and 1 went live at the same step.
+        assert workers[0].steps == workers[1].steps and workers[0].steps[-1] == {1}
+        assert workers[0].step_versions() == workers[1].step_versions()
+        assert [w.weight_update_stats()["agreed_commits"] for w in workers] == [1, 1]
+        # Idle: no step runs; wait_applied commits update 2 on both, between the same two steps.
+        handle = sender.publish(2, tensors(BASE + LORA, 2))
+        ranks.run(workers, "begin_update", [dict(header_bytes=handle.header_bytes)] * 2)
+        handle.wait(DEADLINE_S)
+        assert ranks.run(workers, "wait_applied", [dict(version=2, timeout=DEADLINE_S)] * 2) \
+            == [2, 2]
+        assert workers[0].step_versions() == workers[1].step_versions()
+        ranks.run(workers, "execute_model", [dict(batch="after")] * 2)
+        assert workers[0].steps[-1] == workers[1].steps[-1] == {2}
+        # Written for the coordinated mode: a live version counts as ready, its commit as done.
+        assert [w.ready_version() for w in workers] == [2, 2]
+        assert ranks.run(workers, "commit_update", [dict(version=2)] * 2) == \
+            [{"applied_version": 2}] * 2
+    finally:
+        ranks.run(workers, "close_weight_update_group", [{}] * 2)
+        sender.close()
+
+
+def test_commit_mode_auto_under_tensor_parallelism_needs_the_step_hook_and_one_stage(
+        monkeypatch):
+    import shadowsync.vllm.tensor_parallel as tensor_parallel
+
+    ranks = _ThreadRanks(2, monkeypatch)
+    workers = [FakeWorker(), FakeWorker()]
+    loopback = ss.Loopback(3)
+    results = ranks.run(workers, "init_weight_update_group",
+                        [dict(transport=loopback.transport(r + 1), commit_mode="auto",
+                              hook_execute_model=False) for r in range(2)])
+    assert all("commit_mode \"auto\" under tensor parallelism with hook_execute_model=False"
+               in r["refused"] for r in results), results
+    monkeypatch.setattr(tensor_parallel, "pipeline_size", lambda worker: 2)
+    loopback = ss.Loopback(3)
+    results = ranks.run(workers, "init_weight_update_group",
+                        [dict(transport=loopback.transport(r + 1), commit_mode="auto")
+                         for r in range(2)])
+    assert all("with pipeline_parallel_size 2: the step hooks agree within one" in r["refused"]
+               for r in results), results
+    assert all(w._shadowsync is None for w in workers)
 
 
 def test_under_tensor_parallelism_init_twice_keeps_the_group_it_has(monkeypatch):
