@@ -33,15 +33,23 @@ def wait_for(condition, what: str) -> None:
         time.sleep(0.0005)
 
 
+def follower_waiting(follower: StepAgreement, step: int, ready: int):
+    """follower.goes_live(step, ready) on a thread, returned once its promise is on the page (it
+    then waits for rank 0's decision): the thread and the list its answer goes to. A daemon:
+    where the invariant is broken it would wait for a decision that never comes."""
+    answer = []
+    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(step, ready)),
+                              daemon=True)
+    thread.start()
+    wait_for(lambda: follower._words[follower.rank] != 0, "the follower's promise")
+    return thread, answer
+
+
 def test_a_follower_that_became_ready_ahead_of_rank_0_is_not_committed_behind_it(page):
     leader, follower = ranks_on(page, 2)
-    answer = []
     # The follower runs step 5 first and finds update 7 ready there: it promises from step 5 on
     # and waits for rank 0's decision for step 5.
-    # A daemon: where the invariant is broken it would wait for a decision that never comes.
-    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(5, 7)), daemon=True)
-    thread.start()
-    wait_for(lambda: follower._words[1] != 0, "the follower's promise")
+    thread, answer = follower_waiting(follower, 5, 7)
     # Rank 0, one step behind, holds 7 ready too: the follower did not read step 4's decision,
     # so 7 must not go live at 4.
     assert leader.goes_live(4, 7) is False
@@ -110,10 +118,7 @@ def test_a_promise_from_before_the_last_commit_counts_for_nothing(page):
     (its version's low bits alike: 1 and 1 + 2**23), never let rank 0 commit alone."""
     leader, follower = ranks_on(page, 2)
     assert leader.goes_live(1, 1 << 23) is False  # the zero word: "version 0 since step 0"
-    answer = []
-    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(2, 1)), daemon=True)
-    thread.start()
-    wait_for(lambda: follower._words[1] != 0, "the follower's promise")
+    thread, answer = follower_waiting(follower, 2, 1)
     assert leader.goes_live(2, 1) is True
     thread.join(DEADLINE_S)
     assert answer == [True]
@@ -205,10 +210,8 @@ def test_one_host_opens_one_page_on_every_rank_and_removes_its_file(monkeypatch,
     assert (leader.rank, follower.rank, leader.ranks) == (0, 1, 2)
     assert list(tmp_path.iterdir()) == []  # removed once every rank opened it
     # One page: the follower's promise is what rank 0 reads.
-    answer = []
-    thread = threading.Thread(target=lambda: answer.append(follower.goes_live(1, 4)), daemon=True)
-    thread.start()
-    wait_for(lambda: leader._words[1] != 0, "the follower's promise on rank 0's page")
+    thread, answer = follower_waiting(follower, 1, 4)
+    assert leader._words[1] != 0  # on rank 0's page
     assert leader.goes_live(1, 4) is True
     thread.join(DEADLINE_S)
     assert answer == [True]
