@@ -169,7 +169,8 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
             raise ShadowsyncTimeoutError(
                 f"apply_update_async: version {version} not live after {timeout} s (workers' "
                 f"applied versions {[p['applied_version'] for p in progress]}, an update pending "
-                f"on {[p['pending'] for p in progress]})")
+                f"on {[p['pending'] for p in progress]}, held ready "
+                f"{[p.get('ready_version', 0) or 'none' for p in progress]})")
         if all(p["pending"] or p["applied_version"] >= version for p in progress):
             pending_since = now if pending_since is None else pending_since
             if now - pending_since >= _IDLE_AFTER_S:  # no step took it: an idle engine

@@ -215,14 +215,14 @@ class WorkerExtension:
 
     def update_progress(self) -> dict:
         """``{"applied_version": v, "pending": whether a received update waits for a step,
-        "coordinated": commit_mode "coordinated"}``: what apply_update_async polls. Swaps
-        nothing; thread-safe."""
+        "coordinated": commit_mode "coordinated", "ready_version": the update held for a
+        commit (0: none)}``: what apply_update_async polls. Swaps nothing; thread-safe."""
         state = self._require()
         stats = state.receiver.stats()
         pending = stats.has_pending or (state.step_agreement is not None
                                         and stats.ready_version != 0)
         return {"applied_version": stats.applied_version, "pending": pending,
-                "coordinated": state.coordinated}
+                "coordinated": state.coordinated, "ready_version": stats.ready_version}
 
     def ready_version(self) -> int:
         """commit_mode "coordinated": the update this worker received, checked and holds ready

@@ -391,7 +391,8 @@ def test_the_step_hook_swaps_after_the_inputs_are_prepared_right_before_the_forw
             assert time.monotonic() < deadline, worker.weight_update_stats()
         # A step with nothing to run: no forward, so no swap.
         assert worker.execute_model("nothing scheduled") is None
-        assert worker.update_progress() == {"applied_version": 0, "pending": True, "coordinated": False}
+        assert worker.update_progress() == {"applied_version": 0, "pending": True,
+                                            "coordinated": False, "ready_version": 0}
         runner.events.clear()
         assert worker.execute_model(SimpleNamespace(num_scheduled_tokens={"r1": 3})) is not None
         # The swap ran inside the step, after its inputs were prepared and before its forward;
@@ -399,7 +400,8 @@ def test_the_step_hook_swaps_after_the_inputs_are_prepared_right_before_the_forw
         assert [(v, [e for e, _ in events]) for v, events in swapped_at] == [(1, ["prepare inputs"])]
         assert worker.steps[-1] == {1}
         assert worker.request_versions() == {"r1": [[1, 3]]}
-        assert worker.update_progress() == {"applied_version": 1, "pending": False, "coordinated": False}
+        assert worker.update_progress() == {"applied_version": 1, "pending": False,
+                                            "coordinated": False, "ready_version": 0}
         assert worker.step_versions()["steps"] == 2  # both execute_model calls count as steps
         assert worker.weight_update_stats()["step_hook_at"] == hook_at
         if hook_at == "model_runner.kv_connector.pre_forward":
@@ -443,7 +445,7 @@ def test_apply_update_async_lets_the_step_hook_swap_and_applies_only_for_an_idle
     never = _AsyncFakeFrontEnd(True, [streaming])
     with pytest.raises(ss.ShadowsyncTimeoutError,
                        match=r"version 2 not live after 0\.05 s \(workers' applied versions \[1\], "
-                             r"an update pending on \[False\]\)"):
+                             r"an update pending on \[False\], held ready \['none'\]\)"):
         run(never, 2, timeout=0.05)
     assert "wait_applied" not in never.calls
     # Coordinated workers (tensor parallelism) hold an update for commit_update: refused at once.
