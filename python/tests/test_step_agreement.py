@@ -215,3 +215,27 @@ def test_one_host_opens_one_page_on_every_rank_and_removes_its_file(monkeypatch,
     assert leader.goes_live(1, 4) is True
     thread.join(DEADLINE_S)
     assert answer == [True]
+
+
+def test_a_page_rank_0_cannot_create_is_refused_on_every_rank(monkeypatch, tmp_path):
+    monkeypatch.setattr(step_agreement, "_SHM_DIR", str(tmp_path / "missing"))
+    results = Group(2, ["host-a", "host-a"]).open_on_every_rank(monkeypatch)
+    for result in results:
+        assert isinstance(result, InvalidArgumentError), results
+        assert "rank 0 could not create" in str(result) and "missing" in str(result)
+
+
+def test_a_follower_that_does_not_share_the_page_is_refused_with_the_likely_cause(
+        monkeypatch, tmp_path):
+    monkeypatch.setattr(step_agreement, "_SHM_DIR", str(tmp_path))
+    real_init = StepAgreement.__init__
+
+    def elsewhere(self, path, rank, ranks, create=False):  # rank 1 sees another /dev/shm
+        real_init(self, path if rank == 0 else path + "-not-here", rank, ranks, create)
+
+    monkeypatch.setattr(StepAgreement, "__init__", elsewhere)
+    results = Group(2, ["host-a", "host-a"]).open_on_every_rank(monkeypatch)
+    for result in results:
+        assert isinstance(result, InvalidArgumentError), results
+        assert "rank 1 finds no" in str(result) and "--ipc=host" in str(result), str(result)
+    assert list(tmp_path.iterdir()) == []  # rank 0 removed its file and closed
