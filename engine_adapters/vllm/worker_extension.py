@@ -230,7 +230,7 @@ class WorkerExtension:
         parallelism), when it holds none, the applied version: an update the step hooks made
         live counts as ready, so commit_update of it returns at once. Thread-safe."""
         state = self._require()
-        ready = state.receiver.stats().ready_version
+        ready = state.receiver.ready_version
         if ready == 0 and state.step_agreement is not None:
             return state.receiver.applied_version
         return ready
@@ -266,7 +266,7 @@ class WorkerExtension:
 
     def _commit(self, state, version: int, started: float, seen_ready: bool) -> dict:
         """commit_update's work, timed by it."""
-        ready = state.receiver.stats().ready_version
+        ready = state.receiver.ready_version
         on_every_rank = (seen_ready or tensor_parallel.size(self) == 1
                          or tensor_parallel.on_every_rank(ready == version))
         state.last_commit_check_s = time.monotonic() - started

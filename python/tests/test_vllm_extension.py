@@ -570,7 +570,7 @@ class _TwoRankFrontEnd:
         self.calls = []
 
     def collective_rpc(self, method, args=()):
-        self.calls.append(method)
+        self.calls.append((method, *args[1:]))  # commit_update: with seen_ready_on_every_rank
         if method == "ready_version":
             return list(self.ready)
         assert method == "commit_update"
@@ -589,10 +589,15 @@ def test_commit_update_waits_for_every_rank_and_names_the_late_one():
                        match=r"commit_update\(3\): not ready on every worker after 0.05 s "
                              r"\(worker 1: 2 ready\); nothing was committed"):
         commit_update(late, 3, timeout=0.05)
-    assert "commit_update" not in late.calls
+    assert ("commit_update", True) not in late.calls
     ready = _TwoRankFrontEnd([3, 3])
     assert commit_update(ready, 3) == 3
-    assert ready.calls == ["ready_version", "commit_update", "reset_prefix_cache"]
+    assert ready.calls == [("ready_version",), ("commit_update", True), "reset_prefix_cache"]
+    # Every rank at the version or a later one (a newer update held, or under commit_mode "auto"
+    # one the step hooks made live): the commit goes ahead at once and the ranks agree.
+    later = _TwoRankFrontEnd([4, 3])
+    commit_update(later, 3, timeout=DEADLINE_S)
+    assert later.calls == [("ready_version",), ("commit_update", False), "reset_prefix_cache"]
     for bad in (0, -1.0, float("inf"), True, "0.02"):  # refused before any RPC
         untouched = _TwoRankFrontEnd([3, 3])
         with pytest.raises(ss.InvalidArgumentError, match=r"commit_update\(3\): poll_s must be"):
@@ -648,13 +653,14 @@ def test_commit_update_async_waits_for_every_rank_without_blocking_and_raises_a_
     arriving = _AsyncTwoRankFrontEnd([[3, 2], [3, 2], [3, 3]])
     applied, ticks = asyncio.run(commit_beside_a_ticker(arriving, 3))
     assert applied == 3 and ticks >= 2, (applied, ticks)
-    assert arriving.calls == ["ready_version"] * 3 + ["commit_update", "reset_prefix_cache"]
+    assert arriving.calls == [("ready_version",)] * 3 + [("commit_update", True),
+                                                         "reset_prefix_cache"]
     late = _AsyncTwoRankFrontEnd([[3, 0]])
     with pytest.raises(ss.ShadowsyncTimeoutError,
                        match=r"commit_update_async\(3\): not ready on every worker after 0.05 s "
                              r"\(worker 1: none ready\); nothing was committed"):
         run(late, 3, timeout=0.05)
-    assert "commit_update" not in late.calls
+    assert ("commit_update", True) not in late.calls
     refused = _AsyncTwoRankFrontEnd([[3, 3]], commit=[
         {"refused": "version 3 is not ready on rank 1", "applied_version": 2},
         {"refused": "version 3 is not ready on rank 1", "applied_version": 2}])
