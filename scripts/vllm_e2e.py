@@ -583,6 +583,7 @@ def main() -> int:
                              make_tiny_model, with_tensors_of)
 
     import shadowsync.vllm as ssv
+    from shadowsync.vllm.step_agreement import LiveWatch
 
     work = Path(tempfile.mkdtemp(prefix="vllm-e2e-"))
     # initializer_range 0.1: with the default 0.02 two random tied models can answer alike.
@@ -758,14 +759,20 @@ def main() -> int:
             # A commit_update of it too (a caller written for coordinated): answered as live.
             committed = ssv.commit_update(llm, version, timeout=10)
             stats = llm.collective_rpc("weight_update_stats")
+            # What apply_update_async reads instead of asking: rank 0's page, from this process.
+            watch = LiveWatch.open(next((p["live_watch"] for p in llm.collective_rpc(
+                "update_progress") if p.get("live_watch")), None))
+            seen = watch.read() if watch is not None else None
             ok = (all(st["step_agreement"] and st["agreed_commits"] == 1 for st in stats)
-                  and committed == version)
+                  and committed == version and seen is not None and seen[0] == version
+                  and seen[1] > 0)
             failures += not ok
             log(f"{'ok  ' if ok else 'FAIL'} update {version} went live in the step hooks of the "
                 f"{args.tp} ranks (commit_mode auto, no commit_update; one afterwards "
                 f"answers {committed}): agreed commits "
                 f"{[st['agreed_commits'] for st in stats]}, longest wait for rank 0 "
-                f"{max(st['agreement_wait_s'] for st in stats) * 1e3:.2f} ms")
+                f"{max(st['agreement_wait_s'] for st in stats) * 1e3:.2f} ms; the front end "
+                f"reads (version live, rank 0's step) {seen} on rank 0's page")
         elif args.tp > 1:  # every rank holds it ready; one collective_rpc makes it live on all
             wait_ready(llm, version)
             # A version no rank holds ready: refused on every rank, nothing flips anywhere.

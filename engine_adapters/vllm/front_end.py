@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 
 from shadowsync.errors import InvalidArgumentError, LayoutMismatchError
 
-from . import tensor_parallel
+from . import step_agreement, tensor_parallel
 from .init_info import ShadowsyncInitInfo
 
 __all__ = ["apply_update", "apply_update_async", "commit_update", "commit_update_async",
@@ -144,7 +145,11 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
     cluster around the swap: at 1 ms they added to the engine stop (Llama-3-8B on one H200,
     graph pairs, paced to 1.08: 1.07 ms median at 1 ms, 0.84 ms at 20 ms; docs/benchmarks.md,
     "11."). The price of the 20 ms default: the caller learns of the flip up to 20 ms later; the
-    engine flips at the same step either way."""
+    engine flips at the same step either way. Under tensor parallelism with commit_mode "auto"
+    (the step hooks agree on the step) an RPC costs more (a round trip to every rank), and this
+    reads rank 0's page of shared memory instead (step_agreement.LiveWatch), from the first poll
+    that names it on: no RPC while the engine steps; only an engine that stopped stepping is
+    asked."""
     import asyncio
 
     from shadowsync.errors import ShadowsyncTimeoutError
@@ -153,13 +158,35 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
     version = int(version)
     started = time.monotonic()
     pending_since = None
+    watch = _live_watches.get(engine)
+    step_seen, stepped_at = None, started  # of rank 0, on the watch
     while True:
+        now = time.monotonic()
+        left = None if timeout is None else max(0.0, timeout - (now - started))  # of the timeout
+        if watch is not None:
+            seen = watch.read()
+            if seen is None:  # the group was closed; a new one names its own page
+                _live_watches.forget(engine)
+                watch = None
+            else:
+                applied, step = seen
+                if applied >= version:
+                    break
+                if step != step_seen:
+                    step_seen, stepped_at = step, now
+                if now - stepped_at < _IDLE_AFTER_S and left != 0.0:
+                    await asyncio.sleep(poll_s if left is None else min(poll_s, left))
+                    continue
+                # Rank 0 stopped stepping (an idle engine, where an RPC costs no decode), or the
+                # timeout: the workers say what they hold.
         progress = await engine.collective_rpc("update_progress")
         if any(p.get("coordinated") for p in progress):  # no step takes an update by itself
             raise InvalidArgumentError(
                 f"apply_update_async({version}): the workers' commit_mode is \"coordinated\" "
                 f"(tensor parallelism): an update goes live by shadowsync.vllm.commit_update, "
                 f"not by waiting")
+        if watch is None:
+            watch = _live_watches.open(engine, progress)
         applied = min(int(p["applied_version"]) for p in progress)
         if applied >= version:
             break
@@ -182,6 +209,39 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
     if reset_prefix_cache:
         await _reset_prefix_cache_async(engine, version, "apply_update_async", preempt_running)
     return applied
+
+
+class _LiveWatches:
+    """The LiveWatch of each engine whose workers named one (weakly keyed by the engine)."""
+
+    def __init__(self):
+        self._by_engine = weakref.WeakKeyDictionary()
+
+    def get(self, engine):
+        try:
+            return self._by_engine.get(engine)
+        except TypeError:  # an engine object that takes no weak reference: none kept
+            return None
+
+    def open(self, engine, progress: list):
+        """The page a worker's answer names (rank 0's under step agreement), opened and kept for
+        `engine`; None where none is named or it cannot be opened."""
+        reader = next((p["live_watch"] for p in progress if p.get("live_watch")), None)
+        watch = step_agreement.LiveWatch.open(reader)
+        if watch is not None:
+            try:
+                self._by_engine[engine] = watch
+            except TypeError:
+                pass
+        return watch
+
+    def forget(self, engine) -> None:
+        watch = self._by_engine.pop(engine, None)
+        if watch is not None:
+            watch.close()
+
+
+_live_watches = _LiveWatches()
 
 
 def _reset_prefix_cache(llm, version: int, caller: str, preempt_running: bool) -> None:

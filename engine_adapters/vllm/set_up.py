@@ -338,6 +338,8 @@ def connect_update_group(worker, planned: PlannedGroup, transport: Transport | N
     if planned.step_agreed:  # every rank is here: the page's all-gathers meet
         state.step_agreement = step_agreement.open_for_tensor_parallel_group(
             tensor_parallel.gathered)
+        # The front end's view starts at the version live now (none went live through it yet).
+        state.step_agreement.committed(state.steps, receiver.applied_version)
     if lora_adapter is not None:
         # vLLM must not evict it: its slot is the live copy. Pinned once every rank is set
         # up, so a refused set-up pins nothing; it stays pinned after close (vLLM has no

@@ -22,7 +22,14 @@ each step's forward waits for every rank's part, so the wait is short; a decisio
 come within DECISION_DEADLINE_S, or that rank 0 overwrote (it ran RING steps ahead), stops the
 step with an error rather than run it on another version than rank 0.
 
-The ranks must share a host (the page is a file under /dev/shm); the set-up refuses otherwise."""
+The ranks must share a host (the page is a file under /dev/shm); the set-up refuses otherwise.
+
+The front end reads the page too (LiveWatch), so that apply_update_async learns an update went live
+without a collective_rpc, which would hold the engine between two steps like a commit_update does.
+Rank 0 writes three more words for it: a token naming this page, the version it made live last,
+and whether the page was closed; the ring of decisions says how far rank 0 has stepped. Rank 0
+keeps the page's descriptor open, so the front end opens the page through /proc/<pid>/fd (its
+file is removed at the set-up, and a crash leaves nothing behind)."""
 
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ import time
 
 from shadowsync.errors import InvalidArgumentError
 
-__all__ = ["RING", "StepAgreement", "open_for_tensor_parallel_group"]
+__all__ = ["RING", "LiveWatch", "StepAgreement", "open_for_tensor_parallel_group"]
 
 RING = 64  # decisions kept: how far rank 0 may run ahead of a follower that waits for one
 DECISION_DEADLINE_S = 60.0
@@ -42,6 +49,16 @@ _STEP_BITS = 40  # of a promise: its step (2**40 steps of 1 ms: 35 years)
 _VERSION_MASK = (1 << 23) - 1  # of a promise: its version's low bits (a stale promise is one older)
 _STEP_MASK = (1 << _STEP_BITS) - 1
 _SHM_DIR = "/dev/shm"
+
+
+# The words after the ring, rank 0's for the front end (LiveWatch): this page's token (never 0),
+# the version rank 0 made live last, and 1 once the group is closed.
+_TOKEN, _APPLIED, _CLOSED = range(3)
+_FRONT_END_WORDS = 3
+
+
+def _page_bytes(ranks: int) -> int:
+    return 8 * (ranks + RING + _FRONT_END_WORDS)
 
 
 def _promise(version: int, since: int) -> int:
@@ -57,7 +74,7 @@ class StepAgreement:
             raise InvalidArgumentError(f"StepAgreement: rank {rank} of {ranks} ranks; give a rank "
                                        f"in 0..ranks-1 of 2 or more ranks")
         self.path, self.rank, self.ranks = path, rank, ranks
-        size = 8 * (ranks + RING)
+        size = _page_bytes(ranks)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
@@ -67,7 +84,12 @@ class StepAgreement:
                     f"StepAgreement: {path} holds {os.fstat(fd).st_size} bytes, {size} expected "
                     f"for {ranks} ranks; every rank must be of the same engine")
             self._map = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        # Rank 0 keeps the descriptor: the front end opens the page through it (reader()).
+        self._fd = fd if rank == 0 else None
+        if rank != 0:
             os.close(fd)
         # Zeroed: no promise, no decision. Each word is read and written whole: CPython copies a
         # memoryview item with one 8-byte memcpy, an aligned load or store (the map is page
@@ -76,6 +98,10 @@ class StepAgreement:
         self._promised = 0  # the promise this follower wrote last (0: none since the last commit)
         self._last_commit_step = 0  # rank 0: a promise must be from a later step
         self.waited_s = 0.0  # followers: the longest wait for a decision so far
+        self._front_end = ranks + RING  # where the front end's words begin
+        if rank == 0:
+            self.token = secrets.randbits(63) | 1
+            self._words[self._front_end + _TOKEN] = self.token
 
     def goes_live(self, step: int, ready: int) -> bool:
         """At step `step` (>= 1) with `ready` the version this rank's receiver holds ready (0:
@@ -83,11 +109,22 @@ class StepAgreement:
         which any of them commits."""
         return self._decide(step, ready) if self.rank == 0 else self._follow(step, ready)
 
-    def committed(self, step: int) -> None:
-        """Every rank, at each commit (the last step its hook ran, for one between two steps): a
-        promise written up to `step` is for an update that is live now."""
+    def committed(self, step: int, version: int) -> None:
+        """Every rank, at each commit of `version` (the last step its hook ran, for one between
+        two steps): a promise written up to `step` is for an update that is live now. Rank 0
+        tells the front end (LiveWatch)."""
         self._last_commit_step = step
         self._promised = 0
+        if self.rank == 0:
+            self._words[self._front_end + _APPLIED] = version
+
+    def reader(self) -> dict | None:
+        """Rank 0: where the front end opens this page (LiveWatch.open's arguments); None on the
+        other ranks or once closed."""
+        if self._fd is None or self._map is None:
+            return None
+        return {"path": f"/proc/{os.getpid()}/fd/{self._fd}", "token": self.token,
+                "ranks": self.ranks}
 
     def _decide(self, step: int, ready: int) -> bool:
         words = self._words
@@ -136,9 +173,14 @@ class StepAgreement:
         return bool(decision & 1)
 
     def close(self, unlink: bool = False) -> None:
-        """Unmaps the page (and removes its file with `unlink`, if still there)."""
+        """Unmaps the page (and removes its file with `unlink`, if still there). Rank 0 first
+        marks it closed, for a front end that still maps it."""
         if self._map is None:
             return
+        if self.rank == 0:
+            self._words[self._front_end + _CLOSED] = 1
+            os.close(self._fd)
+            self._fd = None
         self._words.release()
         self._map.close()
         self._map = None
@@ -147,6 +189,54 @@ class StepAgreement:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+class LiveWatch:
+    """The front end's read-only view of rank 0's page: which version is live and how far rank 0
+    has stepped, read without asking the engine (apply_update_async). Same host only."""
+
+    def __init__(self, path: str, token: int, ranks: int):
+        size = _page_bytes(ranks)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size != size:
+                raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, {size} expected")
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._words = memoryview(self._map).cast("Q")
+        self._ring = slice(ranks, ranks + RING)
+        self._front_end = ranks + RING
+        if self._words[self._front_end + _TOKEN] != token:
+            # The descriptor number was reused: the group closed between the answer and the open.
+            self.close()
+            raise OSError(f"{path} is not the page of token {token:#x}")
+
+    @classmethod
+    def open(cls, reader: dict | None) -> LiveWatch | None:
+        """The page a worker's update_progress named (StepAgreement.reader), or None where it
+        cannot be opened (another host, another /proc): the caller asks the workers instead."""
+        if not reader:
+            return None
+        try:
+            return cls(str(reader["path"]), int(reader["token"]), int(reader["ranks"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def read(self) -> tuple[int, int] | None:
+        """(the version rank 0 made live last, rank 0's last step), or None once the group is
+        closed."""
+        words = self._words
+        if self._map is None or words[self._front_end + _CLOSED]:
+            return None
+        applied = words[self._front_end + _APPLIED]
+        return applied, max(words[self._ring]) >> 1
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._words.release()
+            self._map.close()
+            self._map = None
 
 
 def open_for_tensor_parallel_group(gathered) -> StepAgreement:

@@ -99,7 +99,7 @@ class UpdateGroup:
         between two steps): logs the step it goes live at and tells the agreement."""
         self.step_log.append((self.steps, version))
         if self.step_agreement is not None:
-            self.step_agreement.committed(self.steps)
+            self.step_agreement.committed(self.steps, version)
 
     def group_views(self, group: int) -> list:
         """Views of every tensor of `group` in its live slot (group_rebinding's)."""

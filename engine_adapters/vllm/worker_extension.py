@@ -216,13 +216,18 @@ class WorkerExtension:
     def update_progress(self) -> dict:
         """``{"applied_version": v, "pending": whether a received update waits for a step,
         "coordinated": commit_mode "coordinated", "ready_version": the update held for a
-        commit (0: none)}``: what apply_update_async polls. Swaps nothing; thread-safe."""
+        commit (0: none)}``: what apply_update_async polls. Under step agreement rank 0 adds
+        ``"live_watch"``: where the front end can read the version live without asking
+        (step_agreement.LiveWatch). Swaps nothing; thread-safe."""
         state = self._require()
         stats = state.receiver.stats()
-        pending = stats.has_pending or (state.step_agreement is not None
-                                        and stats.ready_version != 0)
-        return {"applied_version": stats.applied_version, "pending": pending,
-                "coordinated": state.coordinated, "ready_version": stats.ready_version}
+        agreement = state.step_agreement
+        pending = stats.has_pending or (agreement is not None and stats.ready_version != 0)
+        progress = {"applied_version": stats.applied_version, "pending": pending,
+                    "coordinated": state.coordinated, "ready_version": stats.ready_version}
+        if agreement is not None and agreement.rank == 0:
+            progress["live_watch"] = agreement.reader()
+        return progress
 
     def ready_version(self) -> int:
         """commit_mode "coordinated": the update this worker received, checked and holds ready

@@ -11,7 +11,7 @@ import pytest
 
 from shadowsync.errors import InvalidArgumentError
 from shadowsync.vllm import step_agreement
-from shadowsync.vllm.step_agreement import RING, StepAgreement, open_for_tensor_parallel_group
+from shadowsync.vllm.step_agreement import RING, LiveWatch, StepAgreement, open_for_tensor_parallel_group
 
 DEADLINE_S = 20.0
 
@@ -94,7 +94,7 @@ def test_every_rank_commits_each_version_at_the_same_step_under_skew(page):
                     if step - since >= ready_after[version - 1][rank]:
                         ready = version
                 if agreement.goes_live(step, ready):
-                    agreement.committed(step)  # as UpdateGroup.committed does
+                    agreement.committed(step, version)  # as UpdateGroup.committed does
                     committed[rank].append((step, ready))
                     version, since = version + 1, None
                 done_steps[rank] = step
@@ -122,8 +122,8 @@ def test_a_promise_from_before_the_last_commit_counts_for_nothing(page):
     assert leader.goes_live(2, 1) is True
     thread.join(DEADLINE_S)
     assert answer == [True]
-    leader.committed(2)
-    follower.committed(2)
+    leader.committed(2, 1)
+    follower.committed(2, 1)
     # Rank 0 holds 1 + 2**23 at step 3; the follower holds nothing yet, and its word still
     # promises 1 since step 2.
     assert leader.goes_live(3, 1 + (1 << 23)) is False
@@ -239,3 +239,26 @@ def test_a_follower_that_does_not_share_the_page_is_refused_with_the_likely_caus
         assert isinstance(result, InvalidArgumentError), results
         assert "rank 1 finds no" in str(result) and "--ipc=host" in str(result), str(result)
     assert list(tmp_path.iterdir()) == []  # rank 0 removed its file and closed
+
+
+def test_the_front_end_reads_the_live_version_and_rank_0s_step_through_its_descriptor(page):
+    leader, follower = ranks_on(page, 2)
+    os.unlink(page)  # as the set-up does once every rank opened it
+    reader = leader.reader()
+    assert reader["path"] == f"/proc/{os.getpid()}/fd/{leader._fd}" and follower.reader() is None
+    watch = LiveWatch.open(reader)
+    assert watch.read() == (0, 0)
+    leader.goes_live(3, 0)
+    assert watch.read() == (0, 3)  # rank 0 stepped, nothing went live
+    leader.committed(3, 7)
+    assert watch.read() == (7, 3)
+    # Not this page (a descriptor number reused by another group's), no page, a bad answer:
+    # nothing to watch, and the front end asks the workers instead.
+    assert LiveWatch.open(dict(reader, token=reader["token"] ^ 2)) is None
+    assert LiveWatch.open(dict(reader, path=page)) is None
+    assert LiveWatch.open(None) is None and LiveWatch.open({"path": reader["path"]}) is None
+    leader.close()
+    assert watch.read() is None  # closed: a new group names its own page
+    assert leader.reader() is None
+    follower.close()
+    watch.close()

@@ -456,6 +456,57 @@ def test_apply_update_async_lets_the_step_hook_swap_and_applies_only_for_an_idle
     assert coordinated.calls == ["update_progress"]
 
 
+def test_apply_update_async_under_step_agreement_reads_rank_0s_page_not_the_workers(
+        monkeypatch, tmp_path):
+    """commit_mode "auto" under tensor parallelism: after the first answer names rank 0's page,
+    apply_update_async learns what went live from the page, with no RPC while rank 0 steps; an
+    engine that stops stepping is asked (and applied by wait_applied), a closed page is dropped."""
+    import asyncio
+
+    import shadowsync.vllm as ssv
+    from shadowsync.vllm import front_end
+    from shadowsync.vllm.step_agreement import StepAgreement
+
+    leader = StepAgreement(str(tmp_path / "steps"), 0, 2, create=True)
+    leader.committed(0, 1)  # as the set-up does: the version live when the group began
+    engine = _AsyncFakeFrontEnd(True, [{"applied_version": 1, "pending": False,
+                                        "live_watch": leader.reader()}])
+    # Each poll's sleep is one step of rank 0's hook; at step `commit_at` the hooks commit.
+    rank_0 = SimpleNamespace(step=0, stepping=True, commit_at=None, version=None)
+    real_sleep = asyncio.sleep
+
+    async def a_step(seconds, *args, **kwargs):
+        if rank_0.stepping:
+            rank_0.step += 1
+            leader.goes_live(rank_0.step, 0)
+            if rank_0.step == rank_0.commit_at:
+                leader.committed(rank_0.step, rank_0.version)
+        await real_sleep(0 if rank_0.stepping else seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", a_step)
+    run = lambda version: asyncio.run(ssv.apply_update_async(  # noqa: E731
+        engine, version, timeout=DEADLINE_S, reset_prefix_cache=False))
+    rank_0.commit_at, rank_0.version = 3, 2
+    assert run(2) == 2
+    assert engine.calls == ["update_progress"]  # the one that named the page
+    assert rank_0.step == 3  # returned at the poll after the commit, not before
+    rank_0.commit_at, rank_0.version = 10, 3
+    assert run(3) == 3 and rank_0.step == 10
+    assert engine.calls == ["update_progress"]  # no RPC at all
+    # Rank 0 stops stepping (an idle engine) while update 4 is held ready: asked, then applied.
+    monkeypatch.setattr(front_end, "_IDLE_AFTER_S", 0.02)
+    rank_0.stepping = False
+    engine.progress = [{"applied_version": 3, "pending": True, "live_watch": leader.reader()}]
+    assert run(4) == 4
+    assert engine.calls[1:] == ["update_progress"] * (len(engine.calls) - 2) + ["wait_applied"]
+    # The group closed: its page is dropped, and the workers' answers count.
+    leader.close()
+    engine.calls.clear()
+    engine.progress = [{"applied_version": 5, "pending": False}]
+    assert run(5) == 5 and engine.calls == ["update_progress"]
+    assert front_end._live_watches.get(engine) is None
+
+
 def test_apply_update_async_polls_every_poll_s_and_refuses_a_poll_s_that_is_not_positive(monkeypatch):
     import asyncio
 
