@@ -26,10 +26,10 @@
 # files that git does not ignore), made in $SHADOWSYNC_MUTATION_DIR (default build-mutation/,
 # ignored by git; its path stays the same from run to run so that ccache can reuse the objects).
 # Each mutation is applied to that copy, only its test is built (CUDA off), the test is run, and
-# the patch is reversed again. For a pytest guard, the C library (libshadowsync_c.so) is built
-# from the mutated copy and pytest runs in the copy (its python/ and engine_adapters/, as
-# python/tests/conftest.py finds them) with SHADOWSYNC_LIBRARY pointing at that library, as
-# scripts/test.sh runs pytest. The python that runs it: $SHADOWSYNC_MUTATION_PYTHON, else
+# the patch is reversed again. For a pytest guard, the C library is built from the mutated copy
+# (libshadowsync_c_testing.so: the library and its test hooks, which fault-injecting tests use)
+# and pytest runs in the copy (its python/ and engine_adapters/, as python/tests/conftest.py
+# finds them) with SHADOWSYNC_LIBRARY pointing at that library, as scripts/test.sh runs pytest. The python that runs it: $SHADOWSYNC_MUTATION_PYTHON, else
 # build-vllm/venv/bin/python where scripts/test.sh's vllm step made it (vLLM's tests need it),
 # else python3; it must import pytest. A pytest guard that skips a test checks nothing: the
 # mutation is reported as not checked and the exit status is non-zero. A filter or node id that
@@ -166,12 +166,12 @@ run_catch() {
 # run_pytest ARGS TIMEOUT LOG: builds the C library and runs the pytest guard in the copy; sets
 # built and rc.
 run_pytest() {
-  cmake --build "$build" -j 2 --target shadowsync_c >"$work/build.log" 2>&1 || built=$?
+  cmake --build "$build" -j 2 --target shadowsync_c_testing >"$work/build.log" 2>&1 || built=$?
   if ((built == 0)); then
     local args
     read -r -a args <<<"$1"
     # -rfEs: each failed test and a skipped test's reason goes into the log (a skip checks nothing).
-    (cd "$src" && env -u SHADOWSYNC_TEST_INSTALLED SHADOWSYNC_LIBRARY="$build/libshadowsync_c.so" \
+    (cd "$src" && env -u SHADOWSYNC_TEST_INSTALLED SHADOWSYNC_LIBRARY="$build/libshadowsync_c_testing.so" \
       PYTHONDONTWRITEBYTECODE=1 timeout "$2" "$python" -m pytest "${args[@]}" -q -rfEs \
       -p no:cacheprovider) >"$3" 2>&1 || rc=$?
   fi
@@ -185,7 +185,7 @@ for m in "${mutations[@]}"; do
     guard=$pytest_args
     limit=$(optional_field "$patch" Timeout)
     limit=${limit:-600}
-    echo "==> mutation $m ($(basename "$patch")): building libshadowsync_c.so for pytest"
+    echo "==> mutation $m ($(basename "$patch")): building libshadowsync_c_testing.so for pytest"
   else
     test=$(header_field "$patch" Test)
     guard=$(header_field "$patch" Filter)

@@ -784,6 +784,15 @@ def main() -> int:
             failures += not ok
             log(f"{'ok  ' if ok else 'FAIL'} commit_update({version + 100}) refused on every "
                 f"rank, applied versions still {still}")
+            # Dropping an older update than the one held (what commit_update sends when an
+            # update is ready on some ranks only) leaves the held one ready on every rank.
+            dropped = llm.collective_rpc("discard_ready_update", args=(version - 1,))
+            ready_after = [int(v) for v in llm.collective_rpc("ready_version")]
+            ok = (all(d.get("discarded") == 0 for d in dropped)
+                  and ready_after == [version] * args.tp)
+            failures += not ok
+            log(f"{'ok  ' if ok else 'FAIL'} discard_ready_update({version - 1}) on every rank: "
+                f"{dropped}; update {version} still ready on the ranks: {ready_after}")
             applied = ssv.commit_update(llm, version, timeout=60)
         else:
             applied = ssv.apply_update(llm, version, timeout=60)

@@ -193,11 +193,16 @@ async def apply_update_async(engine, version: int, timeout: float | None = None,
         now = time.monotonic()
         left = None if timeout is None else max(0.0, timeout - (now - started))  # of the timeout
         if timeout is not None and now - started > timeout:
+            # Under the step agreement an update ready on some ranks only never goes live.
+            dropped = _partly_ready([int(p.get("ready_version", 0)) for p in progress], version)
+            if dropped:
+                _discarded(await engine.collective_rpc("discard_ready_update", args=(version,)))
             raise ShadowsyncTimeoutError(
                 f"apply_update_async: version {version} not live after {timeout} s (workers' "
                 f"applied versions {[p['applied_version'] for p in progress]}, an update pending "
                 f"on {[p['pending'] for p in progress]}, held ready "
-                f"{[p.get('ready_version', 0) or 'none' for p in progress]})")
+                f"{[p.get('ready_version', 0) or 'none' for p in progress]})"
+                + (f"; {_DROPPED}" if dropped else ""))
         if all(p["pending"] or p["applied_version"] >= version for p in progress):
             pending_since = now if pending_since is None else pending_since
             if now - pending_since >= _IDLE_AFTER_S:  # no step took it: an idle engine
@@ -287,14 +292,34 @@ def _seen_ready(ready: list[int], version: int) -> bool | None:
     return None
 
 
-def _not_ready_error(caller: str, version: int, timeout: float, ready: list[int]):
-    """commit_update's timeout: names the workers that do not hold `version` ready."""
+def _partly_ready(ready: list[int], version: int) -> bool:
+    """Some workers hold `version` ready and the others an older one or none (it failed there,
+    or is late): no commit can come, and the workers that hold it would take no newer update."""
+    return version in ready and any(v < version for v in ready)
+
+
+# What a timeout says when the update was ready on some workers only (discard_ready_update).
+_DROPPED = ("it was dropped on every worker (the late ones drop it when it completes), so the "
+            "next update lands on every rank alike: send a newer one")
+
+
+def _discarded(results: list) -> None:
+    """The workers' answers to discard_ready_update: a refusal raised."""
+    refused = [r["refused"] for r in results if "refused" in r]
+    if refused:
+        raise InvalidArgumentError(refused[0])
+
+
+def _not_ready_error(caller: str, version: int, timeout: float, ready: list[int],
+                     dropped: bool):
+    """commit_update's timeout: names the workers that do not hold `version` ready, and whether
+    it was dropped on every worker."""
     from shadowsync.errors import ShadowsyncTimeoutError
 
     late = [f"worker {i}: {'none' if v == 0 else v}" for i, v in enumerate(ready) if v != version]
     return ShadowsyncTimeoutError(
         f"{caller}({version}): not ready on every worker after {timeout} s "
-        f"({', '.join(late)} ready); nothing was committed")
+        f"({', '.join(late)} ready); nothing was committed" + (f"; {_DROPPED}" if dropped else ""))
 
 
 def _check_poll_s(caller: str, version: int, poll_s) -> None:
@@ -323,7 +348,10 @@ def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: 
     agreement: WorkerExtension.commit_update's `seen_ready_on_every_rank`). Then asks vLLM to
     reset its prefix cache (as apply_update, `preempt_running` too). Raises
     ShadowsyncTimeoutError naming the workers not ready after `timeout` seconds (nothing was
-    committed then). Returns `version`. For an ``AsyncLLM``: commit_update_async.
+    committed then). Where some workers held `version` ready and others did not (it failed
+    there, or is late), every worker drops it first (discard_ready_update): `version` goes live
+    on every rank or on none, and the next update lands on every rank alike. Returns `version`.
+    For an ``AsyncLLM``: commit_update_async.
 
     Each poll is an RPC that vLLM's engine thread serves between two steps, as each of
     apply_update_async's (see there for what a short `poll_s` adds to the engine stop)."""
@@ -337,7 +365,10 @@ def commit_update(llm, version: int, timeout: float = 60.0, reset_prefix_cache: 
             break
         left = deadline - time.monotonic()
         if left < 0:
-            raise _not_ready_error("commit_update", version, timeout, ready)
+            dropped = _partly_ready(ready, version)
+            if dropped:
+                _discarded(llm.collective_rpc("discard_ready_update", args=(version,)))
+            raise _not_ready_error("commit_update", version, timeout, ready, dropped)
         time.sleep(min(poll_s, left))
     applied = _committed(llm.collective_rpc("commit_update", args=(version, seen)))
     if reset_prefix_cache:
@@ -363,7 +394,10 @@ async def commit_update_async(engine, version: int, timeout: float = 60.0,
             break
         left = deadline - time.monotonic()
         if left < 0:
-            raise _not_ready_error("commit_update_async", version, timeout, ready)
+            dropped = _partly_ready(ready, version)
+            if dropped:
+                _discarded(await engine.collective_rpc("discard_ready_update", args=(version,)))
+            raise _not_ready_error("commit_update_async", version, timeout, ready, dropped)
         await asyncio.sleep(min(poll_s, left))
     applied = _committed(await engine.collective_rpc("commit_update", args=(version, seen)))
     if reset_prefix_cache:

@@ -94,6 +94,19 @@ class UpdateGroup:
         self.agreed_commits += 1
         return applied
 
+    def discard_up_to(self, version: int) -> int:
+        """Drops the update the receiver holds ready if it is `version` or older, and `version`
+        itself when its receive completes later (Receiver.discard); under step agreement every
+        promise made so far counts for nothing. Every rank between the same two steps: what
+        undoes an update ready on some ranks only. Returns the version dropped now (0: none)."""
+        held = self.receiver.ready_version
+        dropped = held if 0 < held <= version and self.receiver.discard(held) else 0
+        if dropped != version:
+            self.receiver.discard(version)  # still arriving here: dropped when it completes
+        if self.step_agreement is not None:
+            self.step_agreement.committed(self.steps, self.receiver.applied_version)
+        return dropped
+
     def committed(self, version: int) -> None:
         """After a commit (commit_mode "coordinated", or the step agreement's, in a step hook or
         between two steps): logs the step it goes live at and tells the agreement."""

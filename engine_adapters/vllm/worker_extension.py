@@ -201,17 +201,36 @@ class WorkerExtension:
             failed_on = [(rank, answer) for rank, answer in enumerate(answers) if answer[1]]
             if failed_on:  # the ranks cannot come to hold one version up to `version`
                 rank, (_, failed_version, error, _) = failed_on[0]
+                state.discard_up_to(version)  # every rank, in this round: none keeps a part
                 raise ShadowsyncTimeoutError(
                     f"wait_applied({version}): update {failed_version} failed on "
-                    f"tensor-parallel rank {rank} ({error}); the ranks hold "
-                    f"{[a[0] or 'none' for a in answers]} ready, so nothing goes live until an "
-                    f"update arrives on every rank; send a new one")
+                    f"tensor-parallel rank {rank} ({error}); the ranks held "
+                    f"{[a[0] or 'none' for a in answers]} ready and dropped it, so the next "
+                    f"update lands on every rank alike; send a new one")
             if timeout is not None and answers[0][3] > timeout:  # rank 0's clock: all agree
                 raise ShadowsyncTimeoutError(
                     f"wait_applied({version}): not live after {timeout} s; the ranks hold "
                     f"{[a[0] or 'none' for a in answers]} ready (applied "
                     f"{state.receiver.applied_version})")
             time.sleep(0.002)  # an idle engine: the receive is still running
+
+    def discard_ready_update(self, version: int) -> dict:
+        """Tensor parallelism: drops the update this worker holds ready if it is `version` or
+        older, without making it live, and `version` itself if its receive completes later
+        (Receiver.discard). Through collective_rpc every worker does it between the same two
+        steps: what shadowsync.vllm.commit_update does when an update is ready on some ranks only
+        (it failed, or is late, on the others), so that the next update lands on every rank
+        alike. Returns ``{"discarded": the version dropped now (0: none), "applied_version":
+        v}``, or ``{"refused": ...}`` where no update is held for a commit (one GPU, or
+        commit_mode "auto" without tensor parallelism). Engine thread."""
+        state = self._require()
+        if not state.coordinated and state.step_agreement is None:
+            return {"refused": f"discard_ready_update({version}): this worker holds no update "
+                               f"for a commit (commit_mode \"auto\" on one rank: an update goes "
+                               f"live at the next step)", "error": "InvalidArgumentError",
+                    "applied_version": state.receiver.applied_version}
+        return {"discarded": state.discard_up_to(int(version)),
+                "applied_version": state.receiver.applied_version}
 
     def update_progress(self) -> dict:
         """``{"applied_version": v, "pending": whether a received update waits for a step,

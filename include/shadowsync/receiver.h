@@ -322,6 +322,16 @@ class Receiver {
   // hook may ask at every step. Thread-safe.
   std::uint64_t ready_version() const;
 
+  // kCoordinated only: drops update `version` on this rank without making it live: now, if it is
+  // the update held ready, or else as soon as its receive completes (a newer update's header
+  // cancels that). What tensor-parallel ranks do, each between the same two steps, when an update
+  // is ready on some of them only (it failed, or never arrived, on the others): otherwise those
+  // that hold it keep it for a commit that cannot come, and take no newer update. The groups it
+  // wrote hold nothing worth keeping afterwards: the next update lands on the live weights, as on
+  // the ranks it never reached. Returns whether it was held ready. Throws Error(kInvalidArgument)
+  // in kAuto mode. Thread-safe.
+  bool discard(std::uint64_t version);
+
   // Called on the receiver thread once per update outcome. Set before the first update.
   void set_observer(std::function<void(const UpdateReport&)> observer);
 

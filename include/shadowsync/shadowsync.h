@@ -747,6 +747,13 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_applied_version(
  * ready_version, but one atomic load without a lock, for a step hook. Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_ready_version(
     shadowsync_receiver_t receiver, uint64_t* version);
+/* commit_mode coordinated: drops update `version` without making it live, now if it is the one
+ * held ready (then `*was_ready` is 1), else when its receive completes (a newer update's header
+ * cancels that; `*was_ready` 0). For tensor-parallel ranks, each between the same two steps, when
+ * an update is ready on some of them only: the next update then lands on every rank alike.
+ * SHADOWSYNC_INVALID_ARGUMENT in auto mode. `was_ready` may be NULL. Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_receiver_discard(shadowsync_receiver_t receiver,
+                                                               uint64_t version, int* was_ready);
 
 /* The live pointer table: device memory of the backend, valid until the next swap. Engine thread
  * only. */

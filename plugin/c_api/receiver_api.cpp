@@ -498,6 +498,15 @@ shadowsync_status_t shadowsync_receiver_ready_version(shadowsync_receiver_t rece
   });
 }
 
+shadowsync_status_t shadowsync_receiver_discard(shadowsync_receiver_t receiver, uint64_t version,
+                                                int* was_ready) {
+  return guard(__func__, [&] {
+    auto object = lookup<ReceiverObject>(receiver, "receiver");
+    const bool held = object->receiver->discard(version);
+    if (was_ready != nullptr) *was_ready = held ? 1 : 0;
+  });
+}
+
 shadowsync_status_t shadowsync_receiver_live_tensor(shadowsync_receiver_t receiver, size_t group,
                                                     size_t tensor, void** data) {
   return guard(__func__, [&] {

@@ -306,6 +306,29 @@ std::uint64_t Receiver::commit(std::uint64_t version, Stream& engine_stream) {
   return applied.value_or(version);
 }
 
+bool Receiver::discard(std::uint64_t version) {
+  if (impl_->config.commit_mode != CommitMode::kCoordinated) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("discard({}): the receiver's commit_mode is auto, where no update is "
+                            "held ready; set ReceiverConfig::commit_mode to coordinated",
+                            version));
+  }
+  std::lock_guard lock(impl_->commit_mutex);
+  if (impl_->held_ready == nullptr || impl_->held_version != version) {
+    impl_->discard_when_ready = version;  // still arriving, or never will: a newer one clears it
+    return false;
+  }
+  impl_->held_ready = nullptr;
+  impl_->held_version = 0;
+  impl_->held_discarded = true;
+  {
+    std::lock_guard stats_lock(impl_->stats_mutex);
+    impl_->stats.ready_version = 0;
+  }
+  impl_->committed.notify_all();  // a receive waiting for the commit may go on
+  return true;
+}
+
 std::uint64_t Receiver::ready_version() const {
   return impl_->held_version.load(std::memory_order_acquire);
 }

@@ -167,6 +167,10 @@ struct Receiver::Impl {
   std::condition_variable committed;
   const PendingUpdate* held_ready = nullptr;
   std::atomic<std::uint64_t> held_version{0};
+  // discard(): the held update was dropped (the receiver thread frees its slots when it resolves
+  // the offer), and the update to drop when its receive completes (0: none).
+  bool held_discarded = false;
+  std::uint64_t discard_when_ready = 0;
   // Waits until no update is held ready (committed), the receiver stops, or `deadline` passes.
   bool wait_for_commit(Clock::time_point deadline);
 

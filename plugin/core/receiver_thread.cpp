@@ -62,6 +62,14 @@ void Receiver::Impl::run() {
 void Receiver::Impl::resolve_offer() {
   const PendingUpdate* offered = planner.offer();
   if (offered == nullptr) return;
+  {
+    std::lock_guard lock(commit_mutex);
+    if (held_discarded) {  // dropped while held ready: the engine never saw it
+      held_discarded = false;
+      planner.on_discarded();
+      return;
+    }
+  }
   if (owner.hook_->retract() != nullptr) {
     planner.on_retracted();  // latest wins; its groups stay pending
   } else {
@@ -81,6 +89,10 @@ bool Receiver::Impl::wait_for_commit(Clock::time_point deadline) {
 
 void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& asked) {
   const Layout& layout = owner.wire_layout();
+  {
+    std::lock_guard lock(commit_mutex);
+    if (discard_when_ready < header.version) discard_when_ready = 0;  // a newer update: moot
+  }
   if (!transport) {
     UpdateReport failed;
     failed.version = header.version;
@@ -296,10 +308,15 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
   const PendingUpdate* offered = &planner.complete();
   if (config.commit_mode == CommitMode::kCoordinated) {
     std::lock_guard lock(commit_mutex);
-    held_ready = offered;  // goes live only in commit()
-    held_version = header.version;
-    std::lock_guard stats_lock(stats_mutex);
-    stats.ready_version = header.version;
+    if (discard_when_ready == header.version) {  // discard() came while it was arriving
+      discard_when_ready = 0;
+      planner.on_discarded();
+    } else {
+      held_ready = offered;  // goes live only in commit()
+      held_version = header.version;
+      std::lock_guard stats_lock(stats_mutex);
+      stats.ready_version = header.version;
+    }
   } else {
     owner.hook_->publish(offered);
   }

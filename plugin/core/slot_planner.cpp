@@ -17,11 +17,20 @@ std::uint64_t SlotPlanner::retracted_version() const {
 }
 
 void SlotPlanner::on_applied() {
-  if (offered_ < 0) throw Error(ErrorCode::kInternal, "slot planner: on_applied without an offer");
-  for (const auto& swap : records_[offered_].swaps) {
-    // The old live slot (copy_in: the copied shadow); free once its release event passed.
-    groups_[swap.group].shadow = Shadow::kFree;
+  // The old live slot (copy_in: the copied shadow); free once its release event passed.
+  free_offered("on_applied");
+}
+
+void SlotPlanner::on_discarded() {
+  // Bytes of a version that never goes live.
+  free_offered("on_discarded");
+}
+
+void SlotPlanner::free_offered(const char* event) {
+  if (offered_ < 0) {
+    throw Error(ErrorCode::kInternal, fmt::format("slot planner: {} without an offer", event));
   }
+  for (const auto& swap : records_[offered_].swaps) groups_[swap.group].shadow = Shadow::kFree;
   offered_ = -1;
 }
 

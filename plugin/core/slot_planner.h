@@ -41,6 +41,8 @@ class SlotPlanner {
   void on_applied();
   // The offer was taken back before the engine saw it: its groups stay pending.
   void on_retracted();
+  // The offer was dropped, never to go live (Receiver::discard): its groups' shadows are free.
+  void on_discarded();
   // The engine rolled its last swap back: each of `live_now` names a group and the slot that is
   // live again (the table already shows it). The slot it left holds a newer version nobody will
   // read: free. No offer or receive may be unresolved.
@@ -71,6 +73,9 @@ class SlotPlanner {
   int last_written_ = 1;
   int offered_ = -1;    // index of the record in the mailbox (or taken, not yet resolved)
   int retracted_ = -1;  // index of the record taken back during the current receive
+
+  // The offer is resolved and its groups' shadows hold nothing worth keeping.
+  void free_offered(const char* event);
   bool receiving_ = false;
   std::uint64_t receiving_version_ = 0;
 };

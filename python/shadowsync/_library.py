@@ -405,6 +405,7 @@ _PROTOTYPES = {
     "shadowsync_receiver_wait_applied": (c_int, [_H, c_uint64, c_int64, _H]),
     "shadowsync_receiver_applied_version": (c_int, [_H, _P(c_uint64)]),
     "shadowsync_receiver_ready_version": (c_int, [_H, _P(c_uint64)]),
+    "shadowsync_receiver_discard": (c_int, [_H, c_uint64, _P(c_int)]),
     "shadowsync_receiver_live_tensor": (c_int, [_H, c_size_t, c_size_t, _P(c_void_p)]),
     "shadowsync_receiver_live_tensor_by_name": (c_int, [_H, c_char_p, _P(c_void_p)]),
     "shadowsync_receiver_live_arena": (c_int, [_H, c_size_t, _P(c_void_p)]),

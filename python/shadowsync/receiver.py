@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from ctypes import byref, c_size_t, c_uint64, c_void_p
+from ctypes import byref, c_int, c_size_t, c_uint64, c_void_p
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -545,6 +545,16 @@ class Receiver(Handle):
         finally:
             self._raise_swap_error()
         return applied.value
+
+    def discard(self, version: int) -> bool:
+        """commit_mode "coordinated": drops update `version` without making it live, now if it is
+        the one held ready (returns True), else as soon as its receive completes (a newer
+        update's header cancels that; returns False). For tensor-parallel ranks, each between the
+        same two steps, when an update is ready on some of them only: the next update then lands
+        on every rank alike. InvalidArgumentError in auto mode. Thread-safe."""
+        was_ready = c_int()
+        call("shadowsync_receiver_discard", self._handle, int(version), byref(was_ready))
+        return bool(was_ready.value)
 
     def use_engine_storage(self, group: str | int, addresses) -> None:
         """copy_in (or remap, for a group without an engine arena: vLLM's LoRA buffers beside

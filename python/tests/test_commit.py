@@ -129,3 +129,80 @@ def test_commit_refusals_change_nothing():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_an_update_ready_on_some_ranks_only_is_discarded_and_the_next_lands_alike_on_every_rank():
+    """Update 2 fails on rank 2 (a flipped byte: its checksum) while rank 1 holds it ready: no
+    commit can come, and rank 1 would take no newer update. discard(2) on both ranks, as between
+    two steps, drops it; update 3, of the adapter only, then lands on both alike: its base stays
+    update 1's on rank 1 too (update 2's base bytes never go live). A discard that comes while the
+    update still arrives drops it when it completes."""
+    from support import BASE, LORA, SPECS as MODEL, tensors, version_of
+    from testing_hooks import inject_flip
+
+    loopback = ss.Loopback(3)
+    backend = ss.HostBackend()
+    layout = ss.Layout(MODEL, bucket_bytes=1024)
+    config = ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000), commit_mode="coordinated")
+    ranks = [ss.Receiver(layout, backend, loopback.transport(r), config) for r in (1, 2)]
+    sender = ss.Sender(layout, backend, loopback.transport(0),
+                       ss.SenderConfig(update_deadline_ms=int(DEADLINE_S * 1000)))
+
+    def wait_for(condition, what):
+        deadline = time.monotonic() + DEADLINE_S
+        while not condition():
+            assert time.monotonic() < deadline, f"not within {DEADLINE_S} s: {what}: " + str(
+                [r.stats() for r in ranks])
+            time.sleep(0.001)
+
+    def publish(version, names, groups, receivers=ranks):
+        handle = sender.publish(version, tensors(names, version), groups=groups)
+        for r in receivers:
+            r.begin_update(handle.header_bytes)
+        return handle
+
+    def live(rank):
+        return {s[0]: version_of(s[0], rank.live_array(s[0])) for s in MODEL}
+
+    try:
+        first = publish(1, BASE + LORA, ["base", "lora"])
+        first.wait(DEADLINE_S)
+        wait_for(lambda: [r.ready_version for r in ranks] == [1, 1], "update 1 ready on both")
+        assert [r.commit(1) for r in ranks] == [1, 1]
+        # Update 2: rank 2's first bucket of it arrives with a byte flipped (update 1 took one
+        # broadcast per bucket, the checksums' block included).
+        calls = ss.UpdateHeader.from_bytes(first.header_bytes).bucket_count
+        inject_flip(loopback, 2, calls, 3)
+        handle = publish(2, BASE + LORA, ["base", "lora"])
+        wait_for(lambda: ranks[0].ready_version == 2 and ranks[1].stats().updates_failed == 1,
+                 "update 2 ready on rank 1, failed on rank 2")
+        handle.wait(DEADLINE_S)  # the trainer sent it whole: the loss is rank 2's alone
+        assert [r.discard(2) for r in ranks] == [True, False]
+        assert [r.ready_version for r in ranks] == [0, 0]
+        publish(3, LORA, ["lora"]).wait(DEADLINE_S)
+        wait_for(lambda: [r.ready_version for r in ranks] == [3, 3], "update 3 ready on both")
+        assert [r.commit(3) for r in ranks] == [3, 3]
+        expected = {**{n: 1 for n in BASE}, **{n: 3 for n in LORA}}
+        assert [live(r) for r in ranks] == [expected, expected]
+        # Update 4: rank 1 is told to drop it before its receive even began; rank 2 holds it.
+        assert ranks[0].discard(4) is False
+        publish(4, BASE + LORA, ["base", "lora"]).wait(DEADLINE_S)
+        wait_for(lambda: ranks[1].ready_version == 4 and ranks[0].stats().updates_ready == 4,
+                 "update 4 ready on rank 2, received on rank 1")
+        assert ranks[0].ready_version == 0  # received, and dropped on completion
+        assert ranks[1].discard(4) is True
+        publish(5, BASE, ["base"]).wait(DEADLINE_S)
+        wait_for(lambda: [r.ready_version for r in ranks] == [5, 5], "update 5 ready on both")
+        assert [r.commit(5) for r in ranks] == [5, 5]
+        expected = {**{n: 5 for n in BASE}, **{n: 3 for n in LORA}}
+        assert [live(r) for r in ranks] == [expected, expected]
+        # No update is held ready in auto mode: nothing to drop, refused.
+        auto = ss.Receiver(layout, backend, None)
+        with pytest.raises(ss.InvalidArgumentError, match=r"discard\(1\): the receiver's "
+                                                          r"commit_mode is auto"):
+            auto.discard(1)
+        auto.close()
+    finally:
+        sender.close()
+        for r in ranks:
+            r.close()

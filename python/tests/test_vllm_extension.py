@@ -624,6 +624,10 @@ class _TwoRankFrontEnd:
         self.calls.append((method, *args[1:]))  # commit_update: with seen_ready_on_every_rank
         if method == "ready_version":
             return list(self.ready)
+        if method == "discard_ready_update":  # each worker drops what it holds up to args[0]
+            dropped = [v if 0 < v <= args[0] else 0 for v in self.ready]
+            self.ready = [0 if d else v for v, d in zip(self.ready, dropped)]
+            return [{"discarded": d, "applied_version": 0} for d in dropped]
         assert method == "commit_update"
         return [{"applied_version": args[0]} for _ in self.ready]
 
@@ -635,12 +639,24 @@ class _TwoRankFrontEnd:
 def test_commit_update_waits_for_every_rank_and_names_the_late_one():
     from shadowsync.vllm import commit_update
 
+    # Not ready anywhere yet: nothing committed, nothing dropped (a later commit may take it).
+    early = _TwoRankFrontEnd([2, 0])
+    with pytest.raises(ss.ShadowsyncTimeoutError,
+                       match=r"commit_update\(3\): not ready on every worker after 0.05 s "
+                             r"\(worker 0: 2, worker 1: none ready\); nothing was committed \["):
+        commit_update(early, 3, timeout=0.05)
+    assert {c[0] for c in early.calls} == {"ready_version"}
+    # Ready on worker 0 only (it failed on worker 1, or is late there): no commit can come, and
+    # worker 0 would take no newer update. Dropped on every worker, so the next lands alike.
     late = _TwoRankFrontEnd([3, 2])
     with pytest.raises(ss.ShadowsyncTimeoutError,
                        match=r"commit_update\(3\): not ready on every worker after 0.05 s "
-                             r"\(worker 1: 2 ready\); nothing was committed"):
+                             r"\(worker 1: 2 ready\); nothing was committed; it was dropped on "
+                             r"every worker \(the late ones drop it when it completes\), so the "
+                             r"next update lands on every rank alike"):
         commit_update(late, 3, timeout=0.05)
     assert ("commit_update", True) not in late.calls
+    assert late.calls[-1] == ("discard_ready_update",) and late.ready == [0, 0]
     ready = _TwoRankFrontEnd([3, 3])
     assert commit_update(ready, 3) == 3
     assert ready.calls == [("ready_version",), ("commit_update", True), "reset_prefix_cache"]
@@ -712,6 +728,7 @@ def test_commit_update_async_waits_for_every_rank_without_blocking_and_raises_a_
                              r"\(worker 1: none ready\); nothing was committed"):
         run(late, 3, timeout=0.05)
     assert ("commit_update", True) not in late.calls
+    assert late.calls[-1] == ("discard_ready_update",)  # ready on worker 0 only: dropped
     refused = _AsyncTwoRankFrontEnd([[3, 3]], commit=[
         {"refused": "version 3 is not ready on rank 1", "applied_version": 2},
         {"refused": "version 3 is not ready on rank 1", "applied_version": 2}])
@@ -868,6 +885,111 @@ def test_under_tensor_parallelism_commit_mode_auto_goes_live_at_one_step_on_ever
         assert [w.ready_version() for w in workers] == [2, 2]
         assert ranks.run(workers, "commit_update", [dict(version=2)] * 2) == \
             [{"applied_version": 2}] * 2
+    finally:
+        ranks.run(workers, "close_weight_update_group", [{}] * 2)
+        sender.close()
+
+
+def test_under_tensor_parallelism_an_update_ready_on_one_rank_only_is_dropped_on_every_rank(
+        monkeypatch, tmp_path):
+    # commit_mode "auto", two ranks (threads). Update 2 fails on rank 1 (a flipped byte) while
+    # rank 0 holds it ready: no step makes it live, an idle wait_applied drops it on both ranks
+    # and says so, and update 3 (the adapter only) lands on both alike, on update 1's base. The
+    # same once more through discard_ready_update, what commit_update sends on a timeout.
+    from testing_hooks import inject_flip
+
+    from shadowsync.vllm import step_agreement
+
+    monkeypatch.setattr(step_agreement, "_SHM_DIR", str(tmp_path))
+    ranks = _ThreadRanks(2, monkeypatch)
+    workers = [FakeWorker(), FakeWorker()]
+    loopback = ss.Loopback(3)
+    layout, sender = _trainer(SPECS, loopback.transport(0))
+    specs = [tuple(vars(s).values()) for s in layout.specs]
+    ranks.run(workers, "init_weight_update_group",
+              [dict(specs=specs, bucket_bytes=1024, transport=loopback.transport(r + 1),
+                    commit_mode="auto") for r in range(2)])
+    calls = [0]  # broadcasts so far on every rank: each update's buckets and checksum block
+    step = [0]
+
+    def publish(version, names, groups, fails_on=None):
+        handle = sender.publish(version, tensors(names, version), groups=groups)
+        if fails_on is not None:  # its first bucket of this update arrives with a byte flipped
+            inject_flip(loopback, fails_on + 1, calls[0], 3)
+        calls[0] += ss.UpdateHeader.from_bytes(handle.header_bytes).bucket_count
+        ranks.run(workers, "begin_update", [dict(header_bytes=handle.header_bytes)] * 2)
+        handle.wait(DEADLINE_S)
+
+    def receivers():
+        return [w._shadowsync.receiver for w in workers]
+
+    def steps_until(condition, what):
+        deadline = time.monotonic() + DEADLINE_S
+        while not condition():
+            assert time.monotonic() < deadline, (what, [r.stats() for r in receivers()])
+            step[0] += 1
+            ranks.run(workers, "execute_model", [dict(batch=step[0])] * 2)
+
+    def live_versions(worker):
+        return {n: version_of(n, p.data) for n, p in worker.model_runner.model.params}
+
+    def ready_on_one_rank_only(version, failed):
+        holder = 1 - failed
+        steps_until(lambda: receivers()[holder].ready_version == version
+                    and receivers()[failed].stats().last_failure is not None
+                    and receivers()[failed].stats().last_failure.version == version,
+                    f"update {version} ready on rank {holder} and failed on rank {failed}")
+        for _ in range(3):  # steps go on, on the old version: no rank makes it live
+            steps_until(lambda: True, "a step")
+            step[0] += 1
+            ranks.run(workers, "execute_model", [dict(batch=step[0])] * 2)
+        assert [r.applied_version for r in receivers()] == [version - 1] * 2
+
+    try:
+        publish(1, BASE + LORA, ["base", "lora"])
+        steps_until(lambda: min(r.applied_version for r in receivers()) == 1, "update 1 live")
+        publish(2, BASE + LORA, ["base", "lora"], fails_on=1)
+        ready_on_one_rank_only(2, failed=1)
+        errors = [None, None]
+
+        def wait_applied_raising(rank):
+            try:
+                workers[rank].wait_applied(2, DEADLINE_S)
+            except ss.ShadowsyncTimeoutError as error:
+                errors[rank] = str(error)
+
+        for w, rank in zip(workers, range(2)):
+            w.wait_applied_raising = lambda rank=rank: wait_applied_raising(rank)
+        ranks.run(workers, "wait_applied_raising", [{}] * 2)
+        for error in errors:
+            assert error is not None and "update 2 failed on tensor-parallel rank 1" in error, errors
+            assert "the ranks held [2, 'none'] ready and dropped it" in error, errors
+        assert [r.ready_version for r in receivers()] == [0, 0]
+        publish(3, LORA, ["lora"])
+        steps_until(lambda: min(r.applied_version for r in receivers()) == 3, "update 3 live")
+        expected = {**{n: 1 for n in BASE}, **{n: 3 for n in LORA}}
+        assert [live_versions(w) for w in workers] == [expected, expected]
+        assert workers[0].step_versions() == workers[1].step_versions()
+        # The front end's way (commit_update's timeout): discard_ready_update on every worker.
+        publish(4, BASE + LORA, ["base", "lora"], fails_on=1)
+        ready_on_one_rank_only(4, failed=1)
+        assert ranks.run(workers, "discard_ready_update", [dict(version=4)] * 2) == [
+            {"discarded": 4, "applied_version": 3}, {"discarded": 0, "applied_version": 3}]
+        publish(5, BASE, ["base"])
+        steps_until(lambda: min(r.applied_version for r in receivers()) == 5, "update 5 live")
+        expected = {**{n: 5 for n in BASE}, **{n: 3 for n in LORA}}
+        assert [live_versions(w) for w in workers] == [expected, expected]
+        # Rank 0 fails update 6 and rank 1 holds it ready, its promise on the page: dropped, the
+        # promise counts for nothing, and update 7 goes live on both.
+        publish(6, BASE + LORA, ["base", "lora"], fails_on=0)
+        ready_on_one_rank_only(6, failed=0)
+        assert ranks.run(workers, "discard_ready_update", [dict(version=6)] * 2) == [
+            {"discarded": 0, "applied_version": 5}, {"discarded": 6, "applied_version": 5}]
+        publish(7, LORA, ["lora"])
+        steps_until(lambda: min(r.applied_version for r in receivers()) == 7, "update 7 live")
+        expected = {**{n: 5 for n in BASE}, **{n: 7 for n in LORA}}
+        assert [live_versions(w) for w in workers] == [expected, expected]
+        assert workers[0].step_versions() == workers[1].step_versions()
     finally:
         ranks.run(workers, "close_weight_update_group", [{}] * 2)
         sender.close()

@@ -387,3 +387,59 @@ TEST_CASE("the self-check: the same bytes as the live weights apply; one element
   REQUIRE(hook.wait_applied(4, deadline_from_now(), engine.stream()));
   CHECK(std::memcmp(hook.live_tensor(0, 1), arena.data() + w.offset, w.bytes) == 0);
 }
+
+TEST_CASE("coordinated: a discarded update never goes live, and the next lands on the live weights") {
+  const Layout layout = model_layout();
+  RigOptions options;
+  options.receiver.commit_mode = CommitMode::kCoordinated;
+  LoopbackRig rig(layout, options);
+  HostFakeEngine engine(rig.backend(), rig.receiver());
+  Receiver& receiver = rig.receiver();
+  const StepHook& hook = receiver.step_hook();
+  const auto ready = [&](std::uint64_t version) {
+    wait_until([&] { return receiver.ready_version() == version; },
+               fmt::format("update {} ready", version));
+  };
+  rig.publish(1, {"base", "lora_a", "lora_b"}).wait();
+  ready(1);
+  REQUIRE(receiver.commit(1, engine.stream()) == 1);
+
+  // Held ready (as on some tensor-parallel ranks only), then dropped: its bytes never go live.
+  rig.publish(2, {"base", "lora_a", "lora_b"}).wait();
+  ready(2);
+  CHECK(receiver.discard(2));
+  CHECK(receiver.ready_version() == 0);
+  CHECK_THROWS_WITH(receiver.commit(2, engine.stream()),
+                    Catch::Contains("commit(2): none is ready on this rank (applied version 1)"));
+  rig.publish(3, {"lora_a"}).wait();
+  ready(3);
+  REQUIRE(receiver.commit(3, engine.stream()) == 3);
+  CHECK(hook.live_content_version(0) == 1);  // update 2's base stays out
+  CHECK(hook.live_content_version(1) == 3);
+  CHECK(hook.live_content_version(2) == 1);
+
+  // Dropped before its receive began: received, and dropped on completion.
+  CHECK_FALSE(receiver.discard(4));
+  rig.publish(4, {"base"}).wait();
+  wait_until([&] { return receiver.stats().updates_ready == 4; }, "update 4 received");
+  CHECK(receiver.ready_version() == 0);
+
+  // A receive waiting for the held update's commit goes on once it is dropped (the engine
+  // thread's discard against the receiver thread's wait).
+  rig.publish(5, {"base"}).wait();
+  ready(5);
+  PublishHandle sixth = rig.publish(6, {"lora_b"});
+  CHECK(receiver.discard(5));
+  sixth.wait();
+  ready(6);
+  REQUIRE(receiver.commit(6, engine.stream()) == 6);
+  CHECK(hook.live_content_version(0) == 1);
+  CHECK(hook.live_content_version(1) == 3);
+  CHECK(hook.live_content_version(2) == 6);
+  engine.synchronize();
+  CHECK(engine.torn_steps() == 0);
+
+  LoopbackRig auto_rig(layout);  // commit_mode auto
+  CHECK_THROWS_WITH(auto_rig.receiver().discard(1),
+                    Catch::Contains("discard(1): the receiver's commit_mode is auto"));
+}
