@@ -839,11 +839,9 @@ def test_under_tensor_parallelism_a_rank_that_cannot_connect_takes_the_others_ba
             np.testing.assert_array_equal(param.data, params_before[name])
 
 
-def test_under_tensor_parallelism_commit_mode_auto_goes_live_at_one_step_on_every_rank(
-        monkeypatch, tmp_path):
-    # commit_mode "auto" with two tensor-parallel ranks (threads): the step hooks agree on the
-    # step over shared memory (step_agreement.py); an idle engine's wait_applied commits between
-    # two steps; a commit_update of a live version answers at once.
+def _auto_tensor_parallel_ranks(monkeypatch, tmp_path):
+    """Two FakeWorker tensor-parallel ranks (threads) set up with commit_mode "auto" (the step
+    agreement's page under tmp_path), on a loopback world with the trainer as rank 0."""
     from shadowsync.vllm import step_agreement
 
     monkeypatch.setattr(step_agreement, "_SHM_DIR", str(tmp_path))
@@ -855,6 +853,15 @@ def test_under_tensor_parallelism_commit_mode_auto_goes_live_at_one_step_on_ever
     ranks.run(workers, "init_weight_update_group",
               [dict(specs=specs, bucket_bytes=1024, transport=loopback.transport(r + 1),
                     commit_mode="auto") for r in range(2)])
+    return ranks, workers, loopback, sender
+
+
+def test_under_tensor_parallelism_commit_mode_auto_goes_live_at_one_step_on_every_rank(
+        monkeypatch, tmp_path):
+    # commit_mode "auto" with two tensor-parallel ranks (threads): the step hooks agree on the
+    # step over shared memory (step_agreement.py); an idle engine's wait_applied commits between
+    # two steps; a commit_update of a live version answers at once.
+    ranks, workers, loopback, sender = _auto_tensor_parallel_ranks(monkeypatch, tmp_path)
     try:
         assert list(tmp_path.iterdir()) == []  # the page's file is gone once both opened it
         assert [w.weight_update_stats()["step_agreement"] for w in workers] == [True, True]
@@ -898,17 +905,7 @@ def test_under_tensor_parallelism_an_update_ready_on_one_rank_only_is_dropped_on
     # same once more through discard_ready_update, what commit_update sends on a timeout.
     from testing_hooks import inject_flip
 
-    from shadowsync.vllm import step_agreement
-
-    monkeypatch.setattr(step_agreement, "_SHM_DIR", str(tmp_path))
-    ranks = _ThreadRanks(2, monkeypatch)
-    workers = [FakeWorker(), FakeWorker()]
-    loopback = ss.Loopback(3)
-    layout, sender = _trainer(SPECS, loopback.transport(0))
-    specs = [tuple(vars(s).values()) for s in layout.specs]
-    ranks.run(workers, "init_weight_update_group",
-              [dict(specs=specs, bucket_bytes=1024, transport=loopback.transport(r + 1),
-                    commit_mode="auto") for r in range(2)])
+    ranks, workers, loopback, sender = _auto_tensor_parallel_ranks(monkeypatch, tmp_path)
     calls = [0]  # broadcasts so far on every rank: each update's buckets and checksum block
     step = [0]
 
