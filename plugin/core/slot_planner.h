@@ -60,6 +60,9 @@ class SlotPlanner {
   const PendingUpdate* fail();
 
  private:
+  // The offer is resolved and its groups' shadows hold nothing worth keeping.
+  void free_offered(const char* event);
+
   enum class Shadow { kFree, kReceiving, kPending };
   struct GroupState {
     Shadow shadow = Shadow::kFree;
@@ -73,9 +76,6 @@ class SlotPlanner {
   int last_written_ = 1;
   int offered_ = -1;    // index of the record in the mailbox (or taken, not yet resolved)
   int retracted_ = -1;  // index of the record taken back during the current receive
-
-  // The offer is resolved and its groups' shadows hold nothing worth keeping.
-  void free_offered(const char* event);
   bool receiving_ = false;
   std::uint64_t receiving_version_ = 0;
 };
