@@ -942,6 +942,16 @@ def test_under_tensor_parallelism_an_update_ready_on_one_rank_only_is_dropped_on
             ranks.run(workers, "execute_model", [dict(batch=step[0])] * 2)
         assert [r.applied_version for r in receivers()] == [version - 1] * 2
 
+    def lands_alike_on_both(version, names, groups, base, adapter):
+        """`version` (of `groups`) goes live on both ranks at one step; then both hold the base
+        of update `base` and the adapter of update `adapter`."""
+        publish(version, names, groups)
+        steps_until(lambda: min(r.applied_version for r in receivers()) == version,
+                    f"update {version} live")
+        expected = {**{n: base for n in BASE}, **{n: adapter for n in LORA}}
+        assert [live_versions(w) for w in workers] == [expected, expected]
+        assert workers[0].step_versions() == workers[1].step_versions()
+
     try:
         publish(1, BASE + LORA, ["base", "lora"])
         steps_until(lambda: min(r.applied_version for r in receivers()) == 1, "update 1 live")
@@ -962,31 +972,19 @@ def test_under_tensor_parallelism_an_update_ready_on_one_rank_only_is_dropped_on
             assert error is not None and "update 2 failed on tensor-parallel rank 1" in error, errors
             assert "the ranks held [2, 'none'] ready and dropped it" in error, errors
         assert [r.ready_version for r in receivers()] == [0, 0]
-        publish(3, LORA, ["lora"])
-        steps_until(lambda: min(r.applied_version for r in receivers()) == 3, "update 3 live")
-        expected = {**{n: 1 for n in BASE}, **{n: 3 for n in LORA}}
-        assert [live_versions(w) for w in workers] == [expected, expected]
-        assert workers[0].step_versions() == workers[1].step_versions()
+        lands_alike_on_both(3, LORA, ["lora"], base=1, adapter=3)
         # The front end's way (commit_update's timeout): discard_ready_update on every worker.
-        publish(4, BASE + LORA, ["base", "lora"], fails_on=1)
-        ready_on_one_rank_only(4, failed=1)
-        assert ranks.run(workers, "discard_ready_update", [dict(version=4)] * 2) == [
-            {"discarded": 4, "applied_version": 3}, {"discarded": 0, "applied_version": 3}]
-        publish(5, BASE, ["base"])
-        steps_until(lambda: min(r.applied_version for r in receivers()) == 5, "update 5 live")
-        expected = {**{n: 5 for n in BASE}, **{n: 3 for n in LORA}}
-        assert [live_versions(w) for w in workers] == [expected, expected]
-        # Rank 0 fails update 6 and rank 1 holds it ready, its promise on the page: dropped, the
-        # promise counts for nothing, and update 7 goes live on both.
-        publish(6, BASE + LORA, ["base", "lora"], fails_on=0)
-        ready_on_one_rank_only(6, failed=0)
-        assert ranks.run(workers, "discard_ready_update", [dict(version=6)] * 2) == [
-            {"discarded": 0, "applied_version": 5}, {"discarded": 6, "applied_version": 5}]
-        publish(7, LORA, ["lora"])
-        steps_until(lambda: min(r.applied_version for r in receivers()) == 7, "update 7 live")
-        expected = {**{n: 5 for n in BASE}, **{n: 7 for n in LORA}}
-        assert [live_versions(w) for w in workers] == [expected, expected]
-        assert workers[0].step_versions() == workers[1].step_versions()
+        # Update 4 fails on rank 1; then update 6 fails on rank 0 while rank 1 holds it ready,
+        # its promise on the page: the promise counts for nothing, and update 7 goes live.
+        for dropped, failed, following, base, adapter in ((4, 1, (BASE, ["base"]), 5, 3),
+                                                          (6, 0, (LORA, ["lora"]), 5, 7)):
+            publish(dropped, BASE + LORA, ["base", "lora"], fails_on=failed)
+            ready_on_one_rank_only(dropped, failed=failed)
+            answers = [{"discarded": 0 if rank == failed else dropped,
+                        "applied_version": dropped - 1} for rank in range(2)]
+            assert ranks.run(workers, "discard_ready_update", [dict(version=dropped)] * 2) \
+                == answers
+            lands_alike_on_both(dropped + 1, *following, base=base, adapter=adapter)
     finally:
         ranks.run(workers, "close_weight_update_group", [{}] * 2)
         sender.close()
