@@ -98,7 +98,9 @@ regions and the engine ranks' needs (``shadowsync.vllm.weight_update_needs_async
 same-host pull transport (device memory on cuda, a CudaBackend; host memory on cpu, a
 HostBackend) and publishing with a routed Sender (``publish_shards``); the engine joins them
 with ``init_weight_update_group_async(trainer_ranks=dict(..., engine_needs, fingerprint))`` and
-pulls each route straight from a rank's staging into its slot. With ``--transport nccl`` rank r
+pulls each route into its slot straight from where the rank's shards lie (GPU memory CUDA IPC
+can share: nothing packed on the trainer side; ``engine_rank_in_place_bytes`` counts those
+bytes), else from the rank's staging. With ``--transport nccl`` rank r
 runs on GPU --trainer-gpu + r (a GPU of its own: NCCL refuses two ranks of one communicator on
 one GPU) and sends its routes over NCCL point-to-point (``trainer_ranks["nccl"]``). The update, its window and its
 analysis are the shadowsync path's. Per update also: the bytes the routes carried into each

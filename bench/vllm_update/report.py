@@ -195,7 +195,9 @@ def sharded_lines(results: dict, pair) -> list[str]:
              "tensor each update and publishes from rank 0: its update time includes the gather "
              "and rank 0's peak the gathered model. Bytes into each engine rank: the routed bytes the transport counted per update "
              "(weight_update_stats' routed_bytes; every update's must equal the routing plan's "
-             "bytes_to_engine, or the run fails). Trainer rank peak: torch.cuda."
+             "bytes_to_engine, or the run fails); \"in place\": of those, the bytes the engine read where "
+             "the trainer ranks' shards lie (routed_in_place_bytes), with nothing packed on the "
+             "trainer side. Trainer rank peak: torch.cuda."
              "max_memory_allocated in the rank process (its shards) plus the transport's staging, "
              "which torch does not see (a cuMem allocation: Sender.staging_bytes, two slots of "
              "the plan's max_packed_bytes of the rank); on the CPU its shards plus the staging. "
@@ -212,6 +214,8 @@ def sharded_lines(results: dict, pair) -> list[str]:
             (copy.get("decode_lost_ms") or {}).get("median")
         ratio = f"{lost / floor:.2f}x" if lost is not None and floor else "-"
         routed = sorted({tuple(u.get("engine_rank_bytes", ())) for u in r.get("updates", [])})
+        in_place = sorted({tuple(u.get("engine_rank_in_place_bytes", ()))
+                           for u in r.get("updates", [])})
         memory = r.get("trainer_rank_memory") or r.get("setup", {}).get("trainer_rank_memory", [])
         peaks = ", ".join(
             f"{size(m['peak_bytes'])} ({size(m['peak_bytes'] - m['staging_bytes'])} + "
@@ -221,5 +225,6 @@ def sharded_lines(results: dict, pair) -> list[str]:
                      f"{pair(s, 'engine_stop_ms', 2, 'n/a')} | {pair(s, 'slowdown', 3)} | "
                      f"{pair(s, 'update_ms')} | {pair(s, 'decode_lost_ms', 2)} | {ratio} | "
                      f"{' / '.join(str(list(b)) for b in routed) or '-'} (plan: "
-                     f"{r.get('setup', {}).get('bytes_to_engine_rank', '-')}) | {peaks or '-'} |")
+                     f"{r.get('setup', {}).get('bytes_to_engine_rank', '-')}; in place: "
+                     f"{' / '.join(str(list(b)) for b in in_place) or '-'}) | {peaks or '-'} |")
     return lines

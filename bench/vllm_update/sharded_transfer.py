@@ -1,8 +1,9 @@
 """The shadowsync path's sharded-trainer variant (--trainer-ranks M): M trainer rank processes on
 the engine's GPU (under TP, rank r on engine rank r mod tp's GPU), each holding only its rows of
 every parameter (shard_regions: FSDP2-like Shard(0)), each publishing them with a routed Sender
-over the same-host pull transport, the engine pulling every route straight from the rank's
-staging into its slot (ShadowsyncInitInfo.trainer_ranks, after weight_update_needs). With
+over the same-host pull transport, the engine pulling every route into its slot straight from
+the rank's shards (read in place on GPUs; from its staging otherwise)
+(ShadowsyncInitInfo.trainer_ranks, after weight_update_needs). With
 --transport nccl the ranks run on GPUs --trainer-gpu.. (none of the engine's: NCCL refuses two
 ranks of one communicator on one GPU) and send their routes over NCCL point-to-point
 (trainer_ranks["nccl"]). The engine side, the update and its analysis are the shadowsync path's
@@ -321,9 +322,13 @@ class ShardedTransfer(RankProcesses):
 
     async def engine_times(self, engine) -> dict:
         """The shadowsync path's, and the bytes the update's routes carried into each engine
-        rank (weight_update_stats' routed_bytes: the transport's count over that update)."""
+        rank (weight_update_stats' routed_bytes: the transport's count over that update), and
+        of those, the bytes read where the trainer ranks' shards lie (routed_in_place_bytes:
+        nothing packed on the trainer side)."""
         times = await super().engine_times(engine)
         times["engine_rank_bytes"] = [int(s["routed_bytes"]) for s in self.last_stats]
+        times["engine_rank_in_place_bytes"] = [int(s.get("routed_in_place_bytes", 0))
+                                               for s in self.last_stats]
         self.routed.append(times["engine_rank_bytes"])
         return times
 

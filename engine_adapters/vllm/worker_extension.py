@@ -346,6 +346,8 @@ class WorkerExtension:
         updates the step hooks made live, and ``"agreement_wait_s"``, a follower's longest wait
         for rank 0's decision. Fed by a sharded trainer (trainer_ranks): ``"routed_bytes"``
         (the bytes the last ready update's routes brought to this rank: its own parameters'),
+        ``"routed_in_place_bytes"`` (of those, the bytes read where the trainer ranks' shards
+        lie: GPU memory of the trainer processes, nothing packed on their side),
         ``"trainer_count"`` and ``"routing_fingerprint"``; 0 otherwise. Thread-safe."""
         state = self._require()
         stats = vars(state.receiver.stats()).copy()

@@ -209,6 +209,9 @@ struct ReceiverStats {
   // carried into this engine rank (the RouteMover's count over that update: the plan's
   // bytes_to(engine rank)), the plan's trainer ranks and its fingerprint; 0 without one.
   std::uint64_t routed_bytes = 0;
+  // Of routed_bytes, those read where the trainer ranks' shards lie (the same-host pull
+  // transport on GPUs: nothing packed on the trainer side), not from their staging.
+  std::uint64_t routed_in_place_bytes = 0;
   int trainer_count = 0;
   std::uint64_t routing_fingerprint = 0;
 };

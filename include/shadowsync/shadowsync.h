@@ -571,12 +571,15 @@ typedef struct {
   uint64_t routed_bytes;
   int32_t trainer_count;
   uint64_t routing_fingerprint;
+  /* Of routed_bytes, those read where the trainer ranks' shards lie (the same-host pull
+   * transport with device memory the trainer could share: nothing packed on its side). */
+  uint64_t routed_in_place_bytes;
 } shadowsync_receiver_stats_t;
 
 #define SHADOWSYNC_RECEIVER_STATS_INITIALIZER                                                  \
   {                                                                                            \
     sizeof(shadowsync_receiver_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
-        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0                          \
+        0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0                       \
   }
 
 /* One group made live by a swap. */

@@ -634,6 +634,7 @@ shadowsync_status_t shadowsync_receiver_stats(shadowsync_receiver_t receiver,
     full.routed_bytes = s.routed_bytes;
     full.trainer_count = s.trainer_count;
     full.routing_fingerprint = s.routing_fingerprint;
+    full.routed_in_place_bytes = s.routed_in_place_bytes;
     const StepHook& hook = object->receiver->step_hook();
     full.gated_swaps = hook.gated_swaps();
     full.gates_abandoned = hook.gates_abandoned();

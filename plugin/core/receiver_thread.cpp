@@ -171,6 +171,7 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
   std::size_t completed = 0;  // buckets (and the checksum block) done
   std::uint64_t sequence = 0;  // routed: the bucket's index within the update
   const std::uint64_t routed_before = mover != nullptr ? mover->routed_bytes() : 0;
+  const std::uint64_t in_place_before = mover != nullptr ? mover->routed_in_place_bytes() : 0;
   std::size_t bytes = 0;
   auto bucket_start = start;
   std::optional<Refusal> failure;
@@ -303,6 +304,7 @@ void Receiver::Impl::receive(const UpdateHeader& header, const UpdateChecks& ask
   if (mover != nullptr) {
     std::lock_guard lock(stats_mutex);
     stats.routed_bytes = mover->routed_bytes() - routed_before;
+    stats.routed_in_place_bytes = mover->routed_in_place_bytes() - in_place_before;
   }
   for (const UpdateReport& r : reports) count(r);
   const PendingUpdate* offered = &planner.complete();

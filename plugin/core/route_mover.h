@@ -25,6 +25,7 @@
 #include <memory>
 #include <span>
 
+#include "core/in_place_copies.h"
 #include "core/route_copies.h"
 #include "core/routing_plan.h"
 #include "shadowsync/backend.h"
@@ -62,6 +63,17 @@ class RouteMover {
   virtual void send_routes_async(const RoutedBucket& bucket, const void* packed,
                                  std::size_t bytes, Stream& stream) = 0;
 
+  // Trainer rank, before an update's first send: offers to have the engines read this update's
+  // bytes where they lie (`segments`: the rank's packing of every group the update sends, as
+  // ShardPacking::append_in_place_segments gives it; the memory stays unchanged until the
+  // update's last bucket was acked, as for packed memory). True: every send of the update passes
+  // packed == nullptr and nothing is packed (one pass through memory instead of two). False (the
+  // default; a transport that cannot): the caller packs as before. One thread at a time.
+  virtual bool offer_in_place(std::span<const InPlaceSegment> segments) {
+    (void)segments;
+    return false;
+  }
+
   // Engine rank: waits (on the stream, or on the calling thread where the transport says so) for
   // every trainer rank's doorbell of `bucket`, checks each (version, sequence, and that its byte
   // count is the plan's packed_range), runs `copies` (compose_route_copies for this engine rank,
@@ -74,6 +86,8 @@ class RouteMover {
   // Engine rank: bytes its copies read so far, over all updates (what the transport carried into
   // this rank). Thread-safe.
   virtual std::uint64_t routed_bytes() const = 0;
+  // Engine rank: of routed_bytes(), those its copies read in place. Thread-safe.
+  virtual std::uint64_t routed_in_place_bytes() const { return 0; }
 };
 
 }  // namespace shadowsync

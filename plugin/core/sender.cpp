@@ -585,6 +585,13 @@ void Sender::Impl::send_routes(const Job& job) {
                 fmt::format("transport '{}' no longer moves routes", transport->name()));
   }
   const std::uint64_t version = job.handle->header.version;
+  // Where the transport can read the shards where they lie, nothing is packed: the engines'
+  // copies are the update's only pass through memory.
+  std::vector<InPlaceSegment> segments;
+  for (const GroupSource& source : job.sources) {
+    packing->append_in_place_segments(source.group, source.tensors, segments);
+  }
+  const bool in_place = mover->offer_in_place(segments);
   std::uint64_t sequence = 0;
   std::vector<Backend::CopyRegion> copies;
   for (const GroupSource& source : job.sources) {
@@ -593,6 +600,16 @@ void Sender::Impl::send_routes(const Job& job) {
       // Slot b % 2 for the b-th bucket on this transport, as for broadcasts: a transport that
       // hands its engines its own two slots in turn finds each bucket in the slot it expects.
       const int s = static_cast<int>(broadcasts % 2);
+      if (in_place) {
+        mover->send_routes_async({.version = version,
+                                  .sequence = sequence++,
+                                  .group = source.group,
+                                  .bucket = k},
+                                 nullptr, packing->packed_bytes(source.group, k), *comm_stream);
+        backend.event_record(*sent[s], *comm_stream);
+        ++broadcasts;
+        continue;
+      }
       std::byte* slot = routed_staging(s);
       // The last send from this slot (bucket b-2) completed: every engine rank acknowledged it.
       backend.stream_wait_event(*pack_stream, *sent[s]);

@@ -48,6 +48,7 @@ ShardPacking::ShardPacking(const Layout& wire, const RoutingPlan& plan, int trai
   const auto& groups = wire.groups();
   runs_.resize(groups.size());
   packed_bytes_.resize(groups.size());
+  packed_begin_.resize(groups.size());
   held_.resize(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const GroupLayout& group = groups[g];
@@ -78,9 +79,11 @@ ShardPacking::ShardPacking(const Layout& wire, const RoutingPlan& plan, int trai
     }
     runs_[g].resize(group.bucket_count());
     packed_bytes_[g].resize(group.bucket_count());
+    packed_begin_[g].resize(group.bucket_count());
     for (std::size_t k = 0; k < group.bucket_count(); ++k) {
       const ByteRange slice = plan.packed_range(trainer, g, k);
       packed_bytes_[g][k] = slice.end - slice.begin;
+      packed_begin_[g][k] = slice.begin;
       auto& runs = runs_[g][k];
       for (const Segment& s : segments) {
         const std::size_t begin = std::max(s.packed, slice.begin);
@@ -97,6 +100,26 @@ ShardPacking::ShardPacking(const Layout& wire, const RoutingPlan& plan, int trai
         }
         runs.push_back({s.tensor, local_offset, begin - slice.begin, end - begin});
       }
+    }
+  }
+}
+
+void ShardPacking::append_in_place_segments(std::size_t group,
+                                            const std::vector<const std::byte*>& tensors,
+                                            std::vector<InPlaceSegment>& out) const {
+  const std::size_t first = out.size();
+  for (std::size_t k = 0; k < runs_[group].size(); ++k) {
+    for (const PackRun& run : runs_[group][k]) {
+      const std::size_t packing = packed_begin_[group][k] + run.packed_offset;
+      const std::byte* address = tensors[run.tensor] + run.local_offset;
+      if (out.size() > first) {
+        InPlaceSegment& last = out.back();
+        if (last.packing_offset + last.bytes == packing && last.address + last.bytes == address) {
+          last.bytes += run.bytes;
+          continue;
+        }
+      }
+      out.push_back({group, packing, run.bytes, address});
     }
   }
 }

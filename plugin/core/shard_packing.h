@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/in_place_copies.h"
 #include "core/routing_plan.h"
 #include "shadowsync/layout.h"
 #include "shadowsync/sender.h"
@@ -41,6 +42,13 @@ class ShardPacking {
     return packed_bytes_[group][bucket];
   }
 
+  // Where this rank's packing of group `group` lies when engines read it in place: each run at
+  // its shard's address (`tensors`: the group's entry of what check() returns), in packing
+  // order, with offsets over the whole group's packing; runs that continue each other in the
+  // packing and in memory are merged. Appended to `out`.
+  void append_in_place_segments(std::size_t group, const std::vector<const std::byte*>& tensors,
+                                std::vector<InPlaceSegment>& out) const;
+
   // Checks the shards of an update of `groups` against the plan (what Sender::publish_shards
   // promises) and returns, per listed group and tensor, the data of its shard (null where the
   // rank holds nothing of the tensor). Throws Error(kInvalidArgument) naming the tensor, the
@@ -55,6 +63,7 @@ class ShardPacking {
   const int trainer_;
   std::vector<std::vector<std::vector<PackRun>>> runs_;     // [group][bucket]
   std::vector<std::vector<std::size_t>> packed_bytes_;      // [group][bucket]
+  std::vector<std::vector<std::size_t>> packed_begin_;      // [group][bucket]: the slice's begin
   std::vector<std::vector<std::vector<ByteRange>>> held_;   // [group][tensor], wire offsets
 };
 

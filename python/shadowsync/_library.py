@@ -218,6 +218,7 @@ class ReceiverStatsC(Structure):
         ("routed_bytes", c_uint64),
         ("trainer_count", c_int32),
         ("routing_fingerprint", c_uint64),
+        ("routed_in_place_bytes", c_uint64),
     ]
 
 

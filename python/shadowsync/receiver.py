@@ -212,6 +212,9 @@ class ReceiverStats:
     routed_bytes: int = 0
     trainer_count: int = 0
     routing_fingerprint: int = 0
+    # Of routed_bytes, those read where the trainer ranks' shards lie (the same-host pull
+    # transport with GPU memory the trainers could share: nothing packed on their side).
+    routed_in_place_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -406,6 +409,7 @@ class Receiver(Handle):
             s.routed_bytes,
             s.trainer_count,
             s.routing_fingerprint,
+            s.routed_in_place_bytes,
         )
 
     def _failure(self, s: ReceiverStatsC) -> UpdateFailure | None:

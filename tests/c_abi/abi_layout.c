@@ -173,6 +173,7 @@ static void structs(void) {
   FIELD(shadowsync_receiver_stats_t, routed_bytes);
   FIELD(shadowsync_receiver_stats_t, trainer_count);
   FIELD(shadowsync_receiver_stats_t, routing_fingerprint);
+  FIELD(shadowsync_receiver_stats_t, routed_in_place_bytes);
   end_struct();
 
   STRUCT(shadowsync_group_swap_t);

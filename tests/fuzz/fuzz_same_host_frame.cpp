@@ -1,7 +1,8 @@
 // libFuzzer target for the same-host transport's record codec
 // (plugin/transports/same_host/same_host_frame.h): what a peer's bytes reach before the handshake
 // is verified (challenge, proof, accept, refuse, setup; the pull transport's hello, setup and
-// refusal), and every doorbell and ack after it (the pull transport's route records too).
+// refusal), and every doorbell and ack after it (the pull transport's route records and shard
+// table records too).
 // Built and run by scripts/fuzz.sh.
 //
 // The input's first byte picks the record type and slot geometry; the rest is the record.
@@ -105,16 +106,29 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           const RecordType type =
               (selector & 32) ? RecordType::kRouteAck : RecordType::kRouteDoorbell;
           if (decode(record, type, geometry, out, error)) {
-            check(out.slot < geometry.slot_count && out.bytes <= geometry.slot_bytes);
+            check((out.slot < geometry.slot_count || out.slot == kInPlaceSlot) &&
+                  out.bytes <= geometry.slot_bytes);
+            check(out.table_records <= kMaxShardRecords &&
+                  (out.table_records == 0 || out.slot == kInPlaceSlot));
             check_same(encode(out), record);
           }
           break;
         }
       }
       break;
-    default:
-      if (decode_ready(record, error)) check_same(encode_ready(), record);
+    case 6: {  // by bit 3: a shard table's record (routes read in place), or ready
+      if ((selector & 8) == 0) {
+        if (decode_ready(record, error)) check_same(encode_ready(), record);
+        break;
+      }
+      ShardRecord out;
+      if (decode(record, out, error)) {
+        check(out.bytes > 0 && out.allocation_offset <= out.allocation_bytes &&
+              out.bytes <= out.allocation_bytes - out.allocation_offset);
+        check_same(encode(out), record);
+      }
       break;
+    }
   }
   return 0;
 }

@@ -13,6 +13,11 @@
 //  * a trainer rank that never rings: the receive ends at SameHostConfig::doorbell_timeout,
 //    naming it, having enqueued nothing;
 //  * an engine rank on a GPU connecting to a trainer rank that serves host memory: refused, named.
+//  * routes read in place: each trainer rank's packing lies in two cudaMalloc allocations (cut
+//    mid-route), which the engines read where they lie; the second is freed and allocated again
+//    before the 2nd update (at the same address, as the allocator likes to): the engines read the
+//    new one. Packings in a cudaMallocAsync pool, which CUDA IPC cannot share, go through the
+//    staging slots instead.
 //
 // Skips (77, "SKIPPED: ...") without a usable CUDA device (tests/support/catch_main.cpp).
 #include <cuda_runtime_api.h>
@@ -22,6 +27,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -31,6 +37,7 @@
 #include <vector>
 
 #include "child_process.h"
+#include "core/in_place_copies.h"
 #include "core/route_copies.h"
 #include "deadline.h"
 #include "pull_fixture.h"
@@ -63,9 +70,56 @@ int gpu_count() {
 
 }  // namespace
 
+namespace {
+
+// A trainer rank's packing in device memory of its own, cut in two allocations at `cut`, for
+// routes read in place; `pool`: in a cudaMallocAsync pool (which CUDA IPC cannot share).
+struct DevicePacking {
+  std::size_t cut = 0;
+  std::size_t bytes = 0;
+  bool pool = false;
+  std::array<std::byte*, 2> parts{};
+
+  DevicePacking(std::size_t total, bool in_pool) : cut(total / 2 + 3), bytes(total), pool(in_pool) {
+    REQUIRE(total > cut);
+    allocate(0);
+    allocate(1);
+  }
+  ~DevicePacking() {
+    for (std::byte* p : parts) (void)(pool ? cudaFreeAsync(p, nullptr) : cudaFree(p));
+    (void)cudaDeviceSynchronize();
+  }
+  std::size_t size(int i) const { return i == 0 ? cut : bytes - cut; }
+  void allocate(int i) {
+    void* p = nullptr;
+    REQUIRE((pool ? cudaMallocAsync(&p, size(i), nullptr) : cudaMalloc(&p, size(i))) ==
+            cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    parts[static_cast<std::size_t>(i)] = static_cast<std::byte*>(p);
+  }
+  // Freed and made again (the caching allocators of trainers do this): another allocation,
+  // likely at the same address.
+  void reallocate_second() {
+    REQUIRE(cudaFree(parts[1]) == cudaSuccess);
+    allocate(1);
+  }
+  void fill(const std::vector<std::byte>& packed) {
+    REQUIRE(cudaMemcpy(parts[0], packed.data(), cut, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(parts[1], packed.data() + cut, bytes - cut, cudaMemcpyHostToDevice) ==
+            cudaSuccess);
+  }
+  std::vector<InPlaceSegment> segments() const {
+    return {{0, 0, cut, parts[0]}, {0, cut, bytes - cut, parts[1]}};
+  }
+};
+
+}  // namespace
+
 // A trainer rank of the 2 x 2 plan, its staging on GPU 0. Environment: SS_PULL_PATH,
 // SS_PULL_RANK, SS_PULL_FIRST (first version), SS_PULL_COUNT (updates), SS_PULL_STOP_AT (a
-// version: once its 2nd bucket was acked, print "rang\n" and wait to be killed; 0: none).
+// version: once its 2nd bucket was acked, print "rang\n" and wait to be killed; 0: none),
+// SS_PULL_IN_PLACE (1: offer its packing in place from a DevicePacking, whose second part is
+// made again before the 2nd update; 2: the same in a pool, whose offer must be refused; 0: pack).
 TEST_CASE("same-host pull gpu trainer child", "[.pull_gpu_trainer]") {
   const auto plan = make_plan(2, 2);
   const int rank = static_cast<int>(env_u64("SS_PULL_RANK"));
@@ -76,11 +130,29 @@ TEST_CASE("same-host pull gpu trainer child", "[.pull_gpu_trainer]") {
   const std::uint64_t first = env_u64("SS_PULL_FIRST");
   const std::uint64_t stop_at = env_u64("SS_PULL_STOP_AT");
   std::uint64_t sends = 0;  // the b-th send goes in slot b % 2, over every update
+  const std::uint64_t in_place = env_u64("SS_PULL_IN_PLACE");
+  std::unique_ptr<DevicePacking> device;
+  if (in_place != 0) {
+    device = std::make_unique<DevicePacking>(packing(*plan, rank, first).size(), in_place == 2);
+  }
   for (std::uint64_t v = first; v < first + env_u64("SS_PULL_COUNT"); ++v) {
     const std::vector<std::byte> packed = packing(*plan, rank, v);
+    bool offered = false;
+    if (device) {
+      // The previous update was acked by every engine (flush below): its memory may change.
+      if (v == first + 1 && in_place == 1) device->reallocate_second();
+      device->fill(packed);
+      offered = transport->offer_in_place(device->segments());
+      REQUIRE(offered == (in_place == 1));
+    }
     for (std::size_t k = 0; k < plan->bucket_count(0); ++k) {
       const ByteRange range = plan->packed_range(rank, 0, k);
       const std::size_t bytes = range.end - range.begin;
+      if (offered) {
+        ++sends;
+        transport->send_routes_async({v, k, 0, k}, nullptr, bytes, *stream);
+        continue;
+      }
       // The slot is free: the send before returned once every engine read what it held.
       void* staging = transport->staging_buffer(static_cast<int>(sends++ % 2), bytes);
       REQUIRE(staging != nullptr);
@@ -103,8 +175,9 @@ TEST_CASE("same-host pull gpu trainer child", "[.pull_gpu_trainer]") {
 namespace {
 
 std::unique_ptr<ChildProcess> spawn_trainer(const std::string& path, int rank, std::uint64_t first,
-                                            std::uint64_t count, std::uint64_t stop_at = 0) {
-  return spawn_pull_trainer("[.pull_gpu_trainer]", path, rank, first, count, stop_at);
+                                            std::uint64_t count, std::uint64_t stop_at = 0,
+                                            int in_place = 0) {
+  return spawn_pull_trainer("[.pull_gpu_trainer]", path, rank, first, count, stop_at, in_place);
 }
 
 // An engine rank in the test process: its transport and a slot arena on its GPU (0xEE where
@@ -254,6 +327,38 @@ TEST_CASE(
     CHECK(e->wrong_bytes(5, 0, wire_bytes()) == 0);
   }
   for (auto& t : trainers) require_exited_zero(*t);
+}
+
+TEST_CASE("same-host pull gpu: routes read in place land, a shard table made again is read, and "
+          "memory CUDA IPC cannot share is packed") {
+  Watchdog watchdog(240s);
+  SocketDir dir{"shadowsync_pull_gpu_in_place"};
+  const auto paths = socket_paths(dir, 2);
+  const auto plan = make_plan(2, 2);
+  const int gpus = gpu_count();
+  for (const int in_place : {1, 2}) {
+    CAPTURE(in_place);
+    std::vector<std::unique_ptr<ChildProcess>> trainers;
+    for (int t = 0; t < 2; ++t) trainers.push_back(spawn_trainer(paths[t], t, 1, 3, 0, in_place));
+    std::vector<std::unique_ptr<EngineRank>> engines;
+    for (int e = 0; e < 2; ++e) engines.push_back(std::make_unique<EngineRank>(e, plan, e % gpus));
+    connect_engines(engines, paths);
+    for (std::uint64_t v = 1; v <= 3; ++v) {
+      CAPTURE(v);
+      receive_all(engines, v);
+      for (auto& e : engines) {
+        CAPTURE(e->rank);
+        INFO(e->transport->async_error().value_or(""));
+        REQUIRE_FALSE(e->transport->async_error().has_value());
+        CHECK(e->wrong_bytes(v, 0, wire_bytes()) == 0);
+        CHECK(e->transport->routed_bytes() == v * plan->bytes_to(e->rank));
+        // Every byte read where the trainers' packings lie, or none.
+        CHECK(e->transport->routed_in_place_bytes() ==
+              (in_place == 1 ? v * plan->bytes_to(e->rank) : 0));
+      }
+    }
+    for (auto& t : trainers) require_exited_zero(*t);
+  }
 }
 
 TEST_CASE("same-host pull gpu: a trainer rank that never rings ends the receive at "

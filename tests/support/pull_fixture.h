@@ -108,11 +108,13 @@ inline std::uint64_t env_u64(const char* name) {
 inline std::unique_ptr<ChildProcess> spawn_pull_trainer(const std::string& test_spec,
                                                         const std::string& path, int rank,
                                                         std::uint64_t first, std::uint64_t count,
-                                                        std::uint64_t stop_at = 0) {
+                                                        std::uint64_t stop_at = 0,
+                                                        int in_place = 0) {
   return spawn_self(test_spec, {"SS_PULL_PATH=" + path, "SS_PULL_RANK=" + std::to_string(rank),
                                 "SS_PULL_FIRST=" + std::to_string(first),
                                 "SS_PULL_COUNT=" + std::to_string(count),
-                                "SS_PULL_STOP_AT=" + std::to_string(stop_at)});
+                                "SS_PULL_STOP_AT=" + std::to_string(stop_at),
+                                "SS_PULL_IN_PLACE=" + std::to_string(in_place)});
 }
 
 }  // namespace shadowsync::testing

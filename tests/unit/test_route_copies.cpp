@@ -3,14 +3,18 @@
 // copies composed from the routes, applied from each trainer rank's packing of a random wire
 // image, leave exactly the slot and staging bytes that "the whole bucket received, then the
 // plan's pieces replayed" leaves, writing each byte as often as the pieces do; without a plan,
-// each route lands at its wire offset. And the refusals, named.
+// each route lands at its wire offset. Read in place (in_place_copies.h), from each trainer
+// rank's shards as ShardPacking's segments place them, the same copies land the same bytes; a
+// table that misses a byte a copy reads refuses the copy. And the refusals, named.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <string>
 #include <utility>
 
+#include "core/in_place_copies.h"
 #include "core/route_copies.h"
+#include "core/shard_packing.h"
 #include "core/routing_plan.h"
 #include "error_message.h"
 #include "route_replay.h"
@@ -67,6 +71,59 @@ Landed routed(const Layout& wire, const RoutingPlan& routing, int engine,
       out.copy_2d(c.to_staging, c.dst_offset, c.dst_pitch,
                   packed[c.trainer].data() + slice.begin + c.packed_offset, c.src_pitch,
                   c.row_bytes, c.rows);
+    }
+  }
+  return out;
+}
+
+// Trainer rank r's local shards of group 0's tensors, as a trainer holds them: what it holds of
+// each tensor in wire order (a box's rows, a flat range), back to back; empty where it holds
+// nothing of the tensor.
+std::vector<std::vector<unsigned char>> local_shards(const Layout& wire, const RoutingPlan& routing,
+                                                     int r, const std::vector<unsigned char>& image) {
+  const auto& tensors = wire.groups()[0].tensors();
+  std::vector<std::vector<unsigned char>> shards(tensors.size());
+  for (const ByteRange& held : routing.held(r, 0)) {
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      const std::size_t begin = std::max(held.begin, tensors[t].offset);
+      const std::size_t end = std::min(held.end, tensors[t].offset + tensors[t].bytes);
+      if (begin < end) shards[t].insert(shards[t].end(), image.begin() + begin, image.begin() + end);
+    }
+  }
+  return shards;
+}
+
+// The same copies as routed(), each read in place: from the trainer ranks' local shards at the
+// addresses their ShardPacking segments give.
+Landed routed_in_place(const Layout& wire, const RoutingPlan& routing,
+                       const std::vector<std::vector<std::vector<RouteCopy>>>& copies,
+                       std::size_t slot_bytes, std::size_t staging_bytes,
+                       const std::vector<unsigned char>& image) {
+  std::vector<std::vector<std::vector<unsigned char>>> shards;
+  std::vector<std::vector<InPlaceSegment>> segments;
+  for (int r = 0; r < routing.trainer_count(); ++r) {
+    shards.push_back(local_shards(wire, routing, r, image));
+    std::vector<const std::byte*> data;
+    for (const auto& shard : shards.back()) {
+      data.push_back(shard.empty() ? nullptr : reinterpret_cast<const std::byte*>(shard.data()));
+    }
+    ShardPacking(wire, routing, r).append_in_place_segments(0, data, segments.emplace_back());
+  }
+  Landed out(slot_bytes, staging_bytes);
+  std::vector<unsigned char> slot(slot_bytes);
+  std::vector<unsigned char> staging(staging_bytes);
+  for (std::size_t k = 0; k < wire.groups()[0].bucket_count(); ++k) {
+    for (const RouteCopy& c : copies[0][k]) {
+      CAPTURE(k, c.trainer, c.packed_offset, c.rows, c.row_bytes);
+      std::vector<AddressedCopy> addressed;
+      auto* base = reinterpret_cast<std::byte*>(c.to_staging ? staging.data() : slot.data());
+      REQUIRE(address_in_place(c, routing.packed_range(c.trainer, 0, k).begin,
+                               segments[c.trainer], base, addressed));
+      for (const AddressedCopy& a : addressed) {
+        const auto dst = static_cast<std::size_t>(a.dst - base);
+        out.copy_2d(c.to_staging, dst, a.dst_pitch, reinterpret_cast<const unsigned char*>(a.src),
+                    a.src_pitch, a.row_bytes, a.rows);
+      }
     }
   }
   return out;
@@ -167,4 +224,71 @@ TEST_CASE("route copies are refused for another wire, another engine rank or mis
                Catch::Matchers::Contains("engine rank 0 reads bytes 768..864 of group 'base' "
                                          "(bucket 3), which no route brings to it"));
   }
+}
+
+TEST_CASE("route copies read in place from the trainer ranks' shards land what they land from "
+          "the packings") {
+  const Layout wire = wire_layout();
+  const auto image = random_image(wire.groups()[0].arena_bytes(), 23);
+  for (const int engines : {1, 2}) {
+    const std::vector<ReceivePlan> plans = engine_plans(wire, engines);
+    for (const int trainers : {1, 2, 4}) {
+      CAPTURE(engines, trainers);
+      const auto held = trainer_shards(wire, trainers);
+      const RoutingPlan routing = RoutingPlan::build(wire, held, needs_of(plans));
+      const auto packed = packings(held, image);
+      for (int e = 0; e < engines; ++e) {
+        CAPTURE(e);
+        const std::size_t slot_bytes = slot_bytes_of(plans[e], wire.groups()[0].bucket_count());
+        const auto copies = compose_route_copies(routing, e, wire, &plans[e]);
+        const Landed want =
+            routed(wire, routing, e, copies, slot_bytes, plans[e].staging_bytes(), packed);
+        check_same(routed_in_place(wire, routing, copies, slot_bytes, plans[e].staging_bytes(),
+                                   image),
+                   want);
+      }
+    }
+  }
+  // Without a plan a route may span tensors, whose shards lie apart: its copy is cut at them.
+  const std::vector<ByteRange> tensors = every_tensor(wire);
+  const auto held = trainer_shards(wire, 2);
+  const RoutingPlan routing = RoutingPlan::build(wire, held, {{0, {tensors}}});
+  const auto copies = compose_route_copies(routing, 0, wire, nullptr);
+  const std::size_t arena = wire.groups()[0].arena_bytes();
+  check_same(routed_in_place(wire, routing, copies, arena, 0, image),
+             routed(wire, routing, 0, copies, arena, 0, packings(held, image)));
+}
+
+TEST_CASE("a copy read in place is refused, with nothing appended, where the table misses a "
+          "byte it reads") {
+  std::vector<std::byte> shard_a(64);
+  std::vector<std::byte> shard_b(64);
+  std::vector<std::byte> slot(256);
+  // Packing bytes 0..64 at shard_a, 64..128 at shard_b; a copy of 2 rows of 40 bytes, pitch 64,
+  // from packing byte 10: rows 10..50 (in a) and 74..114 (in b).
+  const std::vector<InPlaceSegment> table{{0, 0, 64, shard_a.data()}, {0, 64, 64, shard_b.data()}};
+  const RouteCopy copy{.trainer = 0, .packed_offset = 10, .dst_offset = 16, .src_pitch = 64,
+                       .dst_pitch = 100, .row_bytes = 40, .rows = 2};
+  std::vector<AddressedCopy> out;
+  REQUIRE(address_in_place(copy, 0, table, slot.data(), out));
+  // Crossing two segments: one copy per row, each within its segment.
+  REQUIRE(out.size() == 2);
+  CHECK(out[0] == AddressedCopy{shard_a.data() + 10, 40, slot.data() + 16, 40, 40, 1});
+  CHECK(out[1] == AddressedCopy{shard_b.data() + 10, 40, slot.data() + 116, 40, 40, 1});
+  // Within one segment: the copy unchanged, its addresses resolved (packed_begin counts).
+  out.clear();
+  const RouteCopy within{.trainer = 0, .packed_offset = 2, .dst_offset = 0, .src_pitch = 20,
+                         .dst_pitch = 30, .row_bytes = 10, .rows = 3};
+  REQUIRE(address_in_place(within, 64, table, slot.data(), out));
+  CHECK(out == std::vector<AddressedCopy>{{shard_b.data() + 2, 20, slot.data(), 30, 10, 3}});
+  // A row that runs past the table's end: refused, nothing appended.
+  out.clear();
+  const RouteCopy past{.trainer = 0, .packed_offset = 100, .dst_offset = 0, .src_pitch = 40,
+                       .dst_pitch = 40, .row_bytes = 40, .rows = 1};
+  CHECK_FALSE(address_in_place(past, 0, table, slot.data(), out));
+  CHECK(out.empty());
+  // A gap in the table under the second row: refused, the first row's copy taken back.
+  const std::vector<InPlaceSegment> gap{{0, 0, 64, shard_a.data()}, {0, 80, 48, shard_b.data()}};
+  CHECK_FALSE(address_in_place(copy, 0, gap, slot.data(), out));
+  CHECK(out.empty());
 }

@@ -1,4 +1,4 @@
-// The pull transport's records (plugin/transports/same_host/same_host_frame.h, types 9-13): each
+// The pull transport's records (plugin/transports/same_host/same_host_frame.h, types 9-14): each
 // round-trips, and every field a peer could get wrong is refused with a reason.
 #include <catch2/catch.hpp>
 
@@ -78,7 +78,65 @@ TEST_CASE("pull records round-trip") {
       RouteRecord out;
       REQUIRE(decode(encode(record), type, kGeometry, out, error));
       CHECK(out == record);
+      // Read in place, a shard table following.
+      const RouteRecord in_place{type, 7, 12, kInPlaceSlot, bytes, 291};
+      REQUIRE(decode(encode(in_place), type, kGeometry, out, error));
+      CHECK(out == in_place);
     }
+  }
+
+  ShardRecord shard;
+  shard.group = 2;
+  shard.packing_offset = 1ULL << 40;
+  shard.bytes = 4096;
+  shard.allocation_offset = 512;
+  shard.allocation_bytes = 4608;
+  shard.handle[0] = std::byte{9};
+  shard.handle[63] = std::byte{7};
+  ShardRecord shard_out;
+  REQUIRE(decode(encode(shard), shard_out, error));
+  CHECK(shard_out == shard);
+}
+
+TEST_CASE("a shard record or an in-place doorbell with impossible fields is refused") {
+  auto doorbell = encode(RouteRecord{RecordType::kRouteDoorbell, 3, 4, 0, 16, 0});
+  SECTION("shard records after a bucket in a staging slot") {
+    put_u32(doorbell, 28, 5);
+    CHECK_THAT(route_error(doorbell),
+               Catch::Contains("5 shard records follow a bucket in staging slot 0; only a "
+                               "bucket read in place has them"));
+  }
+  SECTION("more shard records than a table may have") {
+    doorbell = encode(RouteRecord{RecordType::kRouteDoorbell, 3, 4, kInPlaceSlot, 16,
+                                  kMaxShardRecords + 1});
+    CHECK_THAT(route_error(doorbell), Catch::Contains("more than the 1048576 a table may have"));
+  }
+  ShardRecord shard;
+  shard.bytes = 64;
+  shard.allocation_offset = 64;
+  shard.allocation_bytes = 128;
+  auto record = encode(shard);
+  CHECK(error_of<ShardRecord>(record).empty());
+  SECTION("bytes past the allocation's end") {
+    put_u64(record, 32, 65);  // allocation offset
+    CHECK_THAT(error_of<ShardRecord>(record),
+               Catch::Contains("64 bytes at offset 65 of an allocation of 128 bytes"));
+  }
+  SECTION("an offset past the allocation, which a subtraction would wrap") {
+    put_u64(record, 32, 129);
+    CHECK_THAT(error_of<ShardRecord>(record), Catch::Contains("of an allocation of 128 bytes"));
+  }
+  SECTION("no bytes") {
+    put_u64(record, 24, 0);
+    CHECK_THAT(error_of<ShardRecord>(record), Catch::Contains("0 bytes"));
+  }
+  SECTION("reserved field set") {
+    put_u32(record, 12, 1);
+    CHECK_THAT(error_of<ShardRecord>(record), Catch::Contains("reserved field is 1"));
+  }
+  SECTION("a packing range that overflows") {
+    put_u64(record, 16, ~std::uint64_t{0} - 10);
+    CHECK_THAT(error_of<ShardRecord>(record), Catch::Contains("overflows"));
   }
 }
 
@@ -175,10 +233,6 @@ TEST_CASE("a route doorbell outside the staging or malformed is refused") {
     put_u64(record, 32, 4097);
     CHECK_THAT(route_error(record), Catch::Contains("4097 bytes, more than a slot's 4096"));
   }
-  SECTION("reserved field set") {
-    put_u32(record, 28, 1);
-    CHECK_THAT(route_error(record), Catch::Contains("reserved field is 1"));
-  }
   SECTION("an ack where a doorbell is due") {
     record = encode(RouteRecord{RecordType::kRouteAck, 3, 4, 0, 16});
     CHECK_THAT(route_error(record), Catch::Contains("type 13 where type 12 was expected"));
@@ -202,7 +256,9 @@ TEST_CASE("pull garbage of every length decodes to nothing and never crashes") {
     PullSetup setup;
     PullRefuse refuse;
     RouteRecord route;
+    ShardRecord shard;
     std::string error;
+    CHECK_FALSE(decode(bytes, shard, error));
     CHECK_FALSE(decode(bytes, hello, error));
     CHECK_FALSE(decode(bytes, setup, error));
     CHECK_FALSE(decode(bytes, refuse, error));

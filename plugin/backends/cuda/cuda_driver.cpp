@@ -46,6 +46,8 @@ const DriverApi& driver_api() {
     look_up("cuDeviceGet", d.device_get, d.missing);
     look_up("cuDeviceGetAttribute", d.device_attribute, d.missing);
     look_up("cuStreamWaitValue32", d.stream_wait_value32, d.missing);
+    look_up("cuMemGetAddressRange", d.address_range, d.missing);
+    look_up("cuPointerGetAttribute", d.pointer_attribute, d.missing);
     return d;
   }();
   return api;

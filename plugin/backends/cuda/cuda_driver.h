@@ -1,6 +1,7 @@
 // Internal to the CUDA backend and the transports built on it: the CUDA driver API entry points
 // the library calls (virtual memory management, exporting memory to a file descriptor and
-// importing it, error names, device attributes, waiting on a memory word from a stream). They are looked up once through
+// importing it, error names, device attributes, waiting on a memory word from a stream, the
+// allocation an address lies in). They are looked up once through
 // cudaGetDriverEntryPointByVersion, so nothing links libcuda directly: CPU-only machines load the
 // library and skip GPU work. Not installed.
 #pragma once
@@ -28,6 +29,8 @@ struct DriverApi {
   PFN_cuDeviceGet_v2000 device_get = nullptr;
   PFN_cuDeviceGetAttribute_v2000 device_attribute = nullptr;
   PFN_cuStreamWaitValue32_v11070 stream_wait_value32 = nullptr;
+  PFN_cuMemGetAddressRange_v3020 address_range = nullptr;
+  PFN_cuPointerGetAttribute_v4000 pointer_attribute = nullptr;
   std::string missing;  // the first entry point not found, if any
 };
 

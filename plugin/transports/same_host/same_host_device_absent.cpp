@@ -39,5 +39,14 @@ std::string DeviceLink::timeline() { return {}; }
 
 DeviceSlots create_device_slots(Backend&, std::size_t) { refuse(); }
 DeviceSlots open_device_slots(Backend&, Fd, const PullSetup&, const std::string&) { refuse(); }
+std::optional<SharedAllocation> share_allocation(Backend&, const void*, std::string& why) {
+  why = "this build has no CUDA";
+  return std::nullopt;
+}
+bool still_allocated(Backend&, const SharedAllocation&) { return false; }
+MappedAllocation open_shared_allocation(Backend&, const std::array<std::byte, kHandleBytes>&,
+                                        std::size_t, const std::string&) {
+  refuse();
+}
 
 }  // namespace shadowsync::same_host

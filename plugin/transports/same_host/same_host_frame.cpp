@@ -93,6 +93,7 @@ std::size_t record_bytes(RecordType type) noexcept {
     case RecordType::kPullRefuse: return 40;
     case RecordType::kRouteDoorbell:
     case RecordType::kRouteAck: return kDataRecordBytes;
+    case RecordType::kShardRecord: return kShardRecordBytes;
   }
   return 0;
 }
@@ -349,8 +350,21 @@ std::array<std::byte, kDataRecordBytes> encode(const RouteRecord& record) {
   w.u64(record.version);
   w.u64(record.sequence);
   w.u32(record.slot);
-  w.u32(0);
+  w.u32(record.table_records);
   w.u64(record.bytes);
+  return out;
+}
+
+std::array<std::byte, kShardRecordBytes> encode(const ShardRecord& record) {
+  std::array<std::byte, kShardRecordBytes> out{};
+  Writer w(out, RecordType::kShardRecord);
+  w.u32(record.group);
+  w.u32(0);
+  w.u64(record.packing_offset);
+  w.u64(record.bytes);
+  w.u64(record.allocation_offset);
+  w.u64(record.allocation_bytes);
+  w.bytes(record.handle);
   return out;
 }
 
@@ -445,19 +459,54 @@ bool decode(std::span<const std::byte> record, RecordType expected, const SlotGe
   out.version = r.u64();
   out.sequence = r.u64();
   out.slot = r.u32();
-  const std::uint32_t reserved = r.u32();
+  out.table_records = r.u32();
   out.bytes = r.u64();
   const char* what = expected == RecordType::kRouteDoorbell ? "route doorbell" : "route ack";
-  if (reserved != 0) {
-    error = fmt::format("same-host {} of bucket {} of update {}: reserved field is {}, expected 0",
-                        what, out.sequence, out.version, reserved);
-  } else if (out.slot >= geometry.slot_count) {
+  const bool in_place = out.slot == kInPlaceSlot;
+  if (out.table_records != 0 && !in_place) {
+    error = fmt::format("same-host {} of bucket {} of update {}: {} shard records follow a "
+                        "bucket in staging slot {}; only a bucket read in place has them",
+                        what, out.sequence, out.version, out.table_records, out.slot);
+  } else if (out.table_records > kMaxShardRecords) {
+    error = fmt::format("same-host {} of bucket {} of update {}: {} shard records, more than "
+                        "the {} a table may have",
+                        what, out.sequence, out.version, out.table_records, kMaxShardRecords);
+  } else if (!in_place && out.slot >= geometry.slot_count) {
     error = fmt::format("same-host {} of bucket {} of update {}: slot {} is outside the {} "
                         "staging slots",
                         what, out.sequence, out.version, out.slot, geometry.slot_count);
   } else if (out.bytes > geometry.slot_bytes) {
     error = fmt::format("same-host {} of bucket {} of update {}: {} bytes, more than a slot's {}",
                         what, out.sequence, out.version, out.bytes, geometry.slot_bytes);
+  } else {
+    return true;
+  }
+  return false;
+}
+
+bool decode(std::span<const std::byte> record, ShardRecord& out, std::string& error) {
+  if (!open_record(record, RecordType::kShardRecord, error)) return false;
+  Reader r(record.subspan(kHeaderBytes));
+  out.group = r.u32();
+  const std::uint32_t reserved = r.u32();
+  out.packing_offset = r.u64();
+  out.bytes = r.u64();
+  out.allocation_offset = r.u64();
+  out.allocation_bytes = r.u64();
+  r.bytes(out.handle);
+  if (reserved != 0) {
+    error = fmt::format("same-host shard record: reserved field is {}, expected 0", reserved);
+  } else if (out.bytes == 0) {
+    error = fmt::format("same-host shard record of group {}: 0 bytes", out.group);
+  } else if (out.allocation_offset > out.allocation_bytes ||
+             out.bytes > out.allocation_bytes - out.allocation_offset) {
+    error = fmt::format("same-host shard record of group {}: {} bytes at offset {} of an "
+                        "allocation of {} bytes",
+                        out.group, out.bytes, out.allocation_offset, out.allocation_bytes);
+  } else if (out.packing_offset > UINT64_MAX - out.bytes) {
+    error = fmt::format("same-host shard record of group {}: packing offset {} + {} bytes "
+                        "overflows",
+                        out.group, out.packing_offset, out.bytes);
   } else {
     return true;
   }

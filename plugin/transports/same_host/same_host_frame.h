@@ -27,9 +27,16 @@
 //                       routing fingerprint u64, replicas u32, reserved u32 (0) (the trainer's
 //                       own, so that the engine can name both sides' values)         40 bytes
 // and its data records, 40 bytes each (bytes may be 0: a trainer rank rings for every bucket):
-//  12 route doorbell T->E  update version u64, bucket sequence u64, slot u32, reserved u32 (0),
-//                          bytes u64
+//  12 route doorbell T->E  update version u64, bucket sequence u64, slot u32, table records
+//                          u32, bytes u64. Slot kInPlaceSlot: the bytes are read where the
+//                          trainer rank's shards lie (its last shard table), not from a staging
+//                          slot; table records > 0 only then: that many shard records follow
 //  13 route ack      E->T  the same fields, echoing the doorbell
+//  14 shard record   T->E  group u32, reserved u32 (0), packing offset u64, bytes u64,
+//                          allocation offset u64, allocation bytes u64, handle (64): `bytes` of
+//                          the rank's packing of the group, from `packing offset`, lie at
+//                          `allocation offset` of the device allocation the CUDA IPC handle
+//                          names                                                       112 bytes
 #pragma once
 
 #include <array>
@@ -41,11 +48,13 @@
 namespace shadowsync::same_host {
 
 inline constexpr std::uint32_t kMagic = 0x54485353;  // "SSHT" little-endian
-inline constexpr std::uint16_t kWireVersion = 2;  // 2: pull replicas
+inline constexpr std::uint16_t kWireVersion = 3;  // 3: routes read in place
 inline constexpr std::size_t kNonceBytes = 32;
 inline constexpr std::size_t kMacBytes = 32;
 inline constexpr std::size_t kHandleBytes = 64;
 inline constexpr std::uint32_t kSlotCount = 2;
+// A route doorbell's slot when its bytes are read where the trainer rank's shards lie.
+inline constexpr std::uint32_t kInPlaceSlot = 0xffffffffu;
 
 using Nonce = std::array<std::byte, kNonceBytes>;
 using Mac = std::array<std::byte, kMacBytes>;
@@ -64,13 +73,17 @@ enum class RecordType : std::uint16_t {
   kPullRefuse = 11,
   kRouteDoorbell = 12,
   kRouteAck = 13,
+  kShardRecord = 14,
 };
 
 // Size of each record type, header included; 0 for an unknown type.
 std::size_t record_bytes(RecordType type) noexcept;
 inline constexpr std::size_t kHeaderBytes = 8;
 inline constexpr std::size_t kDataRecordBytes = 40;
-inline constexpr std::size_t kMaxRecordBytes = 104;
+inline constexpr std::size_t kShardRecordBytes = 112;
+// The most shard records one doorbell may announce (a peer's number sizes a read).
+inline constexpr std::uint32_t kMaxShardRecords = 1u << 20;
+inline constexpr std::size_t kMaxRecordBytes = 112;
 
 // Checks magic and version and returns the type of the record that `header` (8 bytes) starts;
 // on failure returns false and says why in `error`.
@@ -147,14 +160,29 @@ struct PullRefuse {
   std::uint32_t replicas = 1;  // engine processes per engine rank
 };
 // Trainer rank's bucket `sequence` of update `version` is `bytes` bytes at the start of staging
-// slot `slot` (a doorbell), or was read by the engine process (its ack, echoing the doorbell).
+// slot `slot`, or where its shards lie (kInPlaceSlot; `table_records` shard records follow when
+// its shard table changed) (a doorbell); or was read by the engine process (its ack, echoing the
+// doorbell).
 struct RouteRecord {
   RecordType type = RecordType::kRouteDoorbell;
   std::uint64_t version = 0;
   std::uint64_t sequence = 0;
   std::uint32_t slot = 0;
   std::uint64_t bytes = 0;
+  std::uint32_t table_records = 0;
   friend bool operator==(const RouteRecord&, const RouteRecord&) = default;
+};
+// One entry of a trainer rank's shard table: bytes [packing_offset, packing_offset + bytes) of
+// its packing of group `group` lie at `allocation_offset` of the device allocation `handle`
+// (a cudaIpcMemHandle_t's bytes) of `allocation_bytes`.
+struct ShardRecord {
+  std::uint32_t group = 0;
+  std::uint64_t packing_offset = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t allocation_offset = 0;
+  std::uint64_t allocation_bytes = 0;
+  std::array<std::byte, kHandleBytes> handle{};
+  friend bool operator==(const ShardRecord&, const ShardRecord&) = default;
 };
 
 // Encoders write exactly record_bytes(type) bytes.
@@ -169,6 +197,7 @@ std::array<std::byte, 32> encode(const PullHello& record);
 std::array<std::byte, 104> encode(const PullSetup& record);
 std::array<std::byte, 40> encode(const PullRefuse& record);
 std::array<std::byte, kDataRecordBytes> encode(const RouteRecord& record);
+std::array<std::byte, kShardRecordBytes> encode(const ShardRecord& record);
 
 // Decoders take a whole record (header included) of exactly its size and check every field they
 // can without context; each returns false with the reason in `error` and leaves `out` unspecified.
@@ -192,10 +221,13 @@ bool decode(std::span<const std::byte> record, PullHello& out, std::string& erro
 bool decode(std::span<const std::byte> record, PullSetup& out, std::string& error);
 // Also checks: a known reason, counts in 1..65536, trainer rank < trainer count.
 bool decode(std::span<const std::byte> record, PullRefuse& out, std::string& error);
-// A route doorbell or ack (`expected` says which). Checks slot < slot_count, bytes <= slot_bytes
-// (0 allowed), reserved == 0.
+// A route doorbell or ack (`expected` says which). Checks slot < slot_count or kInPlaceSlot,
+// bytes <= slot_bytes (0 allowed), table records 0 unless in place and at most kMaxShardRecords.
 bool decode(std::span<const std::byte> record, RecordType expected, const SlotGeometry& geometry,
             RouteRecord& out, std::string& error);
+// Also checks: bytes > 0, allocation_offset + bytes <= allocation_bytes (without overflow),
+// reserved == 0.
+bool decode(std::span<const std::byte> record, ShardRecord& out, std::string& error);
 
 // What a receiver's call expects of its next doorbell: the sequence it has reached and the byte
 // count it was asked to receive for this chunk. Returns an empty string when `doorbell` matches,

@@ -2,6 +2,17 @@
 // same_host_pull_device.h.
 #include "transports/same_host/same_host_pull_device.h"
 
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_driver.h"
+#include "backends/cuda/scoped_device.h"
+#include "shadowsync/cuda_backend.h"
+#include "shadowsync/error.h"
 #include "transports/same_host/same_host_device_staging.h"
 
 namespace shadowsync::same_host {
@@ -35,6 +46,102 @@ DeviceSlots open_device_slots(Backend& backend, Fd exported, const PullSetup& se
   as_setup.slot_bytes = setup.slot_bytes;
   as_setup.handle = setup.handle;
   return slots_of(DeviceStaging::open(backend, std::move(exported), as_setup, path));
+}
+
+namespace {
+
+int device_of(Backend& backend, const char* side) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host pull {}: shards read in place need a CudaBackend, got the "
+                            "'{}' backend",
+                            side, backend.name()));
+  }
+  return cuda->device();
+}
+
+}  // namespace
+
+std::optional<SharedAllocation> share_allocation(Backend& backend, const void* address,
+                                                 std::string& why) {
+  const int device = device_of(backend, "trainer rank");
+  cuda_detail::ScopedDeviceNoThrow on(device);
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, address) != cudaSuccess ||
+      attributes.type != cudaMemoryTypeDevice || attributes.device != device) {
+    cuda_detail::clear_last_error();
+    why = fmt::format("{} is not device memory of GPU {}", address, device);
+    return std::nullopt;
+  }
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  CUdeviceptr base = 0;
+  std::size_t bytes = 0;
+  if (api.address_range == nullptr ||
+      api.address_range(&base, &bytes, reinterpret_cast<CUdeviceptr>(address)) != CUDA_SUCCESS) {
+    why = fmt::format("the allocation holding {} was not found (cuMemGetAddressRange)", address);
+    return std::nullopt;
+  }
+  cudaIpcMemHandle_t handle{};
+  const cudaError_t status = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
+  if (status != cudaSuccess) {
+    cuda_detail::clear_last_error();
+    // Memory of cuMemCreate (PyTorch's expandable segments) or of a cudaMallocAsync pool.
+    why = fmt::format("CUDA IPC cannot share the allocation holding {} ({})", address,
+                      cudaGetErrorName(status));
+    return std::nullopt;
+  }
+  SharedAllocation shared;
+  if (api.pointer_attribute == nullptr ||
+      api.pointer_attribute(&shared.buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID, base) !=
+          CUDA_SUCCESS) {
+    why = fmt::format("the allocation holding {} has no buffer id", address);
+    return std::nullopt;
+  }
+  shared.base = reinterpret_cast<const std::byte*>(base);
+  shared.bytes = bytes;
+  static_assert(sizeof(handle) == kHandleBytes);
+  std::memcpy(shared.handle.data(), &handle, sizeof(handle));
+  return shared;
+}
+
+bool still_allocated(Backend& backend, const SharedAllocation& allocation) {
+  cuda_detail::ScopedDeviceNoThrow on(device_of(backend, "trainer rank"));
+  const cuda_detail::DriverApi& api = cuda_detail::driver_api();
+  const auto base = reinterpret_cast<CUdeviceptr>(allocation.base);
+  CUdeviceptr found = 0;
+  std::size_t bytes = 0;
+  std::uint64_t id = 0;
+  return api.address_range != nullptr && api.pointer_attribute != nullptr &&
+         api.address_range(&found, &bytes, base) == CUDA_SUCCESS && found == base &&
+         bytes == allocation.bytes &&
+         api.pointer_attribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, base) == CUDA_SUCCESS &&
+         id == allocation.buffer_id;
+}
+
+MappedAllocation open_shared_allocation(Backend& backend,
+                                        const std::array<std::byte, kHandleBytes>& handle,
+                                        std::size_t bytes, const std::string& peer) {
+  const int device = device_of(backend, "engine rank");
+  cuda_detail::ScopedDeviceNoThrow on(device);
+  cudaIpcMemHandle_t ipc{};
+  std::memcpy(&ipc, handle.data(), sizeof(ipc));
+  void* base = nullptr;
+  const cudaError_t status = cudaIpcOpenMemHandle(&base, ipc, cudaIpcMemLazyEnablePeerAccess);
+  if (status != cudaSuccess) {
+    cuda_detail::clear_last_error();
+    throw Error(ErrorCode::kTransport,
+                fmt::format("same-host pull: {}'s shards ({} bytes) could not be mapped on GPU {} "
+                            "to read them in place: cudaIpcOpenMemHandle: {}",
+                            peer, bytes, device, cudaGetErrorName(status)));
+  }
+  MappedAllocation mapped;
+  mapped.base = static_cast<const std::byte*>(base);
+  mapped.owner = std::shared_ptr<void>(base, [device](void* p) {
+    cuda_detail::ScopedDeviceNoThrow on(device);
+    (void)cudaIpcCloseMemHandle(p);
+  });
+  return mapped;
 }
 
 }  // namespace shadowsync::same_host

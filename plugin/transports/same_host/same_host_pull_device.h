@@ -6,7 +6,9 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "shadowsync/backend.h"
@@ -36,5 +38,36 @@ DeviceSlots create_device_slots(Backend& backend, std::size_t slot_bytes);
 // was tried when it cannot map them (a GPU without peer access to the trainer's, naming both).
 DeviceSlots open_device_slots(Backend& backend, Fd exported, const PullSetup& setup,
                               const std::string& path);
+
+// A device allocation that other processes of the host can map (CUDA IPC): where a trainer rank's
+// shards lie when engines read its routes in place.
+struct SharedAllocation {
+  const std::byte* base = nullptr;
+  std::size_t bytes = 0;
+  std::array<std::byte, kHandleBytes> handle{};  // a cudaIpcMemHandle_t
+  std::uint64_t buffer_id = 0;  // the driver's id of the allocation, never reused in a process
+};
+
+// Trainer rank: the allocation on `backend`'s GPU that holds `address`, shared. Nullopt, with
+// the reason in `why`, when CUDA IPC cannot share it (host memory, another GPU's, memory of the
+// virtual memory API or of a stream-ordered pool): the caller packs instead.
+// Error(kInvalidArgument) when `backend` is not a CudaBackend.
+std::optional<SharedAllocation> share_allocation(Backend& backend, const void* address,
+                                                 std::string& why);
+
+// Trainer rank: whether `allocation` is still the allocation at its base (not freed, and no
+// other made at the same address since).
+bool still_allocated(Backend& backend, const SharedAllocation& allocation);
+
+// Engine rank: a trainer rank's shared allocation mapped for `backend`'s GPU; the mapping goes
+// with the last copy of `owner`, which must outlive every copy that reads it. Error(kTransport)
+// naming `peer`, the bytes and the CUDA error when it cannot be mapped.
+struct MappedAllocation {
+  std::shared_ptr<void> owner;
+  const std::byte* base = nullptr;
+};
+MappedAllocation open_shared_allocation(Backend& backend,
+                                        const std::array<std::byte, kHandleBytes>& handle,
+                                        std::size_t bytes, const std::string& peer);
 
 }  // namespace shadowsync::same_host

@@ -6,17 +6,21 @@
 
 #include <sys/mman.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "core/in_place_copies.h"
 #include "transports/same_host/same_host_conversation.h"
+#include "transports/same_host/same_host_pull_device.h"
 #include "transports/same_host/same_host_pull_transport.h"
 
 namespace shadowsync {
@@ -50,6 +54,23 @@ struct SameHostPullTransport::State : same_host::Conversation {
   std::vector<std::string> paths;  // trainer: its own; engine: trainer rank t's at t
   std::vector<Staging> staging;    // trainer: its own; engine: trainer rank t's at t
   std::atomic<std::uint64_t> routed_bytes{0};
+
+  // Routes read in place (in_place_copies.h; the device flavour only). Trainer rank, its
+  // caller's thread: the shard table of the last offer_in_place, whether the current update is
+  // sent in place, the table's records as they go to the engines (sent with the next doorbell
+  // when `table_unsent`), and the allocations it lies in, sorted by base.
+  std::vector<InPlaceSegment> offered;
+  bool in_place = false;
+  std::vector<std::byte> table_frames;
+  std::uint32_t table_records = 0;
+  bool table_unsent = false;
+  std::vector<same_host::SharedAllocation> shared;
+  // Engine rank: each trainer rank's table, [trainer][group] sorted by packing offset, in this
+  // process's addresses; the mappings they lie in, by handle (kept for the transport's life);
+  // and the bytes its copies read in place.
+  std::vector<std::vector<std::vector<InPlaceSegment>>> tables;
+  std::map<std::array<std::byte, same_host::kHandleBytes>, same_host::MappedAllocation> mapped;
+  std::atomic<std::uint64_t> routed_in_place_bytes{0};
 
   // The device flavour: its calls run on the caller's thread (gated as same_host_device.h's: no
   // stream ever waits on a peer), with `backend`'s streams and events; every wait for a peer is
@@ -110,6 +131,10 @@ struct SameHostPullTransport::State : same_host::Conversation {
   bool await_doorbells(const RoutedBucket& bucket, std::vector<same_host::RouteRecord>& doorbells,
                        std::optional<same_host::Clock::time_point> deadline);
   bool send_acks(const RoutedBucket& bucket, const std::vector<same_host::RouteRecord>& doorbells);
+  // Engine rank: reads the `records` shard records trainer rank `t` sent after its doorbell of
+  // `bucket`, maps what they name and makes them its table.
+  bool read_table(std::size_t t, std::uint32_t records, const RoutedBucket& bucket,
+                  same_host::Clock::time_point deadline);
   // Waits on the caller's thread until `stream` passed everything enqueued on it so far.
   bool await_stream(Stream& stream, const RoutedBucket& bucket, const char* what);
 };

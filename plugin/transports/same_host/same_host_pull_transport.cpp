@@ -5,7 +5,9 @@
 #include "transports/same_host/same_host_pull_transport.h"
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <string_view>
 
@@ -139,13 +141,73 @@ std::optional<std::string> SameHostPullTransport::State::describe_wait() {
 bool SameHostPullTransport::State::ring(const RoutedBucket& bucket, const RouteRecord& doorbell) {
   const auto frame = same_host::encode(doorbell);
   for (std::size_t e = 0; e < peers.size(); ++e) {
-    const Io io = same_host::write_all(peers[e].get(), frame, wake.get(), std::nullopt);
+    Io io = same_host::write_all(peers[e].get(), frame, wake.get(), std::nullopt);
+    // A changed shard table follows the doorbell that first reads it.
+    if (io == Io::kOk && doorbell.table_records > 0) {
+      io = same_host::write_all(peers[e].get(), table_frames, wake.get(), std::nullopt);
+    }
     if (io == Io::kWoken) return false;
     if (io != Io::kOk) {
       fail_exchange(*this, e, io, errno, "the doorbell of", bucket);
       return false;
     }
   }
+  return true;
+}
+
+bool SameHostPullTransport::State::read_table(std::size_t t, std::uint32_t records,
+                                              const RoutedBucket& bucket,
+                                              same_host::Clock::time_point deadline) {
+  std::vector<std::vector<InPlaceSegment>> table(plan->group_count());
+  std::array<std::byte, same_host::kShardRecordBytes> frame{};
+  for (std::uint32_t i = 0; i < records; ++i) {
+    const Io io = same_host::read_exact(peers[t].get(), frame, wake.get(), deadline);
+    if (io != Io::kOk) {
+      if (io != Io::kWoken) {
+        fail_exchange(*this, t, io, errno, "its shard table for", bucket,
+                      "; nothing of the bucket was copied");
+      }
+      return false;
+    }
+    same_host::ShardRecord record;
+    std::string problem;
+    const bool ok = same_host::decode(frame, record, problem);
+    std::vector<InPlaceSegment>* group = ok && record.group < table.size() ? &table[record.group]
+                                                                           : nullptr;
+    if (ok && group == nullptr) {
+      problem = fmt::format("shard record {} names group {}, outside the plan's {} groups", i,
+                            record.group, table.size());
+    } else if (ok && !group->empty() &&
+               group->back().packing_offset + group->back().bytes > record.packing_offset) {
+      problem = fmt::format("shard record {} of group {} (packing bytes from {}) overlaps or "
+                            "precedes the one before it",
+                            i, record.group, record.packing_offset);
+    }
+    if (!problem.empty()) {
+      fail(fmt::format("same-host pull {}: trainer rank {} broke the protocol: {}; nothing of {} "
+                       "was copied",
+                       self_name(), t, problem, bucket_name(bucket)));
+      return false;
+    }
+    auto it = mapped.find(record.handle);
+    if (it == mapped.end()) {
+      try {
+        it = mapped
+                 .emplace(record.handle,
+                          same_host::open_shared_allocation(*backend, record.handle,
+                                                            record.allocation_bytes,
+                                                            fmt::format("trainer rank {}", t)))
+                 .first;
+      } catch (const Error& e) {
+        fail(fmt::format("same-host pull {}: {}; nothing of {} was copied", self_name(), e.what(),
+                         bucket_name(bucket)));
+        return false;
+      }
+    }
+    group->push_back({record.group, record.packing_offset, record.bytes,
+                      it->second.base + record.allocation_offset});
+  }
+  tables[t] = std::move(table);
   return true;
 }
 
@@ -209,6 +271,18 @@ bool SameHostPullTransport::State::await_doorbells(
                       "copied",
                       self_name(), t, doorbell.sequence, doorbell.version, doorbell.bytes,
                       bucket_name(bucket), range.end - range.begin, range.begin, range.end));
+      return false;
+    }
+    if (doorbell.slot == same_host::kInPlaceSlot && !device) {
+      fail(fmt::format("same-host pull {}: trainer rank {} broke the protocol: its doorbell of {} "
+                       "says the bytes are read in place, which host memory never is; nothing "
+                       "of the bucket was copied",
+                       self_name(), t, bucket_name(bucket)));
+      return false;
+    }
+    if (doorbell.table_records > 0 &&
+        !read_table(t, doorbell.table_records, bucket,
+                    deadline.value_or(same_host::Clock::now() + peer_timeout))) {
       return false;
     }
     doorbells[t] = doorbell;
@@ -284,14 +358,19 @@ void SameHostPullTransport::State::gated_send(const RoutedBucket& bucket, const 
                                               std::uint64_t call) {
   if (!alive()) return;
   const Staging& own = staging[0];
-  const std::uint32_t s = slot_of(call);
+  // In place (packed null, after offer_in_place): the engines read the shards themselves.
+  const std::uint32_t s = packed == nullptr ? same_host::kInPlaceSlot : slot_of(call);
   // Slot s is free: the send before this one returned only once the bucket it held before was
   // acked by every engine rank.
-  if (bytes > 0 && packed != own.slot(s)) backend->memcpy_async(own.slot(s), packed, bytes, stream);
+  if (bytes > 0 && packed != nullptr && packed != own.slot(s)) {
+    backend->memcpy_async(own.slot(s), packed, bytes, stream);
+  }
   // The bytes are in the slot (the caller's packing on `stream` too) before the doorbell rings.
   if (!await_stream(stream, bucket, "packing the slot")) return;
-  const RouteRecord doorbell{RecordType::kRouteDoorbell, bucket.version, bucket.sequence, s, bytes};
+  RouteRecord doorbell{RecordType::kRouteDoorbell, bucket.version, bucket.sequence, s, bytes};
+  if (packed == nullptr && table_unsent) doorbell.table_records = table_records;
   if (!ring(bucket, doorbell)) return;
+  if (doorbell.table_records > 0) table_unsent = false;
   // The previous bucket's slot is the one the caller packs next: free once its acks came. This
   // bucket's own are read by the next send, or by flush_acks(), so that engines copy this bucket
   // while the caller packs the next.
@@ -317,18 +396,46 @@ void SameHostPullTransport::State::gated_receive(const RoutedBucket& bucket,
   // so the stream never waits on a trainer.
   std::vector<RouteRecord> doorbells;
   if (!await_doorbells(bucket, doorbells, same_host::Clock::now() + peer_timeout)) return;
+  // Every copy's source first (a staging slot, or where the trainer's shards lie), so that a
+  // table that does not cover a copy fails the bucket before anything is enqueued.
+  std::vector<AddressedCopy> addressed;
+  addressed.reserve(copies.size());
   std::uint64_t moved = 0;
+  std::uint64_t in_place_moved = 0;
   for (const RouteCopy& c : copies) {
     if (c.rows == 0) continue;
     const std::size_t t = static_cast<std::size_t>(c.trainer);
-    const std::byte* src = staging[t].slot(doorbells[t].slot) + c.packed_offset;
-    std::byte* dst = (c.to_staging ? targets.staging : targets.slot) + c.dst_offset;
-    backend->memcpy_2d_async(dst, c.dst_pitch, src, c.src_pitch, c.row_bytes, c.rows, stream);
+    std::byte* base = c.to_staging ? targets.staging : targets.slot;
     moved += c.rows * c.row_bytes;
+    if (doorbells[t].slot != same_host::kInPlaceSlot) {
+      addressed.push_back({staging[t].slot(doorbells[t].slot) + c.packed_offset, c.src_pitch,
+                           base + c.dst_offset, c.dst_pitch, c.row_bytes, c.rows});
+      continue;
+    }
+    const ByteRange range = plan->packed_range(c.trainer, bucket.group, bucket.bucket);
+    const auto& table = tables[t];
+    const std::span<const InPlaceSegment> segments =
+        bucket.group < table.size() ? std::span<const InPlaceSegment>(table[bucket.group])
+                                    : std::span<const InPlaceSegment>();
+    if (!address_in_place(c, range.begin, segments, base, addressed)) {
+      fail(fmt::format("same-host pull {}: trainer rank {} rang {} to be read in place, but its "
+                       "shard table does not hold bytes {}..{} of its packing of group {}; "
+                       "nothing of the bucket was copied",
+                       self_name(), t, bucket_name(bucket), range.begin + c.packed_offset,
+                       range.begin + c.packed_offset + (c.rows - 1) * c.src_pitch + c.row_bytes,
+                       bucket.group));
+      return;
+    }
+    in_place_moved += c.rows * c.row_bytes;
   }
-  // Acked only once the copies landed: the trainer packs the slot again after the ack.
+  for (const AddressedCopy& a : addressed) {
+    backend->memcpy_2d_async(a.dst, a.dst_pitch, a.src, a.src_pitch, a.row_bytes, a.rows, stream);
+  }
+  // Acked only once the copies landed: the trainer packs the slot again (or changes its shards)
+  // after the ack.
   if (!await_stream(stream, bucket, "the copies")) return;
   routed_bytes.fetch_add(moved, std::memory_order_relaxed);
+  routed_in_place_bytes.fetch_add(in_place_moved, std::memory_order_relaxed);
   send_acks(bucket, doorbells);
 }
 
@@ -352,6 +459,61 @@ int SameHostPullTransport::trainer_rank() const { return state_->trainer_rank; }
 int SameHostPullTransport::engine_rank() const { return state_->engine_rank; }
 std::uint64_t SameHostPullTransport::routed_bytes() const {
   return state_->routed_bytes.load(std::memory_order_relaxed);
+}
+std::uint64_t SameHostPullTransport::routed_in_place_bytes() const {
+  return state_->routed_in_place_bytes.load(std::memory_order_relaxed);
+}
+
+bool SameHostPullTransport::offer_in_place(std::span<const InPlaceSegment> segments) {
+  State& s = *state_;
+  s.in_place = false;
+  if (!s.device || s.trainer_rank < 0 || !s.alive() || segments.empty() ||
+      segments.size() > same_host::kMaxShardRecords) {
+    return false;
+  }
+  // The table the engines have, if its allocations are still the ones shared (one freed and
+  // another made at the same address would leave the engines reading the old one).
+  if (std::equal(segments.begin(), segments.end(), s.offered.begin(), s.offered.end()) &&
+      std::all_of(s.shared.begin(), s.shared.end(), [&s](const auto& a) {
+        return same_host::still_allocated(*s.backend, a);
+      })) {
+    s.in_place = true;
+    return true;
+  }
+  std::vector<same_host::SharedAllocation> shared;  // sorted by base
+  std::vector<std::byte> frames;
+  frames.reserve(segments.size() * same_host::kShardRecordBytes);
+  for (const InPlaceSegment& segment : segments) {
+    // The allocation holding the segment: one already shared for this table, or shared now.
+    auto it = std::upper_bound(shared.begin(), shared.end(), segment.address,
+                               [](const std::byte* at, const same_host::SharedAllocation& a) {
+                                 return at < a.base;
+                               });
+    if (it == shared.begin() ||
+        std::prev(it)->base + std::prev(it)->bytes < segment.address + segment.bytes) {
+      std::string why;
+      const auto found = same_host::share_allocation(*s.backend, segment.address, why);
+      if (!found || found->base + found->bytes < segment.address + segment.bytes) return false;
+      it = std::next(shared.insert(it, *found));
+    }
+    const same_host::SharedAllocation& allocation = *std::prev(it);
+    same_host::ShardRecord record;
+    record.group = static_cast<std::uint32_t>(segment.group);
+    record.packing_offset = segment.packing_offset;
+    record.bytes = segment.bytes;
+    record.allocation_offset = static_cast<std::uint64_t>(segment.address - allocation.base);
+    record.allocation_bytes = allocation.bytes;
+    record.handle = allocation.handle;
+    const auto frame = same_host::encode(record);
+    frames.insert(frames.end(), frame.begin(), frame.end());
+  }
+  s.offered.assign(segments.begin(), segments.end());
+  s.shared = std::move(shared);
+  s.table_frames = std::move(frames);
+  s.table_records = static_cast<std::uint32_t>(segments.size());
+  s.table_unsent = true;
+  s.in_place = true;
+  return true;
 }
 std::size_t SameHostPullTransport::slot_bytes() const {
   return state_->trainer_rank >= 0 ? state_->staging[0].slot_bytes : 0;
@@ -440,10 +602,12 @@ void SameHostPullTransport::send_routes_async(const RoutedBucket& bucket, const 
                             state_->trainer_rank, bytes, bucket_name(bucket),
                             range.end - range.begin, range.begin, range.end));
   }
-  if (packed == nullptr && bytes > 0) {
-    throw Error(
-        ErrorCode::kInvalidArgument,
-        fmt::format("same_host_pull send_routes_async: null packed memory for {} bytes", bytes));
+  if (packed == nullptr && !state_->in_place) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same_host_pull send_routes_async: null packed memory for {} bytes, "
+                            "but this update's shards were not offered in place (offer_in_place "
+                            "returned false or was not called)",
+                            bytes));
   }
   const State::Staging& own = state_->staging[0];
   const std::byte* bytes_at = static_cast<const std::byte*>(packed);

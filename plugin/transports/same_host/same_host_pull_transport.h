@@ -133,6 +133,12 @@ class SameHostPullTransport final : public Transport, public RouteMover {
   void receive_routes_async(const RoutedBucket& bucket, std::span<const RouteCopy> copies,
                             const RouteTargets& targets, Stream& stream) override;
   std::uint64_t routed_bytes() const override;
+  // Device flavour, trainer rank: shares the allocations `segments` lie in over CUDA IPC (once
+  // each) and sends the table with the next doorbell when it changed; false, and the caller
+  // packs, when the flavour is host memory or CUDA IPC cannot share one of them (memory of
+  // cuMemCreate, such as PyTorch's expandable segments, or of a cudaMallocAsync pool).
+  bool offer_in_place(std::span<const InPlaceSegment> segments) override;
+  std::uint64_t routed_in_place_bytes() const override;
 
   // Trainer rank: the bytes of each staging slot (at least the plan's max_packed_bytes).
   std::size_t slot_bytes() const;
