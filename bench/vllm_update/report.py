@@ -220,6 +220,10 @@ def sharded_lines(results: dict, pair) -> list[str]:
         peaks = ", ".join(
             f"{size(m['peak_bytes'])} ({size(m['peak_bytes'] - m['staging_bytes'])} + "
             f"{size(m['staging_bytes'])})" for m in memory)
+        packed = sorted({m["routes_in_place"][1] for m in memory
+                         if m.get("routes_in_place") and m["routes_in_place"][0] is False})
+        if packed:
+            peaks += f" (packed: {'; '.join(packed)})"
         ranks = r.get("trainer_ranks") or f"{r['gather_ranks']}, gathering"
         lines.append(f"| {model_name(results, config)} | {ranks} | "
                      f"{pair(s, 'engine_stop_ms', 2, 'n/a')} | {pair(s, 'slowdown', 3)} | "

@@ -120,8 +120,11 @@ def trainer_rank_process(conn, rank: int, specs: list, regions: list, device: st
         staging = sender.staging_bytes
 
         def memory() -> dict:
+            # routes_in_place: (True, "") when the engine read the last update where the shards
+            # lie, (False, why) when it was packed into the staging first.
             return dict(rank_memory(torch, gpu if cuda else None, held, staging),
-                        max_packed_bytes=plan.max_packed_bytes(rank))
+                        max_packed_bytes=plan.max_packed_bytes(rank),
+                        routes_in_place=list(sender.routes_in_place))
 
         answer_publishes(conn, lambda version: sender.publish_shards(version, shards), memory)
         sender.close()

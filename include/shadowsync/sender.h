@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -194,6 +195,16 @@ class Sender {
   // own): two buckets, or for a routed sender two slots of the plan's max_packed_bytes of its
   // rank, the only trainer memory a routed publish adds. Thread-safe.
   std::size_t staging_bytes() const;
+
+  // A routed sender's last update: whether its routes were read in place by the engines, where
+  // the shards lie (nothing packed; the same-host pull transport on GPUs), and if not, why (host
+  // memory, a transport that cannot, memory CUDA IPC cannot share). nullopt before the first
+  // routed update. Thread-safe.
+  struct RoutesInPlace {
+    bool in_place = false;
+    std::string why_not;  // empty when in place
+  };
+  std::optional<RoutesInPlace> routes_in_place() const;
 
  private:
   struct Impl;

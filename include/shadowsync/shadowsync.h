@@ -1037,6 +1037,15 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_sender_publish_shards(
  * the plan's max_packed_bytes of its rank. Thread-safe. */
 SHADOWSYNC_API shadowsync_status_t shadowsync_sender_staging_bytes(shadowsync_sender_t sender,
                                                                    uint64_t* bytes);
+/* A routed sender's last update: *in_place is 1 when the engines read its routes where the
+ * shards lie (nothing packed on this rank), 0 when they were packed into the staging, and -1
+ * before the first routed update. When 0, `buffer` gets why (NUL-terminated, truncated to
+ * `capacity` bytes; *length, which may be NULL, is its full length); else it is emptied.
+ * Thread-safe. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_sender_routes_in_place(shadowsync_sender_t sender,
+                                                                     int32_t* in_place,
+                                                                     char* buffer, size_t capacity,
+                                                                     size_t* length);
 /* Makes `receiver` engine rank `engine_rank` of `plan` (built on its wire layout): its updates
  * are then every trainer rank's routes into it, moved by its transport (which must move routes of
  * the plan for that rank, or the update fails, named). Before the first update only. Refused:

@@ -1,4 +1,7 @@
 // The sender and its publishes through the C ABI: the trainer side.
+#include <algorithm>
+#include <cstring>
+
 #include <fmt/format.h>
 
 #include "c_api/c_api_internal.h"
@@ -94,6 +97,25 @@ shadowsync_status_t shadowsync_sender_staging_bytes(shadowsync_sender_t sender, 
   return guard(__func__, [&] {
     auto& out = out_arg(bytes, "bytes");
     out = lookup<SenderObject>(sender, "sender")->sender->staging_bytes();
+  });
+}
+
+shadowsync_status_t shadowsync_sender_routes_in_place(shadowsync_sender_t sender,
+                                                     int32_t* in_place, char* buffer,
+                                                     size_t capacity, size_t* length) {
+  return guard(__func__, [&] {
+    auto& out = out_arg(in_place, "in_place");
+    if (capacity > 0 && buffer == nullptr) {
+      throw_invalid(fmt::format("'buffer' is NULL but capacity is {}", capacity));
+    }
+    const auto status = lookup<SenderObject>(sender, "sender")->sender->routes_in_place();
+    out = !status ? -1 : status->in_place ? 1 : 0;
+    const std::string why = status ? status->why_not : std::string();
+    if (length != nullptr) *length = why.size();
+    if (capacity == 0) return;
+    const std::size_t n = std::min(why.size(), capacity - 1);
+    std::memcpy(buffer, why.data(), n);
+    buffer[n] = '\0';
   });
 }
 

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "core/in_place_copies.h"
 #include "core/route_copies.h"
@@ -69,8 +70,10 @@ class RouteMover {
   // update's last bucket was acked, as for packed memory). True: every send of the update passes
   // packed == nullptr and nothing is packed (one pass through memory instead of two). False (the
   // default; a transport that cannot): the caller packs as before. One thread at a time.
-  virtual bool offer_in_place(std::span<const InPlaceSegment> segments) {
+  // `why_not` says why when it returns false.
+  virtual bool offer_in_place(std::span<const InPlaceSegment> segments, std::string& why_not) {
     (void)segments;
+    why_not = "this transport reads no routes in place";
     return false;
   }
 

@@ -241,6 +241,9 @@ struct Sender::Impl {
   std::atomic<bool> stopping{false};  // the destructor runs: streamed jobs stop waiting
   std::thread thread;
   std::mutex publish_mutex;
+  // What the last routed update's offer_in_place said (Sender::routes_in_place).
+  mutable std::mutex in_place_mutex;
+  std::optional<Sender::RoutesInPlace> routes_in_place;
   std::uint64_t last_version = 0;
 };
 
@@ -309,6 +312,11 @@ Sender::Sender(Layout layout, Backend& backend, std::unique_ptr<Transport> trans
   impl_ = std::make_unique<Impl>(*this, backend, std::move(transport), config, std::move(routing),
                                  trainer_rank);
   impl_->thread = start_library_thread([this] { impl_->run(); });
+}
+
+std::optional<Sender::RoutesInPlace> Sender::routes_in_place() const {
+  std::lock_guard lock(impl_->in_place_mutex);
+  return impl_->routes_in_place;
 }
 
 std::size_t Sender::staging_bytes() const {
@@ -591,7 +599,12 @@ void Sender::Impl::send_routes(const Job& job) {
   for (const GroupSource& source : job.sources) {
     packing->append_in_place_segments(source.group, source.tensors, segments);
   }
-  const bool in_place = mover->offer_in_place(segments);
+  std::string why_not;
+  const bool in_place = mover->offer_in_place(segments, why_not);
+  {
+    std::lock_guard lock(in_place_mutex);
+    routes_in_place = Sender::RoutesInPlace{in_place, in_place ? std::string() : why_not};
+  }
   std::uint64_t sequence = 0;
   std::vector<Backend::CopyRegion> copies;
   for (const GroupSource& source : job.sources) {

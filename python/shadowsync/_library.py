@@ -468,6 +468,8 @@ _PROTOTYPES = {
         [_H, c_uint64, _P(c_char_p), c_size_t, _P(SourceShardC), c_size_t, _P(_H)],
     ),
     "shadowsync_sender_staging_bytes": (c_int, [_H, _P(c_uint64)]),
+    "shadowsync_sender_routes_in_place": (c_int, [_H, _P(c_int32), c_char_p, c_size_t,
+                                                  _P(c_size_t)]),
     "shadowsync_receiver_use_routing_plan": (c_int, [_H, _H, c_int32]),
 }
 

@@ -261,6 +261,23 @@ class Sender(Handle):
         self._inflight_lock = threading.Lock()
 
     @property
+    def routes_in_place(self) -> tuple[bool | None, str]:
+        """A trainer rank of a routing plan, its last update: (True, "") when the engines read
+        its routes where its shards lie (GPU memory shared over CUDA IPC: nothing packed on this
+        rank), (False, why) when they were packed into the staging (host memory, memory CUDA IPC
+        cannot share such as PyTorch's expandable segments, a transport that cannot), (None, "")
+        before the first routed update. Thread-safe."""
+        in_place = ctypes.c_int32()
+        length = c_size_t()
+        call("shadowsync_sender_routes_in_place", self._handle, byref(in_place), None, 0,
+             byref(length))
+        buffer = ctypes.create_string_buffer(length.value + 1)
+        call("shadowsync_sender_routes_in_place", self._handle, byref(in_place), buffer,
+             len(buffer), None)
+        state = None if in_place.value < 0 else bool(in_place.value)
+        return state, buffer.value.decode(errors="replace")
+
+    @property
     def staging_bytes(self) -> int:
         """The staging memory the sender packs into: two buckets, or for a trainer rank of a
         routing plan two slots of the plan's max_packed_bytes of its rank. Thread-safe."""

@@ -343,6 +343,16 @@ class ShardedPublisher:
         return 2 * self.routing_plan.max_packed_bytes(self.rank)
 
     @property
+    def routes_in_place(self) -> tuple[bool | None, str]:
+        """Whether the engines read the last update where this rank's shards lie (True, ""),
+        or it was packed into the staging first (False, why: host memory, memory CUDA IPC
+        cannot share such as PyTorch's expandable segments); (None, "") before the first
+        publish. Sender.routes_in_place."""
+        if self._sender is None:
+            return None, ""
+        return self._sender.routes_in_place
+
+    @property
     def held_bytes(self) -> int:
         """The parameter bytes this rank holds and sends from (its regions; a tensor every rank
         holds whole counts on its sending rank only)."""

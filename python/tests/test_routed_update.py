@@ -57,6 +57,7 @@ def test_two_trainer_ranks_update_one_engine_rank_with_their_shards():
         wrong[0] = ("q", full["q"][:6].copy(), ss.TensorRegion.box("q", (0, 0), (6, 12)))
         with pytest.raises(InvalidArgumentError, match="the routing plan has this rank hold"):
             senders[0].publish_shards(1, wrong)
+        assert senders[0].routes_in_place == (None, "")  # a refused publish sends nothing
 
         handles = [
             senders[t].publish_shards(1, [(r.tensor, _shard(full[r.tensor], r), r)
@@ -71,6 +72,9 @@ def test_two_trainer_ranks_update_one_engine_rank_with_their_shards():
             np.testing.assert_array_equal(receiver.live_array(name), values)
         stats = receiver.stats()
         assert stats.routed_bytes == plan.bytes_to_engine(0)
+        # Loopback routes are packed, and the sender says why; the engine read nothing in place.
+        assert senders[1].routes_in_place == (False, "this transport reads no routes in place")
+        assert stats.routed_in_place_bytes == 0
         assert stats.trainer_count == 2
         assert stats.routing_fingerprint == plan.fingerprint
         for t in range(2):

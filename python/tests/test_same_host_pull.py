@@ -166,6 +166,10 @@ def test_two_trainer_ranks_update_an_engine_rank_through_senders_and_a_receiver(
             for name, values in full.items():
                 np.testing.assert_array_equal(receiver.live_array(name), values)
             assert receiver.stats().routed_bytes == plan.bytes_to_engine(0)
+            # Host memory is read from the staging slots: packed, saying so.
+            assert receiver.stats().routed_in_place_bytes == 0
+            assert senders[0].routes_in_place == (
+                False, 'host memory (memory="host") is read from the staging slots')
     finally:
         receiver.close()
         for sender in senders:

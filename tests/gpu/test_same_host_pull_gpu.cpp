@@ -142,8 +142,12 @@ TEST_CASE("same-host pull gpu trainer child", "[.pull_gpu_trainer]") {
       // The previous update was acked by every engine (flush below): its memory may change.
       if (v == first + 1 && in_place == 1) device->reallocate_second();
       device->fill(packed);
-      offered = transport->offer_in_place(device->segments());
+      std::string why_not;
+      offered = transport->offer_in_place(device->segments(), why_not);
+      INFO(why_not);
       REQUIRE(offered == (in_place == 1));
+      // Refused for the pool, saying so.
+      if (in_place == 2) CHECK_THAT(why_not, Catch::Contains("CUDA IPC cannot share"));
     }
     for (std::size_t k = 0; k < plan->bucket_count(0); ++k) {
       const ByteRange range = plan->packed_range(rank, 0, k);

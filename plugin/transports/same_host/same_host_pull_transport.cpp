@@ -207,6 +207,7 @@ bool SameHostPullTransport::State::read_table(std::size_t t, std::uint32_t recor
     group->push_back({record.group, record.packing_offset, record.bytes,
                       it->second.base + record.allocation_offset});
   }
+  if (tables.size() <= t) tables.resize(peers.size());
   tables[t] = std::move(table);
   return true;
 }
@@ -413,10 +414,11 @@ void SameHostPullTransport::State::gated_receive(const RoutedBucket& bucket,
       continue;
     }
     const ByteRange range = plan->packed_range(c.trainer, bucket.group, bucket.bucket);
-    const auto& table = tables[t];
+    // No table yet from that rank (it rang in place before sending one): no segments, refused.
     const std::span<const InPlaceSegment> segments =
-        bucket.group < table.size() ? std::span<const InPlaceSegment>(table[bucket.group])
-                                    : std::span<const InPlaceSegment>();
+        t < tables.size() && bucket.group < tables[t].size()
+            ? std::span<const InPlaceSegment>(tables[t][bucket.group])
+            : std::span<const InPlaceSegment>();
     if (!address_in_place(c, range.begin, segments, base, addressed)) {
       fail(fmt::format("same-host pull {}: trainer rank {} rang {} to be read in place, but its "
                        "shard table does not hold bytes {}..{} of its packing of group {}; "
@@ -464,11 +466,22 @@ std::uint64_t SameHostPullTransport::routed_in_place_bytes() const {
   return state_->routed_in_place_bytes.load(std::memory_order_relaxed);
 }
 
-bool SameHostPullTransport::offer_in_place(std::span<const InPlaceSegment> segments) {
+bool SameHostPullTransport::offer_in_place(std::span<const InPlaceSegment> segments,
+                                           std::string& why_not) {
   State& s = *state_;
   s.in_place = false;
-  if (!s.device || s.trainer_rank < 0 || !s.alive() || segments.empty() ||
-      segments.size() > same_host::kMaxShardRecords) {
+  if (!s.device || s.trainer_rank < 0) {
+    why_not = s.trainer_rank < 0 ? "an engine rank sends nothing"
+                                 : "host memory (memory=\"host\") is read from the staging slots";
+    return false;
+  }
+  if (!s.alive()) {
+    why_not = "the transport failed";
+    return false;
+  }
+  if (segments.empty() || segments.size() > same_host::kMaxShardRecords) {
+    why_not = fmt::format("{} shard segments (1..{} can be read in place)", segments.size(),
+                          same_host::kMaxShardRecords);
     return false;
   }
   // The table the engines have, if its allocations are still the ones shared (one freed and
@@ -491,9 +504,13 @@ bool SameHostPullTransport::offer_in_place(std::span<const InPlaceSegment> segme
                                });
     if (it == shared.begin() ||
         std::prev(it)->base + std::prev(it)->bytes < segment.address + segment.bytes) {
-      std::string why;
-      const auto found = same_host::share_allocation(*s.backend, segment.address, why);
-      if (!found || found->base + found->bytes < segment.address + segment.bytes) return false;
+      const auto found = same_host::share_allocation(*s.backend, segment.address, why_not);
+      if (!found) return false;
+      if (found->base + found->bytes < segment.address + segment.bytes) {
+        why_not = fmt::format("a shard's {} bytes at {} run past the end of their allocation",
+                              segment.bytes, static_cast<const void*>(segment.address));
+        return false;
+      }
       it = std::next(shared.insert(it, *found));
     }
     const same_host::SharedAllocation& allocation = *std::prev(it);

@@ -137,7 +137,7 @@ class SameHostPullTransport final : public Transport, public RouteMover {
   // each) and sends the table with the next doorbell when it changed; false, and the caller
   // packs, when the flavour is host memory or CUDA IPC cannot share one of them (memory of
   // cuMemCreate, such as PyTorch's expandable segments, or of a cudaMallocAsync pool).
-  bool offer_in_place(std::span<const InPlaceSegment> segments) override;
+  bool offer_in_place(std::span<const InPlaceSegment> segments, std::string& why_not) override;
   std::uint64_t routed_in_place_bytes() const override;
 
   // Trainer rank: the bytes of each staging slot (at least the plan's max_packed_bytes).
