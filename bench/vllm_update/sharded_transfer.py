@@ -119,14 +119,16 @@ def trainer_rank_process(conn, rank: int, specs: list, regions: list, device: st
         sender = ss.Sender(layout, backend, transport, routing_plan=plan, trainer_rank=rank)
         staging = sender.staging_bytes
 
+        # (True, "") when the engine read the last update where the shards lie, (False, why) when
+        # it was packed into the staging first; read before the sender closes.
+        in_place = [None, ""]
+
         def memory() -> dict:
-            # routes_in_place: (True, "") when the engine read the last update where the shards
-            # lie, (False, why) when it was packed into the staging first.
             return dict(rank_memory(torch, gpu if cuda else None, held, staging),
-                        max_packed_bytes=plan.max_packed_bytes(rank),
-                        routes_in_place=list(sender.routes_in_place))
+                        max_packed_bytes=plan.max_packed_bytes(rank), routes_in_place=in_place)
 
         answer_publishes(conn, lambda version: sender.publish_shards(version, shards), memory)
+        in_place[:] = list(sender.routes_in_place)
         sender.close()
         conn.send(("stopped", memory()))
     except BaseException as e:  # noqa: BLE001

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -100,13 +101,19 @@ struct DevicePacking {
   // Freed and made again (the caching allocators of trainers do this): another allocation,
   // likely at the same address.
   void reallocate_second() {
+    const std::byte* before = parts[1];
     REQUIRE(cudaFree(parts[1]) == cudaSuccess);
     allocate(1);
+    std::printf("trainer: part 2 made again %s\n",
+                parts[1] == before ? "at the same address" : "elsewhere");
   }
+  // Complete before it returns (a copy from pageable memory may return before its DMA landed),
+  // as a trainer's optimizer step is before it publishes.
   void fill(const std::vector<std::byte>& packed) {
     REQUIRE(cudaMemcpy(parts[0], packed.data(), cut, cudaMemcpyHostToDevice) == cudaSuccess);
     REQUIRE(cudaMemcpy(parts[1], packed.data() + cut, bytes - cut, cudaMemcpyHostToDevice) ==
             cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   }
   std::vector<InPlaceSegment> segments() const {
     return {{0, 0, cut, parts[0]}, {0, cut, bytes - cut, parts[1]}};
@@ -352,6 +359,12 @@ TEST_CASE("same-host pull gpu: routes read in place land, a shard table made aga
       receive_all(engines, v);
       for (auto& e : engines) {
         CAPTURE(e->rank);
+        if (e->transport->async_error()) {  // a trainer that failed says why in its output
+          for (auto& t : trainers) {
+            t->reap(std::chrono::seconds(5));
+            UNSCOPED_INFO("trainer output: " << t->output);
+          }
+        }
         INFO(e->transport->async_error().value_or(""));
         REQUIRE_FALSE(e->transport->async_error().has_value());
         CHECK(e->wrong_bytes(v, 0, wire_bytes()) == 0);
@@ -361,7 +374,14 @@ TEST_CASE("same-host pull gpu: routes read in place land, a shard table made aga
               (in_place == 1 ? v * plan->bytes_to(e->rank) : 0));
       }
     }
-    for (auto& t : trainers) require_exited_zero(*t);
+    for (auto& t : trainers) {
+      require_exited_zero(*t);
+      // Whether the reallocation reused the address (the case a stale mapping would hide).
+      const auto at = t->output.find("trainer: part 2");
+      if (at != std::string::npos) {
+        std::printf("%s\n", t->output.substr(at, t->output.find('\n', at) - at).c_str());
+      }
+    }
   }
 }
 

@@ -67,6 +67,13 @@ std::optional<SharedAllocation> share_allocation(Backend& backend, const void* a
                                                  std::string& why) {
   const int device = device_of(backend, "trainer rank");
   cuda_detail::ScopedDeviceNoThrow on(device);
+  // The driver calls below need the device's context current on this thread (the sender's
+  // thread may have made no runtime call yet): cudaSetDevice makes its primary context current.
+  if (cudaSetDevice(device) != cudaSuccess) {
+    cuda_detail::clear_last_error();
+    why = fmt::format("GPU {} could not be made current", device);
+    return std::nullopt;
+  }
   cudaPointerAttributes attributes{};
   if (cudaPointerGetAttributes(&attributes, address) != cudaSuccess ||
       attributes.type != cudaMemoryTypeDevice || attributes.device != device) {
@@ -106,7 +113,12 @@ std::optional<SharedAllocation> share_allocation(Backend& backend, const void* a
 }
 
 bool still_allocated(Backend& backend, const SharedAllocation& allocation) {
-  cuda_detail::ScopedDeviceNoThrow on(device_of(backend, "trainer rank"));
+  const int device = device_of(backend, "trainer rank");
+  cuda_detail::ScopedDeviceNoThrow on(device);
+  if (cudaSetDevice(device) != cudaSuccess) {  // the primary context current, as above
+    cuda_detail::clear_last_error();
+    return false;
+  }
   const cuda_detail::DriverApi& api = cuda_detail::driver_api();
   const auto base = reinterpret_cast<CUdeviceptr>(allocation.base);
   CUdeviceptr found = 0;

@@ -496,38 +496,45 @@ bool SameHostPullTransport::offer_in_place(std::span<const InPlaceSegment> segme
   std::vector<same_host::SharedAllocation> shared;  // sorted by base
   std::vector<std::byte> frames;
   frames.reserve(segments.size() * same_host::kShardRecordBytes);
+  std::uint32_t records = 0;
   for (const InPlaceSegment& segment : segments) {
-    // The allocation holding the segment: one already shared for this table, or shared now.
-    auto it = std::upper_bound(shared.begin(), shared.end(), segment.address,
-                               [](const std::byte* at, const same_host::SharedAllocation& a) {
-                                 return at < a.base;
-                               });
-    if (it == shared.begin() ||
-        std::prev(it)->base + std::prev(it)->bytes < segment.address + segment.bytes) {
-      const auto found = same_host::share_allocation(*s.backend, segment.address, why_not);
-      if (!found) return false;
-      if (found->base + found->bytes < segment.address + segment.bytes) {
-        why_not = fmt::format("a shard's {} bytes at {} run past the end of their allocation",
-                              segment.bytes, static_cast<const void*>(segment.address));
+    // A segment may span allocations (the trainer's allocator can place tensors back to back in
+    // address space): one record per allocation it lies in.
+    for (std::size_t done = 0; done < segment.bytes;) {
+      const std::byte* at = segment.address + done;
+      auto it = std::upper_bound(shared.begin(), shared.end(), at,
+                                 [](const std::byte* p, const same_host::SharedAllocation& a) {
+                                   return p < a.base;
+                                 });
+      if (it == shared.begin() || std::prev(it)->base + std::prev(it)->bytes <= at) {
+        const auto found = same_host::share_allocation(*s.backend, at, why_not);
+        if (!found) return false;
+        it = std::next(shared.insert(it, *found));
+      }
+      const same_host::SharedAllocation& allocation = *std::prev(it);
+      const std::size_t n = std::min<std::size_t>(
+          segment.bytes - done, static_cast<std::size_t>(allocation.base + allocation.bytes - at));
+      same_host::ShardRecord record;
+      record.group = static_cast<std::uint32_t>(segment.group);
+      record.packing_offset = segment.packing_offset + done;
+      record.bytes = n;
+      record.allocation_offset = static_cast<std::uint64_t>(at - allocation.base);
+      record.allocation_bytes = allocation.bytes;
+      record.handle = allocation.handle;
+      const auto frame = same_host::encode(record);
+      frames.insert(frames.end(), frame.begin(), frame.end());
+      done += n;
+      if (++records > same_host::kMaxShardRecords) {
+        why_not = fmt::format("the shards lie in more than {} pieces of allocations",
+                              same_host::kMaxShardRecords);
         return false;
       }
-      it = std::next(shared.insert(it, *found));
     }
-    const same_host::SharedAllocation& allocation = *std::prev(it);
-    same_host::ShardRecord record;
-    record.group = static_cast<std::uint32_t>(segment.group);
-    record.packing_offset = segment.packing_offset;
-    record.bytes = segment.bytes;
-    record.allocation_offset = static_cast<std::uint64_t>(segment.address - allocation.base);
-    record.allocation_bytes = allocation.bytes;
-    record.handle = allocation.handle;
-    const auto frame = same_host::encode(record);
-    frames.insert(frames.end(), frame.begin(), frame.end());
   }
   s.offered.assign(segments.begin(), segments.end());
   s.shared = std::move(shared);
   s.table_frames = std::move(frames);
-  s.table_records = static_cast<std::uint32_t>(segments.size());
+  s.table_records = records;
   s.table_unsent = true;
   s.in_place = true;
   return true;
