@@ -5,6 +5,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -135,6 +138,19 @@ MappedAllocation open_shared_allocation(Backend& backend,
                                         const std::array<std::byte, kHandleBytes>& handle,
                                         std::size_t bytes, const std::string& peer) {
   const int device = device_of(backend, "engine rank");
+  // One mapping per handle and GPU in the process, shared by its transports (several engine
+  // ranks in one process map the same trainer allocation; CUDA IPC maps a handle once per
+  // context), opened and closed under one lock.
+  static std::mutex mutex;
+  static std::map<std::pair<std::array<std::byte, kHandleBytes>, int>, std::weak_ptr<void>> open;
+  std::lock_guard lock(mutex);
+  const auto key = std::make_pair(handle, device);
+  if (auto it = open.find(key); it != open.end()) {
+    if (std::shared_ptr<void> owner = it->second.lock()) {
+      return MappedAllocation{owner, static_cast<const std::byte*>(owner.get())};
+    }
+    open.erase(it);
+  }
   cuda_detail::ScopedDeviceNoThrow on(device);
   cudaIpcMemHandle_t ipc{};
   std::memcpy(&ipc, handle.data(), sizeof(ipc));
@@ -147,13 +163,13 @@ MappedAllocation open_shared_allocation(Backend& backend,
                             "to read them in place: cudaIpcOpenMemHandle: {}",
                             peer, bytes, device, cudaGetErrorName(status)));
   }
-  MappedAllocation mapped;
-  mapped.base = static_cast<const std::byte*>(base);
-  mapped.owner = std::shared_ptr<void>(base, [device](void* p) {
+  std::shared_ptr<void> owner(base, [device](void* p) {
+    std::lock_guard close_lock(mutex);
     cuda_detail::ScopedDeviceNoThrow on(device);
     (void)cudaIpcCloseMemHandle(p);
   });
-  return mapped;
+  open[key] = owner;
+  return MappedAllocation{owner, static_cast<const std::byte*>(base)};
 }
 
 }  // namespace shadowsync::same_host
