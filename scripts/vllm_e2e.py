@@ -392,6 +392,13 @@ def sharded_trainer(args, llm, ctx, checkpoints: dict, adapters: dict, settings:
         failures += not ok
         log(f"{'ok  ' if ok else 'FAIL'} routed bytes per engine rank {routed}: its own needs "
             f"{to_engine}, of {wire_bytes} wire bytes, from {count} trainer ranks")
+        # On GPUs the trainer ranks' shards (torch's cudaMalloc'd memory) are read in place;
+        # host memory goes through the staging.
+        in_place = [int(s.get("routed_in_place_bytes", 0)) for s in stats]
+        ok = in_place == (routed if args.device == "cuda" else [0] * len(routed))
+        failures += not ok
+        log(f"{'ok  ' if ok else 'FAIL'} bytes read where the trainer ranks' shards lie, per "
+            f"engine rank: {in_place} ({'all' if args.device == 'cuda' else 'none'} expected)")
         ranks_agree()
         if count == 1:  # the one rank's bytes could all land before it dies
             log("skip a trainer rank killed mid-update: one trainer rank")
