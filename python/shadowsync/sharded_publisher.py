@@ -39,14 +39,19 @@ __all__ = ["ShardedPublisher", "check_replica", "engine_routing_plan", "sharded_
 _DEFAULT_CONNECT_TIMEOUT_MS = 60000  # the transport's own default
 
 
-def _dist():
+def _dist(process_group):
+    """torch.distributed, or None for one trainer process without it (no process group given
+    and none initialized: rank 0 of 1)."""
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise InvalidArgumentError(
-            "ShardedPublisher.set_up: torch.distributed is not initialized; call "
-            "init_process_group (every trainer rank) before setting up the publisher")
-    return dist
+    if dist.is_available() and dist.is_initialized():
+        return dist
+    if process_group is None:
+        return None
+    raise InvalidArgumentError(
+        "ShardedPublisher.set_up: a process_group was given but torch.distributed is not "
+        "initialized; call init_process_group (every trainer rank) before setting up the "
+        "publisher")
 
 
 def _signature(named: Sequence[tuple[str, Any]]) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -159,8 +164,10 @@ class ShardedPublisher:
         R x the engine ranks processes. Each bucket is still packed once: every replica pulls it
         from this rank's staging.
 
-        One collective: ``all_gather_object`` of every rank's regions, parameter signature and
-        path. Refused before any serving (InvalidArgumentError naming the first difference and
+        One trainer process without torch.distributed (none initialized, no `process_group`)
+        is rank 0 of 1: no collective, and on a GPU the engines read its tensors where they lie,
+        the one-pass path for a single trainer process too. Otherwise one collective:
+        ``all_gather_object`` of every rank's regions, parameter signature and path. Refused before any serving (InvalidArgumentError naming the first difference and
         both values; every rank raises): parameter sets that differ between ranks, a DTensor
         mesh whose size is not the group's, a wire layout that does not match the parameters.
         Serving starts on a daemon thread and returns at once: the engines connect with
@@ -171,9 +178,9 @@ class ShardedPublisher:
             raise InvalidArgumentError(
                 f"ShardedPublisher.set_up: engine_replicas is {engine_replicas!r}; give the "
                 f"number of data-parallel replicas of the engine, 1..65536 (1: no replicas)")
-        dist = _dist()
-        rank = dist.get_rank(process_group)
-        world_size = dist.get_world_size(process_group)
+        dist = _dist(process_group)
+        rank = 0 if dist is None else dist.get_rank(process_group)
+        world_size = 1 if dist is None else dist.get_world_size(process_group)
         named = list(named_parameters)
         _check_meshes(named, world_size)
         signature = _signature(named)
@@ -181,7 +188,10 @@ class ShardedPublisher:
         mine = {"signature": signature, "path": str(path), "engine_replicas": engine_replicas,
                 "regions": [_region_data(s.region) for s in shards if s.region is not None]}
         every = [None] * world_size
-        dist.all_gather_object(every, mine, group=process_group)
+        if dist is None:
+            every[0] = mine
+        else:
+            dist.all_gather_object(every, mine, group=process_group)
         for other, theirs in enumerate(every):
             difference = _first_difference(signature, theirs["signature"])
             if difference is not None:

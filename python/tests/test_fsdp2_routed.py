@@ -238,3 +238,45 @@ def test_fsdp2_ranks_publish_their_shards_into_a_receiver(tmp_path):
                 process.kill()
                 process.join(DEADLINE_S)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_one_trainer_process_without_torch_distributed_publishes_as_rank_0_of_1(tmp_path):
+    """A single trainer process, no process group: ShardedPublisher is rank 0 of 1 (no
+    collective) and its whole tensors reach a Receiver; host memory goes through the staging,
+    and the publisher says so."""
+    assert not dist.is_initialized()  # this process never joins a group
+    directory = tempfile.mkdtemp(prefix="ss_one_")
+    model = _model()
+    publisher = receiver = None
+    try:
+        publisher = ss.ShardedPublisher.set_up(model.named_parameters(),
+                                               path=os.path.join(directory, "rank0.sock"),
+                                               token=TOKEN)
+        assert (publisher.rank, publisher.world_size) == (0, 1)
+        assert publisher.routes_in_place == (None, "")
+        receiver = sharded_receiver(publisher.engine_setup(), TOKEN, 0,
+                                    connect_timeout_ms=DEADLINE_S * 1000)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in (1, 2):
+            _step(model, optimizer, step)
+            handle = publisher.publish(step, model.named_parameters())
+            receiver.begin_update(handle.header_bytes)
+            handle.wait(DEADLINE_S)
+            receiver.wait_applied(step, DEADLINE_S)
+            for name, param in model.named_parameters():
+                assert torch.equal(torch.from_numpy(receiver.live_array(name).copy()),
+                                   param.detach()), (step, name)
+        assert receiver.stats().routed_bytes == receiver.routing_plan.bytes_to_engine(0)
+        assert publisher.routes_in_place == (
+            False, 'host memory (memory="host") is read from the staging slots')
+        # A process group given without torch.distributed is refused, naming what to do.
+        with pytest.raises(ss.InvalidArgumentError, match="call init_process_group"):
+            ss.ShardedPublisher.set_up(model.named_parameters(), token=TOKEN,
+                                       path=os.path.join(directory, "other.sock"),
+                                       process_group=object())
+    finally:
+        if receiver is not None:
+            receiver.close()
+        if publisher is not None:
+            publisher.close()
+        shutil.rmtree(directory, ignore_errors=True)
