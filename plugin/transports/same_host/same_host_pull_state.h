@@ -66,10 +66,13 @@ struct SameHostPullTransport::State : same_host::Conversation {
   bool table_unsent = false;
   std::vector<same_host::SharedAllocation> shared;
   // Engine rank: each trainer rank's table, [trainer][group] sorted by packing offset, in this
-  // process's addresses; the mappings they lie in, by handle (kept for the transport's life);
-  // and the bytes its copies read in place.
+  // process's addresses; the mappings each table's addresses lie in, [trainer] by handle (a
+  // new table keeps those it names and lets the others go); and the bytes its copies read in
+  // place.
+  using Mappings =
+      std::map<std::array<std::byte, same_host::kHandleBytes>, same_host::MappedAllocation>;
   std::vector<std::vector<std::vector<InPlaceSegment>>> tables;
-  std::map<std::array<std::byte, same_host::kHandleBytes>, same_host::MappedAllocation> mapped;
+  std::vector<Mappings> mapped;
   std::atomic<std::uint64_t> routed_in_place_bytes{0};
 
   // The device flavour: its calls run on the caller's thread (gated as same_host_device.h's: no

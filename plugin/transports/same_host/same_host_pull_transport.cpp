@@ -159,6 +159,8 @@ bool SameHostPullTransport::State::read_table(std::size_t t, std::uint32_t recor
                                               const RoutedBucket& bucket,
                                               same_host::Clock::time_point deadline) {
   std::vector<std::vector<InPlaceSegment>> table(plan->group_count());
+  if (mapped.size() <= t) mapped.resize(peers.size());
+  Mappings maps;  // this table's: reused from the last table where it names them again
   std::array<std::byte, same_host::kShardRecordBytes> frame{};
   for (std::uint32_t i = 0; i < records; ++i) {
     const Io io = same_host::read_exact(peers[t].get(), frame, wake.get(), deadline);
@@ -189,14 +191,16 @@ bool SameHostPullTransport::State::read_table(std::size_t t, std::uint32_t recor
                        self_name(), t, problem, bucket_name(bucket)));
       return false;
     }
-    auto it = mapped.find(record.handle);
-    if (it == mapped.end()) {
+    auto it = maps.find(record.handle);
+    if (it == maps.end()) {
       try {
-        it = mapped
-                 .emplace(record.handle,
-                          same_host::open_shared_allocation(*backend, record.handle,
-                                                            record.allocation_bytes,
-                                                            fmt::format("trainer rank {}", t)))
+        const auto old = mapped[t].find(record.handle);
+        it = maps.emplace(record.handle,
+                          old != mapped[t].end()
+                              ? old->second
+                              : same_host::open_shared_allocation(
+                                    *backend, record.handle, record.allocation_bytes,
+                                    fmt::format("trainer rank {}", t)))
                  .first;
       } catch (const Error& e) {
         fail(fmt::format("same-host pull {}: {}; nothing of {} was copied", self_name(), e.what(),
@@ -209,6 +213,9 @@ bool SameHostPullTransport::State::read_table(std::size_t t, std::uint32_t recor
   }
   if (tables.size() <= t) tables.resize(peers.size());
   tables[t] = std::move(table);
+  // The last table's mappings it does not name go: no copy reads them (every bucket before this
+  // doorbell was copied and acked).
+  mapped[t] = std::move(maps);
   return true;
 }
 
