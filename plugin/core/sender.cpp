@@ -613,28 +613,21 @@ void Sender::Impl::send_routes(const Job& job) {
       // Slot b % 2 for the b-th bucket on this transport, as for broadcasts: a transport that
       // hands its engines its own two slots in turn finds each bucket in the slot it expects.
       const int s = static_cast<int>(broadcasts % 2);
-      if (in_place) {
-        mover->send_routes_async({.version = version,
-                                  .sequence = sequence++,
-                                  .group = source.group,
-                                  .bucket = k},
-                                 nullptr, packing->packed_bytes(source.group, k), *comm_stream);
-        backend.event_record(*sent[s], *comm_stream);
-        ++broadcasts;
-        continue;
+      std::byte* slot = nullptr;  // in place: nothing packed, the send reads the shards
+      if (!in_place) {
+        slot = routed_staging(s);
+        // The last send from this slot (bucket b-2) completed: every engine rank acknowledged it.
+        backend.stream_wait_event(*pack_stream, *sent[s]);
+        copies.clear();
+        for (const PackRun& run : packing->runs(source.group, k)) {
+          copies.push_back({.dst = slot + run.packed_offset,
+                            .src = source.tensors[run.tensor] + run.local_offset,
+                            .bytes = run.bytes});
+        }
+        if (!copies.empty()) backend.memcpy_batch_async(copies, *pack_stream);
+        backend.event_record(*packed[s], *pack_stream);
+        backend.stream_wait_event(*comm_stream, *packed[s]);
       }
-      std::byte* slot = routed_staging(s);
-      // The last send from this slot (bucket b-2) completed: every engine rank acknowledged it.
-      backend.stream_wait_event(*pack_stream, *sent[s]);
-      copies.clear();
-      for (const PackRun& run : packing->runs(source.group, k)) {
-        copies.push_back({.dst = slot + run.packed_offset,
-                          .src = source.tensors[run.tensor] + run.local_offset,
-                          .bytes = run.bytes});
-      }
-      if (!copies.empty()) backend.memcpy_batch_async(copies, *pack_stream);
-      backend.event_record(*packed[s], *pack_stream);
-      backend.stream_wait_event(*comm_stream, *packed[s]);
       mover->send_routes_async({.version = version,
                                 .sequence = sequence++,
                                 .group = source.group,

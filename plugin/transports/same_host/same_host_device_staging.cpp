@@ -40,16 +40,6 @@ std::array<std::byte, kUuidBytes> device_uuid(int device) {
   return uuid;
 }
 
-CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
-  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
-  if (cuda == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host {}: device memory needs a CudaBackend, got the '{}' "
-                            "backend",
-                            side, backend.name()));
-  }
-  return *cuda;
-}
 
 void require_driver(const char* side) {
   if (const std::string& missing = driver_api().missing; !missing.empty()) {
@@ -87,6 +77,17 @@ std::array<std::byte, kHandleBytes> encode_handle(std::uint64_t allocation_bytes
 }
 
 }  // namespace
+
+CudaBackend& cuda_backend_of(Backend& backend, const char* side) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda == nullptr) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("same-host {}: device memory needs a CudaBackend, got the '{}' "
+                            "backend",
+                            side, backend.name()));
+  }
+  return *cuda;
+}
 
 std::unique_ptr<DeviceStaging> DeviceStaging::create(Backend& backend, std::size_t slot_bytes) {
   CudaBackend& cuda = cuda_backend_of(backend, "serve");

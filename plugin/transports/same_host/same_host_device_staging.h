@@ -22,6 +22,10 @@
 
 namespace shadowsync::same_host {
 
+// `backend` as the CudaBackend that device memory needs; Error(kInvalidArgument) naming `side`
+// ("serve", "connect", ...) and what it is otherwise.
+CudaBackend& cuda_backend_of(Backend& backend, const char* side);
+
 class DeviceStaging {
  public:
   // Sender: kSlotCount slots of `slot_bytes` on `backend`'s device. `backend` must be a

@@ -54,14 +54,7 @@ DeviceSlots open_device_slots(Backend& backend, Fd exported, const PullSetup& se
 namespace {
 
 int device_of(Backend& backend, const char* side) {
-  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
-  if (cuda == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("same-host pull {}: shards read in place need a CudaBackend, got the "
-                            "'{}' backend",
-                            side, backend.name()));
-  }
-  return cuda->device();
+  return cuda_backend_of(backend, side).device();
 }
 
 }  // namespace
