@@ -10,7 +10,8 @@ sharding, and the routes carried exactly the plan's bytes. Update 3: trainer ran
 itself once the engine has begun the update (rank 0 has published): the update fails on the
 engine naming trainer rank 1, rank 0's publish fails, and the live tensors stay update 2's.
 Before all that, the set-up refusals (parameters that differ between ranks; engine replicas
-that differ; a DTensor mesh larger than the process group) raise on every rank.
+that differ; a DTensor mesh larger than the process group) raise on every rank. And one trainer
+process without torch.distributed publishes as rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ def test_one_trainer_process_without_torch_distributed_publishes_as_rank_0_of_1(
                                                token=TOKEN)
         assert (publisher.rank, publisher.world_size) == (0, 1)
         assert publisher.routes_in_place == (None, "")
-        receiver = sharded_receiver(publisher.engine_setup(), TOKEN, 0,
+        receiver = sharded_receiver(publisher.engine_setup, TOKEN, 0,
                                     connect_timeout_ms=DEADLINE_S * 1000)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in (1, 2):
