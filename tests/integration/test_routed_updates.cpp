@@ -4,7 +4,9 @@
 // their receive plans). Each engine rank's slots come out as the full tensors put through its
 // plan, the routes carry exactly the plan's bytes into it, a trainer rank that dies fails the
 // update on every engine rank with nothing going live, a slow engine rank holds the trainers
-// back, and every refusal is named.
+// back, and every refusal is named. Read in place (the communicator's read_in_place), the same
+// updates land with nothing packed, every byte counted as read where the shards lie, though each
+// update's shards are new memory (a new shard table every update).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -167,7 +169,8 @@ std::vector<ByteRange> every_tensor(const Layout& wire) {
 // M trainer-rank Senders and N engine-rank Receivers (coordinated commit) of one routing plan,
 // over one LoopbackRouteCommunicator.
 struct RoutedRig {
-  RoutedRig(int trainers, int engines, ReceiverConfig config = {}) : wire(wire_layout()) {
+  RoutedRig(int trainers, int engines, ReceiverConfig config = {}, bool in_place = false)
+      : wire(wire_layout()) {
     std::vector<RankRanges> held;
     for (int t = 0; t < trainers; ++t) {
       RankRanges ranges{t, {{}}};
@@ -190,6 +193,7 @@ struct RoutedRig {
     }
     plan = std::make_shared<const RoutingPlan>(RoutingPlan::build(wire, held, needs));
     communicator = std::make_unique<LoopbackRouteCommunicator>(plan);
+    communicator->read_in_place(in_place);
     for (int t = 0; t < trainers; ++t) {
       senders.push_back(std::make_unique<Sender>(wire, backend, communicator->trainer_transport(t),
                                                  plan, t));
@@ -292,15 +296,47 @@ TEST_CASE("M trainer ranks each send only their shards; every engine rank gets i
         for (int e = 0; e < engines; ++e) {
           const ReceiverStats stats = rig.receivers[e]->stats();
           CHECK(stats.routed_bytes == rig.plan->bytes_to(e));
+          CHECK(stats.routed_in_place_bytes == 0);  // packed: the communicator reads none in place
           CHECK(stats.trainer_count == trainers);
           CHECK(stats.routing_fingerprint == rig.plan->fingerprint());
         }
       }
+      const auto packed = rig.senders[0]->routes_in_place();
+      REQUIRE(packed.has_value());
+      CHECK_FALSE(packed->in_place);
+      CHECK_THAT(packed->why_not, Catch::Contains("reads no routes in place"));
       // The only memory a trainer rank adds: two slots of its largest bucket slice.
       for (int t = 0; t < trainers; ++t) {
         CHECK(rig.senders[t]->staging_bytes() == 2 * rig.plan->max_packed_bytes(t));
       }
       for (int t = 0; t < trainers; ++t) CHECK(rig.plan->max_packed_bytes(t) <= rig.wire.bucket_bytes());
+    }
+  }
+}
+
+TEST_CASE("routes read in place land every engine rank's parameters, nothing packed") {
+  for (const int trainers : {1, 2, 4}) {
+    for (const int engines : {1, 2}) {
+      CAPTURE(trainers, engines);
+      RoutedRig rig(trainers, engines, {}, /*in_place=*/true);
+      CHECK_FALSE(rig.senders[0]->routes_in_place().has_value());  // before the first update
+      for (std::uint64_t v = 1; v <= 3; ++v) {
+        CAPTURE(v);
+        auto handles = rig.publish(v);  // each update's shards are new memory: a new table
+        rig.apply(v, handles);
+        rig.check_live(v);
+        for (int e = 0; e < engines; ++e) {
+          const ReceiverStats stats = rig.receivers[e]->stats();
+          CHECK(stats.routed_bytes == rig.plan->bytes_to(e));
+          CHECK(stats.routed_in_place_bytes == rig.plan->bytes_to(e));
+        }
+        for (const auto& sender : rig.senders) {
+          const auto status = sender->routes_in_place();
+          REQUIRE(status.has_value());
+          CHECK(status->in_place);
+          CHECK(status->why_not.empty());
+        }
+      }
     }
   }
 }

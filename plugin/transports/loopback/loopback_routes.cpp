@@ -23,7 +23,8 @@ namespace shadowsync {
 
 namespace {
 
-// What a trainer rank posted for one call: where its packing of the bucket lies.
+// What a trainer rank posted for one call: where its packing of the bucket lies (null: in place,
+// where its shard table says).
 struct Post {
   bool posted = false;
   RoutedBucket bucket;
@@ -82,6 +83,10 @@ struct LoopbackRouteCommunicator::State {
   std::map<std::uint64_t, Exchange> exchanges;
   bool aborted = false;
   std::optional<std::string> error;  // communicator-wide: the first failure or abort
+  bool in_place = false;             // read_in_place
+  // Each trainer rank's shard table of its last accepted offer_in_place, [trainer][group].
+  std::vector<std::vector<std::vector<InPlaceSegment>>> tables =
+      std::vector<std::vector<std::vector<InPlaceSegment>>>(trainers.size());
   std::uint64_t completed = 0;
 
   int trainer_count() const { return plan->trainer_count(); }
@@ -145,7 +150,8 @@ struct LoopbackRouteCommunicator::State {
   // checks them, runs the copies from their packings and acknowledges.
   void run_receive(int engine, std::uint64_t call, const RoutedBucket& bucket,
                    const std::vector<RouteCopy>& copies, const RouteTargets& targets,
-                   std::atomic<std::uint64_t>& routed_bytes) {
+                   std::atomic<std::uint64_t>& routed_bytes,
+                   std::atomic<std::uint64_t>& in_place_bytes) {
     std::unique_lock lock(mutex);
     if (aborted) return;
     Exchange& x = exchange_locked(call);
@@ -161,19 +167,43 @@ struct LoopbackRouteCommunicator::State {
         abort_locked(std::move(*wrong));  // nothing copied
       }
     }
+    // Every copy's source, under the lock (the shard tables): a packing, or where the shards lie.
+    std::vector<AddressedCopy> addressed;
+    std::uint64_t moved = 0;
+    std::uint64_t in_place_moved = 0;
+    for (const RouteCopy& c : copies) {
+      if (aborted) break;
+      std::byte* base = c.to_staging ? targets.staging : targets.slot;
+      moved += c.rows * c.row_bytes;
+      const Post& post = x.posts[c.trainer];
+      if (post.data != nullptr || post.bytes == 0) {
+        addressed.push_back({post.data + c.packed_offset, c.src_pitch, base + c.dst_offset,
+                             c.dst_pitch, c.row_bytes, c.rows});
+        continue;
+      }
+      const ByteRange range = plan->packed_range(c.trainer, bucket.group, bucket.bucket);
+      const auto& table = tables[c.trainer];
+      if (bucket.group >= table.size() ||
+          !address_in_place(c, range.begin, table[bucket.group], base, addressed)) {
+        abort_locked(fmt::format("loopback routes: trainer rank {} posted bucket {} of group {} "
+                                 "(update {}) in place, but its shard table does not hold bytes "
+                                 "{}.. of its packing; nothing copied",
+                                 c.trainer, bucket.bucket, bucket.group, bucket.version,
+                                 range.begin + c.packed_offset));
+        break;
+      }
+      in_place_moved += c.rows * c.row_bytes;
+    }
     if (!aborted) {
       ++x.copying;
       lock.unlock();
-      std::uint64_t moved = 0;
-      for (const RouteCopy& c : copies) {
-        const std::byte* src = x.posts[c.trainer].data + c.packed_offset;
-        std::byte* dst = (c.to_staging ? targets.staging : targets.slot) + c.dst_offset;
-        for (std::size_t r = 0; r < c.rows; ++r) {
-          std::memcpy(dst + r * c.dst_pitch, src + r * c.src_pitch, c.row_bytes);
+      for (const AddressedCopy& a : addressed) {
+        for (std::size_t r = 0; r < a.rows; ++r) {
+          std::memcpy(a.dst + r * a.dst_pitch, a.src + r * a.src_pitch, a.row_bytes);
         }
-        moved += c.rows * c.row_bytes;
       }
       routed_bytes.fetch_add(moved, std::memory_order_relaxed);
+      in_place_bytes.fetch_add(in_place_moved, std::memory_order_relaxed);
       lock.lock();
       --x.copying;
       ++x.acked;
@@ -262,7 +292,7 @@ class LoopbackRouteTransport final : public Transport, public RouteMover {
     host::HostStream& host_stream = host_stream_of(stream);
     check_bucket(bucket, "send_routes_async");
     const ByteRange range = state_->plan->packed_range(trainer_, bucket.group, bucket.bucket);
-    if (bytes != range.end - range.begin || (packed == nullptr && bytes > 0)) {
+    if (bytes != range.end - range.begin || (packed == nullptr && bytes > 0 && !offered_)) {
       throw Error(ErrorCode::kInvalidArgument,
                   fmt::format("loopback send_routes_async on trainer rank {}: {} bytes at {} for "
                               "bucket {} of group {}, but the routing plan packs {} bytes there",
@@ -286,12 +316,30 @@ class LoopbackRouteTransport final : public Transport, public RouteMover {
     // may run them after the caller's span is gone.
     host_stream.enqueue([state = state_, engine = engine_, call, bucket,
                          list = std::vector<RouteCopy>(copies.begin(), copies.end()), targets,
-                         counter = routed_] {
-      state->run_receive(engine, call, bucket, list, targets, *counter);
+                         counter = routed_, in_place = in_place_] {
+      state->run_receive(engine, call, bucket, list, targets, *counter, *in_place);
     });
   }
 
   std::uint64_t routed_bytes() const override { return routed_->load(); }
+  std::uint64_t routed_in_place_bytes() const override { return in_place_->load(); }
+
+  // Host memory of this process is read where it lies, once read_in_place(true) said so. The
+  // sender offers between updates: no engine rank reads the table it replaces.
+  bool offer_in_place(std::span<const InPlaceSegment> segments, std::string& why_not) override {
+    std::lock_guard lock(state_->mutex);
+    offered_ = trainer_ >= 0 && state_->in_place;
+    if (!offered_) {
+      why_not = trainer_ < 0 ? "an engine rank sends nothing"
+                             : "this loopback communicator reads no routes in place "
+                               "(read_in_place(false))";
+      return false;
+    }
+    auto& table = state_->tables[trainer_];
+    table.assign(state_->plan->group_count(), {});
+    for (const InPlaceSegment& s : segments) table[s.group].push_back(s);
+    return true;
+  }
 
  private:
   std::string describe() const {
@@ -317,8 +365,11 @@ class LoopbackRouteTransport final : public Transport, public RouteMover {
   const int trainer_;
   const int engine_;
   std::uint64_t next_call_ = 0;  // the caller's thread only ("one thread at a time")
+  bool offered_ = false;         // trainer: this update is sent in place (the caller's thread)
   // Shared with the enqueued tasks, which may outlive the transport.
   std::shared_ptr<std::atomic<std::uint64_t>> routed_ =
+      std::make_shared<std::atomic<std::uint64_t>>(0);
+  std::shared_ptr<std::atomic<std::uint64_t>> in_place_ =
       std::make_shared<std::atomic<std::uint64_t>>(0);
 };
 
@@ -383,6 +434,11 @@ void LoopbackRouteCommunicator::inject_delay(int engine, std::uint64_t call,
   std::lock_guard lock(state_->mutex);
   check_rank("engine", engine, state_->engine_count());
   state_->engines[engine].delays[call] = delay;
+}
+
+void LoopbackRouteCommunicator::read_in_place(bool on) {
+  std::lock_guard lock(state_->mutex);
+  state_->in_place = on;
 }
 
 std::uint64_t LoopbackRouteCommunicator::buckets_completed() const {

@@ -4,6 +4,10 @@
 // the call until every engine rank acknowledged it; an engine rank's stream waits for every
 // trainer rank's post of the bucket, checks it, copies its routes straight out of each packing
 // (RouteCopy rows, plain memcpy) and acknowledges. Faults can be injected per rank and per call.
+// With read_in_place(true), trainer ranks accept RouteMover::offer_in_place (their shards are
+// host memory of this same process): they post nothing but "in place", and engine ranks resolve
+// their copies against the rank's shard table (in_place_copies.h), as the same-host pull
+// transport does on GPUs.
 //
 // Internal (tests, the C testing entry): RoutingPlan is not installed. The transports broadcast
 // nothing; Transport::route_mover() is what they offer.
@@ -41,6 +45,10 @@ class LoopbackRouteCommunicator {
   // Before taking part in call `call`, engine rank `engine` waits `delay` (a slow reader),
   // cut short by an abort.
   void inject_delay(int engine, std::uint64_t call, std::chrono::microseconds delay);
+
+  // Whether trainer ranks' offer_in_place is accepted (default: no, every bucket is posted
+  // packed). Before the first update. Thread-safe.
+  void read_in_place(bool on);
 
   // Buckets every rank finished. Thread-safe.
   std::uint64_t buckets_completed() const;
