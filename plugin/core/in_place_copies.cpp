@@ -59,4 +59,15 @@ bool address_in_place(const RouteCopy& copy, std::size_t packed_begin,
   return true;
 }
 
+bool address_route_copy(const RouteCopy& copy, const std::byte* packed, std::size_t packed_begin,
+                        std::span<const InPlaceSegment> segments, std::byte* dst,
+                        std::vector<AddressedCopy>& out) {
+  if (packed == nullptr) return address_in_place(copy, packed_begin, segments, dst, out);
+  if (copy.rows > 0 && copy.row_bytes > 0) {
+    out.push_back({packed + copy.packed_offset, copy.src_pitch, dst + copy.dst_offset,
+                   copy.dst_pitch, copy.row_bytes, copy.rows});
+  }
+  return true;
+}
+
 }  // namespace shadowsync

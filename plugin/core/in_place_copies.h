@@ -48,4 +48,10 @@ bool address_in_place(const RouteCopy& copy, std::size_t packed_begin,
                       std::span<const InPlaceSegment> segments, std::byte* dst,
                       std::vector<AddressedCopy>& out);
 
+// The copy of one route as a transport runs it: from `packed` (the trainer rank's packing of the
+// bucket, staged) when not null, else in place, as address_in_place. False as address_in_place.
+bool address_route_copy(const RouteCopy& copy, const std::byte* packed, std::size_t packed_begin,
+                        std::span<const InPlaceSegment> segments, std::byte* dst,
+                        std::vector<AddressedCopy>& out);
+
 }  // namespace shadowsync

@@ -47,8 +47,7 @@ ShardPacking::ShardPacking(const Layout& wire, const RoutingPlan& plan, int trai
     : wire_(wire), trainer_(trainer) {
   const auto& groups = wire.groups();
   runs_.resize(groups.size());
-  packed_bytes_.resize(groups.size());
-  packed_begin_.resize(groups.size());
+  slices_.resize(groups.size());
   held_.resize(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const GroupLayout& group = groups[g];
@@ -78,12 +77,10 @@ ShardPacking::ShardPacking(const Layout& wire, const RoutingPlan& plan, int trai
       }
     }
     runs_[g].resize(group.bucket_count());
-    packed_bytes_[g].resize(group.bucket_count());
-    packed_begin_[g].resize(group.bucket_count());
+    slices_[g].resize(group.bucket_count());
     for (std::size_t k = 0; k < group.bucket_count(); ++k) {
       const ByteRange slice = plan.packed_range(trainer, g, k);
-      packed_bytes_[g][k] = slice.end - slice.begin;
-      packed_begin_[g][k] = slice.begin;
+      slices_[g][k] = slice;
       auto& runs = runs_[g][k];
       for (const Segment& s : segments) {
         const std::size_t begin = std::max(s.packed, slice.begin);
@@ -107,19 +104,19 @@ ShardPacking::ShardPacking(const Layout& wire, const RoutingPlan& plan, int trai
 void ShardPacking::append_in_place_segments(std::size_t group,
                                             const std::vector<const std::byte*>& tensors,
                                             std::vector<InPlaceSegment>& out) const {
+  std::size_t last_tensor = 0;
   const std::size_t first = out.size();
   for (std::size_t k = 0; k < runs_[group].size(); ++k) {
     for (const PackRun& run : runs_[group][k]) {
-      const std::size_t packing = packed_begin_[group][k] + run.packed_offset;
-      const std::byte* address = tensors[run.tensor] + run.local_offset;
-      if (out.size() > first) {
-        InPlaceSegment& last = out.back();
-        if (last.packing_offset + last.bytes == packing && last.address + last.bytes == address) {
-          last.bytes += run.bytes;
-          continue;
-        }
+      const std::size_t packing = slices_[group][k].begin + run.packed_offset;
+      // A tensor cut by a bucket boundary continues in the next bucket's first run.
+      if (out.size() > first && last_tensor == run.tensor &&
+          out.back().packing_offset + out.back().bytes == packing) {
+        out.back().bytes += run.bytes;
+        continue;
       }
-      out.push_back({group, packing, run.bytes, address});
+      out.push_back({group, packing, run.bytes, tensors[run.tensor] + run.local_offset});
+      last_tensor = run.tensor;
     }
   }
 }

@@ -39,13 +39,13 @@ class ShardPacking {
   }
   // The bytes of bucket `bucket`'s slice (packed_range's length).
   std::size_t packed_bytes(std::size_t group, std::size_t bucket) const {
-    return packed_bytes_[group][bucket];
+    return slices_[group][bucket].end - slices_[group][bucket].begin;
   }
 
   // Where this rank's packing of group `group` lies when engines read it in place: each run at
   // its shard's address (`tensors`: the group's entry of what check() returns), in packing
-  // order, with offsets over the whole group's packing; runs that continue each other in the
-  // packing and in memory are merged. Appended to `out`.
+  // order, with offsets over the whole group's packing; a tensor's runs in consecutive buckets
+  // are merged (one segment never spans two tensors). Appended to `out`.
   void append_in_place_segments(std::size_t group, const std::vector<const std::byte*>& tensors,
                                 std::vector<InPlaceSegment>& out) const;
 
@@ -62,8 +62,7 @@ class ShardPacking {
   const Layout& wire_;
   const int trainer_;
   std::vector<std::vector<std::vector<PackRun>>> runs_;     // [group][bucket]
-  std::vector<std::vector<std::size_t>> packed_bytes_;      // [group][bucket]
-  std::vector<std::vector<std::size_t>> packed_begin_;      // [group][bucket]: the slice's begin
+  std::vector<std::vector<ByteRange>> slices_;              // [group][bucket]: packed_range
   std::vector<std::vector<std::vector<ByteRange>>> held_;   // [group][tensor], wire offsets
 };
 

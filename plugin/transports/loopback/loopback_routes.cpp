@@ -173,18 +173,16 @@ struct LoopbackRouteCommunicator::State {
     std::uint64_t in_place_moved = 0;
     for (const RouteCopy& c : copies) {
       if (aborted) break;
-      std::byte* base = c.to_staging ? targets.staging : targets.slot;
+      const std::byte* packed = x.posts[c.trainer].data;  // null: in place
       moved += c.rows * c.row_bytes;
-      const Post& post = x.posts[c.trainer];
-      if (post.data != nullptr || post.bytes == 0) {
-        addressed.push_back({post.data + c.packed_offset, c.src_pitch, base + c.dst_offset,
-                             c.dst_pitch, c.row_bytes, c.rows});
-        continue;
-      }
+      in_place_moved += packed == nullptr ? c.rows * c.row_bytes : 0;
       const ByteRange range = plan->packed_range(c.trainer, bucket.group, bucket.bucket);
       const auto& table = tables[c.trainer];
-      if (bucket.group >= table.size() ||
-          !address_in_place(c, range.begin, table[bucket.group], base, addressed)) {
+      const std::span<const InPlaceSegment> segments =
+          bucket.group < table.size() ? std::span<const InPlaceSegment>(table[bucket.group])
+                                      : std::span<const InPlaceSegment>();
+      if (!address_route_copy(c, packed, range.begin, segments,
+                              c.to_staging ? targets.staging : targets.slot, addressed)) {
         abort_locked(fmt::format("loopback routes: trainer rank {} posted bucket {} of group {} "
                                  "(update {}) in place, but its shard table does not hold bytes "
                                  "{}.. of its packing; nothing copied",
@@ -192,7 +190,6 @@ struct LoopbackRouteCommunicator::State {
                                  range.begin + c.packed_offset));
         break;
       }
-      in_place_moved += c.rows * c.row_bytes;
     }
     if (!aborted) {
       ++x.copying;

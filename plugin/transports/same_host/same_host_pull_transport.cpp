@@ -413,20 +413,18 @@ void SameHostPullTransport::State::gated_receive(const RoutedBucket& bucket,
   for (const RouteCopy& c : copies) {
     if (c.rows == 0) continue;
     const std::size_t t = static_cast<std::size_t>(c.trainer);
-    std::byte* base = c.to_staging ? targets.staging : targets.slot;
+    const bool in_place = doorbells[t].slot == same_host::kInPlaceSlot;
     moved += c.rows * c.row_bytes;
-    if (doorbells[t].slot != same_host::kInPlaceSlot) {
-      addressed.push_back({staging[t].slot(doorbells[t].slot) + c.packed_offset, c.src_pitch,
-                           base + c.dst_offset, c.dst_pitch, c.row_bytes, c.rows});
-      continue;
-    }
+    in_place_moved += in_place ? c.rows * c.row_bytes : 0;
     const ByteRange range = plan->packed_range(c.trainer, bucket.group, bucket.bucket);
     // No table yet from that rank (it rang in place before sending one): no segments, refused.
     const std::span<const InPlaceSegment> segments =
         t < tables.size() && bucket.group < tables[t].size()
             ? std::span<const InPlaceSegment>(tables[t][bucket.group])
             : std::span<const InPlaceSegment>();
-    if (!address_in_place(c, range.begin, segments, base, addressed)) {
+    if (!address_route_copy(c, in_place ? nullptr : staging[t].slot(doorbells[t].slot),
+                            range.begin, segments, c.to_staging ? targets.staging : targets.slot,
+                            addressed)) {
       fail(fmt::format("same-host pull {}: trainer rank {} rang {} to be read in place, but its "
                        "shard table does not hold bytes {}..{} of its packing of group {}; "
                        "nothing of the bucket was copied",
@@ -435,7 +433,6 @@ void SameHostPullTransport::State::gated_receive(const RoutedBucket& bucket,
                        bucket.group));
       return;
     }
-    in_place_moved += c.rows * c.row_bytes;
   }
   for (const AddressedCopy& a : addressed) {
     backend->memcpy_2d_async(a.dst, a.dst_pitch, a.src, a.src_pitch, a.row_bytes, a.rows, stream);
