@@ -55,10 +55,12 @@ class ShadowsyncInitInfo:
       regions every worker builds the trainers' routing plan and compares ``fingerprint``. The
       worker is engine rank = its tensor-parallel rank (trainer_ranks.py). Trainer ranks on
       other GPUs or hosts send over NCCL point-to-point instead: ``"nccl": {"unique_id": NCCL's
-      unique id, "gpus": [M + N GPU names, shadowsync.gpu_name() of each rank's GPU, trainer
-      ranks first]}`` in place of ``paths`` and ``token``; every trainer rank creates
+      unique id, "gpus": [M + R x N GPU names, shadowsync.gpu_name() of each rank's GPU, trainer
+      ranks first, then each replica's engine ranks], "replicas": R (optional, default 1)}`` in
+      place of ``paths`` and ``token``; every trainer rank creates
       ``shadowsync.nccl_routed_transport`` with it as communicator rank = its trainer rank, the
-      worker joins as rank M + its engine rank.
+      worker joins as rank M + replica x N + its engine rank. With R replicas each trainer rank
+      still sends every route once (to replica 0, whose workers forward it along the replicas).
 
     What is sent:
 
@@ -361,9 +363,13 @@ def _checked_trainer_ranks(trainer_ranks: Any) -> dict:
 def _checked_nccl_routes(nccl: Any, count: int) -> dict:
     """``trainer_ranks["nccl"]`` checked, as plain data (the unique id as base64 text)."""
     where = "trainer_ranks.nccl"
-    if not isinstance(nccl, Mapping) or set(nccl) != {"unique_id", "gpus"}:
+    if (not isinstance(nccl, Mapping) or not {"unique_id", "gpus"} <= set(nccl)
+            or not set(nccl) <= {"unique_id", "gpus", "replicas"}):
         _refuse(where, nccl, "a dict {'unique_id': shadowsync.nccl_unique_id(), 'gpus': [the "
-                             "GPU name of every communicator rank, trainer ranks first]}")
+                             "GPU name of every communicator rank, trainer ranks first], and "
+                             "optionally 'replicas': the engine's data-parallel replicas}")
+    replicas = nccl.get("replicas", 1)
+    _check_int(f"{where}.replicas", replicas, minimum=1)
     gpus = nccl["gpus"]
     if (isinstance(gpus, (str, bytes)) or not isinstance(gpus, (list, tuple))
             or not all(isinstance(g, str) and g for g in gpus)):
@@ -375,7 +381,10 @@ def _checked_nccl_routes(nccl: Any, count: int) -> dict:
             f"and at least one engine rank need more: name the GPU of every communicator rank, "
             f"the {count} trainer ranks first, then each engine rank")
     unique_id = _unique_id_bytes(nccl["unique_id"])
-    return {"unique_id": base64.b64encode(unique_id).decode("ascii"), "gpus": list(gpus)}
+    out = {"unique_id": base64.b64encode(unique_id).decode("ascii"), "gpus": list(gpus)}
+    if replicas != 1:
+        out["replicas"] = replicas
+    return out
 
 
 def _needs(rank: int, ranges: Any) -> list[list[int]]:

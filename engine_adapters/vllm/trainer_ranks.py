@@ -99,25 +99,27 @@ def routing_plan(wire: Layout, trainer_ranks: dict, engine_rank: int, engine_cou
 def connect(trainer_ranks: dict, plan: RoutingPlan, engine_rank: int, backend,
             device: int | None) -> Transport:
     """Engine rank `engine_rank`'s end of the trainer ranks' transport: with ``nccl``, joins
-    their NCCL communicator as rank M + engine_rank on CUDA device `device` (None: a CPU
-    worker, refused); else connects to every trainer rank's path of the same-host pull
+    their NCCL communicator as rank M + replica x N + engine_rank on CUDA device `device` (None:
+    a CPU worker, refused); else connects to every trainer rank's path of the same-host pull
     transport (they serve it once they built the plan)."""
     nccl = trainer_ranks.get("nccl")
     replica = trainer_ranks.get("replica", 0)
     if nccl is not None:
-        if replica:
+        replicas = nccl.get("replicas", 1)
+        if replica >= replicas:
             raise InvalidArgumentError(
-                f"init_weight_update_group: trainer_ranks.replica is {replica}: NCCL routes reach "
-                f"one engine replica; give each replica its own trainer_ranks.nccl communicator, "
-                f"or serve the replicas over the same-host pull transport ('paths', 'token')")
+                f"init_weight_update_group: trainer_ranks.replica is {replica}, but "
+                f"trainer_ranks.nccl.replicas is {replicas} (replicas 0..{replicas - 1} join the "
+                f"trainer ranks' communicator); give every replica's engine the same 'nccl' with "
+                f"'replicas' set to their number")
         if device is None:
             raise InvalidArgumentError(
                 "init_weight_update_group: trainer_ranks.nccl: NCCL routes need GPU workers, and "
                 "this engine runs on the CPU; give the trainer ranks' 'paths' and 'token' (the "
                 "same-host pull transport) instead")
-        return nccl_routed_transport(bytes_from_rpc(nccl["unique_id"]), plan,
-                                     plan.trainer_count + engine_rank, device, backend,
-                                     nccl["gpus"])
+        rank = plan.trainer_count + replica * plan.engine_count + engine_rank
+        return nccl_routed_transport(bytes_from_rpc(nccl["unique_id"]), plan, rank, device,
+                                     backend, nccl["gpus"], replicas=replicas)
     return same_host_pull_engine_transport(
         trainer_ranks["paths"], trainer_ranks["token"], plan, engine_rank, backend,
         connect_timeout_ms=trainer_ranks.get("connect_timeout_ms"), replica=replica)

@@ -67,13 +67,14 @@ struct NcclTransportConfig {
 
 // What create_routed() needs beyond create()'s arguments.
 struct NcclRouteConfig {
-  // The GPU of every communicator rank, trainer ranks first (M + N entries): any name unique to
-  // a GPU across the hosts, such as the host name and the device's UUID. NCCL cannot connect two
-  // ranks of one communicator on one GPU; create_routed() refuses that before NCCL is called.
+  // The GPU of every communicator rank, trainer ranks first, then each replica's engine ranks
+  // (M + replicas x N entries): any name unique to a GPU across the hosts, such as the host name
+  // and the device's UUID. NCCL cannot connect two ranks of one communicator on one GPU;
+  // create_routed() refuses that before NCCL is called.
   std::vector<std::string> gpus;
-  // Engine processes per engine rank (data-parallel replicas of the engine). Only 1 for now: the
-  // routes would go once to replica 0, which broadcasts within its replica group (DESIGN §14);
-  // not built yet.
+  // Data-parallel replicas of the engine, R >= 1: R x N engine ranks join the communicator.
+  // Each trainer rank still sends every route once, to replica 0; each replica's engine rank
+  // forwards the bucket it landed to the next replica's (a chain: p2p_schedule.h).
   int replicas = 1;
 };
 
@@ -127,11 +128,12 @@ class NcclTransport final : public Transport {
   // A communicator of the M trainer ranks and N engine ranks of routing plan `plan` (built on
   // `wire`) that moves its routes: route_mover() is then non-null, as create()'s transport
   // otherwise (its broadcasts work the same). Communicator rank `rank`: trainer rank t is t,
-  // engine rank e is M + e; world size M + N. Every rank calls this with the same id and an
-  // equal plan. Refused with Error(kInvalidArgument) before NCCL is called: route_config.gpus not
-  // naming one GPU per rank, or two ranks on one GPU ("trainer rank 1 and engine rank 0
-  // (communicator rank 2) are both on GPU '...'": use the same-host pull transport), replicas
-  // other than 1 (not supported yet). Then as create(). An engine rank allocates its landing
+  // engine rank e of replica r is M + r x N + e; world size M + R x N (R: route_config.replicas).
+  // Every rank calls this with the same id, an equal plan and the same R. Refused with
+  // Error(kInvalidArgument) before NCCL is called: route_config.gpus not naming one GPU per
+  // rank, or two ranks on one GPU ("trainer rank 1 and engine rank 0 (communicator rank 2) are
+  // both on GPU '...'": use the same-host pull transport), replicas < 1, a rank outside the
+  // communicator. Then as create(). An engine rank allocates its landing
   // buffer (the largest bucket it receives) from `backend`, the CudaBackend of `device` whose
   // streams the routed calls get; `backend` must outlive the transport.
   static std::unique_ptr<NcclTransport> create_routed(const NcclUniqueId& id, int rank, int device,

@@ -406,6 +406,17 @@ SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_routed_transport_create(
     const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int device,
     shadowsync_routing_plan_t plan, shadowsync_backend_t backend, const char* const* gpus,
     size_t gpu_count, const shadowsync_nccl_config_t* config, shadowsync_transport_t* transport);
+/* shadowsync_nccl_routed_transport_create with `replicas` (R >= 1) data-parallel replicas of
+ * the engine in the communicator: M + R x N ranks, engine rank e of replica r at communicator
+ * rank M + r x N + e, and `gpus` naming all M + R x N in that order. Each trainer rank still
+ * sends every route once, to replica 0; each replica's engine rank forwards the bucket it
+ * landed to the next replica's (a chain), so no link carries a bucket twice. Every rank passes
+ * the same R. The call above is this one with R = 1. */
+SHADOWSYNC_API shadowsync_status_t shadowsync_nccl_routed_transport_create_replicated(
+    const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int device,
+    shadowsync_routing_plan_t plan, shadowsync_backend_t backend, const char* const* gpus,
+    size_t gpu_count, int replicas, const shadowsync_nccl_config_t* config,
+    shadowsync_transport_t* transport);
 /* The NCCL library the NCCL transport uses (NcclTransport::library(); nccl_transport.h says where
  * it looks; SHADOWSYNC_NCCL_LIBRARY=<path> chooses one). Loads it if no call did yet, and then
  * prints one line on stderr unless SHADOWSYNC_NCCL_QUIET=1. Writes the library's path,

@@ -267,6 +267,15 @@ shadowsync_status_t shadowsync_nccl_routed_transport_create(
     const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int device,
     shadowsync_routing_plan_t plan, shadowsync_backend_t backend, const char* const* gpus,
     size_t gpu_count, const shadowsync_nccl_config_t* config, shadowsync_transport_t* transport) {
+  return shadowsync_nccl_routed_transport_create_replicated(id, rank, device, plan, backend, gpus,
+                                                            gpu_count, 1, config, transport);
+}
+
+shadowsync_status_t shadowsync_nccl_routed_transport_create_replicated(
+    const uint8_t id[SHADOWSYNC_NCCL_UNIQUE_ID_BYTES], int rank, int device,
+    shadowsync_routing_plan_t plan, shadowsync_backend_t backend, const char* const* gpus,
+    size_t gpu_count, int replicas, const shadowsync_nccl_config_t* config,
+    shadowsync_transport_t* transport) {
   return guard(__func__, [&] {
     auto& out = out_arg(transport, "transport");
     if (id == nullptr) throw_invalid("'id' is NULL");
@@ -277,6 +286,7 @@ shadowsync_status_t shadowsync_nccl_routed_transport_create(
 #if defined(SHADOWSYNC_WITH_CUDA)
     NcclRouteConfig route_config;
     route_config.gpus = std::move(gpu_names);
+    route_config.replicas = replicas;
     // The transport shares the plan handle's object and keeps the backend (its landing buffer's)
     // alive: the caller may destroy both handles.
     std::shared_ptr<const RoutingPlan> routing(plan_object, &plan_object->plan);
@@ -288,6 +298,7 @@ shadowsync_status_t shadowsync_nccl_routed_transport_create(
 #else
     (void)c;
     (void)out;
+    (void)replicas;
     throw_not_supported(fmt::format("NCCL routed transport (communicator rank {} of {}, device {}): "
                                     "this library was built without CUDA/NCCL",
                                     rank, gpu_names.size(), device));

@@ -22,6 +22,37 @@ void check_engine(const RoutingPlan& routing, int engine) {
   }
 }
 
+// Where communicator rank `comm_rank` sits among M trainer ranks and R replicas of N engine
+// ranks; refuses a rank outside the communicator.
+struct CommPlace {
+  int trainer = -1;  // 0..M-1, or -1
+  int engine = -1;   // 0..N-1, or -1
+  int replica = -1;  // 0..R-1 for an engine rank, or -1
+};
+
+CommPlace place_of(const RoutingPlan& routing, int comm_rank, int replicas) {
+  const int trainers = routing.trainer_count();
+  const int engines = routing.engine_count();
+  if (replicas < 1) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{} engine replicas: there must be at least 1", replicas));
+  }
+  const long long world = trainers + static_cast<long long>(replicas) * engines;
+  if (comm_rank < 0 || comm_rank >= world) {
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("communicator rank {} is outside 0..{} (trainer ranks 0..{}, then "
+                            "engine ranks{})",
+                            comm_rank, world - 1, trainers - 1,
+                            replicas > 1 ? fmt::format(" of {} replicas", replicas) : ""));
+  }
+  if (comm_rank < trainers) return {comm_rank, -1, -1};
+  return {-1, (comm_rank - trainers) % engines, (comm_rank - trainers) / engines};
+}
+
+std::size_t landing_size(const std::vector<LandingRoute>& landing) {
+  return landing.empty() ? 0 : landing.back().landing_offset + landing.back().bytes;
+}
+
 }  // namespace
 
 std::vector<LandingRoute> landing_layout(const RoutingPlan& routing, int engine, std::size_t group,
@@ -79,18 +110,16 @@ RouteCopy landing_copy(std::span<const LandingRoute> landing, const RouteCopy& c
                           first, last, copy.trainer));
 }
 
+void check_comm_rank(const RoutingPlan& routing, int comm_rank, int replicas) {
+  (void)place_of(routing, comm_rank, replicas);
+}
+
 std::vector<P2pOp> p2p_schedule(const RoutingPlan& routing, int comm_rank, std::size_t group,
-                                std::size_t bucket) {
+                                std::size_t bucket, int replicas) {
+  const CommPlace at = place_of(routing, comm_rank, replicas);
   const int trainers = routing.trainer_count();
-  const int world = trainers + routing.engine_count();
-  if (comm_rank < 0 || comm_rank >= world) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("communicator rank {} is outside 0..{} (trainer ranks 0..{}, then "
-                            "engine ranks)",
-                            comm_rank, world - 1, trainers - 1));
-  }
   std::vector<P2pOp> ops;
-  if (comm_rank < trainers) {
+  if (at.trainer >= 0) {
     // Already by engine rank, then wire offset within this trainer rank's routes.
     for (const Route& r : routing.routes(group, bucket)) {
       if (r.trainer != comm_rank) continue;
@@ -98,25 +127,50 @@ std::vector<P2pOp> p2p_schedule(const RoutingPlan& routing, int comm_rank, std::
     }
     return ops;
   }
-  for (const LandingRoute& r : landing_layout(routing, comm_rank - trainers, group, bucket)) {
+  const std::vector<LandingRoute> landing = landing_layout(routing, at.engine, group, bucket);
+  if (at.replica > 0) {
+    if (!landing.empty()) {
+      ops.push_back({P2pOp::kRecv, comm_rank - routing.engine_count(), 0, landing_size(landing)});
+    }
+    return ops;
+  }
+  for (const LandingRoute& r : landing) {
     ops.push_back({P2pOp::kRecv, r.trainer, r.landing_offset, r.bytes});
   }
   return ops;
 }
 
-void check_p2p_gpus(const RoutingPlan& routing, const std::vector<std::string>& gpus) {
+std::vector<P2pOp> p2p_forward(const RoutingPlan& routing, int comm_rank, std::size_t group,
+                               std::size_t bucket, int replicas) {
+  const CommPlace at = place_of(routing, comm_rank, replicas);
+  if (at.engine < 0 || at.replica == replicas - 1) return {};
+  const std::size_t bytes = landing_size(landing_layout(routing, at.engine, group, bucket));
+  if (bytes == 0) return {};
+  return {{P2pOp::kSend, comm_rank + routing.engine_count(), 0, bytes}};
+}
+
+void check_p2p_gpus(const RoutingPlan& routing, const std::vector<std::string>& gpus,
+                    int replicas) {
   const int trainers = routing.trainer_count();
-  const std::size_t world = static_cast<std::size_t>(trainers + routing.engine_count());
+  const int engines = routing.engine_count();
+  check_comm_rank(routing, 0, replicas);  // refuses replicas < 1
+  const std::size_t world = static_cast<std::size_t>(trainers) +
+                            static_cast<std::size_t>(replicas) * static_cast<std::size_t>(engines);
   if (gpus.size() != world) {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("{} GPUs given for a communicator of {} ranks ({} trainer and {} "
-                            "engine ranks): name the GPU of every rank, trainer ranks first",
-                            gpus.size(), world, trainers, routing.engine_count()));
+                            "engine ranks{}): name the GPU of every rank, trainer ranks first{}",
+                            gpus.size(), world, trainers, engines,
+                            replicas > 1 ? fmt::format(" in each of {} replicas", replicas) : "",
+                            replicas > 1 ? ", then each replica's engine ranks" : ""));
   }
   const auto name = [&](std::size_t rank) {
-    return static_cast<int>(rank) < trainers
-               ? fmt::format("trainer rank {}", rank)
-               : fmt::format("engine rank {} (communicator rank {})", rank - trainers, rank);
+    if (static_cast<int>(rank) < trainers) return fmt::format("trainer rank {}", rank);
+    const std::size_t e = (rank - trainers) % engines;
+    const std::size_t r = (rank - trainers) / engines;
+    return replicas > 1 ? fmt::format("engine rank {} of replica {} (communicator rank {})", e, r,
+                                      rank)
+                        : fmt::format("engine rank {} (communicator rank {})", e, rank);
   };
   for (std::size_t b = 0; b < world; ++b) {
     for (std::size_t a = 0; a < b; ++a) {

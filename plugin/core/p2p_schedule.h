@@ -4,7 +4,8 @@
 // ncclGroupEnd) moves every route once, from the trainer rank that holds it to the engine rank
 // that needs it.
 //
-// Communicator ranks: trainer rank t is rank t, engine rank e is rank M + e (world size M + N).
+// Communicator ranks: trainer rank t is rank t, engine rank e is rank M + e (world size M + N;
+// with replicas, below, M + R x N).
 //
 // A trainer rank sends each of its routes of the bucket from its packing of the bucket (offsets
 // from packed_range(t, group, bucket).begin). An engine rank receives each route into a landing
@@ -18,10 +19,14 @@
 // rank, wire offset; routes between one pair are disjoint in the wire). Across peers the order
 // does not matter inside a group.
 //
-// Engine replicas (data parallel, DESIGN §14 and plan_43 D6) are not scheduled here: the plan is
-// for the N ranks of one replica. The intended schedule sends each route once, to replica 0's
-// rank, which broadcasts its landed bucket within the group of rank e's replicas (one more
-// communicator). Transports refuse more than one replica until that exists.
+// Engine replicas (data parallel): R replicas of the N engine ranks join the same communicator,
+// M + R x N ranks, engine rank e of replica r at communicator rank M + r x N + e. Each route is
+// sent once, to replica 0's rank, as above. Replica r's rank e then forwards its landed bucket
+// (its whole landing buffer of the bucket, one op) to replica r + 1's rank e, in a group of its
+// own after its receives: a chain. Each trainer rank sends a bucket once whatever R; each
+// replica's rank receives it once and sends it at most once, so no link carries it twice; and
+// since every rank enqueues its buckets in order on its own stream, consecutive buckets are in
+// flight along the chain at once. Every replica lands the same bytes (same layout, same copies).
 //
 // Pure computation; thread-safe.
 #pragma once
@@ -73,18 +78,32 @@ std::size_t max_landing_bytes(const RoutingPlan& routing, const Layout& wire, in
 // from its trainer rank holds all of it (copies composed for another engine rank or bucket).
 RouteCopy landing_copy(std::span<const LandingRoute> landing, const RouteCopy& copy);
 
-// The ops of communicator rank `comm_rank` (0..M+N-1) for bucket `bucket` of group `group`:
-// a trainer rank's sends, by engine rank, then wire offset; an engine rank's receives, by
-// trainer rank, then wire offset (its landing order). Empty where the rank has no route in the
-// bucket. Throws Error(kInvalidArgument) for a rank outside 0..M+N-1.
+// Throws Error(kInvalidArgument) for a communicator rank outside 0..M+R*N-1 (R = `replicas`)
+// or `replicas` < 1, naming them.
+void check_comm_rank(const RoutingPlan& routing, int comm_rank, int replicas);
+
+// The receive group's ops of communicator rank `comm_rank` (0..M+R*N-1, R = `replicas`) for
+// bucket `bucket` of group `group`: a trainer rank's sends (to replica 0), by engine rank, then
+// wire offset; replica 0's engine rank's receives, by trainer rank, then wire offset (its landing
+// order); replica r > 0's engine rank: one receive of the whole landing buffer from replica
+// r - 1's. Empty where the rank has no route in the bucket. Throws Error(kInvalidArgument) for a
+// rank outside 0..M+R*N-1 or `replicas` < 1.
 std::vector<P2pOp> p2p_schedule(const RoutingPlan& routing, int comm_rank, std::size_t group,
-                                std::size_t bucket);
+                                std::size_t bucket, int replicas = 1);
+
+// The forward group's op of communicator rank `comm_rank` for that bucket: an engine rank of
+// replica r < R - 1 with routes in the bucket sends its whole landing buffer to replica r + 1's;
+// empty otherwise (trainer ranks, the last replica, no routes). Posted after the receive group,
+// on the same stream. Throws as p2p_schedule.
+std::vector<P2pOp> p2p_forward(const RoutingPlan& routing, int comm_rank, std::size_t group,
+                               std::size_t bucket, int replicas = 1);
 
 // NCCL refuses two ranks of one communicator on one GPU. `gpus[r]` names the GPU of
 // communicator rank r (any string unique to a GPU across hosts, e.g. host name and device UUID);
 // throws Error(kInvalidArgument) naming both ranks and the GPU where two ranks share one ("use
 // the same-host pull transport" where a trainer and an engine rank do), or where `gpus` does not
-// have M + N entries.
-void check_p2p_gpus(const RoutingPlan& routing, const std::vector<std::string>& gpus);
+// have M + R x N entries (R = `replicas`).
+void check_p2p_gpus(const RoutingPlan& routing, const std::vector<std::string>& gpus,
+                    int replicas = 1);
 
 }  // namespace shadowsync

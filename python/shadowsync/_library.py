@@ -349,9 +349,10 @@ _PROTOTYPES = {
         c_int,
         [_P(c_uint8), c_int, c_int, c_int, _P(NcclConfigC), _P(_H)],
     ),
-    "shadowsync_nccl_routed_transport_create": (
+    "shadowsync_nccl_routed_transport_create_replicated": (
         c_int,
-        [_P(c_uint8), c_int, c_int, _H, _H, _P(c_char_p), c_size_t, _P(NcclConfigC), _P(_H)],
+        [_P(c_uint8), c_int, c_int, _H, _H, _P(c_char_p), c_size_t, c_int, _P(NcclConfigC),
+         _P(_H)],
     ),
     "shadowsync_nccl_library": (c_int, [c_char_p, c_size_t, _P(c_int32)]),
     "shadowsync_nccl_add_python_path": (c_int, [c_char_p]),

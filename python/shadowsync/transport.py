@@ -156,21 +156,27 @@ def nccl_routed_transport(
     backend: Backend,
     gpus,
     config: NcclConfig | None = None,
+    replicas: int = 1,
 ) -> Transport:
     """A sharded trainer's routes over NCCL point-to-point (DESIGN §14): communicator rank `rank`
-    of the routing plan's M trainer ranks and N engine ranks, trainer ranks first (rank < M:
-    trainer rank `rank`, give it to that rank's Sender with the plan; else engine rank rank - M,
-    give it to its Receiver with the plan), on CUDA device `device`. Every rank calls it with the
-    same `unique_id` and plan; it blocks until all M + N joined (init_timeout_ms).
+    of the routing plan's M trainer ranks and N engine ranks in each of `replicas` (R) data-parallel
+    replicas of the engine, trainer ranks first (rank < M: trainer rank `rank`, give it to that
+    rank's Sender with the plan; else engine rank (rank - M) % N of replica (rank - M) // N, give
+    it to its Receiver with the plan), on CUDA device `device`. Every rank calls it with the same
+    `unique_id`, plan and `replicas`; it blocks until all M + R x N joined (init_timeout_ms).
+    Each trainer rank sends every route once, to replica 0; each replica's engine rank forwards
+    what it landed to the next replica's, so the trainer's traffic does not grow with R.
 
-    `gpus`: M + N names, one per communicator rank in that order, each unique to its GPU across
-    the hosts (``gpu_name(device)`` gives the host name and the device's UUID): two ranks on one
-    GPU are refused, naming both (NCCL cannot connect them; the same-host pull transport serves a
-    trainer rank and an engine rank on one GPU). An engine rank allocates its landing buffer (the
-    plan's largest bucket of routes into it) from `backend`. NotSupportedError without CUDA."""
+    `gpus`: M + R x N names, one per communicator rank in that order, each unique to its GPU
+    across the hosts (``gpu_name(device)`` gives the host name and the device's UUID): two ranks on
+    one GPU are refused, naming both (NCCL cannot connect them; the same-host pull transport
+    serves a trainer rank and an engine rank on one GPU). An engine rank allocates its landing
+    buffer (the plan's largest bucket of routes into it) from `backend`. NotSupportedError
+    without CUDA."""
     what = f"nccl_routed_transport(rank={rank!r}, device={device!r})"
     plan = _routing_plan_arg(plan, what)
-    world = plan.trainer_count + plan.engine_count
+    replicas = _int_arg(replicas, "replicas", what, 1, 65536)
+    world = plan.trainer_count + replicas * plan.engine_count
     rank = _int_arg(rank, "rank", what, 0, world - 1)
     device = _int_arg(device, "device", what, 0, 65535)
     if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__len__"):
@@ -180,10 +186,11 @@ def nccl_routed_transport(
         )
     names = [str(g).encode() for g in gpus]
     if len(names) != world:
+        per_replica = f" in each of {replicas} replicas" if replicas > 1 else ""
         raise InvalidArgumentError(
             f"{what}: gpus holds {len(names)} names, but the plan's communicator has {world} "
-            f"ranks ({plan.trainer_count} trainer and {plan.engine_count} engine ranks): name "
-            f"the GPU of every rank, trainer ranks first"
+            f"ranks ({plan.trainer_count} trainer and {plan.engine_count} engine "
+            f"ranks{per_replica}): name the GPU of every rank, trainer ranks first"
         )
     require_cuda(what)
     id_buffer = _unique_id_buffer(unique_id, f"{what}: ")
@@ -191,7 +198,7 @@ def nccl_routed_transport(
     c_gpus = (c_char_p * len(names))(*names)
     handle = c_void_p()
     call(
-        "shadowsync_nccl_routed_transport_create",
+        "shadowsync_nccl_routed_transport_create_replicated",
         id_buffer,
         rank,
         device,
@@ -199,11 +206,16 @@ def nccl_routed_transport(
         backend.handle,
         c_gpus,
         len(names),
+        replicas,
         byref(c_config) if c_config is not None else None,
         byref(handle),
     )
-    role = (f"trainer rank {rank}" if rank < plan.trainer_count
-            else f"engine rank {rank - plan.trainer_count}")
+    if rank < plan.trainer_count:
+        role = f"trainer rank {rank}"
+    else:
+        engine, replica = (rank - plan.trainer_count) % plan.engine_count, \
+            (rank - plan.trainer_count) // plan.engine_count
+        role = f"engine rank {engine}" + (f" of replica {replica}" if replicas > 1 else "")
     return Transport(handle.value, f"nccl routes, {role} on cuda:{device}")
 
 

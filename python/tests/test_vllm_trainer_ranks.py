@@ -237,9 +237,14 @@ def test_nccl_routes_are_refused_by_name_where_they_cannot_run(paths):
     whole["trainer_ranks"]["token"] = TOKEN
     assert "'nccl' and ['token'] are both set; the trainer ranks send over one transport" in \
         refused(paths, whole=whole)
-    # NCCL routes reach one replica.
-    assert "trainer_ranks.replica is 1: NCCL routes reach one engine replica" in \
-        refused(paths, whole=nccl_info(paths, nccl, replica=1, **good))
+    # A replica the communicator does not hold: without 'replicas' it holds one.
+    assert "trainer_ranks.replica is 1, but trainer_ranks.nccl.replicas is 1 (replicas 0..0 " \
+           "join" in refused(paths, whole=nccl_info(paths, nccl, replica=1, **good))
+    assert "trainer_ranks.replica is 2, but trainer_ranks.nccl.replicas is 2" in \
+        refused(paths, whole=nccl_info(paths, dict(nccl, replicas=2, gpus=gpus + ["host/GPU-3"]),
+                                       replica=2, **good))
+    message = refused(paths, whole=nccl_info(paths, dict(nccl, replicas=0), **good))
+    assert "trainer_ranks.nccl.replicas" in message and "0" in message, message
     # Every communicator rank's GPU named: 2 trainer ranks and the engine's.
     message = refused(paths, whole=nccl_info(paths, dict(nccl, gpus=gpus[:2]), **good))
     assert "trainer_ranks.nccl.gpus holds 2 names, but 2 trainer ranks and at least one engine " \
@@ -265,6 +270,16 @@ def test_an_nccl_routed_transport_names_a_gpu_list_of_another_size():
         ss.nccl_routed_transport(bytes(128), plan, 3, 0, ss.HostBackend(), ["a", "b", "c"])
     assert "nccl_routed_transport(rank=3, device=0): rank is 3, expected 0..2" in \
         str(caught.value), str(caught.value)
+    # With engine replicas the communicator holds every replica's engine ranks.
+    with pytest.raises(ss.InvalidArgumentError) as caught:
+        ss.nccl_routed_transport(bytes(128), plan, 3, 0, ss.HostBackend(), ["a", "b", "c"],
+                                 replicas=2)
+    assert "gpus holds 3 names, but the plan's communicator has 4 ranks (2 trainer and 1 " \
+           "engine ranks in each of 2 replicas)" in str(caught.value), str(caught.value)
+    with pytest.raises(ss.InvalidArgumentError) as caught:
+        ss.nccl_routed_transport(bytes(128), plan, 0, 0, ss.HostBackend(), ["a", "b", "c"],
+                                 replicas=0)
+    assert "replicas is 0, expected 1..65536" in str(caught.value), str(caught.value)
     # NCCL moves device memory: a host backend is refused (a library without CUDA refuses it all).
     error = ss.InvalidArgumentError if ss.has_cuda() else ss.NotSupportedError
     with pytest.raises(error) as caught:

@@ -5,7 +5,10 @@
 // stream. Checked: one group per bucket per rank, the calls inside it are p2p_schedule's (from
 // the bucket's packing, into the landing buffer), nothing is posted before receive_routes_async,
 // the landing buffer is allocated once, and the slot and staging bytes equal the plan's pieces
-// replayed on the whole image. Then the refusals, which post nothing, and the group closed when
+// replayed on the whole image. With R = 2, 3 engine replicas in the communicator too: the trainer
+// ranks' calls do not change (every send goes to replica 0), each replica's engine rank receives
+// the bucket from the one before and forwards it to the next in a group of its own, and every
+// replica lands the same bytes. Then the refusals, which post nothing, and the group closed when
 // a call inside it fails. NcclTransport itself needs a GPU beyond its set-up refusals
 // (checked here); across two GPUs it runs in tests/gpu.
 #include <catch2/catch.hpp>
@@ -105,16 +108,22 @@ std::vector<std::byte> random_image(std::size_t bytes) {
   return image;
 }
 
-// The calls p2p_schedule says rank `rank` makes for one bucket: the group around its ops,
+// The calls p2p_schedule and p2p_forward say rank `rank` makes for one bucket (of R = `replicas`
+// engine replicas): the receive group around its ops, then the forward group where it forwards,
 // addressed from `base` (its packing of the bucket, or its landing buffer).
 std::vector<Call> scheduled(const RoutingPlan& routing, int rank, std::size_t bucket,
-                            const std::byte* base) {
-  std::vector<Call> calls{{Call::kGroupStart}};
-  for (const P2pOp& op : p2p_schedule(routing, rank, 0, bucket)) {
-    calls.push_back(
-        {op.kind == P2pOp::kSend ? Call::kSend : Call::kRecv, op.peer, base + op.offset, op.bytes});
+                            const std::byte* base, int replicas) {
+  std::vector<Call> calls;
+  for (const auto& ops : {p2p_schedule(routing, rank, 0, bucket, replicas),
+                          p2p_forward(routing, rank, 0, bucket, replicas)}) {
+    if (ops.empty() && !calls.empty()) continue;  // the receive group opens even when empty
+    calls.push_back({Call::kGroupStart});
+    for (const P2pOp& op : ops) {
+      calls.push_back({op.kind == P2pOp::kSend ? Call::kSend : Call::kRecv, op.peer,
+                       base + op.offset, op.bytes});
+    }
+    calls.push_back({Call::kGroupEnd});
   }
-  calls.push_back({Call::kGroupEnd});
   return calls;
 }
 
@@ -159,108 +168,126 @@ Targets reference(const Layout& wire, const ReceivePlan& plan,
 
 TEST_CASE(
     "NCCL routes: one group per bucket per rank holding p2p_schedule's calls, the plan's "
-    "bytes landed") {
+    "bytes landed; engine replicas forward along a chain, the trainer sends once") {
   const Layout wire = wire_layout();
   const GroupLayout& group = wire.groups()[0];
   const std::size_t buckets = group.bucket_count();
-  for (const int engines : {1, 2}) {
-    for (const int trainers : {1, 2, 4}) {
-      CAPTURE(engines, trainers);
-      const auto routing =
-          std::make_shared<const RoutingPlan>(routing_plan(wire, trainers, engines));
-      HostBackend backend;
-      Wire in_flight;
-      std::vector<std::unique_ptr<RecordingComm>> comms;
-      std::vector<std::unique_ptr<NcclRouteMover>> movers;
-      const std::size_t allocated_before = backend.bytes_allocated();
-      std::size_t landing_bytes = 0;
-      for (int rank = 0; rank < trainers + engines; ++rank) {
-        comms.push_back(std::make_unique<RecordingComm>(rank, in_flight, backend));
-        movers.push_back(
-            std::make_unique<NcclRouteMover>(*comms[rank], routing, wire, rank, backend));
-        if (rank >= trainers) landing_bytes += max_landing_bytes(*routing, wire, rank - trainers);
-      }
-      // Set-up allocates each engine rank's landing buffer once and posts nothing.
-      CHECK(backend.bytes_allocated() - allocated_before == landing_bytes);
-      for (const auto& comm : comms) CHECK(comm->calls.empty());
-
-      std::vector<ReceivePlan> plans;
-      std::vector<std::vector<std::vector<RouteCopy>>> copies;  // [engine][bucket]
-      std::vector<Targets> targets;
-      std::vector<std::unique_ptr<Stream>> streams;
-      for (int e = 0; e < engines; ++e) {
-        plans.push_back(engine_plan(wire, e, engines));
-        copies.push_back(compose_route_copies(*routing, e, wire, &plans[e])[0]);
-        targets.push_back(targets_for(plans[e], buckets));
-        streams.push_back(backend.create_stream(StreamPriority::kLow));
-      }
-      const auto trainer_stream = backend.create_stream(StreamPriority::kNormal);
-
-      // Two updates of two images: the landing buffer is reused, nothing leaks across.
-      for (const std::uint64_t version : {7u, 8u}) {
-        CAPTURE(version);
-        const auto image = random_image(group.arena_bytes() + version);
-        std::vector<std::vector<std::byte>> packed(trainers);
-        for (int t = 0; t < trainers; ++t) {
-          for (const ByteRange& r : routing->held(t, 0)) {
-            packed[t].insert(packed[t].end(), image.begin() + r.begin, image.begin() + r.end);
+  for (const int replicas : {1, 2, 3}) {
+    for (const int engines : {1, 2}) {
+      for (const int trainers : {1, 2, 4}) {
+        CAPTURE(replicas, engines, trainers);
+        const auto routing =
+            std::make_shared<const RoutingPlan>(routing_plan(wire, trainers, engines));
+        const int world = trainers + replicas * engines;
+        HostBackend backend;
+        Wire in_flight;
+        std::vector<std::unique_ptr<RecordingComm>> comms;
+        std::vector<std::unique_ptr<NcclRouteMover>> movers;
+        const std::size_t allocated_before = backend.bytes_allocated();
+        std::size_t landing_bytes = 0;
+        for (int rank = 0; rank < world; ++rank) {
+          comms.push_back(std::make_unique<RecordingComm>(rank, in_flight, backend));
+          movers.push_back(std::make_unique<NcclRouteMover>(*comms[rank], routing, wire, rank,
+                                                            backend, replicas));
+          if (rank >= trainers) {
+            CHECK(movers[rank]->engine_rank() == (rank - trainers) % engines);
+            CHECK(movers[rank]->replica() == (rank - trainers) / engines);
+            landing_bytes += max_landing_bytes(*routing, wire, movers[rank]->engine_rank());
           }
         }
-        std::vector<std::size_t> calls_before(comms.size());
-        for (std::size_t rank = 0; rank < comms.size(); ++rank) {
-          calls_before[rank] = comms[rank]->calls.size();
-        }
-        for (int t = 0; t < trainers; ++t) {
-          for (std::size_t k = 0; k < buckets; ++k) {
-            const ByteRange slice = routing->packed_range(t, 0, k);
-            movers[t]->send_routes_async({version, k, 0, k}, packed[t].data() + slice.begin,
-                                         slice.end - slice.begin, *trainer_stream);
-          }
-        }
-        // Every trainer rank sent its update; no engine rank posted a receive yet.
+        // Set-up allocates each engine rank's landing buffer once and posts nothing.
+        CHECK(backend.bytes_allocated() - allocated_before == landing_bytes);
+        for (const auto& comm : comms) CHECK(comm->calls.empty());
+
+        std::vector<ReceivePlan> plans;
+        std::vector<std::vector<std::vector<RouteCopy>>> copies;  // [engine][bucket]
         for (int e = 0; e < engines; ++e) {
-          CHECK(comms[trainers + e]->calls.size() == calls_before[trainers + e]);
+          plans.push_back(engine_plan(wire, e, engines));
+          copies.push_back(compose_route_copies(*routing, e, wire, &plans[e])[0]);
         }
-        for (int e = 0; e < engines; ++e) {
-          for (std::size_t k = 0; k < buckets; ++k) {
-            movers[trainers + e]->receive_routes_async({version, k, 0, k}, copies[e][k],
-                                                       targets[e].pointers(), *streams[e]);
-          }
-          backend.stream_synchronize(*streams[e]);
+        std::vector<Targets> targets;  // [communicator rank - M]: every replica's engine ranks
+        std::vector<std::unique_ptr<Stream>> streams;
+        for (int rank = trainers; rank < world; ++rank) {
+          targets.push_back(targets_for(plans[(rank - trainers) % engines], buckets));
+          streams.push_back(backend.create_stream(StreamPriority::kLow));
         }
-        for (const auto& [pair, sends] : in_flight) {
-          CAPTURE(pair.first, pair.second);
-          CHECK(sends.empty());  // every send was received
-        }
+        const auto trainer_stream = backend.create_stream(StreamPriority::kNormal);
 
-        // The calls, bucket by bucket: exactly the schedule's, each in a group of its own.
-        for (int rank = 0; rank < trainers + engines; ++rank) {
-          CAPTURE(rank);
-          std::vector<Call> want;
-          for (std::size_t k = 0; k < buckets; ++k) {
-            const std::byte* base = nullptr;
-            if (rank < trainers) {
-              base = packed[rank].data() + routing->packed_range(rank, 0, k).begin;
-            } else {
-              base = movers[rank]->landing();
+        // Two updates of two images: the landing buffer is reused, nothing leaks across.
+        for (const std::uint64_t version : {7u, 8u}) {
+          CAPTURE(version);
+          const auto image = random_image(group.arena_bytes() + version);
+          std::vector<std::vector<std::byte>> packed(trainers);
+          for (int t = 0; t < trainers; ++t) {
+            for (const ByteRange& r : routing->held(t, 0)) {
+              packed[t].insert(packed[t].end(), image.begin() + r.begin, image.begin() + r.end);
             }
-            const auto bucket_calls = scheduled(*routing, rank, k, base);
-            want.insert(want.end(), bucket_calls.begin(), bucket_calls.end());
           }
-          const std::vector<Call> got(comms[rank]->calls.begin() + calls_before[rank],
-                                      comms[rank]->calls.end());
-          CHECK(got == want);
+          std::vector<std::size_t> calls_before(comms.size());
+          for (std::size_t rank = 0; rank < comms.size(); ++rank) {
+            calls_before[rank] = comms[rank]->calls.size();
+          }
+          for (int t = 0; t < trainers; ++t) {
+            for (std::size_t k = 0; k < buckets; ++k) {
+              const ByteRange slice = routing->packed_range(t, 0, k);
+              movers[t]->send_routes_async({version, k, 0, k}, packed[t].data() + slice.begin,
+                                           slice.end - slice.begin, *trainer_stream);
+            }
+          }
+          // Every trainer rank sent its update; no engine rank posted a receive yet.
+          for (int rank = trainers; rank < world; ++rank) {
+            CHECK(comms[rank]->calls.size() == calls_before[rank]);
+          }
+          // Bucket by bucket along the chain, each rank's stream drained before the next
+          // replica reads its landing buffer (as NCCL's receive waits for the send's bytes).
+          for (std::size_t k = 0; k < buckets; ++k) {
+            for (int rank = trainers; rank < world; ++rank) {
+              const int e = (rank - trainers) % engines;
+              movers[rank]->receive_routes_async({version, k, 0, k}, copies[e][k],
+                                                 targets[rank - trainers].pointers(),
+                                                 *streams[rank - trainers]);
+              backend.stream_synchronize(*streams[rank - trainers]);
+            }
+          }
+          for (const auto& [pair, sends] : in_flight) {
+            CAPTURE(pair.first, pair.second);
+            CHECK(sends.empty());  // every send was received
+          }
+
+          // The calls, bucket by bucket: exactly the schedule's, in groups of their own.
+          for (int rank = 0; rank < world; ++rank) {
+            CAPTURE(rank);
+            std::vector<Call> want;
+            for (std::size_t k = 0; k < buckets; ++k) {
+              const std::byte* base =
+                  rank < trainers ? packed[rank].data() + routing->packed_range(rank, 0, k).begin
+                                  : movers[rank]->landing();
+              const auto bucket_calls = scheduled(*routing, rank, k, base, replicas);
+              want.insert(want.end(), bucket_calls.begin(), bucket_calls.end());
+            }
+            const std::vector<Call> got(comms[rank]->calls.begin() + calls_before[rank],
+                                        comms[rank]->calls.end());
+            CHECK(got == want);
+            // A trainer rank sends only to replica 0, so once per bucket whatever R; the last
+            // replica forwards nothing.
+            for (const Call& c : got) {
+              if (c.kind != Call::kSend) continue;
+              if (rank < trainers) CHECK(c.peer < trainers + engines);
+              CHECK(rank < trainers + (replicas - 1) * engines);
+            }
+          }
+          for (int rank = trainers; rank < world; ++rank) {
+            CAPTURE(rank);
+            const int e = (rank - trainers) % engines;
+            const Targets want = reference(wire, plans[e], image);
+            CHECK(targets[rank - trainers].slot == want.slot);
+            CHECK(targets[rank - trainers].staging == want.staging);
+            // These plans read every byte routed to the rank once.
+            CHECK(movers[rank]->routed_bytes() == (version - 6) * routing->bytes_to(e));
+          }
         }
-        for (int e = 0; e < engines; ++e) {
-          CAPTURE(e);
-          const Targets want = reference(wire, plans[e], image);
-          CHECK(targets[e].slot == want.slot);
-          CHECK(targets[e].staging == want.staging);
-          // These plans read every byte routed to the rank once.
-          CHECK(movers[trainers + e]->routed_bytes() == (version - 6) * routing->bytes_to(e));
-        }
+        CHECK(backend.bytes_allocated() - allocated_before == landing_bytes);
       }
-      CHECK(backend.bytes_allocated() - allocated_before == landing_bytes);
     }
   }
 }
@@ -364,8 +391,8 @@ TEST_CASE("NCCL routes: refusals post nothing; a failure inside a group still cl
   backend.stream_synchronize(*stream);
 }
 
-TEST_CASE("NcclTransport::create_routed refuses replicas, two ranks on one GPU and a host "
-          "backend before NCCL") {
+TEST_CASE("NcclTransport::create_routed refuses GPUs not named per rank, two ranks on one GPU, a "
+          "rank outside the communicator and a host backend before NCCL") {
   const Layout wire = wire_layout();
   const auto routing = std::make_shared<const RoutingPlan>(routing_plan(wire, 2, 1));
   HostBackend backend;
@@ -381,7 +408,13 @@ TEST_CASE("NcclTransport::create_routed refuses replicas, two ranks on one GPU a
                NcclTransport::create_routed(id, 2, 0, routing, wire, backend,
                                             {{"h/GPU-0", "h/GPU-1", "h/GPU-2"}, 2});
              }),
-             Catch::Matchers::Contains("2 engine replicas: not supported yet"));
+             Catch::Matchers::Contains("3 GPUs given for a communicator of 4 ranks (2 trainer and "
+                                       "1 engine ranks in each of 2 replicas)"));
+  CHECK_THAT(message_of([&] {
+               NcclTransport::create_routed(id, 4, 0, routing, wire, backend,
+                                            {{"h/GPU-0", "h/GPU-1", "h/GPU-2", "h/GPU-3"}, 2});
+             }),
+             Catch::Matchers::Contains("communicator rank 4 is outside 0..3"));
   CHECK(message_of([&] {
           NcclTransport::create_routed(id, 2, 0, routing, wire, backend,
                                        {{"h/GPU-0", "h/GPU-1", "h/GPU-2"}});

@@ -4,7 +4,9 @@
 // receive at the same position of both ends' per-peer order with the same byte count (else NCCL
 // truncates or hangs); an engine rank receives bytes_to(e); and running the schedule with memcpy
 // between per-rank buffers of a random image, then the engine's copies from its landing buffer,
-// leaves the slot and staging bytes of "whole bucket received, then the plan's pieces".
+// leaves the slot and staging bytes of "whole bucket received, then the plan's pieces". With
+// engine replicas, the trainer ranks' sends do not change and each replica forwards its landing
+// buffer to the next.
 #include <catch2/catch.hpp>
 
 #include <fmt/format.h>
@@ -134,6 +136,77 @@ TEST_CASE("every send meets one receive, and the schedule lands what the plan's 
   }
 }
 
+TEST_CASE("engine replicas: the trainer ranks send once, each replica forwards the bucket to the "
+          "next") {
+  const Layout wire = wire_layout();
+  const GroupLayout& group = wire.groups()[0];
+  for (const int engines : {1, 2}) {
+    const std::vector<ReceivePlan> plans = engine_plans(wire, engines);
+    const std::vector<RankRanges> needs = needs_of(plans);
+    for (const int trainers : {1, 2, 4}) {
+      const RoutingPlan routing = RoutingPlan::build(wire, trainer_shards(wire, trainers), needs);
+      for (const int replicas : {2, 3}) {
+        CAPTURE(engines, trainers, replicas);
+        const int world = trainers + replicas * engines;
+        for (std::size_t k = 0; k < group.bucket_count(); ++k) {
+          CAPTURE(k);
+          // Trainer ranks: the same sends as without replicas (to replica 0), no forward.
+          for (int t = 0; t < trainers; ++t) {
+            CHECK(p2p_schedule(routing, t, 0, k, replicas) == p2p_schedule(routing, t, 0, k));
+            CHECK(p2p_forward(routing, t, 0, k, replicas).empty());
+          }
+          for (int e = 0; e < engines; ++e) {
+            CAPTURE(e);
+            const auto first = p2p_schedule(routing, trainers + e, 0, k, replicas);
+            CHECK(first == p2p_schedule(routing, trainers + e, 0, k));
+            std::size_t landing = 0;
+            for (const P2pOp& op : first) landing = std::max(landing, op.offset + op.bytes);
+            // Replica r's rank e: what r - 1's forwards (one op each, the whole landing
+            // buffer), and forwards it to r + 1's, except the last replica.
+            for (int r = 0; r < replicas; ++r) {
+              CAPTURE(r);
+              const int rank = trainers + r * engines + e;
+              const auto forward = p2p_forward(routing, rank, 0, k, replicas);
+              if (r == replicas - 1 || landing == 0) {
+                CHECK(forward.empty());
+              } else {
+                REQUIRE(forward.size() == 1);
+                CHECK(forward[0] == P2pOp{P2pOp::kSend, rank + engines, 0, landing});
+                const auto next = p2p_schedule(routing, rank + engines, 0, k, replicas);
+                REQUIRE(next.size() == 1);
+                CHECK(next[0] == P2pOp{P2pOp::kRecv, rank, 0, landing});
+              }
+              if (r > 0 && landing == 0) {
+                CHECK(p2p_schedule(routing, rank, 0, k, replicas).empty());
+              }
+            }
+          }
+          // Every send in the communicator meets one receive, whatever ranks post them.
+          std::size_t sends = 0;
+          std::size_t receives = 0;
+          for (int rank = 0; rank < world; ++rank) {
+            for (const auto& ops : {p2p_schedule(routing, rank, 0, k, replicas),
+                                    p2p_forward(routing, rank, 0, k, replicas)}) {
+              for (const P2pOp& op : ops) {
+                REQUIRE(op.peer >= 0);
+                REQUIRE(op.peer < world);
+                const auto theirs = p2p_schedule(routing, op.peer, 0, k, replicas);
+                const auto their_forward = p2p_forward(routing, op.peer, 0, k, replicas);
+                const P2pOp::Kind other = op.kind == P2pOp::kSend ? P2pOp::kRecv : P2pOp::kSend;
+                std::size_t matching = ops_with(theirs, other, rank).size() +
+                                       ops_with(their_forward, other, rank).size();
+                CHECK(matching == ops_with(ops, op.kind, op.peer).size());
+                (op.kind == P2pOp::kSend ? sends : receives) += op.bytes;
+              }
+            }
+          }
+          CHECK(sends == receives);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("a landing copy is refused for a copy no route into the rank holds") {
   const Layout wire = wire_layout();
   const ReceivePlan plan = engine_plan(wire, 0, 1);
@@ -184,4 +257,25 @@ TEST_CASE("communicator ranks outside the plan and ranks sharing a GPU are refus
   CHECK_THAT(message_of([&] { check_p2p_gpus(routing, {"h/GPU-0"}); }),
              Catch::Matchers::Contains("1 GPUs given for a communicator of 3 ranks (2 trainer and "
                                        "1 engine ranks)"));
+  // Engine replicas: R x N engine ranks after the trainer ranks, each named with its replica.
+  CHECK_THAT(message_of([&] { p2p_schedule(routing, 5, 0, 0, 3); }),
+             Catch::Matchers::Contains("communicator rank 5 is outside 0..4 (trainer ranks 0..1, "
+                                       "then engine ranks of 3 replicas)"));
+  CHECK_THAT(message_of([&] { p2p_forward(routing, 0, 0, 0, 0); }),
+             Catch::Matchers::Contains("0 engine replicas: there must be at least 1"));
+  CHECK(message_of([&] {
+          check_p2p_gpus(routing, {"h/GPU-0", "h/GPU-1", "h/GPU-2", "h/GPU-3"}, 2);
+        }) == "<no error>");
+  CHECK(message_of([&] {
+          check_p2p_gpus(routing, {"h/GPU-0", "h/GPU-1", "h/GPU-2", "h/GPU-2"}, 2);
+        }) ==
+        "engine rank 0 of replica 0 (communicator rank 2) and engine rank 0 of replica 1 "
+        "(communicator rank 3) are both on GPU 'h/GPU-2': NCCL cannot connect two ranks of one "
+        "communicator on one GPU; give each rank a GPU of its own");
+  CHECK(message_of([&] {
+          check_p2p_gpus(routing, {"h/GPU-0", "h/GPU-1", "h/GPU-2"}, 2);
+        }) ==
+        "3 GPUs given for a communicator of 4 ranks (2 trainer and 1 engine ranks in each of 2 "
+        "replicas): name the GPU of every rank, trainer ranks first, then each replica's engine "
+        "ranks");
 }

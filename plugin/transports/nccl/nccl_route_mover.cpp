@@ -12,7 +12,8 @@
 namespace shadowsync::nccl_detail {
 
 NcclRouteMover::NcclRouteMover(P2pCommunicator& comm, std::shared_ptr<const RoutingPlan> plan,
-                               const Layout& wire, int comm_rank, Backend& backend)
+                               const Layout& wire, int comm_rank, Backend& backend,
+                               int replicas)
     : comm_(comm),
       plan_(std::move(plan)),
       backend_(backend),
@@ -24,14 +25,21 @@ NcclRouteMover::NcclRouteMover(P2pCommunicator& comm, std::shared_ptr<const Rout
                             "built on ({:#018x})",
                             wire.fingerprint(), plan_->wire_fingerprint()));
   }
-  // Computed once at set-up (p2p_schedule refuses a rank outside 0..M+N-1): a bucket's calls
+  // Computed once at set-up (p2p_schedule refuses a rank outside 0..M+R*N-1): a bucket's calls
   // then only walk these lists.
+  check_comm_rank(*plan_, comm_rank_, replicas);
+  if (comm_rank_ >= trainers_) {
+    engine_ = (comm_rank_ - trainers_) % plan_->engine_count();
+    replica_ = (comm_rank_ - trainers_) / plan_->engine_count();
+  }
   const auto& groups = wire.groups();
   ops_.resize(groups.size());
+  forward_ops_.resize(groups.size());
   landing_layout_.resize(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     for (std::size_t k = 0; k < groups[g].bucket_count(); ++k) {
-      ops_[g].push_back(p2p_schedule(*plan_, comm_rank_, g, k));
+      ops_[g].push_back(p2p_schedule(*plan_, comm_rank_, g, k, replicas));
+      forward_ops_[g].push_back(p2p_forward(*plan_, comm_rank_, g, k, replicas));
       landing_layout_[g].push_back(engine_rank() >= 0 ? landing_layout(*plan_, engine_rank(), g, k)
                                                       : std::vector<LandingRoute>{});
     }
@@ -140,7 +148,10 @@ void NcclRouteMover::receive_routes_async(const RoutedBucket& bucket,
     bytes += c.rows * c.row_bytes;
   }
   run_group(ops_[bucket.group][bucket.bucket], landing_, stream);
-  // Same stream: the copies start once every receive of the group landed.
+  // Same stream: the next replica's forward starts once every receive landed, and before the
+  // copies, so that the chain moves on while this rank copies.
+  const std::vector<P2pOp>& forward = forward_ops_[bucket.group][bucket.bucket];
+  if (!forward.empty()) run_group(forward, landing_, stream);
   for (const RouteCopy& c : scratch_) {
     std::byte* base = c.to_staging ? targets.staging : targets.slot;
     backend_.memcpy_2d_async(base + c.dst_offset, c.dst_pitch, landing_ + c.packed_offset,

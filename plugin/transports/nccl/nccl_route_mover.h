@@ -5,8 +5,11 @@
 // Per bucket, on the caller's stream:
 //   trainer rank: group_begin, one send per route of the bucket from its packing, group_end;
 //   engine rank:  group_begin, one receive per route into its landing buffer (landing_layout),
-//                 group_end, then the bucket's RouteCopy list as memcpy_2d_async from the
-//                 landing buffer into the slot or staging memory.
+//                 group_end; with engine replicas (p2p_schedule.h), replica r > 0 receives the
+//                 whole landing buffer from replica r - 1 instead, and every replica but the
+//                 last then forwards it to the next in a second group; then the bucket's
+//                 RouteCopy list as memcpy_2d_async from the landing buffer into the slot or
+//                 staging memory.
 // A rank with no route in a bucket still opens and closes its (empty) group: every rank makes
 // one call per bucket, so the calls of all ranks stay paired by order.
 //
@@ -55,15 +58,16 @@ class P2pCommunicator {
 
 class NcclRouteMover final : public RouteMover {
  public:
-  // Communicator rank `comm_rank` of M + N (trainer ranks first) on `comm`, for `plan` built on
-  // `wire`. An engine rank allocates its landing buffer here, once, from `backend` (the largest
-  // bucket's routes into it: max_landing_bytes); nothing is posted. Throws
-  // Error(kInvalidArgument) for a rank outside 0..M+N-1, Error(kLayoutMismatch) naming both
-  // fingerprints for a wire layout other than the plan's, and what Backend::allocate throws.
+  // Communicator rank `comm_rank` of M + R x N (trainer ranks first, then the engine ranks of
+  // each of R = `replicas` replicas) on `comm`, for `plan` built on `wire`. An engine rank
+  // allocates its landing buffer here, once, from `backend` (the largest bucket's routes into
+  // it: max_landing_bytes); nothing is posted. Throws Error(kInvalidArgument) for a rank outside
+  // 0..M+R*N-1 or replicas < 1, Error(kLayoutMismatch) naming both fingerprints for a wire
+  // layout other than the plan's, and what Backend::allocate throws.
   // `comm` and `backend` must outlive the mover; the stream work it enqueued must be complete
   // (or the communicator aborted) before it is destroyed, since that frees the landing buffer.
   NcclRouteMover(P2pCommunicator& comm, std::shared_ptr<const RoutingPlan> plan, const Layout& wire,
-                 int comm_rank, Backend& backend);
+                 int comm_rank, Backend& backend, int replicas = 1);
   ~NcclRouteMover() override;
 
   NcclRouteMover(const NcclRouteMover&) = delete;
@@ -71,7 +75,9 @@ class NcclRouteMover final : public RouteMover {
 
   const RoutingPlan& routing_plan() const override { return *plan_; }
   int trainer_rank() const override { return comm_rank_ < trainers_ ? comm_rank_ : -1; }
-  int engine_rank() const override { return comm_rank_ < trainers_ ? -1 : comm_rank_ - trainers_; }
+  int engine_rank() const override { return engine_; }
+  // The engine replica this rank belongs to (0..R-1); -1 for a trainer rank.
+  int replica() const noexcept { return replica_; }
 
   // RouteMover's contract, and: refused with Error(kInvalidArgument), before anything is
   // enqueued, when called on the other role, for a bucket outside the wire layout, or out of
@@ -104,8 +110,12 @@ class NcclRouteMover final : public RouteMover {
   Backend& backend_;
   const int comm_rank_;
   const int trainers_;
-  // [group][bucket]: this rank's ops, and (engine rank) its landing layout.
+  int engine_ = -1;   // engine rank, or -1
+  int replica_ = -1;  // its replica, or -1
+  // [group][bucket]: this rank's ops (the receive group's, then the forward group's: engine
+  // replicas), and (engine rank) its landing layout.
   std::vector<std::vector<std::vector<P2pOp>>> ops_;
+  std::vector<std::vector<std::vector<P2pOp>>> forward_ops_;
   std::vector<std::vector<std::vector<LandingRoute>>> landing_layout_;
   std::byte* landing_ = nullptr;
   std::size_t landing_bytes_ = 0;

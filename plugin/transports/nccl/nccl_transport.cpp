@@ -223,28 +223,22 @@ std::unique_ptr<NcclTransport> NcclTransport::create_routed(const NcclUniqueId& 
   if (plan == nullptr) {
     throw Error(ErrorCode::kInvalidArgument, "NcclTransport::create_routed: no routing plan");
   }
-  if (route_config.replicas != 1) {
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("NcclTransport::create_routed: {} engine replicas: not supported yet "
-                            "(NCCL routes reach one replica; the broadcast of routed buckets "
-                            "within a replica group is not built). Use one communicator per "
-                            "replica, or the same-host pull transport on one host",
-                            route_config.replicas));
-  }
   // Before NCCL: its own refusal of two ranks on one GPU comes only after every rank joined,
   // and names neither role.
-  check_p2p_gpus(*plan, route_config.gpus);
+  check_p2p_gpus(*plan, route_config.gpus, route_config.replicas);
+  check_comm_rank(*plan, rank, route_config.replicas);
   if (backend.name() != "cuda") {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("NcclTransport::create_routed: backend '{}' given; NCCL moves device "
                             "memory: give the CUDA backend of device {}",
                             backend.name(), device));
   }
-  const int world_size = plan->trainer_count() + plan->engine_count();
+  const int world_size =
+      plan->trainer_count() + route_config.replicas * plan->engine_count();
   std::unique_ptr<NcclTransport> transport = create(id, rank, world_size, device, config);
   transport->p2p_ = std::make_unique<P2p>(*transport);
   transport->route_mover_ = std::make_unique<nccl_detail::NcclRouteMover>(
-      *transport->p2p_, std::move(plan), wire, rank, backend);
+      *transport->p2p_, std::move(plan), wire, rank, backend, route_config.replicas);
   return transport;
 }
 
