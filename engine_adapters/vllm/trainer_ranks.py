@@ -34,16 +34,29 @@ from .rpc_bytes import bytes_from_rpc
 __all__ = ["connect", "from_engine_setup", "routing_plan"]
 
 
-def from_engine_setup(setup: dict, token, connect_timeout_ms: int | None = None,
+def from_engine_setup(setup: dict, token=None, connect_timeout_ms: int | None = None,
                       replica: int = 0) -> dict:
     """``ShadowsyncInitInfo.trainer_ranks`` from a ShardedPublisher's ``engine_setup`` (plain
     data, the same on every trainer rank) and the token its ranks serve with: count, paths,
     token, regions, engine_needs and fingerprint, `connect_timeout_ms` when given, and
     `replica`: which of the publisher's ``engine_replicas`` this vLLM engine is (each engine
-    instance of a data-parallel group gets its own). The wire layout goes into the info's own
-    fields: ``specs=setup["wire"]``, ``bucket_bytes=setup["bucket_bytes"]``."""
+    instance of a data-parallel group gets its own). A publisher of NCCL routes
+    (``engine_setup["nccl"]``) gives ``nccl`` instead of paths and token (`token` then stays
+    None). The wire layout goes into the info's own fields: ``specs=setup["wire"]``,
+    ``bucket_bytes=setup["bucket_bytes"]``."""
     check_replica(setup, replica, "from_engine_setup")
-    out = dict(count=len(setup["paths"]), paths=list(setup["paths"]), token=token,
+    nccl = setup.get("nccl")
+    if nccl is not None and token is not None:
+        raise InvalidArgumentError(
+            "from_engine_setup: the trainer ranks send over NCCL (engine_setup['nccl']), which "
+            "takes no token; leave token unset")
+    if nccl is None and token is None:
+        raise InvalidArgumentError(
+            "from_engine_setup: the trainer ranks serve the same-host pull transport "
+            "(engine_setup['paths']); give the token they serve with")
+    where = dict(nccl=dict(nccl)) if nccl is not None else dict(paths=list(setup["paths"]),
+                                                                 token=token)
+    out = dict(count=len(setup["regions"]), **where,
                regions=[list(regions) for regions in setup["regions"]],
                engine_needs=setup["engine_needs"], fingerprint=setup["fingerprint"])
     if connect_timeout_ms is not None:

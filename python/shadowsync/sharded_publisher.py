@@ -5,7 +5,8 @@ and calls ``publish`` on every step. Set-up reads this rank's regions from its p
 (``sharding.local_shards``: no collective), exchanges every rank's regions with one
 ``all_gather_object`` (metadata only; call it before arming ``sharding.forbid_gathers``), builds
 the ``RoutingPlan`` and serves this rank's same-host pull transport on a daemon thread (serving
-blocks until every engine process connected). ``publish`` hands the Sender each local tensor with
+blocks until every engine process connected), or with ``engine_gpus`` joins one NCCL communicator
+of the trainer ranks and every engine process (engines on other GPUs or hosts) there instead. ``publish`` hands the Sender each local tensor with
 its region: no rank gathers, copies or holds a full tensor; the only memory added is the
 Sender's packing (``staging_bytes``).
 
@@ -18,6 +19,7 @@ plan (vLLM) builds the plan with ``engine_routing_plan`` instead.
 
 from __future__ import annotations
 
+import base64
 import threading
 from math import prod
 from typing import Any, Iterable, Sequence
@@ -31,6 +33,7 @@ from .regions import ELEMENTS, TensorRegion, WireRange
 from .routing import RoutingPlan
 from .sender import PublishHandle, Sender, SenderConfig
 from .sharding import local_shards
+from . import transport as _transport
 from .transport import Transport, same_host_pull_engine_transport, \
     same_host_pull_trainer_transport
 
@@ -104,6 +107,26 @@ def _region_from(data) -> TensorRegion:
     return TensorRegion.box(tensor, a, b)
 
 
+def _check_transport_args(path, token, engine_gpus) -> None:
+    """One transport: `path` and `token` (the same-host pull transport) or `engine_gpus` (NCCL
+    routes)."""
+    if engine_gpus is None:
+        if path is None or token is None:
+            raise InvalidArgumentError(
+                "ShardedPublisher.set_up: give path and token (engines on this host: the "
+                "same-host pull transport) or engine_gpus (engines on other GPUs or hosts: NCCL "
+                "routes)")
+        return
+    if path is not None or token is not None:
+        raise InvalidArgumentError(
+            "ShardedPublisher.set_up: engine_gpus (NCCL routes) and path/token (the same-host "
+            "pull transport) are both given; the trainer ranks serve one transport")
+    if isinstance(engine_gpus, (str, bytes)) or not hasattr(engine_gpus, "__len__"):
+        raise InvalidArgumentError(
+            f"ShardedPublisher.set_up: engine_gpus must be a list of GPU names (gpu_name(device) "
+            f"of each engine process), not {engine_gpus!r:.100}")
+
+
 def _backend_for(shards) -> Backend:
     """The backend of the memory this rank's shards are in: a CudaBackend of their GPU, else a
     HostBackend (no shard, or host tensors)."""
@@ -123,7 +146,7 @@ class ShardedPublisher:
     def __init__(self, *, rank: int, world_size: int, layout: Layout, plan: RoutingPlan,
                  regions: list[list[TensorRegion]], paths: list[str], names: list[str],
                  backend: Backend, engine_needs, sender_config: SenderConfig | None,
-                 connect_timeout_ms: int, engine_replicas: int = 1):
+                 connect_timeout_ms: int, engine_replicas: int = 1, nccl: dict | None = None):
         self.rank = rank
         self.world_size = world_size
         self.layout = layout
@@ -136,19 +159,23 @@ class ShardedPublisher:
         self._sender_config = sender_config
         self._connect_timeout_ms = connect_timeout_ms
         self.engine_replicas = engine_replicas
+        # NCCL routes: {"unique_id": bytes, "gpus": every communicator rank's GPU}; None: the
+        # same-host pull transport on `paths`.
+        self._nccl = nccl
         self._sender: Sender | None = None
         self._served: Transport | BaseException | None = None
         self._serving: threading.Thread | None = None
         self._closed = False
 
     @classmethod
-    def set_up(cls, named_parameters: Iterable[tuple[str, Any]], *, path: str, token,
-               engine_needs: Sequence[Sequence[WireRange]] | None = None,
+    def set_up(cls, named_parameters: Iterable[tuple[str, Any]], *, path: str | None = None,
+               token=None, engine_needs: Sequence[Sequence[WireRange]] | None = None,
                wire: Layout | Sequence | None = None, bucket_bytes: int = 0,
                process_group=None, backend: Backend | None = None,
                sender_config: SenderConfig | None = None,
                connect_timeout_ms: int | None = None,
-               engine_replicas: int = 1) -> "ShardedPublisher":
+               engine_replicas: int = 1,
+               engine_gpus: Sequence[str] | None = None) -> "ShardedPublisher":
         """Every rank of `process_group` (default: the default group) calls this with its
         parameters (``model.named_parameters()``: DTensors, ZeRO-3 or plain tensors; the same
         names, dtypes and global shapes in the same order on every rank), its own socket `path`
@@ -172,12 +199,26 @@ class ShardedPublisher:
         mesh whose size is not the group's, a wire layout that does not match the parameters.
         Serving starts on a daemon thread and returns at once: the engines connect with
         ``engine_setup`` (the first publish waits for them, up to `connect_timeout_ms`, default
-        60000)."""
+        60000).
+
+        Engines on other GPUs or hosts: give `engine_gpus` instead of `path` and `token`, the
+        GPU name (``gpu_name(device)``) of every engine process, replica by replica, each
+        replica's engine ranks in order (R x N names). The ranks then join one NCCL
+        communicator with every engine process (``nccl_routed_transport``: trainer ranks
+        first; rank 0 makes the unique id and the one collective hands it over); every route
+        goes once over NCCL point-to-point, and replicas forward it among themselves. Each
+        rank's shards must be on its GPU (a CudaBackend). ``engine_setup["nccl"]`` carries what
+        the engines join with; they join while the first publish waits for them. Refused here:
+        shards not on a GPU, `path` or `token` beside `engine_gpus`, a count of names other than
+        R x N; two ranks on one GPU is refused, named, before NCCL is called, by the first
+        publish (``wait_for_engines``), which raises what joining raised."""
         if isinstance(engine_replicas, bool) or not isinstance(engine_replicas, int) \
                 or not 1 <= engine_replicas <= 65536:
             raise InvalidArgumentError(
                 f"ShardedPublisher.set_up: engine_replicas is {engine_replicas!r}; give the "
                 f"number of data-parallel replicas of the engine, 1..65536 (1: no replicas)")
+        nccl_routes = engine_gpus is not None
+        _check_transport_args(path, token, engine_gpus)
         dist = _dist(process_group)
         rank = 0 if dist is None else dist.get_rank(process_group)
         world_size = 1 if dist is None else dist.get_world_size(process_group)
@@ -185,8 +226,21 @@ class ShardedPublisher:
         _check_meshes(named, world_size)
         signature = _signature(named)
         shards = local_shards(named, rank=rank, world_size=world_size)
-        mine = {"signature": signature, "path": str(path), "engine_replicas": engine_replicas,
+        if backend is None:
+            backend = _backend_for(shards)
+        mine = {"signature": signature, "path": None if nccl_routes else str(path),
+                "engine_replicas": engine_replicas,
                 "regions": [_region_data(s.region) for s in shards if s.region is not None]}
+        if nccl_routes:
+            if not isinstance(backend, CudaBackend):
+                raise InvalidArgumentError(
+                    f"ShardedPublisher.set_up on trainer rank {rank}: engine_gpus (NCCL routes) "
+                    f"needs this rank's shards on a GPU, and they are in host memory (backend "
+                    f"{backend.name!r}); move the model to the rank's GPU, or serve the engines "
+                    f"of this host over the same-host pull transport (path, token)")
+            mine["gpu"] = _transport.gpu_name(backend.device_index)
+            if rank == 0:
+                mine["unique_id"] = _transport.nccl_unique_id()
         every = [None] * world_size
         if dist is None:
             every[0] = mine
@@ -214,14 +268,25 @@ class ShardedPublisher:
                 f"ShardedPublisher.set_up on trainer rank {rank}: {engine_replicas} engine "
                 f"replicas x {plan.engine_count} engine ranks is {processes} engine processes; "
                 f"a trainer rank serves at most 65536")
+        nccl = None
+        if nccl_routes:
+            engine_gpus = [str(g) for g in engine_gpus]
+            if len(engine_gpus) != processes:
+                raise InvalidArgumentError(
+                    f"ShardedPublisher.set_up on trainer rank {rank}: engine_gpus holds "
+                    f"{len(engine_gpus)} names, but {engine_replicas} engine replica(s) x "
+                    f"{plan.engine_count} engine ranks are {processes} engine processes; name "
+                    f"the GPU of each (gpu_name(device)), replica by replica, engine ranks in "
+                    f"order")
+            nccl = {"unique_id": every[0]["unique_id"],
+                    "gpus": [theirs["gpu"] for theirs in every] + engine_gpus}
         publisher = cls(
             rank=rank, world_size=world_size, layout=layout, plan=plan, regions=regions,
             paths=[theirs["path"] for theirs in every], names=[s[0] for s in signature],
-            backend=backend if backend is not None else _backend_for(shards), engine_needs=needs,
-            sender_config=sender_config,
+            backend=backend, engine_needs=needs, sender_config=sender_config,
             connect_timeout_ms=(_DEFAULT_CONNECT_TIMEOUT_MS if connect_timeout_ms is None
                                 else int(connect_timeout_ms)),
-            engine_replicas=engine_replicas)
+            engine_replicas=engine_replicas, nccl=nccl)
         publisher._serve(token)
         return publisher
 
@@ -248,6 +313,14 @@ class ShardedPublisher:
 
         def serve():
             try:
+                if self._nccl is not None:
+                    # Blocks until every trainer rank and engine process joined (the NCCL
+                    # config's init timeout), as serving blocks until the engines connected.
+                    self._served = _transport.nccl_routed_transport(
+                        self._nccl["unique_id"], self.routing_plan, self.rank,
+                        self.backend.device_index, self.backend, self._nccl["gpus"],
+                        replicas=self.engine_replicas)
+                    return
                 self._served = same_host_pull_trainer_transport(
                     self.paths[self.rank], token, self.routing_plan, self.rank,
                     self.engine_replicas * self.routing_plan.engine_count, self.backend,
@@ -266,7 +339,13 @@ class ShardedPublisher:
     def engine_setup(self) -> dict:
         """Plain data (JSON-able) from which an engine rank builds the same plan and connects
         (``sharded_receiver`` / ``engine_routing_plan``); the same on every rank. The token is
-        not in it: hand that over as the engine's other secrets."""
+        not in it: hand that over as the engine's other secrets. With NCCL routes, ``nccl``
+        holds the communicator's unique id (base64 text), every rank's GPU and the replicas,
+        and ``paths`` is empty."""
+        nccl = None
+        if self._nccl is not None:
+            nccl = {"unique_id": base64.b64encode(self._nccl["unique_id"]).decode("ascii"),
+                    "gpus": list(self._nccl["gpus"]), "replicas": self.engine_replicas}
         return {
             "wire": [[s.name, s.dtype, list(s.shape), s.group] for s in self.layout.specs],
             "bucket_bytes": self.layout.groups[0].bucket_bytes if self.layout.groups else 0,
@@ -274,9 +353,10 @@ class ShardedPublisher:
             "engine_needs": (None if self._engine_needs is None else
                              [[[r.group, r.begin, r.end] for r in need]
                               for need in self._engine_needs]),
-            "paths": list(self.paths),
+            "paths": [] if nccl is not None else list(self.paths),
             "fingerprint": self.routing_plan.fingerprint,
             "engine_replicas": self.engine_replicas,
+            "nccl": nccl,
         }
 
     # --- publishing -----------------------------------------------------------------------------
@@ -291,9 +371,11 @@ class ShardedPublisher:
             timeout = self._connect_timeout_ms / 1000 + 10
         self._serving.join(timeout)
         if self._serving.is_alive():
+            where = ("the NCCL communicator" if self._nccl is not None
+                     else self.paths[self.rank])
             raise ShadowsyncTimeoutError(
-                f"trainer rank {self.rank}: the engines did not connect to {self.paths[self.rank]} "
-                f"within {timeout} s (still waiting)")
+                f"trainer rank {self.rank}: the engines did not connect to {where} within "
+                f"{timeout} s (still waiting)")
         served = self._served
         if isinstance(served, BaseException):
             raise served
@@ -450,10 +532,22 @@ def sharded_receiver(setup: dict, token, engine_rank: int, *, backend: Backend |
     refused here, naming both, before anything connects."""
     check_replica(setup, replica, "sharded_receiver")
     layout, plan = engine_routing_plan(setup)
-    backend = backend if backend is not None else HostBackend()
-    transport = same_host_pull_engine_transport(setup["paths"], token, plan, engine_rank,
-                                                backend, connect_timeout_ms=connect_timeout_ms,
-                                                replica=replica)
+    nccl = setup.get("nccl")
+    if nccl is not None:
+        if not isinstance(backend, CudaBackend):
+            raise InvalidArgumentError(
+                f"sharded_receiver: the trainer ranks send over NCCL (engine_setup['nccl']); "
+                f"give backend=CudaBackend(device) of this engine rank's GPU, not {backend!r}")
+        rank = plan.trainer_count + replica * plan.engine_count + engine_rank
+        transport = _transport.nccl_routed_transport(
+            base64.b64decode(nccl["unique_id"]), plan, rank, backend.device_index, backend,
+            nccl["gpus"], replicas=nccl.get("replicas", 1))
+    else:
+        backend = backend if backend is not None else HostBackend()
+        transport = same_host_pull_engine_transport(setup["paths"], token, plan, engine_rank,
+                                                    backend,
+                                                    connect_timeout_ms=connect_timeout_ms,
+                                                    replica=replica)
     receiver = Receiver(layout, backend, transport, config)
     receiver.use_routing_plan(plan, engine_rank)
     receiver.routing_plan = plan

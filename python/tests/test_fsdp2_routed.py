@@ -281,3 +281,80 @@ def test_one_trainer_process_without_torch_distributed_publishes_as_rank_0_of_1(
         if publisher is not None:
             publisher.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+class _JoinCalled(Exception):
+    """What the stand-in for nccl_routed_transport raises: the call's arguments."""
+
+
+def test_nccl_routes_set_up_hands_every_rank_and_engine_the_same_communicator(monkeypatch):
+    """ShardedPublisher with engine_gpus (NCCL routes), as far as a machine without a GPU goes:
+    the refusals, then, with NCCL's calls stood in for, the communicator each side would join
+    (rank, every rank's GPU in order, the replicas) and what engine_setup hands the engines
+    (sharded_receiver, and vLLM's from_engine_setup)."""
+    import base64
+
+    from shadowsync import sharded_publisher as sp
+
+    model = _model()
+    # Refused before anything joins.
+    with pytest.raises(ss.InvalidArgumentError, match="give path and token .* or engine_gpus"):
+        ss.ShardedPublisher.set_up(model.named_parameters())
+    with pytest.raises(ss.InvalidArgumentError, match="are both given; the trainer ranks serve "
+                                                      "one transport"):
+        ss.ShardedPublisher.set_up(model.named_parameters(), path="/tmp/x.sock", token=TOKEN,
+                                   engine_gpus=["h/GPU-1"])
+    with pytest.raises(ss.InvalidArgumentError,
+                       match="needs this rank's shards on a GPU, and they are in host memory"):
+        ss.ShardedPublisher.set_up(model.named_parameters(), engine_gpus=["h/GPU-1"])
+
+    # A CUDA backend of device 3 that needs no GPU (nothing here runs on it).
+    class Device3(ss.CudaBackend):
+        def __init__(self):
+            self._handle, self._closed = None, True
+            self.device_index, self.device = 3, "cuda:3"
+
+    joins = []
+
+    def join(unique_id, plan, rank, device, backend, gpus, config=None, replicas=1):
+        joins.append(dict(unique_id=unique_id, rank=rank, device=device, gpus=list(gpus),
+                          replicas=replicas, trainers=plan.trainer_count,
+                          engines=plan.engine_count))
+        raise _JoinCalled()
+
+    unique_id = bytes(range(128))
+    monkeypatch.setattr(sp._transport, "gpu_name", lambda device: f"h/GPU-{device}")
+    monkeypatch.setattr(sp._transport, "nccl_unique_id", lambda: unique_id)
+    monkeypatch.setattr(sp._transport, "nccl_routed_transport", join)
+    engine_gpus = ["h/GPU-4", "h/GPU-5"]  # one engine rank in each of 2 replicas
+    with pytest.raises(ss.InvalidArgumentError, match="engine_gpus holds 1 names, but 2 engine "
+                                                      "replica\\(s\\) x 1 engine ranks are 2"):
+        ss.ShardedPublisher.set_up(model.named_parameters(), engine_gpus=engine_gpus[:1],
+                                   backend=Device3(), engine_replicas=2)
+    publisher = ss.ShardedPublisher.set_up(model.named_parameters(), engine_gpus=engine_gpus,
+                                           backend=Device3(), engine_replicas=2)
+    # The rank joined (on its serving thread) as communicator rank 0 of 1 + 2 x 1.
+    with pytest.raises(_JoinCalled):
+        publisher.wait_for_engines(DEADLINE_S)
+    assert joins.pop() == dict(unique_id=unique_id, rank=0, device=3,
+                               gpus=["h/GPU-3"] + engine_gpus, replicas=2, trainers=1, engines=1)
+    setup = publisher.engine_setup
+    assert setup["paths"] == []
+    assert setup["nccl"] == {"unique_id": base64.b64encode(unique_id).decode("ascii"),
+                             "gpus": ["h/GPU-3"] + engine_gpus, "replicas": 2}
+    # The engine rank of replica 1 joins as communicator rank 1 + 1 x 1 + 0.
+    with pytest.raises(_JoinCalled):
+        sharded_receiver(setup, None, 0, backend=Device3(), replica=1)
+    assert joins.pop() == dict(unique_id=unique_id, rank=2, device=3,
+                               gpus=["h/GPU-3"] + engine_gpus, replicas=2, trainers=1, engines=1)
+    with pytest.raises(ss.InvalidArgumentError, match="give backend=CudaBackend"):
+        sharded_receiver(setup, None, 0, replica=1)
+    # vLLM's workers take the same communicator from the same setup.
+    pytest.importorskip("vllm")
+    from shadowsync.vllm.trainer_ranks import from_engine_setup
+
+    ranks = from_engine_setup(setup, replica=1)
+    assert ranks["nccl"] == setup["nccl"] and ranks["replica"] == 1 and ranks["count"] == 1
+    assert "paths" not in ranks and "token" not in ranks
+    with pytest.raises(ss.InvalidArgumentError, match="takes no token"):
+        from_engine_setup(setup, TOKEN)
