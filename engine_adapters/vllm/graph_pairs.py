@@ -16,12 +16,15 @@ slot, which the receiver does not write before that step is done (its release ev
 
 What holds vLLM 0.25's graphs, and is switched: the V2 GPU runner's CudaGraphManager (its FULL
 graphs, one dict keyed by batch descriptor) and every CUDAGraphWrapper (the PIECEWISE graphs
-inside the compiled model, each a dict of entries by batch descriptor; FULL graphs too on the V1
-runner). Each set is captured by vLLM's own capture_model, run twice: the second run starts from
-empty dicts, and vLLM's graph pool serves both sets as it serves its graphs of every batch size
-(only one graph replays at a time). Refused at start-up, naming why: a runner not found, a
-speculative decoder (its graphs are captured beside the model's and are not switched), vLLM's
-breakable CUDA graphs. Costs: capture takes twice as long at start-up, and the second set's
+inside the compiled model, each a dict of entries by batch descriptor; on the V1 GPU runner,
+which vLLM runs for the models its V2 runner does not take yet, such as mixture-of-experts ones,
+the FULL graphs too: a CUDAGraphWrapper around the whole model). Each set is captured by vLLM's
+own capture_model, run twice: the second run starts from empty dicts, and vLLM's graph pool
+serves both sets as it serves its graphs of every batch size (only one graph replays at a time).
+Refused at start-up, naming why: a runner not found, a speculative decoder (its graphs are
+captured beside the model's and are not switched), vLLM's breakable CUDA graphs, and on the V1
+runner micro-batching (its UBatchWrapper keeps its own graphs) and a multimodal encoder's graphs
+(kept by the runner's encoder graph manager). Costs: capture takes twice as long at start-up, and the second set's
 graph memory: where vLLM's memory profile estimates its graphs (VLLM_MEMORY_PROFILER_ESTIMATE_
 CUDAGRAPHS, on by default) the estimate is doubled, so the KV cache is sized with room for both.
 """
@@ -145,10 +148,22 @@ def why_unswitchable(runner) -> str | None:
     """Why this module cannot switch `runner`'s graphs (None: it can)."""
     if not callable(getattr(runner, "capture_model", None)):
         return f"the model runner ({type(runner).__name__}) has no capture_model"
-    if not hasattr(runner, "cudagraph_manager"):
-        return (f"the model runner ({type(runner).__name__}) is not vLLM's V2 GPU runner, the one "
-                f"whose graph holders this module switches (another keeps graphs elsewhere, e.g. "
-                f"a multimodal encoder's)")
+    v2 = hasattr(runner, "cudagraph_manager")
+    if not v2 and not hasattr(runner, "cudagraph_dispatcher"):
+        return (f"the model runner ({type(runner).__name__}) is neither of vLLM's GPU runners "
+                f"(V2, V1) whose graph holders this module switches (another keeps graphs "
+                f"elsewhere)")
+    if not v2:
+        # The V1 runner: every graph of the model is a CUDAGraphWrapper's, unless these hold
+        # some.
+        if getattr(getattr(runner, "parallel_config", None), "use_ubatching", False):
+            return ("vLLM splits batches into micro-batches (its UBatchWrapper keeps those CUDA "
+                    "graphs, which are not switched)")
+        compilation = getattr(runner, "compilation_config", None)
+        if getattr(compilation, "cudagraph_mm_encoder", False) and \
+                getattr(runner, "supports_mm_inputs", False):
+            return ("vLLM captures CUDA graphs of the model's multimodal encoder (its encoder "
+                    "graph manager keeps them, and they are not switched)")
     if getattr(runner, "speculator", None) is not None or \
             getattr(runner, "drafter", None) is not None:
         return ("vLLM runs a speculative decoder, whose CUDA graphs are captured beside the "

@@ -7,9 +7,10 @@ and captures CUDA graphs: the only moment the weights can still be placed where 
 engine least. With no option given, this backend chooses the fastest swap that is right for the
 engine vLLM built, and says which and why (printed once per worker; ``memory_report()["swap"]``):
 
-* **graph pairs** (graph_pairs.py): CUDA graphs on, vLLM's V2 GPU runner, no LoRA, no speculative
-  decoder, no breakable graphs. The weights sit in a remap arena whose two slots each get their own
-  CUDA graphs; a swap points the parameters at the other slot and switches graph sets.
+* **graph pairs** (graph_pairs.py): CUDA graphs on, vLLM's V2 or V1 GPU runner, no LoRA, no
+  speculative decoder, no breakable graphs (V1: no micro-batching, no multimodal encoder's
+  graphs). The weights sit in a remap arena whose two slots each get their own CUDA graphs; a
+  swap points the parameters at the other slot and switches graph sets.
 * **the live arena** (live_arena.py): CUDA graphs on where graph pairs are not possible. A swap
   remaps the arena's live range onto the slot the update landed in.
 * **in place**: the weights stay where vLLM loaded them. On vLLM CPU (host memory cannot be
@@ -346,6 +347,6 @@ def choose_placement(vllm_config, device, model) -> tuple[str, str]:
         "vLLM's model runner was not found among the callers")
     if why is not None:
         return "live arena", f"graph pairs are not possible here: {why}"
-    return "graph pairs", ("CUDA graphs are on and vLLM's V2 runner can switch graph sets: a swap "
+    return "graph pairs", ("CUDA graphs are on and vLLM's runner can switch graph sets: a swap "
                            "rebinds the parameters and switches sets, nothing is copied or "
                            "remapped")

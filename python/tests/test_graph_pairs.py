@@ -157,8 +157,65 @@ def test_a_failed_second_capture_leaves_the_live_slot_and_its_graphs(rig):
     assert sets.slot == 0
 
 
-def test_a_runner_other_than_vllms_v2_gpu_runner_is_refused(rig):
+def test_a_runner_other_than_vllms_gpu_runners_is_refused(rig):
     runner, bind = rig
     del runner.cudagraph_manager
-    with pytest.raises(InvalidArgumentError, match="not vLLM's V2 GPU runner"):
+    with pytest.raises(InvalidArgumentError, match="is neither of vLLM's GPU runners"):
+        graph_pairs.GraphSets(runner, bind, 0)
+
+
+class V1Runner(Runner):
+    """vLLM's V1 runner as far as graph pairs see it: no CudaGraphManager, its FULL graphs in a
+    CUDAGraphWrapper around the model (the first wrapper here), a dispatcher."""
+
+    def __init__(self, wrappers):
+        super().__init__(wrappers)
+        del self.cudagraph_manager
+        self.cudagraph_dispatcher = object()
+        self.parallel_config = type("ParallelConfig", (), {"use_ubatching": False})()
+        self.compilation_config = type("CompilationConfig", (), {"cudagraph_mm_encoder": False})()
+        self.supports_mm_inputs = False
+
+    def capture_model(self) -> int:
+        self.captures.append(self.bound)
+        for size in SIZES:
+            for w in self.wrappers:
+                if size in w.concrete_cudagraph_entries:
+                    raise AssertionError(f"Graph already captured for {size}")
+                w.concrete_cudagraph_entries[size] = ("graph", self.bound)
+        return 1 << 20
+
+    def replay(self, size: int) -> set:
+        return {w.concrete_cudagraph_entries[size][1] for w in self.wrappers}
+
+
+def test_vllms_v1_runner_switches_its_wrappers_graphs_and_refuses_what_it_cannot(monkeypatch):
+    """On the V1 runner (vLLM's for mixture-of-experts models) every graph is a
+    CUDAGraphWrapper's: both sets are captured and a swap replays only the new slot's. What
+    keeps graphs elsewhere there is refused by name."""
+    wrappers = [Wrapper(), Wrapper()]
+    monkeypatch.setattr(graph_pairs, "_cuda_graph_wrappers", lambda: wrappers)
+    runner = V1Runner(wrappers)
+
+    def bind(slot: int) -> None:
+        runner.bound = slot
+
+    assert graph_pairs.why_unswitchable(runner) is None
+    sets = graph_pairs.GraphSets(runner, bind, 0)
+    sets.install()
+    runner.capture_model()  # vLLM's call: the installed capture, over both slots
+    assert runner.captures == [0, 1] and runner.bound == 0
+    for size in SIZES:
+        assert runner.replay(size) == {0}
+    bind(1)
+    sets.use(1)
+    for size in SIZES:
+        assert runner.replay(size) == {1}
+
+    runner.parallel_config.use_ubatching = True
+    assert "micro-batches" in graph_pairs.why_unswitchable(runner)
+    runner.parallel_config.use_ubatching = False
+    runner.compilation_config.cudagraph_mm_encoder = True
+    runner.supports_mm_inputs = True
+    with pytest.raises(InvalidArgumentError, match="multimodal encoder"):
         graph_pairs.GraphSets(runner, bind, 0)
