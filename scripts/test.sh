@@ -196,7 +196,7 @@ readonly VLLM_DIR=build-vllm
 readonly VLLM_LANES=(
   "test_vllm_real.py test_loader_trace.py test_lora_plan.py test_live_arena_memory.py test_rebind.py test_vllm_api_tensor_parallel_refusals.py test_vllm_example.py test_expert_packing.py test_fp8_quantize.py test_bench_fsdp2_gather.py"
   "test_vllm_benches.py test_readme_quick_start.py test_vllm_api.py test_online_fp8.py test_sharding_torch.py test_fsdp2_routed.py test_fsdp2_example.py"
-  "test_vllm_tp.py test_trl_grpo.py test_fsdp2_example_tp.py"
+  "test_vllm_tp.py test_trl_grpo.py test_fsdp2_example_tp.py test_torch.py"
 )
 
 # run_vllm_lane LANE FILE...: pytest of python/tests/FILE... with the vllm venv's python, output

@@ -45,17 +45,29 @@ def _group_array(groups: Sequence[str]):
     return (c_char_p * max(len(encoded), 1))(*encoded), encoded
 
 
+def _version_marks(descs) -> list[tuple[str, object, int]]:
+    """(name, tensor, torch's version counter now) of each torch tensor among `descs`: what
+    changed_in_flight compares (numpy arrays keep no such counter)."""
+    return [(d.name, d.tensor, d.tensor._version) for d in descs
+            if d.kind == "torch" and hasattr(d.tensor, "_version")]
+
+
 class PublishHandle(Handle):
     """One update being sent. done() polls, wait() blocks; neither is needed for the update to
     proceed. Thread-safe."""
 
     _destroy_fn = "shadowsync_publish_destroy"
 
-    def __init__(self, value: int, keepalive=None):
+    def __init__(self, value: int, keepalive=None, marks=None):
         super().__init__(value)
         # The tensors the library reads until the update is done (the Sender holds the handle
         # until then, whether or not the caller keeps it).
         self._keepalive = keepalive
+        # Their torch version counters at publish: a tensor changed in place (an optimizer step)
+        # while the update still reads it would send a mix of old and new bytes. _changed: what
+        # changed_in_flight found, kept for wait().
+        self._marks = marks or []
+        self._changed: str | None = None
         c = UpdateHeaderC()
         call("shadowsync_publish_header", self._handle, byref(c))
         self.header = UpdateHeader._from_c(c)
@@ -80,11 +92,35 @@ class PublishHandle(Handle):
         call("shadowsync_publish_done", self._handle, byref(flag))
         if flag.value:
             self._keepalive = None
+            self._marks = []
         return bool(flag.value)
+
+    def changed_in_flight(self) -> str | None:
+        """Which of the update's torch tensors was seen changed in place since publish while the
+        update was still being sent (its name and both version counters), else None; once seen,
+        always. The library may have read part of such a tensor before the change and part
+        after. A change seen only once the update was done is none of this."""
+        if self._changed is None:
+            for name, tensor, version in self._marks:
+                now = tensor._version
+                if now == version:
+                    continue
+                # Seen changed, and the update still not done after that: the change came first.
+                if not self.done():
+                    self._changed = (
+                        f"tensor '{name}' was changed in place while update {self.version} was "
+                        f"still being sent (torch's version counter went from {version} to "
+                        f"{now}): the engines may have taken a mix of its old and new bytes")
+                break
+        return self._changed
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the update was sent; raises the update's error if it failed, and
-        ShadowsyncTimeoutError if `timeout` seconds pass first (the update goes on)."""
+        ShadowsyncTimeoutError if `timeout` seconds pass first (the update goes on). Raises
+        InvalidArgumentError once it is sent if one of its torch tensors was changed in place
+        while it was still being sent (an optimizer step before this wait): publish again before
+        relying on the engines' weights, and wait before the parameters change."""
+        self.changed_in_flight()
         timeout_ms = -1 if timeout is None else max(0, int(timeout * 1000))
         status = call_status("shadowsync_publish_wait", self._handle, timeout_ms)
         if status == IN_PROGRESS:
@@ -93,6 +129,11 @@ class PublishHandle(Handle):
                 f"done())"
             )
         self._keepalive = None
+        self._marks = []
+        if self._changed is not None:
+            raise InvalidArgumentError(
+                f"{self._changed}; wait for the update (handle.wait()) before the parameters "
+                f"change, and publish again to make the engines' weights whole")
 
     def close(self) -> None:
         """Releases the handle; the update keeps running. While the library still reads the
@@ -333,9 +374,10 @@ class Sender(Handle):
                     f"'{name}' has {numel} elements (shape {format_shape(desc.shape)}), its "
                     f"region {region.numel} (shape {format_shape(region.shape)})")
             checked.append((desc, region))
+        self._refuse_changed_in_flight(version)
         _tensors.synchronize_producers([desc for desc, _ in checked])
         return self._start_publish("shadowsync_sender_publish_shards", version, selected,
-                                   _ShardArray(checked))
+                                   _ShardArray(checked), [desc for desc, _ in checked])
 
     def publish(self, version: int, tensors, groups: Iterable[str] | None = None) -> PublishHandle:
         """Publishes `groups` at `version` from `tensors` (a mapping of names to tensors, or
@@ -353,9 +395,10 @@ class Sender(Handle):
         selected = self._selected_groups(pairs, groups)
         wanted = {t.name for g in selected for t in self.layout.group(g).tensors}
         descs = [d for d in descs if d.name in wanted]
+        self._refuse_changed_in_flight(version)
         _tensors.synchronize_producers(descs)
         return self._start_publish("shadowsync_sender_publish", version, selected,
-                                   _tensors.SourceArray(descs))
+                                   _tensors.SourceArray(descs), descs)
 
     def publish_streamed(self, version: int, groups: Iterable[str]) -> StreamedPublish:
         """Starts publishing `groups` at `version` with no tensor yet and returns at once: send
@@ -429,10 +472,26 @@ class Sender(Handle):
                     )
         return descs
 
+    def _refuse_changed_in_flight(self, version: int) -> None:
+        """An earlier update still being sent whose torch tensors were changed in place since its
+        publish (the parameters changed before its wait): raises InvalidArgumentError naming
+        it, before update `version` is sent."""
+        with self._inflight_lock:
+            inflight = list(self._inflight)
+        for p in inflight:
+            if p.closed or p.done():
+                continue
+            changed = p.changed_in_flight()
+            if changed is not None:
+                raise InvalidArgumentError(
+                    f"update {version} not sent: {changed}; wait for each update "
+                    f"(handle.wait()) before the parameters change, then publish again")
+
     def _start_publish(self, function: str, version: int, selected: Sequence[str],
-                       source) -> PublishHandle:
+                       source, descs) -> PublishHandle:
         # One publish through the C call `function` (shadowsync_sender_publish or _publish_shards)
-        # from `source` (an array of sources with .array and .count), which the handle keeps alive.
+        # from `source` (an array of sources with .array and .count), which the handle keeps
+        # alive, made of `descs`.
         group_array, _keep = _group_array(selected)
         handle = c_void_p()
         call(
@@ -445,7 +504,7 @@ class Sender(Handle):
             source.count,
             byref(handle),
         )
-        publish = PublishHandle(handle.value, keepalive=source)
+        publish = PublishHandle(handle.value, keepalive=source, marks=_version_marks(descs))
         self._track(publish)
         return publish
 

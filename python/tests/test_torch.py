@@ -71,3 +71,43 @@ def test_worker_extension_rebinds_torch_parameters():
     handle.wait(DEADLINE_S)
     worker.close_weight_update_group()
     sender.close()
+
+
+def test_a_tensor_changed_while_its_update_is_sent_is_named_never_silent(pair):
+    """A torch tensor changed in place (an optimizer step) while its update is still being sent
+    may reach the engines half old, half new. The update stays in flight here until the receiver
+    begins it (loopback ranks meet in each broadcast), so the change certainly came first: the
+    next publish is refused, naming the tensor, and the handle's wait raises once it is sent."""
+    tensors = torch_tensors(BASE + LORA, 1)
+    handle = pair.sender.publish(1, tensors)
+    assert handle.changed_in_flight() is None
+    with torch.no_grad():
+        tensors["embed"].add_(1)  # what an optimizer step does to a parameter
+    assert "tensor 'embed' was changed in place while update 1 was still being sent" in \
+        handle.changed_in_flight()
+    with pytest.raises(ss.ShadowsyncTimeoutError):
+        handle.wait(0.01)  # still in flight: the receiver has not begun it
+    with pytest.raises(ss.InvalidArgumentError,
+                       match=r"update 2 not sent: tensor 'embed' was changed in place while "
+                             r"update 1 was still being sent \(torch's version counter went "
+                             r"from \d+ to \d+\)"):
+        pair.sender.publish(2, torch_tensors(BASE + LORA, 2))
+    pair.receiver.begin_update(handle.header_bytes)
+    pair.receiver.wait_applied(1, DEADLINE_S)
+    with pytest.raises(ss.InvalidArgumentError, match="publish again to make the engines' "
+                                                      "weights whole"):
+        handle.wait(DEADLINE_S)
+
+    # Changed only once the update was sent: nothing to say.
+    tensors = torch_tensors(BASE + LORA, 3)
+    handle = pair.sender.publish(3, tensors)
+    pair.receiver.begin_update(handle.header_bytes)
+    pair.receiver.wait_applied(3, DEADLINE_S)
+    handle.wait(DEADLINE_S)
+    with torch.no_grad():
+        tensors["embed"].add_(1)
+    assert handle.changed_in_flight() is None
+    handle = pair.sender.publish(4, torch_tensors(BASE + LORA, 4))
+    pair.receiver.begin_update(handle.header_bytes)
+    pair.receiver.wait_applied(4, DEADLINE_S)
+    handle.wait(DEADLINE_S)
