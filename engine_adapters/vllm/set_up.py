@@ -373,10 +373,11 @@ def check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel_si
             f"(quantization=\"fp8\"): not supported; serve the adapter from a bf16 engine")
     if live_arena is not None:
         raise InvalidArgumentError(
-            "init_weight_update_group: an FP8 engine (quantization=\"fp8\") with a "
-            "'shadowsync' weight-transfer backend (live arena or graph pairs): not supported; "
-            "start vLLM without weight_transfer_config (updates are copied into vLLM's storage "
-            "at each swap, CUDA graphs kept)")
+            "init_weight_update_group: an FP8 engine (quantization=\"fp8\") with its weights "
+            "in a live arena or graph pairs ('shadowsync_live_arena' or "
+            "'shadowsync_graph_pairs'): not supported; start vLLM with weight_transfer_config="
+            "{'backend': 'shadowsync'}, which leaves FP8 weights in place, or without one "
+            "(updates are copied into vLLM's storage at each swap, CUDA graphs kept)")
     if chosen not in (None, "copy_in"):
         raise InvalidArgumentError(
             f"init_weight_update_group: swap_strategy {chosen!r} with an FP8 engine "

@@ -14,7 +14,8 @@ engine vLLM built, and says which and why (printed once per worker; ``memory_rep
 * **the live arena** (live_arena.py): CUDA graphs on where graph pairs are not possible. A swap
   remaps the arena's live range onto the slot the update landed in.
 * **in place**: the weights stay where vLLM loaded them. On vLLM CPU (host memory cannot be
-  remapped) and with ``enforce_eager`` (the worker extension rebinds the parameters to the live
+  remapped), with ``quantization="fp8"`` (updates are copied into vLLM's FP8 storage at the
+  swap) and with ``enforce_eager`` (the worker extension rebinds the parameters to the live
   slot, which no captured graph holds on to); under CUDA graphs where no arena can be made, the
   worker extension copies each update into vLLM's own storage (copy_in).
 
@@ -331,6 +332,11 @@ def choose_placement(vllm_config, device, model) -> tuple[str, str]:
     if getattr(model_config, "enforce_eager", False):
         return "in place", ("vLLM runs eagerly (enforce_eager=True): a swap rebinds the "
                             "parameters to the new slot, which no captured CUDA graph holds on to")
+    if getattr(model_config, "quantization", None) == "fp8":
+        return "in place", ('vLLM quantizes the weights to FP8 while loading (quantization='
+                            '"fp8"): the receiver quantizes each update in the shadow and the '
+                            'swap copies it into vLLM\'s own storage (copy_in); graph pairs and '
+                            'the live arena do not hold FP8 weights')
     parallel = getattr(vllm_config, "parallel_config", None)
     ranks = (int(getattr(parallel, "tensor_parallel_size", 1) or 1)
              * int(getattr(parallel, "pipeline_parallel_size", 1) or 1))

@@ -98,3 +98,18 @@ def test_the_default_backend_copies_in_under_tensor_parallelism():
         assert f"vLLM runs {tp * pp} ranks" in why and "'shadowsync_graph_pairs'" in why
     placement, _ = choose_placement(config(1, lora=object()), cuda, model=None)
     assert placement == "live arena"  # one rank: the parallelism rule does not apply
+
+
+def test_the_default_backend_leaves_an_fp8_engines_weights_in_place():
+    """An engine vLLM quantizes to FP8 while loading is served by copy_in only (its set-up
+    refuses the live arena and graph pairs): backend "shadowsync" leaves its weights in place,
+    saying why, instead of placing them where the set-up would then refuse them."""
+    from types import SimpleNamespace
+
+    from shadowsync.vllm.weight_transfer_backend import choose_placement
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=False, quantization="fp8"), lora_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    placement, why = choose_placement(config, SimpleNamespace(type="cuda"), model=None)
+    assert placement == "in place" and 'quantization="fp8"' in why and "copy_in" in why
