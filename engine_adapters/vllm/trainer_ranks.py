@@ -26,7 +26,7 @@ from shadowsync.layout import Layout
 from shadowsync.regions import WireRange
 from shadowsync.routing import RoutingPlan
 from shadowsync.sharded_publisher import check_replica, engine_routing_plan
-from shadowsync.transport import Transport, nccl_routed_transport, \
+from shadowsync.transport import Transport, nccl_engine_comm_rank, nccl_routed_transport, \
     same_host_pull_engine_transport
 
 from .rpc_bytes import bytes_from_rpc
@@ -130,8 +130,8 @@ def connect(trainer_ranks: dict, plan: RoutingPlan, engine_rank: int, backend,
                 "init_weight_update_group: trainer_ranks.nccl: NCCL routes need GPU workers, and "
                 "this engine runs on the CPU; give the trainer ranks' 'paths' and 'token' (the "
                 "same-host pull transport) instead")
-        rank = plan.trainer_count + replica * plan.engine_count + engine_rank
-        return nccl_routed_transport(bytes_from_rpc(nccl["unique_id"]), plan, rank, device,
+        return nccl_routed_transport(bytes_from_rpc(nccl["unique_id"]), plan,
+                                     nccl_engine_comm_rank(plan, engine_rank, replica), device,
                                      backend, nccl["gpus"], replicas=replicas)
     return same_host_pull_engine_transport(
         trainer_ranks["paths"], trainer_ranks["token"], plan, engine_rank, backend,

@@ -22,15 +22,13 @@ void check_engine(const RoutingPlan& routing, int engine) {
   }
 }
 
-// Where communicator rank `comm_rank` sits among M trainer ranks and R replicas of N engine
-// ranks; refuses a rank outside the communicator.
-struct CommPlace {
-  int trainer = -1;  // 0..M-1, or -1
-  int engine = -1;   // 0..N-1, or -1
-  int replica = -1;  // 0..R-1 for an engine rank, or -1
-};
+std::size_t landing_size(const std::vector<LandingRoute>& landing) {
+  return landing.empty() ? 0 : landing.back().landing_offset + landing.back().bytes;
+}
 
-CommPlace place_of(const RoutingPlan& routing, int comm_rank, int replicas) {
+}  // namespace
+
+CommPlace comm_place(const RoutingPlan& routing, int comm_rank, int replicas) {
   const int trainers = routing.trainer_count();
   const int engines = routing.engine_count();
   if (replicas < 1) {
@@ -48,12 +46,6 @@ CommPlace place_of(const RoutingPlan& routing, int comm_rank, int replicas) {
   if (comm_rank < trainers) return {comm_rank, -1, -1};
   return {-1, (comm_rank - trainers) % engines, (comm_rank - trainers) / engines};
 }
-
-std::size_t landing_size(const std::vector<LandingRoute>& landing) {
-  return landing.empty() ? 0 : landing.back().landing_offset + landing.back().bytes;
-}
-
-}  // namespace
 
 std::vector<LandingRoute> landing_layout(const RoutingPlan& routing, int engine, std::size_t group,
                                          std::size_t bucket) {
@@ -110,13 +102,9 @@ RouteCopy landing_copy(std::span<const LandingRoute> landing, const RouteCopy& c
                           first, last, copy.trainer));
 }
 
-void check_comm_rank(const RoutingPlan& routing, int comm_rank, int replicas) {
-  (void)place_of(routing, comm_rank, replicas);
-}
-
 std::vector<P2pOp> p2p_schedule(const RoutingPlan& routing, int comm_rank, std::size_t group,
                                 std::size_t bucket, int replicas) {
-  const CommPlace at = place_of(routing, comm_rank, replicas);
+  const CommPlace at = comm_place(routing, comm_rank, replicas);
   const int trainers = routing.trainer_count();
   std::vector<P2pOp> ops;
   if (at.trainer >= 0) {
@@ -142,7 +130,7 @@ std::vector<P2pOp> p2p_schedule(const RoutingPlan& routing, int comm_rank, std::
 
 std::vector<P2pOp> p2p_forward(const RoutingPlan& routing, int comm_rank, std::size_t group,
                                std::size_t bucket, int replicas) {
-  const CommPlace at = place_of(routing, comm_rank, replicas);
+  const CommPlace at = comm_place(routing, comm_rank, replicas);
   if (at.engine < 0 || at.replica == replicas - 1) return {};
   const std::size_t bytes = landing_size(landing_layout(routing, at.engine, group, bucket));
   if (bytes == 0) return {};
@@ -153,7 +141,7 @@ void check_p2p_gpus(const RoutingPlan& routing, const std::vector<std::string>& 
                     int replicas) {
   const int trainers = routing.trainer_count();
   const int engines = routing.engine_count();
-  check_comm_rank(routing, 0, replicas);  // refuses replicas < 1
+  (void)comm_place(routing, 0, replicas);  // refuses replicas < 1
   const std::size_t world = static_cast<std::size_t>(trainers) +
                             static_cast<std::size_t>(replicas) * static_cast<std::size_t>(engines);
   if (gpus.size() != world) {
@@ -165,12 +153,11 @@ void check_p2p_gpus(const RoutingPlan& routing, const std::vector<std::string>& 
                             replicas > 1 ? ", then each replica's engine ranks" : ""));
   }
   const auto name = [&](std::size_t rank) {
-    if (static_cast<int>(rank) < trainers) return fmt::format("trainer rank {}", rank);
-    const std::size_t e = (rank - trainers) % engines;
-    const std::size_t r = (rank - trainers) / engines;
-    return replicas > 1 ? fmt::format("engine rank {} of replica {} (communicator rank {})", e, r,
-                                      rank)
-                        : fmt::format("engine rank {} (communicator rank {})", e, rank);
+    const CommPlace at = comm_place(routing, static_cast<int>(rank), replicas);
+    if (at.trainer >= 0) return fmt::format("trainer rank {}", rank);
+    return replicas > 1 ? fmt::format("engine rank {} of replica {} (communicator rank {})",
+                                      at.engine, at.replica, rank)
+                        : fmt::format("engine rank {} (communicator rank {})", at.engine, rank);
   };
   for (std::size_t b = 0; b < world; ++b) {
     for (std::size_t a = 0; a < b; ++a) {

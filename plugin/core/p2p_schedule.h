@@ -78,9 +78,15 @@ std::size_t max_landing_bytes(const RoutingPlan& routing, const Layout& wire, in
 // from its trainer rank holds all of it (copies composed for another engine rank or bucket).
 RouteCopy landing_copy(std::span<const LandingRoute> landing, const RouteCopy& copy);
 
-// Throws Error(kInvalidArgument) for a communicator rank outside 0..M+R*N-1 (R = `replicas`)
-// or `replicas` < 1, naming them.
-void check_comm_rank(const RoutingPlan& routing, int comm_rank, int replicas);
+// Where communicator rank `comm_rank` sits among the M trainer ranks and R = `replicas` replicas
+// of the N engine ranks: a trainer rank, or an engine rank and its replica (the others -1).
+// Throws Error(kInvalidArgument) for a rank outside 0..M+R*N-1 or `replicas` < 1, naming them.
+struct CommPlace {
+  int trainer = -1;  // 0..M-1, or -1
+  int engine = -1;   // 0..N-1, or -1
+  int replica = -1;  // 0..R-1 for an engine rank, or -1
+};
+CommPlace comm_place(const RoutingPlan& routing, int comm_rank, int replicas);
 
 // The receive group's ops of communicator rank `comm_rank` (0..M+R*N-1, R = `replicas`) for
 // bucket `bucket` of group `group`: a trainer rank's sends (to replica 0), by engine rank, then

@@ -538,9 +538,10 @@ def sharded_receiver(setup: dict, token, engine_rank: int, *, backend: Backend |
             raise InvalidArgumentError(
                 f"sharded_receiver: the trainer ranks send over NCCL (engine_setup['nccl']); "
                 f"give backend=CudaBackend(device) of this engine rank's GPU, not {backend!r}")
-        rank = plan.trainer_count + replica * plan.engine_count + engine_rank
         transport = _transport.nccl_routed_transport(
-            base64.b64decode(nccl["unique_id"]), plan, rank, backend.device_index, backend,
+            base64.b64decode(nccl["unique_id"]), plan,
+            _transport.nccl_engine_comm_rank(plan, engine_rank, replica), backend.device_index,
+            backend,
             nccl["gpus"], replicas=nccl.get("replicas", 1))
     else:
         backend = backend if backend is not None else HostBackend()

@@ -219,6 +219,12 @@ def nccl_routed_transport(
     return Transport(handle.value, f"nccl routes, {role} on cuda:{device}")
 
 
+def nccl_engine_comm_rank(plan, engine_rank: int, replica: int = 0) -> int:
+    """The communicator rank of engine rank `engine_rank` of replica `replica` in
+    nccl_routed_transport's communicator: M + replica x N + engine_rank."""
+    return plan.trainer_count + replica * plan.engine_count + engine_rank
+
+
 def gpu_name(device: int) -> str:
     """A name unique to CUDA device `device` across hosts, for nccl_routed_transport's `gpus`:
     the host name and the device's UUID (through torch, which must be installed)."""

@@ -27,11 +27,9 @@ NcclRouteMover::NcclRouteMover(P2pCommunicator& comm, std::shared_ptr<const Rout
   }
   // Computed once at set-up (p2p_schedule refuses a rank outside 0..M+R*N-1): a bucket's calls
   // then only walk these lists.
-  check_comm_rank(*plan_, comm_rank_, replicas);
-  if (comm_rank_ >= trainers_) {
-    engine_ = (comm_rank_ - trainers_) % plan_->engine_count();
-    replica_ = (comm_rank_ - trainers_) / plan_->engine_count();
-  }
+  const CommPlace place = comm_place(*plan_, comm_rank_, replicas);
+  engine_ = place.engine;
+  replica_ = place.replica;
   const auto& groups = wire.groups();
   ops_.resize(groups.size());
   forward_ops_.resize(groups.size());

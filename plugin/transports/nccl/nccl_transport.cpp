@@ -226,7 +226,7 @@ std::unique_ptr<NcclTransport> NcclTransport::create_routed(const NcclUniqueId& 
   // Before NCCL: its own refusal of two ranks on one GPU comes only after every rank joined,
   // and names neither role.
   check_p2p_gpus(*plan, route_config.gpus, route_config.replicas);
-  check_comm_rank(*plan, rank, route_config.replicas);
+  (void)comm_place(*plan, rank, route_config.replicas);  // a rank outside the communicator
   if (backend.name() != "cuda") {
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("NcclTransport::create_routed: backend '{}' given; NCCL moves device "
