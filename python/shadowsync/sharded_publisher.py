@@ -6,7 +6,8 @@ and calls ``publish`` on every step. Set-up reads this rank's regions from its p
 ``all_gather_object`` (metadata only; call it before arming ``sharding.forbid_gathers``), builds
 the ``RoutingPlan`` and serves this rank's same-host pull transport on a daemon thread (serving
 blocks until every engine process connected), or with ``engine_gpus`` joins one NCCL communicator
-of the trainer ranks and every engine process (engines on other GPUs or hosts) there instead. ``publish`` hands the Sender each local tensor with
+of the trainer ranks and every engine process (engines on other GPUs or hosts) there instead.
+``publish`` hands the Sender each local tensor with
 its region: no rank gathers, copies or holds a full tensor; the only memory added is the
 Sender's packing (``staging_bytes``).
 
