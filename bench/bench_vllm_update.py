@@ -33,8 +33,9 @@ updates send the same values again; the timing does not depend on them).
 **FP8** (``--quantization fp8``, cuda only). Every engine the run starts gets
 ``quantization="fp8"``: vLLM quantizes the bf16 checkpoint while loading (a scale per weight; in
 a MoE layer, per expert). The trainers stay bf16: shadowsync's receiver quantizes each update the
-same way before it is offered and swaps it in by copy_in only, so --live-arena, --graph-pairs,
---backend, another --swap-strategy and the shadowsync-api path are refused with it, as is
+same way before it is offered. It is swapped in by copy_in (into vLLM's storage) or, with
+--graph-pairs or --backend shadowsync, by rebind between the two slots of graph pairs, which hold
+the float8 bytes and scales; --live-arena and another --swap-strategy are refused with it, as is
 --device cpu (vLLM's CPU build runs no FP8). The vllm path runs its documented sequence
 unchanged: what vLLM does with bf16 weights sent into an FP8 engine is measured, not assumed.
 The JSON's ``quantization`` and the table's title and model column say so; vLLM's reference stop

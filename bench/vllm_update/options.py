@@ -67,30 +67,22 @@ def layers_error(args) -> str | None:
 def quantization_error(args, paths: list[str]) -> str | None:
     """Why --quantization cannot run with the other options, or None. vLLM quantizes the bf16
     checkpoint while loading; shadowsync's receiver quantizes each update the same way and
-    swaps it in by copy_in only (the extension refuses the rest at init: refused here first,
-    before any engine starts)."""
+    swaps it in by copy_in or, under graph pairs, by rebind (the extension refuses the rest at
+    init: refused here first, before any engine starts)."""
     q = args.quantization
     if q is None:
         return None
     if args.device != "cuda":
         return (f"--quantization {q} with --device {args.device}: vLLM's FP8 kernels run on "
                 f"CUDA only (its CPU build cannot run an FP8 engine); use --device cuda")
-    for flag in ("live_arena", "graph_pairs", "backend"):
-        if getattr(args, flag):
-            name = "--" + flag.replace("_", "-")
-            value = f" {args.backend}" if flag == "backend" else ""
-            return (f"--quantization {q} with {name}{value}: shadowsync swaps an FP8 engine's "
-                    f"updates in by copy_in only (into vLLM's own storage: its FP8 kernels hold "
-                    f"the weights and scales), not through a weight-transfer backend; leave "
-                    f"{name} out")
+    if args.live_arena:
+        return (f"--quantization {q} with --live-arena: the live arena's remap has not been "
+                f"shown with FP8 weights; use --graph-pairs or --backend shadowsync (which "
+                f"chooses graph pairs, or copy_in where they are not possible)")
     if args.swap_strategy not in (None, "copy_in"):
         return (f"--quantization {q} with --swap-strategy {args.swap_strategy}: shadowsync "
-                f"swaps an FP8 engine's updates in by copy_in only; leave --swap-strategy out "
-                f"or pass copy_in")
-    if "shadowsync-api" in paths:
-        return (f"--quantization {q} with --paths {','.join(paths)}: the shadowsync-api path "
-                f"goes through the 'shadowsync' weight-transfer backend, and shadowsync swaps an "
-                f"FP8 engine's updates in by copy_in only; leave shadowsync-api out")
+                f"swaps an FP8 engine's updates in by copy_in, or by rebind under --graph-pairs; "
+                f"leave --swap-strategy out or pass copy_in")
     return None
 
 
@@ -156,8 +148,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="every engine of the run starts with quantization=QUANTIZATION (cuda "
                         "only): vLLM quantizes the bf16 checkpoint while loading, shadowsync's "
-                        "receiver each update the same way (copy_in swaps only: refused with "
-                        "--live-arena, --graph-pairs, --backend, another --swap-strategy); the "
+                        "receiver each update the same way (swapped by copy_in, or by rebind with "
+                        "--graph-pairs; refused with --live-arena and another "
+                        "--swap-strategy); the "
                         "vllm path runs vLLM's documented sequence unchanged")
     p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
                    help="comma-separated: vllm, shadowsync, copy (a reference: the model's bytes "

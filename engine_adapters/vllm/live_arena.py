@@ -54,7 +54,7 @@ class LiveArenaEngine(PlacedWeightsEngine):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.layout, self.arena, freed = _move_into_arena(model)
+        self.layout, self.transposed, self.arena, freed = _move_into_arena(model)
         # What vLLM's memory profile counts for the weights, before and after (memory_report()).
         self.memory_accounting = count_weights_once(model, freed, self.arena.nbytes)
         # The parameter objects at the arena's places, in its order: what init_weight_update_group
@@ -88,14 +88,13 @@ class GraphPairsEngine(LiveArenaEngine):
         self.graph_sets.install()
 
     def _slot_views(self, slot: int, device) -> list:
-        """Every parameter's place in `slot`, as tensors of its dtype and shape."""
+        """Every parameter's place in `slot`, as tensors of its dtype and shape (an FP8 weight
+        as the transposed view vLLM reads, over its rows in the slot)."""
         import torch
 
-        group = self.layout.groups[0]
-        raw = torch.as_tensor(CudaBytes(self.arena.slot_address(slot), group.arena_bytes),
-                              device=device)
-        return [raw[t.offset:t.offset + t.bytes].view(p.dtype).reshape(p.shape)
-                for t, p in zip(group.tensors, self.params)]
+        raw = torch.as_tensor(CudaBytes(self.arena.slot_address(slot),
+                                        self.layout.groups[0].arena_bytes), device=device)
+        return arena_views(raw, self.layout, self.params, self.transposed)
 
     def bind(self, slot: int) -> None:
         """Points every parameter at its place in `slot`. Engine thread (or vLLM's start-up),
@@ -153,40 +152,63 @@ def count_weights_once(model, freed_bytes: int, slot_bytes: int) -> dict:
     return report
 
 
-def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:
-    """Copies every parameter of `model` into a new remap arena laid out as one "base" group of
-    the parameters in the model's order, points each parameter at its place in the live range
-    and frees the old storage; returns the layout, the arena and the torch memory freed (bytes).
-    CUDA only (the host backend cannot remap: NotSupportedError)."""
+def arena_layout(params: dict) -> tuple[Layout, list[bool]]:
+    """The live arena's layout of `params` ({name: parameter}, the model's order): one "base"
+    group of each parameter's bytes as they lie, and for each whether the parameter is the
+    transpose of them. vLLM's CUDA FP8 linear layers (quantization="fp8") hold their weight as
+    the [in, out] transposed view of row-major [out, in] float8 bytes: the arena holds the rows,
+    the parameter goes on being their transpose. Refuses (naming it) a parameter that is empty or
+    whose bytes are neither contiguous nor such a transpose."""
+    specs, transposed = [], []
+    for name, param in params.items():
+        data = param.data
+        turned = data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous()
+        d = describe(name, data.t() if turned else data)
+        if not d.contiguous or 0 in d.shape:
+            raise InvalidArgumentError(
+                f"the live arena (weight-transfer backend 'shadowsync'): parameter '{name}' "
+                f"(shape {list(d.shape)}, strides {list(d.strides)}) is not a non-empty "
+                f"contiguous tensor, nor the transpose of one")
+        specs.append(TensorSpec(name, d.dtype, d.shape, BASE_GROUP))
+        transposed.append(turned)
+    return Layout(specs), transposed
+
+
+def arena_views(raw, layout: Layout, params, transposed: list[bool]) -> list:
+    """Each of `params` at its place in `raw` (one slot's or the live range's bytes, a uint8
+    tensor) by `layout` (arena_layout's), as the parameter reads it (transposed where it is)."""
+    views = []
+    for t, param, turned in zip(layout.groups[0].tensors, params, transposed):
+        view = raw[t.offset:t.offset + t.bytes].view(param.dtype).reshape(t.shape)
+        views.append(view.t() if turned else view)
+    return views
+
+
+def _move_into_arena(model) -> tuple[Layout, list[bool], RemapArena, int]:
+    """Copies every parameter of `model` into a new remap arena laid out by arena_layout, points
+    each parameter at its place in the live range and frees the old storage; returns the layout,
+    which parameters are transposed views, the arena and the torch memory freed (bytes). CUDA
+    only (the host backend cannot remap: NotSupportedError)."""
     import torch
 
     params = dict(model.named_parameters())
     if not params:
         raise InvalidArgumentError("the live arena (weight-transfer backend 'shadowsync'): the "
                                    "model has no parameters")
-    descs = {name: describe(name, p.data) for name, p in params.items()}
-    devices = {d.device for d in descs.values()}
-    if len(devices) != 1 or not next(iter(devices)).startswith("cuda:"):
+    devices = {str(p.device) for p in params.values()}
+    if len(devices) != 1 or not next(iter(devices)).startswith("cuda"):
         raise InvalidArgumentError(
             f"the '{LIVE_ARENA_BACKEND_NAME}' weight-transfer backend needs every parameter on one "
             f"CUDA device (a live arena is CUDA virtual memory); the model's are on "
             f"{sorted(devices)}; the backend 'shadowsync' chooses what works here")
-    for name, d in descs.items():
-        if not d.contiguous or not d.shape or 0 in d.shape:
-            raise InvalidArgumentError(
-                f"the live arena (weight-transfer backend 'shadowsync'): parameter '{name}' (shape "
-                f"{list(d.shape)}) is not a non-empty contiguous tensor")
-    layout = Layout([TensorSpec(n, d.dtype, d.shape, BASE_GROUP) for n, d in descs.items()])
+    layout, transposed = arena_layout(params)
     group = layout.groups[0]
-    device = int(next(iter(devices)).split(":")[1])
-    del descs  # they hold the parameters' tensors: the old storage must go with the move
+    device = next(iter(params.values())).device.index or 0
     arena = RemapArena(CudaBackend(device), group.arena_bytes)
     allocated_before = torch.cuda.memory_allocated(device)
     live = torch.as_tensor(CudaBytes(arena.live_address, group.arena_bytes), device=f"cuda:{device}")
     with torch.no_grad():
-        for t in group.tensors:
-            param = params[t.name]
-            view = live[t.offset:t.offset + t.bytes].view(param.dtype).reshape(param.shape)
+        for param, view in zip(params.values(), arena_views(live, layout, params.values(), transposed)):
             view.copy_(param.data)
             param.data = view
     torch.cuda.synchronize(device)
@@ -195,4 +217,4 @@ def _move_into_arena(model) -> tuple[Layout, RemapArena, int]:
     print(f"[shadowsync] live arena: {len(group.tensors)} parameters, "
           f"{group.arena_bytes / 2**30:.2f} GiB, moved into a remap arena (two slots of it) before "
           f"CUDA graph capture; {freed / 2**30:.2f} GiB of torch memory freed", flush=True)
-    return layout, arena, freed
+    return layout, transposed, arena, freed

@@ -61,6 +61,12 @@ class Fp8Weight:
     layer: Any
     attribute: str
     as_loaded: Any
+    padded_rows: int = 0  # rows of zeros vLLM's kernel keeps after the loaded ones
+
+    @property
+    def parameter(self):
+        """The parameter vLLM computes with (the float8 bytes, or their transposed view)."""
+        return self.layer._parameters[self.attribute]
 
 
 def _refuse(layer: str, method: str, what: str) -> LayoutMismatchError:
@@ -142,13 +148,13 @@ def online_fp8_weights(model) -> dict[str, Fp8Weight]:
             # Row-major [out, in] float8 bytes, held as they are (vLLM CPU) or as their
             # transposed view (CUDA's scaled-mm kernels take [in, out]; CUTLASS pads out to a
             # multiple of 16 with rows of zeros after them, which no update changes).
-            storage = None
+            storage, padded = None, 0
             if (weight is not None and weight.dtype == fp8 and weight.dim() == 2
                     and len(out_in) == 2):
                 rows = weight.data if weight.is_contiguous() else weight.data.t()
                 if (rows.is_contiguous() and rows.shape[0] >= out_in[0]
                         and rows.shape[1] == out_in[1]):
-                    storage = rows[:out_in[0]]
+                    storage, padded = rows[:out_in[0]], rows.shape[0] - out_in[0]
             if storage is None:
                 got = "none" if weight is None else (
                     f"{weight.dtype}, shape {format_shape(tuple(weight.shape))}, strides "
@@ -156,7 +162,7 @@ def online_fp8_weights(model) -> dict[str, Fp8Weight]:
                 raise _refuse(layer_name, kind, f"its weight is {got}, not the float8 bytes of "
                               f"the loaded {format_shape(out_in)} in their order (a kernel that "
                               f"pads or repacks them)")
-            entries = [("weight", storage, "weight_scale", 1)]
+            entries = [("weight", storage, "weight_scale", 1, padded)]
         else:
             backend = getattr(getattr(method, "fp8_backend", None), "value", None)
             if backend not in _MOE_BACKENDS_AS_QUANTIZED:
@@ -171,13 +177,14 @@ def online_fp8_weights(model) -> dict[str, Fp8Weight]:
                         or not weight.is_contiguous()):
                     raise _refuse(layer_name, kind, f"its {attribute} is not the float8 of the "
                                   f"loaded experts, in their layout")
-                entries.append((attribute, weight.data, f"{attribute}_scale", weight.shape[0]))
+                entries.append((attribute, weight.data, f"{attribute}_scale", weight.shape[0], 0))
         prefix = f"{layer_name}." if layer_name else ""
-        for attribute, storage, scale_name, parts in entries:
+        for attribute, storage, scale_name, parts, padded in entries:
             found[prefix + attribute] = Fp8Weight(
                 storage=storage, scale_name=prefix + scale_name,
                 scale=_scale(torch, layer, layer_name, kind, scale_name, parts), parts=int(parts),
-                layer=layer, attribute=attribute, as_loaded=metadata[attribute])
+                layer=layer, attribute=attribute, as_loaded=metadata[attribute],
+                padded_rows=int(padded))
     return found
 
 

@@ -141,7 +141,9 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
         group_of.update({n: next(iter(group_of.values())) for n in kept})
         engine_params = every
     order = {g.name: i for i, g in enumerate(wire.groups)}
-    names = sorted(engine_params, key=lambda n: order[group_of[n]])  # stable: model order
+    # A scale is placed after its weight below, wherever the model holds it.
+    names = sorted((n for n in engine_params if n not in scales),
+                   key=lambda n: order[group_of[n]])  # stable: model order
     params = {n: engine_params[n] for n in names}
     # A weight vLLM keeps quantized: the copies write its float8 bytes (in the layout as
     # loaded), the receiver quantizes them, and its scale follows it in the layout.
@@ -151,6 +153,12 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
         params[q.scale] = fp8[q.engine].scale
         group_of[q.scale] = group_of[q.engine]
     names = [m for n in names for m in ((n, fp8[n].scale_name) if n in fp8 else (n,))]
+    if live_arena is not None and fp8:
+        # The arena holds them in the model's order, scales where the model has them: the
+        # layout must be the arena's, place for place.
+        place = {id(p): i for i, p in enumerate(live_arena.params)}
+        held = {n: fp8[n].parameter if n in fp8 else params[n] for n in names}
+        names.sort(key=lambda n: place.get(id(held[n]), len(place)))
     # Described here: with LoRA on, a parameter's name in the trace (the checkpoint's) is not its
     # name among the wrapped model's parameters.
     descs = {n: describe(n, param_data(p)) for n, p in params.items()}

@@ -120,7 +120,8 @@ def plan_update_group(worker, info: ShadowsyncInitInfo) -> PlannedGroup:
     # swapped whole, so a plan for it keeps what the trainer does not send.
     arena_to_remap = live_arena if chosen in (None, arena_strategy) else None
     if fp8:
-        check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel.size(worker))
+        check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel.size(worker),
+                         fp8)
     plan = None
     if specs is None and lora_adapter is not None:
         raise InvalidArgumentError(
@@ -348,14 +349,17 @@ def connect_update_group(worker, planned: PlannedGroup, transport: Transport | N
     return state
 
 
-def check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel_size: int = 1
-                     ) -> None:
+def check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel_size: int = 1,
+                     fp8: dict | None = None) -> None:
     """An engine vLLM quantized to FP8 while loading takes updates as the trainer's tensors
-    (bf16/fp16, quantized by the receiver), copied into vLLM's own storage at each swap: its
-    expert kernels hold the scale tensors themselves, and its float8 weights are views that a
-    rebind would not reproduce. One rank only: under tensor parallelism a rank's scale is taken
-    over its own shard by some vLLM versions and over every rank's by others, and no run has
-    shown which one the receiver matches."""
+    (bf16/fp16, quantized by the receiver into the shadow). Swapped in by copy_in (into vLLM's
+    own storage) or, under graph pairs, by rebinding its parameters to the other slot, which
+    holds the float8 bytes and the scales like any weight (their holders in vLLM's kernels hold
+    the parameters themselves). Not by the plain live arena's remap, which no run has shown. One
+    rank only: under tensor parallelism a rank's scale is taken over its own shard by some vLLM
+    versions and over every rank's by others, and no run has shown which one the receiver
+    matches. `fp8`: online_fp8_weights of the engine."""
+    graph_pairs = bool(getattr(live_arena, "shadowsync_graph_pairs", False))
     if tensor_parallel_size > 1:
         raise InvalidArgumentError(
             f"init_weight_update_group: an FP8 engine (quantization=\"fp8\") with "
@@ -371,19 +375,28 @@ def check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel_si
         raise InvalidArgumentError(
             f"init_weight_update_group: lora_adapter={lora_adapter} with an FP8 engine "
             f"(quantization=\"fp8\"): not supported; serve the adapter from a bf16 engine")
-    if live_arena is not None:
+    if live_arena is not None and not graph_pairs:
         raise InvalidArgumentError(
             "init_weight_update_group: an FP8 engine (quantization=\"fp8\") with its weights "
-            "in a live arena or graph pairs ('shadowsync_live_arena' or "
-            "'shadowsync_graph_pairs'): not supported; start vLLM with weight_transfer_config="
-            "{'backend': 'shadowsync'}, which leaves FP8 weights in place, or without one "
-            "(updates are copied into vLLM's storage at each swap, CUDA graphs kept)")
-    if chosen not in (None, "copy_in"):
+            "in a live arena ('shadowsync_live_arena'): not supported (its remap has not been "
+            "shown with FP8 weights); start vLLM with weight_transfer_config={'backend': "
+            "'shadowsync'}, which chooses graph pairs or leaves FP8 weights in place")
+    padded = [(n, w) for n, w in (fp8 or {}).items() if w.padded_rows]
+    if graph_pairs and padded and chosen in (None, "rebind"):
+        name, w = padded[0]
+        raise InvalidArgumentError(
+            f"init_weight_update_group: FP8 weight '{name}' is held padded by vLLM's kernel "
+            f"({w.storage.shape[0] + w.padded_rows} rows for the {w.storage.shape[0]} loaded; "
+            f"{len(padded)} weight(s) so), which graph pairs cannot swap; start vLLM with "
+            f"weight_transfer_config={{'backend': 'shadowsync'}} (it then leaves the weights in "
+            f"place), or pass swap_strategy='copy_in'")
+    allowed = (None, "copy_in", "rebind") if graph_pairs else (None, "copy_in")
+    if chosen not in allowed:
         raise InvalidArgumentError(
             f"init_weight_update_group: swap_strategy {chosen!r} with an FP8 engine "
-            f"(quantization=\"fp8\"): its updates are copied into vLLM's storage at each swap "
-            f"(vLLM's FP8 kernels hold its weights and scales); leave swap_strategy unset or "
-            f"pass 'copy_in'")
+            f"(quantization=\"fp8\"): its updates are copied into vLLM's storage at each swap"
+            f"{', or rebound under graph pairs' if graph_pairs else ''}; leave swap_strategy "
+            f"unset or pass {' or '.join(repr(a) for a in allowed[1:])}")
 
 
 def check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> None:
@@ -401,8 +414,11 @@ def check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> Non
             f"group, or use swap_strategy='copy_in'")
     tensors = base[0].tensors
     for i, (have, want) in enumerate(zip(tensors, arena_tensors)):
-        same = (params[have.name] is live_arena.params[i] and have.dtype == want.dtype
-                and tuple(have.shape) == tuple(want.shape))
+        # The parameter itself, or (an FP8 weight) the bytes it is a transposed view of.
+        held = live_arena.params[i]
+        here = params[have.name] is held or (
+            param_data(params[have.name]).data_ptr() == param_data(held).data_ptr())
+        same = here and have.dtype == want.dtype and tuple(have.shape) == tuple(want.shape)
         if not same:
             raise InvalidArgumentError(
                 f"init_weight_update_group: the update's parameter {i} is {have.name!r} "

@@ -10,14 +10,17 @@ engine vLLM built, and says which and why (printed once per worker; ``memory_rep
 * **graph pairs** (graph_pairs.py): CUDA graphs on, vLLM's V2 or V1 GPU runner, no LoRA, no
   speculative decoder, no breakable graphs (V1: no micro-batching, no multimodal encoder's
   graphs). The weights sit in a remap arena whose two slots each get their own CUDA graphs; a
-  swap points the parameters at the other slot and switches graph sets.
-* **the live arena** (live_arena.py): CUDA graphs on where graph pairs are not possible. A swap
-  remaps the arena's live range onto the slot the update landed in.
+  swap points the parameters at the other slot and switches graph sets. With
+  ``quantization="fp8"`` too (one rank, no LoRA, no padded FP8 weight): the slots hold the
+  float8 bytes and the scales.
+* **the live arena** (live_arena.py): CUDA graphs on where graph pairs are not possible (bf16
+  engines). A swap remaps the arena's live range onto the slot the update landed in.
 * **in place**: the weights stay where vLLM loaded them. On vLLM CPU (host memory cannot be
-  remapped), with ``quantization="fp8"`` (updates are copied into vLLM's FP8 storage at the
-  swap) and with ``enforce_eager`` (the worker extension rebinds the parameters to the live
-  slot, which no captured graph holds on to); under CUDA graphs where no arena can be made, the
-  worker extension copies each update into vLLM's own storage (copy_in).
+  remapped), with ``quantization="fp8"`` where graph pairs are not possible (updates are copied
+  into vLLM's FP8 storage at the swap) and with ``enforce_eager`` (the worker extension rebinds
+  the parameters to the live slot, which no captured graph holds on to); under CUDA graphs where
+  no arena can be made, the worker extension copies each update into vLLM's own storage
+  (copy_in).
 
 The explicit backends "shadowsync_graph_pairs" and "shadowsync_live_arena" ask for one of the
 first two and are refused, naming why, where it cannot work.
@@ -332,14 +335,18 @@ def choose_placement(vllm_config, device, model) -> tuple[str, str]:
     if getattr(model_config, "enforce_eager", False):
         return "in place", ("vLLM runs eagerly (enforce_eager=True): a swap rebinds the "
                             "parameters to the new slot, which no captured CUDA graph holds on to")
-    if getattr(model_config, "quantization", None) == "fp8":
-        return "in place", ('vLLM quantizes the weights to FP8 while loading (quantization='
-                            '"fp8"): the receiver quantizes each update in the shadow and the '
-                            'swap copies it into vLLM\'s own storage (copy_in); graph pairs and '
-                            'the live arena do not hold FP8 weights')
     parallel = getattr(vllm_config, "parallel_config", None)
     ranks = (int(getattr(parallel, "tensor_parallel_size", 1) or 1)
              * int(getattr(parallel, "pipeline_parallel_size", 1) or 1))
+    fp8 = getattr(model_config, "quantization", None) == "fp8"
+    if fp8:
+        why_not = fp8_why_not_graph_pairs(
+            model, ranks, getattr(vllm_config, "lora_config", None) is not None)
+        if why_not is not None:
+            return "in place", (f'vLLM quantizes the weights to FP8 while loading (quantization='
+                                f'"fp8") and {why_not}: the receiver quantizes each update in the '
+                                f'shadow and the swap copies it into vLLM\'s own storage '
+                                f'(copy_in)')
     if ranks > 1:
         return "in place", (f"vLLM runs {ranks} ranks: under tensor or pipeline parallelism "
                             f"updates are shown copied into vLLM's own storage (copy_in); name "
@@ -351,8 +358,35 @@ def choose_placement(vllm_config, device, model) -> tuple[str, str]:
     runner = runner_loading(model, depth=12)
     why = why_unswitchable(runner) if runner is not None else (
         "vLLM's model runner was not found among the callers")
+    if why is not None and fp8:
+        return "in place", (f'vLLM quantizes the weights to FP8 while loading (quantization='
+                            f'"fp8") and graph pairs are not possible here ({why}); the live '
+                            f'arena has not been shown with FP8 weights: the swap copies each '
+                            f'update into vLLM\'s own storage (copy_in)')
     if why is not None:
         return "live arena", f"graph pairs are not possible here: {why}"
     return "graph pairs", ("CUDA graphs are on and vLLM's runner can switch graph sets: a swap "
-                           "rebinds the parameters and switches sets, nothing is copied or "
-                           "remapped")
+                           "rebinds the parameters (FP8 weights and scales included) and "
+                           "switches sets, nothing is copied or remapped")
+
+
+def fp8_why_not_graph_pairs(model, ranks: int, lora: bool) -> str | None:
+    """Why graph pairs cannot hold this FP8 engine's weights (then they stay in place), or
+    None. The set-up refuses FP8 with several ranks or LoRA anyway, naming why."""
+    from shadowsync.errors import LayoutMismatchError
+
+    from .online_fp8 import online_fp8_weights
+
+    if ranks > 1:
+        return f"runs {ranks} ranks (an FP8 engine takes updates on one rank)"
+    if lora:
+        return "serves LoRA adapters"
+    try:
+        weights = online_fp8_weights(model) if model is not None else {}
+    except LayoutMismatchError as error:  # init_weight_update_group refuses it, naming why
+        return f"its FP8 layers are not served ({error})"
+    padded = [n for n, w in weights.items() if w.padded_rows]
+    if padded:
+        return (f"vLLM's kernel holds {len(padded)} FP8 weight(s) padded (first '{padded[0]}'), "
+                f"which graph pairs cannot swap")
+    return None

@@ -100,10 +100,11 @@ def test_the_default_backend_copies_in_under_tensor_parallelism():
     assert placement == "live arena"  # one rank: the parallelism rule does not apply
 
 
-def test_the_default_backend_leaves_an_fp8_engines_weights_in_place():
-    """An engine vLLM quantizes to FP8 while loading is served by copy_in only (its set-up
-    refuses the live arena and graph pairs): backend "shadowsync" leaves its weights in place,
-    saying why, instead of placing them where the set-up would then refuse them."""
+def test_the_default_backend_leaves_an_fp8_engines_weights_in_place_without_graph_pairs():
+    """An engine vLLM quantizes to FP8 while loading is served by graph pairs or copy_in (its
+    set-up refuses the plain live arena): where graph pairs are not possible (no runner found
+    here), backend "shadowsync" leaves its weights in place, saying why, instead of placing them
+    where the set-up would then refuse them."""
     from types import SimpleNamespace
 
     from shadowsync.vllm.weight_transfer_backend import choose_placement

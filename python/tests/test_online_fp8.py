@@ -73,10 +73,10 @@ class QkvLinear(nn.Module):
 
     SHARDS = {"q": (0, Q), "k": (Q, KV), "v": (Q + KV, KV)}
 
-    def __init__(self, padded_in: int = H, scale_parts: int = 1):
+    def __init__(self, padded_in: int = H, scale_parts: int = 1, padded_out: int = Q + 2 * KV):
         super().__init__()
         self.quant_method = method("Fp8PerTensorOnlineLinearMethod")
-        rows = torch.zeros(Q + 2 * KV, padded_in, dtype=FP8)
+        rows = torch.zeros(padded_out, padded_in, dtype=FP8)
         self.weight = nn.Parameter(rows[:, :H].t(), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.ones(scale_parts), requires_grad=False)
         record(self, weight=meta((Q + 2 * KV, H), online_process_loader(self.load)))
@@ -247,23 +247,127 @@ def test_other_online_quantization_and_a_missing_record_are_refused():
 
 def test_an_fp8_engine_refuses_what_its_swap_cannot_do():
     """init_weight_update_group's checks for an FP8 engine, each named: no specs (the trainer's
-    own tensors are needed), a LoRA adapter, a live arena, a swap strategy other than copy_in,
-    tensor parallelism. Nothing else passes; copy_in (or none chosen) on one rank does."""
+    own tensors are needed), a LoRA adapter, the plain live arena, a swap strategy other than
+    copy_in (or rebind under graph pairs), tensor parallelism, a weight vLLM holds padded under
+    graph pairs. Nothing else passes; copy_in (or none chosen) on one rank does, and graph
+    pairs with rebind."""
     from shadowsync.vllm.set_up import check_fp8_engine
 
+    live_arena = types.SimpleNamespace(shadowsync_graph_pairs=False)
+    graph_pairs = types.SimpleNamespace(shadowsync_graph_pairs=True)
+    padded = online_fp8_weights(Model(qkv=QkvLinear(padded_out=Q + 2 * KV + 16)))
     cases = [
         ((None, None, None, None), r"pass specs \(the trainer's tensors"),
         ((SPECS, 1, None, None), r"lora_adapter=1 with an FP8 engine"),
-        ((SPECS, None, None, object()),
-         r"in a live arena or graph pairs .*leaves FP8 weights in place"),
+        ((SPECS, None, None, live_arena),
+         r"in a live arena \('shadowsync_live_arena'\): not supported .*'backend': 'shadowsync'"),
         ((SPECS, None, "rebind", None), r"swap_strategy 'rebind' with an FP8 engine"),
+        ((SPECS, None, "remap", graph_pairs),
+         r"swap_strategy 'remap' with an FP8 engine .*pass 'copy_in' or 'rebind'"),
         ((SPECS, None, None, None, 2), r"tensor_parallel_size 2: not supported yet"),
+        ((SPECS, None, None, graph_pairs, 1, padded),
+         r"FP8 weight 'qkv.weight' is held padded by vLLM's kernel \(64 rows for the 48 "
+         r"loaded; 1 weight\(s\) so\), which graph pairs cannot swap"),
     ]
     for args, message in cases:
         with pytest.raises(ss.InvalidArgumentError, match=message):
             check_fp8_engine(*args)
     check_fp8_engine(SPECS, None, None, None)
     check_fp8_engine(SPECS, None, "copy_in", None, 1)
+    check_fp8_engine(SPECS, None, "rebind", graph_pairs, 1, online_fp8_weights(Model()))
+    check_fp8_engine(SPECS, None, "copy_in", graph_pairs, 1, padded)
+
+
+def test_the_default_backend_chooses_graph_pairs_for_an_fp8_engine_it_can_swap(monkeypatch):
+    """backend "shadowsync" with quantization="fp8": graph pairs where vLLM's runner can switch
+    graph sets and no FP8 weight is held padded; else in place (copy_in), saying why."""
+    from shadowsync.vllm import graph_pairs, vllm_worker
+    from shadowsync.vllm.weight_transfer_backend import choose_placement
+
+    def config(tp=1, lora=None):
+        return types.SimpleNamespace(
+            model_config=types.SimpleNamespace(enforce_eager=False, quantization="fp8"),
+            lora_config=lora, parallel_config=types.SimpleNamespace(
+                tensor_parallel_size=tp, pipeline_parallel_size=1))
+
+    cuda = types.SimpleNamespace(type="cuda")
+    monkeypatch.setattr(vllm_worker, "runner_loading", lambda model, depth=12: object())
+    monkeypatch.setattr(graph_pairs, "why_unswitchable", lambda runner: None)
+    placement, why = choose_placement(config(), cuda, Model())
+    assert placement == "graph pairs" and "FP8 weights and scales included" in why
+    padded = Model(qkv=QkvLinear(padded_out=Q + 2 * KV + 16))
+    placement, why = choose_placement(config(), cuda, padded)
+    assert placement == "in place", why
+    assert "holds 1 FP8 weight(s) padded (first 'qkv.weight')" in why and "copy_in" in why
+    placement, why = choose_placement(config(tp=2), cuda, Model())
+    assert placement == "in place" and "runs 2 ranks" in why
+    placement, why = choose_placement(config(lora=object()), cuda, Model())
+    assert placement == "in place" and "serves LoRA adapters" in why
+    monkeypatch.setattr(graph_pairs, "why_unswitchable", lambda runner: "a reason")
+    placement, why = choose_placement(config(), cuda, Model())
+    assert placement == "in place" and "graph pairs are not possible here (a reason)" in why
+
+
+def test_graph_pairs_hold_the_float8_rows_and_scales_where_the_receive_writes_them():
+    """Under graph pairs the arena holds every parameter in the model's order, an FP8 weight as
+    its row-major float8 bytes (the parameter stays their transpose): the receive plan's engine
+    layout is the arena's, place for place, and the set-up's check that it fits passes. A receive
+    into that layout quantizes into the float8 rows, which the transposed parameter then reads."""
+    from shadowsync.vllm.live_arena import arena_layout, arena_views
+    from shadowsync.vllm.set_up import check_fits_live_arena
+
+    model = Model()
+    params = dict(model.named_parameters())
+    layout, transposed = arena_layout(params)
+    assert [(t.name, tuple(t.shape)) for t in layout.groups[0].tensors] == [
+        ("norm", (H,)), ("qkv.weight", (Q + 2 * KV, H)), ("qkv.weight_scale", (1,)),
+        ("experts.w13_weight", (E, 2 * I, H)), ("experts.w2_weight", (E, H, I)),
+        ("experts.w13_weight_scale", (E,)), ("experts.w2_weight_scale", (E,))]
+    assert transposed == [False, True] + [False] * 5
+    # The arena's bytes (host memory here), the parameters pointed at them as the move does.
+    raw = torch.zeros(layout.groups[0].arena_bytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for param, view in zip(params.values(), arena_views(raw, layout, params.values(),
+                                                            transposed)):
+            view.copy_(param.data)
+            param.data = view
+    assert model.qkv.weight.shape == (H, Q + 2 * KV) and not model.qkv.weight.is_contiguous()
+    arena = types.SimpleNamespace(layout=layout, params=list(params.values()),
+                                  shadowsync_graph_pairs=True)
+
+    engine, plan, planned = receive_plan(model, SPECS, 1024, False, live_arena=arena,
+                                         fp8=online_fp8_weights(model))
+    assert [t.name for t in engine.specs] == [t.name for t in layout.groups[0].tensors]
+    check_fits_live_arena(engine.groups, planned, arena)
+    assert [t.offset for t in engine.groups[0].tensors] == [
+        t.offset for t in layout.groups[0].tensors]
+
+    loopback = ss.Loopback(2)
+    receiver = ss.Receiver(engine, ss.HostBackend(), loopback.transport(1),
+                           ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000)),
+                           plan=plan)
+    sender = ss.Sender(plan.wire, ss.HostBackend(), loopback.transport(0))
+    try:
+        gen = torch.Generator().manual_seed(5)
+        wire = {n: (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+                for n, shape in WIRE}
+        handle = sender.publish(1, wire)
+        receiver.begin_update(handle.header_bytes)
+        receiver.wait_applied(1, DEADLINE_S)
+        handle.wait(DEADLINE_S)
+        # The slot's bytes, place for place (what a swap to that slot makes the model read).
+        for t, param in zip(layout.groups[0].tensors, params.values()):
+            words = {1: np.uint8, 2: np.uint16, 4: np.uint32}[param.element_size()]
+            raw[t.offset:t.offset + t.bytes] = torch.from_numpy(
+                receiver.live_array(t.name, words).reshape(-1).view(np.uint8).copy())
+    finally:
+        sender.close()
+        receiver.close()
+    want, scales = vllm_quantize(torch.cat([wire[f"{p}_proj.weight"] for p in "qkv"]), 1)
+    np.testing.assert_array_equal(model.qkv.weight.view(torch.uint8).t().contiguous()
+                                  .reshape(-1).numpy(), want)
+    np.testing.assert_array_equal(model.qkv.weight_scale.numpy().view(np.uint32),
+                                  scales.view(np.uint32))
 
 
 def test_the_kv_cache_methods_scales_pass_and_nothing_else_it_does():

@@ -205,8 +205,11 @@ def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
     (["--device", "cpu", "--quantization", "fp8"],
      "--quantization fp8 with --device cpu: vLLM's FP8 kernels run on CUDA only"),
     (["--quantization", "fp8", "--live-arena"],
-     "--quantization fp8 with --live-arena: shadowsync swaps an FP8 engine's updates in by "
-     "copy_in only"),
+     "--quantization fp8 with --live-arena: the live arena's remap has not been shown with FP8 "
+     "weights; use --graph-pairs"),
+    (["--quantization", "fp8", "--swap-strategy", "remap"],
+     "--quantization fp8 with --swap-strategy remap: shadowsync swaps an FP8 engine's updates "
+     "in by copy_in, or by rebind under --graph-pairs"),
     (["--layers", "0"], "--layers 0: a model has at least 1 decoder layer"),
     (["--paths", "vllm", "--trainer-ranks", "2"],
      "the sharded trainers run after the shadowsync path, on its engine; add shadowsync"),
