@@ -7,7 +7,8 @@
 
 namespace shadowsync {
 
-void Backend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream) {
+void Backend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream,
+                                 CopyHint /*hint*/) {
   for (const CopyRegion& c : copies) memcpy_async(c.dst, c.src, c.bytes, stream);
 }
 
