@@ -78,15 +78,6 @@ enum class StreamPriority {
   kLow,  // the receiver's stream: weight transfers yield to the engine's decode kernels
 };
 
-// What a batch of copies (Backend::memcpy_batch_async) is for, as a hint to the backend.
-enum class CopyHint {
-  kFast,  // something waits for the copies (a copy_in swap stops the engine): as fast as they go
-  // Copies made while the engine computes on the same GPU (an engine rank pulling its routes):
-  // on CUDA, cudaMemcpyFlagPreferOverlapWithCompute (copy engines rather than SMs, where the
-  // driver can). A hint: a backend may ignore it, and the bytes land the same.
-  kBesideCompute,
-};
-
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -110,17 +101,14 @@ class Backend {
                                std::size_t src_pitch, std::size_t row_bytes, std::size_t rows,
                                Stream& stream) = 0;
   // Several independent copies, in stream order as a whole (the copies among themselves in any
-  // order): a copy_in swap into the engine's own tensors, an engine rank's contiguous routes
-  // (`hint` kBesideCompute). The default enqueues one memcpy_async each and ignores `hint`; CUDA
-  // makes it one cudaMemcpyBatchAsync call (one host call for hundreds of tensors). An override
-  // keeps the default argument.
+  // order): a copy_in swap into the engine's own tensors. The default enqueues one memcpy_async
+  // each; CUDA makes it one cudaMemcpyBatchAsync call (one host call for hundreds of tensors).
   struct CopyRegion {
     void* dst = nullptr;
     const void* src = nullptr;
     std::size_t bytes = 0;
   };
-  virtual void memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream,
-                                  CopyHint hint = CopyHint::kFast);
+  virtual void memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream);
   virtual void event_record(Event& event, Stream& stream) = 0;
   virtual void stream_wait_event(Stream& stream, Event& event) = 0;
 

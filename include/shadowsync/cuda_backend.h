@@ -70,11 +70,7 @@ class CudaBackend final : public Backend {
 
   // cudaMemcpyAsync with cudaMemcpyDefault (unified addressing works out the direction).
   void memcpy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override;
-  // cudaMemcpyBatchAsync, sources read in stream order; kBesideCompute adds
-  // cudaMemcpyFlagPreferOverlapWithCompute. On a legacy default stream (which the batch call
-  // refuses) one memcpy_async each, without the hint.
-  void memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream,
-                          CopyHint hint = CopyHint::kFast) override;
+  void memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream) override;
   void memcpy_2d_async(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                        std::size_t row_bytes, std::size_t rows, Stream& stream) override;
   // The event and the stream must belong to the same device (a CUDA rule).

@@ -7,8 +7,7 @@
 
 namespace shadowsync {
 
-void Backend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream,
-                                 CopyHint /*hint*/) {
+void Backend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream) {
   for (const CopyRegion& c : copies) memcpy_async(c.dst, c.src, c.bytes, stream);
 }
 

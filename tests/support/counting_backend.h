@@ -28,11 +28,6 @@ class CountingBackend : public Backend {
   std::atomic<int> calls{0};
   std::atomic<std::uint64_t> copy_calls{0};
   std::atomic<std::uint64_t> copy_bytes{0};
-  // Which call enqueued the copies: memcpy_batch_async calls (and those with
-  // CopyHint::kBesideCompute), memcpy_2d_async calls, empty ones included.
-  std::atomic<int> batch_calls{0};
-  std::atomic<int> beside_compute_batches{0};
-  std::atomic<int> calls_2d{0};
 
   HostBackend& inner() { return inner_; }
 
@@ -51,12 +46,9 @@ class CountingBackend : public Backend {
     copy_calls.fetch_add(1);
     copy_bytes.fetch_add(n);
   }
-  void memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& st,
-                          CopyHint hint = CopyHint::kFast) override {
+  void memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& st) override {
     ++calls;
-    ++batch_calls;
-    if (hint == CopyHint::kBesideCompute) ++beside_compute_batches;
-    inner_.memcpy_batch_async(copies, st, hint);
+    inner_.memcpy_batch_async(copies, st);
     for (const CopyRegion& c : copies) {
       if (c.bytes == 0) continue;
       copy_calls.fetch_add(1);
@@ -66,7 +58,6 @@ class CountingBackend : public Backend {
   void memcpy_2d_async(void* d, std::size_t dp, const void* s, std::size_t sp, std::size_t w,
                        std::size_t rows, Stream& st) override {
     ++calls;
-    ++calls_2d;
     inner_.memcpy_2d_async(d, dp, s, sp, w, rows, st);
     if (w == 0 || rows == 0) return;
     copy_calls.fetch_add(1);

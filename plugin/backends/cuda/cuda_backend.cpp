@@ -225,8 +225,7 @@ void CudaBackend::memcpy_async(void* dst, const void* src, std::size_t bytes, St
                         static_cast<void*>(cuda_stream.handle()), device_);
 }
 
-void CudaBackend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream,
-                                     CopyHint hint) {
+void CudaBackend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stream& stream) {
   CudaStream& cuda_stream = cuda_stream_or_throw(stream, "memcpy_batch_async");
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -244,30 +243,22 @@ void CudaBackend::memcpy_batch_async(const std::vector<CopyRegion>& copies, Stre
   if (is_special_stream(handle)) {
     // cudaMemcpyBatchAsync refuses the default streams (cudaErrorInvalidValue), which is
     // where an engine that never made a stream of its own (torch's default) runs: one copy each.
-    Backend::memcpy_batch_async(copies, stream, hint);
+    Backend::memcpy_batch_async(copies, stream);
     return;
   }
-  // One attribute for every copy: sources are read in stream order (the shadow, which the receive
-  // wrote on another stream the engine stream already waited for; a trainer rank's slot or
-  // shards, whose doorbell came before the copies were enqueued). The location hints matter only
-  // for managed or pageable memory (CUDA ignores them for other pointers).
+  // One attribute for every copy: sources are read in stream order (they are the shadow, which
+  // the receive wrote on another stream the engine stream already waited for).
   cudaMemcpyAttributes attributes{};
   attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attributes.srcLocHint.type = cudaMemLocationTypeDevice;
   attributes.srcLocHint.id = device_;
   attributes.dstLocHint.type = cudaMemLocationTypeDevice;
   attributes.dstLocHint.id = device_;
-#if CUDART_VERSION >= 12080
-  // Copy engines rather than SMs where the driver can: the engine's kernels keep the SMs.
-  if (hint == CopyHint::kBesideCompute) attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-#else
-  (void)hint;
-#endif
   std::size_t first_index = 0;
   SHADOWSYNC_CUDA_CHECK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
                                              &attributes, &first_index, 1, handle),
-                        "{} copies, first dst={} src={} bytes={}, flags={}, device={}", dsts.size(),
-                        dsts.front(), srcs.front(), sizes.front(), attributes.flags, device_);
+                        "{} copies, first dst={} src={} bytes={}, device={}", dsts.size(),
+                        dsts.front(), srcs.front(), sizes.front(), device_);
 }
 
 void CudaBackend::memcpy_2d_async(void* dst, std::size_t dst_pitch, const void* src,

@@ -15,7 +15,6 @@
 #include "transports/same_host/same_host_dial.h"
 #include "transports/same_host/same_host_frame.h"
 #include "transports/same_host/same_host_memory_file.h"
-#include "transports/same_host/same_host_pull_copies.h"
 #include "transports/same_host/same_host_pull_device.h"
 #include "transports/same_host/same_host_pull_state.h"
 #include "transports/same_host/same_host_pull_transport.h"
@@ -278,14 +277,6 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
                             "routing plan has {} trainer ranks (one path per rank, in rank order)",
                             engine_rank, trainer_paths.size(), plan->trainer_count()));
   }
-  // Read once, before any trainer rank is dialled: a mistyped mode is refused at once.
-  same_host::PullCopies pull_copies = same_host::PullCopies::kBesideCompute;
-  try {
-    pull_copies = same_host::pull_copies_from_environment();
-  } catch (const Error& e) {
-    throw Error(e.code(),
-                fmt::format("same-host pull connect as engine rank {}: {}", engine_rank, e.what()));
-  }
   for (const std::string& path : trainer_paths) {
     same_host::check_private_directory(same_host::socket_directory(path), /*create=*/true);
   }
@@ -293,7 +284,6 @@ std::unique_ptr<SameHostPullTransport> SameHostPullTransport::connect_engine_ran
   state->plan = plan;
   state->engine_rank = engine_rank;
   state->replica = replica;
-  state->pull_copies = pull_copies;
   state->paths = trainer_paths;
   state->wake = same_host::make_wake();
   const auto connect_deadline = Clock::now() + config.connect_timeout;

@@ -20,7 +20,6 @@
 
 #include "core/in_place_copies.h"
 #include "transports/same_host/same_host_conversation.h"
-#include "transports/same_host/same_host_pull_copies.h"
 #include "transports/same_host/same_host_pull_device.h"
 #include "transports/same_host/same_host_pull_transport.h"
 
@@ -84,9 +83,6 @@ struct SameHostPullTransport::State : same_host::Conversation {
   std::chrono::milliseconds peer_timeout{0};
   std::unique_ptr<Event> passed;   // recorded on the caller's stream, waited on by its thread
   std::optional<Unacked> unacked;  // trainer rank: the caller's thread only
-  // Engine rank: how gated_receive enqueues its copies (SHADOWSYNC_PULL_COPIES, read once when
-  // it connects).
-  same_host::PullCopies pull_copies = same_host::PullCopies::kBesideCompute;
 
   // The records a stream task (or a device-flavour caller) waits for from every peer, while it
   // waits: the doorbells of a bucket on an engine rank, its acks on a trainer rank. Under mutex;

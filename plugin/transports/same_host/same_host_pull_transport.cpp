@@ -18,7 +18,6 @@
 #include "core/type_name.h"
 #include "shadowsync/error.h"
 #include "transports/same_host/same_host_frame.h"
-#include "transports/same_host/same_host_pull_copies.h"
 #include "transports/same_host/same_host_pull_state.h"
 
 namespace shadowsync {
@@ -435,9 +434,9 @@ void SameHostPullTransport::State::gated_receive(const RoutedBucket& bucket,
       return;
     }
   }
-  // Beside the engine's kernels on this GPU: contiguous copies as one batch that prefers the copy
-  // engines, unless SHADOWSYNC_PULL_COPIES=plain (same_host_pull_copies.h).
-  same_host::enqueue_pull_copies(*backend, addressed, stream, pull_copies);
+  for (const AddressedCopy& a : addressed) {
+    backend->memcpy_2d_async(a.dst, a.dst_pitch, a.src, a.src_pitch, a.row_bytes, a.rows, stream);
+  }
   // Acked only once the copies landed: the trainer packs the slot again (or changes its shards)
   // after the ack.
   if (!await_stream(stream, bucket, "the copies")) return;
