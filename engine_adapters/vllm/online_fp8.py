@@ -16,9 +16,15 @@ quantizes each fused weight (per expert for MoE) into the shadow's float8 bytes 
 vLLM computes them (plugin/core/fp8_quantize.h), before the update is offered: the quantization
 is part of the receive, hidden behind decoding like the transfer.
 
+The swap: under graph pairs (live_arena.py) both slots hold the float8 bytes and the scales like
+any weight, and a swap rebinds the parameters; otherwise the float8 bytes and scales are copied
+into vLLM's storage (copy_in). A weight the kernel holds with rows of padding after it
+(``padded_rows``; the padding is not the receive's) keeps copy_in.
+
 Served: per-tensor online FP8 (``Fp8PerTensorOnlineLinearMethod``, ``Fp8PerTensorOnlineMoEMethod``
 with an expert kernel that keeps vLLM's layout). Refused, named: any other online quantization
-(per block, per channel, MXFP8, INT8), kernels that pad or shuffle the quantized weights.
+(per block, per channel, MXFP8, INT8), kernels that pad a weight's input dimension or shuffle
+the quantized weights.
 
 Thread: the set-up's (engine thread, before stepping). torch and vllm are imported inside the
 functions only."""

@@ -41,6 +41,11 @@ CHECKPOINT_NAMED = ("mixtral",)
 PADDED_MOE = "qwen3_moe_padded"
 PADDED_MOE_INTERMEDIATE = 48
 EXPERTS = 4
+# qwen3_moe with 16 experts: with quantization="fp8" on CUDA vLLM quantizes the router gate too,
+# and its kernel holds the 4 experts' gate with rows of padding after them, which graph pairs do
+# not swap (online_fp8.py); 16 experts' gate is held as loaded, so graph pairs hold the model.
+WIDE_MOE = "qwen3_moe_16"
+WIDE_MOE_EXPERTS = 16
 
 VOCAB_SIZE = 320  # 256 byte tokens + 3 specials + fillers
 HIDDEN = 128
@@ -86,9 +91,10 @@ def make_config(arch: str, vocab_size: int = VOCAB_SIZE):
     if arch == "phi3":
         return transformers.Phi3Config(**common, tie_word_embeddings=False,
                                        sliding_window=None)
-    if arch in ("qwen3_moe", PADDED_MOE):
-        experts_intermediate = INTERMEDIATE // 2 if arch == "qwen3_moe" else PADDED_MOE_INTERMEDIATE
-        return transformers.Qwen3MoeConfig(**common, head_dim=HEAD_DIM, num_experts=EXPERTS,
+    if arch in ("qwen3_moe", PADDED_MOE, WIDE_MOE):
+        experts_intermediate = PADDED_MOE_INTERMEDIATE if arch == PADDED_MOE else INTERMEDIATE // 2
+        experts = WIDE_MOE_EXPERTS if arch == WIDE_MOE else EXPERTS
+        return transformers.Qwen3MoeConfig(**common, head_dim=HEAD_DIM, num_experts=experts,
                                            num_experts_per_tok=2,
                                            moe_intermediate_size=experts_intermediate,
                                            decoder_sparse_step=1, tie_word_embeddings=False,
@@ -106,7 +112,7 @@ def make_config(arch: str, vocab_size: int = VOCAB_SIZE):
         return transformers.Gemma2Config(**common, head_dim=HEAD_DIM, tie_word_embeddings=True,
                                          sliding_window=MAX_POSITIONS)
     raise ValueError(f"make_config: unknown arch {arch!r}; known: "
-                     f"{', '.join(ARCHS + (PADDED_MOE,))}")
+                     f"{', '.join(ARCHS + (PADDED_MOE, WIDE_MOE))}")
 
 
 def make_tokenizer(vocab_size: int = VOCAB_SIZE):
