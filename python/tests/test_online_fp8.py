@@ -169,6 +169,21 @@ def test_discovery_describes_the_float8_bytes_in_the_as_loaded_layout():
     assert model.qkv.weight is quantized and model.experts.w2_weight.dtype == FP8
 
 
+def loopback_pair(engine, plan):
+    """A receiver of `engine` by `plan` and the sender of the plan's wire layout, over loopback."""
+    loopback = ss.Loopback(2)
+    receiver = ss.Receiver(engine, ss.HostBackend(), loopback.transport(1),
+                           ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000)),
+                           plan=plan)
+    return receiver, ss.Sender(plan.wire, ss.HostBackend(), loopback.transport(0))
+
+
+def random_wire(seed: int) -> dict:
+    """The trainer's bf16 tensors of WIRE, random."""
+    gen = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16) for n, shape in WIRE}
+
+
 def test_the_receive_quantizes_as_vllm_does_bit_for_bit():
     model = Model()
     engine, plan, params = receive_plan(model, SPECS, 1024, False, fp8=online_fp8_weights(model))
@@ -178,16 +193,10 @@ def test_the_receive_quantizes_as_vllm_does_bit_for_bit():
         "experts.w13_weight_scale", "experts.w2_weight", "experts.w2_weight_scale"]
     assert [(q.engine, q.parts) for q in plan.quantized] == [
         ("qkv.weight", 1), ("experts.w13_weight", E), ("experts.w2_weight", E)]
-    loopback = ss.Loopback(2)
-    receiver = ss.Receiver(engine, ss.HostBackend(), loopback.transport(1),
-                           ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000)),
-                           plan=plan)
-    sender = ss.Sender(plan.wire, ss.HostBackend(), loopback.transport(0))
+    receiver, sender = loopback_pair(engine, plan)
     try:
         for version in (1, 2):
-            gen = torch.Generator().manual_seed(version)
-            wire = {n: (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
-                    for n, shape in WIRE}
+            wire = random_wire(version)
             wire["experts.2.up_proj.weight"] *= 7  # expert 2's scale stands apart
             handle = sender.publish(version, wire)
             receiver.begin_update(handle.header_bytes)
@@ -342,15 +351,9 @@ def test_graph_pairs_hold_the_float8_rows_and_scales_where_the_receive_writes_th
     assert [t.offset for t in engine.groups[0].tensors] == [
         t.offset for t in layout.groups[0].tensors]
 
-    loopback = ss.Loopback(2)
-    receiver = ss.Receiver(engine, ss.HostBackend(), loopback.transport(1),
-                           ss.ReceiverConfig(update_deadline_ms=int(DEADLINE_S * 1000)),
-                           plan=plan)
-    sender = ss.Sender(plan.wire, ss.HostBackend(), loopback.transport(0))
+    receiver, sender = loopback_pair(engine, plan)
     try:
-        gen = torch.Generator().manual_seed(5)
-        wire = {n: (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
-                for n, shape in WIRE}
+        wire = random_wire(5)
         handle = sender.publish(1, wire)
         receiver.begin_update(handle.header_bytes)
         receiver.wait_applied(1, DEADLINE_S)
