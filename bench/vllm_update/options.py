@@ -81,7 +81,8 @@ def quantization_error(args, paths: list[str]) -> str | None:
                 f"chooses graph pairs, or copy_in where they are not possible)")
     if args.swap_strategy not in (None, "copy_in"):
         return (f"--quantization {q} with --swap-strategy {args.swap_strategy}: shadowsync "
-                f"swaps an FP8 engine's updates in by copy_in, or by rebind under --graph-pairs; "
+                f"swaps an FP8 engine's updates in by copy_in, or with --graph-pairs or "
+                f"--backend shadowsync by graph pairs' rebind, which they choose themselves; "
                 f"leave --swap-strategy out or pass copy_in")
     return None
 

@@ -157,18 +157,22 @@ def arena_layout(params: dict) -> tuple[Layout, list[bool]]:
     group of each parameter's bytes as they lie, and for each whether the parameter is the
     transpose of them. vLLM's CUDA FP8 linear layers (quantization="fp8") hold their weight as
     the [in, out] transposed view of row-major [out, in] float8 bytes: the arena holds the rows,
-    the parameter goes on being their transpose. Refuses (naming it) a parameter that is empty or
-    whose bytes are neither contiguous nor such a transpose."""
+    the parameter goes on being their transpose. A one-element parameter may have no dimensions
+    (a scale). Refuses (naming it) a parameter that is empty or whose bytes are neither contiguous
+    nor such a float8 transpose."""
     specs, transposed = [], []
     for name, param in params.items():
         data = param.data
-        turned = data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous()
+        turned = (data.dim() == 2 and "float8" in str(data.dtype) and not data.is_contiguous()
+                  and data.t().is_contiguous())
         d = describe(name, data.t() if turned else data)
         if not d.contiguous or 0 in d.shape:
             raise InvalidArgumentError(
-                f"the live arena (weight-transfer backend 'shadowsync'): parameter '{name}' "
-                f"(shape {list(d.shape)}, strides {list(d.strides)}) is not a non-empty "
-                f"contiguous tensor, nor the transpose of one")
+                f"a remap arena for the live arena or graph pairs: parameter '{name}' ({d.dtype}, "
+                f"shape {list(d.shape)}, strides {list(d.strides)}) is not a non-empty contiguous "
+                f"tensor, nor the transpose of float8 bytes; start vLLM without a shadowsync "
+                f"weight-transfer backend (the worker extension then copies each update into "
+                f"vLLM's own storage)")
         specs.append(TensorSpec(name, d.dtype, d.shape, BASE_GROUP))
         transposed.append(turned)
     return Layout(specs), transposed

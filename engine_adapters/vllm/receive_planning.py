@@ -146,12 +146,17 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
                    key=lambda n: order[group_of[n]])  # stable: model order
     params = {n: engine_params[n] for n in names}
     # A weight vLLM keeps quantized: the copies write its float8 bytes (in the layout as
-    # loaded), the receiver quantizes them, and its scale follows it in the layout.
-    quantized = [PlanQuantization(n, fp8[n].scale_name, fp8[n].parts) for n in names if n in fp8]
-    for q in quantized:
-        params[q.engine] = fp8[q.engine].storage
-        params[q.scale] = fp8[q.engine].scale
-        group_of[q.scale] = group_of[q.engine]
+    # loaded), the receiver quantizes them, and its scale follows it in the layout. One the
+    # trainer does not send (kept) keeps its float8 bytes and its scale as they are.
+    unsent = set(kept)
+    quantized = [PlanQuantization(n, fp8[n].scale_name, fp8[n].parts)
+                 for n in names if n in fp8 and n not in unsent]
+    for n in (n for n in names if n in fp8):
+        params[n] = fp8[n].storage
+        params[fp8[n].scale_name] = fp8[n].scale
+        group_of[fp8[n].scale_name] = group_of[n]
+        if n in unsent:
+            kept.append(fp8[n].scale_name)
     names = [m for n in names for m in ((n, fp8[n].scale_name) if n in fp8 else (n,))]
     if live_arena is not None and fp8:
         # The arena holds them in the model's order, scales where the model has them: the

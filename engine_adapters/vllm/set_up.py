@@ -424,12 +424,12 @@ def check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> Non
                 f"init_weight_update_group: the update's parameter {i} is {have.name!r} "
                 f"({have.dtype}, {list(have.shape)}), but the live arena holds {want.name!r} "
                 f"({want.dtype}, {list(want.shape)}) there: the trainer's tensors must write "
-                f"every parameter of the model, in the model's order, to swap by remap; or use "
-                f"swap_strategy='copy_in'")
+                f"every parameter of the model, in the model's order, to swap the arena (remap, "
+                f"or rebind under graph pairs); or use swap_strategy='copy_in'")
     if len(tensors) != len(arena_tensors):
         raise InvalidArgumentError(
             f"init_weight_update_group: the update writes {len(tensors)} parameters, the live "
-            f"arena holds {len(arena_tensors)}: to swap by remap the trainer's tensors must write "
+            f"arena holds {len(arena_tensors)}: to swap the arena the trainer's tensors must write "
             f"every parameter of the model, or, with a receive plan and allow_partial=True, the "
             f"ones they do not write are kept; or use swap_strategy='copy_in'")
 

@@ -384,7 +384,10 @@ def fp8_why_not_graph_pairs(model, ranks: int, lora: bool) -> str | None:
     try:
         weights = online_fp8_weights(model) if model is not None else {}
     except LayoutMismatchError as error:  # init_weight_update_group refuses it, naming why
-        return f"its FP8 layers are not served ({error})"
+        return f"its FP8 layers are not served ({str(error).removesuffix(' Nothing was set up')})"
+    if not weights:
+        return ("no layer was quantized while loading (a checkpoint already in FP8 is not "
+                "served; init_weight_update_group refuses it)")
     padded = [n for n, w in weights.items() if w.padded_rows]
     if padded:
         return (f"vLLM's kernel holds {len(padded)} FP8 weight(s) padded (first '{padded[0]}'), "

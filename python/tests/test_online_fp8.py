@@ -312,9 +312,52 @@ def test_the_default_backend_chooses_graph_pairs_for_an_fp8_engine_it_can_swap(m
     assert placement == "in place" and "runs 2 ranks" in why
     placement, why = choose_placement(config(lora=object()), cuda, Model())
     assert placement == "in place" and "serves LoRA adapters" in why
+    # quantization="fp8" on a checkpoint already in FP8: nothing quantized while loading.
+    placement, why = choose_placement(config(), cuda, nn.Linear(2, 2))
+    assert placement == "in place" and "no layer was quantized while loading" in why
     monkeypatch.setattr(graph_pairs, "why_unswitchable", lambda runner: "a reason")
     placement, why = choose_placement(config(), cuda, Model())
     assert placement == "in place" and "graph pairs are not possible here (a reason)" in why
+
+
+def in_arena(model):
+    """`model`'s parameters moved into an arena of host memory as the live arena moves them:
+    (arena stand-in with its layout and parameters, its bytes, the transposed flags)."""
+    from shadowsync.vllm.live_arena import arena_layout, arena_views
+
+    params = dict(model.named_parameters())
+    layout, transposed = arena_layout(params)
+    raw = torch.zeros(layout.groups[0].arena_bytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for param, view in zip(params.values(), arena_views(raw, layout, params.values(),
+                                                            transposed)):
+            view.copy_(param.data)
+            param.data = view
+    arena = types.SimpleNamespace(layout=layout, params=list(params.values()),
+                                  shadowsync_graph_pairs=True)
+    return arena, raw, transposed
+
+
+def receive_into_arena(engine, plan, arena, raw, wire) -> None:
+    """One update of `wire` through `plan`, then its slot's bytes copied into the arena's bytes
+    place for place (what a swap to that slot makes the model read). The plan's kept tensors
+    are left as they are: the receiver fills them from the live slot, which this stand-in
+    receiver does not hold."""
+    receiver, sender = loopback_pair(engine, plan)
+    try:
+        handle = sender.publish(1, wire)
+        receiver.begin_update(handle.header_bytes)
+        receiver.wait_applied(1, DEADLINE_S)
+        handle.wait(DEADLINE_S)
+        for t, param in zip(arena.layout.groups[0].tensors, arena.params):
+            if t.name in plan.kept:
+                continue
+            words = {1: np.uint8, 2: np.uint16, 4: np.uint32}[param.element_size()]
+            raw[t.offset:t.offset + t.bytes] = torch.from_numpy(
+                receiver.live_array(t.name, words).reshape(-1).view(np.uint8).copy())
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_graph_pairs_hold_the_float8_rows_and_scales_where_the_receive_writes_them():
@@ -322,27 +365,17 @@ def test_graph_pairs_hold_the_float8_rows_and_scales_where_the_receive_writes_th
     its row-major float8 bytes (the parameter stays their transpose): the receive plan's engine
     layout is the arena's, place for place, and the set-up's check that it fits passes. A receive
     into that layout quantizes into the float8 rows, which the transposed parameter then reads."""
-    from shadowsync.vllm.live_arena import arena_layout, arena_views
     from shadowsync.vllm.set_up import check_fits_live_arena
 
     model = Model()
-    params = dict(model.named_parameters())
-    layout, transposed = arena_layout(params)
+    arena, raw, transposed = in_arena(model)
+    layout = arena.layout
     assert [(t.name, tuple(t.shape)) for t in layout.groups[0].tensors] == [
         ("norm", (H,)), ("qkv.weight", (Q + 2 * KV, H)), ("qkv.weight_scale", (1,)),
         ("experts.w13_weight", (E, 2 * I, H)), ("experts.w2_weight", (E, H, I)),
         ("experts.w13_weight_scale", (E,)), ("experts.w2_weight_scale", (E,))]
     assert transposed == [False, True] + [False] * 5
-    # The arena's bytes (host memory here), the parameters pointed at them as the move does.
-    raw = torch.zeros(layout.groups[0].arena_bytes, dtype=torch.uint8)
-    with torch.no_grad():
-        for param, view in zip(params.values(), arena_views(raw, layout, params.values(),
-                                                            transposed)):
-            view.copy_(param.data)
-            param.data = view
     assert model.qkv.weight.shape == (H, Q + 2 * KV) and not model.qkv.weight.is_contiguous()
-    arena = types.SimpleNamespace(layout=layout, params=list(params.values()),
-                                  shadowsync_graph_pairs=True)
 
     engine, plan, planned = receive_plan(model, SPECS, 1024, False, live_arena=arena,
                                          fp8=online_fp8_weights(model))
@@ -351,26 +384,61 @@ def test_graph_pairs_hold_the_float8_rows_and_scales_where_the_receive_writes_th
     assert [t.offset for t in engine.groups[0].tensors] == [
         t.offset for t in layout.groups[0].tensors]
 
-    receiver, sender = loopback_pair(engine, plan)
-    try:
-        wire = random_wire(5)
-        handle = sender.publish(1, wire)
-        receiver.begin_update(handle.header_bytes)
-        receiver.wait_applied(1, DEADLINE_S)
-        handle.wait(DEADLINE_S)
-        # The slot's bytes, place for place (what a swap to that slot makes the model read).
-        for t, param in zip(layout.groups[0].tensors, params.values()):
-            words = {1: np.uint8, 2: np.uint16, 4: np.uint32}[param.element_size()]
-            raw[t.offset:t.offset + t.bytes] = torch.from_numpy(
-                receiver.live_array(t.name, words).reshape(-1).view(np.uint8).copy())
-    finally:
-        sender.close()
-        receiver.close()
+    wire = random_wire(5)
+    receive_into_arena(engine, plan, arena, raw, wire)
     want, scales = vllm_quantize(torch.cat([wire[f"{p}_proj.weight"] for p in "qkv"]), 1)
     np.testing.assert_array_equal(model.qkv.weight.view(torch.uint8).t().contiguous()
                                   .reshape(-1).numpy(), want)
     np.testing.assert_array_equal(model.qkv.weight_scale.numpy().view(np.uint32),
                                   scales.view(np.uint32))
+
+
+def test_an_fp8_weight_the_trainer_does_not_send_is_kept_with_its_scale_under_graph_pairs():
+    """allow_partial under graph pairs: a quantized weight no trainer tensor writes is kept
+    (its float8 bytes and its scale, copied from the live slot), not quantized, and the receiver
+    takes the plan (it refuses a quantized tensor that is also kept); the rest is quantized."""
+    from shadowsync.vllm.set_up import check_fits_live_arena
+
+    model = Model()
+    with torch.no_grad():
+        model.qkv.weight.view(torch.uint8).fill_(0x11)
+        model.qkv.weight_scale.fill_(0.25)
+    arena, raw, _ = in_arena(model)
+    specs = [s for s in SPECS if not s.name.endswith(("q_proj.weight", "k_proj.weight",
+                                                      "v_proj.weight"))]
+    engine, plan, planned = receive_plan(model, specs, 1024, True, live_arena=arena,
+                                         fp8=online_fp8_weights(model))
+    assert [q.engine for q in plan.quantized] == ["experts.w13_weight", "experts.w2_weight"]
+    assert sorted(plan.kept) == ["qkv.weight", "qkv.weight_scale"]
+    check_fits_live_arena(engine.groups, planned, arena)
+
+    wire = {n: t for n, t in random_wire(6).items() if n in {s.name for s in specs}}
+    receive_into_arena(engine, plan, arena, raw, wire)
+    assert bool((model.qkv.weight.view(torch.uint8) == 0x11).all())
+    assert model.qkv.weight_scale.tolist() == [0.25]
+    want, scales = vllm_quantize(torch.stack(
+        [wire[f"experts.{e}.down_proj.weight"] for e in range(E)]), E)
+    np.testing.assert_array_equal(model.experts.w2_weight.view(torch.uint8).reshape(-1).numpy(),
+                                  want)
+    np.testing.assert_array_equal(model.experts.w2_weight_scale.numpy().view(np.uint32),
+                                  scales.view(np.uint32))
+
+
+def test_the_arena_refuses_a_transposed_parameter_that_is_not_float8():
+    """Only float8 weights are held as their rows; any other non-contiguous parameter is refused
+    before anything moves, naming it and what to do. A one-element scale with no dimensions is
+    held like any tensor."""
+    from shadowsync.vllm.live_arena import arena_layout
+
+    turned = nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16).t(), requires_grad=False)
+    with pytest.raises(ss.InvalidArgumentError,
+                       match=r"parameter 'w' \(bf16, shape \[8, 4\], strides \[1, 8\]\) is not a "
+                             r"non-empty contiguous tensor, nor the transpose of float8 bytes; "
+                             r"start vLLM without a shadowsync weight-transfer backend"):
+        arena_layout({"w": turned})
+    layout, transposed = arena_layout({"s": nn.Parameter(torch.tensor(0.5), requires_grad=False)})
+    assert [(t.name, tuple(t.shape), t.bytes) for t in layout.groups[0].tensors] == [("s", (), 4)]
+    assert transposed == [False]
 
 
 def test_the_kv_cache_methods_scales_pass_and_nothing_else_it_does():

@@ -209,7 +209,7 @@ def test_a_child_runs_its_own_path_not_the_parents_default_paths(monkeypatch):
      "weights; use --graph-pairs"),
     (["--quantization", "fp8", "--swap-strategy", "remap"],
      "--quantization fp8 with --swap-strategy remap: shadowsync swaps an FP8 engine's updates "
-     "in by copy_in, or by rebind under --graph-pairs"),
+     "in by copy_in, or with --graph-pairs or --backend shadowsync by graph pairs' rebind"),
     (["--layers", "0"], "--layers 0: a model has at least 1 decoder layer"),
     (["--paths", "vllm", "--trainer-ranks", "2"],
      "the sharded trainers run after the shadowsync path, on its engine; add shadowsync"),
