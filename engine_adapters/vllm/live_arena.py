@@ -212,7 +212,8 @@ def _move_into_arena(model) -> tuple[Layout, list[bool], RemapArena, int]:
     allocated_before = torch.cuda.memory_allocated(device)
     live = torch.as_tensor(CudaBytes(arena.live_address, group.arena_bytes), device=f"cuda:{device}")
     with torch.no_grad():
-        for param, view in zip(params.values(), arena_views(live, layout, params.values(), transposed)):
+        views = arena_views(live, layout, params.values(), transposed)
+        for param, view in zip(params.values(), views):
             view.copy_(param.data)
             param.data = view
     torch.cuda.synchronize(device)
