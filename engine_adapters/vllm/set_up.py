@@ -417,7 +417,7 @@ def check_fits_live_arena(base: list, params: dict[str, Any], live_arena) -> Non
         # The parameter itself, or (an FP8 weight) the bytes it is a transposed view of.
         held = live_arena.params[i]
         here = params[have.name] is held or (
-            param_data(params[have.name]).data_ptr() == param_data(held).data_ptr())
+            address(param_data(params[have.name])) == address(param_data(held)))
         same = here and have.dtype == want.dtype and tuple(have.shape) == tuple(want.shape)
         if not same:
             raise InvalidArgumentError(
