@@ -40,7 +40,7 @@ from shadowsync.layout import format_shape
 
 from .loader_trace import STAND_IN_FLAG
 
-__all__ = ["Fp8Weight", "as_loaded", "online_fp8_weights"]
+__all__ = ["Fp8Weight", "as_loaded", "online_fp8_weights", "padded"]
 
 LINEAR_METHOD = "Fp8PerTensorOnlineLinearMethod"
 MOE_METHOD = "Fp8PerTensorOnlineMoEMethod"
@@ -192,6 +192,12 @@ def online_fp8_weights(model) -> dict[str, Fp8Weight]:
                 layer=layer, attribute=attribute, as_loaded=metadata[attribute],
                 padded_rows=int(padded))
     return found
+
+
+def padded(weights: dict[str, Fp8Weight]) -> list[str]:
+    """The names of `weights` that vLLM's kernel holds with rows of padding after them (the
+    receive does not write those rows: graph pairs cannot hold such a weight)."""
+    return [name for name, w in weights.items() if w.padded_rows]
 
 
 @contextlib.contextmanager

@@ -158,9 +158,9 @@ def receive_plan(model, specs: list[TensorSpec], bucket_bytes: int, allow_partia
         if n in unsent:
             kept.append(fp8[n].scale_name)
     names = [m for n in names for m in ((n, fp8[n].scale_name) if n in fp8 else (n,))]
-    if live_arena is not None and fp8:
-        # The arena holds them in the model's order, scales where the model has them: the
-        # layout must be the arena's, place for place.
+    if live_arena is not None:
+        # The arena holds the parameters in the model's order (an FP8 scale where the model
+        # registers it, not after its weight): the layout must be the arena's, place for place.
         place = {id(p): i for i, p in enumerate(live_arena.params)}
         held = {n: fp8[n].parameter if n in fp8 else params[n] for n in names}
         names.sort(key=lambda n: place.get(id(held[n]), len(place)))

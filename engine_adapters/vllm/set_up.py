@@ -24,7 +24,7 @@ from shadowsync.transport import Transport, nccl_transport, same_host_transport
 from . import step_agreement, step_hook_site, tensor_parallel, trainer_ranks, vllm_worker
 from .init_info import ShadowsyncInitInfo
 from .lora_plan import is_lora_tensor
-from .online_fp8 import online_fp8_weights
+from .online_fp8 import online_fp8_weights, padded
 from .post_load_trace import check_post_load_transforms
 from .receive_planning import (check_specs, packed_in_place_plan, placement, receive_plan,
                                receive_plan_with_lora, receives_in_place, refuse_empty)
@@ -381,13 +381,14 @@ def check_fp8_engine(specs, lora_adapter, chosen, live_arena, tensor_parallel_si
             "in a live arena ('shadowsync_live_arena'): not supported (its remap has not been "
             "shown with FP8 weights); start vLLM with weight_transfer_config={'backend': "
             "'shadowsync'}, which chooses graph pairs or leaves FP8 weights in place")
-    padded = [(n, w) for n, w in (fp8 or {}).items() if w.padded_rows]
-    if graph_pairs and padded and chosen in (None, "rebind"):
-        name, w = padded[0]
+    held_padded = padded(fp8 or {})
+    if graph_pairs and held_padded and chosen in (None, "rebind"):
+        name = held_padded[0]
+        w = fp8[name]
         raise InvalidArgumentError(
             f"init_weight_update_group: FP8 weight '{name}' is held padded by vLLM's kernel "
             f"({w.storage.shape[0] + w.padded_rows} rows for the {w.storage.shape[0]} loaded; "
-            f"{len(padded)} weight(s) so), which graph pairs cannot swap; start vLLM with "
+            f"{len(held_padded)} weight(s) so), which graph pairs cannot swap; start vLLM with "
             f"weight_transfer_config={{'backend': 'shadowsync'}} (it then leaves the weights in "
             f"place), or pass swap_strategy='copy_in'")
     allowed = (None, "copy_in", "rebind") if graph_pairs else (None, "copy_in")

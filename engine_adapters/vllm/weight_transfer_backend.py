@@ -375,7 +375,7 @@ def fp8_why_not_graph_pairs(model, ranks: int, lora: bool) -> str | None:
     None. The set-up refuses FP8 with several ranks or LoRA anyway, naming why."""
     from shadowsync.errors import LayoutMismatchError
 
-    from .online_fp8 import online_fp8_weights
+    from .online_fp8 import online_fp8_weights, padded
 
     if ranks > 1:
         return f"runs {ranks} ranks (an FP8 engine takes updates on one rank)"
@@ -388,8 +388,8 @@ def fp8_why_not_graph_pairs(model, ranks: int, lora: bool) -> str | None:
     if not weights:
         return ("no layer was quantized while loading (a checkpoint already in FP8 is not "
                 "served; init_weight_update_group refuses it)")
-    padded = [n for n, w in weights.items() if w.padded_rows]
-    if padded:
-        return (f"vLLM's kernel holds {len(padded)} FP8 weight(s) padded (first '{padded[0]}'), "
-                f"which graph pairs cannot swap")
+    held_padded = padded(weights)
+    if held_padded:
+        return (f"vLLM's kernel holds {len(held_padded)} FP8 weight(s) padded (first "
+                f"'{held_padded[0]}'), which graph pairs cannot swap")
     return None
